@@ -1,0 +1,42 @@
+"""capeval-plugins: recent caption-evaluation metrics for evaluate, torchmetrics, pycocoevalcap and lm-eval.
+
+``load(name, **config)`` builds a registered metric; calling it scores a corpus::
+
+    import capeval_plugins
+    clip_s = capeval_plugins.load("clipscore", model="openai/clip-vit-base-patch32")
+    result = clip_s(images, candidates, references)   # MetricResult: .score, .scores, .extras
+
+Importing this package is cheap: it does not import evaluate, lm_eval, pycocoevalcap or Lightning.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["load", "list_metrics", "Metric", "MetricInfo", "MetricResult", "Batch", "StateSpec", "InputError"]
+
+
+def load(name: str, **config: Any):
+    """Build the registered metric ``name`` (``"clipscore"`` or ``"capeval/clipscore"``)."""
+    from capeval_plugins import registry
+
+    return registry.load(name, **config)
+
+
+def list_metrics():
+    """``MetricInfo`` of every registered metric, ours and third-party plugins'."""
+    from capeval_plugins import registry
+
+    return registry.list_metrics()
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Metric", "MetricInfo", "MetricResult", "Batch", "StateSpec"):
+        from capeval_plugins import contract
+
+        return getattr(contract, name)
+    if name == "InputError":
+        from capeval_plugins.inputs import InputError
+
+        return InputError
+    raise AttributeError(f"module 'capeval_plugins' has no attribute {name!r}")

@@ -1,0 +1,356 @@
+"""The metric contract: map -> reduce -> finalize.
+
+A metric is written once against this contract and every ecosystem adapter is generic over it:
+
+* ``map(batch)`` turns one validated :class:`Batch` into tensors: per-sample rows (``"cat"`` states) or
+  partial sums (``"sum"`` states), as declared by ``states()``;
+* the reduce step merges those tensors across batches and processes (``merge_states`` here; the torchmetrics
+  adapter does the same through ``add_state(dist_reduce_fx=...)``);
+* ``finalize(state)`` turns the merged state into a :class:`MetricResult`.
+
+The contract itself adds two ``"cat"`` states to every metric: the global sample index (so repeated samples
+are dropped and input order is restored whatever the batching or sharding) and the group id (for metrics that
+look at all candidates of one image).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+INDEX = "index"
+GROUP = "group"
+Usage = Literal["never", "optional", "always"]
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """How one state tensor merges: ``"cat"`` stacks per-sample rows of shape ``shape``; ``"sum"`` adds
+    tensors of shape ``shape`` (sufficient statistics, float64 for anything squared)."""
+
+    reduce: Literal["cat", "sum"]
+    dtype: torch.dtype = torch.float64
+    shape: tuple[int, ...] = ()
+
+    def empty(self, device: torch.device | str | None = None) -> Tensor:
+        if self.reduce == "cat":
+            return torch.zeros((0, *self.shape), dtype=self.dtype, device=device)
+        return torch.zeros(self.shape, dtype=self.dtype, device=device)
+
+
+@dataclass(frozen=True)
+class MetricInfo:
+    """What a metric is and what it needs; adapters build everything they show from this."""
+
+    name: str
+    display_name: str
+    description: str
+    citation: str
+    references: Usage = "optional"
+    images: Usage = "always"
+    video: bool = False
+    groups: bool = False
+    higher_is_better: bool = True
+    score_range: tuple[float, float] | None = None
+    paper: str = ""
+    paper_config: Mapping[str, Any] = field(default_factory=dict)
+    text_input: Literal["raw", "ptb"] = "raw"
+    codebase_urls: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier() or self.name != self.name.lower():
+            raise ValueError(f"metric name must be a lowercase identifier, got {self.name!r}")
+        for attr in ("references", "images"):
+            if getattr(self, attr) not in ("never", "optional", "always"):
+                raise ValueError(f"MetricInfo.{attr} must be 'never', 'optional' or 'always'")
+
+
+@dataclass
+class Batch:
+    """One validated batch. ``images`` holds each distinct image (or video: a list of frames) once and
+    ``image_index`` maps every sample to its row, so a metric encodes an image once for all its captions."""
+
+    candidates: list[str]
+    indices: Tensor
+    images: list[Any] | None = None
+    image_index: Tensor | None = None
+    references: list[list[str]] | None = None
+    group_ids: Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def sample_images(self) -> list[Any]:
+        """The image of every sample, in sample order (repeats share one object)."""
+        if self.images is None or self.image_index is None:
+            raise ValueError("this batch carries no images")
+        return [self.images[i] for i in self.image_index.tolist()]
+
+
+@dataclass
+class MetricResult:
+    """Corpus score, per-sample scores in input order, and named extras.
+
+    ``extras`` are per-sample (one value or row per sample, same order as ``scores``); ``corpus_extras`` are
+    corpus-level numbers. The two never share a key.
+    """
+
+    name: str
+    score: float
+    scores: Tensor
+    indices: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    corpus_extras: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.scores)
+        if len(self.indices) != n:
+            raise ValueError("indices and scores differ in length")
+        for key, value in self.extras.items():
+            if len(value) != n:
+                raise ValueError(f"extra {key!r} has {len(value)} rows for {n} samples")
+        clash = set(self.extras) & set(self.corpus_extras) | {self.name, "scores"} & (
+            set(self.extras) | set(self.corpus_extras)
+        )
+        if clash:
+            raise ValueError(f"result keys used twice: {sorted(clash)}")
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape scripts rely on: ``{name: corpus, "scores": [...], **extras, **corpus_extras}``."""
+        out: dict[str, Any] = {self.name: self.score, "scores": self.scores.tolist()}
+        out.update({k: v.tolist() for k, v in self.extras.items()})
+        out.update(self.corpus_extras)
+        return out
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One record per sample, in input order: ``index``, ``score`` and the per-sample extras."""
+        columns = {k: v.tolist() for k, v in self.extras.items()}
+        return [
+            {"index": int(i), "score": float(s), **{k: col[j] for k, col in columns.items()}}
+            for j, (i, s) in enumerate(zip(self.indices.tolist(), self.scores.tolist()))
+        ]
+
+
+@dataclass
+class MetricConfig:
+    """Options every metric shares. A metric's own ``Config`` subclasses this; its field defaults are the
+    paper's configuration."""
+
+    batch_size: int = 64
+
+
+@dataclass
+class ModelConfig(MetricConfig):
+    """Options of metrics that load a model through :mod:`capeval_plugins.core.loading`."""
+
+    model: str = ""
+    device: str | None = None
+    dtype: str | None = None
+    revision: str | None = None
+    local_files_only: bool | None = None
+    trust_remote_code: bool = False
+
+
+class Metric(abc.ABC):
+    """Base class of every metric. Subclasses set ``info`` and ``Config`` and implement ``states``,
+    ``map`` and ``finalize``. Instances are stateless (config and a shared backbone), so one instance may
+    serve several adapters at once; the accumulated state lives in the caller."""
+
+    info: ClassVar[MetricInfo]
+    Config: ClassVar[type[MetricConfig]] = MetricConfig
+
+    def __init__(self, **config: Any) -> None:
+        self.config = build_config(self.Config, config, self.info.name)
+
+    def __deepcopy__(self, memo: dict) -> "Metric":
+        # Stateless and possibly holding a large backbone: copies (torchmetrics clone(), deepcopy of a
+        # LightningModule) share it.
+        return self
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"
+
+    @abc.abstractmethod
+    def states(self) -> dict[str, StateSpec]:
+        """The state tensors ``map`` returns and how each merges."""
+
+    @abc.abstractmethod
+    def map(self, batch: Batch) -> dict[str, Tensor]:
+        """Per-sample rows or partial sums for one batch."""
+
+    @abc.abstractmethod
+    def finalize(self, state: dict[str, Tensor]) -> MetricResult:
+        """Merged state (rows sorted by sample index, repeats removed) -> result."""
+
+    def __call__(
+        self,
+        images: Sequence[Any] | None = None,
+        candidates: Sequence[str] | None = None,
+        references: Sequence[Any] | None = None,
+        *,
+        group_ids: Sequence[Any] | None = None,
+        progress: bool = False,
+    ) -> MetricResult:
+        """Score a whole corpus in this process: validate, batch (candidates of one image together), map,
+        merge, finalize."""
+        from capeval_plugins.inputs import iter_batches, prepare_samples
+
+        samples = prepare_samples(self.info, images, candidates, references, group_ids)
+        parts = [
+            map_batch(self, batch)
+            for batch in iter_batches(samples, self.config.batch_size, progress=progress, desc=self.info.name)
+        ]
+        return finalize_state(self, merge_states(full_spec(self), parts))
+
+
+def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name: str) -> MetricConfig:
+    """Instantiate a metric's Config, refusing unknown keys with the list of valid ones."""
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TypeError(f"{name}: unknown option(s) {unknown}; valid options: {sorted(known)}")
+    return config_cls(**values)
+
+
+def full_spec(metric: Metric) -> dict[str, StateSpec]:
+    """The metric's states plus the contract's own index and group rows."""
+    spec = dict(metric.states())
+    for reserved in (INDEX, GROUP):
+        if reserved in spec:
+            raise ValueError(f"{metric.info.name}: state name {reserved!r} is reserved")
+    spec[INDEX] = StateSpec("cat", torch.int64)
+    spec[GROUP] = StateSpec("cat", torch.int64)
+    return spec
+
+
+def map_batch(metric: Metric, batch: Batch) -> dict[str, Tensor]:
+    """Run ``metric.map`` and check what it returned against its declared states, so a metric that drops
+    or reorders a sample fails here instead of silently misaligning scores."""
+    spec = metric.states()
+    out = metric.map(batch)
+    if set(out) != set(spec):
+        raise RuntimeError(f"{metric.info.name}.map returned {sorted(out)}, declared {sorted(spec)}")
+    n = len(batch)
+    checked: dict[str, Tensor] = {}
+    for key, value in out.items():
+        want = spec[key]
+        expected = (n, *want.shape) if want.reduce == "cat" else want.shape
+        if tuple(value.shape) != tuple(expected):
+            raise RuntimeError(f"{metric.info.name}.map: state {key!r} has shape {tuple(value.shape)}, expected {expected}")
+        checked[key] = value.detach().to(want.dtype)
+    checked[INDEX] = batch.indices.to(torch.int64)
+    groups = batch.group_ids if batch.group_ids is not None else torch.full((n,), -1, dtype=torch.int64)
+    checked[GROUP] = groups.to(torch.int64)
+    return checked
+
+
+def merge_states(spec: Mapping[str, StateSpec], parts: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The reduce step: concatenate ``"cat"`` rows, add ``"sum"`` statistics."""
+    merged: dict[str, Tensor] = {}
+    for key, want in spec.items():
+        values = [p[key] for p in parts]
+        if not values:
+            merged[key] = want.empty()
+        elif want.reduce == "cat":
+            merged[key] = torch.cat([v.reshape(-1, *want.shape) for v in values], dim=0)
+        else:
+            merged[key] = torch.stack(list(values)).sum(dim=0)
+    return merged
+
+
+def canonical_state(spec: Mapping[str, StateSpec], state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], int]:
+    """Sort ``"cat"`` rows by sample index and drop repeated indices (keeping the first).
+
+    Returns the state and the number of dropped repeats. ``"sum"`` states cannot be de-duplicated; a caller
+    that dropped repeats warns when the metric has any.
+    """
+    index = state[INDEX].reshape(-1)
+    order = torch.argsort(index, stable=True)
+    sorted_index = index[order]
+    keep = torch.ones_like(sorted_index, dtype=torch.bool)
+    keep[1:] = sorted_index[1:] != sorted_index[:-1]
+    rows = order[keep]
+    out = {}
+    for key, want in spec.items():
+        value = state[key]
+        out[key] = value.reshape(-1, *want.shape)[rows.to(value.device)] if want.reduce == "cat" else value
+    return out, int((~keep).sum())
+
+
+def finalize_state(metric: Metric, state: Mapping[str, Tensor]) -> MetricResult:
+    spec = full_spec(metric)
+    ordered, repeats = canonical_state(spec, state)
+    if repeats and any(s.reduce == "sum" for s in metric.states().values()):
+        warnings.warn(
+            f"{metric.info.name}: {repeats} repeated sample index(es) were dropped from per-sample rows, but "
+            "this metric also keeps summed statistics that still include them (use a sampler that does "
+            "not repeat samples, e.g. drop_last or an even split)",
+            stacklevel=2,
+        )
+    return metric.finalize(ordered)
+
+
+class PointwiseMetric(Metric):
+    """A metric whose score is a per-sample number and whose corpus score is the mean.
+
+    Subclasses name their per-sample ``extra_names`` and implement ``score`` returning
+    ``{"score": (B,), <extra>: (B, ...), ...}``. Samples whose score is NaN (an explicit per-sample policy,
+    e.g. an LVLM that wrote no number) are left out of the mean and counted in ``n_invalid``.
+    ``optional_extras`` may be NaN where an input was not given (e.g. a reference-based extra without
+    references) and are dropped when NaN for every sample; ``mean_extras`` also get their corpus mean as
+    ``mean_<name>``."""
+
+    extra_names: ClassVar[tuple[str, ...]] = ()
+    extra_shapes: ClassVar[Mapping[str, tuple[int, ...]]] = {}
+    optional_extras: ClassVar[tuple[str, ...]] = ()
+    mean_extras: ClassVar[tuple[str, ...]] = ()
+
+    @abc.abstractmethod
+    def score(self, batch: Batch) -> dict[str, Tensor]:
+        """``{"score": (B,), **extras}`` for one batch."""
+
+    def states(self) -> dict[str, StateSpec]:
+        names = ("score", *self.extra_names)
+        return {k: StateSpec("cat", torch.float64, tuple(self.extra_shapes.get(k, ()))) for k in names}
+
+    def map(self, batch: Batch) -> dict[str, Tensor]:
+        return self.score(batch)
+
+    def corpus_extras(self, state: Mapping[str, Tensor]) -> dict[str, float]:
+        """Corpus-level extras beyond ``mean_<extra>`` (default: none)."""
+        return {}
+
+    def finalize(self, state: dict[str, Tensor]) -> MetricResult:
+        scores = state["score"]
+        n_invalid = int(torch.isnan(scores).sum())
+        extras = {
+            k: state[k]
+            for k in self.extra_names
+            if k not in self.optional_extras or not bool(torch.isnan(state[k]).all())
+        }
+        corpus = {f"mean_{k}": nanmean(extras[k]) for k in self.mean_extras if k in extras}
+        corpus.update(self.corpus_extras(state))
+        if n_invalid:
+            corpus["n_invalid"] = float(n_invalid)
+        return MetricResult(
+            name=self.info.name,
+            score=nanmean(scores),
+            scores=scores,
+            indices=state[INDEX],
+            extras=extras,
+            corpus_extras=corpus,
+        )
+
+
+def nanmean(values: Tensor) -> float:
+    valid = values[~torch.isnan(values)]
+    return float(valid.mean()) if len(valid) else math.nan

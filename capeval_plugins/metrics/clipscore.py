@@ -1,0 +1,129 @@
+"""CLIPScore and RefCLIPScore (Hessel et al., EMNLP 2021).
+
+CLIP-S(c, v) = w * max(cos(E_img(v), E_txt(prefix + c)), 0), w = 2.5, prefix "A photo depicts ".
+RefCLIP-S(c, R, v) = H-Mean(CLIP-S(c, v), max(max_{r in R} cos(E_txt(c), E_txt(r)), 0)).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric
+from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, segment_max
+
+CITATION = """@inproceedings{hessel2021clipscore,
+  title     = {{CLIPScore}: A Reference-free Evaluation Metric for Image Captioning},
+  author    = {Hessel, Jack and Holtzman, Ari and Forbes, Maxwell and Le Bras, Ronan and Choi, Yejin},
+  booktitle = {Proceedings of EMNLP},
+  year      = {2021}
+}"""
+
+
+@dataclass
+class CLIPScoreConfig(ModelConfig):
+    model: str = "openai/clip-vit-base-patch32"
+    w: float = 2.5
+    prefix: str = "A photo depicts"
+    # The paper does not say whether references get the prefix; the official code prefixes every text.
+    prefix_references: bool = True
+    # The paper clamps the reference similarity at 0; the official code does not.
+    clamp_reference: bool = True
+
+
+def harmonic_mean(a: Tensor, b: Tensor) -> Tensor:
+    total = a + b
+    return torch.where(total > 0, 2 * a * b / total.clamp_min(1e-12), torch.zeros_like(total))
+
+
+def with_prefix(prefix: str, text: str) -> str:
+    # The official code adds a space after the prefix when it has none.
+    if not prefix:
+        return text
+    return prefix + text if prefix.endswith(" ") else f"{prefix} {text}"
+
+
+class CLIPScore(PointwiseMetric):
+    info = MetricInfo(
+        name="clipscore",
+        display_name="CLIPScore",
+        description=(
+            "Reference-free image-caption compatibility: w * max(cos(CLIP image, CLIP text), 0) with the text "
+            "prefixed by 'A photo depicts'. With references, RefCLIPScore comes as an extra."
+        ),
+        citation=CITATION,
+        references="optional",
+        images="always",
+        score_range=(0.0, 2.5),
+        paper="https://arxiv.org/abs/2104.08718",
+        paper_config={"model": "openai/clip-vit-base-patch32", "w": 2.5, "prefix": "A photo depicts"},
+        codebase_urls=("https://github.com/jmhessel/clipscore",),
+    )
+    Config = CLIPScoreConfig
+    extra_names: ClassVar[tuple[str, ...]] = ("cosine", "reference_similarity", "refclipscore")
+    optional_extras: ClassVar[tuple[str, ...]] = ("reference_similarity", "refclipscore")
+    mean_extras: ClassVar[tuple[str, ...]] = ("refclipscore",)
+
+    @property
+    def encoder(self) -> ClipEncoder:
+        c = self.config
+        return ClipEncoder.shared(
+            EncoderSpec(c.model, c.device, c.dtype, c.revision, c.local_files_only, c.trust_remote_code)
+        )
+
+    def score(self, batch: Batch) -> dict[str, Tensor]:
+        cfg, enc = self.config, self.encoder
+        image_feats = enc.encode_images(batch.images)[batch.image_index.to(enc.device)]
+        texts = [with_prefix(cfg.prefix, c) for c in batch.candidates]
+        n = len(texts)
+        flat_refs, owner = [], []
+        for i, refs in enumerate(batch.references or ()):
+            flat_refs += [with_prefix(cfg.prefix, r) if cfg.prefix_references else r for r in refs]
+            owner += [i] * len(refs)
+        # Candidates and every reference of the batch in one pass through the text encoder.
+        text_feats = enc.encode_texts(texts + flat_refs).double()
+        cand = text_feats[:n]
+        cosine = (image_feats.double() * cand).sum(-1)
+        clip_s = cfg.w * cosine.clamp_min(0)
+        ref_sim = torch.full_like(clip_s, float("nan"))
+        refclip = torch.full_like(clip_s, float("nan"))
+        if flat_refs:
+            owner_t = torch.tensor(owner, device=cand.device)
+            sims = (cand[owner_t] * text_feats[n:]).sum(-1)
+            ref_sim = segment_max(sims, owner_t, n)
+            if cfg.clamp_reference:
+                ref_sim = ref_sim.clamp_min(0)
+            refclip = harmonic_mean(clip_s, ref_sim)
+        return self.arrange(clip_s, cosine, ref_sim, refclip)
+
+    def arrange(self, clip_s: Tensor, cosine: Tensor, ref_sim: Tensor, refclip: Tensor) -> dict[str, Tensor]:
+        return {"score": clip_s, "cosine": cosine, "reference_similarity": ref_sim, "refclipscore": refclip}
+
+
+class RefCLIPScore(CLIPScore):
+    info = MetricInfo(
+        name="refclipscore",
+        display_name="RefCLIPScore",
+        description=(
+            "Harmonic mean of CLIPScore and the (clamped) best cosine between the candidate and a reference "
+            "in CLIP text space."
+        ),
+        citation=CITATION,
+        references="always",
+        images="always",
+        score_range=(0.0, 2.5 * 1.0 * 2 / 3.5),
+        paper="https://arxiv.org/abs/2104.08718",
+        paper_config={"model": "openai/clip-vit-base-patch32", "w": 2.5, "prefix": "A photo depicts"},
+        codebase_urls=("https://github.com/jmhessel/clipscore",),
+    )
+    extra_names: ClassVar[tuple[str, ...]] = ("clipscore", "cosine", "reference_similarity")
+    optional_extras: ClassVar[tuple[str, ...]] = ()
+    mean_extras: ClassVar[tuple[str, ...]] = ("clipscore",)
+
+    def arrange(self, clip_s: Tensor, cosine: Tensor, ref_sim: Tensor, refclip: Tensor) -> dict[str, Tensor]:
+        return {"score": refclip, "clipscore": clip_s, "cosine": cosine, "reference_similarity": ref_sim}
+
+
+METRICS = [CLIPScore, RefCLIPScore]

@@ -1,0 +1,147 @@
+"""Metric discovery: a pluggy plugin manager fed from the ``capeval_plugins`` entry-point group.
+
+Our own metrics register through that same entry point (``builtin = "capeval_plugins.metrics"``), so a
+third-party package that declares::
+
+    [project.entry-points.capeval_plugins]
+    my_metrics = "my_package.capeval_hooks"
+
+with a module implementing the hook below shows up in ``capeval list``, ``evaluate.load``, torchmetrics,
+pycocoevalcap and lm-eval without any code of ours changing.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from capeval_plugins.contract import Metric, MetricInfo
+
+PROJECT = "capeval_plugins"
+BUILTIN = "builtin"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class HookSpecs:
+    @hookspec
+    def capeval_metrics(self) -> list[type[Metric]]:
+        """Return the :class:`~capeval_plugins.contract.Metric` subclasses this plugin provides."""
+
+
+@dataclass(frozen=True)
+class Registered:
+    cls: type[Metric]
+    plugin: str
+    distribution: str | None
+
+    @property
+    def info(self) -> MetricInfo:
+        return self.cls.info
+
+
+_lock = threading.RLock()
+_manager: pluggy.PluginManager | None = None
+_metrics: dict[str, Registered] | None = None
+_distributions: dict[str, str | None] = {}
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, with every installed entry point loaded. A plugin that fails to
+    import is reported and skipped; it does not take the others down."""
+    global _manager
+    with _lock:
+        if _manager is None:
+            pm = pluggy.PluginManager(PROJECT)
+            pm.add_hookspecs(HookSpecs)
+            for ep in importlib.metadata.entry_points(group=PROJECT):
+                if pm.has_plugin(ep.name):
+                    continue
+                try:
+                    plugin = ep.load()
+                except Exception as err:  # a broken third-party plugin
+                    warnings.warn(f"capeval plugin {ep.name!r} ({ep.value}) failed to load: {err}", stacklevel=2)
+                    continue
+                dist = getattr(ep, "dist", None)
+                pm.register(plugin, name=ep.name)
+                _distributions[ep.name] = dist.name if dist else None
+            _manager = pm
+        return _manager
+
+
+def register_plugin(plugin: Any, name: str | None = None) -> None:
+    """Register a hook-implementing object at run time (notebooks, tests); same effect as an entry point."""
+    with _lock:
+        plugin_manager().register(plugin, name=name)
+        refresh()
+
+
+def refresh() -> None:
+    """Forget the collected metrics so the next lookup asks every plugin again."""
+    global _metrics
+    with _lock:
+        _metrics = None
+
+
+def _collect() -> dict[str, Registered]:
+    pm = plugin_manager()
+    found: dict[str, Registered] = {}
+    # Built-in first, so a third-party plugin can add names but never replace ours.
+    plugins = sorted(pm.get_plugins(), key=lambda p: pm.get_name(p) != BUILTIN)
+    for plugin in plugins:
+        name = pm.get_name(plugin)
+        impl = getattr(plugin, "capeval_metrics", None)
+        if impl is None:
+            continue
+        for cls in impl() or ():
+            if not (isinstance(cls, type) and issubclass(cls, Metric)) or not hasattr(cls, "info"):
+                warnings.warn(f"capeval plugin {name!r} returned {cls!r}, not a Metric subclass", stacklevel=2)
+                continue
+            key = cls.info.name
+            if key in found:
+                if found[key].cls is not cls:
+                    warnings.warn(
+                        f"metric {key!r} from plugin {name!r} ignored: already registered by {found[key].plugin!r}",
+                        stacklevel=2,
+                    )
+                continue
+            found[key] = Registered(cls, name, _distributions.get(name))
+    return found
+
+
+def metrics() -> dict[str, Registered]:
+    """Every registered metric by name."""
+    global _metrics
+    with _lock:
+        if _metrics is None:
+            _metrics = _collect()
+        return dict(_metrics)
+
+
+def canonical_name(name: str) -> str:
+    """``"capeval/clipscore"`` and ``"clipscore"`` both name our ``clipscore``."""
+    return name[len("capeval/") :] if name.startswith("capeval/") else name
+
+
+def get(name: str) -> Registered:
+    table = metrics()
+    key = canonical_name(name)
+    if key not in table:
+        close = difflib.get_close_matches(key, table, n=3)
+        hint = f"; did you mean {close}?" if close else f"; registered: {sorted(table)}"
+        raise KeyError(f"no capeval metric named {name!r}{hint}")
+    return table[key]
+
+
+def load(name: str, **config: Any) -> Metric:
+    """Build a registered metric with its options (the paper's defaults where not given)."""
+    return get(name).cls(**config)
+
+
+def list_metrics() -> list[MetricInfo]:
+    return [entry.info for _, entry in sorted(metrics().items())]
