@@ -39,7 +39,9 @@ def train_bpe(
     lowercase: bool = False,
 ) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """A small BPE over whitespace/punctuation pre-tokens; returns (vocab, merges) for a transformers
-    tokenizer class that takes them directly (CLIPTokenizer and friends)."""
+    tokenizer class that takes them directly (CLIPTokenizer and friends). Deterministic: the trainer adds
+    the alphabet (and its end-of-word forms) in hash order, so both are pinned, sorted, right after the
+    special tokens, which fixes every id and so how ties between merges are broken."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     kwargs = {"end_of_word_suffix": end_of_word_suffix} if end_of_word_suffix else {}
@@ -47,8 +49,10 @@ def train_bpe(
     if lowercase:
         tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    alphabet = sorted(set(ALPHABET.lower() if lowercase else ALPHABET))
+    pinned = alphabet + ([c + end_of_word_suffix for c in alphabet] if end_of_word_suffix else [])
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=list(ALPHABET), **kwargs
+        vocab_size=vocab_size, special_tokens=special_tokens + pinned, initial_alphabet=alphabet, **kwargs
     )
     tok.train_from_iterator([c.lower() if lowercase else c for c in corpus], trainer)
     import json
@@ -71,3 +75,88 @@ def train_wordpiece(corpus: list[str], vocab_size: int, special_tokens: list[str
     tok.train_from_iterator(corpus, trainer)
     vocab = tok.get_vocab()
     return sorted(vocab, key=vocab.get)
+
+
+def _train_bpe_model(corpus, vocab_size, special_tokens, pre_tokenizer, initial_alphabet):
+    import json
+
+    from tokenizers import Tokenizer, models, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizer
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=initial_alphabet
+    )
+    tok.train_from_iterator(corpus, trainer)
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    return tok.get_vocab(), merges
+
+
+def train_metaspace_bpe(
+    corpus: list[str], vocab_size: int, special_tokens: list[str]
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """SentencePiece-style BPE ("▁word" pieces, every digit its own piece, as Llama/Mistral split digits) for
+    LlamaTokenizer, which applies the merges to the whole "▁"-joined text: no merge ever touches a digit, so
+    "0.85" stays "0", ".", "8", "5" (a space before it is a lone "▁")."""
+    from tokenizers import pre_tokenizers
+
+    pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True),
+        pre_tokenizers.Digits(individual_digits=True),
+    ])
+    return _train_bpe_model(corpus, vocab_size, special_tokens, pre, list(ALPHABET) + ["▁"])
+
+
+# Qwen2Tokenizer's pre-tokenisation regex (single digits, punctuation runs, spaces kept apart from digits).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def train_byte_level_bpe(
+    corpus: list[str], vocab_size: int, special_tokens: list[str]
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte-level BPE with Qwen2's pre-tokeniser (all 256 bytes in the vocabulary) for Qwen2Tokenizer."""
+    from tokenizers import Regex, pre_tokenizers
+
+    pre = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    return _train_bpe_model(corpus, vocab_size, special_tokens, pre, pre_tokenizers.ByteLevel.alphabet())
+
+
+def train_wordpiece_deterministic(
+    corpus: list[str], vocab_size: int, special_tokens: list[str], lowercase: bool = True
+) -> list[str]:
+    """``train_wordpiece``, but the same vocabulary on every call. The tokenizers trainer adds the "##"
+    continuation forms of the alphabet in hash order, which changes their ids and so how ties between merges are
+    broken; pinning the alphabet (both forms, sorted) as leading special tokens fixes every id."""
+    alphabet = sorted(set(c.lower() if lowercase else c for c in ALPHABET))
+    pinned = special_tokens + alphabet + ["##" + c for c in alphabet]
+    return train_wordpiece(corpus, vocab_size, pinned, lowercase=lowercase)
+
+
+def train_unigram(
+    corpus: list[str], vocab_size: int, special_tokens: list[str], lowercase: bool = False
+) -> list[tuple[str, float]]:
+    """A small SentencePiece-style Unigram vocabulary, ``[(piece, log_prob), ...]`` ordered by id with the
+    special tokens first (score 0), for Unigram tokenizer classes that take it directly (DebertaV2Tokenizer,
+    T5Tokenizer). The tokenizers UnigramTrainer is not deterministic (its seed pieces come in hash order), so the
+    pieces are those of a "▁word" BPE and each scores the log of its smoothed frequency in the corpus tokenized
+    with them: the most likely segmentation is then close to the BPE one."""
+    import math
+    from collections import Counter
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    texts = [c.lower() if lowercase else c for c in corpus]
+    pre = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    vocab, merges = _train_bpe_model(texts, vocab_size - len(special_tokens), [], pre, list(ALPHABET) + ["▁"])
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre
+    counts = Counter(piece for text in texts for piece in bpe.encode(text).tokens)
+    total = sum(counts.values()) + len(vocab)
+    pieces = sorted(vocab, key=vocab.get)
+    return [(t, 0.0) for t in special_tokens] + [(p, math.log((counts[p] + 1) / total)) for p in pieces]

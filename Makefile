@@ -1,0 +1,32 @@
+# Everything a fresh machine needs. `make demo` scores the shipped example; `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test docs clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+# A tiny random CLIP is built on the spot (no downloads): its scores are meaningless.
+# With a real model the command is the same: --model openai/clip-vit-base-patch32
+demo: $(STAMP)
+	$(BIN)/capeval tiny clip .cache/tiny-clip
+	$(BIN)/capeval score --metric clipscore --model .cache/tiny-clip \
+		--images examples/images --captions examples/captions.jsonl --out scores.jsonl
+	@echo "per-sample scores: scores.jsonl"
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/pytest -q
+
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+clean:
+	rm -rf $(VENV) .cache site scores.jsonl

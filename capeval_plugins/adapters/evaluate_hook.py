@@ -1,0 +1,86 @@
+"""Start-up hook that lets ``evaluate.load("<metric>")`` find registered metrics with no user import.
+
+``capeval_plugins_evaluate.pth`` (installed at the site-packages root) calls :func:`install` when the
+interpreter starts. That only adds a meta-path finder: nothing is imported until ``evaluate.loading`` is,
+and then its ``evaluation_module_factory`` is wrapped so that names registered with capeval (plain, unless
+they are canonical evaluate modules, or ``capeval/<name>``) resolve to a module built in memory, with no
+network call. Everything else goes to evaluate unchanged. Any failure here leaves evaluate untouched.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+TARGET = "evaluate.loading"
+
+
+def install() -> None:
+    module = sys.modules.get(TARGET)
+    if module is not None:
+        patch(module)
+    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def patch(loading) -> None:
+    original = loading.evaluation_module_factory
+    if getattr(original, "_capeval_wrapped", False):
+        return
+
+    def evaluation_module_factory(path, module_type=None, *args, **kwargs):
+        found = _capeval_module(path, module_type)
+        if found is not None:
+            return found
+        return original(path, module_type, *args, **kwargs)
+
+    evaluation_module_factory._capeval_wrapped = True
+    evaluation_module_factory.__wrapped__ = original
+    evaluation_module_factory.__doc__ = original.__doc__
+    loading.evaluation_module_factory = evaluation_module_factory
+
+
+def _is_local(path: str) -> bool:
+    """evaluate's own rule: a local script or a folder holding ``<name>/<name>.py`` wins."""
+    base = os.path.basename(path.rstrip("/"))
+    return os.path.isfile(path) or os.path.isfile(os.path.join(path, base + ".py"))
+
+
+def _capeval_module(path, module_type):
+    if not isinstance(path, str) or module_type not in (None, "metric") or _is_local(path):
+        return None
+    if "/" in path and not path.startswith("capeval/"):
+        return None
+    from capeval_plugins.adapters import hf_evaluate  # imports evaluate, which is being used anyway
+
+    return hf_evaluate.importable_module(path)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        try:
+            patch(module)
+        except Exception:  # never break evaluate itself
+            pass
+
+    def __getattr__(self, name):  # get_source, get_filename, ... for tracebacks and inspect
+        return getattr(self._inner, name)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchingLoader(spec.loader)
+        return spec

@@ -1,0 +1,214 @@
+"""Hugging Face ``evaluate`` adapter, generic over the contract.
+
+Every registered metric loads with ``evaluate.load(name, **options)`` and ``evaluate.load("capeval/" +
+name, ...)``, offline, with no import of ours (see :mod:`evaluate_hook`). Names of canonical evaluate
+modules are never shadowed: such metrics answer only to ``capeval/<name>``. The fallback that needs no
+hook is ``evaluate.load(module_file("clipscore"))``.
+
+``compute(images=..., predictions=..., references=...)`` returns ``{<name>: corpus score, "scores":
+[per sample, input order], **extras}``; ``add_batch`` accumulates as with any evaluate metric.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import datasets
+import evaluate
+from evaluate.loading import ImportableModule
+
+from capeval_plugins import __version__, registry
+from capeval_plugins.cards import card_body
+from capeval_plugins.contract import MetricInfo
+
+# Canonical modules of the evaluate hub (metrics, comparisons, measurements): never shadowed.
+CANONICAL = frozenset(
+    """accuracy anls bary_score bertscore bleu bleurt bold brier_score cer character charcut_mt chrf cider
+    clip_score code_eval comet competition_math confusion_matrix coval crps cuad der ece exact_match f1
+    fever fid_score frugalscore gleu glue google_bleu gpassk indic_glue mae mahalanobis mape mase
+    matthews_correlation mauve mean_iou meteor mse nist nist_mt pearsonr perplexity poseval precision
+    r_squared rccs recall rl_reliability roc_auc rouge sacrebleu sari seqeval smape spearmanr squad squad_v2
+    summeval super_glue ter toxicity trec_eval vqa_accuracy wer wiki_split xnli xtreme_s mcnemar wilcoxon
+    honest label_distribution regard text_duplicates word_count word_length""".split()
+)
+# Keyword arguments of evaluate.EvaluationModule.__init__; everything else is a metric option.
+EVALUATE_ARGS = frozenset(
+    "config_name keep_in_memory cache_dir num_process process_id seed experiment_id hash "
+    "max_concurrent_cache_files timeout".split()
+)
+MODULE_PACKAGE = "capeval_plugins.adapters._evaluate_modules"
+
+
+def evaluate_names() -> dict[str, str]:
+    """Every name ``evaluate.load`` accepts for a capeval metric -> registry name."""
+    names = {}
+    for name in registry.metrics():
+        names["capeval/" + name] = name
+        if name not in CANONICAL:
+            names[name] = name
+    return names
+
+
+def class_name(name: str) -> str:
+    # evaluate derives module_name by camelcase_to_snakecase(class name): "msd_score" <-> "MsdScore".
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def features(info: MetricInfo) -> list[datasets.Features]:
+    """One key set (evaluate requires it), several value types: references as lists or single strings,
+    images or videos (lists of frames)."""
+    image_types: list[Any] = []
+    if info.images != "never":
+        image_types.append(datasets.Image(decode=False))
+        if info.video:
+            image_types.append(datasets.Sequence(datasets.Image(decode=False)))
+    ref_types: list[Any] = []
+    if info.references != "never":
+        ref_types = [datasets.Sequence(datasets.Value("string")), datasets.Value("string")]
+    options = []
+    for image in image_types or [None]:
+        for ref in ref_types or [None]:
+            spec = {"predictions": datasets.Value("string")}
+            if ref is not None:
+                spec["references"] = ref
+            if image is not None:
+                spec["images"] = image
+            if info.groups:
+                spec["group_ids"] = datasets.Value("int64")
+            options.append(datasets.Features(spec))
+    return options
+
+
+class CapevalEvaluationModule(evaluate.Metric):
+    """Base of the generated evaluate modules; ``_capeval_name`` says which registered metric."""
+
+    _capeval_name: str = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k not in EVALUATE_ARGS}
+        self.capeval_metric = registry.load(self._capeval_name, **options)  # unknown options fail here
+        super().__init__(*args, **kwargs)
+
+    def _info(self) -> evaluate.MetricInfo:
+        entry = registry.get(self._capeval_name)
+        info = entry.info
+        return evaluate.MetricInfo(
+            module_type="metric",
+            description=info.description,
+            citation=info.citation,
+            inputs_description=card_body(entry.cls),
+            features=features(info),
+            homepage=info.paper,
+            codebase_urls=list(info.codebase_urls),
+            reference_urls=[info.paper] if info.paper else [],
+        )
+
+    def _placeholders(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Fill optional inputs the user left out (evaluate needs every feature column) and turn tensors
+        and arrays into PIL images (Arrow cannot store them)."""
+        from capeval_plugins.inputs import image_source
+
+        info = self.capeval_metric.info
+        n = len(inputs["predictions"])
+        if info.references != "never" and inputs.get("references") is None:
+            inputs["references"] = [[] for _ in range(n)]
+        if info.groups and inputs.get("group_ids") is None:
+            inputs["group_ids"] = [-1] * n
+        images = inputs.get("images")
+        if info.images != "never" and images is None:
+            inputs["images"] = [None] * n
+        elif images is not None:
+            inputs["images"] = [_arrow_image(image_source, img, i) for i, img in enumerate(images)]
+        return inputs
+
+    def add_batch(self, *, predictions=None, references=None, **kwargs):
+        """Add a batch: ``predictions`` (captions), ``references`` and ``images`` as the metric needs."""
+        inputs = self._placeholders({"predictions": predictions, "references": references, **kwargs})
+        return super().add_batch(**inputs)
+
+    def compute(self, *, predictions=None, references=None, **kwargs):
+        """Score everything added so far plus the inputs given here; returns ``{<name>: corpus score,
+        "scores": [per sample, input order], **extras}`` on process 0 (None elsewhere)."""
+        if predictions is None:  # everything was added with add_batch
+            return super().compute(references=references, **kwargs)
+        inputs = self._placeholders({"predictions": predictions, "references": references, **kwargs})
+        return super().compute(**inputs)
+
+    def _compute(self, predictions, references=None, images=None, group_ids=None, progress: bool = False):
+        if references is not None and all(not r for r in references):
+            references = None
+        if images is not None and all(img is None for img in images):
+            images = None
+        if group_ids is not None and all(g == -1 for g in group_ids):
+            group_ids = None
+        result = self.capeval_metric(images, predictions, references, group_ids=group_ids, progress=progress)
+        return result.to_dict()
+
+
+def _arrow_image(image_source, image: Any, index: int) -> Any:
+    """Paths, PIL images, dicts and bytes go to Arrow as they are; arrays and tensors become PIL images
+    (validated here, so a bad array is reported with its sample index)."""
+    import numpy as np
+    import torch
+
+    if isinstance(image, (list, tuple)):
+        return [_arrow_image(image_source, frame, index) for frame in image]
+    if isinstance(image, (np.ndarray, torch.Tensor)):
+        return image_source(image, index).load()
+    return image
+
+
+def evaluation_class(name: str) -> type[CapevalEvaluationModule]:
+    """The evaluate module class of a registered metric (one class per name, built once)."""
+    module = _module(name)
+    return getattr(module, class_name(name))
+
+
+def _module(name: str) -> types.ModuleType:
+    module_name = f"{MODULE_PACKAGE}.{name}"
+    if module_name not in sys.modules:
+        registry.get(name)  # a clear error for unknown names
+        if MODULE_PACKAGE not in sys.modules:
+            package = types.ModuleType(MODULE_PACKAGE)
+            package.__path__ = []
+            sys.modules[MODULE_PACKAGE] = package
+        module = types.ModuleType(module_name, f"capeval metric {name!r} for Hugging Face evaluate")
+        cls = type(class_name(name), (CapevalEvaluationModule,), {"_capeval_name": name, "__module__": module_name})
+        module.__dict__[cls.__name__] = cls
+        sys.modules[module_name] = module
+    return sys.modules[module_name]
+
+
+def importable_module(path: str) -> ImportableModule | None:
+    """What ``evaluation_module_factory`` returns for ``path``, or None if it is not ours."""
+    name = evaluate_names().get(path)
+    if name is None:
+        if path.startswith("capeval/"):
+            registry.get(path)  # raises KeyError naming the registered metrics
+        return None
+    module = _module(name)
+    digest = hashlib.sha256(f"capeval-plugins {__version__} {name}".encode()).hexdigest()
+    return ImportableModule(module.__name__, digest)
+
+
+def module_file(name: str, directory: str | Path | None = None) -> Path:
+    """Write a two-line evaluate module script (and the metric card beside it) and return the script's
+    path: ``evaluate.load(str(module_file("clipscore")))`` works without the start-up hook."""
+    name = registry.canonical_name(name)
+    entry = registry.get(name)
+    root = Path(directory) if directory else Path.home() / ".cache" / "capeval_plugins" / "evaluate_modules"
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / f"{name}.py"
+    script.write_text(
+        f'"""capeval-plugins metric {name!r} for Hugging Face evaluate."""\n'
+        "from capeval_plugins.adapters.hf_evaluate import evaluation_class\n\n"
+        f"{class_name(name)} = evaluation_class({name!r})\n"
+    )
+    from capeval_plugins.cards import card_text
+
+    (folder / "README.md").write_text(card_text(entry.cls))
+    return script

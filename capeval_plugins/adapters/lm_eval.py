@@ -1,0 +1,165 @@
+"""lm-eval adapter, generic over the contract.
+
+``register()`` (idempotent, run on import of this module) adds every registered capeval metric to lm-eval's
+metric and aggregation registries without removing the built-ins: under its own name where lm-eval has no
+metric of that name, and always as ``capeval/<name>``. A metric's per-document value is a
+:class:`CaptionItem`; the aggregation scores the whole corpus in one batched call (so corpus metrics such
+as MID work too).
+
+Image metrics need the image, which only a task can supply: the shipped ``capeval_caption`` task uses
+:class:`CaptionTask`, whose ``process_results`` emits items for every metric in its ``metric_list`` (with
+per-metric options such as ``model:`` taken from that list, or from ``--metadata '{"metrics": {name:
+options}}'``, which replaces the list). ``capeval-lm-eval`` is lm-eval's CLI with the
+plugin registered and the shipped tasks on the include path.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import lm_eval.api.metrics  # noqa: F401  (fills lm-eval's registries first, so ours never replace them)
+import lm_eval.api.registry as lm_registry
+from lm_eval.api.task import ConfigurableTask
+
+from capeval_plugins import registry
+
+TASKS_DIR = Path(__file__).resolve().parent.parent / "lm_eval_tasks"
+
+
+class CaptionItem(NamedTuple):
+    """What a document contributes to a capeval metric: its image (a path or PIL image; None for text-only
+    metrics), the generated caption and the references."""
+
+    image: Any
+    caption: str
+    references: list[str] | None
+
+
+def aggregate(name: str, items: list[CaptionItem], **options: Any) -> float:
+    """Score all documents of a task at once; the corpus score."""
+    metric = registry.load(name, **options)
+    info = metric.info
+    images = [it.image for it in items] if info.images != "never" else None
+    if images is not None and any(img is None for img in images):
+        raise ValueError(
+            f"{name} scores images, but this task does not pass them: use the capeval_caption task "
+            "(or a task built on capeval_plugins.adapters.lm_eval.CaptionTask)"
+        )
+    references = [it.references for it in items] if info.references != "never" else None
+    if references is not None and all(not r for r in references):
+        references = None
+    return float(metric(images, [it.caption for it in items], references).score)
+
+
+def _item_from_generation(references: list, predictions: list) -> CaptionItem:
+    """lm-eval's default ``process_results`` calls a metric with one gold target and one generation."""
+    gold = references[0]
+    refs = [gold] if isinstance(gold, str) else list(gold)
+    return CaptionItem(None, predictions[0], refs)
+
+
+def metric_names(name: str) -> list[str]:
+    """lm-eval names of a capeval metric: its own (unless lm-eval already has one) and ``capeval/<name>``."""
+    names = [f"capeval/{name}"]
+    if name not in lm_registry.metric_registry or _is_ours(name):
+        names.insert(0, name)
+    return names
+
+
+def _is_ours(lm_name: str) -> bool:
+    try:
+        return getattr(lm_registry.metric_registry.get(lm_name), "_capeval", False)
+    except KeyError:
+        return False
+
+
+def register() -> list[str]:
+    """Register every capeval metric with lm-eval (safe to call repeatedly); returns the lm-eval names."""
+    registered = []
+    for name, entry in registry.metrics().items():
+        agg_name = f"capeval/{name}"
+        if agg_name not in lm_registry.aggregation_registry:
+            lm_registry.register_aggregation(agg_name)(functools.partial(aggregate, name))
+        for lm_name in metric_names(name):
+            if lm_name not in lm_registry.metric_registry:
+                fn = functools.partial(_item_from_generation)
+                fn._capeval = True  # type: ignore[attr-defined]
+                lm_registry.register_metric(
+                    metric=lm_name,
+                    higher_is_better=entry.info.higher_is_better,
+                    output_type="generate_until",
+                    aggregation=agg_name,
+                )(fn)
+            registered.append(lm_name)
+    return registered
+
+
+class CaptionTask(ConfigurableTask):
+    """A ``generate_until`` task whose documents carry an image: every capeval metric in ``metric_list``
+    receives (image, generated caption, references) and is scored over the whole task in one call."""
+
+    def __init__(self, config: dict | None = None, **kwargs: Any) -> None:
+        register()
+        config = {k: v for k, v in (config or {}).items() if k != "class"}
+        chosen = (config.get("metadata") or {}).get("metrics")
+        if chosen:  # --metadata '{"metrics": {"clipscore": {"model": "..."}}}' replaces metric_list
+            chosen = {m: {} for m in chosen} if isinstance(chosen, (list, tuple)) else dict(chosen)
+            config["metric_list"] = [
+                {"metric": m, "aggregation": f"capeval/{registry.canonical_name(m)}",
+                 "higher_is_better": registry.get(m).info.higher_is_better, **(opts or {})}
+                for m, opts in chosen.items()
+            ]
+        super().__init__(config=config, **kwargs)
+        self._capeval_metrics: dict[str, str] = {}
+        for entry in self.config.metric_list or []:
+            lm_name = entry["metric"]
+            name = registry.canonical_name(lm_name)
+            if name not in registry.metrics():
+                continue
+            options = {k: v for k, v in entry.items() if k not in ("metric", "aggregation", "higher_is_better")}
+            self._capeval_metrics[lm_name] = name
+            self._aggregation_list[lm_name] = functools.partial(aggregate, name, **options)
+            self._higher_is_better[lm_name] = registry.get(name).info.higher_is_better
+
+    def process_results(self, doc: dict, results: list) -> dict:
+        out = super().process_results(doc, results) if self._other_metrics() else {}
+        image = doc.get("image_path") or self.doc_to_image(doc)
+        if isinstance(image, list):
+            image = image[0]
+        refs = doc.get("references")
+        caption = results[0]
+        for lm_name in self._capeval_metrics:
+            out[lm_name] = CaptionItem(image, caption, list(refs) if refs else None)
+        return out
+
+    def _other_metrics(self) -> bool:
+        return any(m not in self._capeval_metrics for m in self._metric_fn_list)
+
+
+def tasks_dir() -> Path:
+    return TASKS_DIR
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``capeval-lm-eval``: lm-eval's command line with capeval metrics registered and the shipped caption
+    tasks on the include path (in addition to any ``--include_path`` given)."""
+    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.tasks.manager import TaskManager
+
+    register()
+    original_init = TaskManager.__init__
+
+    @functools.wraps(original_init)
+    def init_with_capeval_tasks(self, *args, include_path=None, **kwargs):
+        paths = [] if include_path is None else list(include_path) if isinstance(include_path, (list, tuple)) else [include_path]
+        return original_init(self, *args, include_path=[*paths, TASKS_DIR], **kwargs)
+
+    TaskManager.__init__ = init_with_capeval_tasks
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+register()

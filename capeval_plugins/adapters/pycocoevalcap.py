@@ -1,0 +1,209 @@
+"""pycocoevalcap adapter, generic over the contract.
+
+A scorer per registered metric (``ClipScore``, ...) with ``compute_score(gts, res)`` and ``method()``, so it
+drops into the usual ``for scorer, method in scorers`` loop; image metrics are built with an
+:class:`ImageResolver`. :class:`COCOEvalCap` runs the stock scorers exactly as pycocoevalcap does and adds
+ours, feeding raw (untokenised) captions to scorers that want them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from capeval_plugins import registry
+from capeval_plugins.adapters.naming import coco_identifier, lookup
+from capeval_plugins.contract import Metric, MetricResult
+
+
+class ImageResolver:
+    """Image id -> image file under ``root``, from a COCO annotation file (``images[].id`` ->
+    ``file_name``), a mapping, or a ``pattern`` such as ``"{id:012d}.jpg"``. Ids that resolve outside
+    ``root`` are refused."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        annotation_file: str | os.PathLike | None = None,
+        mapping: Mapping[Any, str] | None = None,
+        pattern: str | None = None,
+    ) -> None:
+        self.root = Path(root).resolve()
+        self.files: dict[str, str] = {}
+        if annotation_file is not None:
+            with open(annotation_file) as f:
+                images = json.load(f).get("images", [])
+            self.files.update({str(img["id"]): img["file_name"] for img in images})
+        if mapping is not None:
+            self.files.update({str(k): str(v) for k, v in mapping.items()})
+        self.pattern = pattern
+        if not self.files and pattern is None:
+            raise ValueError("ImageResolver needs an annotation file, a mapping or a pattern")
+
+    @classmethod
+    def from_coco(cls, root: str | os.PathLike, coco: Any) -> "ImageResolver":
+        """From a loaded ``pycocotools.coco.COCO`` object."""
+        return cls(root, mapping={i: img["file_name"] for i, img in coco.imgs.items()})
+
+    def __call__(self, image_id: Any) -> Path:
+        relative = self.files.get(str(image_id))
+        if relative is None:
+            if self.pattern is None:
+                raise KeyError(f"image id {image_id!r} is not in the resolver's annotations")
+            relative = self.pattern.format(id=image_id)
+        path = (self.root / relative).resolve()
+        if not path.is_relative_to(self.root):
+            raise ValueError(f"image id {image_id!r} resolves outside the image root: {path}")
+        return path
+
+
+class CapevalScorer:
+    """A registered metric as a pycocoevalcap scorer. ``last_result`` keeps the full result (per-sample
+    extras) of the latest ``compute_score``."""
+
+    _capeval_name: str = ""
+
+    def __init__(self, resolver: ImageResolver | None = None, metric: Metric | None = None, **options: Any):
+        if metric is not None and options:
+            raise TypeError("pass either a built metric or its options, not both")
+        self.metric = metric if metric is not None else registry.load(self._capeval_name, **options)
+        info = self.metric.info
+        if info.images == "always" and resolver is None:
+            raise ValueError(f"{info.display_name} scores images: build it with an ImageResolver")
+        self.resolver = resolver
+        self.wants_raw_text = info.text_input == "raw"
+        self.last_result: MetricResult | None = None
+
+    def method(self) -> str:
+        return self.metric.info.display_name
+
+    def compute_score(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]):
+        """``(corpus score, per-item scores in gts order)``."""
+        ids = list(gts.keys())
+        if set(ids) != set(res.keys()):
+            raise ValueError("gts and res must have the same image ids")
+        candidates = []
+        for image_id in ids:
+            hyp = res[image_id]
+            if not isinstance(hyp, (list, tuple)) or len(hyp) != 1:
+                raise ValueError(f"res[{image_id!r}] must be a list holding exactly one caption")
+            candidates.append(hyp[0])
+        info = self.metric.info
+        references = [list(gts[i]) for i in ids] if info.references != "never" else None
+        images = [self.resolver(i) for i in ids] if self.resolver is not None and info.images != "never" else None
+        self.last_result = self.metric(images, candidates, references)
+        return self.last_result.score, np.asarray(self.last_result.scores.tolist())
+
+
+_classes: dict[str, type[CapevalScorer]] = {}
+
+
+def scorer_class(name: str) -> type[CapevalScorer]:
+    name = registry.canonical_name(name)
+    if name not in _classes:
+        info = registry.get(name).info
+        _classes[name] = type(
+            coco_identifier(info),
+            (CapevalScorer,),
+            {"_capeval_name": name, "__module__": "capeval_plugins.pycocoevalcap",
+             "__doc__": f"{info.display_name} as a pycocoevalcap scorer.\n\n{info.description}"},
+        )
+    return _classes[name]
+
+
+def attribute(attr: str) -> type[CapevalScorer]:
+    name = lookup(attr)
+    if name is None:
+        raise AttributeError(f"module 'capeval_plugins.pycocoevalcap' has no attribute {attr!r}")
+    return scorer_class(name)
+
+
+def names() -> list[str]:
+    return sorted(coco_identifier(entry.info) for entry in registry.metrics().values())
+
+
+def spice_available() -> bool:
+    """SPICE needs Stanford CoreNLP jars that pycocoevalcap downloads on first use (impossible offline)."""
+    import pycocoevalcap.spice as spice
+
+    lib = Path(spice.__file__).parent / "lib"
+    return any(lib.glob("stanford-corenlp-*-models.jar"))
+
+
+def _stock_scorers(spice: bool) -> list[tuple[Any, Any]]:
+    from pycocoevalcap.eval import Bleu, Cider, Meteor, Rouge, Spice
+
+    scorers = [(Bleu(4), ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4"]), (Meteor(), "METEOR"),
+               (Rouge(), "ROUGE_L"), (Cider(), "CIDEr")]
+    if spice:
+        scorers.append((Spice(), "SPICE"))
+    return scorers
+
+
+def _coco_eval_base():
+    from pycocoevalcap.eval import COCOEvalCap as Stock
+
+    return Stock
+
+
+class COCOEvalCap(_coco_eval_base()):
+    """Drop-in for ``pycocoevalcap.eval.COCOEvalCap`` that adds capeval scorers.
+
+    ``COCOEvalCap(coco, cocoRes, scorers=[ClipScore(resolver)])`` or ``metrics=["clipscore"]`` with
+    ``resolver=``. Stock scorers see PTB-tokenised captions as always; a scorer with ``wants_raw_text``
+    sees the captions as written. ``spice=None`` runs SPICE only where its CoreNLP jars are present.
+    ``eval``, ``imgToEval`` and ``evalImgs`` are filled as the stock class fills them.
+    """
+
+    def __init__(
+        self,
+        coco: Any,
+        cocoRes: Any,
+        scorers: Iterable[Any] = (),
+        metrics: Iterable[str] = (),
+        resolver: ImageResolver | None = None,
+        stock: bool = True,
+        spice: bool | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(coco, cocoRes)
+        extra = [s if isinstance(s, tuple) else (s, s.method()) for s in scorers]
+        for name in metrics:
+            scorer = scorer_class(name)(resolver=resolver, **options)
+            extra.append((scorer, scorer.method()))
+        self.extra_scorers = extra
+        self.stock = stock
+        self.spice = spice
+
+    def evaluate(self) -> None:
+        from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+        ids = self.params["image_id"]
+        gts = {i: self.coco.imgToAnns[i] for i in ids}
+        res = {i: self.cocoRes.imgToAnns[i] for i in ids}
+        raw_gts = {i: [a["caption"] for a in anns] for i, anns in gts.items()}
+        raw_res = {i: [a["caption"] for a in anns] for i, anns in res.items()}
+        print("tokenization...")
+        tokenizer = PTBTokenizer()
+        tok_gts, tok_res = tokenizer.tokenize(gts), tokenizer.tokenize(res)
+        print("setting up scorers...")
+        spice = spice_available() if self.spice is None else self.spice
+        scorers = (_stock_scorers(spice) if self.stock else []) + self.extra_scorers
+        for scorer, method in scorers:
+            print("computing %s score..." % scorer.method())
+            raw = getattr(scorer, "wants_raw_text", False)
+            g, r = (raw_gts, raw_res) if raw else (tok_gts, tok_res)
+            score, scores = scorer.compute_score(g, r)
+            if isinstance(method, list):
+                for sc, scs, m in zip(score, scores, method):
+                    self.setEval(sc, m)
+                    self.setImgToEvalImgs(scs, g.keys(), m)
+                    print("%s: %0.3f" % (m, sc))
+            else:
+                self.setEval(score, method)
+                self.setImgToEvalImgs(scores, g.keys(), method)
+                print("%s: %0.3f" % (method, score))
+        self.setEvalImgs()

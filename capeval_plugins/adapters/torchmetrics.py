@@ -1,0 +1,153 @@
+"""torchmetrics adapter, generic over the contract.
+
+``capeval_plugins.torchmetrics.<Class>`` exists for every registered metric (``CLIPScore``, ...). States
+come from the contract: ``"sum"`` statistics and ``"cat"`` rows, plus the sample ids and group ids every
+metric carries, so under DDP the repeats a ``DistributedSampler`` adds are dropped and input order is
+restored (pass ``ids=`` with dataset indices). ``compute()`` returns the corpus score as a scalar tensor
+(Lightning's ``self.log(name, metric)`` works); ``compute_all()`` returns the full
+:class:`~capeval_plugins.contract.MetricResult` with per-sample scores and extras. The backbone is not part
+of the module tree (not in ``state_dict``, not copied by ``clone()``) and is shared between instances.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torchmetrics
+from torchmetrics.utilities.data import dim_zero_cat
+
+from capeval_plugins import registry
+from capeval_plugins.adapters.naming import identifier, lookup
+from capeval_plugins.contract import Metric, MetricResult, finalize_state, full_spec, map_batch
+from capeval_plugins.inputs import iter_batches, prepare_samples
+
+# torchmetrics.Metric keyword arguments; everything else is a metric option.
+TORCHMETRICS_ARGS = frozenset(
+    "compute_on_cpu dist_sync_on_step process_group dist_sync_fn distributed_available_fn sync_on_compute "
+    "compute_with_cache".split()
+)
+
+
+def _world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class CapevalMetric(torchmetrics.Metric):
+    """A registered capeval metric as a torchmetrics ``Metric``."""
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better: bool | None = True
+    _capeval_name: str = ""
+
+    def __init__(self, metric: Metric | None = None, **kwargs: Any) -> None:
+        tm_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in TORCHMETRICS_ARGS}
+        super().__init__(**tm_kwargs)
+        if metric is not None and kwargs:
+            raise TypeError("pass either a built metric or its options, not both")
+        self.capeval_metric = metric if metric is not None else registry.load(self._capeval_name, **kwargs)
+        self._spec = full_spec(self.capeval_metric)
+        for name, spec in self._spec.items():
+            if spec.reduce == "cat":
+                self.add_state(name, default=[], dist_reduce_fx="cat")
+            else:
+                self.add_state(name, default=spec.empty(), dist_reduce_fx="sum")
+        self._seen = 0
+        self._result: MetricResult | None = None
+
+    def update(
+        self,
+        images: Sequence[Any] | None = None,
+        captions: Sequence[str] | None = None,
+        references: Sequence[Any] | None = None,
+        *,
+        ids: Sequence[int] | torch.Tensor | None = None,
+        group_ids: Sequence[int] | torch.Tensor | None = None,
+    ) -> None:
+        """Score one batch. ``ids`` are global sample ids (e.g. dataset indices): repeats are dropped and
+        order restored at ``compute``. Without them, ids follow the interleaving of a non-shuffled
+        ``DistributedSampler`` (``rank + world_size * position``)."""
+        info = self.capeval_metric.info
+        n = len(captions) if captions is not None else 0
+        if ids is None:
+            rank, world = _world()
+            ids = [rank + world * (self._seen + i) for i in range(n)]
+        samples = prepare_samples(info, images, captions, references, group_ids, ids)
+        self._seen += n
+        for batch in iter_batches(samples, self.capeval_metric.config.batch_size):
+            out = map_batch(self.capeval_metric, batch)
+            for name, value in out.items():
+                value = value.to(self.device)
+                if self._spec[name].reduce == "cat":
+                    getattr(self, name).append(value)
+                else:
+                    setattr(self, name, getattr(self, name) + value)
+
+    def _merged_state(self) -> dict[str, torch.Tensor]:
+        state = {}
+        for name, spec in self._spec.items():
+            value = getattr(self, name)
+            if isinstance(value, list):
+                value = dim_zero_cat(value) if value else spec.empty(self.device)
+            state[name] = value.reshape(-1, *spec.shape) if spec.reduce == "cat" else value
+        return state
+
+    def compute(self) -> torch.Tensor:
+        self._result = finalize_state(self.capeval_metric, self._merged_state())
+        return torch.tensor(self._result.score, dtype=torch.float64, device=self.device)
+
+    def compute_all(self) -> MetricResult:
+        """Corpus score, per-sample scores (in sample-id order, repeats dropped) and extras."""
+        self.compute()
+        assert self._result is not None
+        return self._result
+
+    def reset(self) -> None:
+        super().reset()
+        self._seen = 0
+        self._result = None
+
+    def _sync_dist(self, dist_sync_fn=None, process_group=None) -> None:
+        # A rank with no samples must still send rows of the right dtype and trailing shape, or the
+        # all-gather fails (torchmetrics' own placeholder is a 1-D float32 tensor).
+        for name, spec in self._spec.items():
+            if spec.reduce == "cat" and isinstance(getattr(self, name), list) and not getattr(self, name):
+                setattr(self, name, [spec.empty(self.device)])
+        kwargs = {"process_group": process_group}
+        if dist_sync_fn is not None:
+            kwargs["dist_sync_fn"] = dist_sync_fn
+        super()._sync_dist(**kwargs)
+
+
+_classes: dict[str, type[CapevalMetric]] = {}
+
+
+def metric_class(name: str) -> type[CapevalMetric]:
+    """The torchmetrics class of a registered metric (built once)."""
+    name = registry.canonical_name(name)
+    if name not in _classes:
+        info = registry.get(name).info
+        _classes[name] = type(
+            identifier(info),
+            (CapevalMetric,),
+            {
+                "_capeval_name": name,
+                "higher_is_better": info.higher_is_better,
+                "__module__": "capeval_plugins.torchmetrics",
+                "__doc__": f"{info.display_name} as a torchmetrics Metric.\n\n{info.description}",
+            },
+        )
+    return _classes[name]
+
+
+def attribute(attr: str) -> type[CapevalMetric]:
+    name = lookup(attr)
+    if name is None:
+        raise AttributeError(f"module 'capeval_plugins.torchmetrics' has no attribute {attr!r}")
+    return metric_class(name)
+
+
+def names() -> list[str]:
+    return sorted(identifier(entry.info) for entry in registry.metrics().values())

@@ -1,0 +1,24 @@
+"""Helpers of the shipped capeval_caption task (loaded by lm-eval through ``!function``)."""
+from capeval_plugins.adapters.lm_eval import CaptionTask  # noqa: F401  (named by the task YAML)
+from capeval_plugins.caption_files import load_caption_docs
+
+
+def load_captions(captions=None, images=None, limit=None, **_):
+    """``--metadata '{"captions": FILE, "images": DIR}'`` -> ``{"test": [doc, ...]}``."""
+    if captions is None:
+        raise ValueError('capeval_caption needs --metadata \'{"captions": "FILE.jsonl", "images": "DIR"}\'')
+    import datasets
+
+    docs = load_caption_docs(captions, images, limit)
+    return {"test": datasets.Dataset.from_list(docs)}
+
+
+def doc_to_image(doc):
+    from PIL import Image
+
+    with Image.open(doc["image_path"]) as img:
+        return [img.convert("RGB")]
+
+
+def doc_to_target(doc):
+    return doc["references"][0] if doc["references"] else ""

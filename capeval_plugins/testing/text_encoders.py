@@ -1,0 +1,115 @@
+"""Tiny non-generative encoders: DINO ViT, DeBERTa-v3, ViLT, BLIP (image-text matching) and SigLIP."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from capeval_plugins.testing import builder
+from capeval_plugins.testing.corpus import caption_corpus, train_unigram, train_wordpiece_deterministic
+
+_LAYERS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def bert_tokenizer(model_max_length: int = 512, extra_special: tuple[str, ...] = (), **kwargs):
+    """Lower-cased WordPiece BertTokenizer ([PAD] = 0 as in bert-base-uncased); ``extra_special`` tokens are
+    appended after the vocabulary (BLIP's [DEC] and [ENC])."""
+    from tokenizers import AddedToken
+    from transformers import BertTokenizer
+
+    tokens = train_wordpiece_deterministic(caption_corpus(), 400, ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    tok = BertTokenizer(vocab={t: i for i, t in enumerate(tokens)}, model_max_length=model_max_length, **kwargs)
+    if extra_special:
+        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in extra_special], special_tokens=True)
+    return tok
+
+
+@builder("dino")
+def build_dino(path: Path, seed: int, image_size: int = 64, patch_size: int = 8) -> None:
+    import torch
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+    from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    config = ViTConfig(**_LAYERS, image_size=image_size, patch_size=patch_size)
+    torch.manual_seed(seed)
+    # facebook/dino-vitb8 ships no pooler; AutoModel adds a randomly initialised one on load, as it does there.
+    ViTModel(config, add_pooling_layer=False).save_pretrained(path)
+    # dino-vitb8 resizes to a square and normalises with the ImageNet statistics (not ViT's default 0.5s).
+    ViTImageProcessor(size={"height": image_size, "width": image_size}, image_mean=IMAGENET_DEFAULT_MEAN,
+                      image_std=IMAGENET_DEFAULT_STD).save_pretrained(path)
+
+
+@builder("deberta_v3")
+def build_deberta_v3(path: Path, seed: int) -> None:
+    import torch
+    from transformers import DebertaV2Config, DebertaV2Model, DebertaV2Tokenizer
+
+    # deberta-v3's SentencePiece Unigram: [PAD], [CLS], [SEP], [UNK] = 0..3, [MASK] after the pieces.
+    vocab = train_unigram(caption_corpus(), 400, ["[PAD]", "[CLS]", "[SEP]", "[UNK]"])
+    tokenizer = DebertaV2Tokenizer(vocab=vocab + [("[MASK]", 0.0)], do_lower_case=False, split_by_punct=False,
+                                   model_max_length=512)
+    # microsoft/deberta-v3-large's attention: disentangled c2p/p2c with shared keys, log-bucketed relative
+    # positions and no absolute position embeddings.
+    config = DebertaV2Config(
+        **_LAYERS, vocab_size=len(tokenizer), max_position_embeddings=512, type_vocab_size=0,
+        relative_attention=True, position_buckets=256, max_relative_positions=-1, norm_rel_ebd="layer_norm",
+        share_att_key=True, pos_att_type=["p2c", "c2p"], position_biased_input=False, layer_norm_eps=1e-7,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    DebertaV2Model(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@builder("vilt")
+def build_vilt(path: Path, seed: int, image_size: int = 32, patch_size: int = 8) -> None:
+    import torch
+    from transformers import ViltConfig, ViltForMaskedLM, ViltImageProcessor, ViltProcessor
+
+    tokenizer = bert_tokenizer(model_max_length=40)  # ViLT's text positions stop at 40
+    config = ViltConfig(**_LAYERS, vocab_size=len(tokenizer), max_position_embeddings=40, image_size=image_size,
+                        patch_size=patch_size, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    ViltForMaskedLM(config).save_pretrained(path)
+    # Shorter side to image_size, sides rounded down to whole patches; batches are padded with a pixel mask.
+    image_processor = ViltImageProcessor(size={"shortest_edge": image_size}, size_divisor=patch_size)
+    ViltProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
+
+
+@builder("blip_itm")
+def build_blip_itm(path: Path, seed: int, image_size: int = 32, patch_size: int = 8) -> None:
+    import torch
+    from transformers import BlipConfig, BlipForImageTextRetrieval, BlipImageProcessor, BlipProcessor
+
+    # Salesforce/blip-itm-*: bert-base-uncased plus [DEC] (the BOS) and [ENC] after the vocabulary.
+    tokenizer = bert_tokenizer(extra_special=("[DEC]", "[ENC]"), bos_token="[DEC]")
+    config = BlipConfig(
+        text_config=dict(**_LAYERS, vocab_size=len(tokenizer), encoder_hidden_size=32, max_position_embeddings=512,
+                         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         sep_token_id=tokenizer.sep_token_id, eos_token_id=tokenizer.sep_token_id),
+        vision_config=dict(**_LAYERS, image_size=image_size, patch_size=patch_size),
+        projection_dim=16, image_text_hidden_size=16,
+    )
+    torch.manual_seed(seed)
+    BlipForImageTextRetrieval(config).save_pretrained(path)
+    image_processor = BlipImageProcessor(size={"height": image_size, "width": image_size})
+    BlipProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
+
+
+@builder("siglip")
+def build_siglip(path: Path, seed: int, image_size: int = 32, patch_size: int = 8) -> None:
+    import torch
+    from transformers import SiglipConfig, SiglipImageProcessor, SiglipModel, SiglipProcessor, T5Tokenizer
+
+    # SiglipTokenizer needs sentencepiece; T5Tokenizer is the same kind of tokenizer (SentencePiece Unigram,
+    # <pad>, </s>, <unk> = 0, 1, 2, "</s>" appended) without it. SigLIP pads with </s> to 64 tokens and pools the
+    # last position. Not reproduced: SiglipTokenizer's lower-casing and punctuation stripping.
+    vocab = train_unigram(caption_corpus(), 400, ["<pad>", "</s>", "<unk>"])
+    tokenizer = T5Tokenizer(vocab=vocab, pad_token="</s>", extra_ids=0, model_max_length=64)
+    config = SiglipConfig(
+        text_config=dict(**_LAYERS, vocab_size=len(tokenizer), max_position_embeddings=64, bos_token_id=None,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
+        vision_config=dict(**_LAYERS, image_size=image_size, patch_size=patch_size),
+    )
+    torch.manual_seed(seed)
+    SiglipModel(config).save_pretrained(path)
+    image_processor = SiglipImageProcessor(size={"height": image_size, "width": image_size})
+    SiglipProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)

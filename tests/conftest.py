@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random checkpoints (built once per session) and small image sets.
+
+Scores from these models are meaningless; tests check properties that hold for any weights."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_EVALUATE_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+BENCHDATA = ROOT.parent / "shared" / "benchdata"
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tiny_root) -> str:
+    from capeval_plugins.testing import tiny_checkpoint
+
+    return str(tiny_checkpoint("clip", root=tiny_root))
+
+
+def random_image(seed: int, size=(48, 40)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8))
+
+
+@pytest.fixture
+def images() -> list[Image.Image]:
+    return [random_image(i, size=(40 + 8 * i, 36 + 4 * i)) for i in range(4)]
+
+
+CAPTIONS = [
+    "A dog runs on the grass.",
+    "Two children play in the park!",
+    "A red car next to a building",
+    "An old man sits on a bench under a tree.",
+]
+REFERENCES = [
+    ["A dog running on grass.", "A brown dog plays outside."],
+    ["Kids playing in a park."],
+    ["A car parked by a building.", "A red car.", "A vehicle on a street."],
+    ["A man sitting on a bench.", "An elderly man rests under a tree."],
+]
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: int = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd)
+    if proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def has_java() -> bool:
+    return shutil.which("java") is not None
+
+
+PYTHON = sys.executable

@@ -1,0 +1,147 @@
+"""CLIPScore / RefCLIPScore against independent computations on a tiny random CLIP."""
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import CAPTIONS, REFERENCES, random_image
+
+import capeval_plugins
+
+
+def plain_clip(path: str):
+    """The model and processor loaded directly through transformers, no capeval code."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    return CLIPModel.from_pretrained(path).eval(), CLIPProcessor.from_pretrained(path)
+
+
+@torch.no_grad()
+def plain_embed_text(model, processor, text: str) -> np.ndarray:
+    tokens = processor.tokenizer([text], return_tensors="pt", truncation=True, max_length=77)
+    out = model.text_model(**tokens).pooler_output
+    feat = model.text_projection(out)[0].double().numpy()
+    return feat / np.linalg.norm(feat)
+
+
+@torch.no_grad()
+def plain_embed_image(model, processor, image) -> np.ndarray:
+    pixels = processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    out = model.vision_model(pixel_values=pixels).pooler_output
+    feat = model.visual_projection(out)[0].double().numpy()
+    return feat / np.linalg.norm(feat)
+
+
+def plain_clipscore(model, processor, image, caption, w=2.5):
+    cos = float(plain_embed_image(model, processor, image) @ plain_embed_text(model, processor, "A photo depicts " + caption))
+    return w * max(cos, 0.0)
+
+
+def plain_refclipscore(model, processor, image, caption, refs, w=2.5):
+    c = plain_clipscore(model, processor, image, caption, w)
+    cand = plain_embed_text(model, processor, "A photo depicts " + caption)
+    r = max(0.0, max(float(cand @ plain_embed_text(model, processor, "A photo depicts " + ref)) for ref in refs))
+    return 0.0 if c + r == 0 else 2 * c * r / (c + r)
+
+
+def test_clipscore_equals_a_plain_per_sample_loop(tiny_clip, images):
+    model, processor = plain_clip(tiny_clip)
+    result = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS)
+    expected = [plain_clipscore(model, processor, img, cap) for img, cap in zip(images, CAPTIONS)]
+    assert result.scores.tolist() == pytest.approx(expected, abs=1e-5)
+    assert result.score == pytest.approx(np.mean(expected), abs=1e-5)
+    assert "refclipscore" not in result.extras  # no references, no reference extras
+
+
+def test_refclipscore_equals_a_plain_loop(tiny_clip, images):
+    model, processor = plain_clip(tiny_clip)
+    expected = [plain_refclipscore(model, processor, *row) for row in zip(images, CAPTIONS, REFERENCES)]
+    ref = capeval_plugins.load("refclipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
+    assert ref.scores.tolist() == pytest.approx(expected, abs=1e-5)
+    both = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
+    assert both.extras["refclipscore"].tolist() == pytest.approx(expected, abs=1e-5)
+    assert both.corpus_extras["mean_refclipscore"] == pytest.approx(np.mean(expected), abs=1e-5)
+
+
+def test_reference_options_follow_their_definition(tiny_clip, images):
+    model, processor = plain_clip(tiny_clip)
+    result = capeval_plugins.load("clipscore", model=tiny_clip, prefix_references=False, clamp_reference=False)(
+        images, CAPTIONS, REFERENCES)
+    for i, (cap, refs) in enumerate(zip(CAPTIONS, REFERENCES)):
+        cand = plain_embed_text(model, processor, "A photo depicts " + cap)
+        best = max(float(cand @ plain_embed_text(model, processor, r)) for r in refs)
+        assert result.extras["reference_similarity"][i].item() == pytest.approx(best, abs=1e-5)
+
+
+def test_agrees_with_torchmetrics_clipscore(tiny_clip, images):
+    """torchmetrics scores 100 * cos without the prompt prefix per sample, and its corpus value is
+    max(mean, 0) (it clamps after averaging; CLIP-S clamps each sample)."""
+    from torchmetrics.functional.multimodal.clip_score import _clip_score_update
+    from torchmetrics.multimodal.clip_score import CLIPScore as TMCLIPScore
+
+    class Tensors(torch.nn.Module):
+        """torchmetrics 1.9 expects transformers 4's tensors from get_*_features; transformers 5 returns
+        output objects. Unwrap them and change nothing else."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config = model, model.config
+
+        def get_image_features(self, *args, **kwargs):
+            return self.model.get_image_features(*args, **kwargs).pooler_output
+
+        def get_text_features(self, *args, **kwargs):
+            return self.model.get_text_features(*args, **kwargs).pooler_output
+
+    def load():
+        model, processor = plain_clip(tiny_clip)
+        return Tensors(model), processor
+
+    tensors = [torch.from_numpy(np.array(img)).permute(2, 0, 1).contiguous() for img in images]
+    theirs = TMCLIPScore(model_name_or_path=load)
+    theirs.update(tensors, CAPTIONS)
+    per_sample, _ = _clip_score_update(tensors, CAPTIONS, *load())
+    ours = capeval_plugins.load("clipscore", model=tiny_clip, w=100.0, prefix="")(tensors, CAPTIONS)
+    assert (100 * ours.extras["cosine"]).tolist() == pytest.approx(per_sample.tolist(), abs=1e-3)
+    assert ours.scores.tolist() == pytest.approx(per_sample.clamp_min(0).tolist(), abs=1e-3)
+    assert max(100 * ours.extras["cosine"].mean().item(), 0.0) == pytest.approx(float(theirs.compute()), abs=1e-3)
+
+
+def test_independent_of_batch_size_and_order(tiny_clip):
+    rng = random.Random(0)
+    imgs = [random_image(i % 3) for i in range(10)]
+    caps = [CAPTIONS[i % 4] + f" {i}" for i in range(10)]
+    refs = [REFERENCES[i % 4] for i in range(10)]
+    base = capeval_plugins.load("clipscore", model=tiny_clip, batch_size=64)(imgs, caps, refs)
+    for batch_size in (1, 3, 7):
+        other = capeval_plugins.load("clipscore", model=tiny_clip, batch_size=batch_size)(imgs, caps, refs)
+        assert other.scores.tolist() == pytest.approx(base.scores.tolist(), abs=1e-5)
+    order = list(range(10))
+    rng.shuffle(order)
+    shuffled = capeval_plugins.load("clipscore", model=tiny_clip, batch_size=4)(
+        [imgs[i] for i in order], [caps[i] for i in order], [refs[i] for i in order])
+    assert shuffled.scores.tolist() == pytest.approx([base.scores[i].item() for i in order], abs=1e-5)
+
+
+def test_long_caption_truncated_keeping_end_of_text_and_warned_once(tiny_clip):
+    from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+
+    enc = ClipEncoder.shared(EncoderSpec(tiny_clip))
+    long = "a dog runs on the grass " * 40
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens = enc.tokenize([long, "short"])
+        enc.tokenize([long])
+    messages = [str(w.message) for w in caught if "truncated" in str(w.message)]
+    assert len(messages) == 1 and "1 caption(s)" in messages[0]
+    ids = tokens["input_ids"][0]
+    assert len(ids) == 77 and ids[-1].item() == enc.processor.tokenizer.eos_token_id
+
+
+def test_the_same_model_is_loaded_once(tiny_clip):
+    a = capeval_plugins.load("clipscore", model=tiny_clip)
+    b = capeval_plugins.load("refclipscore", model=tiny_clip, w=1.0)
+    assert a.encoder.model is b.encoder.model

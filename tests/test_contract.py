@@ -1,0 +1,166 @@
+"""The contract's own mechanics, checked against plain re-computations."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from capeval_plugins.contract import (
+    INDEX,
+    Batch,
+    Metric,
+    MetricConfig,
+    MetricInfo,
+    MetricResult,
+    PointwiseMetric,
+    StateSpec,
+    canonical_state,
+    finalize_state,
+    full_spec,
+    map_batch,
+    merge_states,
+)
+
+
+class Length(PointwiseMetric):
+    """Score = number of characters; extra = number of words. Text only."""
+
+    info = MetricInfo(name="length", display_name="Length", description="", citation="", references="never",
+                      images="never")
+    extra_names = ("words",)
+    mean_extras = ("words",)
+
+    def score(self, batch: Batch):
+        return {
+            "score": torch.tensor([float(len(c)) for c in batch.candidates], dtype=torch.float64),
+            "words": torch.tensor([float(len(c.split())) for c in batch.candidates], dtype=torch.float64),
+        }
+
+
+class SumOfLengths(Metric):
+    """A corpus metric with a "sum" state: score = total characters / count."""
+
+    info = MetricInfo(name="sum_of_lengths", display_name="SumOfLengths", description="", citation="",
+                      references="never", images="never")
+
+    def states(self):
+        return {"total": StateSpec("sum", torch.float64, (2,)), "per": StateSpec("cat", torch.float64)}
+
+    def map(self, batch):
+        lengths = torch.tensor([float(len(c)) for c in batch.candidates], dtype=torch.float64)
+        return {"total": torch.stack([lengths.sum(), torch.tensor(float(len(lengths)), dtype=torch.float64)]),
+                "per": lengths}
+
+    def finalize(self, state):
+        total = state["total"]
+        return MetricResult(self.info.name, float(total[0] / total[1]), state["per"], state[INDEX])
+
+
+CAPS = ["a", "bb b", "ccc cc c", "dddd", "e e e e e"]
+
+
+def test_pointwise_matches_plain_loop_any_batch_size():
+    for batch_size in (1, 2, 5, 64):
+        result = Length(batch_size=batch_size)(None, CAPS)
+        assert result.scores.tolist() == [float(len(c)) for c in CAPS]
+        assert result.score == pytest.approx(sum(len(c) for c in CAPS) / len(CAPS))
+        assert result.corpus_extras["mean_words"] == pytest.approx(sum(len(c.split()) for c in CAPS) / len(CAPS))
+        assert result.indices.tolist() == list(range(len(CAPS)))
+
+
+def test_merge_sum_and_cat_across_parts():
+    metric = SumOfLengths(batch_size=2)
+    spec = full_spec(metric)
+    parts = [map_batch(metric, Batch(candidates=CAPS[i:i + 2], indices=torch.arange(i, min(i + 2, 5))))
+             for i in range(0, 5, 2)]
+    merged = merge_states(spec, parts)
+    assert merged["total"].tolist() == [float(sum(map(len, CAPS))), 5.0]
+    assert merged["per"].tolist() == [float(len(c)) for c in CAPS]
+    assert finalize_state(metric, merged).score == pytest.approx(sum(map(len, CAPS)) / 5)
+
+
+def test_canonical_state_sorts_and_drops_repeats():
+    spec = {INDEX: StateSpec("cat", torch.int64), "x": StateSpec("cat", torch.float64, (2,)),
+            "s": StateSpec("sum", torch.float64)}
+    index = torch.tensor([3, 0, 2, 0, 1, 3])
+    x = torch.stack([index.double(), -index.double()], dim=1)
+    state, repeats = canonical_state(spec, {INDEX: index, "x": x, "s": torch.tensor(7.0, dtype=torch.float64)})
+    assert repeats == 2
+    assert state[INDEX].tolist() == [0, 1, 2, 3]
+    assert state["x"][:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert float(state["s"]) == 7.0
+
+
+def test_repeats_with_sum_state_warn():
+    metric = SumOfLengths()
+    spec = full_spec(metric)
+    part = map_batch(metric, Batch(candidates=["aa", "aa"], indices=torch.tensor([0, 0])))
+    with pytest.warns(UserWarning, match="summed statistics"):
+        finalize_state(metric, merge_states(spec, [part]))
+
+
+def test_map_batch_rejects_misaligned_rows():
+    class Dropper(Length):
+        def score(self, batch):
+            out = super().score(batch)
+            return {k: v[:-1] for k, v in out.items()}
+
+    with pytest.raises(RuntimeError, match="shape"):
+        map_batch(Dropper(), Batch(candidates=["a", "b"], indices=torch.arange(2)))
+
+
+def test_map_batch_rejects_undeclared_state():
+    class Extra(Length):
+        def score(self, batch):
+            return {**super().score(batch), "surprise": torch.zeros(len(batch))}
+
+    with pytest.raises(RuntimeError, match="declared"):
+        map_batch(Extra(), Batch(candidates=["a"], indices=torch.arange(1)))
+
+
+def test_nan_scores_are_left_out_and_counted():
+    class Picky(Length):
+        def score(self, batch):
+            out = super().score(batch)
+            out["score"] = torch.where(out["score"] > 3, out["score"], torch.nan)
+            return out
+
+    result = Picky()(None, CAPS)
+    valid = [len(c) for c in CAPS if len(c) > 3]
+    assert result.score == pytest.approx(sum(valid) / len(valid))
+    assert result.corpus_extras["n_invalid"] == sum(len(c) <= 3 for c in CAPS)
+    assert math.isnan(result.scores[0])
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(TypeError, match="valid options"):
+        Length(no_such_option=1)
+
+
+def test_result_refuses_clashing_keys():
+    with pytest.raises(ValueError, match="used twice"):
+        MetricResult("m", 1.0, torch.zeros(2), torch.arange(2), extras={"a": torch.zeros(2)},
+                     corpus_extras={"a": 1.0})
+    with pytest.raises(ValueError, match="rows"):
+        MetricResult("m", 1.0, torch.zeros(2), torch.arange(2), extras={"a": torch.zeros(3)})
+
+
+def test_result_dict_and_rows_shapes():
+    result = Length()(None, CAPS[:2])
+    d = result.to_dict()
+    assert d["length"] == result.score and d["scores"] == [1.0, 4.0] and d["words"] == [1.0, 2.0]
+    assert result.rows()[1] == {"index": 1, "score": 4.0, "words": 2.0}
+
+
+def test_metric_info_validates_name():
+    with pytest.raises(ValueError):
+        MetricInfo(name="Bad-Name", display_name="x", description="", citation="")
+
+
+def test_deepcopy_shares_metric():
+    import copy
+
+    metric = Length()
+    assert copy.deepcopy(metric) is metric

@@ -1,0 +1,131 @@
+"""Hugging Face evaluate: offline load by plain name with no import of ours, canonical names untouched."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from conftest import CAPTIONS, PYTHON, REFERENCES, run
+
+import capeval_plugins
+from capeval_plugins import registry
+from capeval_plugins.adapters import hf_evaluate
+
+
+def test_plain_name_loads_in_a_fresh_interpreter_offline_without_network(tiny_clip, tmp_path):
+    """The .pth start-up hook resolves the name; a socket guard proves no network call is attempted."""
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, socket, sys
+        calls = []
+        def guard(*args, **kwargs):
+            calls.append(args)
+            raise OSError("network disabled in this test")
+        socket.socket.connect = guard
+        socket.getaddrinfo = guard
+        import evaluate
+        assert "capeval_plugins.contract" not in sys.modules  # nothing of ours imported yet
+        from PIL import Image
+        images = [Image.new("RGB", (20, 20), c) for c in ("red", "blue")]
+        out = {{}}
+        for name in ("clipscore", "capeval/clipscore"):
+            metric = evaluate.load(name, model={tiny_clip!r})
+            out[name] = metric.compute(images=images, predictions=["a red square", "a blue square"])
+        print(json.dumps({{"calls": len(calls), "results": out, "module": metric.name}}))
+    """))
+    proc = run([PYTHON, str(script)], env={"HF_EVALUATE_OFFLINE": "0", "HF_HUB_OFFLINE": "0"}, cwd=str(tmp_path))
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["calls"] == 0
+    assert report["module"] == "clipscore"
+    a, b = report["results"]["clipscore"], report["results"]["capeval/clipscore"]
+    assert a["scores"] == pytest.approx(b["scores"]) and len(a["scores"]) == 2
+
+
+def test_compute_equals_direct_call_and_add_batch(tiny_clip, images):
+    import evaluate
+
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES).to_dict()
+    metric = evaluate.load("clipscore", model=tiny_clip)
+    out = metric.compute(images=images, predictions=CAPTIONS, references=REFERENCES)
+    assert set(out) == set(direct)
+    assert out["scores"] == pytest.approx(direct["scores"], abs=1e-6)
+    assert out["clipscore"] == pytest.approx(direct["clipscore"], abs=1e-6)
+    metric.add_batch(images=images[:2], predictions=CAPTIONS[:2], references=REFERENCES[:2])
+    metric.add_batch(images=images[2:], predictions=CAPTIONS[2:], references=REFERENCES[2:])
+    assert metric.compute()["scores"] == pytest.approx(direct["scores"], abs=1e-6)
+
+
+def test_tensor_images_and_string_references(tiny_clip, images):
+    import evaluate
+    import numpy as np
+
+    tensors = [torch.from_numpy(np.array(img)).permute(2, 0, 1) for img in images]
+    single_refs = [r[0] for r in REFERENCES]
+    direct = capeval_plugins.load("refclipscore", model=tiny_clip)(images, CAPTIONS, single_refs)
+    out = evaluate.load("capeval/refclipscore", model=tiny_clip).compute(
+        images=tensors, predictions=CAPTIONS, references=single_refs)
+    assert out["scores"] == pytest.approx(direct.scores.tolist(), abs=1e-6)
+
+
+def test_info_carries_citation_features_and_card(tiny_clip):
+    import evaluate
+
+    metric = evaluate.load("clipscore", model=tiny_clip)
+    assert "hessel2021clipscore" in metric.citation
+    assert set(metric.features[0]) == {"predictions", "references", "images"}
+    assert "## How to Use" in metric.inputs_description  # the metric card
+    assert "How to Use" in metric.compute.__doc__
+
+
+def test_bad_options_and_inputs_are_reported(tiny_clip, images):
+    import evaluate
+
+    with pytest.raises(TypeError, match="unknown option"):
+        evaluate.load("clipscore", modle=tiny_clip)
+    metric = evaluate.load("clipscore", model=tiny_clip)
+    with pytest.raises(ValueError, match="sample 1: caption is empty"):
+        metric.compute(images=images[:2], predictions=["fine", " "])
+
+
+def test_canonical_names_are_never_shadowed():
+    class Bleu(capeval_plugins.load("clipscore").__class__):
+        info = capeval_plugins.load("clipscore").info.__class__(
+            name="bleu", display_name="Bleu", description="", citation="", references="always", images="never")
+
+    class Plugin:
+        @staticmethod
+        @registry.hookimpl
+        def capeval_metrics():
+            return [Bleu]
+
+    registry.register_plugin(Plugin, name="test-shadow")
+    try:
+        assert hf_evaluate.importable_module("bleu") is None  # evaluate's own bleu stays
+        assert hf_evaluate.importable_module("capeval/bleu") is not None
+        assert "bleu" not in hf_evaluate.evaluate_names() and "capeval/bleu" in hf_evaluate.evaluate_names()
+    finally:
+        registry.plugin_manager().unregister(name="test-shadow")
+        registry.refresh()
+
+
+def test_module_file_fallback_loads_without_the_hook(tiny_clip, tmp_path, images):
+    import evaluate
+
+    path = hf_evaluate.module_file("clipscore", tmp_path)
+    assert (path.parent / "README.md").is_file()
+    metric = evaluate.load(str(path), model=tiny_clip)
+    out = metric.compute(images=images, predictions=CAPTIONS)
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS)
+    assert out["scores"] == pytest.approx(direct.scores.tolist(), abs=1e-6)
+
+
+def test_importing_capeval_plugins_imports_no_ecosystem(tmp_path):
+    proc = run([PYTHON, "-c", textwrap.dedent("""
+        import sys, capeval_plugins
+        capeval_plugins.list_metrics()
+        bad = [m for m in ("evaluate", "lm_eval", "pycocoevalcap", "lightning", "pytorch_lightning", "torchmetrics")
+               if m in sys.modules]
+        print(bad)
+    """)])
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -1,0 +1,141 @@
+"""One place validates every input; errors name the sample."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from capeval_plugins.contract import MetricInfo
+from capeval_plugins.inputs import InputError, iter_batches, prepare_samples
+
+IMG = MetricInfo(name="img", display_name="Img", description="", citation="", references="optional", images="always")
+VIDEO = MetricInfo(name="vid", display_name="Vid", description="", citation="", images="always", video=True)
+REFS = MetricInfo(name="refs", display_name="Refs", description="", citation="", references="always", images="never")
+
+
+def pixels(img: Image.Image) -> np.ndarray:
+    return np.asarray(img.convert("RGB"))
+
+
+@pytest.fixture
+def base() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, size=(10, 12, 3), dtype=np.uint8)
+
+
+def load_one(image, info=IMG):
+    samples = prepare_samples(info, [image], ["a caption"])
+    return next(iter_batches(samples, 8)).images[0]
+
+
+def test_every_image_form_decodes_to_the_same_pixels(base, tmp_path):
+    pil = Image.fromarray(base)
+    path = tmp_path / "x.png"
+    pil.save(path)
+    buf = io.BytesIO()
+    pil.save(buf, format="PNG")
+    forms = [
+        pil,
+        str(path),
+        path,
+        {"bytes": buf.getvalue(), "path": None},
+        {"path": str(path), "bytes": None},
+        buf.getvalue(),
+        base,                                             # numpy HWC uint8
+        np.moveaxis(base, -1, 0),                         # numpy CHW uint8
+        torch.from_numpy(np.moveaxis(base, -1, 0).copy()),  # torch CHW uint8
+        torch.from_numpy(base.copy()),                    # torch HWC uint8
+        torch.from_numpy(np.moveaxis(base, -1, 0) / 255.0),  # torch CHW float64 in [0, 1]
+        (base / 255.0).astype(np.float32),                # numpy HWC float32
+    ]
+    for form in forms:
+        assert np.array_equal(pixels(load_one(form)), base), type(form)
+
+
+def test_grayscale_and_rgba(base):
+    gray = base[..., 0]
+    assert np.array_equal(pixels(load_one(gray))[..., 1], gray)
+    rgba = np.concatenate([base, np.full(base.shape[:2] + (1,), 255, np.uint8)], axis=-1)
+    assert np.array_equal(pixels(load_one(rgba)), base)
+
+
+@pytest.mark.parametrize(
+    "images, captions, refs, match",
+    [
+        ([None], ["ok"], None, "sample 0: image missing"),
+        (["/no/such/file.png"], ["ok"], None, "sample 0: image file not found"),
+        ([np.zeros((4, 4, 3))] * 2, ["ok", ""], None, "sample 1: caption is empty"),
+        ([np.zeros((4, 4, 3))] * 2, ["ok", 3], None, "sample 1: caption must be a string"),
+        ([np.zeros((4, 4, 3))], "a single string", None, "single string"),
+        ([np.zeros((4, 4, 3))] * 3, ["a", "b"], None, "got 3 images for 2 captions"),
+        ([np.full((4, 4, 3), 2.0)], ["ok"], None, r"sample 0: float images must lie in \[0, 1\]"),
+        ([np.full((4, 4, 3), np.nan)], ["ok"], None, r"\[0, 1\]"),
+        ([np.zeros((4, 4, 3), dtype=np.int32)], ["ok"], None, "dtype"),
+        ([np.zeros((5, 6, 7))], ["ok"], None, "channel axis"),
+        ([np.zeros((2, 4, 4, 3))], ["ok"], None, "HW, CHW or HWC"),
+        ([12], ["ok"], None, "unsupported image type int"),
+        ([np.zeros((4, 4, 3))] * 2, ["a", "b"], [["r"]], "references for 1 samples but 2 captions"),
+        ([np.zeros((4, 4, 3))] * 2, ["a", "b"], [["r"], []], "sample 1: empty list of references"),
+        ([np.zeros((4, 4, 3))] * 2, ["a", "b"], [["r"], ["ok", " "]], "sample 1: reference 1 is empty"),
+        ([np.zeros((4, 4, 3))] * 2, ["a", "b"], [["r"], None], "sample 1: references missing"),
+        ([[np.zeros((4, 4, 3))]], ["ok"], None, "list of frames"),
+    ],
+)
+def test_errors_name_the_sample(images, captions, refs, match):
+    with pytest.raises(InputError, match=match):
+        prepare_samples(IMG, images, captions, refs)
+
+
+def test_missing_images_and_references():
+    with pytest.raises(InputError, match="needs an image"):
+        prepare_samples(IMG, None, ["a"])
+    with pytest.raises(InputError, match="needs references"):
+        prepare_samples(REFS, None, ["a"])
+    with pytest.warns(UserWarning, match="does not use references"):
+        assert prepare_samples(MetricInfo(name="free", display_name="F", description="", citation="",
+                                          references="never", images="never"), None, ["a"], [["r"]]).references is None
+
+
+def test_single_string_reference_is_one_reference():
+    samples = prepare_samples(REFS, None, ["a", "b"], ["r1", ["r2", "r3"]])
+    assert samples.references == [["r1"], ["r2", "r3"]]
+
+
+def test_corrupt_file_is_reported_at_decode_with_its_index(tmp_path):
+    good = tmp_path / "good.png"
+    Image.new("RGB", (4, 4)).save(good)
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a png")
+    samples = prepare_samples(IMG, [good, bad], ["a", "b"])
+    with pytest.raises(InputError, match="sample 1: cannot read image .*bad.png"):
+        list(iter_batches(samples, 8))
+
+
+def test_video_frames_and_dedupe():
+    frames = [np.zeros((4, 4, 3), np.uint8), np.ones((4, 4, 3), np.uint8)]
+    samples = prepare_samples(VIDEO, [frames, frames], ["a", "b"])
+    batch = next(iter_batches(samples, 8))
+    assert len(batch.images) == 1 and len(batch.images[0]) == 2
+    with pytest.raises(InputError, match="video has no frames"):
+        prepare_samples(VIDEO, [[]], ["a"])
+
+
+def test_batches_keep_an_images_candidates_together_and_encode_it_once():
+    a, b = Image.new("RGB", (4, 4)), Image.new("RGB", (4, 4), "red")
+    images = [a, b, a, b, a, a]
+    samples = prepare_samples(IMG, images, [f"c{i}" for i in range(6)])
+    batches = list(iter_batches(samples, 4))
+    first = batches[0]
+    assert first.indices.tolist() == [0, 2, 4, 5]  # every caption of `a` first
+    assert len(first.images) == 1 and first.image_index.tolist() == [0, 0, 0, 0]
+    assert batches[1].indices.tolist() == [1, 3]
+    assert sorted(i for b in batches for i in b.indices.tolist()) == list(range(6))
+
+
+def test_group_ids_numbered_and_checked():
+    assert prepare_samples(IMG, [np.zeros((2, 2))] * 3, ["a", "b", "c"], group_ids=["x", "y", "x"]).group_ids == [0, 1, 0]
+    with pytest.raises(InputError, match="group ids"):
+        prepare_samples(IMG, [np.zeros((2, 2))] * 2, ["a", "b"], group_ids=[1])

@@ -1,0 +1,114 @@
+"""pycocoevalcap: scorer interface, image resolution, and a COCOEvalCap drop-in that keeps stock results."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import EXAMPLES, has_java
+
+import capeval_plugins
+from capeval_plugins.caption_files import read_captions
+from capeval_plugins.pycocoevalcap import COCOEvalCap, ClipScore, ImageResolver
+
+
+def coco_files(tmp_path):
+    """A COCO-format ground truth and result file from the shipped example (one candidate per image)."""
+    records = read_captions(EXAMPLES / "captions.jsonl", EXAMPLES / "images")
+    names = []
+    for img in records.images:
+        if img.split("/")[-1] not in names:
+            names.append(img.split("/")[-1])
+    first = {}
+    for img, cap, refs in zip(records.images, records.captions, records.references):
+        first.setdefault(img.split("/")[-1], (cap, refs))
+    images = [{"id": i + 1, "file_name": n} for i, n in enumerate(names)]
+    annotations, results = [], []
+    for i, n in enumerate(names):
+        cap, refs = first[n]
+        annotations += [{"image_id": i + 1, "id": 10 * (i + 1) + j, "caption": r} for j, r in enumerate(refs)]
+        results.append({"image_id": i + 1, "caption": cap})
+    gt = tmp_path / "gt.json"
+    gt.write_text(json.dumps({"images": images, "annotations": annotations, "info": {}, "licenses": [],
+                              "type": "captions"}))
+    res = tmp_path / "res.json"
+    res.write_text(json.dumps(results))
+    return gt, res, {i["id"]: i["file_name"] for i in images}, {r["image_id"]: r["caption"] for r in results}
+
+
+def test_scorer_in_the_usual_loop_follows_gts_order(tiny_clip, tmp_path):
+    gt, _, files, captions = coco_files(tmp_path)
+    resolver = ImageResolver(EXAMPLES / "images", annotation_file=gt)
+    ids = [3, 1, 4, 2]
+    gts = {i: ["a reference"] for i in ids}
+    res = {i: [captions[i]] for i in ids}
+    scorers = [(ClipScore(resolver, model=tiny_clip), "CLIPScore")]
+    for scorer, method in scorers:
+        score, scores = scorer.compute_score(gts, res)
+        assert method == scorer.method()
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(
+        [EXAMPLES / "images" / files[i] for i in ids], [captions[i] for i in ids], [gts[i] for i in ids])
+    assert list(scores) == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    assert score == pytest.approx(direct.score, abs=1e-6)
+
+
+def test_resolver_refuses_escapes_and_unknown_ids(tmp_path):
+    resolver = ImageResolver(tmp_path, mapping={1: "ok.png", 2: "../outside.png", 3: "/etc/passwd"})
+    assert resolver(1) == (tmp_path / "ok.png").resolve()
+    for bad in (2, 3):
+        with pytest.raises(ValueError, match="outside the image root"):
+            resolver(bad)
+    with pytest.raises(KeyError):
+        resolver(99)
+    assert ImageResolver(tmp_path, pattern="{id:012d}.jpg")(7).name == "000000000007.jpg"
+
+
+def test_image_scorer_needs_a_resolver(tiny_clip):
+    with pytest.raises(ValueError, match="ImageResolver"):
+        ClipScore(model=tiny_clip)
+
+
+def test_scorer_rejects_mismatched_ids(tiny_clip, tmp_path):
+    scorer = ClipScore(ImageResolver(tmp_path, mapping={1: "a.png"}), model=tiny_clip)
+    with pytest.raises(ValueError, match="same image ids"):
+        scorer.compute_score({1: ["x"]}, {2: ["y"]})
+    with pytest.raises(ValueError, match="exactly one caption"):
+        scorer.compute_score({1: ["x"]}, {1: ["y", "z"]})
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="pycocoevalcap's PTB tokenizer and METEOR need Java")
+def test_cocoevalcap_dropin_keeps_stock_results_and_feeds_raw_text(tiny_clip, tmp_path, monkeypatch):
+    from pycocotools.coco import COCO
+
+    import pycocoevalcap.eval as stock_eval
+
+    gt, res, files, captions = coco_files(tmp_path)
+    coco = COCO(str(gt))
+    coco_res = coco.loadRes(str(res))
+
+    class NoSpice:  # SPICE downloads CoreNLP on first use, impossible offline: stub it in the stock run
+        def method(self):
+            return "SPICE"
+
+        def compute_score(self, gts, res):
+            return 0.0, [0.0] * len(gts)
+
+    monkeypatch.setattr(stock_eval, "Spice", NoSpice)
+    stock = stock_eval.COCOEvalCap(coco, coco_res)
+    stock.evaluate()
+
+    resolver = ImageResolver.from_coco(EXAMPLES / "images", coco)
+    ours = COCOEvalCap(coco, coco_res, scorers=[ClipScore(resolver, model=tiny_clip)], spice=False)
+    ours.evaluate()
+    for key in ("Bleu_1", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"):
+        assert ours.eval[key] == stock.eval[key], key
+        for img_id in stock.imgToEval:
+            assert ours.imgToEval[img_id][key] == stock.imgToEval[img_id][key]
+    # CLIPScore saw the raw captions (case and punctuation intact), not PTB tokens
+    ids = list(coco.getImgIds())
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(
+        [EXAMPLES / "images" / files[i] for i in ids], [captions[i] for i in ids],
+        [[a["caption"] for a in coco.imgToAnns[i]] for i in ids])
+    assert [ours.imgToEval[i]["CLIPScore"] for i in ids] == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    assert ours.eval["CLIPScore"] == pytest.approx(direct.score, abs=1e-6)
+    assert {e["image_id"] for e in ours.evalImgs} == set(ids)

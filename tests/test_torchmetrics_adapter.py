@@ -1,0 +1,142 @@
+"""torchmetrics: states from the contract, DDP sync (uneven, empty rank, repeats), Lightning validation."""
+from __future__ import annotations
+
+import copy
+import socket
+
+import numpy as np
+import pytest
+import torch
+from conftest import CAPTIONS, REFERENCES, random_image
+
+import capeval_plugins
+from capeval_plugins.torchmetrics import CLIPScore, RefCLIPScore
+
+
+def test_batches_equal_one_call(tiny_clip, images):
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
+    metric = CLIPScore(model=tiny_clip)
+    metric.update(images[:1], CAPTIONS[:1], REFERENCES[:1])
+    metric.update(images[1:], CAPTIONS[1:], REFERENCES[1:])
+    value = metric.compute()
+    assert value.ndim == 0 and value.item() == pytest.approx(direct.score, abs=1e-6)
+    result = metric.compute_all()
+    assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    assert result.extras["refclipscore"].tolist() == pytest.approx(direct.extras["refclipscore"].tolist(), abs=1e-6)
+    metric.reset()
+    metric.update(images[:2], CAPTIONS[:2])
+    assert len(metric.compute_all()) == 2
+
+
+def test_backbone_outside_module_tree_and_shared(tiny_clip):
+    a = CLIPScore(model=tiny_clip)
+    b = RefCLIPScore(model=tiny_clip)
+    assert list(a.state_dict()) == [] and list(a.parameters()) == []
+    assert a.capeval_metric.encoder.model is b.capeval_metric.encoder.model
+    clone = a.clone()
+    assert clone.capeval_metric is a.capeval_metric
+    assert copy.deepcopy(a).capeval_metric is a.capeval_metric
+
+
+def test_ids_drop_repeats_and_restore_order(tiny_clip, images):
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS)
+    metric = CLIPScore(model=tiny_clip)
+    metric.update([images[3], images[1]], [CAPTIONS[3], CAPTIONS[1]], ids=[3, 1])
+    metric.update([images[0], images[2], images[3]], [CAPTIONS[0], CAPTIONS[2], CAPTIONS[3]], ids=[0, 2, 3])
+    result = metric.compute_all()
+    assert result.indices.tolist() == [0, 1, 2, 3]
+    assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+N = 7
+SHARDS = {
+    # uneven shards, with the repeat a DistributedSampler adds to even them out
+    "uneven": {0: [0, 2, 4, 6], 1: [1, 3, 5, 0]},
+    # every sample on rank 0, nothing on rank 1
+    "empty_rank": {0: list(range(N)), 1: []},
+}
+
+
+def _corpus():
+    images = [random_image(i % 4, size=(30 + 2 * i, 32)) for i in range(N)]
+    captions = [CAPTIONS[i % 4] + f" ({i})" for i in range(N)]
+    references = [REFERENCES[i % 4] for i in range(N)]
+    return images, captions, references
+
+
+def _ddp_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    images, captions, references = _corpus()
+    results = {}
+    for name, shards in SHARDS.items():
+        metric = CLIPScore(model=model, batch_size=3)  # built inside the worker
+        mine = shards[rank]
+        for start in range(0, len(mine), 2):
+            part = mine[start:start + 2]
+            metric.update([images[i] for i in part], [captions[i] for i in part], [references[i] for i in part], ids=part)
+        result = metric.compute_all()
+        results[name] = {"score": result.score, "scores": result.scores.tolist(), "indices": result.indices.tolist(),
+                         "refclipscore": result.extras["refclipscore"].tolist()}
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path):
+    import torch.multiprocessing as mp
+
+    images, captions, references = _corpus()
+    single = capeval_plugins.load("clipscore", model=tiny_clip)(images, captions, references)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, got in results.items():
+            assert got["indices"] == list(range(N)), name
+            assert got["scores"] == pytest.approx(single.scores.tolist(), abs=1e-5), name
+            assert got["refclipscore"] == pytest.approx(single.extras["refclipscore"].tolist(), abs=1e-5), name
+            assert got["score"] == pytest.approx(single.score, abs=1e-5), name
+
+
+@pytest.mark.slow
+def test_lightning_validation_logs_the_corpus_score(tiny_clip, tmp_path):
+    lightning = pytest.importorskip("lightning")
+
+    images, captions, references = _corpus()
+    tensors = [torch.from_numpy(np.array(img)).permute(2, 0, 1) for img in images]
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return N
+
+        def __getitem__(self, i):
+            return {"image": tensors[i], "caption": captions[i], "id": i}
+
+    def collate(rows):
+        return {"images": [r["image"] for r in rows], "captions": [r["caption"] for r in rows],
+                "ids": [r["id"] for r in rows]}
+
+    class Captioner(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.clip_s = CLIPScore(model=tiny_clip, batch_size=4)
+
+        def validation_step(self, batch, batch_idx):
+            self.clip_s.update(batch["images"], batch["captions"], ids=batch["ids"])
+            self.log("val/clipscore", self.clip_s, on_epoch=True, batch_size=len(batch["ids"]))
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    loader = torch.utils.data.DataLoader(Data(), batch_size=3, collate_fn=collate)
+    logged = trainer.validate(Captioner(), dataloaders=loader, verbose=False)[0]
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(tensors, captions)
+    assert logged["val/clipscore"] == pytest.approx(direct.score, abs=1e-5)
