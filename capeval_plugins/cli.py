@@ -1,4 +1,5 @@
-"""``capeval``: list metrics, score a caption file, build tiny test checkpoints.
+"""``capeval``: list metrics, score a caption file, build tiny test checkpoints, and the subcommands of
+``capeval_plugins/commands/`` (benchmarks, training, ...).
 
 ``capeval score`` also runs under ``torchrun`` / ``accelerate launch``: each rank scores its shard and the
 states are merged through the same reduce step as the torchmetrics adapter.
@@ -186,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("metric")
     p.add_argument("--out", help="folder (default: ~/.cache/capeval_plugins/evaluate_modules)")
     p.set_defaults(func=cmd_evaluate_module)
+
+    from capeval_plugins.commands import add_all
+
+    add_all(sub)  # bench, train, ...: one module each in capeval_plugins/commands/
     return parser
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -326,16 +325,3 @@ def iter_batches(
     finally:
         if bar is not None:
             bar.close()
-
-
-_warned: set[tuple] = set()
-_warn_lock = threading.Lock()
-
-
-def warn_once(key: tuple, message: str) -> None:
-    """Warn the first time ``key`` is seen in this process (e.g. one truncation warning per model)."""
-    with _warn_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    warnings.warn(message, stacklevel=3)

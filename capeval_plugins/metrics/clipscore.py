@@ -68,10 +68,7 @@ class CLIPScore(PointwiseMetric):
 
     @property
     def encoder(self) -> ClipEncoder:
-        c = self.config
-        return ClipEncoder.shared(
-            EncoderSpec(c.model, c.device, c.dtype, c.revision, c.local_files_only, c.trust_remote_code)
-        )
+        return ClipEncoder.shared(EncoderSpec.from_config(self.config))
 
     def score(self, batch: Batch) -> dict[str, Tensor]:
         cfg, enc = self.config, self.encoder

@@ -1,7 +1,6 @@
-"""Encoders shared by several metrics. Pure tensor code over transformers models; no ecosystem imports."""
+"""CLIP-family dual encoders (CLIP, SigLIP, ...): embeddings in the joint image-text space."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -9,31 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.core import loading
-from capeval_plugins.inputs import warn_once
-
-
-def pooled(output: Tensor | object) -> Tensor:
-    """transformers 5 returns an output object from ``get_*_features``; 4.x returned the tensor."""
-    return output if isinstance(output, Tensor) else output.pooler_output  # type: ignore[attr-defined]
-
-
-@dataclass(frozen=True)
-class EncoderSpec:
-    """Which checkpoint to load and how; one spec, one shared encoder."""
-
-    model: str
-    device: str | None = None
-    dtype: str | None = None
-    revision: str | None = None
-    local_files_only: bool | None = None
-    trust_remote_code: bool = False
-
-    def hub(self) -> dict:
-        return {
-            "revision": self.revision,
-            "local_files_only": self.local_files_only,
-            "trust_remote_code": self.trust_remote_code,
-        }
+from capeval_plugins.core.encoders.common import EncoderSpec, pooled
+from capeval_plugins.core.messages import warn_once
 
 
 class ClipEncoder:
@@ -91,9 +67,3 @@ class ClipEncoder:
         inputs = {k: v.to(self.device) for k, v in tokens.items() if k in ("input_ids", "attention_mask")}
         feats = pooled(self.model.get_text_features(**inputs))
         return F.normalize(feats.float(), dim=-1)
-
-
-def segment_max(values: Tensor, segments: Tensor, n_segments: int) -> Tensor:
-    """Max of ``values`` within each segment id (0..n_segments-1), vectorised (empty segments -> -inf)."""
-    out = torch.full((n_segments,), float("-inf"), dtype=values.dtype, device=values.device)
-    return out.scatter_reduce(0, segments.to(values.device), values, reduce="amax", include_self=True)

@@ -1,0 +1,96 @@
+"""Kendall tau-b / tau-c and pairwise accuracy, vectorised numpy (no scipy in the core).
+
+Discordant pairs are counted as inversions with a bottom-up merge whose every level is a handful of sorts
+and binary searches, O(n log^2 n) with no Python loop over samples: fast enough to evaluate tau thousands of
+times (e.g. a simplex grid search over fusion weights) on 17k-row benchmarks.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _dense_rank(values: np.ndarray) -> np.ndarray:
+    return np.unique(values, return_inverse=True)[1].astype(np.int64)
+
+
+def _tie_pairs(values: np.ndarray) -> int:
+    counts = np.unique(values, return_counts=True)[1].astype(np.int64)
+    return int((counts * (counts - 1) // 2).sum())
+
+
+def count_inversions(ranks: np.ndarray) -> int:
+    """Number of pairs i < j with ranks[i] > ranks[j] (strictly), for non-negative integer ranks."""
+    n = len(ranks)
+    if n < 2:
+        return 0
+    width = int(ranks.max()) + 1
+    pos = np.arange(n, dtype=np.int64)
+    current = ranks.astype(np.int64)  # every block of `size` elements is sorted
+    total = 0
+    size = 1
+    while size < n:
+        block = pos // (2 * size)
+        keys = block * width + current
+        in_right = (pos // size) % 2 == 1
+        left = keys[~in_right]  # globally sorted: blocks ascend, each block's left half is sorted
+        right, right_block = keys[in_right], block[in_right]
+        not_greater = np.searchsorted(left, right, side="right") - np.searchsorted(left, right_block * width, side="left")
+        total += int((size - not_greater).sum())  # a block with a right half has a full left half
+        current = np.sort(keys) - block * width
+        size *= 2
+    return total
+
+
+def _concordance(x: np.ndarray, y: np.ndarray) -> tuple[int, int, int, int]:
+    """(P - Q, pairs tied in x, pairs tied in y, n)."""
+    order = np.lexsort((y, x))
+    discordant = count_inversions(_dense_rank(y)[order])
+    n = len(x)
+    total = n * (n - 1) // 2
+    x_ties, y_ties = _tie_pairs(x), _tie_pairs(y)
+    both_ties = _tie_pairs(np.stack([_dense_rank(x), _dense_rank(y)], axis=1).view(np.complex128).ravel()) if n else 0
+    return total - x_ties - y_ties + both_ties - 2 * discordant, x_ties, y_ties, n
+
+
+def kendall_tau(x, y, variant: str = "b") -> float:
+    """Kendall's tau-b or tau-c (Stuart's), as ``scipy.stats.kendalltau(x, y, variant=...)`` defines them.
+    NaN when undefined (fewer than two samples, or a constant input)."""
+    x = np.asarray(x, dtype=np.float64).ravel()
+    y = np.asarray(y, dtype=np.float64).ravel()
+    if x.shape != y.shape:
+        raise ValueError(f"x and y differ in length: {len(x)} vs {len(y)}")
+    if np.isnan(x).any() or np.isnan(y).any():
+        raise ValueError("kendall_tau got NaN; drop or fill those samples first")
+    n = len(x)
+    if n < 2:
+        return math.nan
+    con_minus_dis, x_ties, y_ties, _ = _concordance(x, y)
+    total = n * (n - 1) // 2
+    if variant == "b":
+        denom = math.sqrt(float(total - x_ties) * float(total - y_ties))
+        return con_minus_dis / denom if denom > 0 else math.nan
+    if variant == "c":
+        classes = min(len(np.unique(x)), len(np.unique(y)))
+        if classes < 2:
+            return math.nan
+        return 2.0 * con_minus_dis / (n * n * (classes - 1) / classes)
+    raise ValueError(f"variant must be 'b' or 'c', got {variant!r}")
+
+
+def pairwise_accuracy(score_a, score_b, preferred, ties: str = "half") -> float:
+    """Share of pairs where the metric prefers the caption humans preferred (``preferred`` = 0 for A, 1 for
+    B). A tie counts ``ties="half"`` (0.5) or ``"wrong"`` (0)."""
+    a = np.asarray(score_a, dtype=np.float64)
+    b = np.asarray(score_b, dtype=np.float64)
+    label = np.asarray(preferred, dtype=np.int64)
+    if not (a.shape == b.shape == label.shape):
+        raise ValueError("score_a, score_b and preferred must have the same length")
+    if ties not in ("half", "wrong"):
+        raise ValueError("ties must be 'half' or 'wrong'")
+    picks_b = b > a
+    correct = np.where(label == 1, picks_b, a > b).astype(np.float64)
+    if ties == "half":
+        correct[a == b] = 0.5
+    return float(correct.mean()) if len(correct) else math.nan

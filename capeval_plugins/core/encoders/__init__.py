@@ -1,0 +1,10 @@
+"""Encoders shared by metrics: one module per family, pure tensor code over transformers models.
+
+- ``clip``: CLIP-family dual encoders (global embeddings; patch and token embeddings in the joint space)
+- ``common``: spec of a checkpoint to load, pooled-output handling, segment reductions
+Further families (DINO, text encoders, image-conditioned text encoders) live beside them.
+"""
+from capeval_plugins.core.encoders.clip import ClipEncoder
+from capeval_plugins.core.encoders.common import EncoderSpec, pooled, segment_max
+
+__all__ = ["ClipEncoder", "EncoderSpec", "pooled", "segment_max"]

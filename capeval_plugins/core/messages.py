@@ -1,0 +1,17 @@
+"""Warnings said once per process (truncation, fallbacks), not once per batch."""
+from __future__ import annotations
+
+import threading
+import warnings
+
+_warned: set[tuple] = set()
+_warn_lock = threading.Lock()
+
+
+def warn_once(key: tuple, message: str) -> None:
+    """Warn the first time ``key`` is seen in this process (e.g. one truncation warning per model)."""
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, stacklevel=3)
