@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 INDEX = "index"
@@ -32,16 +33,42 @@ Usage = Literal["never", "optional", "always"]
 @dataclass(frozen=True)
 class StateSpec:
     """How one state tensor merges: ``"cat"`` stacks per-sample rows of shape ``shape``; ``"sum"`` adds
-    tensors of shape ``shape`` (sufficient statistics, float64 for anything squared)."""
+    tensors of shape ``shape`` (sufficient statistics, float64 for anything squared).
+
+    A ``-1`` in a ``"cat"`` shape is a ragged axis (e.g. the bytes of a caption, see :func:`encode_texts`):
+    batches may differ in that width and are zero-padded to the widest when merged."""
 
     reduce: Literal["cat", "sum"]
     dtype: torch.dtype = torch.float64
     shape: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.reduce not in ("cat", "sum"):
+            raise ValueError(f"reduce must be 'cat' or 'sum', got {self.reduce!r}")
+        if self.reduce == "sum" and -1 in self.shape:
+            raise ValueError("a 'sum' state cannot have a ragged axis")
+
+    @property
+    def ragged(self) -> bool:
+        return -1 in self.shape
+
     def empty(self, device: torch.device | str | None = None) -> Tensor:
         if self.reduce == "cat":
-            return torch.zeros((0, *self.shape), dtype=self.dtype, device=device)
+            return torch.zeros((0, *(max(d, 0) for d in self.shape)), dtype=self.dtype, device=device)
         return torch.zeros(self.shape, dtype=self.dtype, device=device)
+
+    def cat(self, rows: Sequence[Tensor]) -> Tensor:
+        """Concatenate row blocks, zero-padding ragged axes to the widest block."""
+        if not rows:
+            return self.empty()
+        rows = [r if self.ragged else r.reshape(-1, *self.shape) for r in rows]
+        if self.ragged:
+            width = [max(r.shape[1 + i] for r in rows) for i in range(len(self.shape))]
+            rows = [
+                F.pad(r, [p for i in reversed(range(len(width))) for p in (0, width[i] - r.shape[1 + i])])
+                for r in rows
+            ]
+        return torch.cat(list(rows), dim=0)
 
 
 @dataclass(frozen=True)
@@ -244,7 +271,10 @@ def map_batch(metric: Metric, batch: Batch) -> dict[str, Tensor]:
     for key, value in out.items():
         want = spec[key]
         expected = (n, *want.shape) if want.reduce == "cat" else want.shape
-        if tuple(value.shape) != tuple(expected):
+        got = tuple(value.shape)
+        if want.ragged and len(got) == len(expected):
+            got = tuple(-1 if e == -1 else g for g, e in zip(got, expected))
+        if got != tuple(expected):
             raise RuntimeError(f"{metric.info.name}.map: state {key!r} has shape {tuple(value.shape)}, expected {expected}")
         checked[key] = value.detach().to(want.dtype)
     checked[INDEX] = batch.indices.to(torch.int64)
@@ -261,7 +291,7 @@ def merge_states(spec: Mapping[str, StateSpec], parts: Sequence[Mapping[str, Ten
         if not values:
             merged[key] = want.empty()
         elif want.reduce == "cat":
-            merged[key] = torch.cat([v.reshape(-1, *want.shape) for v in values], dim=0)
+            merged[key] = want.cat(values)
         else:
             merged[key] = torch.stack(list(values)).sum(dim=0)
     return merged
@@ -282,7 +312,10 @@ def canonical_state(spec: Mapping[str, StateSpec], state: Mapping[str, Tensor]) 
     out = {}
     for key, want in spec.items():
         value = state[key]
-        out[key] = value.reshape(-1, *want.shape)[rows.to(value.device)] if want.reduce == "cat" else value
+        if want.reduce == "cat":
+            value = value if want.ragged else value.reshape(-1, *want.shape)
+            value = value[rows.to(value.device)]
+        out[key] = value
     return out, int((~keep).sum())
 
 
@@ -349,6 +382,25 @@ class PointwiseMetric(Metric):
             extras=extras,
             corpus_extras=corpus,
         )
+
+
+def encode_texts(texts: Sequence[str]) -> Tensor:
+    """Strings as a ``(B, max_bytes)`` uint8 tensor (UTF-8, zero-padded): how a metric that needs the raw text
+    at finalize (corpus statistics such as CIDEr's idf) keeps it in a ragged ``"cat"`` state
+    (``StateSpec("cat", torch.uint8, (-1,))``), which merges across batches and DDP ranks like any tensor."""
+    data = [t.encode("utf-8") for t in texts]
+    if any(b"\x00" in d for d in data):
+        raise ValueError("texts must not contain NUL characters")
+    out = torch.zeros((len(data), max((len(d) for d in data), default=0)), dtype=torch.uint8)
+    for i, d in enumerate(data):
+        out[i, : len(d)] = torch.frombuffer(bytearray(d), dtype=torch.uint8) if d else out[i, :0]
+    return out
+
+
+def decode_texts(rows: Tensor) -> list[str]:
+    """Inverse of :func:`encode_texts`."""
+    raw = rows.to(torch.uint8).cpu().numpy()
+    return [bytes(r).rstrip(b"\x00").decode("utf-8") for r in raw]
 
 
 def nanmean(values: Tensor) -> float:

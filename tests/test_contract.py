@@ -164,3 +164,47 @@ def test_deepcopy_shares_metric():
 
     metric = Length()
     assert copy.deepcopy(metric) is metric
+
+
+def test_text_states_round_trip_and_merge_ragged():
+    from capeval_plugins.contract import decode_texts, encode_texts
+
+    texts = ["a", "", "ünïcödé caption", "x" * 40]
+    assert decode_texts(encode_texts(texts)) == texts
+    spec = StateSpec("cat", torch.uint8, (-1,))
+    merged = spec.cat([encode_texts(texts[:2]), encode_texts(texts[2:])])
+    assert merged.shape == (4, len("x" * 40)) and decode_texts(merged) == texts
+    assert spec.empty().shape == (0, 0)
+    with pytest.raises(ValueError, match="ragged"):
+        StateSpec("sum", torch.float64, (-1,))
+
+
+class CorpusText(Metric):
+    """Keeps the raw captions (ragged bytes) and scores at finalize: the shape of corpus-level metrics."""
+
+    info = MetricInfo(name="corpus_text", display_name="CorpusText", description="", citation="",
+                      references="never", images="never")
+
+    def states(self):
+        return {"text": StateSpec("cat", torch.uint8, (-1,))}
+
+    def map(self, batch):
+        from capeval_plugins.contract import encode_texts
+
+        return {"text": encode_texts(batch.candidates)}
+
+    def finalize(self, state):
+        from capeval_plugins.contract import decode_texts
+
+        texts = decode_texts(state["text"])
+        vocab = {w for t in texts for w in t.split()}
+        scores = torch.tensor([len(set(t.split())) / len(vocab) for t in texts], dtype=torch.float64)
+        return MetricResult(self.info.name, float(len(vocab)), scores, state[INDEX])
+
+
+def test_ragged_text_state_through_batches_equals_one_batch():
+    caps = ["a b", "c d e f g h", "a", "zz yy xx ww vv uu tt ss"]
+    one = CorpusText(batch_size=64)(None, caps)
+    many = CorpusText(batch_size=1)(None, caps)
+    assert one.score == many.score == len({w for c in caps for w in c.split()})
+    assert many.scores.tolist() == one.scores.tolist()

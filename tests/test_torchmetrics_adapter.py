@@ -140,3 +140,46 @@ def test_lightning_validation_logs_the_corpus_score(tiny_clip, tmp_path):
     logged = trainer.validate(Captioner(), dataloaders=loader, verbose=False)[0]
     direct = capeval_plugins.load("clipscore", model=tiny_clip)(tensors, captions)
     assert logged["val/clipscore"] == pytest.approx(direct.score, abs=1e-5)
+
+
+TEXTS = ["one", "two words", "three words here", "a much longer caption with many words", "x", "y z", "w"]
+
+
+def _ragged_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Ragged text states: ranks with different numbers of batches of different widths, one rank empty."""
+    import sys
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_contract import CorpusText
+
+    from capeval_plugins.adapters.torchmetrics import CapevalMetric
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for name, shards in {"uneven": {0: [0, 1, 2, 3, 4], 1: [5, 6, 0]}, "empty_rank": {0: list(range(7)), 1: []}}.items():
+        metric = CapevalMetric(metric=CorpusText())
+        mine = shards[rank]
+        for start in range(0, len(mine), 2):
+            part = mine[start:start + 2]
+            metric.update(captions=[TEXTS[i] for i in part], ids=part)
+        result = metric.compute_all()
+        results[name] = {"score": result.score, "scores": result.scores.tolist(), "indices": result.indices.tolist()}
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_ragged_text_states(tmp_path):
+    import torch.multiprocessing as mp
+
+    from test_contract import CorpusText
+
+    single = CorpusText()(None, TEXTS)
+    mp.spawn(_ragged_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        for name, got in torch.load(tmp_path / f"rank{rank}.pt").items():
+            assert got["indices"] == list(range(len(TEXTS))), name
+            assert got["scores"] == single.scores.tolist() and got["score"] == single.score, name

@@ -14,7 +14,6 @@ from typing import Any, Sequence
 
 import torch
 import torchmetrics
-from torchmetrics.utilities.data import dim_zero_cat
 
 from capeval_plugins import registry
 from capeval_plugins.adapters.naming import identifier, lookup
@@ -51,7 +50,8 @@ class CapevalMetric(torchmetrics.Metric):
         self._spec = full_spec(self.capeval_metric)
         for name, spec in self._spec.items():
             if spec.reduce == "cat":
-                self.add_state(name, default=[], dist_reduce_fx="cat")
+                # ragged rows are gathered per rank and padded to the widest in _merged_state
+                self.add_state(name, default=[], dist_reduce_fx=None if spec.ragged else "cat")
             else:
                 self.add_state(name, default=spec.empty(), dist_reduce_fx="sum")
         self._seen = 0
@@ -89,9 +89,9 @@ class CapevalMetric(torchmetrics.Metric):
         state = {}
         for name, spec in self._spec.items():
             value = getattr(self, name)
-            if isinstance(value, list):
-                value = dim_zero_cat(value) if value else spec.empty(self.device)
-            state[name] = value.reshape(-1, *spec.shape) if spec.reduce == "cat" else value
+            if spec.reduce == "cat":
+                value = spec.cat(value if isinstance(value, list) else [value]).to(self.device)
+            state[name] = value
         return state
 
     def compute(self) -> torch.Tensor:
@@ -110,11 +110,14 @@ class CapevalMetric(torchmetrics.Metric):
         self._result = None
 
     def _sync_dist(self, dist_sync_fn=None, process_group=None) -> None:
-        # A rank with no samples must still send rows of the right dtype and trailing shape, or the
-        # all-gather fails (torchmetrics' own placeholder is a 1-D float32 tensor).
+        # Every rank sends exactly one tensor per "cat" state, of the state's true dtype and trailing shape:
+        # torchmetrics' placeholder for a rank with no samples is a 1-D float32 tensor (the gather then
+        # fails), and it does not pre-concatenate ragged states, whose per-batch lists differ in length
+        # between ranks (one collective per list item would then deadlock).
         for name, spec in self._spec.items():
-            if spec.reduce == "cat" and isinstance(getattr(self, name), list) and not getattr(self, name):
-                setattr(self, name, [spec.empty(self.device)])
+            value = getattr(self, name)
+            if spec.reduce == "cat" and isinstance(value, list) and (not value or spec.ragged):
+                setattr(self, name, [spec.cat(value).to(self.device)])
         kwargs = {"process_group": process_group}
         if dist_sync_fn is not None:
             kwargs["dist_sync_fn"] = dist_sync_fn
