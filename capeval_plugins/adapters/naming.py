@@ -1,4 +1,4 @@
-"""Class names adapters expose for registered metrics, derived from ``MetricInfo.display_name``.
+"""Per-metric classes an adapter exposes, named after ``MetricInfo.display_name``.
 
 ``CLIPScore`` -> torchmetrics-style ``CLIPScore``; pycocoevalcap-style (``Bleu``, ``Cider``) ``ClipScore``.
 Either spelling, or the registry name, finds the metric.
@@ -6,6 +6,7 @@ Either spelling, or the registry name, finds the metric.
 from __future__ import annotations
 
 import re
+from typing import Any, Callable
 
 from capeval_plugins import registry
 from capeval_plugins.contract import MetricInfo
@@ -30,3 +31,39 @@ def lookup(attribute: str) -> str | None:
         if attribute in (identifier(entry.info), coco_identifier(entry.info), name):
             return name
     return None
+
+
+class GeneratedClasses:
+    """One subclass of an adapter's ``base`` per registered metric, built on first use and cached.
+
+    ``module`` is the public module the classes appear in; ``namer`` names them; ``attributes(info)`` adds
+    class attributes (``_capeval_name`` is always set)."""
+
+    def __init__(self, base: type, module: str, namer: Callable[[MetricInfo], str],
+                 attributes: Callable[[MetricInfo], dict[str, Any]] = lambda info: {}) -> None:
+        self.base, self.module, self.namer, self.attributes = base, module, namer, attributes
+        self._classes: dict[str, type] = {}
+
+    def __call__(self, name: str) -> type:
+        """The class of the registered metric ``name`` (``"clipscore"`` or ``"capeval/clipscore"``)."""
+        name = registry.canonical_name(name)
+        if name not in self._classes:
+            info = registry.get(name).info
+            body = {"_capeval_name": name, "__module__": self.module,
+                    "__doc__": f"{info.display_name} ({self.module}).\n\n{info.description}",
+                    **self.attributes(info)}
+            self._classes[name] = type(self.namer(info), (self.base,), body)
+        return self._classes[name]
+
+    def attribute(self, attr: str) -> type:
+        name = lookup(attr) if not attr.startswith("__") else None
+        if name is None:
+            raise AttributeError(f"module {self.module!r} has no attribute {attr!r}")
+        return self(name)
+
+    def names(self) -> list[str]:
+        return sorted(self.namer(entry.info) for entry in registry.metrics().values())
+
+    def module_hooks(self, exported: list[str]) -> tuple[Callable, Callable]:
+        """``__getattr__`` and ``__dir__`` for the public module."""
+        return self.attribute, lambda: sorted(set(exported) | set(self.names()))

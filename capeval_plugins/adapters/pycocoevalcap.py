@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import numpy as np
+from pycocoevalcap.eval import COCOEvalCap as StockCOCOEvalCap
 
 from capeval_plugins import registry
-from capeval_plugins.adapters.naming import coco_identifier, lookup
+from capeval_plugins.adapters.naming import GeneratedClasses, coco_identifier
 from capeval_plugins.contract import Metric, MetricResult
 
 
@@ -98,31 +99,7 @@ class CapevalScorer:
         return self.last_result.score, np.asarray(self.last_result.scores.tolist())
 
 
-_classes: dict[str, type[CapevalScorer]] = {}
-
-
-def scorer_class(name: str) -> type[CapevalScorer]:
-    name = registry.canonical_name(name)
-    if name not in _classes:
-        info = registry.get(name).info
-        _classes[name] = type(
-            coco_identifier(info),
-            (CapevalScorer,),
-            {"_capeval_name": name, "__module__": "capeval_plugins.pycocoevalcap",
-             "__doc__": f"{info.display_name} as a pycocoevalcap scorer.\n\n{info.description}"},
-        )
-    return _classes[name]
-
-
-def attribute(attr: str) -> type[CapevalScorer]:
-    name = lookup(attr)
-    if name is None:
-        raise AttributeError(f"module 'capeval_plugins.pycocoevalcap' has no attribute {attr!r}")
-    return scorer_class(name)
-
-
-def names() -> list[str]:
-    return sorted(coco_identifier(entry.info) for entry in registry.metrics().values())
+scorer_class = GeneratedClasses(CapevalScorer, "capeval_plugins.pycocoevalcap", coco_identifier)
 
 
 def spice_available() -> bool:
@@ -143,13 +120,7 @@ def _stock_scorers(spice: bool) -> list[tuple[Any, Any]]:
     return scorers
 
 
-def _coco_eval_base():
-    from pycocoevalcap.eval import COCOEvalCap as Stock
-
-    return Stock
-
-
-class COCOEvalCap(_coco_eval_base()):
+class COCOEvalCap(StockCOCOEvalCap):
     """Drop-in for ``pycocoevalcap.eval.COCOEvalCap`` that adds capeval scorers.
 
     ``COCOEvalCap(coco, cocoRes, scorers=[ClipScore(resolver)])`` or ``metrics=["clipscore"]`` with

@@ -16,7 +16,7 @@ import torch
 import torchmetrics
 
 from capeval_plugins import registry
-from capeval_plugins.adapters.naming import identifier, lookup
+from capeval_plugins.adapters.naming import GeneratedClasses, identifier
 from capeval_plugins.contract import Metric, MetricResult, finalize_state, full_spec, map_batch
 from capeval_plugins.inputs import iter_batches, prepare_samples
 
@@ -124,33 +124,7 @@ class CapevalMetric(torchmetrics.Metric):
         super()._sync_dist(**kwargs)
 
 
-_classes: dict[str, type[CapevalMetric]] = {}
-
-
-def metric_class(name: str) -> type[CapevalMetric]:
-    """The torchmetrics class of a registered metric (built once)."""
-    name = registry.canonical_name(name)
-    if name not in _classes:
-        info = registry.get(name).info
-        _classes[name] = type(
-            identifier(info),
-            (CapevalMetric,),
-            {
-                "_capeval_name": name,
-                "higher_is_better": info.higher_is_better,
-                "__module__": "capeval_plugins.torchmetrics",
-                "__doc__": f"{info.display_name} as a torchmetrics Metric.\n\n{info.description}",
-            },
-        )
-    return _classes[name]
-
-
-def attribute(attr: str) -> type[CapevalMetric]:
-    name = lookup(attr)
-    if name is None:
-        raise AttributeError(f"module 'capeval_plugins.torchmetrics' has no attribute {attr!r}")
-    return metric_class(name)
-
-
-def names() -> list[str]:
-    return sorted(identifier(entry.info) for entry in registry.metrics().values())
+metric_class = GeneratedClasses(
+    CapevalMetric, "capeval_plugins.torchmetrics", identifier,
+    lambda info: {"higher_is_better": info.higher_is_better},
+)

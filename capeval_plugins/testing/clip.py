@@ -37,3 +37,22 @@ def build_clip(path: Path, seed: int, image_size: int = 32, patch_size: int = 8)
     crop = {"height": image_size, "width": image_size}
     image_processor = CLIPImageProcessor(size=size, crop_size=crop)
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
+
+
+@builder("clip_vit_b32")
+def build_clip_vit_b32(path: Path, seed: int) -> None:
+    """Full-size ViT-B/32 CLIP (the CLIPScore paper's architecture) with random weights, about 600 MB:
+    for benchmarks that need real compute, not for tests."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    tokenizer = clip_tokenizer()
+    config = CLIPConfig(
+        text_config=dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(patch_size=32),
+        projection_dim=512,
+    )
+    torch.manual_seed(seed)
+    CLIPModel(config).save_pretrained(path)
+    CLIPProcessor(image_processor=CLIPImageProcessor(), tokenizer=tokenizer).save_pretrained(path)
