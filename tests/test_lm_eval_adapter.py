@@ -11,17 +11,17 @@ lm_eval = pytest.importorskip("lm_eval")
 
 
 def test_registration_keeps_builtins_and_is_idempotent():
-    import lm_eval.api.registry as reg
-
-    from capeval_plugins.adapters import lm_eval as adapter
-
-    before = set(reg.metric_registry)
-    assert {"exact_match", "bleu", "acc"} <= before
-    names = adapter.register()
-    adapter.register()
-    assert {"clipscore", "capeval/clipscore", "refclipscore"} <= set(names)
-    assert before <= set(reg.metric_registry)
-    assert reg.get_aggregation("capeval/clipscore") is not None
+    """In a fresh interpreter, importing ours first must not make lm-eval's lazily loaded built-ins vanish."""
+    proc = run([PYTHON, "-c", (
+        "import capeval_plugins.lm_eval as ours\n"
+        "import lm_eval.api.registry as reg\n"
+        "names = ours.register(); ours.register()\n"
+        "print(sorted({'exact_match', 'bleu', 'acc', 'perplexity'} - set(reg.metric_registry)))\n"
+        "print(sorted({'clipscore', 'capeval/clipscore', 'refclipscore'} - set(names)))\n"
+        "print(reg.get_aggregation('capeval/clipscore') is not None, reg.get_aggregation('mean') is not None)\n"
+    )])
+    missing_builtins, missing_ours, aggregations = proc.stdout.strip().splitlines()[-3:]
+    assert missing_builtins == "[]" and missing_ours == "[]" and aggregations == "True True"
 
 
 def _captioner():
