@@ -85,7 +85,9 @@ def build_blip_itm(path: Path, seed: int, image_size: int = 32, patch_size: int 
         text_config=dict(**_LAYERS, vocab_size=len(tokenizer), encoder_hidden_size=32, max_position_embeddings=512,
                          bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
                          sep_token_id=tokenizer.sep_token_id, eos_token_id=tokenizer.sep_token_id),
-        vision_config=dict(**_LAYERS, image_size=image_size, patch_size=patch_size),
+        # BlipVisionConfig's default initializer_range (1e-10) makes a random vision tower whose output
+        # hardly depends on the image; tests of image conditioning need it to.
+        vision_config=dict(**_LAYERS, image_size=image_size, patch_size=patch_size, initializer_range=0.02),
         projection_dim=16, image_text_hidden_size=16,
     )
     torch.manual_seed(seed)

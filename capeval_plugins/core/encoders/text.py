@@ -1,0 +1,249 @@
+"""Contextual token embeddings of a text encoder at one layer (BERT, RoBERTa, DeBERTa, DeBERTa-v2/v3 ...).
+
+Tokenisation follows bert_score: captions are stripped, special tokens added ([CLS] ... [SEP] or <s> ... </s>),
+byte-level BPE tokenizers (GPT-2, RoBERTa) see a leading space so the first word is tokenised like any other,
+and text beyond the tokenizer's limit is truncated (keeping the closing special token) with one warning per
+model. The embedding of layer k is the output of the k-th transformer block (``hidden_states[k]``; 0 is the
+embedding layer), which is what bert_score gets by dropping the blocks above k; blocks above k are skipped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from capeval_plugins.core import loading
+from capeval_plugins.core.encoders.common import EncoderSpec
+from capeval_plugins.core.messages import warn_once
+
+# bert_score's layer choice (best WMT16 correlation) for the models of the families supported here.
+BERT_SCORE_LAYERS = {
+    "bert-base-uncased": 9,
+    "bert-large-uncased": 18,
+    "bert-base-cased-finetuned-mrpc": 9,
+    "bert-base-multilingual-cased": 9,
+    "bert-base-chinese": 8,
+    "roberta-base": 10,
+    "roberta-large": 17,
+    "roberta-large-mnli": 19,
+    "distilroberta-base": 5,
+    "xlm-roberta-base": 9,
+    "xlm-roberta-large": 17,
+    "allenai/scibert_scivocab_uncased": 8,
+    "allenai/scibert_scivocab_cased": 9,
+    "microsoft/deberta-base": 9,
+    "microsoft/deberta-base-mnli": 9,
+    "microsoft/deberta-large": 16,
+    "microsoft/deberta-large-mnli": 18,
+    "microsoft/deberta-xlarge": 18,
+    "microsoft/deberta-xlarge-mnli": 40,
+    "microsoft/deberta-v2-xlarge": 10,
+    "microsoft/deberta-v2-xlarge-mnli": 17,
+    "microsoft/deberta-v2-xxlarge": 21,
+    "microsoft/deberta-v2-xxlarge-mnli": 22,
+    "microsoft/deberta-v3-xsmall": 10,
+    "microsoft/deberta-v3-small": 4,
+    "microsoft/deberta-v3-base": 9,
+    "microsoft/mdeberta-v3-base": 10,
+    "microsoft/deberta-v3-large": 12,
+}
+# Hub organisations that now host the models bert_score names without one.
+_LEGACY_ORGS = ("FacebookAI/", "google-bert/", "distilbert/")
+
+
+def bert_score_layer(model: str) -> int | None:
+    """bert_score's default layer for a hub id, or None for a model it has no entry for (or a path)."""
+    if model in BERT_SCORE_LAYERS:
+        return BERT_SCORE_LAYERS[model]
+    for org in _LEGACY_ORGS:
+        if model.startswith(org) and model[len(org):] in BERT_SCORE_LAYERS:
+            return BERT_SCORE_LAYERS[model[len(org):]]
+    return None
+
+
+@dataclass
+class TokenEmbeddings:
+    """Token embeddings of a batch of texts, right-padded: ``embeddings`` (B, L, D), ``input_ids`` (B, L),
+    ``attention_mask`` (B, L) bool (real tokens) and ``special`` (B, L) bool (special tokens: [CLS]/[SEP] or
+    <s>/</s> for :class:`TextEncoder`, the tokenizer's special-token mask for image-conditioned encoders)."""
+
+    embeddings: Tensor
+    input_ids: Tensor
+    attention_mask: Tensor
+    special: Tensor
+
+    def __len__(self) -> int:
+        return self.embeddings.shape[0]
+
+    def rows(self, index: Tensor) -> "TokenEmbeddings":
+        index = index.to(self.embeddings.device)
+        return TokenEmbeddings(self.embeddings[index], self.input_ids[index], self.attention_mask[index],
+                               self.special[index])
+
+
+class _Stop(Exception):
+    """Raised by a forward pre-hook to skip the transformer blocks above the requested layer."""
+
+
+def transformer_blocks(module: Any) -> torch.nn.ModuleList:
+    """The list of transformer blocks of an encoder (``encoder.layer`` in BERT-like models)."""
+    for path in ("encoder.layer", "transformer.layer"):
+        obj = module
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if isinstance(obj, torch.nn.ModuleList):
+            return obj
+    raise ValueError(f"{type(module).__name__}: cannot find its transformer blocks (encoder.layer); "
+                     "supported are BERT-like encoders (BERT, RoBERTa, DeBERTa, DeBERTa-v2/v3, ...)")
+
+
+def resolve_layer(layer: int, n_blocks: int, name: str) -> int:
+    """A layer index in 0..n_blocks (0 = embeddings); negative counts from the end (-1 = last block)."""
+    index = layer + n_blocks + 1 if layer < 0 else layer
+    if not 0 <= index <= n_blocks:
+        raise ValueError(f"{name}: layer {layer} does not exist; the model has layers 0..{n_blocks} "
+                         f"(or -1..-{n_blocks + 1} from the end)")
+    return index
+
+
+def hidden_state_at(forward: Callable[..., Any], blocks: torch.nn.ModuleList, layer: int, **inputs: Any) -> Tensor:
+    """``hidden_states[layer]`` of ``forward(**inputs)`` without running the blocks above ``layer``: the input
+    of block ``layer`` (0-based) is the output of the block before it (and of anything the encoder applies in
+    between, e.g. DeBERTa-v2's convolution). A pre-hook captures it and stops the forward there; the hook lives
+    only for this call (do not run one shared model from several threads at once)."""
+    if layer >= len(blocks):
+        return forward(**inputs, output_hidden_states=True).hidden_states[layer]
+    captured: dict[str, Tensor] = {}
+
+    def stop(module, args, kwargs):
+        captured["h"] = args[0] if args else kwargs["hidden_states"]
+        raise _Stop
+
+    handle = blocks[layer].register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        forward(**inputs)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return captured["h"]
+
+
+def pad_rows(rows: Sequence[Sequence[int]], value: int) -> tuple[Tensor, Tensor]:
+    """Right-pad lists of ids into a (B, L) tensor and its bool mask."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), value, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = True
+    return ids, mask
+
+
+def length_order(lengths: Sequence[int]) -> list[int]:
+    """Positions sorted longest first, so chunks hold texts of similar length (little padding)."""
+    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+
+def concat_padded(chunks: Sequence[TokenEmbeddings], order: Sequence[int]) -> TokenEmbeddings:
+    """Concatenate chunk outputs (padded to the longest) and undo the length ordering."""
+    width = max(c.embeddings.shape[1] for c in chunks)
+
+    def pad(t: Tensor, value) -> Tensor:
+        extra = width - t.shape[1]
+        if extra == 0:
+            return t
+        shape = (t.shape[0], extra, *t.shape[2:])
+        return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=1)
+
+    out = TokenEmbeddings(
+        torch.cat([pad(c.embeddings, 0) for c in chunks]),
+        torch.cat([pad(c.input_ids, 0) for c in chunks]),
+        torch.cat([pad(c.attention_mask, False) for c in chunks]),
+        torch.cat([pad(c.special, False) for c in chunks]),
+    )
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return out.rows(inverse)
+
+
+class TextEncoder:
+    """Token embeddings of a BERT-like text encoder at one layer, for greedy matching."""
+
+    def __init__(self, spec: EncoderSpec, num_layers: int | None = None):
+        from transformers import AutoModel, AutoTokenizer
+
+        self.spec = spec
+        self.tokenizer = loading.load_processor(AutoTokenizer, spec.model, **spec.hub())
+        self.model = loading.load_model(AutoModel, spec.model, device=spec.device, dtype=spec.dtype, **spec.hub())
+        self.device = next(self.model.parameters()).device
+        self.blocks = transformer_blocks(self.model)
+        if num_layers is None:
+            num_layers = bert_score_layer(spec.model)
+        self.layer = len(self.blocks) if num_layers is None else resolve_layer(num_layers, len(self.blocks), spec.model)
+        self.max_tokens = self._max_tokens()
+        self.prefix_space = _byte_level_bpe(self.tokenizer)
+        self.special_ids = frozenset(
+            i for i in (self.tokenizer.cls_token_id, self.tokenizer.sep_token_id) if i is not None
+        )
+
+    @classmethod
+    def shared(cls, spec: EncoderSpec, num_layers: int | None = None) -> "TextEncoder":
+        return loading.shared(("TextEncoder", spec, num_layers), lambda: cls(spec, num_layers))
+
+    def _max_tokens(self) -> int:
+        # The tokenizer's limit (bert_score's); when it sets none, the model's position limit, to stay safe.
+        limit = self.tokenizer.model_max_length
+        if limit is None or limit > 100_000:  # "no limit" sentinel of tokenizers without a configured length
+            limit = getattr(self.model.config, "max_position_embeddings", 512)
+        return int(limit)
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Ids with special tokens, as bert_score's ``sent_encode``; captions over the limit are truncated
+        keeping the closing special token, with a warning (once per model)."""
+        prepared = [(" " + t.strip()) if self.prefix_space else t.strip() for t in texts]
+        ids = self.tokenizer(prepared, add_special_tokens=True)["input_ids"]
+        too_long = [i for i, row in enumerate(ids) if len(row) > self.max_tokens]
+        if too_long:
+            warn_once(
+                ("truncate", self.spec.model),
+                f"{len(too_long)} text(s) exceed the {self.max_tokens}-token limit of {self.spec.model}; they are "
+                "truncated keeping the closing special token, as bert_score does (reported once per model)",
+            )
+            cut = self.tokenizer([prepared[i] for i in too_long], add_special_tokens=True, truncation=True,
+                                 max_length=self.max_tokens)["input_ids"]
+            for i, row in zip(too_long, cut):
+                ids[i] = row
+        return [list(row) for row in ids]
+
+    @torch.inference_mode()
+    def embed_ids(self, ids: Sequence[Sequence[int]], batch_size: int = 64) -> TokenEmbeddings:
+        """Embeddings at ``self.layer`` of tokenised texts, in chunks of ``batch_size`` texts of similar length."""
+        if not ids:
+            raise ValueError("no texts to embed")
+        order = length_order([len(r) for r in ids])
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        chunks = []
+        for start in range(0, len(order), max(1, batch_size)):
+            rows = [ids[i] for i in order[start : start + batch_size]]
+            input_ids, mask = pad_rows(rows, pad_id)
+            hidden = hidden_state_at(self.model, self.blocks, self.layer, input_ids=input_ids.to(self.device),
+                                     attention_mask=mask.long().to(self.device))
+            special = torch.zeros_like(mask)
+            for sid in self.special_ids:
+                special |= input_ids == sid
+            chunks.append(TokenEmbeddings(hidden.float(), input_ids.to(self.device), mask.to(self.device),
+                                          special.to(self.device)))
+        return concat_padded(chunks, order)
+
+    def embed(self, texts: Sequence[str], batch_size: int = 64) -> TokenEmbeddings:
+        return self.embed_ids(self.tokenize(texts), batch_size)
+
+
+def _byte_level_bpe(tokenizer: Any) -> bool:
+    # bert_score passes add_prefix_space=True for these two classes (and their subclasses) only.
+    from transformers import GPT2Tokenizer, RobertaTokenizer
+
+    return isinstance(tokenizer, (GPT2Tokenizer, RobertaTokenizer))

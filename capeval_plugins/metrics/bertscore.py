@@ -1,0 +1,212 @@
+"""BERTScore (Zhang et al., ICLR 2020), as the ``bert_score`` package computes it.
+
+P = mean over candidate tokens of the best cosine to a reference token, R the reverse, F = 2PR / (P + R),
+optionally idf-weighted, on the contextual embeddings of one layer. Registered as ``bertscore`` (exposed to
+Hugging Face ``evaluate`` only as ``capeval/bertscore``: the canonical ``bertscore`` module is never shadowed).
+
+idf needs the references of the whole corpus, so the greedy matching runs per batch and the weighting at
+finalize: ``map`` keeps, per sample and reference, each token's id and its best cosine (which do not depend
+on the weights); ``finalize`` counts document frequencies over every reference of the corpus (or over
+``idf_references``) and averages. The state is a few numbers per token and merges across batches and DDP
+ranks like any ragged row.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from capeval_plugins.contract import INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec, nanmean
+from capeval_plugins.core.encoders.common import EncoderSpec
+from capeval_plugins.core.encoders.text import TextEncoder
+from capeval_plugins.core.matching import (best_similarities, document_frequency, f_measure, idf_weights, lookup,
+                                           reduce_references, weighted_mean)
+
+CITATION = """@inproceedings{zhang2020bertscore,
+  title     = {{BERTScore}: Evaluating Text Generation with {BERT}},
+  author    = {Zhang, Tianyi and Kishore, Varsha and Wu, Felix and Weinberger, Kilian Q. and Artzi, Yoav},
+  booktitle = {International Conference on Learning Representations},
+  year      = {2020}
+}"""
+
+
+@dataclass
+class BERTScoreConfig(ModelConfig):
+    # bert_score's default English model (lang="en").
+    model: str = "roberta-large"
+    # None: bert_score's layer for known models (roberta-large: 17; microsoft/deberta-v3-large: 12), else the last.
+    num_layers: int | None = None
+    idf: bool = False
+    # Sentences to count idf over instead of the corpus's references (bert_score's idf dict; fixed weights).
+    idf_references: Sequence[str] | None = None
+    rescale_with_baseline: bool = False
+    # A bert_score-format baseline file (CSV: LAYER,P,R,F); None: bert_score's English file for `model`.
+    baseline_path: str | None = None
+    # "max": bert_score's rule (P, R and F each the best over references); "mean": averaged over references.
+    multi_reference: str = "max"
+
+
+class BERTScore(Metric):
+    info = MetricInfo(
+        name="bertscore",
+        display_name="BERTScore",
+        description=(
+            "Greedy matching of contextual token embeddings between candidate and references: F1 of token-level "
+            "best cosine similarities (precision and recall as extras), optional idf weighting and baseline "
+            "rescaling; agrees with the bert_score package."
+        ),
+        citation=CITATION,
+        references="always",
+        images="never",
+        score_range=None,
+        paper="https://arxiv.org/abs/1904.09675",
+        paper_config={"model": "roberta-large", "num_layers": 17, "idf": False, "multi_reference": "max"},
+        codebase_urls=("https://github.com/Tiiiger/bert_score",),
+    )
+    Config = BERTScoreConfig
+
+    def __init__(self, **config) -> None:
+        super().__init__(**config)
+        cfg = self.config
+        if cfg.multi_reference not in ("max", "mean"):
+            raise ValueError(f"bertscore: multi_reference must be 'max' or 'mean', got {cfg.multi_reference!r}")
+        if cfg.idf_references is not None and not cfg.idf:
+            raise ValueError("bertscore: idf_references is given but idf=False; set idf=True to use them")
+        if cfg.idf_references is not None and (isinstance(cfg.idf_references, str) or not cfg.idf_references):
+            raise ValueError("bertscore: idf_references must be a non-empty list of sentences")
+        self._baseline: Tensor | None = None
+        self._idf_table: tuple[Tensor, int] | None = None
+
+    @property
+    def encoder(self) -> TextEncoder:
+        return TextEncoder.shared(EncoderSpec.from_config(self.config), self.config.num_layers)
+
+    def states(self) -> dict[str, StateSpec]:
+        return {
+            # token ids + 1 (0 marks padding); per reference, each token's best cosine on the other side
+            "cand_ids": StateSpec("cat", torch.int64, (-1,)),
+            "cand_best": StateSpec("cat", torch.float64, (-1, -1)),
+            "ref_ids": StateSpec("cat", torch.int64, (-1, -1)),
+            "ref_best": StateSpec("cat", torch.float64, (-1, -1)),
+        }
+
+    def map(self, batch: Batch) -> dict[str, Tensor]:
+        enc, n = self.encoder, len(batch)
+        owner, slot, refs = [], [], []
+        for i, sample_refs in enumerate(batch.references or ()):
+            owner += [i] * len(sample_refs)
+            slot += list(range(len(sample_refs)))
+            refs += sample_refs
+        # Every distinct text of the batch once (the candidates of one image share their references).
+        texts = list(dict.fromkeys([*batch.candidates, *refs]))
+        row = {t: i for i, t in enumerate(texts)}
+        emb = enc.embed(texts, batch_size=self.config.batch_size)
+        cand = emb.rows(torch.tensor([row[t] for t in batch.candidates]))
+        ref = emb.rows(torch.tensor([row[t] for t in refs]))
+        owner_t, slot_t = torch.tensor(owner), torch.tensor(slot)
+        pairs = cand.rows(owner_t)
+        # bert_score matches against every token, [CLS] and [SEP] included (they only get no weight).
+        cand_best, ref_best = best_similarities(pairs.embeddings, pairs.attention_mask, ref.embeddings,
+                                                ref.attention_mask)
+        width = int(slot_t.max()) + 1
+        return {
+            "cand_ids": shifted_ids(cand.input_ids, cand.attention_mask).cpu(),
+            "cand_best": scatter_rows(cand_best, pairs.attention_mask, owner_t, slot_t, n, width),
+            "ref_ids": scatter_rows(shifted_ids(ref.input_ids, ref.attention_mask), None, owner_t, slot_t, n, width),
+            "ref_best": scatter_rows(ref_best, ref.attention_mask, owner_t, slot_t, n, width),
+        }
+
+    def finalize(self, state: dict[str, Tensor]) -> MetricResult:
+        cand_ids, ref_ids = state["cand_ids"], state["ref_ids"]
+        valid_ref = (ref_ids > 0).any(dim=-1)
+        cand_w, ref_w = self.token_weights(cand_ids, ref_ids, valid_ref)
+        precision = weighted_mean(state["cand_best"], cand_w[:, None, :].expand_as(state["cand_best"]))
+        recall = weighted_mean(state["ref_best"], ref_w)
+        f1 = f_measure(precision, recall)
+        how = self.config.multi_reference
+        prf = torch.stack([reduce_references(x, valid_ref, how) for x in (precision, recall, f1)], dim=-1)
+        if self.config.rescale_with_baseline:
+            baseline = self.baseline().to(prf.device)
+            prf = (prf - baseline) / (1 - baseline)
+        p, r, f = prf.unbind(-1)
+        return MetricResult(
+            name=self.info.name,
+            score=nanmean(f),
+            scores=f,
+            indices=state[INDEX],
+            extras={"precision": p, "recall": r, "f1": f.clone()},
+            corpus_extras={"mean_precision": nanmean(p), "mean_recall": nanmean(r)},
+        )
+
+    # --- weights -------------------------------------------------------------------------------------------
+    def token_weights(self, cand_ids: Tensor, ref_ids: Tensor, valid_ref: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-token weights (0 on padding): idf, or 1 with [CLS]/[SEP] at 0 (bert_score's two cases)."""
+        if self.config.idf:
+            table, n_docs = self.idf_table(ref_ids[valid_ref])
+            default = math.log(n_docs + 1.0)
+            return tuple(torch.where(ids > 0, lookup(table, ids - 1, default), 0.0) for ids in (cand_ids, ref_ids))
+        special = torch.tensor(sorted(self.encoder.special_ids), dtype=torch.int64, device=cand_ids.device)
+        return tuple(((ids > 0) & ~torch.isin(ids - 1, special)).to(torch.float64) for ids in (cand_ids, ref_ids))
+
+    def idf_table(self, corpus_refs: Tensor) -> tuple[Tensor, int]:
+        """idf per token id (indexed by id) and the number of documents it was counted over."""
+        if self.config.idf_references is None:
+            return idf_weights(document_frequency(corpus_refs - 1, pad_id=-1), len(corpus_refs)), len(corpus_refs)
+        if self._idf_table is None:
+            ids = self.encoder.tokenize(list(self.config.idf_references))
+            docs = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in ids], batch_first=True, padding_value=-1)
+            self._idf_table = (idf_weights(document_frequency(docs, pad_id=-1), len(ids)), len(ids))
+        return self._idf_table
+
+    # --- baseline ------------------------------------------------------------------------------------------
+    def baseline(self) -> Tensor:
+        """(P, R, F) baselines of the layer in use, from ``baseline_path`` or bert_score's English file."""
+        if self._baseline is None:
+            path = self.config.baseline_path or bundled_baseline(self.config.model)
+            self._baseline = read_baseline(path, self.encoder.layer)
+        return self._baseline
+
+
+def shifted_ids(ids: Tensor, mask: Tensor) -> Tensor:
+    """Token ids + 1 with 0 on padding, so zero-padding added when states merge reads as padding."""
+    return torch.where(mask, ids + 1, torch.zeros_like(ids))
+
+
+def scatter_rows(values: Tensor, mask: Tensor | None, owner: Tensor, slot: Tensor, n: int, width: int) -> Tensor:
+    """Per-pair rows (R, L) into a (n, width, L) grid by sample and reference slot, zero elsewhere."""
+    values = values if mask is None else values.masked_fill(~mask, 0)
+    grid = torch.zeros((n, width, values.shape[-1]), dtype=values.dtype, device=values.device)
+    grid[owner.to(values.device), slot.to(values.device)] = values
+    return grid.cpu()
+
+
+def bundled_baseline(model: str) -> str:
+    """bert_score's rescaling baseline for ``model`` (English), if bert_score is installed and has one."""
+    spec = importlib.util.find_spec("bert_score")
+    path = None
+    if spec is not None and spec.origin:
+        path = os.path.join(os.path.dirname(spec.origin), "rescale_baseline", "en", f"{model}.tsv")
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"bertscore: no rescaling baseline for {model!r}: pass baseline_path (a CSV with columns LAYER,P,R,F); "
+            "bert_score ships English baselines for some models (not for microsoft/deberta-v3-large)"
+        )
+    return path
+
+
+def read_baseline(path: str, layer: int) -> Tensor:
+    """The (P, R, F) row of ``layer`` in a bert_score baseline file (CSV with header LAYER,P,R,F)."""
+    with open(path, newline="") as handle:
+        for record in csv.DictReader(handle):
+            if int(float(record["LAYER"])) == layer:
+                return torch.tensor([float(record[k]) for k in ("P", "R", "F")], dtype=torch.float64)
+    raise ValueError(f"bertscore: baseline file {path} has no row for layer {layer}")
+
+
+METRICS = [BERTScore]

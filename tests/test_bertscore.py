@@ -1,0 +1,237 @@
+"""BERTScore against the bert_score package (0.3.13) run side by side on the same tiny DeBERTa-v3 checkpoint.
+
+bert_score runs unchanged on transformers 5 for DeBERTa-v2/v3 checkpoints (no shim needed). It is given
+num_layers explicitly because its layer table only knows hub ids, not a local path."""
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+import capeval_plugins
+
+bert_score = pytest.importorskip("bert_score")
+
+CANDIDATES = [
+    "A dog runs on the grass.",
+    "  Two children play in the park!  ",
+    "a red car next to a building",
+    "An old man sits on a bench under a tree.",
+    "A dog runs.",
+]
+# Different numbers of references; one reference shared by two samples (idf counts it twice, as bert_score).
+REFERENCES = [
+    ["A dog running on grass.", "A brown dog plays outside."],
+    ["Kids playing in a park."],
+    ["A car parked by a building.", "A red car.", "A vehicle on a street."],
+    ["A man sitting on a bench.", "An elderly man rests under a tree."],
+    ["A dog running on grass.", "A dog in a field.", "Grass.", "A happy dog runs fast.", "The dog is outside."],
+]
+LAST_LAYER = 2  # the tiny checkpoint has two blocks
+
+
+@pytest.fixture(scope="session")
+def tiny_deberta(tiny_root) -> str:
+    from capeval_plugins.testing import tiny_checkpoint
+
+    return str(tiny_checkpoint("deberta_v3", root=tiny_root))
+
+
+def close(got, expected, atol):
+    torch.testing.assert_close(got.double(), expected.double(), atol=atol, rtol=0)
+
+
+def theirs(path, cands, refs, num_layers=LAST_LAYER, **kwargs):
+    kwargs.setdefault("nthreads", 0)
+    kwargs.setdefault("batch_size", 1)
+    p, r, f = bert_score.score(cands, refs, model_type=path, num_layers=num_layers, **kwargs)
+    return torch.stack([p, r, f], -1).double()
+
+
+def ours(path, cands, refs, **config):
+    result = capeval_plugins.load("bertscore", model=path, **config)(None, cands, refs)
+    return torch.stack([result.extras["precision"], result.extras["recall"], result.scores], -1), result
+
+
+@pytest.mark.parametrize("idf", [False, True])
+@pytest.mark.parametrize("several", [False, True], ids=["one-reference", "several-references"])
+def test_equals_bert_score(tiny_deberta, idf, several):
+    refs = REFERENCES if several else [r[:1] for r in REFERENCES]
+    expected = theirs(tiny_deberta, CANDIDATES, refs, idf=idf)
+    got, result = ours(tiny_deberta, CANDIDATES, refs, idf=idf)
+    close(got, expected, 1e-5)
+    assert result.extras["f1"].tolist() == result.scores.tolist()
+    assert result.score == pytest.approx(expected[:, 2].mean().item(), abs=1e-5)
+
+
+def test_bert_score_in_batches_differs_only_by_its_zero_padding(tiny_deberta):
+    """bert_score pads a batch of pairs and multiplies the similarities by the padding mask, so padding has
+    cosine 0: a token whose cosines are all negative gets 0 when the other side is padded in that batch, and
+    the result depends on the batch. That is why the comparisons above run it one pair per batch. Here its
+    batched output is reproduced from our best similarities with exactly that floor, and no other change."""
+    from capeval_plugins.core.encoders.common import EncoderSpec
+    from capeval_plugins.core.encoders.text import TextEncoder
+    from capeval_plugins.core.matching import best_similarities, f_measure, weighted_mean
+
+    cands = [c for c, refs in zip(CANDIDATES, REFERENCES) for _ in refs]
+    refs = [r for rs in REFERENCES for r in rs]
+    batched = theirs(tiny_deberta, cands, refs, batch_size=64)
+    assert not torch.allclose(batched, theirs(tiny_deberta, cands, refs), atol=1e-4)  # the artefact shows here
+    enc = TextEncoder.shared(EncoderSpec(tiny_deberta))
+    c, r = enc.embed(cands), enc.embed(refs)
+    cand_best, ref_best = best_similarities(c.embeddings, c.attention_mask, r.embeddings, r.attention_mask)
+    ref_padded = r.attention_mask.sum(1) < r.attention_mask.shape[1]
+    cand_padded = c.attention_mask.sum(1) < c.attention_mask.shape[1]
+    cand_best = torch.where(ref_padded[:, None], cand_best.clamp_min(0), cand_best)
+    ref_best = torch.where(cand_padded[:, None], ref_best.clamp_min(0), ref_best)
+    p = weighted_mean(cand_best, c.attention_mask & ~c.special)
+    rec = weighted_mean(ref_best, r.attention_mask & ~r.special)
+    close(torch.stack([p, rec, f_measure(p, rec)], -1), batched, 1e-5)
+
+
+def test_other_layer_equals_bert_score(tiny_deberta):
+    expected = theirs(tiny_deberta, CANDIDATES, REFERENCES, num_layers=1)
+    got, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, num_layers=1)
+    close(got, expected, 1e-5)
+
+
+def test_idf_references_equal_bert_scores_idf_dict(tiny_deberta):
+    from bert_score.utils import get_idf_dict
+    from transformers import AutoTokenizer
+
+    corpus = ["A dog on the grass.", "A man and a dog.", "Children in a park.", "A red car."] * 2 + ["A tree."]
+    idf_dict = get_idf_dict(corpus, AutoTokenizer.from_pretrained(tiny_deberta), nthreads=0)
+    expected = theirs(tiny_deberta, CANDIDATES, REFERENCES, idf=idf_dict)
+    got, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=True, idf_references=corpus)
+    close(got, expected, 1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_rescaling_with_a_baseline_file_equals_bert_score(tiny_deberta, tmp_path):
+    path = tmp_path / "baseline.tsv"
+    path.write_text("LAYER,P,R,F\n0,0.10,0.20,0.30\n1,0.35,0.40,0.45\n2,0.50,0.55,0.60\n")
+    expected = theirs(tiny_deberta, CANDIDATES, REFERENCES, rescale_with_baseline=True, baseline_path=str(path),
+                      lang="en")
+    got, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, rescale_with_baseline=True, baseline_path=str(path))
+    close(got, expected, 1e-5)
+
+
+def test_mean_over_references_equals_the_mean_of_single_reference_scores(tiny_deberta):
+    flat_cands = [c for c, refs in zip(CANDIDATES, REFERENCES) for _ in refs]
+    flat_refs = [r for refs in REFERENCES for r in refs]
+    single = theirs(tiny_deberta, flat_cands, flat_refs)
+    got, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, multi_reference="mean")
+    start = 0
+    for i, refs in enumerate(REFERENCES):
+        close(got[i], single[start : start + len(refs)].mean(0), 1e-5)
+        start += len(refs)
+
+
+def test_independent_of_batch_size_and_order(tiny_deberta):
+    idf = True  # the harder case: the weights come from every batch's references
+    base, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=idf)
+    for batch_size in (1, 3):
+        # idf is counted over the whole corpus at finalize, whatever the batching.
+        other, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=idf, batch_size=batch_size)
+        close(other, base, 1e-6)
+    order = list(range(len(CANDIDATES)))
+    random.Random(0).shuffle(order)
+    shuffled, _ = ours(tiny_deberta, [CANDIDATES[i] for i in order], [REFERENCES[i] for i in order], idf=idf,
+                       batch_size=2)
+    close(shuffled, base[order], 1e-6)
+
+
+def test_long_text_truncated_like_bert_score_and_warned_once(tiny_deberta):
+    long = "a dog runs on the grass near a tree " * 80  # far beyond 512 tokens
+    cands, refs = [long, "a dog"], [["a dog on grass"], [long]]
+    expected = theirs(tiny_deberta, cands, refs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metric = capeval_plugins.load("bertscore", model=tiny_deberta)
+        result = metric(None, cands, refs)
+        metric(None, cands, refs)
+    messages = [str(w.message) for w in caught if "truncated" in str(w.message)]
+    assert len(messages) <= 1  # said once per process (earlier tests may already have said it)
+    got = torch.stack([result.extras["precision"], result.extras["recall"], result.scores], -1)
+    close(got, expected, 1e-5)
+
+
+@pytest.mark.parametrize("idf", [False, True])
+def test_an_empty_corpus_finalizes_to_nothing(tiny_deberta, idf):
+    from capeval_plugins.contract import finalize_state, full_spec, merge_states
+
+    metric = capeval_plugins.load("bertscore", model=tiny_deberta, idf=idf)
+    result = finalize_state(metric, merge_states(full_spec(metric), []))
+    assert len(result) == 0 and len(result.extras["precision"]) == 0
+
+
+def test_default_layers_are_bert_scores():
+    from bert_score.utils import model2layers
+
+    from capeval_plugins.core.encoders.text import BERT_SCORE_LAYERS, bert_score_layer
+
+    assert all(model2layers[name] == layer for name, layer in BERT_SCORE_LAYERS.items())
+    assert bert_score_layer("microsoft/deberta-v3-large") == 12
+    assert bert_score_layer("FacebookAI/roberta-large") == 17
+    assert bert_score_layer("/some/local/path") is None
+
+
+def test_bad_options_are_refused(tiny_deberta):
+    with pytest.raises(ValueError, match="multi_reference"):
+        capeval_plugins.load("bertscore", model=tiny_deberta, multi_reference="min")
+    with pytest.raises(ValueError, match="idf=True"):
+        capeval_plugins.load("bertscore", model=tiny_deberta, idf_references=["a dog"])
+    metric = capeval_plugins.load("bertscore", model=tiny_deberta, rescale_with_baseline=True)
+    with pytest.raises(FileNotFoundError, match="baseline_path"):
+        metric(None, CANDIDATES[:1], REFERENCES[:1])
+    with pytest.raises(ValueError, match="layer 7"):
+        capeval_plugins.load("bertscore", model=tiny_deberta, num_layers=7)(None, CANDIDATES[:1], REFERENCES[:1])
+
+
+def test_evaluate_sees_it_only_as_capeval_bertscore():
+    pytest.importorskip("evaluate")
+    from capeval_plugins.adapters.hf_evaluate import evaluate_names
+
+    names = evaluate_names()
+    assert names.get("capeval/bertscore") == "bertscore" and "bertscore" not in names
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from capeval_plugins.torchmetrics import BERTScore
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # Uneven shards with the repeat a DistributedSampler adds; rank 1 has fewer references per sample.
+    shards = {0: [0, 2, 4], 1: [1, 3, 0]}
+    metric = BERTScore(model=model, idf=True, batch_size=2)  # built inside the worker
+    mine = shards[rank]
+    metric.update(None, [CANDIDATES[i] for i in mine], [REFERENCES[i] for i in mine], ids=mine)
+    result = metric.compute_all()
+    torch.save({"indices": result.indices.tolist(), "scores": result.scores.tolist(),
+                "precision": result.extras["precision"].tolist()}, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_process_ddp_with_corpus_idf_equals_single_process(tiny_deberta, tmp_path):
+    import torch.multiprocessing as mp
+
+    single = capeval_plugins.load("bertscore", model=tiny_deberta, idf=True)(None, CANDIDATES, REFERENCES)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_deberta, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["indices"] == list(range(len(CANDIDATES)))
+        assert got["scores"] == pytest.approx(single.scores.tolist(), abs=1e-6)
+        assert got["precision"] == pytest.approx(single.extras["precision"].tolist(), abs=1e-6)
