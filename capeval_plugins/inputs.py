@@ -82,16 +82,22 @@ def prepare_samples(
     group_ids: Sequence[Any] | None = None,
     indices: Sequence[int] | None = None,
 ) -> Samples:
-    """Validate everything a metric needs and nothing it does not. Raises :class:`InputError`."""
+    """Validate everything a metric needs and nothing it does not. Raises :class:`InputError`.
+
+    A group metric (``info.groups``) given no ``group_ids`` groups the candidates of each image
+    (:func:`image_group_ids`)."""
     cands = check_captions(candidates)
     n = len(cands)
-    return Samples(
+    samples = Samples(
         candidates=cands,
         indices=check_indices(indices, n),
         images=check_images(info, images, n),
         references=check_references(info, references, n),
         group_ids=check_group_ids(group_ids, n),
     )
+    if samples.group_ids is None and info.groups and samples.images is not None:
+        samples.group_ids = image_group_ids(samples.images)
+    return samples
 
 
 def check_captions(candidates: Any) -> list[str]:
@@ -138,6 +144,25 @@ def check_group_ids(group_ids: Sequence[Any] | None, n: int) -> list[int] | None
         return [numbering.setdefault(v, len(numbering)) for v in values]
     except TypeError as err:
         raise InputError(f"group ids must be integers or hashable: {err}") from err
+
+
+def image_group_ids(sources: Sequence[ImageSource]) -> list[int]:
+    """One group per image: a non-negative 63-bit hash of the image's key. A file path (resolved) or the bytes
+    of an encoded image give the same id in every call, batch and process, so candidates of one image split
+    across ``update()`` calls or DDP ranks still form one group. An in-memory image (PIL image, array, tensor)
+    is known only by object identity, so its candidates group only within one call (its ids are salted per
+    call so they never collide with another call's); pass ``group_ids``, paths or bytes to group across calls."""
+    salt = os.urandom(8).hex()
+    return [_stable_id(src.key, salt) for src in sources]
+
+
+def _in_memory(key: Any) -> bool:
+    return key[0] == "obj" or (key[0] == "video" and any(_in_memory(frame) for frame in key[1]))
+
+
+def _stable_id(key: Any, salt: str) -> int:
+    text = f"{salt}:{key!r}" if _in_memory(key) else repr(key)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
 def check_references(info: MetricInfo, references: Sequence[Any] | None, n: int) -> list[list[str]] | None:

@@ -4,7 +4,7 @@
 - ``common``: spec of a checkpoint to load, pooled-output handling, segment reductions
 Further families (DINO, text encoders, image-conditioned text encoders) live beside them.
 """
-from capeval_plugins.core.encoders.clip import ClipEncoder
+from capeval_plugins.core.encoders.clip import ClipEncoder, LocalFeatures
 from capeval_plugins.core.encoders.common import EncoderSpec, pooled, segment_max
 
-__all__ = ["ClipEncoder", "EncoderSpec", "pooled", "segment_max"]
+__all__ = ["ClipEncoder", "EncoderSpec", "LocalFeatures", "pooled", "segment_max"]

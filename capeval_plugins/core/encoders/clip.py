@@ -1,6 +1,7 @@
 """CLIP-family dual encoders (CLIP, SigLIP, ...): embeddings in the joint image-text space."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -10,6 +11,19 @@ from torch import Tensor
 from capeval_plugins.core import loading
 from capeval_plugins.core.encoders.common import EncoderSpec, pooled
 from capeval_plugins.core.messages import warn_once
+
+
+@dataclass
+class LocalFeatures:
+    """Global and local embeddings of one batch in the model's joint space, L2-normalised, float32:
+    ``pooled`` (B, D) is what ``encode_images`` / ``encode_texts`` return; ``local`` (B, N, D) are the image
+    patches or text tokens, ``mask`` (B, N) marks real patches or content tokens (special tokens and padding
+    are False); ``ids`` (B, N) are the token ids (texts only)."""
+
+    pooled: Tensor
+    local: Tensor
+    mask: Tensor
+    ids: Tensor | None = None
 
 
 class ClipEncoder:
@@ -67,3 +81,96 @@ class ClipEncoder:
         inputs = {k: v.to(self.device) for k, v in tokens.items() if k in ("input_ids", "attention_mask")}
         feats = pooled(self.model.get_text_features(**inputs))
         return F.normalize(feats.float(), dim=-1)
+
+    # Local features (MSD-Score). Patch tokens: the vision tower's last hidden state without the class token,
+    # through the visual projection; text tokens: the text tower's last hidden state through the text
+    # projection. Both towers run once per batch and also give the pooled embeddings, so global and local
+    # features come from one forward pass.
+
+    def family(self) -> str:
+        """``"clip"`` (CLIP-style projections) or ``"siglip"`` (attention-pooling head); anything else is
+        refused, since its patch and token embeddings have no defined place in the joint space here."""
+        model = self.model
+        if hasattr(model, "visual_projection") and hasattr(model, "text_projection"):
+            return "clip"
+        head = getattr(getattr(model, "vision_model", None), "head", None)
+        if hasattr(head, "probe") and hasattr(getattr(model, "text_model", None), "head"):
+            return "siglip"
+        raise NotImplementedError(
+            f"{self.spec.model}: patch and token embeddings are defined for CLIP and SigLIP models, not for "
+            f"{type(model).__name__}"
+        )
+
+    def pixel_values(self, images: Sequence) -> Tensor:
+        """The image processor's output for ``images`` (float32, on CPU)."""
+        return self.processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+
+    @torch.inference_mode()
+    def encode_image_patches(self, pixel_values: Tensor, post_layernorm: bool = False) -> LocalFeatures:
+        """Pooled image embeddings and patch embeddings in the joint space.
+
+        CLIP: patches are ``visual_projection(last_hidden_state[:, 1:])``; ``post_layernorm=True`` applies the
+        vision tower's final layer norm first, as the pooled class token gets it. SigLIP has no class token and
+        no projection: its joint space is the output of an attention-pooling head, so a patch is mapped by that
+        head as if the head attended to it alone (value and output projections, then the head's residual MLP);
+        the last hidden state is already layer-normed there, so ``post_layernorm`` changes nothing."""
+        family = self.family()
+        out = self.model.vision_model(pixel_values=pixel_values.to(self.device, self.dtype))
+        hidden = out.last_hidden_state
+        if family == "clip":
+            pooled_feats = self.model.visual_projection(out.pooler_output)
+            hidden = hidden[:, 1:]
+            if post_layernorm:
+                hidden = self.model.vision_model.post_layernorm(hidden)
+            local = self.model.visual_projection(hidden)
+        else:
+            pooled_feats = out.pooler_output
+            local = attention_head_per_token(self.model.vision_model.head, hidden)
+        mask = torch.ones(local.shape[:2], dtype=torch.bool, device=local.device)
+        return LocalFeatures(F.normalize(pooled_feats.float(), dim=-1), F.normalize(local.float(), dim=-1), mask)
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens per text before truncation, special tokens included."""
+        return [len(ids) for ids in self.processor.tokenizer(list(texts), truncation=False)["input_ids"]]
+
+    @torch.inference_mode()
+    def encode_text_tokens(self, texts: Sequence[str]) -> LocalFeatures:
+        """Pooled text embeddings and token embeddings in the joint space, tokenised exactly as
+        ``encode_texts`` does (same truncation and warning). ``mask`` drops special tokens (BOS, EOS, padding)."""
+        family = self.family()
+        tokens = self.tokenize(texts)
+        inputs = {k: v.to(self.device) for k, v in tokens.items() if k in ("input_ids", "attention_mask")}
+        out = self.model.text_model(**inputs)
+        if family == "clip":
+            pooled_feats = self.model.text_projection(out.pooler_output)
+            local = self.model.text_projection(out.last_hidden_state)
+        else:
+            pooled_feats = out.pooler_output
+            local = self.model.text_model.head(out.last_hidden_state)
+        ids = inputs["input_ids"]
+        mask = ~torch.isin(ids, self.boundary_token_ids().to(ids.device))
+        if "attention_mask" in inputs:
+            mask &= inputs["attention_mask"].bool()
+        return LocalFeatures(F.normalize(pooled_feats.float(), dim=-1), F.normalize(local.float(), dim=-1), mask, ids)
+
+    def boundary_token_ids(self) -> Tensor:
+        """Ids of the tokens that mark sequence boundaries (BOS, EOS, padding, CLS, SEP); an unknown-word token
+        stands for caption content and is kept."""
+        tokenizer = self.processor.tokenizer
+        names = ("bos_token_id", "eos_token_id", "pad_token_id", "cls_token_id", "sep_token_id")
+        ids = {getattr(tokenizer, name, None) for name in names} - {None}
+        return torch.tensor(sorted(ids), dtype=torch.int64)
+
+
+def attention_head_per_token(head: torch.nn.Module, hidden: Tensor) -> Tensor:
+    """A SigLIP attention-pooling head applied to every token on its own: with a single key the attention
+    weight is 1, so the pooled output is ``out_proj(v_proj(x))`` followed by the head's residual MLP."""
+    attention = head.attention
+    dim = attention.embed_dim
+    if attention._qkv_same_embed_dim:
+        weight = attention.in_proj_weight[2 * dim:]
+    else:
+        weight = attention.v_proj_weight
+    bias = None if attention.in_proj_bias is None else attention.in_proj_bias[2 * dim:]
+    values = attention.out_proj(F.linear(hidden, weight, bias))
+    return values + head.mlp(head.layernorm(values))

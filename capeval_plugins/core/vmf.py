@@ -1,0 +1,273 @@
+"""Batched fixed-kappa von Mises-Fisher mixtures on the unit sphere, and Monte Carlo KL between them.
+
+Used by MSD-Score (Sec. 3.3-3.6). Every function works on a whole batch at once: points are ``(B, N, D)``
+with a boolean ``(B, N)`` mask (True = a real point), so rows of different lengths share one tensor and no
+per-sample Python loop runs.
+
+- Densities drop the normalising constant C_D(kappa): with one fixed kappa for every component of both
+  mixtures it cancels in the E-step and in every KL between them, and it is hard to evaluate for large D.
+  ``log p(x) = logsumexp_k(log w_k + kappa <x, mu_k>)``.
+- EM (Algorithm 1): E-step ``r_nk = softmax_k(kappa <x_n, mu_k> + log w_k)`` in log space; M-step
+  ``N_k = sum_n r_nk``, ``w_k = N_k / N``, ``mu_k = normalise(sum_n r_nk x_n)``. K is capped at the number of
+  valid points of each row. A component whose ``N_k`` falls below ``reinit_threshold * N`` is re-initialised
+  at a random point of its row with weight ``1 / N`` (weights renormalised), as the reference code does.
+- Randomness (the initial means, re-initialisation points) comes from a counter-based integer hash keyed by
+  a per-row seed and the point's rank among the row's valid points, so a row's fit depends only on the row
+  itself: not on the batch it sits in, its position there, or where its padding is.
+  :func:`content_seeds` derives such a seed from a row's discrete content (token ids, pixel bits).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_MASK32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # < 2**27: a 32-bit value times this stays far below 2**63, so int64 never overflows
+_RANK_BITS = 20  # keys carry the point's rank in their low bits: unique per row for rows up to 2**20 points
+_NO_KEY = torch.iinfo(torch.int64).max
+INIT_STREAM = 0
+
+
+def mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer mixing hash on int64 tensors (values taken mod 2**32), identical on CPU and GPU."""
+    x = x & _MASK32
+    x = (((x >> 16) ^ x) * _MUL) & _MASK32
+    x = (((x >> 16) ^ x) * _MUL) & _MASK32
+    return (x >> 16) ^ x
+
+
+def reinit_stream(iteration: int | Tensor, component: int | Tensor) -> int | Tensor:
+    """The random stream of the re-initialisation of ``component`` after EM step ``iteration``."""
+    return 1 + iteration * 65536 + component
+
+
+def _stream_hash(seeds: Tensor, stream: int | Tensor) -> Tensor:
+    stream = torch.as_tensor(stream, dtype=torch.int64, device=seeds.device)
+    return mix32(seeds.to(torch.int64) ^ mix32(stream + 0x9E3779B9))
+
+
+def random_keys(seeds: Tensor, stream: int | Tensor, ranks: Tensor) -> Tensor:
+    """Distinct pseudo-random int64 keys, one per (seed, stream, rank); sorting a row's keys gives a random
+    permutation of its points. Shapes broadcast (``seeds`` and ``stream`` against the leading dims of
+    ``ranks``)."""
+    h = _stream_hash(seeds.to(ranks.device), stream)
+    return (mix32(h ^ mix32(ranks + 0x7F4A7C15)) << _RANK_BITS) + ranks
+
+
+def random_draws(seeds: Tensor, stream: int | Tensor) -> Tensor:
+    """One pseudo-random 32-bit integer per (seed, stream); ``% n`` picks one of n points."""
+    return mix32(_stream_hash(seeds, stream) + 0x632BE5AB)
+
+
+@functools.lru_cache(maxsize=16)
+def _position_weights(length: int, device: torch.device) -> Tensor:
+    """A pseudo-random 31-bit multiplier per position (cached: pixel rows are long and always the same)."""
+    return mix32(torch.arange(length, dtype=torch.int64, device=device) + 0x5BD1E995) >> 1
+
+
+def content_seeds(values: Tensor, mask: Tensor | None = None, seed: int = 0) -> Tensor:
+    """One 32-bit seed per row from the row's discrete content: ``values`` is ``(B, ...)`` of integers (token
+    ids; float tensors are read through their bits), ``mask`` marks the entries that count. Equal content gives
+    an equal seed wherever the row sits and however it is padded; ``seed`` shifts every seed.
+
+    The row hash is ``sum_j v_j w_{rank j} mod 2**32`` with fixed pseudo-random 31-bit multipliers ``w``
+    (three integer operations per entry, so hashing the pixels of an image costs little), then mixed."""
+    if values.is_floating_point():
+        values = values.float().contiguous().view(torch.int32)
+    values = values.reshape(len(values), -1).to(torch.int64) & _MASK32
+    weights = _position_weights(values.shape[1], values.device)
+    if mask is None:
+        terms = (values * weights) & _MASK32
+        count = torch.full((len(values),), values.shape[1], dtype=torch.int64, device=values.device)
+    else:
+        mask = mask.reshape(len(values), -1).bool()
+        ranks = (mask.long().cumsum(1) - 1).clamp_min(0)
+        terms = ((values * weights[ranks]) & _MASK32) * mask
+        count = mask.sum(1)
+    total = terms.sum(1) & _MASK32
+    return mix32(mix32(total) ^ mix32(count + 0x27D4EB2F) ^ mix32(torch.full_like(total, seed)))
+
+
+@dataclass
+class VMFMixture:
+    """Fitted mixtures, one per row: ``means`` (B, K, D) unit vectors and ``log_weights`` (B, K), ``-inf`` for
+    components beyond ``n_components`` (= min(K, valid points)). ``log_likelihood`` (B, iterations) is the
+    mean log-density (constant dropped) at each E-step; ``reinitialised`` (B, iterations) counts components
+    re-initialised after each M-step."""
+
+    means: Tensor
+    log_weights: Tensor
+    kappa: float
+    n_components: Tensor
+    log_likelihood: Tensor
+    reinitialised: Tensor
+
+    def __len__(self) -> int:
+        return len(self.means)
+
+    def log_density(self, x: Tensor, mask: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
+        """``log p(x)`` (constant dropped) of every point, ``(B', N)``; 0 where ``mask`` is False. Row ``b`` of
+        ``x`` is scored by mixture ``rows[b]`` (default: mixture ``b``)."""
+        means, log_w = (self.means, self.log_weights) if rows is None else (self.means[rows], self.log_weights[rows])
+        x = x.to(means.dtype)
+        logits = self.kappa * torch.bmm(x, means.transpose(1, 2)) + log_w[:, None, :]
+        out = torch.logsumexp(logits, dim=-1)
+        return out if mask is None else torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+@dataclass
+class Points:
+    """Rows of points ready for fitting and scoring: unit vectors ``x`` (B, N, D) in the working dtype, zero
+    at padding, ``mask`` (B, N) and ``counts`` (B,) valid points per row. Made once by :func:`points` and
+    shared by the fit and the KL, so the (large) patch tensor is copied and normalised once."""
+
+    x: Tensor
+    mask: Tensor
+    counts: Tensor
+
+    def __getitem__(self, rows: Tensor) -> "Points":
+        return Points(self.x[rows], self.mask[rows], self.counts[rows])
+
+
+def points(x: Tensor | Points, mask: Tensor | None = None, dtype: torch.dtype = torch.float64) -> Points:
+    """Validate, cast and L2-normalise ``x`` (B, N, D); padding (``mask`` False) never reaches the arithmetic,
+    even if it holds NaN. A :class:`Points` in the right dtype is returned as it is."""
+    if isinstance(x, Points):
+        return x if x.x.dtype == dtype else Points(x.x.to(dtype), x.mask, x.counts)
+    if x.ndim != 3:
+        raise ValueError(f"points must be (B, N, D), got shape {tuple(x.shape)}")
+    mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.bool()
+    if mask.shape != x.shape[:2]:
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match points {tuple(x.shape[:2])}")
+    # One copy, then in place (this is the largest tensor of a batch).
+    x = x.to(dtype, copy=True).masked_fill_(~mask[..., None], 0.0)
+    x.div_(torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12))
+    return Points(x, mask, mask.sum(1))
+
+
+def _gather_points(x: Tensor, index: Tensor) -> Tensor:
+    """``x[b, index[b, k]]`` as (B, K, D)."""
+    return torch.gather(x, 1, index[..., None].expand(-1, -1, x.shape[-1]))
+
+
+def fit_vmf_mixture(
+    x: Tensor | Points,
+    mask: Tensor | None = None,
+    *,
+    n_components: int,
+    kappa: float = 20.0,
+    iterations: int = 20,
+    seeds: Tensor | None = None,
+    reinit_threshold: float = 1e-6,
+    dtype: torch.dtype = torch.float64,
+) -> VMFMixture:
+    """Fit a fixed-kappa vMF mixture to every row of ``x`` (B, N, D, or :class:`Points`) at once.
+
+    ``seeds`` (B,) drive the random choices; by default they come from the row's own points
+    (:func:`content_seeds` of their bits), which is exact only when those bits do not depend on the batch:
+    pass seeds derived from discrete content (token ids, pixels) when features may carry float noise.
+    """
+    if n_components < 1 or iterations < 0:
+        raise ValueError("n_components must be >= 1 and iterations >= 0")
+    prepared = points(x, mask, dtype)
+    x, mask, counts = prepared.x, prepared.mask, prepared.counts
+    empty = (counts == 0).nonzero().flatten()
+    if len(empty):
+        raise ValueError(f"rows {empty.tolist()} have no valid points to fit a mixture to")
+    B, N, _ = x.shape
+    K = n_components
+    device = x.device
+    if seeds is None:
+        seeds = content_seeds(x, mask[..., None].expand_as(x))
+    seeds = seeds.to(device=device, dtype=torch.int64)
+    ranks = mask.long().cumsum(1) - 1
+    n = counts.to(dtype)[:, None]
+    k_eff = counts.clamp(max=K)
+    active = torch.arange(K, device=device)[None, :] < k_eff[:, None]
+
+    # Initial means: the first K points of a random permutation of the row's valid points.
+    keys = random_keys(seeds[:, None], INIT_STREAM, ranks).masked_fill(~mask, _NO_KEY)
+    first = keys.topk(min(K, N), dim=1, largest=False).indices
+    first = F.pad(first, (0, K - first.shape[1]))  # components beyond N are inactive anyway
+    means = _gather_points(x, first)
+    minus_inf = torch.tensor(-math.inf, dtype=dtype, device=device)
+    log_w = torch.where(active, -torch.log(k_eff.to(dtype))[:, None], minus_inf)
+
+    components = torch.arange(K, device=device)[None, :]
+    trace = torch.zeros(B, iterations, dtype=dtype, device=device)
+    reinitialised = torch.zeros(B, iterations, dtype=torch.int64, device=device)
+    for step in range(iterations):
+        logits = kappa * torch.bmm(x, means.transpose(1, 2)) + log_w[:, None, :]
+        log_norm = torch.logsumexp(logits, dim=-1)
+        trace[:, step] = (log_norm * mask).sum(1) / n[:, 0]
+        resp = torch.exp(logits - log_norm[..., None]) * mask[..., None]
+        mass = resp.sum(1)
+        sums = torch.bmm(resp.transpose(1, 2), x)
+        weights = mass / n
+        dead = active & (mass < reinit_threshold * n)
+        # A collapsed component restarts at a random valid point of its row, with weight 1/N.
+        target = random_draws(seeds[:, None], reinit_stream(step, components)) % counts[:, None]
+        pick = ((ranks[:, None, :] == target[..., None]) & mask[:, None, :]).to(torch.uint8).argmax(-1)
+        sums = torch.where(dead[..., None], _gather_points(x, pick), sums)
+        weights = torch.where(dead, 1.0 / n, weights)
+        weights = weights / weights.sum(-1, keepdim=True)
+        log_w = torch.where(active, torch.log(weights), minus_inf)
+        means = F.normalize(sums, dim=-1)
+        reinitialised[:, step] = dead.sum(1)
+    return VMFMixture(means, log_w, float(kappa), k_eff, trace, reinitialised)
+
+
+def monte_carlo_kl(log_p: Tensor, log_q: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """KL(p || q) estimated on points drawn from p: the mean over valid points of ``log p - log q``.
+
+    Returns ``(kl (B,), contributions (B, N))``; a point's contribution is its log-ratio divided by the
+    row's number of valid points (0 at padding), so the contributions of a row sum to its KL."""
+    mask = mask.bool()
+    count = mask.sum(1, keepdim=True).to(log_p.dtype)
+    contributions = torch.where(mask, (log_p - log_q) / count, torch.zeros_like(log_p))
+    return contributions.sum(1), contributions
+
+
+@dataclass
+class BiKL:
+    """Both KL directions between an image mixture p and a text mixture q, per pair, with per-point terms:
+    ``image_to_text`` = KL(p || q) on the patches (coverage), ``text_to_image`` = KL(q || p) on the tokens
+    (support)."""
+
+    image_to_text: Tensor
+    text_to_image: Tensor
+    patch_contributions: Tensor
+    token_contributions: Tensor
+
+
+def bi_kl(
+    patches: Tensor | Points,
+    patch_mask: Tensor | None,
+    image_mixture: VMFMixture,
+    tokens: Tensor | Points,
+    token_mask: Tensor | None,
+    text_mixture: VMFMixture,
+    image_index: Tensor | None = None,
+) -> BiKL:
+    """Monte Carlo bi-directional KL for B pairs. ``patches`` and ``image_mixture`` have one row per distinct
+    image; pair ``b`` uses image ``image_index[b]`` (default: ``b``), so an image's own log-density is computed
+    once for all of its captions. Masks are ignored for :class:`Points`."""
+    dtype = image_mixture.means.dtype
+    patches, tokens = points(patches, patch_mask, dtype), points(tokens, token_mask, dtype)
+    if image_index is None:
+        image_index = torch.arange(len(tokens.x), device=tokens.x.device)
+    log_p_patches = image_mixture.log_density(patches.x, patches.mask)[image_index]
+    identity = torch.arange(len(image_index), device=image_index.device)
+    one_each = len(image_index) == len(patches.x) and bool((image_index == identity).all())
+    pairs = patches if one_each else patches[image_index]  # the gather copies the patches: skip it if we can
+    log_q_patches = text_mixture.log_density(pairs.x, pairs.mask)
+    log_q_tokens = text_mixture.log_density(tokens.x, tokens.mask)
+    log_p_tokens = image_mixture.log_density(tokens.x, tokens.mask, rows=image_index)
+    kl_it, patch_terms = monte_carlo_kl(log_p_patches, log_q_patches, pairs.mask)
+    kl_ti, token_terms = monte_carlo_kl(log_q_tokens, log_p_tokens, tokens.mask)
+    return BiKL(kl_it, kl_ti, patch_terms, token_terms)

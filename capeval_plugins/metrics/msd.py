@@ -1,0 +1,346 @@
+"""MSD-Score and Soft-MSD: multi-scale distributional scoring for reference-free caption evaluation.
+
+For an image (patch embeddings x_1..x_N) and a caption (token embeddings y_1..y_L) in a CLIP-like joint space:
+
+    p = vMF mixture fitted to the patches (K_img components), q = vMF mixture fitted to the tokens (K_txt)
+    KL_img->txt = mean_n [log p(x_n) - log q(x_n)]        (coverage: visual content the caption misses)
+    KL_txt->img = mean_m [log q(y_m) - log p(y_m)]        (support: caption content the image lacks)
+    beta = sigmoid(-(L - L0) / tau_L),  D = beta KL_img->txt + (1 - beta) KL_txt->img
+    MSD = g - lambda D,   g = cos(pooled image, pooled text)
+
+Soft-MSD over the M candidates of one image: p = softmax(g / tau), u = clamp(M/(M-1) (1 - max p), 0, 1)
+(u = 1 when M = 1), score = g - lambda u D. Mixture fitting is :mod:`capeval_plugins.core.vmf`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from capeval_plugins.contract import (GROUP, INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec,
+                                     nanmean)
+from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.core.vmf import bi_kl, content_seeds, fit_vmf_mixture, points
+
+CITATION = """@misc{msdscore,
+  title  = {{MSD-Score}: Multi-Scale Distributional Scoring for Reference-Free Image Caption Evaluation},
+  note   = {authors and venue not given in the copy of the paper this implementation follows}
+}"""
+
+# Mixture sizes (K_img, K_txt) of the paper's two caption-length regimes.
+SETTINGS = {"short": (3, 2), "long": (5, 3)}
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+@dataclass
+class MSDConfig(ModelConfig):
+    model: str = "openai/clip-vit-large-patch14"
+    setting: str = "short"
+    k_image: int | None = None
+    k_text: int | None = None
+    kappa: float = 20.0
+    em_iterations: int = 20
+    # Reference code: a component is re-initialised when N_k < reinit_threshold * N.
+    reinit_threshold: float = 1e-6
+    lam: float = 0.1
+    length_l0: float = 20.0
+    length_tau: float = 3.0
+    # "model": the model's own pooled embeddings (methods notes, reference code); "mean": the normalised mean
+    # of the patch / content-token embeddings (the paper's wording for its aligner).
+    global_pooling: str = "model"
+    # Patch tokens straight through the visual projection (reference code) or after the vision tower's
+    # final layer norm, as the pooled class token gets it (CLIP only).
+    patch_layernorm: bool = False
+    long_captions: str = "truncate"
+    seed: int = 0
+    em_dtype: str = "float64"
+    diagnostics: bool = False
+
+
+@dataclass
+class SoftMSDConfig(MSDConfig):
+    tau: float = 0.2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Functional core: tensors in, tensors out.
+
+
+def length_weight(n_tokens: Tensor, l0: float = 20.0, tau_l: float = 3.0) -> Tensor:
+    """beta = sigmoid(-(L - L0) / tau_L): near 1 for short captions (weigh coverage), near 0 for long ones."""
+    return torch.sigmoid(-(n_tokens - l0) / tau_l)
+
+
+def mean_pooled(local: Tensor, mask: Tensor) -> Tensor:
+    """Normalised mean of the valid local embeddings."""
+    total = (local * mask[..., None].to(local.dtype)).sum(1)
+    return F.normalize(total, dim=-1)
+
+
+def tokens_on_patches(token_contributions: Tensor, tokens: Tensor, token_mask: Tensor, patches: Tensor,
+                      patch_mask: Tensor, kappa: float) -> Tensor:
+    """Spread each token's KL_txt->img contribution over the patches in proportion to
+    softmax_n(kappa <y_m, x_n>), so the token side can be drawn over the image; a row sums to KL_txt->img."""
+    logits = kappa * torch.einsum("bmd,bnd->bmn", F.normalize(tokens, dim=-1), F.normalize(patches, dim=-1))
+    logits = logits.masked_fill(~patch_mask.bool()[:, None, :], float("-inf"))
+    share = torch.softmax(logits, dim=-1) * token_mask.bool()[..., None]
+    return torch.einsum("bm,bmn->bn", token_contributions, share)
+
+
+def msd_components(
+    image_global: Tensor,
+    patches: Tensor,
+    patch_mask: Tensor,
+    text_global: Tensor,
+    tokens: Tensor,
+    token_mask: Tensor,
+    image_index: Tensor,
+    *,
+    image_seeds: Tensor,
+    text_seeds: Tensor,
+    k_image: int = 3,
+    k_text: int = 2,
+    kappa: float = 20.0,
+    iterations: int = 20,
+    reinit_threshold: float = 1e-6,
+    lam: float = 0.1,
+    length_l0: float = 20.0,
+    length_tau: float = 3.0,
+    dtype: torch.dtype = torch.float64,
+    diagnostics: bool = False,
+) -> dict[str, Tensor]:
+    """MSD and its parts for B pairs. Images come once each (``image_global`` (I, D), ``patches``
+    (I, N, D)); pair b uses image ``image_index[b]``, so each image's mixture is fitted once for all of its
+    captions. Returns per-pair ``cosine``, ``kl_image_text``, ``kl_text_image``, ``beta``, ``bi_kl`` (D),
+    ``n_tokens``, ``msd`` and, with ``diagnostics``, ``patch_contributions`` (B, N),
+    ``token_contributions`` (B, T, on the token axis of ``tokens``) and ``token_contributions_on_patches``."""
+    patch_points, token_points = points(patches, patch_mask, dtype), points(tokens, token_mask, dtype)
+    fit = dict(kappa=kappa, iterations=iterations, reinit_threshold=reinit_threshold, dtype=dtype)
+    image_mixture = fit_vmf_mixture(patch_points, n_components=k_image, seeds=image_seeds, **fit)
+    text_mixture = fit_vmf_mixture(token_points, n_components=k_text, seeds=text_seeds, **fit)
+    kl = bi_kl(patch_points, None, image_mixture, token_points, None, text_mixture, image_index)
+    cosine = (image_global.to(dtype)[image_index] * text_global.to(dtype)).sum(-1)
+    n_tokens = token_mask.sum(1).to(dtype)
+    beta = length_weight(n_tokens, length_l0, length_tau)
+    divergence = beta * kl.image_to_text + (1 - beta) * kl.text_to_image
+    out = {
+        "cosine": cosine,
+        "kl_image_text": kl.image_to_text,
+        "kl_text_image": kl.text_to_image,
+        "beta": beta,
+        "bi_kl": divergence,
+        "n_tokens": n_tokens,
+        "msd": cosine - lam * divergence,
+    }
+    if diagnostics:
+        out["patch_contributions"] = kl.patch_contributions
+        out["token_contributions"] = kl.token_contributions
+        pairs = patch_points[image_index]
+        out["token_contributions_on_patches"] = tokens_on_patches(
+            kl.token_contributions, token_points.x, token_points.mask, pairs.x, pairs.mask, kappa)
+    return out
+
+
+def soft_msd_gate(cosine: Tensor, groups: Tensor, tau: float = 0.2) -> tuple[Tensor, Tensor]:
+    """Per-sample uncertainty u of its group and the group size M. Within a group, p = softmax(g / tau) and
+    u = clamp(M/(M-1) (1 - max p), 0, 1); u = 1 when M = 1. A negative group id means a group of its own."""
+    n = len(cosine)
+    own = -1 - torch.arange(n, device=groups.device)
+    groups = torch.where(groups < 0, own, groups)
+    _, inverse = torch.unique(groups, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if n else 0
+    z = cosine / tau
+    top = torch.full((n_groups,), float("-inf"), dtype=z.dtype, device=z.device)
+    top = top.scatter_reduce(0, inverse, z, reduce="amax")
+    # max p = exp(z_max - z_max) / sum exp(z - z_max) = 1 / denominator
+    denominator = torch.zeros(n_groups, dtype=z.dtype, device=z.device)
+    denominator = denominator.index_add(0, inverse, torch.exp(z - top[inverse]))
+    size = torch.bincount(inverse, minlength=n_groups).to(z.dtype)
+    spread = size / (size - 1).clamp_min(1) * (1 - 1 / denominator)
+    u = torch.where(size > 1, spread.clamp(0, 1), torch.ones_like(spread))
+    return u[inverse], size[inverse]
+
+
+def soft_msd_scores(cosine: Tensor, divergence: Tensor, groups: Tensor, lam: float = 0.1, tau: float = 0.2) -> Tensor:
+    """Soft-MSD = g - lambda u D."""
+    u, _ = soft_msd_gate(cosine, groups, tau)
+    return cosine - lam * u * divergence
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Metrics
+
+
+_ROWS = ("cosine", "bi_kl", "kl_image_text", "kl_text_image", "beta", "n_tokens")
+_MAPS = ("patch_contributions", "token_contributions", "token_contributions_on_patches")
+
+
+class MSDScore(Metric):
+    info = MetricInfo(
+        name="msd_score",
+        display_name="MSD-Score",
+        description=(
+            "Reference-free: global image-text cosine minus lambda times a length-weighted bi-directional KL "
+            "between vMF mixtures fitted to the image's patch embeddings and the caption's token embeddings "
+            "(omissions and hallucinations)."
+        ),
+        citation=CITATION,
+        references="never",
+        images="always",
+        paper_config={"model": "openai/clip-vit-large-patch14", "kappa": 20.0, "em_iterations": 20,
+                      "setting": "short", "k_image": 3, "k_text": 2, "long": {"k_image": 5, "k_text": 3},
+                      "lam": 0.1, "length_l0": 20.0, "length_tau": 3.0},
+    )
+    Config = MSDConfig
+
+    def __init__(self, **config) -> None:
+        super().__init__(**config)
+        check_config(self.config)
+
+    @property
+    def encoder(self) -> ClipEncoder:
+        return ClipEncoder.shared(EncoderSpec.from_config(self.config))
+
+    @property
+    def mixture_sizes(self) -> tuple[int, int]:
+        k_image, k_text = SETTINGS[self.config.setting]
+        return self.config.k_image or k_image, self.config.k_text or k_text
+
+    def states(self) -> dict[str, StateSpec]:
+        spec = {name: StateSpec("cat", torch.float64) for name in _ROWS}
+        if self.config.diagnostics:
+            spec.update({name: StateSpec("cat", torch.float64, (-1,)) for name in _MAPS})
+        return spec
+
+    def map(self, batch: Batch) -> dict[str, Tensor]:
+        cfg, enc = self.config, self.encoder
+        if cfg.long_captions == "error":
+            refuse_long_captions(enc, batch)
+        pixels = enc.pixel_values(batch.images)
+        image = enc.encode_image_patches(pixels, post_layernorm=cfg.patch_layernorm)
+        text = enc.encode_text_tokens(batch.candidates)
+        refuse_empty_captions(text.mask, batch)
+        device = image.local.device
+        image_global, text_global = image.pooled, text.pooled
+        if cfg.global_pooling == "mean":
+            image_global, text_global = mean_pooled(image.local, image.mask), mean_pooled(text.local, text.mask)
+        k_image, k_text = self.mixture_sizes
+        out = msd_components(
+            image_global, image.local, image.mask, text_global, text.local, text.mask,
+            batch.image_index.to(device),
+            image_seeds=pixel_seeds(pixels, seed=cfg.seed).to(device),
+            text_seeds=content_seeds(text.ids, text.mask, seed=cfg.seed),
+            k_image=k_image, k_text=k_text, kappa=cfg.kappa, iterations=cfg.em_iterations,
+            reinit_threshold=cfg.reinit_threshold, lam=cfg.lam, length_l0=cfg.length_l0,
+            length_tau=cfg.length_tau, dtype=_DTYPES[cfg.em_dtype], diagnostics=cfg.diagnostics,
+        )
+        if cfg.diagnostics:
+            out["token_contributions"] = content_first(out["token_contributions"], text.mask)
+        return {name: out[name].cpu() for name in self.states()}
+
+    def scores(self, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Per-sample scores and the extras that belong to them (after :meth:`finalize` ordered the rows)."""
+        return state["cosine"] - self.config.lam * state["bi_kl"], {}
+
+    def finalize(self, state: dict[str, Tensor]) -> MetricResult:
+        scores, own = self.scores(state)
+        extras = {name: state[name] for name in _ROWS}
+        extras.update(own)
+        if self.config.diagnostics:
+            extras.update({name: state[name] for name in _MAPS})
+            extras["token_contributions"] = pad_beyond(state["token_contributions"], state["n_tokens"])
+        corpus = {"mean_cosine": nanmean(state["cosine"]), "mean_bi_kl": nanmean(state["bi_kl"])}
+        return MetricResult(self.info.name, nanmean(scores), scores, state[INDEX], extras, corpus)
+
+
+class SoftMSD(MSDScore):
+    info = MetricInfo(
+        name="soft_msd",
+        display_name="Soft-MSD",
+        description=(
+            "MSD-Score whose local (KL) term is weighted by how ambiguous the global scores of an image's "
+            "candidates are: u = clamp(M/(M-1) (1 - max softmax(g / tau)), 0, 1). Candidates are grouped by "
+            "group_ids, else by image. With one candidate it equals MSD-Score."
+        ),
+        citation=CITATION,
+        references="never",
+        images="always",
+        groups=True,
+        paper_config={**MSDScore.info.paper_config, "tau": 0.2},
+    )
+    Config = SoftMSDConfig
+
+    def scores(self, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        cfg = self.config
+        u, size = soft_msd_gate(state["cosine"], state[GROUP], cfg.tau)
+        msd = state["cosine"] - cfg.lam * state["bi_kl"]
+        return state["cosine"] - cfg.lam * u * state["bi_kl"], {"msd": msd, "uncertainty": u, "group_size": size}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def check_config(cfg: MSDConfig) -> None:
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(f"MSD-Score: {message}")
+
+    need(cfg.setting in SETTINGS, f"setting must be one of {sorted(SETTINGS)}, got {cfg.setting!r}")
+    for name in ("k_image", "k_text"):
+        value = getattr(cfg, name)
+        need(value is None or (isinstance(value, int) and value >= 1), f"{name} must be a positive integer or None")
+    need(cfg.kappa > 0, "kappa must be positive")
+    need(cfg.em_iterations >= 0, "em_iterations must be >= 0")
+    need(cfg.reinit_threshold >= 0, "reinit_threshold must be >= 0")
+    need(cfg.length_tau > 0, "length_tau must be positive")
+    need(cfg.global_pooling in ("model", "mean"), "global_pooling must be 'model' or 'mean'")
+    need(cfg.long_captions in ("truncate", "error"), "long_captions must be 'truncate' or 'error'")
+    need(cfg.em_dtype in _DTYPES, f"em_dtype must be one of {sorted(_DTYPES)}")
+    if isinstance(cfg, SoftMSDConfig):
+        need(cfg.tau > 0, "tau must be positive")
+
+
+def pixel_seeds(pixels: Tensor, seed: int = 0, stride: int = 61) -> Tensor:
+    """Per-image EM seeds from the preprocessed pixels. A seed only has to be a deterministic function of the
+    image (two images sharing one would merely start from the same random pattern), so every ``stride``-th
+    value is hashed: exact, and about ``stride`` times cheaper than hashing them all."""
+    return content_seeds(pixels.reshape(len(pixels), -1)[:, ::stride], seed=seed)
+
+
+def refuse_long_captions(enc: ClipEncoder, batch: Batch) -> None:
+    from capeval_plugins.inputs import InputError
+
+    for i, count in enumerate(enc.count_tokens(batch.candidates)):
+        if count > enc.max_tokens:
+            raise InputError(
+                f"sample {int(batch.indices[i])}: caption has {count} tokens, more than the {enc.max_tokens} the "
+                f"text encoder of {enc.spec.model} takes (long_captions='truncate' truncates it with a warning)"
+            )
+
+
+def refuse_empty_captions(mask: Tensor, batch: Batch) -> None:
+    from capeval_plugins.inputs import InputError
+
+    empty = (mask.sum(1) == 0).nonzero().flatten().tolist()
+    if empty:
+        raise InputError(f"sample {int(batch.indices[empty[0]])}: caption has no tokens besides special tokens")
+
+
+def content_first(values: Tensor, mask: Tensor) -> Tensor:
+    """Each row's values at its valid positions, moved to the front in order (zeros after)."""
+    order = torch.sort((~mask.bool()).to(torch.int8), dim=1, stable=True).indices
+    width = int(mask.sum(1).max()) if len(mask) else 0
+    moved = torch.gather(values, 1, order)[:, :width]
+    return torch.where(torch.gather(mask.bool(), 1, order)[:, :width], moved, torch.zeros_like(moved))
+
+
+def pad_beyond(values: Tensor, lengths: Tensor) -> Tensor:
+    """NaN after each row's length (the padding of ragged rows)."""
+    positions = torch.arange(values.shape[1], device=values.device)[None, :]
+    return values.masked_fill(positions >= lengths.to(values.device)[:, None], float("nan"))
+
+
+METRICS = [MSDScore, SoftMSD]

@@ -1,0 +1,386 @@
+"""MSD-Score and Soft-MSD on tiny random CLIP and SigLIP checkpoints, against a plain per-sample pipeline
+(features straight from transformers, the numpy EM of test_vmf, the formulas written out)."""
+from __future__ import annotations
+
+import functools
+import random
+import socket
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import CAPTIONS, random_image
+from PIL import Image
+from test_vmf import plain_fit, plain_log_density
+
+import capeval_plugins
+from capeval_plugins.core import vmf
+from capeval_plugins.inputs import InputError, image_group_ids, image_source
+from capeval_plugins.metrics.msd import pixel_seeds, soft_msd_gate
+
+# Three images with 3, 1 and 2 candidates.
+IMAGE_OF = [0, 0, 0, 1, 2, 2]
+CANDIDATES = [CAPTIONS[0], CAPTIONS[1], "a dog on the grass next to a red car", CAPTIONS[3], CAPTIONS[2],
+              "two children and an old man"]
+
+
+@pytest.fixture(scope="session")
+def tiny_siglip(tiny_root) -> str:
+    from capeval_plugins.testing import tiny_checkpoint
+
+    return str(tiny_checkpoint("siglip", root=tiny_root))
+
+
+@pytest.fixture(scope="session")
+def pictures() -> list[Image.Image]:
+    return [random_image(10 + i, size=(40 + 6 * i, 36)) for i in range(3)]
+
+
+@pytest.fixture(scope="session")
+def picture_files(tmp_path_factory, pictures) -> list[str]:
+    folder = tmp_path_factory.mktemp("msd_images")
+    paths = []
+    for i, img in enumerate(pictures):
+        paths.append(str(folder / f"{i}.png"))
+        img.save(paths[-1])
+    return paths
+
+
+def corpus(pictures):
+    return [pictures[i] for i in IMAGE_OF], list(CANDIDATES)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The plain pipeline.
+
+
+def unit(x: torch.Tensor) -> np.ndarray:
+    x = x.double().numpy()
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+@functools.lru_cache(maxsize=None)
+def plain_model(path: str):
+    """The model and processor loaded directly through transformers, no capeval code."""
+    from transformers import AutoModel, AutoProcessor
+
+    return AutoModel.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+
+
+@torch.no_grad()
+def plain_features(path: str, image, caption: str, post_layernorm: bool = False) -> dict:
+    """Global and local features of one pair, computed from transformers directly, plus the seeds of the
+    plain EM (from the pixels and the content token ids, no padding anywhere)."""
+    model, processor = plain_model(path)
+    pixels = processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    vision = model.vision_model(pixel_values=pixels)
+    siglip = model.config.model_type == "siglip"
+    if siglip:
+        hidden = vision.last_hidden_state
+        # the attention-pooling head looking at one patch at a time
+        patches = torch.cat([model.vision_model.head(hidden[:, n:n + 1]) for n in range(hidden.shape[1])])
+        image_global = vision.pooler_output[0]
+        tokens = processor.tokenizer([caption], padding="max_length", max_length=64, truncation=True,
+                                     return_tensors="pt")
+        text = model.text_model(**tokens)
+        keep = tokens["input_ids"][0] != processor.tokenizer.eos_token_id
+        token_feats = model.text_model.head(text.last_hidden_state[0, keep])
+        text_global = text.pooler_output[0]
+    else:
+        hidden = vision.last_hidden_state[0, 1:]
+        if post_layernorm:
+            hidden = model.vision_model.post_layernorm(hidden)
+        patches = model.visual_projection(hidden)
+        image_global = model.get_image_features(pixel_values=pixels).pooler_output[0]
+        tokens = processor.tokenizer([caption], truncation=True, max_length=77, return_tensors="pt")
+        text = model.text_model(**tokens)
+        keep = torch.zeros_like(tokens["input_ids"][0], dtype=torch.bool)
+        keep[1:-1] = True  # drop BOS and EOS
+        token_feats = model.text_projection(text.last_hidden_state[0, keep])
+        text_global = model.get_text_features(**tokens).pooler_output[0]
+    ids = tokens["input_ids"][0, keep]
+    return {
+        "patches": unit(patches), "tokens": unit(token_feats),
+        "image_global": unit(image_global), "text_global": unit(text_global),
+        "image_seed": int(pixel_seeds(pixels)[0]), "text_seed": int(vmf.content_seeds(ids[None])[0]),
+    }
+
+
+def plain_msd(f: dict, k_image=3, k_text=2, kappa=20.0, iterations=20, lam=0.1, l0=20.0, tau_l=3.0,
+              pooling="model") -> dict:
+    p = plain_fit(f["patches"], k_image, kappa, iterations, f["image_seed"])[:2]
+    q = plain_fit(f["tokens"], k_text, kappa, iterations, f["text_seed"])[:2]
+    kl_it = np.mean(plain_log_density(f["patches"], *p, kappa) - plain_log_density(f["patches"], *q, kappa))
+    kl_ti = np.mean(plain_log_density(f["tokens"], *q, kappa) - plain_log_density(f["tokens"], *p, kappa))
+    length = len(f["tokens"])
+    beta = 1.0 / (1.0 + np.exp((length - l0) / tau_l))
+    divergence = beta * kl_it + (1 - beta) * kl_ti
+    if pooling == "mean":
+        gi, gt = f["patches"].mean(0), f["tokens"].mean(0)
+        g = float(gi @ gt / np.linalg.norm(gi) / np.linalg.norm(gt))
+    else:
+        g = float(f["image_global"] @ f["text_global"])
+    return {"cosine": g, "kl_image_text": kl_it, "kl_text_image": kl_ti, "beta": beta, "bi_kl": divergence,
+            "n_tokens": length, "msd": g - lam * divergence}
+
+
+def plain_soft_msd(rows: list[dict], groups: list[int], lam=0.1, tau=0.2) -> list[float]:
+    out = []
+    for row, group in zip(rows, groups):
+        members = [r["cosine"] for r, g in zip(rows, groups) if g == group]
+        m = len(members)
+        p = np.exp(np.array(members) / tau)
+        p /= p.sum()
+        u = 1.0 if m == 1 else min(max(m / (m - 1) * (1 - p.max()), 0.0), 1.0)
+        out.append(row["cosine"] - lam * u * row["bi_kl"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_rows(tiny_clip, pictures):
+    images, captions = corpus(pictures)
+    return [plain_msd(plain_features(tiny_clip, img, cap)) for img, cap in zip(images, captions)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MSD
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_msd_equals_the_plain_pipeline(kind, tiny_clip, tiny_siglip, pictures, plain_rows):
+    path = tiny_clip if kind == "clip" else tiny_siglip
+    images, captions = corpus(pictures)
+    result = capeval_plugins.load("msd_score", model=path)(images, captions)
+    rows = plain_rows if kind == "clip" else [plain_msd(plain_features(path, i, c)) for i, c in zip(images, captions)]
+    for key in ("cosine", "kl_image_text", "kl_text_image", "beta", "bi_kl", "n_tokens"):
+        assert result.extras[key].tolist() == pytest.approx([r[key] for r in rows], abs=1e-5), key
+    assert result.scores.tolist() == pytest.approx([r["msd"] for r in rows], abs=1e-5)
+    assert result.score == pytest.approx(np.mean([r["msd"] for r in rows]), abs=1e-5)
+    assert torch.isfinite(result.scores).all()
+
+
+def test_options_follow_their_definition(tiny_clip, pictures):
+    images, captions = corpus(pictures)
+    images, captions = images[:2], captions[:2]
+    options = dict(setting="long", kappa=8.0, em_iterations=7, lam=0.3, length_l0=5.0, length_tau=2.0,
+                   global_pooling="mean", patch_layernorm=True)
+    result = capeval_plugins.load("msd_score", model=tiny_clip, **options)(images, captions)
+    for i, (img, cap) in enumerate(zip(images, captions)):
+        row = plain_msd(plain_features(tiny_clip, img, cap, post_layernorm=True), k_image=5, k_text=3, kappa=8.0,
+                        iterations=7, lam=0.3, l0=5.0, tau_l=2.0, pooling="mean")
+        assert result.scores[i].item() == pytest.approx(row["msd"], abs=1e-5)
+        assert result.extras["cosine"][i].item() == pytest.approx(row["cosine"], abs=1e-5)
+    explicit = capeval_plugins.load("msd_score", model=tiny_clip, **{**options, "setting": "short"}, k_image=5,
+                                    k_text=3)(images, captions)
+    assert explicit.scores.tolist() == pytest.approx(result.scores.tolist(), abs=1e-12)
+    other_seed = capeval_plugins.load("msd_score", model=tiny_clip, seed=5, **options)(images, captions)
+    assert torch.isfinite(other_seed.scores).all()
+
+
+@pytest.mark.parametrize("bad", [{"setting": "medium"}, {"k_image": 0}, {"kappa": 0.0}, {"global_pooling": "max"},
+                                 {"long_captions": "chunk"}, {"em_dtype": "float16"}, {"tau": -1.0}])
+def test_bad_options_are_refused(tiny_clip, bad):
+    with pytest.raises(ValueError):
+        capeval_plugins.load("soft_msd", model=tiny_clip, **bad)
+
+
+def test_global_features_equal_the_existing_encoder_methods(tiny_clip, tiny_siglip, pictures):
+    from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+
+    for path in (tiny_clip, tiny_siglip):
+        enc = ClipEncoder.shared(EncoderSpec(path))
+        image = enc.encode_image_patches(enc.pixel_values(pictures))
+        assert torch.allclose(image.pooled, enc.encode_images(pictures), atol=1e-6)
+        text = enc.encode_text_tokens(CANDIDATES)
+        assert torch.allclose(text.pooled, enc.encode_texts(CANDIDATES), atol=1e-6)
+        assert torch.allclose(text.local.norm(dim=-1), torch.ones(text.local.shape[:2]), atol=1e-5)
+
+
+def test_score_independent_of_batching_and_order(tiny_clip, pictures):
+    images, captions = corpus(pictures)
+    base = capeval_plugins.load("soft_msd", model=tiny_clip)(images, captions)
+    for batch_size in (1, 2, 4):
+        other = capeval_plugins.load("soft_msd", model=tiny_clip, batch_size=batch_size)(images, captions)
+        assert other.scores.tolist() == pytest.approx(base.scores.tolist(), abs=1e-6)
+    order = list(range(len(captions)))
+    random.Random(0).shuffle(order)
+    shuffled = capeval_plugins.load("soft_msd", model=tiny_clip, batch_size=4)(
+        [images[i] for i in order], [captions[i] for i in order])
+    assert shuffled.scores.tolist() == pytest.approx([base.scores[i].item() for i in order], abs=1e-6)
+
+
+def test_long_captions_truncated_with_a_warning_or_refused(tiny_root, pictures):
+    from capeval_plugins.testing import tiny_checkpoint
+
+    path = str(tiny_checkpoint("clip", root=tiny_root, seed=7))  # its own model: the warning is once per model
+    long = "a dog runs on the grass " * 30
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = capeval_plugins.load("msd_score", model=path)(pictures[:2], [long, "a cat"])
+    assert any("truncated" in str(w.message) for w in caught)
+    assert result.extras["n_tokens"][0].item() == 75 and torch.isfinite(result.scores).all()
+    with pytest.raises(InputError, match="sample 1: caption has"):
+        capeval_plugins.load("msd_score", model=path, long_captions="error")(pictures[:2], ["a cat", long])
+
+
+def test_diagnostics_decompose_both_kl_terms(tiny_clip, pictures, tmp_path):
+    from capeval_plugins.diagnostics import render_patch_map
+
+    images, captions = corpus(pictures)
+    result = capeval_plugins.load("msd_score", model=tiny_clip, diagnostics=True, batch_size=4)(images, captions)
+    ex = result.extras
+    assert ex["patch_contributions"].shape == (6, 16)
+    assert ex["patch_contributions"].sum(1).tolist() == pytest.approx(ex["kl_image_text"].tolist(), abs=1e-9)
+    assert ex["token_contributions"].nansum(1).tolist() == pytest.approx(ex["kl_text_image"].tolist(), abs=1e-9)
+    assert ex["token_contributions_on_patches"].sum(1).tolist() == pytest.approx(ex["kl_text_image"].tolist(), abs=1e-9)
+    n_tokens = ex["n_tokens"].long()
+    for i, n in enumerate(n_tokens.tolist()):
+        row = ex["token_contributions"][i]
+        assert torch.isfinite(row[:n]).all() and torch.isnan(row[n:]).all()
+    plain = plain_features(tiny_clip, images[0], captions[0])
+    q = plain_fit(plain["tokens"], 2, 20.0, 20, plain["text_seed"])[:2]
+    p = plain_fit(plain["patches"], 3, 20.0, 20, plain["image_seed"])[:2]
+    terms = (plain_log_density(plain["tokens"], *q, 20.0) - plain_log_density(plain["tokens"], *p, 20.0)) / n_tokens[0]
+    assert ex["token_contributions"][0, :n_tokens[0]].tolist() == pytest.approx(terms.tolist(), abs=1e-5)
+
+    out = tmp_path / "map.png"
+    picture = render_patch_map(images[0], ex["patch_contributions"][0], path=out)
+    with Image.open(out) as png:
+        assert png.format == "PNG" and png.size == picture.size == (224, 224)  # centre square, enlarged
+    wide = render_patch_map(np.zeros((30, 60, 3), dtype=np.uint8), np.arange(16.0), crop="full", min_size=30)
+    assert wide.size == (60, 30)
+    with pytest.raises(ValueError, match="square grid"):
+        render_patch_map(images[0], np.arange(15.0))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Soft-MSD
+
+
+def test_soft_msd_equals_the_formulas(tiny_clip, pictures, plain_rows):
+    images, captions = corpus(pictures)
+    result = capeval_plugins.load("soft_msd", model=tiny_clip)(images, captions)
+    assert result.scores.tolist() == pytest.approx(plain_soft_msd(plain_rows, IMAGE_OF), abs=1e-5)
+    assert result.extras["group_size"].tolist() == [3, 3, 3, 1, 2, 2]
+    assert result.extras["msd"].tolist() == pytest.approx([r["msd"] for r in plain_rows], abs=1e-5)
+
+
+def test_soft_msd_with_one_candidate_is_msd(tiny_clip, pictures):
+    images, captions = corpus(pictures)
+    msd = capeval_plugins.load("msd_score", model=tiny_clip)(images, captions)
+    alone = capeval_plugins.load("soft_msd", model=tiny_clip)(images, captions, group_ids=list(range(6)))
+    assert alone.scores.tolist() == pytest.approx(msd.scores.tolist(), abs=1e-12)
+    assert (alone.extras["uncertainty"] == 1).all()
+    one_each = capeval_plugins.load("soft_msd", model=tiny_clip)(pictures, CANDIDATES[:3])
+    assert one_each.scores.tolist() == pytest.approx(
+        capeval_plugins.load("msd_score", model=tiny_clip)(pictures, CANDIDATES[:3]).scores.tolist(), abs=1e-12)
+
+
+def test_soft_msd_gate_is_invariant_to_candidate_order():
+    rng = np.random.default_rng(0)
+    cosine = torch.tensor(rng.uniform(-0.2, 0.4, 9))
+    groups = torch.tensor([4, 4, 9, 4, 9, 1, -1, -1, 9])
+    u, size = soft_msd_gate(cosine, groups)
+    assert size.tolist() == [3, 3, 3, 3, 3, 1, 1, 1, 3] and u[5] == u[6] == u[7] == 1
+    perm = torch.tensor(rng.permutation(9))
+    u_perm, _ = soft_msd_gate(cosine[perm], groups[perm])
+    assert u_perm.tolist() == pytest.approx(u[perm].tolist(), abs=1e-15)
+    # two candidates: u = 1 - 2 |sigmoid(delta / tau) - 1/2|
+    u2, _ = soft_msd_gate(torch.tensor([0.30, 0.25], dtype=torch.float64), torch.tensor([0, 0]))
+    p = 1 / (1 + np.exp(-0.05 / 0.2))
+    assert u2.tolist() == pytest.approx([1 - 2 * abs(p - 0.5)] * 2, abs=1e-12)
+
+
+def test_image_group_ids_are_stable_for_files_and_bytes_only(picture_files, pictures):
+    sources = [image_source(p, i) for i, p in enumerate(picture_files + picture_files[:1])]
+    first = image_group_ids(sources)
+    assert first[0] == first[3] and len(set(first)) == 3 and all(0 <= g < 2 ** 63 for g in first)
+    assert image_group_ids(sources) == first  # another call (or process) gives the same ids
+    data = Path(picture_files[1]).read_bytes()
+    assert image_group_ids([image_source(data, 0)]) == image_group_ids([image_source({"bytes": data}, 0)])
+    memory = [image_source(pictures[0], 0), image_source(pictures[0], 1)]
+    within = image_group_ids(memory)
+    assert within[0] == within[1] and image_group_ids(memory) != within  # grouped only within one call
+
+
+def test_torchmetrics_groups_across_batches(tiny_clip, picture_files, pictures):
+    from capeval_plugins.torchmetrics import SoftMSD
+
+    files = [picture_files[i] for i in IMAGE_OF]
+    direct = capeval_plugins.load("soft_msd", model=tiny_clip)(files, CANDIDATES)
+    metric = SoftMSD(model=tiny_clip, batch_size=2)
+    for part in ([0, 3], [1, 4], [2, 5]):  # every batch splits an image's candidates
+        metric.update([files[i] for i in part], [CANDIDATES[i] for i in part], ids=part)
+    result = metric.compute_all()
+    assert result.extras["group_size"].tolist() == [3, 3, 3, 1, 2, 2]
+    assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    # in-memory images with explicit group ids group across batches too
+    images = [pictures[i] for i in IMAGE_OF]
+    metric = SoftMSD(model=tiny_clip)
+    for part in ([0, 3], [1, 2, 4, 5]):
+        metric.update([images[i] for i in part], [CANDIDATES[i] for i in part], ids=part,
+                      group_ids=[IMAGE_OF[i] for i in part])
+    assert metric.compute_all().scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
+
+
+def test_pycocoevalcap_scorer_equals_a_direct_call(tiny_clip, picture_files):
+    from capeval_plugins.pycocoevalcap import ImageResolver, SoftMsd
+
+    resolver = ImageResolver("/", mapping=dict(enumerate(picture_files)))
+    res = {i: [c] for i, c in enumerate(CANDIDATES[:3])}
+    score, per_item = SoftMsd(resolver, model=tiny_clip).compute_score({i: ["unused"] for i in res}, res)
+    direct = capeval_plugins.load("soft_msd", model=tiny_clip)(picture_files, CANDIDATES[:3])
+    assert list(per_item) == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    assert score == pytest.approx(direct.score, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Soft-MSD across two DDP ranks
+
+SHARDS = {
+    "interleaved": {0: [0, 2, 4], 1: [1, 3, 5]},  # image 0's candidates on both ranks
+    "uneven_with_repeat": {0: [0, 1, 5, 3], 1: [2, 4, 0]},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, model: str, files: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    from capeval_plugins.torchmetrics import SoftMSD
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for name, shards in SHARDS.items():
+        metric = SoftMSD(model=model, batch_size=2)  # built inside the worker
+        mine = shards[rank]
+        for start in range(0, len(mine), 2):
+            part = mine[start:start + 2]
+            metric.update([files[IMAGE_OF[i]] for i in part], [CANDIDATES[i] for i in part], ids=part)
+        result = metric.compute_all()
+        results[name] = {"scores": result.scores.tolist(), "indices": result.indices.tolist(),
+                         "group_size": result.extras["group_size"].tolist()}
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_call(tiny_clip, picture_files, tmp_path):
+    import torch.multiprocessing as mp
+
+    files = [picture_files[i] for i in IMAGE_OF]
+    single = capeval_plugins.load("soft_msd", model=tiny_clip)(files, CANDIDATES)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_clip, picture_files, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        for name, got in torch.load(tmp_path / f"rank{rank}.pt").items():
+            assert got["indices"] == list(range(6)), name
+            assert got["group_size"] == [3, 3, 3, 1, 2, 2], name
+            assert got["scores"] == pytest.approx(single.scores.tolist(), abs=1e-6), name

@@ -1,0 +1,233 @@
+"""Batched fixed-kappa vMF mixture EM and Monte Carlo KL against a plain per-sample implementation."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.special import logsumexp
+
+from capeval_plugins.core import vmf
+
+# ---------------------------------------------------------------------------------------------------------
+# An independent, per-sample EM in numpy, written from the formulas (Algorithm 1 of the paper, the methods
+# notes). It shares only the random source with the batched code: which point starts (or restarts) which
+# component comes from the same seeded keys, as two runs of one algorithm would share a seed.
+
+
+def draw_order(seed: int, stream: int, n: int) -> np.ndarray:
+    keys = vmf.random_keys(torch.tensor(seed), stream, torch.arange(n)).numpy()
+    return np.argsort(keys, kind="stable")
+
+
+def plain_fit(points: np.ndarray, k: int, kappa: float, iterations: int, seed: int, threshold: float = 1e-6):
+    """Returns means (k', D), weights (k',), the mean log-likelihood at every E-step, reinit count."""
+    x = points / np.linalg.norm(points, axis=1, keepdims=True)
+    n = len(x)
+    k = min(k, n)
+    means = x[draw_order(seed, vmf.INIT_STREAM, n)[:k]]
+    weights = np.full(k, 1.0 / k)
+    trace, restarts = [], 0
+    for step in range(iterations):
+        logits = kappa * x @ means.T + np.log(weights)
+        log_norm = logsumexp(logits, axis=1)
+        trace.append(log_norm.mean())
+        resp = np.exp(logits - log_norm[:, None])
+        mass = resp.sum(0)
+        weights = mass / n
+        sums = resp.T @ x
+        for j in range(k):
+            if mass[j] < threshold * n:
+                sums[j] = x[int(vmf.random_draws(torch.tensor(seed), vmf.reinit_stream(step, j))) % n]
+                weights[j] = 1.0 / n
+                restarts += 1
+        weights = weights / weights.sum()
+        means = sums / np.linalg.norm(sums, axis=1, keepdims=True)
+    return means, weights, np.array(trace), restarts
+
+
+def plain_log_density(points: np.ndarray, means: np.ndarray, weights: np.ndarray, kappa: float) -> np.ndarray:
+    x = points / np.linalg.norm(points, axis=1, keepdims=True)
+    return logsumexp(kappa * x @ means.T + np.log(weights), axis=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def clustered(rng: np.random.Generator, n: int, dim: int = 12, clusters: int = 3, spread: float = 0.6) -> np.ndarray:
+    centres = rng.normal(size=(clusters, dim))
+    return centres[rng.integers(0, clusters, n)] + spread * rng.normal(size=(n, dim))
+
+
+def padded(rows: list[np.ndarray], width: int | None = None, fill: float = np.nan, rng=None):
+    """Rows scattered into a (B, width, D) tensor at random positions, the rest filled with ``fill``."""
+    rng = rng or np.random.default_rng(0)
+    width = width or max(len(r) for r in rows)
+    dim = rows[0].shape[1]
+    x = np.full((len(rows), width, dim), fill)
+    mask = np.zeros((len(rows), width), dtype=bool)
+    for b, r in enumerate(rows):
+        slots = np.sort(rng.choice(width, size=len(r), replace=False))
+        x[b, slots] = r
+        mask[b, slots] = True
+    return torch.tensor(x), torch.tensor(mask)
+
+
+def active(mixture: vmf.VMFMixture, b: int) -> tuple[np.ndarray, np.ndarray]:
+    k = int(mixture.n_components[b])
+    return mixture.means[b, :k].numpy(), np.exp(mixture.log_weights[b, :k].numpy())
+
+
+LENGTHS = [1, 2, 5, 17, 40]
+SEEDS = [3, 14, 15, 92, 65]
+
+
+@pytest.mark.parametrize("threshold", [1e-6, 0.3])
+@pytest.mark.parametrize("kappa", [1.0, 20.0])
+def test_batched_em_equals_a_plain_per_sample_em(kappa, threshold):
+    rng = np.random.default_rng(1)
+    rows = [clustered(rng, n) for n in LENGTHS]
+    x, mask = padded(rows, width=48, rng=rng)
+    fit = vmf.fit_vmf_mixture(x, mask, n_components=3, kappa=kappa, iterations=20, seeds=torch.tensor(SEEDS),
+                              reinit_threshold=threshold)
+    restarts = 0
+    for b, (points, seed) in enumerate(zip(rows, SEEDS)):
+        means, weights, trace, r = plain_fit(points, 3, kappa, 20, seed, threshold)
+        got_means, got_weights = active(fit, b)
+        assert int(fit.n_components[b]) == min(3, len(points))
+        np.testing.assert_allclose(got_means, means, atol=1e-10)
+        np.testing.assert_allclose(got_weights, weights, atol=1e-10)
+        np.testing.assert_allclose(fit.log_likelihood[b].numpy(), trace, atol=1e-10)
+        assert int(fit.reinitialised[b].sum()) == r
+        assert torch.isinf(fit.log_weights[b, len(weights):]).all()
+        restarts += r
+    if threshold > 0.1:
+        assert restarts > 0  # the re-initialisation path was exercised
+
+
+@pytest.mark.parametrize("kappa", [0.5, 20.0, 80.0])
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_log_likelihood_never_decreases(kappa, k):
+    rng = np.random.default_rng(k)
+    rows = [clustered(rng, n, clusters=4) for n in (12, 30, 64)]
+    x, mask = padded(rows, rng=rng, fill=0.0)
+    fit = vmf.fit_vmf_mixture(x, mask, n_components=k, kappa=kappa, iterations=30, seeds=torch.tensor([1, 2, 3]),
+                              reinit_threshold=0.0)
+    steps = fit.log_likelihood.diff(dim=1)
+    assert (steps >= -1e-10).all(), steps.min()
+    final = fit.log_density(x, mask).sum(1) / mask.sum(1)
+    assert (final >= fit.log_likelihood[:, -1] - 1e-10).all()
+    # With the default threshold, every step without a re-initialisation is an EM step and cannot go down.
+    fit = vmf.fit_vmf_mixture(x, mask, n_components=k, kappa=kappa, iterations=30, seeds=torch.tensor([1, 2, 3]))
+    plain_steps = fit.log_likelihood.diff(dim=1)[fit.reinitialised[:, :-1] == 0]
+    assert (plain_steps >= -1e-10).all()
+
+
+def test_padding_position_content_and_batch_change_nothing():
+    rng = np.random.default_rng(2)
+    rows = [clustered(rng, n) for n in (4, 9, 23)]
+    seeds = torch.tensor([7, 8, 9])
+    compact = [vmf.fit_vmf_mixture(torch.tensor(r)[None], n_components=3, seeds=seeds[b:b + 1])
+               for b, r in enumerate(rows)]
+    for fill in (np.nan, 1e6, 0.0):
+        x, mask = padded(rows, width=31, fill=fill, rng=rng)
+        fit = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=seeds)
+        for b, alone in enumerate(compact):
+            np.testing.assert_allclose(fit.means[b].numpy(), alone.means[0].numpy(), atol=1e-12)
+            np.testing.assert_allclose(fit.log_weights[b].numpy(), alone.log_weights[0].numpy(), atol=1e-12)
+            assert torch.isfinite(fit.means[b]).all()
+    # batch order: reversed rows give the same fits
+    x, mask = padded(rows[::-1], width=31, rng=rng)
+    fit = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=seeds.flip(0))
+    for b, alone in enumerate(compact[::-1]):
+        np.testing.assert_allclose(fit.means[b].numpy(), alone.means[0].numpy(), atol=1e-12)
+
+
+def test_default_seeds_come_from_the_row_itself():
+    rng = np.random.default_rng(3)
+    rows = [clustered(rng, 20) for _ in range(3)]
+    x, mask = padded(rows, width=25, rng=rng)
+    batched = vmf.fit_vmf_mixture(x, mask, n_components=3)
+    for b, r in enumerate(rows):
+        alone = vmf.fit_vmf_mixture(torch.tensor(r)[None], n_components=3)
+        np.testing.assert_allclose(batched.means[b].numpy(), alone.means[0].numpy(), atol=1e-12)
+
+
+def test_content_seeds_depend_on_content_only():
+    ids = torch.tensor([[5, 6, 7, 0, 0], [0, 5, 6, 7, 0], [5, 6, 8, 0, 0], [6, 5, 7, 0, 0]])
+    mask = ids > 0
+    seeds = vmf.content_seeds(ids, mask)
+    assert seeds[0] == seeds[1]  # same tokens, padded elsewhere
+    assert len({int(s) for s in seeds[[0, 2, 3]]}) == 3  # another token, another order
+    assert vmf.content_seeds(ids[:1], mask[:1]) == seeds[0]  # batch composition
+    assert vmf.content_seeds(ids, mask, seed=1)[0] != seeds[0]
+    pixels = torch.rand(2, 3, 4, 4)
+    assert vmf.content_seeds(pixels)[1] == vmf.content_seeds(pixels[1:])[0]
+
+
+@pytest.mark.parametrize("kappa", [1e-3, 20.0, 500.0])
+def test_edge_cases_stay_finite(kappa):
+    rng = np.random.default_rng(4)
+    one = rng.normal(size=(1, 8))
+    same = np.repeat(rng.normal(size=(1, 8)), 6, axis=0)
+    two = rng.normal(size=(2, 8))
+    x, mask = padded([one, same, two], width=6, fill=0.0, rng=rng)
+    fit = vmf.fit_vmf_mixture(x, mask, n_components=5, kappa=kappa, seeds=torch.tensor([1, 2, 3]))
+    assert fit.n_components.tolist() == [1, 5, 2]  # K capped at the number of points
+    for b in range(3):
+        means, weights = active(fit, b)
+        assert np.isfinite(means).all() and np.isfinite(weights).all()
+        assert weights.sum() == pytest.approx(1.0)
+    # one point: the mean is the point; identical points: every component sits on them
+    np.testing.assert_allclose(fit.means[0, 0].numpy(), one[0] / np.linalg.norm(one[0]), atol=1e-12)
+    np.testing.assert_allclose(fit.means[1].numpy(), np.repeat(same[:1] / np.linalg.norm(same[0]), 5, 0), atol=1e-12)
+    density = fit.log_density(x, mask)
+    assert torch.isfinite(density).all()
+    kl = vmf.bi_kl(x, mask, fit, x, mask, fit)
+    assert torch.isfinite(kl.image_to_text).all() and torch.isfinite(kl.text_to_image).all()
+
+
+def test_a_row_without_points_is_refused():
+    with pytest.raises(ValueError, match=r"rows \[1\]"):
+        vmf.fit_vmf_mixture(torch.ones(2, 3, 4), torch.tensor([[True, False, False], [False, False, False]]),
+                            n_components=2)
+
+
+def test_bi_kl_equals_a_direct_computation():
+    """Two images, three pairs (pair 2 reuses image 0): both KL directions and per-point contributions."""
+    rng = np.random.default_rng(5)
+    images = [clustered(rng, 16, clusters=3), clustered(rng, 16, clusters=2)]
+    texts = [clustered(rng, n, clusters=2) for n in (3, 7, 11)]
+    image_index = [0, 1, 0]
+    px, pmask = padded(images, rng=rng)
+    tx, tmask = padded(texts, rng=rng)
+    image_fit = vmf.fit_vmf_mixture(px, pmask, n_components=3, seeds=torch.tensor([1, 2]))
+    text_fit = vmf.fit_vmf_mixture(tx, tmask, n_components=2, seeds=torch.tensor([3, 4, 5]))
+    kl = vmf.bi_kl(px, pmask, image_fit, tx, tmask, text_fit, torch.tensor(image_index))
+    for b, i in enumerate(image_index):
+        p = active(image_fit, i)
+        q = active(text_fit, b)
+        patches, tokens = images[i], texts[b]
+        it_terms = plain_log_density(patches, *p, 20.0) - plain_log_density(patches, *q, 20.0)
+        ti_terms = plain_log_density(tokens, *q, 20.0) - plain_log_density(tokens, *p, 20.0)
+        assert kl.image_to_text[b].item() == pytest.approx(it_terms.mean(), abs=1e-10)
+        assert kl.text_to_image[b].item() == pytest.approx(ti_terms.mean(), abs=1e-10)
+        np.testing.assert_allclose(kl.patch_contributions[b][pmask[i]].numpy(), it_terms / len(patches), atol=1e-12)
+        np.testing.assert_allclose(kl.token_contributions[b][tmask[b]].numpy(), ti_terms / len(tokens), atol=1e-12)
+        assert (kl.token_contributions[b][~tmask[b]] == 0).all()
+
+
+def test_kl_of_a_set_with_itself_is_zero():
+    rng = np.random.default_rng(6)
+    x, mask = padded([clustered(rng, 9), clustered(rng, 14)], rng=rng)
+    fit = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=torch.tensor([1, 2]))
+    kl = vmf.bi_kl(x, mask, fit, x, mask, fit)
+    assert kl.image_to_text.abs().max() == 0 and kl.text_to_image.abs().max() == 0
+
+
+def test_float32_fit_is_close_to_float64():
+    rng = np.random.default_rng(7)
+    x, mask = padded([clustered(rng, 30), clustered(rng, 12)], rng=rng, fill=0.0)
+    a = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=torch.tensor([1, 2]))
+    b = vmf.fit_vmf_mixture(x.float(), mask, n_components=3, seeds=torch.tensor([1, 2]), dtype=torch.float32)
+    assert b.means.dtype == torch.float32
+    np.testing.assert_allclose(b.means.double().numpy(), a.means.numpy(), atol=1e-4)
