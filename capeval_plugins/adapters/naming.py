@@ -11,7 +11,9 @@ from typing import Any, Callable
 from capeval_plugins import registry
 from capeval_plugins.contract import MetricInfo
 
-_WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|\d+")
+# An acronym ends where a capitalised word of 2+ lowercase letters starts ("CLIP|Score"), not before a
+# one-letter tail ("CIDEr" stays one word).
+_WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z]{2,})|[A-Z]?[a-z]+|[A-Z]+[a-z]?|\d+")
 
 
 def identifier(info: MetricInfo) -> str:
@@ -26,9 +28,12 @@ def coco_identifier(info: MetricInfo) -> str:
 
 
 def lookup(attribute: str) -> str | None:
-    """Registry name of the metric a class attribute refers to, or None."""
+    """Registry name of the metric a class attribute refers to (either spelling, the registry name, or any
+    capitalisation of them: ``Cider``, ``CIDEr``), or None."""
+    folded = attribute.lower().replace("_", "")
     for name, entry in registry.metrics().items():
-        if attribute in (identifier(entry.info), coco_identifier(entry.info), name):
+        spellings = (identifier(entry.info), coco_identifier(entry.info), name)
+        if attribute in spellings or folded in {s.lower().replace("_", "") for s in spellings}:
             return name
     return None
 

@@ -94,3 +94,98 @@ def pairwise_accuracy(score_a, score_b, preferred, ties: str = "half") -> float:
     if ties == "half":
         correct[a == b] = 0.5
     return float(correct.mean()) if len(correct) else math.nan
+
+
+class KendallPlan:
+    """Kendall's tau of fixed ``(x, y)`` under integer sample weights (multiplicities), for resampling.
+
+    ``statistics(weights)`` equals ``kendall_tau`` (b and c) on the data with item ``i`` repeated
+    ``weights[i]`` times, which is what a bootstrap replicate is, without re-sorting: the merge pattern of the
+    inversion count depends only on the ranks, so it is recorded once and each replicate costs a few
+    cumulative sums (O(n log n) gathers).
+    """
+
+    def __init__(self, x, y) -> None:
+        x = np.asarray(x, dtype=np.float64).ravel()
+        y = np.asarray(y, dtype=np.float64).ravel()
+        if x.shape != y.shape:
+            raise ValueError(f"x and y differ in length: {len(x)} vs {len(y)}")
+        if np.isnan(x).any() or np.isnan(y).any():
+            raise ValueError("KendallPlan got NaN; drop or fill those samples first")
+        self.n = len(x)
+        self.x_group = _dense_rank(x)
+        self.y_group = _dense_rank(y)
+        both = np.stack([self.x_group, self.y_group], axis=1)
+        self.xy_group = np.unique(both, axis=0, return_inverse=True)[1].ravel() if self.n else np.zeros(0, np.int64)
+        order = np.lexsort((y, x))  # within tied x, y ascends: tied pairs are never inversions
+        self.levels = _merge_levels(self.y_group[order], order)
+
+    def _discordant(self, w: np.ndarray) -> int:
+        total = 0
+        for left, right, lo, hi in self.levels:
+            cw = np.concatenate(([0], np.cumsum(w[left])))
+            total += int((w[right] * (cw[hi] - cw[lo])).sum())
+        return total
+
+    def statistics(self, weights=None) -> dict[str, float]:
+        """``{"b": tau-b, "c": tau-c}`` under ``weights`` (default: every item once)."""
+        w = np.ones(self.n, dtype=np.int64) if weights is None else np.asarray(weights).astype(np.int64)
+        if w.shape != (self.n,) or (w < 0).any():
+            raise ValueError("weights must be one non-negative integer per item")
+        n = int(w.sum())
+        x_sizes, y_sizes = _group_sizes(self.x_group, w), _group_sizes(self.y_group, w)
+        total = n * (n - 1) // 2
+        x_ties, y_ties = _pairs_within(x_sizes), _pairs_within(y_sizes)
+        both_ties = _pairs_within(_group_sizes(self.xy_group, w))
+        con_minus_dis = total - x_ties - y_ties + both_ties - 2 * self._discordant(w)
+        denom_b = math.sqrt(float(total - x_ties) * float(total - y_ties))
+        classes = min(np.count_nonzero(x_sizes), np.count_nonzero(y_sizes))
+        return {
+            "b": con_minus_dis / denom_b if n > 1 and denom_b > 0 else math.nan,
+            "c": 2.0 * con_minus_dis / (n * n * (classes - 1) / classes) if n > 1 and classes > 1 else math.nan,
+        }
+
+
+def _group_sizes(groups: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return np.bincount(groups, weights=w, minlength=1).round().astype(np.int64)
+
+
+def _pairs_within(sizes: np.ndarray) -> int:
+    return int((sizes * (sizes - 1) // 2).sum())
+
+
+def _merge_levels(ranks: np.ndarray, items: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+    """For each level of a bottom-up merge of ``ranks``: the items of every block's left half in sorted order,
+    the right-half items, and for each right item the range ``[lo, hi)`` of left items with a strictly
+    greater rank (its inversions at that level)."""
+    n = len(ranks)
+    width = int(ranks.max()) + 1 if n else 1
+    pos = np.arange(n, dtype=np.int64)
+    slots = np.arange(n, dtype=np.int64)  # position (in `items` order) held by each slot; blocks sorted by rank
+    levels = []
+    size = 1
+    while size < n:
+        block = pos // (2 * size)
+        keys = block * width + ranks[slots]
+        in_right = (pos // size) % 2 == 1
+        left_keys = keys[~in_right]  # globally sorted: blocks ascend, each left half is sorted
+        right_keys, right_block = keys[in_right], block[in_right]
+        lo = np.searchsorted(left_keys, right_keys, side="right")
+        hi = np.searchsorted(left_keys, (right_block + 1) * width, side="left")
+        levels.append((items[slots[~in_right]], items[slots[in_right]], lo, hi))
+        slots = slots[np.argsort(keys, kind="stable")]
+        size *= 2
+    return levels
+
+
+def pearson(x, y, weights=None) -> float:
+    """Pearson's r (weighted by sample multiplicities when given). NaN when a variance is zero."""
+    x = np.asarray(x, dtype=np.float64).ravel()
+    y = np.asarray(y, dtype=np.float64).ravel()
+    w = np.ones_like(x) if weights is None else np.asarray(weights, dtype=np.float64)
+    total = w.sum()
+    if total <= 0:
+        return math.nan
+    dx, dy = x - (w * x).sum() / total, y - (w * y).sum() / total
+    var = (w * dx * dx).sum() * (w * dy * dy).sum()
+    return float((w * dx * dy).sum() / math.sqrt(var)) if var > 0 else math.nan

@@ -1,0 +1,159 @@
+"""What a benchmark reader returns: the rows a metric scores, and the human judgments of those rows.
+
+A *rating* benchmark (Flickr8k, Composite, Nebula, Polaris, THumB) gives one human score per row and is
+judged by correlation; a *pairwise* benchmark (Pascal-50S, FOIL, MCEval) gives pairs of rows and the one
+humans preferred, and is judged by accuracy. Rows keep the image as the file names it (resolved against the
+user's image folder only when a metric needs images), so text-only metrics run without any image.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from capeval_plugins.inputs import InputError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
+def clean(text: str) -> str:
+    """Whitespace collapsed, as the CLIPScore / PAC-S evaluation code does to every caption."""
+    return " ".join(str(text).split())
+
+
+@dataclass
+class Captions:
+    """The rows to score, in benchmark order. ``images`` holds the image as the benchmark names it (a relative
+    path or id), or an embedded ``{"bytes": ...}`` image; ``corpus`` says which rows a corpus-level metric
+    scores together in one call (default: all rows)."""
+
+    images: list[Any]
+    candidates: list[str]
+    references: list[list[str]] | None = None
+    corpus: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.candidates)
+        for name in ("images", "references", "corpus"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"{name} has {len(value)} rows for {n} candidates")
+
+    def __len__(self) -> int:
+        return len(self.candidates)
+
+    def corpora(self) -> list[np.ndarray]:
+        """Row indices of each corpus, in order of first appearance."""
+        if self.corpus is None:
+            return [np.arange(len(self))]
+        ids = np.asarray(self.corpus)
+        _, first = np.unique(ids, return_index=True)
+        return [np.flatnonzero(ids == ids[i]) for i in sorted(first)]
+
+    def image_keys(self) -> list[str]:
+        """A stable name per row's image (embedded images by content hash), for grouping and resampling."""
+        return [image_name(img) for img in self.images]
+
+
+@dataclass
+class Ratings:
+    """A benchmark judged by correlation: one human score per row."""
+
+    captions: Captions
+    human: np.ndarray
+    categories: list[str] | None = None  # optional subsets with their own correlation (e.g. Composite)
+    excluded: int = 0                    # rows the protocol dropped (e.g. candidates that are references)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.human = np.asarray(self.human, dtype=np.float64)
+        if len(self.human) != len(self.captions):
+            raise ValueError(f"{len(self.human)} human scores for {len(self.captions)} rows")
+
+    def units(self, by: str) -> np.ndarray:
+        """Resampling unit of every row: the row itself, or its image."""
+        return _units(by, len(self.captions), self.captions.image_keys())
+
+
+@dataclass
+class Pairs:
+    """A benchmark judged by pairwise accuracy: pair ``i`` compares rows ``first[i]`` and ``second[i]``;
+    ``label[i]`` is 0 when humans preferred the first, 1 when they preferred the second."""
+
+    captions: Captions
+    first: np.ndarray
+    second: np.ndarray
+    label: np.ndarray
+    categories: list[str]
+    excluded: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.first = np.asarray(self.first, dtype=np.int64)
+        self.second = np.asarray(self.second, dtype=np.int64)
+        self.label = np.asarray(self.label, dtype=np.int64)
+        n = len(self.first)
+        if not (len(self.second) == len(self.label) == len(self.categories) == n):
+            raise ValueError("first, second, label and categories must have one entry per pair")
+        if n and not np.isin(self.label, (0, 1)).all():
+            raise ValueError("labels must be 0 (first preferred) or 1 (second preferred)")
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    def units(self, by: str) -> np.ndarray:
+        keys = self.captions.image_keys()
+        return _units(by, len(self), [keys[i] for i in self.first])
+
+
+def _units(by: str, n: int, image_keys: Sequence[str]) -> np.ndarray:
+    if by == "row":
+        return np.arange(n)
+    if by == "image":
+        return np.unique(np.asarray(image_keys, dtype=object).astype(str), return_inverse=True)[1].ravel()
+    raise ValueError(f"resampling unit must be 'row' or 'image', got {by!r}")
+
+
+def image_name(image: Any) -> str:
+    if isinstance(image, dict) and image.get("bytes"):
+        return "sha1:" + hashlib.sha1(image["bytes"]).hexdigest()
+    if isinstance(image, dict):
+        return str(image.get("path"))
+    return str(image)
+
+
+def resolve_images(images: Sequence[Any], root: str | os.PathLike | None, benchmark: str) -> list[Any]:
+    """Image names -> files under ``root``. A name is tried as given, then by its file name alone, each also
+    with a .jpg / .jpeg / .png suffix when it has none (Nebula and Polaris name images by id); embedded images
+    pass through. Errors name the row and every path tried."""
+    found: dict[str, Any] = {}
+    out = []
+    for row, image in enumerate(images):
+        if isinstance(image, dict):
+            out.append(image)
+            continue
+        name = str(image)
+        if name not in found:
+            found[name] = _find(name, root, row, benchmark)
+        out.append(found[name])
+    return out
+
+
+def _find(name: str, root: str | os.PathLike | None, row: int, benchmark: str) -> str:
+    if root is None:
+        raise InputError(f"{benchmark}: this metric scores images: pass the image folder (--images DIR)")
+    base = Path(root)
+    stems = [name, Path(name).name]
+    tried = []
+    for stem in dict.fromkeys(stems):
+        options = [stem] if Path(stem).suffix.lower() in IMAGE_SUFFIXES else [stem, *(stem + s for s in IMAGE_SUFFIXES)]
+        for option in options:
+            path = base / option
+            tried.append(str(path))
+            if path.is_file():
+                return str(path)
+    raise InputError(f"{benchmark}: row {row}: image {name!r} not found (tried {', '.join(tried)})")

@@ -1,0 +1,238 @@
+"""From per-row metric scores to the figures papers report, with paired bootstrap confidence intervals and
+significance tests.
+
+Correlation benchmarks: Kendall tau-b and tau-c (:mod:`capeval_plugins.core.correlation`, equal to scipy's)
+and Pearson's r between metric and human scores. Pairwise benchmarks: per-category accuracy (a pair is right
+when the metric scores the preferred caption strictly higher; ties count ``ties="wrong"`` 0 or ``"half"`` 0.5)
+and the mean over categories. Every figure is x100. Rows (pairs) whose metric score is NaN are left out and
+counted in ``n_invalid``.
+
+The bootstrap is paired: every replicate draws one set of resampling units (images by default, or rows),
+stratified by category for pairwise benchmarks, and evaluates every metric on it, so two metrics are compared
+on the same resampled data. Intervals are percentile intervals; the p-value of a difference is two-sided,
+``2 * min(P(d <= 0), P(d >= 0))`` over replicates with add-one smoothing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Iterator, Mapping
+
+import numpy as np
+
+from capeval_plugins.bench.benchmarks import Protocol
+from capeval_plugins.bench.data import Pairs, Ratings
+from capeval_plugins.core.correlation import KendallPlan, pearson
+
+SCALE = 100.0
+CORRELATION_STATS = ("kendall_tau_b", "kendall_tau_c", "pearson")
+
+
+@dataclass
+class Evaluation:
+    """One metric on one benchmark: point estimates (x100) by statistic name, the rows used, and the values
+    of each statistic over the bootstrap replicates."""
+
+    stats: dict[str, float]
+    n: int
+    n_invalid: int = 0
+    n_ties: int | None = None
+    category_sizes: dict[str, int] = field(default_factory=dict)
+    category_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    replicates: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ correlation
+
+def correlation_stats(scores: np.ndarray, human: np.ndarray, plan: KendallPlan | None = None,
+                      weights: np.ndarray | None = None) -> dict[str, float]:
+    plan = plan if plan is not None else KendallPlan(scores, human)
+    tau = plan.statistics(weights)
+    return {"kendall_tau_b": SCALE * tau["b"], "kendall_tau_c": SCALE * tau["c"],
+            "pearson": SCALE * pearson(scores, human, weights)}
+
+
+def evaluate_ratings(scores: np.ndarray, data: Ratings) -> tuple[Evaluation, KendallPlan, np.ndarray]:
+    scores = np.asarray(scores, dtype=np.float64)
+    valid = np.isfinite(scores) & np.isfinite(data.human)
+    plan = KendallPlan(scores[valid], data.human[valid])
+    evaluation = Evaluation(correlation_stats(scores[valid], data.human[valid], plan), int(valid.sum()),
+                            int((~valid).sum()))
+    if data.categories is not None:
+        cats = np.asarray(data.categories)
+        for cat in dict.fromkeys(data.categories):
+            rows = valid & (cats == cat)
+            evaluation.category_sizes[cat] = int(rows.sum())
+            evaluation.category_stats[cat] = correlation_stats(scores[rows], data.human[rows])
+    return evaluation, plan, valid
+
+
+# --------------------------------------------------------------------------------------------- pairwise
+
+def pair_outcomes(scores: np.ndarray, data: Pairs, ties: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per pair: credit (1 right, 0 wrong, tie 0 or 0.5), whether both scores are finite, whether tied."""
+    if ties not in ("wrong", "half"):
+        raise ValueError(f"ties must be 'wrong' or 'half', got {ties!r}")
+    a, b = scores[data.first], scores[data.second]
+    valid = np.isfinite(a) & np.isfinite(b)
+    tied = valid & (a == b)
+    right = np.where(data.label == 0, a > b, b > a).astype(np.float64)
+    right[tied] = 0.5 if ties == "half" else 0.0
+    return right, valid, tied
+
+
+def accuracy_stats(credit: np.ndarray, category_index: np.ndarray, names: list[str], mean: bool,
+                   weights: np.ndarray) -> dict[str, float]:
+    """``{"category:<name>": accuracy, "accuracy": their mean}`` (x100) with per-pair weights."""
+    totals = np.bincount(category_index, weights=weights * credit, minlength=len(names))
+    counts = np.bincount(category_index, weights=weights, minlength=len(names))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_category = SCALE * totals / counts
+    out = {f"category:{name}": float(v) for name, v in zip(names, per_category)}
+    if mean:
+        out["accuracy"] = float(np.mean(per_category))
+    return out
+
+
+def category_order(data: Pairs, protocol: Protocol) -> list[str]:
+    present = list(dict.fromkeys(data.categories))
+    known = [c for c in protocol.categories if c in present]
+    return known + [c for c in present if c not in known]
+
+
+def evaluate_pairs(scores: np.ndarray, data: Pairs, protocol: Protocol, ties: str):
+    credit, valid, tied = pair_outcomes(np.asarray(scores, dtype=np.float64), data, ties)
+    names = category_order(data, protocol)
+    index = np.array([names.index(c) for c in data.categories], dtype=np.int64)
+    stats = accuracy_stats(credit[valid], index[valid], names, protocol.mean, np.ones(int(valid.sum())))
+    sizes = {c: int((valid & (index == i)).sum()) for i, c in enumerate(names)}
+    evaluation = Evaluation(stats, int(valid.sum()), int((~valid).sum()), int(tied.sum()), sizes)
+    return evaluation, (credit, valid, index, names)
+
+
+# -------------------------------------------------------------------------------------------- bootstrap
+
+class Resampler:
+    """Integer weights per item for each bootstrap replicate: resampling units drawn with replacement within
+    each stratum, every item weighted by how often its unit was drawn. Seeded, so reruns are identical."""
+
+    def __init__(self, units: np.ndarray, strata: np.ndarray | None, replicates: int, seed: int) -> None:
+        self.replicates = replicates
+        self.seed = seed
+        strata = np.zeros(len(units), dtype=np.int64) if strata is None else np.asarray(strata)
+        self.groups = []
+        for s in np.unique(strata):
+            items = np.flatnonzero(strata == s)
+            local = np.unique(np.asarray(units)[items], return_inverse=True)[1].ravel()
+            self.groups.append((items, local, int(local.max()) + 1 if len(local) else 0))
+        self.n = len(units)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        rng = np.random.default_rng(self.seed)
+        for _ in range(self.replicates):
+            w = np.zeros(self.n, dtype=np.int64)
+            for items, local, m in self.groups:
+                if m:
+                    counts = np.bincount(rng.integers(0, m, size=m), minlength=m)
+                    w[items] = counts[local]
+            yield w
+
+
+def interval(values: np.ndarray, level: float = 0.95) -> list[float] | None:
+    finite = values[np.isfinite(values)]
+    if not len(finite):
+        return None
+    tail = 100 * (1 - level) / 2
+    return [float(np.percentile(finite, tail)), float(np.percentile(finite, 100 - tail))]
+
+
+def p_value(differences: np.ndarray) -> float:
+    """Two-sided paired-bootstrap p-value of a difference being zero, with add-one smoothing."""
+    d = differences[np.isfinite(differences)]
+    if not len(d):
+        return math.nan
+    below, above = (np.sum(d <= 0) + 1) / (len(d) + 1), (np.sum(d >= 0) + 1) / (len(d) + 1)
+    return float(min(1.0, 2 * min(below, above)))
+
+
+# ---------------------------------------------------------------------------------------------- evaluate
+
+def evaluate(data: Ratings | Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], *,
+             replicates: int = 1000, seed: int = 0, unit: str = "image", ties: str = "wrong"
+             ) -> tuple[dict[str, Evaluation], list[dict]]:
+    """Every metric's figures (with bootstrap intervals when ``replicates > 0``) and the paired comparisons
+    of every two metrics on the benchmark's headline statistics."""
+    scores = {name: np.asarray(s, dtype=np.float64) for name, s in scores.items()}
+    if isinstance(data, Ratings):
+        prepare = lambda sc: _ratings(data, sc)  # noqa: E731
+        resampler = Resampler(data.units(unit), None, replicates, seed)
+    else:
+        prepare = lambda sc: _pairs(data, protocol, sc, ties)  # noqa: E731
+        resampler = Resampler(data.units(unit), np.asarray(data.categories), replicates, seed)
+    evaluations, replicate = prepare(scores)
+    for name, values in _replicates(replicate, resampler).items():
+        evaluations[name].replicates = values
+    return evaluations, compare(evaluations, protocol, resampler, scores, prepare)
+
+
+def _replicates(replicate, resampler: Resampler) -> dict[str, dict[str, np.ndarray]]:
+    """Every statistic of every metric over the bootstrap replicates (one pass, shared weights)."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    for w in resampler:
+        for name, stats in replicate(w).items():
+            for key, value in stats.items():
+                rows.setdefault(name, {}).setdefault(key, []).append(value)
+    return {name: {k: np.asarray(v) for k, v in stats.items()} for name, stats in rows.items()}
+
+
+def _ratings(data: Ratings, scores: Mapping[str, np.ndarray]):
+    evaluations, plans = {}, {}
+    for name, s in scores.items():
+        evaluation, plan, valid = evaluate_ratings(s, data)
+        evaluations[name] = evaluation
+        plans[name] = (plan, s[valid], data.human[valid], valid)
+
+    def replicate(w: np.ndarray) -> dict[str, dict[str, float]]:
+        return {name: correlation_stats(x, y, plan, w[valid]) for name, (plan, x, y, valid) in plans.items()}
+
+    return evaluations, replicate
+
+
+def _pairs(data: Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], ties: str):
+    evaluations, outcomes = {}, {}
+    for name, s in scores.items():
+        evaluations[name], outcomes[name] = evaluate_pairs(s, data, protocol, ties)
+
+    def replicate(w: np.ndarray) -> dict[str, dict[str, float]]:
+        out = {}
+        for name, (credit, valid, index, cats) in outcomes.items():
+            out[name] = accuracy_stats(credit[valid], index[valid], cats, protocol.mean, w[valid])
+        return out
+
+    return evaluations, replicate
+
+
+def compare(evaluations: Mapping[str, Evaluation], protocol: Protocol, resampler: Resampler,
+            scores: Mapping[str, np.ndarray], prepare) -> list[dict]:
+    """Paired comparison of every two metrics on each headline statistic. Where either metric left rows out
+    (NaN scores), both are re-evaluated on the rows they share."""
+    out = []
+    for a, b in combinations(list(evaluations), 2):
+        pair = {a: evaluations[a], b: evaluations[b]}
+        if evaluations[a].n_invalid or evaluations[b].n_invalid:
+            both = np.isfinite(scores[a]) & np.isfinite(scores[b])
+            pair, replicate = prepare({m: np.where(both, scores[m], np.nan) for m in (a, b)})
+            for name, values in _replicates(replicate, resampler).items():
+                pair[name].replicates = values
+        for stat in protocol.headline():
+            if stat not in pair[a].stats or stat not in pair[b].stats:
+                continue
+            entry = {"metrics": [a, b], "statistic": stat.removeprefix("category:"),
+                     "difference": pair[a].stats[stat] - pair[b].stats[stat]}
+            if resampler.replicates > 0:
+                d = pair[a].replicates[stat] - pair[b].replicates[stat]
+                entry["ci95"] = interval(d)
+                entry["p_value"] = p_value(d)
+            out.append(entry)
+    return out

@@ -1,0 +1,364 @@
+"""Readers for the public files of caption-evaluation benchmarks. Each docstring names the published format it
+reads. Captions are whitespace-normalised (as the CLIPScore / PAC-S code does); every error names the file and
+the record."""
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from capeval_plugins.bench.data import Captions, Pairs, Ratings, clean
+from capeval_plugins.inputs import InputError
+
+CANDIDATE_KEYS = ("mt", "cand", "candidate", "caption", "hyp")
+REFERENCE_KEYS = ("refs", "references", "ground_truth")
+HUMAN_KEYS = ("score", "human_score", "human", "rating")
+IMAGE_KEYS = ("imgid", "img", "image", "image_path", "image_id")
+
+
+# ---------------------------------------------------------------------------------------------- file access
+
+def load_records(path: str | Path) -> Any:
+    """A JSON document, JSON Lines (a list of objects), CSV (a list of dicts) or Parquet (a list of dicts)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"benchmark file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        with open(path, newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f))
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as err:
+            raise InputError(f"{path}: reading Parquet needs pyarrow") from err
+        return pq.read_table(path).to_pylist()
+    text = path.read_text(encoding="utf-8")
+    if suffix == ".jsonl":
+        return _json_lines(text, path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return _json_lines(text, path)  # JSON Lines under a .json name (THumB's references)
+
+
+def _json_lines(text: str, path: Path) -> list:
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise InputError(f"{path}:{lineno}: not valid JSON: {err}") from err
+    return rows
+
+
+def pick(record: dict, keys: Sequence[str], what: str, where: str, required: bool = True) -> Any:
+    for key in keys:
+        if key in record and record[key] is not None:
+            return record[key]
+    if required:
+        raise InputError(f"{where}: no {what} (looked for {', '.join(repr(k) for k in keys)})")
+    return None
+
+
+def as_list(value: Any, where: str) -> list[str]:
+    """A list of references: a list, one string, or a list written as text (CSV cells: JSON or Python)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            for parse in (json.loads, ast.literal_eval):
+                try:
+                    value = parse(text)
+                    break
+                except (ValueError, SyntaxError):
+                    continue
+            else:
+                raise InputError(f"{where}: cannot read the list of references {text[:60]!r}")
+        else:
+            value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise InputError(f"{where}: references must be a list of strings")
+    refs = [clean(v) for v in value if clean(v)]
+    if not refs:
+        raise InputError(f"{where}: no references")
+    return refs
+
+
+def as_score(value: Any, where: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError) as err:
+        raise InputError(f"{where}: human score {value!r} is not a number") from err
+
+
+# ---------------------------------------------------------------------------------- rating benchmarks
+
+def read_judgement_json(path: str | Path, candidates_in_references: str) -> Ratings:
+    """Flickr8k-Expert, Flickr8k-CF (and Composite) in the CLIPScore / PAC-S json: ``{image_id: {"ground_truth":
+    [references], "human_judgement": [{"image_id", "image_path", "caption", "rating"}, ...]}}`` (the files
+    ``flickr8k.json`` and ``crowdflower_flickr8k.json`` built by CLIPScore's ``flickr8k_example/download.py``
+    and shipped by PAC-S and FLEUR). One row per judgement, so an image-caption pair rated by three experts is
+    three rows; NaN ratings are skipped.
+
+    ``candidates_in_references`` is the protocol for a candidate that is also one of the image's references:
+    ``"drop_rows"`` (Flickr8k-Expert, Composite: the SPICE / CLIPScore protocol drops those rows) or
+    ``"drop_references"`` (Flickr8k-CF: CLIPScore keeps the row and removes every judged candidate of the image
+    from its references)."""
+    data = load_records(path)
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object of images (CLIPScore / PAC-S format)")
+    images, candidates, references, human = [], [], [], []
+    excluded = nan_ratings = 0
+    for image_id, entry in data.items():
+        where = f"{path}: image {image_id!r}"
+        if not isinstance(entry, dict) or "human_judgement" not in entry:
+            raise InputError(f"{where}: expected an object with 'ground_truth' and 'human_judgement'")
+        refs = as_list(pick(entry, ("ground_truth", "references", "refs"), "references", where), where)
+        judgements = entry["human_judgement"]
+        if candidates_in_references == "drop_references":
+            judged = {clean(j.get("caption", "")) for j in judgements}
+            refs = [r for r in refs if r not in judged]
+            if not refs:
+                raise InputError(f"{where}: no reference left once the judged candidates are removed")
+        ref_set = set(refs)
+        for k, judgement in enumerate(judgements):
+            at = f"{where}: judgement {k}"
+            rating = as_score(pick(judgement, ("rating", "human", "score"), "rating", at), at)
+            if math.isnan(rating):
+                nan_ratings += 1
+                continue
+            caption = clean(pick(judgement, ("caption",), "caption", at))
+            if candidates_in_references == "drop_rows" and caption in ref_set:
+                excluded += 1
+                continue
+            images.append(judgement.get("image_path") or entry.get("image_path") or str(image_id))
+            candidates.append(caption)
+            references.append(refs)
+            human.append(rating)
+    notes = {"images": len(data), "nan_ratings": nan_ratings}
+    return Ratings(Captions(images, candidates, references), np.array(human), excluded=excluded, notes=notes)
+
+
+def read_composite(path: str | Path) -> Ratings:
+    """Composite (Aditya et al., 2015) as the caption-metric code distributes it. Two published layouts:
+
+    * the CLIPScore / PAC-S judgement json (see :func:`read_judgement_json`), built from the AMT files with the
+      Flickr8k / Flickr30k / COCO references;
+    * FLEUR's and EXPERT's ``composite.json``: ``{"flickr8k"|"flickr30k"|"coco": [{"image", "caption",
+      "human"}, ...]}``, reference-free; rows may carry ``"refs"`` / ``"references"`` for reference-based
+      metrics. The subset is kept as the row's category (a correlation is reported per subset too).
+
+    Candidates that are one of their image's references are dropped (the CLIPScore protocol)."""
+    data = load_records(path)
+    if isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()):
+        return read_judgement_json(path, "drop_rows")
+    if not (isinstance(data, dict) and all(isinstance(v, list) for v in data.values())):
+        raise InputError(f"{path}: expected the CLIPScore judgement json or {{subset: [rows]}} (FLEUR / EXPERT)")
+    images, candidates, references, human, categories = [], [], [], [], []
+    excluded = 0
+    has_refs = all(pick(r, REFERENCE_KEYS, "", "", required=False) is not None for rows in data.values() for r in rows)
+    for subset, rows in data.items():
+        for k, row in enumerate(rows):
+            at = f"{path}: {subset}[{k}]"
+            caption = clean(pick(row, ("caption", "candidate", "mt"), "caption", at))
+            refs = as_list(pick(row, REFERENCE_KEYS, "references", at), at) if has_refs else None
+            if refs is not None and caption in refs:
+                excluded += 1
+                continue
+            images.append(pick(row, ("image", "image_path", "imgid"), "image", at))
+            candidates.append(caption)
+            references.append(refs)
+            human.append(as_score(pick(row, ("human", "rating", "score"), "human score", at), at))
+            categories.append(str(subset))
+    captions = Captions(images, candidates, references if has_refs else None)
+    return Ratings(captions, np.array(human), categories=categories, excluded=excluded,
+                   notes={"references": has_refs})
+
+
+def read_rated_rows(path: str | Path) -> Ratings:
+    """One row per rated caption, the layout of Nebula and Polaris: a JSON list or JSON Lines of
+    ``{"imgid", "mt", "refs", "score"}`` (EXPERT's ``nebula_test.json`` / ``polaris_test.json``), Polos's
+    ``polaris_test.csv`` (columns ``mt``, ``refs`` as a list literal, ``score``, ``imgid``), or the Hugging Face
+    Parquet files (``cand``, ``refs``, ``img`` with the image embedded, ``human_score``). Images named by id
+    are looked up as ``<id>.jpg`` (or .png) under the image folder."""
+    records = load_records(path)
+    if isinstance(records, dict):
+        records = next((v for v in records.values() if isinstance(v, list)), None)
+    if not isinstance(records, list):
+        raise InputError(f"{path}: expected a list of rows")
+    images, candidates, references, human = [], [], [], []
+    for k, row in enumerate(records):
+        at = f"{path}: row {k}"
+        if not isinstance(row, dict):
+            raise InputError(f"{at}: expected an object")
+        candidates.append(clean(pick(row, CANDIDATE_KEYS, "candidate caption", at)))
+        references.append(as_list(pick(row, REFERENCE_KEYS, "references", at), at))
+        human.append(as_score(pick(row, HUMAN_KEYS, "human score", at), at))
+        image = pick(row, IMAGE_KEYS, "image", at)
+        images.append(image if isinstance(image, dict) else str(image))
+    return Ratings(Captions(images, candidates, references), np.array(human))
+
+
+def read_thumb(path: str | Path) -> Ratings:
+    """THumB 1.0 on COCO (Kasai et al., 2022; github.com/jungokasai/THumB, ``mscoco/``): JSON Lines
+    ``mscoco_THumB-1.0.jsonl`` with ``hyp``, ``image``, ``seg_id``, ``SYS`` and ``human_score`` per row, and the
+    references as JSON Lines ``{seg_id, refs}`` in ``mscoco_references.json`` next to it. ``path`` is that
+    folder or the ``.jsonl`` file."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    scores = path if path.is_file() else _one(folder, "*THumB*.jsonl", "THumB scores")
+    ref_file = _one(folder, "*references*.json*", "THumB references")
+    refs_by_seg = {}
+    for k, row in enumerate(_rows(load_records(ref_file))):
+        at = f"{ref_file}: row {k}"
+        refs_by_seg[str(pick(row, ("seg_id",), "seg_id", at))] = as_list(pick(row, ("refs",), "refs", at), at)
+    images, candidates, references, human, systems = [], [], [], [], []
+    for k, row in enumerate(_rows(load_records(scores))):
+        at = f"{scores}: row {k}"
+        seg = str(pick(row, ("seg_id",), "seg_id", at))
+        if seg not in refs_by_seg:
+            raise InputError(f"{at}: no references for seg_id {seg} in {ref_file}")
+        candidates.append(clean(pick(row, ("hyp",), "hyp", at)))
+        references.append(refs_by_seg[seg])
+        human.append(as_score(pick(row, ("human_score",), "human_score", at), at))
+        images.append(str(pick(row, ("image",), "image", at)))
+        systems.append(str(row.get("SYS", "")))
+    notes = {"systems": sorted(set(systems))}
+    return Ratings(Captions(images, candidates, references), np.array(human), notes=notes)
+
+
+def _rows(records: Any) -> list:
+    """JSON Lines of one line parse as a single object."""
+    return [records] if isinstance(records, dict) else records
+
+
+def _one(folder: Path, pattern: str, what: str) -> Path:
+    found = sorted(folder.glob(pattern))
+    if not found:
+        raise InputError(f"{what}: no file matching {pattern} in {folder}")
+    return found[0]
+
+
+# -------------------------------------------------------------------------------- pairwise benchmarks
+
+def read_pairwise(path: str | Path, categories: Sequence[str] | None = None) -> Pairs:
+    """Pairwise preferences: ``{category: [pair, ...]}``, a JSON list or JSON Lines of pairs. A pair is
+    ``{"image", "captions": [A, B], "label": 0 | 1 (index of the caption humans preferred), "references":
+    [...]}``; ``caption_a`` / ``caption_b`` may replace ``captions``, ``reference`` (one string) may replace
+    ``references`` (optional: reference-free metrics need none), and in a flat list ``category`` or ``domain``
+    names the pair's category. This is the Pascal-50S layout of FLEUR's and EXPERT's ``pascal_50s.json``
+    (categories HC, HI, HM, MM) and the generic format for MCEval-style data (categories = visual domains)."""
+    data = load_records(path)
+    if isinstance(data, dict):
+        groups = [(str(cat), rows) for cat, rows in data.items()]
+    elif isinstance(data, list):
+        by_cat: dict[str, list] = defaultdict(list)
+        for row in data:
+            by_cat[str(row.get("category", row.get("domain", "all"))) if isinstance(row, dict) else "all"].append(row)
+        groups = list(by_cat.items())
+    else:
+        raise InputError(f"{path}: expected {{category: [pairs]}} or a list of pairs")
+    if categories is not None:
+        missing = sorted(set(categories) - {c for c, _ in groups})
+        if missing:
+            raise InputError(f"{path}: categories {missing} missing (expected {list(categories)})")
+    rows = _PairRows()
+    for category, pairs in groups:
+        if not isinstance(pairs, list):
+            raise InputError(f"{path}: category {category!r} must hold a list of pairs")
+        for k, pair in enumerate(pairs):
+            at = f"{path}: {category}[{k}]"
+            if not isinstance(pair, dict):
+                raise InputError(f"{at}: expected an object")
+            captions = pair.get("captions") or pair.get("candidates")
+            if captions is None and "caption_a" in pair:
+                captions = [pair["caption_a"], pair.get("caption_b")]
+            two = isinstance(captions, (list, tuple)) and len(captions) == 2
+            if not two or not all(isinstance(c, str) for c in captions):
+                raise InputError(f"{at}: needs two captions ('captions': [A, B])")
+            label = pick(pair, ("label", "preferred"), "label", at)
+            if label not in (0, 1):
+                raise InputError(f"{at}: label must be 0 or 1 (index of the preferred caption), got {label!r}")
+            refs = pick(pair, ("references", "refs", "reference"), "references", at, required=False)
+            refs = as_list(refs, at) if refs is not None else None
+            image = pick(pair, ("image", "image_path", "imgid"), "image", at)
+            rows.add(image, [clean(c) for c in captions], refs, int(label), category, corpus=0)
+    return rows.build(path)
+
+
+class _PairRows:
+    """Accumulates pairs as two rows each."""
+
+    def __init__(self) -> None:
+        self.images, self.candidates, self.references, self.corpus = [], [], [], []
+        self.first, self.second, self.label, self.categories = [], [], [], []
+
+    def add(self, image: Any, captions: Sequence[str], refs: list[str] | None, label: int, category: str,
+            corpus: int) -> None:
+        for caption in captions:
+            self.images.append(image)
+            self.candidates.append(caption)
+            self.references.append(refs)
+            self.corpus.append(corpus)
+        self.first.append(len(self.candidates) - 2)
+        self.second.append(len(self.candidates) - 1)
+        self.label.append(label)
+        self.categories.append(category)
+
+    def build(self, path: Any, notes: dict | None = None) -> Pairs:
+        has_refs = all(r is not None for r in self.references)
+        if not has_refs and any(r is not None for r in self.references):
+            raise InputError(f"{path}: some pairs have references and others not")
+        captions = Captions(self.images, self.candidates, self.references if has_refs else None, self.corpus)
+        return Pairs(captions, np.array(self.first, dtype=np.int64), np.array(self.second, dtype=np.int64),
+                     np.array(self.label, dtype=np.int64), self.categories, notes=notes or {})
+
+
+def read_foil(path: str | Path, settings: Iterable[tuple[str, int]] = (("1-ref", 1), ("4-ref", 4))) -> Pairs:
+    """FOIL-COCO (Shekhar et al., 2017; foilunitn.github.io): ``foilv1.0_test_2017.json`` (COCO-style
+    ``images`` and ``annotations`` with ``id``, ``image_id``, ``caption`` and ``foil``: an original caption and
+    its foiled versions share one annotation ``id``) plus COCO's ``captions_val2014.json`` for references, next to
+    it (``path`` is the FOIL file or the folder holding both).
+
+    Protocol of CLIPScore (Hessel et al., 2021, Sec. 4.3) as Polos's code runs it: every (original, foil) pair is
+    one pair whose preferred caption is the original; references are the image's COCO captions without the
+    original, the first one ("1-ref") or the first four ("4-ref"), each setting scored as its own corpus."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    foil_file = path if path.is_file() else _one(folder, "foilv1.0_test*.json", "FOIL annotations")
+    coco_file = _one(folder, "captions_val2014.json", "COCO val2014 captions (references for FOIL)")
+    foil, coco = load_records(foil_file), load_records(coco_file)
+    try:
+        file_names = {img["id"]: img["file_name"] for img in foil["images"]}
+        coco_refs: dict[Any, list[str]] = defaultdict(list)
+        for ann in coco["annotations"]:
+            coco_refs[ann["image_id"]].append(clean(ann["caption"]))
+        by_id: dict[Any, dict[str, list]] = defaultdict(lambda: {"orig": [], "foil": []})
+        for ann in foil["annotations"]:
+            by_id[ann["id"]]["foil" if ann["foil"] else "orig"].append(ann)
+    except (KeyError, TypeError) as err:
+        raise InputError(f"{foil_file} / {coco_file}: not in the FOIL / COCO caption format ({err!r})") from err
+    rows = _PairRows()
+    skipped = 0
+    for corpus, (setting, count) in enumerate(settings):
+        for ann_id, group in by_id.items():
+            if len(group["orig"]) != 1 or not group["foil"]:
+                skipped += corpus == 0
+                continue
+            orig = group["orig"][0]
+            original = clean(orig["caption"])
+            refs = [r for r in coco_refs.get(orig["image_id"], []) if r != original][:count]
+            if not refs:
+                raise InputError(f"{foil_file}: annotation {ann_id}: image {orig['image_id']} has no other "
+                                 "COCO caption")
+            image = file_names.get(orig["image_id"], str(orig["image_id"]))
+            for foiled in group["foil"]:
+                rows.add(image, [original, clean(foiled["caption"])], refs, 0, setting, corpus)
+    return rows.build(foil_file, notes={"annotation_ids_skipped": skipped})

@@ -1,0 +1,57 @@
+"""The markdown tables ``capeval bench`` prints."""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+GREEK = {"kendall_tau_b": "Kendall τb", "kendall_tau_c": "Kendall τc", "pearson": "Pearson", "accuracy": "mean"}
+
+
+def number(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.{digits}f}"
+
+
+def ci(pair: Sequence[float] | None) -> str:
+    return "–" if not pair else f"[{number(pair[0])}, {number(pair[1])}]"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return out + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def report_markdown(report) -> str:
+    doc = report.to_dict()
+    bench, protocol = report.benchmark, report.benchmark.protocol
+    size = f"{doc['data']['rows']:,} rows" + (f", {doc['data']['pairs']:,} pairs" if "pairs" in doc["data"] else "")
+    lines = [f"**{bench.title}** (`{bench.name}`), {size}; {protocol.description}.", ""]
+    results = doc["results"]
+    if protocol.kind == "correlation":
+        stat = protocol.primary
+        header = ["metric", "n", GREEK["kendall_tau_b"], GREEK["kendall_tau_c"], "Pearson", f"95% CI ({GREEK[stat]})",
+                  "time (s)"]
+        rows = [[name, f"{r['n']:,}", number(r["kendall_tau_b"]), number(r["kendall_tau_c"]), number(r["pearson"]),
+                 ci(r.get("ci95", {}).get(stat)), _time(r)] for name, r in results.items()]
+    else:
+        cats = list(next(iter(results.values()))["categories"]) if results else []
+        header = ["metric", "n", *cats] + (["mean", "95% CI (mean)"] if protocol.mean else []) + ["ties", "time (s)"]
+        rows = []
+        for name, r in results.items():
+            row = [name, f"{r['n']:,}", *(number(r["categories"][c]["accuracy"]) for c in cats)]
+            if protocol.mean:
+                row += [number(r.get("accuracy")), ci(r.get("ci95", {}).get("accuracy"))]
+            rows.append(row + [f"{r['n_ties']:,}", _time(r)])
+    lines += table(header, rows)
+    if doc["comparisons"]:
+        lines += ["", "Paired bootstrap comparisons (difference = first - second):", ""]
+        lines += table(["comparison", "statistic", "difference", "95% CI", "p"],
+                       [[f"{c['metrics'][0]} vs {c['metrics'][1]}", c["statistic"], number(c["difference"]),
+                         ci(c.get("ci95")), number(c.get("p_value"), 3)] for c in doc["comparisons"]])
+    return "\n".join(lines)
+
+
+def _time(result: dict) -> str:
+    seconds = number(result["seconds"])
+    return f"{seconds} (cached)" if result["from_cache"] and not result["computed"] else seconds

@@ -1,0 +1,100 @@
+"""``capeval bench <benchmark> --data PATH [--images DIR] --metric NAME [--metric NAME ...]``: correlation or
+accuracy of registered metrics against human judgments, with the protocol each benchmark expects.
+
+Prints a markdown table (and the paired comparisons when several metrics run), writes the JSON report with
+``--json`` and a PNG with ``--plot``. Per-sample scores are cached (``--cache``, ``--no-cache``)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from typing import Sequence
+
+EPILOG = """examples:
+  capeval bench flickr8k-expert --data flickr8k.json --metric bleu4 --metric cider --json out.json
+  capeval bench pascal50s --data pascal_50s.json --images VOC2012/JPEGImages --metric clipscore \\
+      --option clipscore.model=openai/clip-vit-base-patch32 --plot plots/"""
+
+
+def add_parser(subparsers) -> None:
+    from capeval_plugins.bench.benchmarks import benchmark_names
+
+    p = subparsers.add_parser(
+        "bench", help="correlation / accuracy of metrics against human judgments on a benchmark",
+        description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("benchmark", choices=benchmark_names())
+    p.add_argument("--data", required=True, help="the benchmark's file, or the folder holding its files")
+    p.add_argument("--images", help="image folder (needed only by metrics that score images)")
+    p.add_argument("--metric", action="append", required=True, help="registered metric name (repeatable)")
+    p.add_argument("--option", "-o", action="append", default=[], metavar="METRIC.KEY=VALUE",
+                   help="an option of one metric, e.g. clipscore.model=PATH (repeatable)")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON report here")
+    p.add_argument("--plot", metavar="DIR", help="write <benchmark>.png into this folder")
+    p.add_argument("--cache", metavar="FILE",
+                   help="score cache (default: ~/.cache/capeval_plugins/bench/scores.sqlite)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write cached scores")
+    p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap replicates (0: none)")
+    p.add_argument("--bootstrap-unit", choices=("image", "row"), default="image",
+                   help="what the bootstrap resamples (default: images, so rows of one image stay together)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--ties", choices=("wrong", "half"), default="wrong",
+                   help="pairwise benchmarks: a tied pair counts as wrong (default) or half right")
+    p.add_argument("--with-references", action="store_true",
+                   help="also give references to metrics for which they are optional")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_bench)
+
+
+def split_options(pairs: Sequence[str], metrics: Sequence[str]) -> dict[str, list[str]]:
+    """``metric.key=value`` strings -> ``{metric: ["key=value", ...]}``."""
+    out: dict[str, list[str]] = {m: [] for m in metrics}
+    for pair in pairs:
+        target, dot, rest = pair.partition(".")
+        if not dot or "=" not in rest or "=" in target:
+            raise SystemExit(f"--option expects METRIC.KEY=VALUE, got {pair!r}")
+        if target not in out:
+            raise SystemExit(f"--option {pair!r} names metric {target!r}, which is not among --metric {list(metrics)}")
+        out[target].append(rest)
+    return out
+
+
+def build_metrics(names: Sequence[str], options: Sequence[str]) -> dict:
+    from capeval_plugins import registry
+    from capeval_plugins.cli import metric_options
+
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--metric given twice: {list(names)}")
+    per_metric = split_options(options, names)
+    return {name: registry.get(name).cls(**metric_options(registry.get(name).cls, per_metric[name]))
+            for name in names}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from capeval_plugins.bench.plots import plot_report
+    from capeval_plugins.bench.runner import run_benchmark
+
+    started = time.perf_counter()
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("capeval: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
+    try:
+        metrics = build_metrics(args.metric, args.option)
+        report = run_benchmark(
+            args.benchmark, args.data, metrics, images=args.images,
+            cache=False if args.no_cache else args.cache, bootstrap=args.bootstrap, seed=args.seed,
+            unit=args.bootstrap_unit, ties=args.ties, with_references=args.with_references, progress=not args.quiet)
+    except RuntimeError as err:  # a missing runtime (Java, SPICE's jars): one line, not a traceback
+        print(f"capeval: error: {err}", file=sys.stderr)
+        return 2
+    report.wall_time = time.perf_counter() - started
+    print(report.markdown())
+    if args.plot:
+        print(f"\nplot: {plot_report(report, args.plot)}")
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2)
+        print(f"json: {args.json_out}")
+    print(f"\nwall time: {report.wall_time:.1f} s")
+    return 0
