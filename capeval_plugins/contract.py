@@ -19,7 +19,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Iterable, Literal, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -232,10 +232,10 @@ class Metric(abc.ABC):
         from capeval_plugins.inputs import iter_batches, prepare_samples
 
         samples = prepare_samples(self.info, images, candidates, references, group_ids)
-        parts = [
+        parts = (
             map_batch(self, batch)
             for batch in iter_batches(samples, self.config.batch_size, progress=progress, desc=self.info.name)
-        ]
+        )
         return finalize_state(self, merge_states(full_spec(self), parts))
 
 
@@ -283,17 +283,22 @@ def map_batch(metric: Metric, batch: Batch) -> dict[str, Tensor]:
     return checked
 
 
-def merge_states(spec: Mapping[str, StateSpec], parts: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """The reduce step: concatenate ``"cat"`` rows, add ``"sum"`` statistics."""
+def merge_states(spec: Mapping[str, StateSpec], parts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The reduce step: concatenate ``"cat"`` rows, add ``"sum"`` statistics.
+
+    ``parts`` is consumed once (it may be a generator): ``"sum"`` states are added as they arrive, so a corpus
+    statistic costs one accumulator however many batches there are, not one copy per batch."""
+    rows: dict[str, list[Tensor]] = {k: [] for k, want in spec.items() if want.reduce == "cat"}
+    sums: dict[str, Tensor] = {}
+    for part in parts:
+        for key in rows:
+            rows[key].append(part[key])
+        for key in spec.keys() - rows.keys():
+            sums[key] = part[key].clone() if key not in sums else sums[key].add_(part[key])
     merged: dict[str, Tensor] = {}
     for key, want in spec.items():
-        values = [p[key] for p in parts]
-        if not values:
-            merged[key] = want.empty()
-        elif want.reduce == "cat":
-            merged[key] = want.cat(values)
-        else:
-            merged[key] = torch.stack(list(values)).sum(dim=0)
+        value = want.cat(rows[key]) if key in rows else sums.get(key)
+        merged[key] = want.empty() if value is None else value
     return merged
 
 
@@ -382,6 +387,56 @@ class PointwiseMetric(Metric):
             extras=extras,
             corpus_extras=corpus,
         )
+
+
+COMPONENT_SEP = "__"
+
+
+class CompositeMetric(Metric):
+    """A metric built from named component metrics (e.g. a fusion of a corpus metric and pointwise ones).
+
+    Its states are the components' states side by side, named ``<component>__<state>``, so each keeps its
+    own reduce (``"sum"`` statistics stay sums); ``map`` runs every component's map on the batch; at
+    finalize every component finalizes its own states and ``combine`` turns their results (all in the same
+    sample order) into one. Subclasses implement ``components`` (built once; cache them) and ``combine``."""
+
+    @abc.abstractmethod
+    def components(self) -> Mapping[str, Metric]:
+        """The component metrics by name (identifiers without ``__``)."""
+
+    @abc.abstractmethod
+    def combine(self, results: Mapping[str, MetricResult], state: Mapping[str, Tensor]) -> MetricResult:
+        """One result from the components' results (each in sample-index order)."""
+
+    def states(self) -> dict[str, StateSpec]:
+        spec = {}
+        for name, metric in self.components().items():
+            if not name.isidentifier() or COMPONENT_SEP in name:
+                raise ValueError(f"{self.info.name}: component name {name!r} must be an identifier without '__'")
+            spec.update({f"{name}{COMPONENT_SEP}{key}": s for key, s in metric.states().items()})
+        return spec
+
+    def map(self, batch: Batch) -> dict[str, Tensor]:
+        out = {}
+        for name, metric in self.components().items():
+            for key, value in map_batch(metric, batch).items():
+                if key not in (INDEX, GROUP):
+                    out[f"{name}{COMPONENT_SEP}{key}"] = value
+        return out
+
+    def component_state(self, name: str, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The part of a (canonical) composite state that belongs to one component, with index and groups."""
+        keys = self.components()[name].states()
+        own = {key: state[f"{name}{COMPONENT_SEP}{key}"] for key in keys}
+        return {**own, INDEX: state[INDEX], GROUP: state[GROUP]}
+
+    def finalize(self, state: dict[str, Tensor]) -> MetricResult:
+        results = {name: metric.finalize(self.component_state(name, state))
+                   for name, metric in self.components().items()}
+        for name, result in results.items():
+            if not torch.equal(result.indices.cpu(), state[INDEX].cpu()):
+                raise RuntimeError(f"{self.info.name}: component {name!r} reordered or dropped samples")
+        return self.combine(results, state)
 
 
 def encode_texts(texts: Sequence[str]) -> Tensor:

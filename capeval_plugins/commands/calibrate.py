@@ -1,0 +1,136 @@
+"""``capeval calibrate``: fusion weights that maximise Kendall tau with human ratings, from a score file.
+
+The score file is what ``capeval score --metric redemption_score --out scores.jsonl`` writes (one row per
+sample with ``index`` and the per-sample components), or any JSON Lines / CSV file with one column per
+component. Human ratings are a column of the same file or of a second file (``--ratings``), matched by
+``index`` when both files have it, else by line order::
+
+    capeval calibrate --scores scores.jsonl --ratings flickr8k_expert.jsonl --rating-key human
+    {"weights": {"mid_normalized": 0.84, ...}, "correlation": 0.5643, ..., "options": ["mid_weight=0.84", ...]}
+
+``options`` (when the components are Redemption Score's) can be passed straight back to
+``capeval score --metric redemption_score -o ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+DEFAULT_COMPONENTS = ("mid_normalized", "dino_normalized", "bertscore_normalized")
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """Records of a JSON Lines or CSV (by suffix) file."""
+    from capeval_plugins.inputs import InputError
+
+    if not Path(path).is_file():
+        raise InputError(f"file not found: {path}")
+    with open(path, encoding="utf-8", newline="") as f:
+        if path.endswith(".csv"):
+            return list(csv.DictReader(f))
+        rows = []
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise InputError(f"{path}:{lineno}: not valid JSON: {err}") from err
+            if not isinstance(row, dict):
+                raise InputError(f"{path}:{lineno}: expected a JSON object")
+            rows.append(row)
+        return rows
+
+
+def column(rows: list[dict], key: str, path: str) -> list[float]:
+    from capeval_plugins.inputs import InputError
+
+    values = []
+    for i, row in enumerate(rows):
+        if key not in row or row[key] in (None, ""):
+            raise InputError(f"{path}: row {i + 1} has no {key!r} (columns: {sorted(row)})")
+        try:
+            value = float(row[key])
+        except (TypeError, ValueError):
+            raise InputError(f"{path}: row {i + 1}: {key!r} is not a number: {row[key]!r}") from None
+        if not math.isfinite(value):
+            raise InputError(f"{path}: row {i + 1}: {key!r} is not finite: {row[key]!r}")
+        values.append(value)
+    return values
+
+
+def align(scores: list[dict], ratings: list[dict], scores_path: str, ratings_path: str) -> list[dict]:
+    """Rating rows in the order of the score rows: by ``index`` when both files carry it, else by line."""
+    from capeval_plugins.inputs import InputError
+
+    if all("index" in r for r in scores) and all("index" in r for r in ratings):
+        by_index = {int(r["index"]): r for r in ratings}
+        missing = [int(r["index"]) for r in scores if int(r["index"]) not in by_index]
+        if missing:
+            raise InputError(f"{ratings_path}: no rating for sample index {missing[0]} ({len(missing)} missing)")
+        return [by_index[int(r["index"])] for r in scores]
+    if len(scores) != len(ratings):
+        raise InputError(f"{scores_path} has {len(scores)} rows but {ratings_path} has {len(ratings)} (and no "
+                         "'index' column in both to match them by)")
+    return ratings
+
+
+def weight_options(weights: dict[str, float]) -> list[str]:
+    """``redemption_score`` options for weights of its components (``mid_normalized`` -> ``mid_weight``)."""
+    from capeval_plugins.metrics.redemption import RedemptionConfig
+
+    fields = {f.name for f in dataclasses.fields(RedemptionConfig)}
+    options = []
+    for name, weight in weights.items():
+        base = name.removesuffix("_normalized").removesuffix("_raw")
+        if f"{base}_weight" not in fields:
+            return []
+        options.append(f"{base}_weight={weight:g}")
+    return options
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from capeval_plugins.core.fusion import calibrate
+    from capeval_plugins.inputs import InputError
+
+    rows = read_rows(args.scores)
+    if not rows:
+        raise InputError(f"{args.scores}: no rows")
+    rating_rows = align(rows, read_rows(args.ratings), args.scores, args.ratings) if args.ratings else rows
+    names = [c.strip() for c in args.components.split(",") if c.strip()]
+    components = {name: column(rows, name, args.scores) for name in names}
+    ratings = column(rating_rows, args.rating_key, args.ratings or args.scores)
+    try:
+        result = calibrate(components, ratings, step=args.step, variant=args.variant)
+    except ValueError as err:
+        raise InputError(str(err)) from err
+    report = {**result.as_dict(), "options": weight_options(result.weights)}
+    text = json.dumps(report, indent=None if args.compact else 2)
+    if args.out:
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="fusion weights maximising Kendall tau with human ratings (Redemption Score's calibration)",
+        description="Fusion weights that maximise Kendall tau with human ratings, by an exhaustive simplex grid "
+                    "search (Redemption Score's calibration), from a file of per-sample component scores.",
+    )
+    p.add_argument("--scores", required=True, help="per-sample component scores (JSON Lines, or CSV by suffix)")
+    p.add_argument("--ratings", help="human ratings file (default: a column of --scores)")
+    p.add_argument("--rating-key", dest="rating_key", default="human", help="column holding the human rating")
+    p.add_argument("--components", default=",".join(DEFAULT_COMPONENTS),
+                   help="comma-separated component columns to fuse (default: Redemption Score's normalised parts)")
+    p.add_argument("--step", type=float, default=0.02, help="simplex grid step (default 0.02, as the paper)")
+    p.add_argument("--variant", choices=["c", "b"], default="c", help="Kendall tau variant (default c)")
+    p.add_argument("--out", help="also write the result (JSON) here")
+    p.add_argument("--compact", action="store_true", help="one-line JSON")
+    p.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,195 @@
+"""MID: Mutual Information Divergence (Kim et al., NeurIPS 2022), for image captioning.
+
+A joint Gaussian is fitted to L2-normalised CLIP features of (image, reference caption) pairs of the corpus;
+each (image, candidate caption) pair is scored by its point-wise mutual information under that fit, and MID
+is the mean PMI. The fit is kept as summed statistics (O(D^2) state whatever the corpus size, merged across
+batches and DDP ranks); only the candidate pairs' features are kept per sample.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from capeval_plugins.contract import INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec
+from capeval_plugins.core import gaussian
+from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.core.messages import warn_once
+
+CITATION = """@inproceedings{kim2022mutual,
+  title     = {Mutual Information Divergence: A Unified Metric for Multimodal Generative Models},
+  author    = {Kim, Jin-Hwa and Kim, Yunji and Lee, Jiyoung and Yoo, Kang Min and Lee, Sang-Woo},
+  booktitle = {Advances in Neural Information Processing Systems},
+  volume    = {35},
+  pages     = {35072--35086},
+  year      = {2022}
+}"""
+
+FIT_PAIRS = ("all_references", "first_reference")
+# State names: the reference fit's sums and the candidate pairs' features.
+FIT = {k: f"fit_{k}" for k in gaussian.SUM_KEYS}
+IMAGE, TEXT = "image_features", "candidate_features"
+
+
+@dataclass
+class MIDConfig(ModelConfig):
+    model: str = "openai/clip-vit-large-patch14"
+    # Added to the diagonal of the fitted covariance (official MID: 0; Redemption Score's code: 5e-4).
+    covariance_eps: float = 0.0
+    # A reference Gaussian saved by MID.fit_reference: score against it instead of fitting on this corpus.
+    reference_gaussian: str | None = None
+    # Which (image, reference) pairs of a sample enter the fit.
+    fit_pairs: str = "all_references"
+
+    def __post_init__(self) -> None:
+        if self.fit_pairs not in FIT_PAIRS:
+            raise ValueError(f"fit_pairs must be one of {FIT_PAIRS}, got {self.fit_pairs!r}")
+        if not (self.covariance_eps >= 0 and math.isfinite(self.covariance_eps)):
+            raise ValueError(f"covariance_eps must be a finite non-negative number, got {self.covariance_eps}")
+
+
+class MID(Metric):
+    info = MetricInfo(
+        name="mid",
+        display_name="MID",
+        description=(
+            "Mutual Information Divergence: the mean point-wise mutual information of (image, candidate) CLIP "
+            "features under a joint Gaussian fitted to the corpus's (image, reference) pairs."
+        ),
+        citation=CITATION,
+        references="optional",  # needed unless a saved reference Gaussian is given
+        images="always",
+        score_range=None,
+        paper="https://arxiv.org/abs/2205.13445",
+        paper_config={"model": "openai/clip-vit-large-patch14", "covariance_eps": 0.0},
+        codebase_urls=("https://github.com/naver-ai/mid.metric",),
+    )
+    Config = MIDConfig
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__(**config)
+        self._saved = gaussian.load_sums(self.config.reference_gaussian) if self.config.reference_gaussian else None
+        fitted_with = self._saved.metadata.get("model") if self._saved is not None else None
+        if fitted_with not in (None, self.config.model):
+            warnings.warn(f"mid: the reference Gaussian was fitted on features of {fitted_with!r}, but this "
+                          f"metric encodes with {self.config.model!r}", stacklevel=2)
+
+    @property
+    def encoder(self) -> ClipEncoder:
+        return ClipEncoder.shared(EncoderSpec.from_config(self.config))
+
+    @property
+    def dim(self) -> int:
+        """Dimension of one feature (image and text share CLIP's joint space)."""
+        if self._saved is not None:
+            return self._saved.dim_x
+        config = self.encoder.model.config
+        dim = getattr(config, "projection_dim", None)
+        return int(dim if dim else getattr(config, "text_config", config).hidden_size)
+
+    def states(self) -> dict[str, StateSpec]:
+        d = self.dim
+        return {
+            FIT["count"]: StateSpec("sum", torch.float64, ()),
+            FIT["sum"]: StateSpec("sum", torch.float64, (2 * d,)),
+            FIT["outer"]: StateSpec("sum", torch.float64, (2 * d, 2 * d)),
+            # The encoder's float32 unit vectors, kept as they are (cast to float64 at finalize).
+            IMAGE: StateSpec("cat", torch.float32, (d,)),
+            TEXT: StateSpec("cat", torch.float32, (d,)),
+        }
+
+    def reference_pairs(self, references: Sequence[Sequence[str]]) -> tuple[list[str], list[int]]:
+        """Flattened reference texts and the sample each belongs to, as ``fit_pairs`` selects."""
+        texts, owner = [], []
+        for i, refs in enumerate(references):
+            chosen = list(refs) if self.config.fit_pairs == "all_references" else list(refs[:1])
+            texts += chosen
+            owner += [i] * len(chosen)
+        return texts, owner
+
+    def map(self, batch: Batch) -> dict[str, Tensor]:
+        enc, n = self.encoder, len(batch)
+        fit_refs = self._saved is None
+        if fit_refs and batch.references is None:
+            raise ValueError(
+                "mid needs references to fit its Gaussian on (image, reference) pairs, or a saved fit "
+                "(reference_gaussian=PATH, see MID.fit_reference)"
+            )
+        if not fit_refs and batch.references is not None:
+            warn_once(("mid", "saved-fit"), "mid: a saved reference Gaussian is given; references are not fitted")
+        ref_texts, owner = self.reference_pairs(batch.references) if fit_refs else ([], [])
+        image_feats = enc.encode_images(batch.images)[batch.image_index.to(enc.device)]
+        if not fit_refs and image_feats.shape[-1] != self.dim:
+            raise ValueError(f"mid: {self.config.model} gives {image_feats.shape[-1]}-dimensional features, but the "
+                             f"saved reference Gaussian was fitted on {self.dim}-dimensional ones")
+        text_feats = enc.encode_texts(list(batch.candidates) + ref_texts)  # one pass for all texts
+        if ref_texts:
+            owner_t = torch.tensor(owner, device=image_feats.device)
+            sums = gaussian.joint_sums(image_feats[owner_t], text_feats[n:])
+        else:
+            sums = gaussian.empty_sums(2 * self.dim, device=image_feats.device)
+        return {**{FIT[k]: v for k, v in sums.items()}, IMAGE: image_feats, TEXT: text_feats[:n]}
+
+    def fitted(self, state: dict[str, Tensor]) -> gaussian.JointGaussian:
+        """The reference Gaussian: the saved one if given, else the one fitted on this corpus."""
+        if self._saved is not None:
+            sums, dim_x = self._saved.sums, self._saved.dim_x
+        else:
+            sums, dim_x = {k: state[v] for k, v in FIT.items()}, self.dim
+        return gaussian.JointGaussian.from_sums(sums, dim_x, self.config.covariance_eps)
+
+    def finalize(self, state: dict[str, Tensor]) -> MetricResult:
+        fit = self.fitted(state)
+        if fit.count <= fit.dim:  # only reachable with covariance_eps > 0 (else from_sums refuses)
+            warn_once(("mid", "few-pairs", fit.count), (
+                f"mid: the Gaussian is fitted on {fit.count} pairs for {fit.dim} joint dimensions; the "
+                f"covariance is defined only through covariance_eps={self.config.covariance_eps}"))
+        pmi = fit.pmi(state[IMAGE].double(), state[TEXT].double())
+        normalized = gaussian.normalize_pmi(pmi)
+        return MetricResult(
+            name=self.info.name,
+            score=float(pmi.mean()) if len(pmi) else math.nan,
+            scores=pmi,
+            indices=state[INDEX],
+            extras={"pmi_normalized": normalized},
+            corpus_extras={
+                "mean_pmi_normalized": float(normalized.mean()) if len(pmi) else math.nan,
+                "mutual_information": fit.mutual_information(),
+                "fit_pairs": float(fit.count),
+            },
+        )
+
+    def fit_reference(
+        self,
+        images: Sequence[Any],
+        references: Sequence[Any],
+        save_to: str | None = None,
+        *,
+        progress: bool = False,
+    ) -> dict[str, Tensor]:
+        """Fit the reference Gaussian on (image, reference) pairs only, e.g. a deduplicated corpus or a
+        larger one than a later run scores, and optionally save it for ``reference_gaussian=save_to``.
+        Returns the summed statistics."""
+        from capeval_plugins.inputs import InputError, check_references, iter_batches, prepare_samples
+
+        refs = check_references(self.info, references, len(references) if references is not None else 0)
+        if refs is None:
+            raise InputError("fit_reference needs references")
+        samples = prepare_samples(self.info, images, [r[0] for r in refs], refs)
+        enc, sums = self.encoder, gaussian.empty_sums(2 * self.dim)
+        for batch in iter_batches(samples, self.config.batch_size, progress=progress, desc="mid fit"):
+            texts, owner = self.reference_pairs(batch.references)
+            image_feats = enc.encode_images(batch.images)[batch.image_index.to(enc.device)]
+            owner_t = torch.tensor(owner, device=image_feats.device)
+            part = gaussian.joint_sums(image_feats[owner_t], enc.encode_texts(texts))
+            sums = gaussian.merge_sums(sums, {k: v.cpu() for k, v in part.items()})
+        if save_to is not None:
+            gaussian.save_sums(save_to, sums, self.dim, model=self.config.model, fit_pairs=self.config.fit_pairs)
+        return sums
+
+
+METRICS = [MID]

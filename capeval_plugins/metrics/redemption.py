@@ -1,0 +1,185 @@
+"""Redemption Score (Dahal et al., 2025): a calibrated fusion of MID, DINO similarity of cycle-generated
+images and BERTScore.
+
+    RS = alpha * MID' + beta * DINO_sim + gamma * BERTScore,   alpha + beta + gamma = 1, all >= 0,
+
+per sample, with MID' the sample's PMI mapped onto (0, 1) by Eq. 9, DINO_sim = (s1 + s2) / 2 and BERTScore
+the best F1 over the references (Eq. 8); (alpha, beta, gamma) = (0.84, 0.08, 0.08) from a Kendall tau-c grid
+search on Flickr8k-Expert (``capeval_plugins.core.fusion.calibrate`` / ``capeval calibrate`` redo it).
+
+The three parts are the registered metrics ``mid``, ``dino_cycle`` and ``bertscore``, composed through the
+registry; each keeps its own state (MID's fit stays a sum, so RS is DDP-safe like its parts).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Mapping
+
+import torch
+from torch import Tensor
+
+from capeval_plugins import registry
+from capeval_plugins.contract import (
+    INDEX,
+    CompositeMetric,
+    Metric,
+    MetricConfig,
+    MetricInfo,
+    MetricResult,
+    nanmean,
+)
+from capeval_plugins.core.gaussian import normalize_pmi
+from capeval_plugins.core.generation import SD3_MODEL
+from capeval_plugins.metrics.dino_cycle import CITATION
+
+NORMALIZATIONS: dict[str, tuple[str, ...]] = {
+    "mid": ("eq9", "none"),
+    "dino": ("none", "unit"),
+    "bertscore": ("none", "unit"),
+}
+
+
+@dataclass
+class RedemptionConfig(MetricConfig):
+    # Fusion (paper Eq. 10); a component with weight 0 is not computed at all.
+    mid_weight: float = 0.84
+    dino_weight: float = 0.08
+    bertscore_weight: float = 0.08
+    # How each component enters the sum: "eq9" = (p / (1 + |p|) + 1) / 2, "unit" = (s + 1) / 2, "none" = as is.
+    mid_normalization: str = "eq9"
+    dino_normalization: str = "none"
+    bertscore_normalization: str = "none"
+    # MID
+    clip_model: str = "openai/clip-vit-large-patch14"
+    covariance_eps: float = 0.0
+    reference_gaussian: str | None = None
+    fit_pairs: str = "all_references"
+    # DINO similarity of cycle-generated images
+    dino_model: str = "facebook/dino-vitb8"
+    generator: str = SD3_MODEL
+    generated_images: str | None = None
+    cache: bool = True
+    cache_dir: str | None = None
+    steps: int = 40
+    image_size: int = 1024
+    guidance_scale: float = 7.0
+    seed: int = 0
+    seed_per_caption: bool = False
+    generator_batch_size: int = 4
+    generator_dtype: str | None = None
+    reference_choice: str = "first"
+    # BERTScore (bert_score's table puts deberta-v3-large at layer 12; no rescaling baseline ships for it)
+    bertscore_model: str = "microsoft/deberta-v3-large"
+    bertscore_num_layers: int = 12
+    bertscore_idf: bool = False
+    bertscore_rescale_with_baseline: bool = False
+    bertscore_baseline_path: str | None = None
+    # Shared by every model
+    device: str | None = None
+    dtype: str | None = None
+    local_files_only: bool | None = None
+
+    def __post_init__(self) -> None:
+        weights = (self.mid_weight, self.dino_weight, self.bertscore_weight)
+        if not all(math.isfinite(w) and w >= 0 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
+            raise ValueError(f"the weights must be non-negative and sum to 1 (paper Eq. 10), got {weights}")
+        for part, allowed in NORMALIZATIONS.items():
+            value = getattr(self, f"{part}_normalization")
+            if value not in allowed:
+                raise ValueError(f"{part}_normalization must be one of {allowed}, got {value!r}")
+
+
+def normalized(how: str, values: Tensor) -> Tensor:
+    if how == "eq9":
+        return normalize_pmi(values)
+    if how == "unit":
+        return (values + 1.0) / 2.0
+    return values
+
+
+class RedemptionScore(CompositeMetric):
+    info = MetricInfo(
+        name="redemption_score",
+        display_name="Redemption Score",
+        description=(
+            "Calibrated fusion (0.84 / 0.08 / 0.08) of MID mapped onto (0, 1), DINO similarity of Stable "
+            "Diffusion 3 regenerations and BERTScore (DeBERTa-v3-large, best F1 over references)."
+        ),
+        citation=CITATION,
+        references="always",
+        images="always",
+        score_range=None,
+        paper="https://arxiv.org/abs/2505.16180",
+        paper_config={"mid_weight": 0.84, "dino_weight": 0.08, "bertscore_weight": 0.08,
+                      "clip_model": "openai/clip-vit-large-patch14", "dino_model": "facebook/dino-vitb8",
+                      "generator": SD3_MODEL, "steps": 40, "bertscore_model": "microsoft/deberta-v3-large",
+                      "bertscore_num_layers": 12},
+    )
+    Config = RedemptionConfig
+    # Component name (prefix of its options and extras) -> registered metric.
+    PARTS: ClassVar[dict[str, str]] = {"mid": "mid", "dino": "dino_cycle", "bertscore": "bertscore"}
+    # Component extras that repeat the raw or normalised score.
+    REPEATED: ClassVar[dict[str, tuple[str, ...]]] = {"mid": ("pmi_normalized",), "bertscore": ("f1",)}
+
+    def __init__(self, **config) -> None:
+        super().__init__(**config)
+        self._components: dict[str, Metric] | None = None
+
+    def components(self) -> Mapping[str, Metric]:
+        if self._components is None:
+            cfg = self.config
+            build = {"mid": self._mid, "dino": self._dino, "bertscore": self._bertscore}
+            self._components = {name: build[name]() for name in self.PARTS if getattr(cfg, f"{name}_weight") > 0}
+        return self._components
+
+    def _common(self) -> dict:
+        cfg = self.config
+        return {"batch_size": cfg.batch_size, "device": cfg.device, "dtype": cfg.dtype,
+                "local_files_only": cfg.local_files_only}
+
+    def _mid(self) -> Metric:
+        cfg = self.config
+        return registry.load(self.PARTS["mid"], model=cfg.clip_model, covariance_eps=cfg.covariance_eps,
+                             reference_gaussian=cfg.reference_gaussian, fit_pairs=cfg.fit_pairs, **self._common())
+
+    def _dino(self) -> Metric:
+        cfg = self.config
+        return registry.load(
+            self.PARTS["dino"], model=cfg.dino_model, generator=cfg.generator, generated_images=cfg.generated_images,
+            cache=cfg.cache, cache_dir=cfg.cache_dir, steps=cfg.steps, image_size=cfg.image_size,
+            guidance_scale=cfg.guidance_scale, seed=cfg.seed, seed_per_caption=cfg.seed_per_caption,
+            generator_batch_size=cfg.generator_batch_size, generator_dtype=cfg.generator_dtype,
+            reference_choice=cfg.reference_choice, **self._common(),
+        )
+
+    def _bertscore(self) -> Metric:
+        cfg = self.config
+        options = dict(model=cfg.bertscore_model, num_layers=cfg.bertscore_num_layers, idf=cfg.bertscore_idf,
+                       rescale_with_baseline=cfg.bertscore_rescale_with_baseline,
+                       baseline_path=cfg.bertscore_baseline_path, multi_reference="max", **self._common())
+        return registry.load(self.PARTS["bertscore"], **options)
+
+    def combine(self, results: Mapping[str, MetricResult], state: Mapping[str, Tensor]) -> MetricResult:
+        cfg = self.config
+        index = state[INDEX]
+        total = torch.zeros(len(index), dtype=torch.float64)
+        extras: dict[str, Tensor] = {}
+        corpus: dict[str, float] = {}
+        for name, result in results.items():
+            raw = result.scores.to(torch.float64).cpu()
+            norm = normalized(getattr(cfg, f"{name}_normalization"), raw)
+            total += getattr(cfg, f"{name}_weight") * norm
+            extras[f"{name}_raw"], extras[f"{name}_normalized"] = raw, norm
+            for key, value in result.extras.items():
+                if key not in self.REPEATED.get(name, ()):
+                    extras.setdefault(f"{name}_{key}", value.cpu())
+            corpus[f"mean_{name}_raw"] = nanmean(raw)
+            corpus[f"mean_{name}_normalized"] = nanmean(norm)
+        if "mid" in results:
+            corpus["mid"] = results["mid"].score
+            corpus["mid_mutual_information"] = results["mid"].corpus_extras["mutual_information"]
+        return MetricResult(self.info.name, nanmean(total), total, index, extras=extras, corpus_extras=corpus)
+
+
+METRICS = [RedemptionScore]

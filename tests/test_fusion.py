@@ -1,0 +1,128 @@
+"""Weighted fusion and the simplex grid calibration: known weights recovered, the search equal to a plain loop
+over the grid with scipy's Kendall tau, and the ``capeval calibrate`` command."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import kendalltau
+
+from capeval_plugins import cli
+from capeval_plugins.core.fusion import calibrate, fuse, simplex_grid
+
+
+def test_simplex_grid_is_every_weight_vector_on_the_lattice():
+    grid = simplex_grid(3, 0.02)
+    assert grid.shape == (math.comb(50 + 2, 2), 3) == (1326, 3)
+    assert np.allclose(grid.sum(axis=1), 1.0) and (grid >= 0).all()
+    assert len({tuple(np.round(row * 50).astype(int)) for row in grid}) == len(grid)
+    plain = [w for w in itertools.product(range(51), repeat=3) if sum(w) == 50]
+    assert sorted(map(tuple, np.round(grid * 50).astype(int).tolist())) == sorted(plain)
+    assert simplex_grid(1, 0.1).tolist() == [[1.0]]
+    assert simplex_grid(4, 0.25).shape == (math.comb(4 + 3, 3), 4)
+    with pytest.raises(ValueError, match="whole number"):
+        simplex_grid(3, 0.03)
+
+
+def test_fuse_is_the_weighted_sum():
+    rng = np.random.default_rng(0)
+    comps = rng.random((20, 3))
+    assert fuse(comps, [0.84, 0.08, 0.08]) == pytest.approx(0.84 * comps[:, 0] + 0.08 * comps[:, 1] + 0.08 * comps[:, 2])
+    with pytest.raises(ValueError, match=r"\(N, 2\)"):
+        fuse(comps, [0.5, 0.5])
+
+
+@pytest.mark.parametrize("truth", [(0.84, 0.08, 0.08), (0.2, 0.5, 0.3), (0.0, 0.36, 0.64)])
+def test_recovers_the_weights_of_ratings_that_are_an_exact_mix(truth):
+    rng = np.random.default_rng(1)
+    comps = {"mid": rng.normal(size=400), "dino": rng.uniform(size=400), "bertscore": rng.beta(2, 5, size=400)}
+    human = fuse(np.column_stack(list(comps.values())), truth)
+    result = calibrate(comps, human)
+    assert tuple(result.weights.values()) == pytest.approx(truth, abs=1e-9)
+    assert list(result.weights) == ["mid", "dino", "bertscore"]
+    assert result.correlation == pytest.approx(1.0) and result.n_best == 1 and result.n_grid == 1326
+
+
+def test_recovers_weights_from_coarse_noisy_ratings():
+    """Likert-like ratings (4 levels, ties everywhere) of a noisy mix: the best weights land near the truth."""
+    rng = np.random.default_rng(2)
+    comps = rng.normal(size=(3000, 3)) * [1.0, 2.0, 0.5]
+    latent = fuse(comps, [0.5, 0.2, 0.3]) + 0.2 * rng.normal(size=3000)
+    human = np.digitize(latent, np.quantile(latent, [0.25, 0.5, 0.75])) + 1.0
+    result = calibrate(comps, human, names=["a", "b", "c"])
+    assert np.abs(np.array(list(result.weights.values())) - [0.5, 0.2, 0.3]).max() <= 0.04
+    assert result.correlation == pytest.approx(kendalltau(result.scores, human, variant="c").statistic, abs=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["c", "b"])
+def test_the_search_equals_a_plain_loop_with_scipy(variant):
+    rng = np.random.default_rng(3)
+    comps = np.round(rng.random((60, 3)), 2)  # ties inside components too
+    human = rng.integers(1, 5, size=60).astype(float)
+    result = calibrate(comps, human, step=0.1, variant=variant)
+    best, best_tau = None, -np.inf
+    for units in itertools.product(range(11), repeat=3):
+        if sum(units) != 10:
+            continue
+        w = np.array(units) / 10
+        tau = kendalltau(comps @ w, human, variant=variant).statistic
+        if tau > best_tau + 1e-12:
+            best, best_tau = w, tau
+    assert result.correlation == pytest.approx(best_tau, abs=1e-12)
+    assert kendalltau(fuse(comps, list(result.weights.values())), human, variant=variant).statistic == pytest.approx(
+        best_tau, abs=1e-12)
+
+
+def test_bad_inputs_are_refused_with_the_sample():
+    comps = np.ones((5, 2))
+    comps[3, 1] = np.nan
+    with pytest.raises(ValueError, match="sample 3: non-finite"):
+        calibrate(comps, np.arange(5.0))
+    with pytest.raises(ValueError, match="got 4 ratings for 5 samples"):
+        calibrate(np.ones((5, 2)), np.arange(4.0))
+    with pytest.raises(ValueError, match="undefined"):
+        calibrate(np.random.default_rng(0).random((5, 2)), np.ones(5))
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_calibrate_command_recovers_weights_from_score_and_rating_files(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    n = 300
+    comps = {"mid_normalized": rng.random(n), "dino_normalized": rng.random(n), "bertscore_normalized": rng.random(n)}
+    human = fuse(np.column_stack(list(comps.values())), [0.7, 0.1, 0.2])
+    order = rng.permutation(n)  # ratings listed in another order, matched by index
+    _write_jsonl(tmp_path / "scores.jsonl", [{"index": i, "score": 0.0, **{k: float(v[i]) for k, v in comps.items()}}
+                                             for i in range(n)])
+    _write_jsonl(tmp_path / "ratings.jsonl", [{"index": int(i), "human": float(human[i])} for i in order])
+    code = cli.main(["calibrate", "--scores", str(tmp_path / "scores.jsonl"), "--ratings", str(tmp_path / "ratings.jsonl"),
+                     "--out", str(tmp_path / "weights.json")])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report == json.loads((tmp_path / "weights.json").read_text())
+    assert report["weights"] == pytest.approx({"mid_normalized": 0.7, "dino_normalized": 0.1, "bertscore_normalized": 0.2})
+    assert report["options"] == ["mid_weight=0.7", "dino_weight=0.1", "bertscore_weight=0.2"]
+    assert report["correlation"] == pytest.approx(1.0) and report["variant"] == "c" and report["n_samples"] == n
+
+    csv_path = tmp_path / "all.csv"
+    csv_path.write_text("a,b,rating\n" + "".join(f"{comps['mid_normalized'][i]},{comps['dino_normalized'][i]},"
+                                                 f"{human[i]}\n" for i in range(n)))
+    cli.main(["calibrate", "--scores", str(csv_path), "--components", "a,b", "--rating-key", "rating", "--step",
+              "0.1", "--compact"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["options"] == [] and set(report["weights"]) == {"a", "b"} and report["n_grid"] == 11
+
+
+def test_calibrate_command_errors_are_one_line(tmp_path, capsys):
+    _write_jsonl(tmp_path / "scores.jsonl", [{"index": 0, "mid_normalized": 0.5}])
+    code = cli.main(["calibrate", "--scores", str(tmp_path / "scores.jsonl")])
+    assert code == 2 and "row 1 has no 'dino_normalized'" in capsys.readouterr().err
+    _write_jsonl(tmp_path / "a.jsonl", [{"x": 1.0, "human": 1.0}, {"x": 2.0, "human": 2.0}])
+    _write_jsonl(tmp_path / "r.jsonl", [{"human": 1.0}])
+    code = cli.main(["calibrate", "--scores", str(tmp_path / "a.jsonl"), "--ratings", str(tmp_path / "r.jsonl"),
+                     "--components", "x"])
+    assert code == 2 and "has 2 rows but" in capsys.readouterr().err

@@ -1,0 +1,189 @@
+"""MID on a tiny random CLIP against an independent computation (plain transformers features, concatenated,
+fitted with numpy, scored with scipy), in one process and across two DDP ranks with uneven shards."""
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_image
+from scipy.stats import multivariate_normal
+
+import capeval_plugins
+from capeval_plugins.core.gaussian import TooFewSamplesError
+from capeval_plugins.testing import caption_corpus
+
+N = 40  # the tiny CLIP has 16-dimensional features: the joint fit needs more than 32 pairs
+# Features agree with plain transformers to ~1e-7 (float32, different padding); a fit on few pairs amplifies
+# that in the Mahalanobis terms, hence 1e-4 (an n vs n - 1 covariance alone would be off by ~1e-2).
+TOL = dict(rel=1e-4, abs=1e-4)
+
+
+def corpus(n: int = N):
+    lines = caption_corpus(3 * n + 10, seed=3)
+    images = [random_image(100 + i, size=(32 + i % 5, 30)) for i in range(n)]
+    candidates = [lines[i] for i in range(n)]
+    references = [[lines[n + i], lines[2 * n + i]] if i % 3 else [lines[n + i]] for i in range(n)]
+    return images, candidates, references
+
+
+@torch.no_grad()
+def plain_features(path: str, images, texts) -> tuple[np.ndarray, np.ndarray]:
+    """L2-normalised CLIP image and text embeddings straight from transformers, float64."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    model, processor = CLIPModel.from_pretrained(path).eval(), CLIPProcessor.from_pretrained(path)
+    pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+    img = model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output)
+    tokens = processor.tokenizer(texts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+    txt = model.text_projection(model.text_model(**tokens).pooler_output)
+    norm = lambda t: (t / t.norm(dim=-1, keepdim=True)).double().numpy()  # noqa: E731
+    return norm(img), norm(txt)
+
+
+def plain_mid(path: str, images, candidates, references, eps: float = 0.0) -> np.ndarray:
+    """Per-sample PMI: features of every (image, reference) pair concatenated, mean and covariance by numpy,
+    PMI = log N(z) - log N(x) - log N(y) by scipy."""
+    image_feats, _ = plain_features(path, images, ["x"])
+    pairs_x = [image_feats[i] for i, refs in enumerate(references) for _ in refs]
+    _, ref_feats = plain_features(path, images[:1], [r for refs in references for r in refs])
+    _, cand_feats = plain_features(path, images[:1], candidates)
+    z = np.concatenate([np.stack(pairs_x), ref_feats], axis=1)
+    d = image_feats.shape[1]
+    mean, cov = z.mean(axis=0), np.cov(z, rowvar=False) + eps * np.eye(2 * d)
+    z0 = np.concatenate([image_feats, cand_feats], axis=1)
+    return (multivariate_normal(mean, cov).logpdf(z0) - multivariate_normal(mean[:d], cov[:d, :d]).logpdf(z0[:, :d])
+            - multivariate_normal(mean[d:], cov[d:, d:]).logpdf(z0[:, d:]))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_clip):
+    return plain_mid(tiny_clip, *corpus())
+
+
+def test_mid_equals_an_independent_computation_on_concatenated_features(tiny_clip, expected):
+    result = capeval_plugins.load("mid", model=tiny_clip, batch_size=5)(*corpus())
+    assert result.scores.tolist() == pytest.approx(expected.tolist(), **TOL)
+    assert result.score == pytest.approx(expected.mean(), **TOL)
+    normalized = (expected / (1 + np.abs(expected)) + 1) / 2
+    assert result.extras["pmi_normalized"].tolist() == pytest.approx(normalized.tolist(), abs=1e-6)
+    assert result.corpus_extras["fit_pairs"] == sum(len(r) for r in corpus()[2])
+
+
+def test_independent_of_batch_size_and_order(tiny_clip, expected):
+    images, candidates, references = corpus()
+    order = np.random.default_rng(0).permutation(N)
+    for batch_size in (1, 7, 64):
+        result = capeval_plugins.load("mid", model=tiny_clip, batch_size=batch_size)(
+            [images[i] for i in order], [candidates[i] for i in order], [references[i] for i in order])
+        assert result.scores.tolist() == pytest.approx(expected[order].tolist(), **TOL)
+
+
+def test_regularised_and_first_reference_fits(tiny_clip):
+    images, candidates, references = corpus()
+    eps = capeval_plugins.load("mid", model=tiny_clip, covariance_eps=5e-4)(images, candidates, references)
+    assert eps.scores.tolist() == pytest.approx(plain_mid(tiny_clip, images, candidates, references, 5e-4).tolist(),
+                                                **TOL)
+    first = capeval_plugins.load("mid", model=tiny_clip, fit_pairs="first_reference", covariance_eps=1e-3)(
+        images, candidates, references)
+    firsts = [refs[:1] for refs in references]
+    assert first.scores.tolist() == pytest.approx(plain_mid(tiny_clip, images, candidates, firsts, 1e-3).tolist(),
+                                                  **TOL)
+
+
+def test_too_few_pairs_and_missing_references_are_clear_errors(tiny_clip):
+    images, candidates, references = corpus(10)  # at most 20 pairs for 32 joint dimensions
+    with pytest.raises(TooFewSamplesError, match=r"N=\d+ .* 2D=32"):
+        capeval_plugins.load("mid", model=tiny_clip)(images, candidates, references)
+    with pytest.raises(ValueError, match="needs references"):
+        capeval_plugins.load("mid", model=tiny_clip)(images, candidates)
+
+
+def test_a_saved_fit_scores_a_single_small_batch(tiny_clip, expected, tmp_path):
+    images, candidates, references = corpus()
+    path = tmp_path / "flickr_fit.npz"
+    capeval_plugins.load("mid", model=tiny_clip).fit_reference(images, references, save_to=str(path))
+    later = capeval_plugins.load("mid", model=tiny_clip, reference_gaussian=str(path))
+    few = later(images[:3], candidates[:3])  # 3 samples, no references: the saved fit does the work
+    assert few.scores.tolist() == pytest.approx(expected[:3].tolist(), **TOL)
+    assert few.corpus_extras["fit_pairs"] == sum(len(r) for r in references)
+
+
+def test_state_does_not_grow_with_the_corpus(tiny_clip):
+    from capeval_plugins.torchmetrics import MID
+
+    images, candidates, references = corpus()
+    metric = MID(model=tiny_clip)
+    metric.update(images[:13], candidates[:13], references[:13])
+    metric.update(images[13:], candidates[13:], references[13:])
+    assert tuple(metric.fit_outer.shape) == (32, 32) and metric.fit_outer.dtype == torch.float64
+    assert float(metric.fit_count) == sum(len(r) for r in references)
+    direct = capeval_plugins.load("mid", model=tiny_clip)(images, candidates, references)
+    assert metric.compute_all().scores.tolist() == pytest.approx(direct.scores.tolist(), **TOL)
+
+
+def test_a_corpus_call_adds_sums_as_batches_arrive():
+    """Metric.__call__ streams batch states into merge_states: "sum" states are accumulated, not kept per batch."""
+    from capeval_plugins.contract import StateSpec, merge_states
+
+    spec = {"s": StateSpec("sum", torch.float64, (2, 2)), "r": StateSpec("cat", torch.float32, (3,))}
+    parts = [{"s": torch.full((2, 2), float(i), dtype=torch.float64), "r": torch.full((i, 3), float(i))} for i in range(4)]
+    consumed = []
+
+    def stream():
+        for part in parts:
+            consumed.append(part)
+            yield part
+
+    merged = merge_states(spec, stream())
+    assert len(consumed) == 4 and torch.equal(merged["s"], torch.full((2, 2), 6.0, dtype=torch.float64))
+    assert merged["r"].shape == (6, 3) and torch.equal(parts[0]["s"], torch.zeros((2, 2), dtype=torch.float64))
+    assert merge_states(spec, iter(()))["s"].shape == (2, 2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SHARDS = {
+    "uneven": {0: [i for i in range(N) if i % 3], 1: [i for i in range(N) if not i % 3]},
+    "empty_rank": {0: list(range(N)), 1: []},
+}
+
+
+def _ddp_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from capeval_plugins.torchmetrics import MID
+
+    torch.set_num_threads(1)  # two workers on a small CI machine
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    images, candidates, references = corpus()
+    results = {}
+    for name, shards in SHARDS.items():
+        metric = MID(model=model, batch_size=4)  # built inside the worker
+        mine = shards[rank]
+        for start in range(0, len(mine), 3):
+            part = mine[start:start + 3]
+            metric.update([images[i] for i in part], [candidates[i] for i in part], [references[i] for i in part],
+                          ids=part)
+        result = metric.compute_all()
+        results[name] = {"score": result.score, "scores": result.scores.tolist(), "indices": result.indices.tolist()}
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_process_ddp_with_uneven_shards_equals_the_independent_computation(tiny_clip, expected, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        for name, got in torch.load(tmp_path / f"rank{rank}.pt").items():
+            assert got["indices"] == list(range(N)), name
+            assert got["scores"] == pytest.approx(expected.tolist(), **TOL), name
+            assert got["score"] == pytest.approx(expected.mean(), **TOL), name

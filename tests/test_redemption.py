@@ -1,0 +1,215 @@
+"""Redemption Score: the fusion of its registered parts (MID, DINO cycle similarity, BERTScore), checked
+against the parts run on their own, plus its options, the torchmetrics path and real generation."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_image
+from test_generation import tiny_sd3  # noqa: F401  (the tiny Stable Diffusion 3 fixture)
+
+import capeval_plugins
+from capeval_plugins import registry
+from capeval_plugins.contract import (
+    GROUP,
+    INDEX,
+    CompositeMetric,
+    Metric,
+    MetricInfo,
+    MetricResult,
+    PointwiseMetric,
+    StateSpec,
+    full_spec,
+)
+from capeval_plugins.testing import caption_corpus
+
+needs_bertscore = pytest.mark.skipif("bertscore" not in registry.metrics(), reason="bertscore is not registered")
+
+N = 40  # MID's fit on the tiny CLIP (16-dimensional features) needs more than 32 (image, reference) pairs
+
+
+class Words(PointwiseMetric):
+    """Toy pointwise part: words per caption, characters as an extra."""
+
+    info = MetricInfo(name="words", display_name="Words", description="", citation="", references="never",
+                      images="never")
+    extra_names = ("chars",)
+
+    def score(self, batch):
+        return {"score": torch.tensor([float(len(c.split())) for c in batch.candidates], dtype=torch.float64),
+                "chars": torch.tensor([float(len(c)) for c in batch.candidates], dtype=torch.float64)}
+
+
+class Centred(Metric):
+    """Toy corpus part: caption length minus the corpus mean length (a "sum" state)."""
+
+    info = MetricInfo(name="centred", display_name="Centred", description="", citation="", references="never",
+                      images="never")
+
+    def states(self):
+        return {"total": StateSpec("sum", torch.float64, (2,)), "length": StateSpec("cat", torch.float64)}
+
+    def map(self, batch):
+        length = torch.tensor([float(len(c)) for c in batch.candidates], dtype=torch.float64)
+        return {"total": torch.stack([length.sum(), torch.tensor(float(len(length)), dtype=torch.float64)]),
+                "length": length}
+
+    def finalize(self, state):
+        centred = state["length"] - state["total"][0] / state["total"][1]
+        return MetricResult(self.info.name, float(centred.mean()), centred, state[INDEX])
+
+
+class Both(CompositeMetric):
+    info = MetricInfo(name="both", display_name="Both", description="", citation="", references="never",
+                      images="never")
+
+    def components(self):
+        return {"words": Words(batch_size=self.config.batch_size), "centred": Centred(batch_size=self.config.batch_size)}
+
+    def combine(self, results, state):
+        total = results["words"].scores + results["centred"].scores
+        return MetricResult(self.info.name, float(total.mean()), total, state[INDEX],
+                            extras={"chars": results["words"].extras["chars"]})
+
+
+def test_a_composite_metric_keeps_each_part_s_state_and_result():
+    texts = ["a b", "c", "d e f g", "hh ii", "j k l"]
+    expected_words = [2, 1, 4, 2, 3]
+    mean_length = sum(map(len, texts)) / len(texts)
+    for batch_size in (1, 2, 64):
+        result = Both(batch_size=batch_size)(None, texts)
+        assert result.scores.tolist() == pytest.approx([w + len(t) - mean_length for w, t in zip(expected_words, texts)])
+        assert result.extras["chars"].tolist() == [float(len(t)) for t in texts]
+    assert set(full_spec(Both())) == {"words__score", "words__chars", "centred__total", "centred__length", INDEX, GROUP}
+    assert full_spec(Both())["centred__total"].reduce == "sum"
+
+
+def corpus(n: int = N):
+    lines = caption_corpus(3 * n + 10, seed=5)
+    images = [random_image(300 + i // 2, size=(30 + i % 3, 32)) for i in range(n)]  # two candidates per image
+    candidates = [lines[i] for i in range(n)]
+    references = [[lines[n + i // 2], lines[2 * n + i // 2]] for i in range(n)]
+    return images, candidates, references
+
+
+@pytest.fixture(scope="module")
+def models(tiny_root) -> dict[str, str]:
+    from capeval_plugins.testing import tiny_checkpoint
+
+    return {kind: str(tiny_checkpoint(kind, root=tiny_root)) for kind in ("clip", "dino", "deberta_v3")}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    """Pre-generated images (a stand-in for Stable Diffusion 3) for every caption of the corpus."""
+    root = tmp_path_factory.mktemp("generated")
+    _, candidates, references = corpus()
+    captions = list(dict.fromkeys(candidates + [r for refs in references for r in refs]))
+    rows = []
+    for i, caption in enumerate(captions):
+        random_image(900 + i, size=(28, 28)).save(root / f"{i}.png")
+        rows.append(json.dumps({"caption": caption, "image": f"{i}.png"}))
+    (root / "index.jsonl").write_text("\n".join(rows) + "\n")
+    return str(root)
+
+
+def options(models, folder, **extra):
+    return dict(clip_model=models["clip"], dino_model=models["dino"], generated_images=folder,
+                bertscore_model=models["deberta_v3"], bertscore_num_layers=2, batch_size=6, **extra)
+
+
+def parts(models, folder, data, **bert):
+    """The three registered metrics run on their own."""
+    mid = registry.load("mid", model=models["clip"])(*data)
+    dino = registry.load("dino_cycle", model=models["dino"], generated_images=folder)(*data)
+    bertscore = registry.load("bertscore", model=models["deberta_v3"], num_layers=2, multi_reference="max",
+                              **bert)(None, data[1], data[2])
+    return mid, dino, bertscore
+
+
+def eq9(p: np.ndarray) -> np.ndarray:
+    return (p / (1 + np.abs(p)) + 1) / 2
+
+
+@pytest.fixture(scope="module")
+def direct(models, folder):
+    return capeval_plugins.load("redemption_score", **options(models, folder))(*corpus())
+
+
+@needs_bertscore
+def test_the_score_is_the_weighted_sum_of_its_parts_run_alone(models, folder, direct):
+    data, result = corpus(), direct
+    mid, dino, bertscore = (p.scores.numpy() for p in parts(models, folder, data))
+    expected = 0.84 * eq9(mid) + 0.08 * dino + 0.08 * bertscore
+    assert result.scores.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+    assert result.score == pytest.approx(expected.mean(), abs=1e-5)
+    extras = result.extras
+    assert extras["mid_raw"].tolist() == pytest.approx(mid.tolist(), rel=1e-4, abs=1e-4)
+    assert extras["mid_normalized"].tolist() == pytest.approx(eq9(mid).tolist(), abs=1e-5)
+    assert extras["dino_raw"].tolist() == pytest.approx(dino.tolist(), abs=1e-6)
+    assert torch.equal(extras["dino_raw"], extras["dino_normalized"])  # the paper fuses the raw cosine
+    assert extras["bertscore_raw"].tolist() == pytest.approx(bertscore.tolist(), abs=1e-6)
+    assert {"dino_s1", "dino_s2", "bertscore_precision", "bertscore_recall"} <= set(extras)
+    assert result.corpus_extras["mid"] == pytest.approx(mid.mean(), rel=1e-4)
+
+
+@needs_bertscore
+def test_normalisations_weights_and_idf_reach_the_parts(models, folder):
+    data = corpus()
+    result = capeval_plugins.load("redemption_score", **options(
+        models, folder, mid_weight=0.5, dino_weight=0.3, bertscore_weight=0.2, mid_normalization="none",
+        dino_normalization="unit", bertscore_normalization="unit", bertscore_idf=True))(*data)
+    mid, dino, bertscore = (p.scores.numpy() for p in parts(models, folder, data, idf=True))
+    expected = 0.5 * mid + 0.3 * (dino + 1) / 2 + 0.2 * (bertscore + 1) / 2
+    assert result.scores.tolist() == pytest.approx(expected.tolist(), rel=1e-4, abs=1e-4)
+
+
+@needs_bertscore
+def test_a_part_with_zero_weight_is_not_computed(models, folder):
+    metric = capeval_plugins.load("redemption_score", **options(models, folder, mid_weight=0.0, dino_weight=0.5,
+                                                                bertscore_weight=0.5))
+    assert list(metric.components()) == ["dino", "bertscore"]
+    images, candidates, references = corpus(6)  # no MID, so no minimum corpus size
+    result = metric(images, candidates, references)
+    assert not any(k.startswith("mid") for k in (*result.extras, *result.corpus_extras))
+    expected = 0.5 * result.extras["dino_raw"] + 0.5 * result.extras["bertscore_raw"]
+    assert result.scores.tolist() == pytest.approx(expected.tolist(), abs=1e-12)
+
+
+@pytest.mark.parametrize("bad", [dict(mid_weight=0.5), dict(dino_weight=-0.1, bertscore_weight=0.26),
+                                 dict(mid_normalization="minmax")])
+def test_bad_options_are_refused(bad):
+    with pytest.raises(ValueError, match="sum to 1|must be one of"):
+        capeval_plugins.load("redemption_score", **bad)
+
+
+@needs_bertscore
+def test_torchmetrics_batches_equal_one_call(models, folder, direct):
+    from capeval_plugins.torchmetrics import RedemptionScore
+
+    images, candidates, references = corpus()
+    metric = RedemptionScore(**options(models, folder))
+    for start in range(0, N, 11):
+        metric.update(images[start:start + 11], candidates[start:start + 11], references[start:start + 11])
+    result = metric.compute_all()
+    assert tuple(metric.mid__fit_outer.shape) == (32, 32)  # MID's fit is still a summed state
+    assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), rel=1e-4, abs=1e-4)
+
+
+@needs_bertscore
+def test_end_to_end_with_a_tiny_stable_diffusion_3(models, tmp_path, tiny_sd3):  # noqa: F811
+    """The whole chain with real generation, on a corpus too small for an unregularised MID fit."""
+    images, candidates, references = corpus(6)
+    metric = capeval_plugins.load("redemption_score", clip_model=models["clip"], dino_model=models["dino"],
+                                  generator=tiny_sd3, steps=2, image_size=32, cache_dir=str(tmp_path),
+                                  bertscore_model=models["deberta_v3"], bertscore_num_layers=2, covariance_eps=1e-2,
+                                  device="cpu")
+    with pytest.warns(UserWarning, match="covariance is defined only through covariance_eps"):
+        result = metric(images, candidates, references)
+    extras = result.extras
+    expected = 0.84 * extras["mid_normalized"] + 0.08 * extras["dino_raw"] + 0.08 * extras["bertscore_raw"]
+    assert result.scores.tolist() == pytest.approx(expected.tolist(), abs=1e-12)
+    assert bool(torch.isfinite(result.scores).all()) and len(list(tmp_path.rglob("*.png"))) == 9
+    assert (extras["dino_raw"] == (extras["dino_s1"] + extras["dino_s2"]) / 2).all()
