@@ -1,0 +1,222 @@
+"""Score heads on an LVLM's label distribution: small pure functions on tensors, float64 throughout.
+
+* FLEUR score smoothing (Lee et al., ACL 2024): the expected digit under the full-vocabulary distribution at
+  each decimal position of "0.xy", and 0.9 P('0') + P('1') at the integer digit of "1.0".
+* DISCODE's ATT head (Inoue et al., AAAI 2026): the score distribution psi minimising
+  ``H(psi, p_LVLM) + D(psi || q)`` for a Gaussian prior q around the raw score. For the weighted KL
+  ``D_alpha = (1 - alpha) H(psi, q) - alpha H(psi)`` the minimiser is (paper Eq. 6)
+  ``psi = softmax((z + (1 - alpha) log q) / alpha)``, z the label logits; as alpha -> 0 it tends to the
+  one-hot of ``argmax(z + log q)`` (ties shared), which is taken explicitly where alpha underflows. The other
+  divergences of the paper's Table 8 have no closed form: :func:`att_solve` minimises the loss numerically,
+  as in the paper (Adam on the linear head ``softmax(W h + b)``) or to convergence.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Divergence = Literal["weighted_kl", "kl", "renyi", "beta", "js"]
+DIVERGENCES: tuple[str, ...] = ("weighted_kl", "kl", "renyi", "beta", "js")
+CLOSED_FORM: tuple[str, ...] = ("weighted_kl", "kl")
+
+
+def expected_value(probs: Tensor, values: Tensor) -> Tensor:
+    """sum_k probs[..., k] * values[k] (probabilities as given: not renormalised)."""
+    return (probs.double() * values.to(probs.device, torch.float64)).sum(-1)
+
+
+def fleur_smooth(first: Tensor, second: Tensor, integer: Tensor, has_second: Tensor, is_one: Tensor) -> Tensor:
+    """FLEUR's smoothed score from full-vocabulary digit log-probabilities (B, 10) at the first decimal,
+    the second decimal and the integer digit of "0.xy" / "1.0":
+
+    ``0.1 * E_first[d] + 0.01 * E_second[d]`` (the second term only where a second decimal was written), and
+    ``0.9 * P_integer('0') + P_integer('1')`` where the answer is "1.0". Rows that use no value of an input
+    may hold NaN there."""
+    digits = torch.arange(10, dtype=torch.float64, device=first.device)
+    tenths = expected_value(first.double().exp().nan_to_num(), digits)
+    hundredths = expected_value(second.double().exp().nan_to_num(), digits)
+    decimal = 0.1 * tenths + torch.where(has_second, 0.01 * hundredths, torch.zeros_like(hundredths))
+    p_int = integer.double().exp().nan_to_num()
+    one = 0.9 * p_int[..., 0] + p_int[..., 1]
+    return torch.where(is_one, one, decimal)
+
+
+def gaussian_log_prior(center: Tensor, values: Tensor) -> Tensor:
+    """log q over the labels for q(x) proportional to exp(-(x - center)^2 / 2): (B,) centers -> (B, K)."""
+    values = values.to(center.device, torch.float64)
+    energy = -0.5 * (values[None, :] - center.double()[:, None]) ** 2
+    return energy - torch.logsumexp(energy, dim=-1, keepdim=True)
+
+
+def att_alpha(center: Tensor, values: Tensor, sigma2: float = 0.1) -> Tensor:
+    """DISCODE Eq. 4: alpha = N(center; mu, sigma2), mu the mean of ``values`` (the label values on the scale
+    alpha is read on). A density: it may exceed 1 and it underflows towards 0 far from mu."""
+    if sigma2 <= 0:
+        raise ValueError(f"sigma2 must be positive, got {sigma2}")
+    mu = values.to(torch.float64).mean()
+    return torch.exp(-((center.double() - mu) ** 2) / (2 * sigma2)) / math.sqrt(2 * math.pi * sigma2)
+
+
+def att_closed_form(logits: Tensor, log_prior: Tensor, alpha: Tensor) -> Tensor:
+    """The weighted-KL ATT minimiser (B, K): softmax((z + (1 - alpha) log q) / alpha), float64.
+
+    ``logits`` may be any per-row shift of the label logits (e.g. full-vocabulary log-probabilities).
+    Where alpha is 0 (underflow) the limit is returned: the one-hot of argmax(z + log q), ties shared. For
+    alpha > 0 float64 already reaches that limit without overflow (a max-shifted softmax of differences of
+    order 1/alpha, shifted to be <= 0), so the result is continuous in alpha."""
+    z = logits.double()
+    log_q = log_prior.double()
+    alpha = alpha.double()[:, None]
+    tiny = alpha <= 0
+    safe = torch.where(tiny, torch.ones_like(alpha), alpha)
+    tempered = z + (1 - safe) * log_q
+    # Shift before dividing: entries <= 0 divided by a tiny alpha go to -inf at worst, never inf - inf.
+    adapted = torch.softmax((tempered - tempered.amax(-1, keepdim=True)) / safe, dim=-1)
+    score = z + log_q
+    top = (score == score.amax(-1, keepdim=True)).double()
+    limit = top / top.sum(-1, keepdim=True)
+    return torch.where(tiny, limit, adapted)
+
+
+# --- the ATT loss and its numeric minimiser ------------------------------------------------------------------
+
+
+def divergence(log_p: Tensor, log_q: Tensor, kind: str, alpha: Tensor, order: float = 0.5) -> Tensor:
+    """D(p || q) per row from log-probabilities (B, K), in log space.
+
+    ``weighted_kl``: (1 - alpha) H(p, q) - alpha H(p) (paper Eq. 3); ``kl``: the same with alpha = 0.5, which
+    is half the KL divergence (the paper's "vanilla KL"); ``renyi``: 1 / (a - 1) log sum p^a q^(1 - a);
+    ``beta``: sum (p^b + (b - 1) q^b - b p q^(b - 1)) / (b (b - 1)); ``js``: Jensen-Shannon. ``order`` is
+    a (Renyi) or b (beta)."""
+    p = log_p.exp()
+    if kind in ("weighted_kl", "kl"):
+        a = torch.full_like(alpha.double(), 0.5) if kind == "kl" else alpha.double()
+        return -(1 - a) * (p * log_q).sum(-1) + a * (p * log_p).sum(-1)
+    if kind == "renyi":
+        if order == 1:
+            return (p * (log_p - log_q)).sum(-1)
+        return torch.logsumexp(order * log_p + (1 - order) * log_q, dim=-1) / (order - 1)
+    if kind == "beta":
+        if order in (0, 1):
+            raise ValueError("the beta divergence needs an order other than 0 and 1")
+        cross = (log_p + (order - 1) * log_q).exp()
+        terms = (order * log_p).exp() + (order - 1) * (order * log_q).exp() - order * cross
+        return terms.sum(-1) / (order * (order - 1))
+    if kind == "js":
+        log_m = torch.logaddexp(log_p, log_q) - math.log(2)
+        q = log_q.exp()
+        return 0.5 * (p * (log_p - log_m)).sum(-1) + 0.5 * (q * (log_q - log_m)).sum(-1)
+    raise ValueError(f"unknown divergence {kind!r}; choose one of {DIVERGENCES}")
+
+
+def att_loss(head_logits: Tensor, lvlm_logits: Tensor, log_prior: Tensor, kind: str, alpha: Tensor,
+             order: float = 0.5) -> Tensor:
+    """ATT loss per row (paper Eq. 2): H(psi, p_LVLM) + D(psi || q), psi = softmax(head_logits) and p_LVLM the
+    LVLM's label distribution (softmax of its label logits)."""
+    log_psi = torch.log_softmax(head_logits, dim=-1)
+    log_lvlm = torch.log_softmax(lvlm_logits, dim=-1)
+    cross = -(log_psi.exp() * log_lvlm).sum(-1)
+    return cross + divergence(log_psi, log_prior, kind, alpha, order)
+
+
+def att_solve(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    log_prior: Tensor,
+    alpha: Tensor,
+    kind: str = "weighted_kl",
+    *,
+    order: float = 0.5,
+    steps: int = 10,
+    lr: float = 1e-3,
+    converge: bool = False,
+    tol: float = 1e-12,
+) -> Tensor:
+    """Minimise the ATT loss numerically; returns psi (B, K), float64.
+
+    ``hidden`` (B, d) final hidden states, ``weight`` (B, K, d) or (K, d) and ``bias`` (B, K), (K,) or None
+    the LM-head rows of the labels: p_LVLM = softmax(weight h + bias).
+
+    As in the paper (``converge=False``): the head softmax(W h + b) starts at the LM head (W = weight,
+    b = bias) and Adam takes ``steps`` steps of learning rate ``lr`` on (W, b), every sample its own head.
+    With ``converge=True`` the loss is minimised to convergence over the head's logits u = W h + b, which
+    reach every distribution (b is free), by saddle-free Newton from the LM head's logits; for the weighted
+    KL this reproduces :func:`att_closed_form`."""
+    # Copies: the inputs may be inference-mode tensors, which autograd cannot save.
+    h = hidden.double().clone()
+    w = weight.double().expand(h.shape[0], *weight.shape[-2:]).clone()
+    b = torch.zeros(w.shape[:2], dtype=torch.float64, device=h.device) if bias is None else \
+        bias.double().expand(w.shape[:2]).clone()
+    lvlm = torch.einsum("bkd,bd->bk", w, h) + b
+    log_q, alpha = log_prior.double().clone(), alpha.double().clone()
+    with torch.enable_grad():
+        if converge:
+            return _solve_to_convergence(lvlm, log_q, alpha, kind, order, tol)
+        w_head = w.clone().requires_grad_(True)
+        b_head = b.clone().requires_grad_(True)
+        opt = torch.optim.Adam([w_head, b_head], lr=lr)
+        for _ in range(steps):
+            opt.zero_grad()
+            logits = torch.einsum("bkd,bd->bk", w_head, h) + b_head
+            att_loss(logits, lvlm, log_q, kind, alpha, order).sum().backward()
+            opt.step()
+        logits = torch.einsum("bkd,bd->bk", w_head, h) + b_head
+    return torch.softmax(logits.detach(), dim=-1)
+
+
+def _solve_to_convergence(lvlm: Tensor, log_q: Tensor, alpha: Tensor, kind: str, order: float, tol: float,
+                          max_iter: int = 200, radius: float = 2.0) -> Tensor:
+    """Saddle-free Newton per row on the head logits, the last one fixed at 0 (softmax is shift-invariant).
+
+    The loss is convex in psi but not in the logits, whose only stationary points with psi inside the simplex
+    are its minimisers; Newton steps on |Hessian| (eigenvalues made positive) head downhill everywhere and
+    converge quadratically near the minimum. Steps move no logit by more than ``radius`` and backtrack until
+    the row's loss does not increase (beyond rounding); a row stops when its gradient is below ``tol`` or its
+    steps fall below rounding."""
+    def losses(v: Tensor) -> Tensor:
+        return att_loss(torch.cat([v, v.new_zeros(len(v), 1)], dim=-1), lvlm, log_q, kind, alpha, order)
+
+    def derivatives(v: Tensor) -> tuple[Tensor, Tensor]:
+        # Rows are independent: the gradient of the summed loss is each row's gradient, and each row's
+        # Hessian column j is the gradient of its gradient's entry j.
+        v = v.detach().requires_grad_(True)
+        g = torch.autograd.grad(losses(v).sum(), v, create_graph=True)[0]
+        columns = [torch.autograd.grad(g[:, j].sum(), v, retain_graph=True)[0] for j in range(v.shape[1])]
+        return g.detach(), torch.stack(columns, dim=-1)
+
+    lvlm = lvlm.detach()
+    v = (lvlm - lvlm[:, -1:])[:, :-1]
+    loss = losses(v).detach()
+    active = torch.ones_like(loss, dtype=torch.bool)
+    for _ in range(max_iter):
+        g, hess = derivatives(v)
+        active &= g.abs().amax(-1) > tol
+        if not bool(active.any()):
+            break
+        eigval, eigvec = torch.linalg.eigh(hess)
+        # Directions of almost no curvature (labels of almost no mass) get a bounded step.
+        floor = 1e-9 * eigval.abs().amax(-1, keepdim=True).clamp_min(1e-300)
+        inverse = 1.0 / torch.maximum(eigval.abs(), floor)
+        step = -torch.einsum("bij,bj,bkj,bk->bi", eigvec, inverse, eigvec, g)
+        # A trust region: a long step into a saturated softmax lands on a plateau it leaves only slowly.
+        step = step * (radius / step.abs().amax(-1, keepdim=True).clamp_min(radius))
+        scale = torch.where(active, 1.0, 0.0).to(v.dtype)
+        slack = 8 * torch.finfo(v.dtype).eps * (loss.abs() + 1)  # rounding, not a real increase
+        pending = active.clone()
+        for _ in range(50):  # backtracking on the rows still moving
+            trial = v + scale[:, None] * step
+            trial_loss = losses(trial).detach()
+            pending &= ~(torch.isfinite(trial_loss) & (trial_loss <= loss + slack))
+            if not bool(pending.any()):
+                break
+            scale = torch.where(pending, scale / 2, scale)
+        moved = active & ~pending
+        v = torch.where(moved[:, None], trial, v)
+        loss = torch.where(moved, trial_loss, loss)
+        # A row that cannot descend any more, or only by steps below rounding, has converged.
+        active &= moved & ((scale[:, None] * step).abs().amax(-1) > 1e-13)
+    return torch.softmax(torch.cat([v, v.new_zeros(len(v), 1)], dim=-1), dim=-1)

@@ -1,0 +1,156 @@
+"""DISCODE and RefDISCODE (Inoue et al., AAAI 2026): FLEUR's prompt and greedy answer, then a test-time head
+that balances the LVLM's distribution at the score digit against a Gaussian prior around the raw score.
+
+At the target position T (the first decimal of "0.x" on the default 0.0-1.0 scale, the label itself on the
+1-5, 0-9 and A-E scales) with label logits z: s_raw = argmax z, q(x) proportional to exp(-(x - s_raw)^2 / 2),
+alpha = N(s_raw; mean of the labels, sigma^2) and psi = softmax((z + (1 - alpha) log q) / alpha) (Eq. 6,
+float64, alpha -> 0 taken explicitly). s_hat = E_psi[x]; on the 0.0-1.0 scale the decimal part of the
+written score is replaced by 0.1 * s_hat.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from capeval_plugins.contract import Batch, MetricInfo
+from capeval_plugins.core import heads
+from capeval_plugins.core.lvlm import JudgeOutput, RatingScale, get_scale
+from capeval_plugins.metrics.fleur import LVLMJudgeConfig, LVLMJudgeMetric, fleur_scores
+
+CITATION = """@inproceedings{inoue2026discode,
+  title     = {{DISCODE}: Distribution-Aware Score Decoder for Robust Automatic Evaluation of Image Captioning},
+  author    = {Inoue, Nakamasa and Goto, Kanoko and Oi, Masanari and Gruszka, Martyna and Ukai, Mahiro and
+               Hirose, Takumi and Sekikawa, Yusuke},
+  booktitle = {Proceedings of the AAAI Conference on Artificial Intelligence},
+  year      = {2026}
+}"""
+
+SOLVERS = ("auto", "closed_form", "adam", "converge")
+
+
+@dataclass
+class DISCODEConfig(LVLMJudgeConfig):
+    model: str = "llava-hf/llava-next-72b-hf"
+    scale: str = "0.0-1.0"
+    sigma2: float = 0.1
+    # The paper's Eq. 4 on the label values (mu = 4.5 for the digits); "unit" reads label k of K as k / K.
+    alpha_scale: str = "label"
+    divergence: str = "weighted_kl"
+    # "auto": the closed form where there is one (weighted KL, KL), else the paper's Adam.
+    solver: str = "auto"
+    solver_steps: int = 10
+    solver_lr: float = 1e-3
+    divergence_order: float = 0.5
+    # What "1.0" scores: FLEUR's rule (0.9 P('0') + P('1') at the '1') or 1 + 0.1 s_hat at its decimal.
+    one_rule: str = "fleur"
+
+
+class DISCODE(LVLMJudgeMetric):
+    info = MetricInfo(
+        name="discode",
+        display_name="DISCODE",
+        description=(
+            "An LVLM rates the caption (FLEUR prompt; RefDISCODE prompt when references are given); the digit "
+            "distribution at the score position is adapted at test time towards a Gaussian prior around the raw "
+            "score (closed-form ATT head) and its expectation replaces the score's decimal part."
+        ),
+        citation=CITATION,
+        references="optional",
+        images="always",
+        score_range=(0.0, 1.0),
+        paper="https://arxiv.org/abs/2512.14420",
+        paper_config={"model": "LLaVA-NeXT-72B", "scale": "0.0-1.0", "sigma2": 0.1, "divergence": "weighted KL",
+                      "solver": "closed form (Eq. 6)"},
+    )
+    Config = DISCODEConfig
+    extra_names: ClassVar[tuple[str, ...]] = ("raw_score", "fleur_score", "alpha", "distribution")
+    extra_shapes: ClassVar[dict[str, tuple[int, ...]]] = {"distribution": (10,)}
+    optional_extras: ClassVar[tuple[str, ...]] = ("alpha",)
+    mean_extras: ClassVar[tuple[str, ...]] = ("raw_score", "fleur_score")
+
+    def __init__(self, **config):
+        super().__init__(**config)
+        cfg = self.config
+        self.scale: RatingScale = get_scale(cfg.scale)
+        self.extra_shapes = {"distribution": (len(self.scale.labels),)}
+        checks = [
+            (cfg.alpha_scale in ("label", "unit"), f"alpha_scale must be 'label' or 'unit', got {cfg.alpha_scale!r}"),
+            (cfg.divergence in heads.DIVERGENCES, f"divergence must be one of {heads.DIVERGENCES}"),
+            (cfg.solver in SOLVERS, f"solver must be one of {SOLVERS}"),
+            (cfg.solver != "closed_form" or cfg.divergence in heads.CLOSED_FORM,
+             f"the {cfg.divergence} divergence has no closed form; use solver='adam' (paper) or 'converge'"),
+            (cfg.one_rule in ("fleur", "decimal"), f"one_rule must be 'fleur' or 'decimal', got {cfg.one_rule!r}"),
+            (cfg.sigma2 > 0, "sigma2 must be positive"),
+            (cfg.solver_steps >= 1 and cfg.solver_lr > 0, "solver_steps must be >= 1 and solver_lr > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"discode: {message}")
+
+    @property
+    def closed_form(self) -> bool:
+        cfg = self.config
+        return cfg.solver == "closed_form" or (cfg.solver == "auto" and cfg.divergence in heads.CLOSED_FORM)
+
+    def score(self, batch: Batch) -> dict[str, Tensor]:
+        out = self.ask(batch, self.scale, keep_hidden=not self.closed_form)
+        target = 1 if self.scale.decimal else 0
+        valid = out.valid
+        logits = torch.where(valid[:, None], out.logprobs_at(target).double(), 0.0)
+        psi, alpha = self.adapt(out, target, logits)
+        values = torch.tensor(self.scale.values, dtype=torch.float64)
+        s_hat = heads.expected_value(psi, values)
+        score = self.final_score(out, s_hat)
+        nan = torch.full_like(score, float("nan"))
+        return {
+            "score": torch.where(valid, score, nan),
+            "raw_score": out.raw,
+            "fleur_score": self.smoothed(out, logits, values),
+            "alpha": torch.where(valid, alpha, nan),
+            "distribution": torch.where(valid[:, None], psi, float("nan")),
+        }
+
+    def adapt(self, out: JudgeOutput, target: int, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """The ATT head: psi (B, K) and the alpha it used (NaN for divergences without one)."""
+        cfg = self.config
+        k = len(self.scale.labels)
+        values = torch.tensor(self.scale.values, dtype=torch.float64)
+        raw = logits.argmax(-1)
+        log_q = heads.gaussian_log_prior(values[raw], values)
+        on = values if cfg.alpha_scale == "label" else torch.arange(k, dtype=torch.float64) / k
+        alpha = heads.att_alpha(on[raw], on, cfg.sigma2)
+        if cfg.divergence == "kl":
+            alpha = torch.full_like(alpha, 0.5)
+        if self.closed_form:
+            psi = heads.att_closed_form(logits, log_q, alpha)
+        else:
+            weight, bias = self.judge.lm_head_rows(out.label_ids_at(target))
+            hidden = torch.nan_to_num(out.hidden_at(target)).to(weight.device)
+            psi = heads.att_solve(hidden, weight, bias, log_q.to(weight.device), alpha.to(weight.device),
+                                  cfg.divergence, order=cfg.divergence_order, steps=cfg.solver_steps,
+                                  lr=cfg.solver_lr, converge=cfg.solver == "converge").cpu()
+        if cfg.divergence not in heads.CLOSED_FORM:
+            alpha = torch.full_like(alpha, float("nan"))
+        return psi, alpha
+
+    def final_score(self, out: JudgeOutput, s_hat: Tensor) -> Tensor:
+        if not self.scale.decimal:
+            return s_hat
+        one = out.labels[:, 0] == 1
+        if self.config.one_rule == "decimal":
+            return torch.where(one, 1.0 + 0.1 * s_hat, 0.1 * s_hat)
+        return torch.where(one, fleur_scores(out), 0.1 * s_hat)
+
+    def smoothed(self, out: JudgeOutput, logits: Tensor, values: Tensor) -> Tensor:
+        """The score-smoothing baseline on the same answer: FLEUR on the 0.0-1.0 scale, the expected label
+        under the LVLM's label distribution otherwise."""
+        if self.scale.decimal:
+            return fleur_scores(out)
+        expected = heads.expected_value(torch.softmax(logits, dim=-1), values)
+        return torch.where(out.valid, expected, torch.full_like(expected, float("nan")))
+
+
+METRICS = [DISCODE]

@@ -1,0 +1,119 @@
+"""FLEUR and RefFLEUR (Lee et al., ACL 2024): an LVLM rates the caption from 0.0 to 1.0, and the written score
+is smoothed by the digit distributions at its decimal positions.
+
+score = 0.1 * sum_d P(d) d at the first decimal (+ 0.01 * sum_d P(d) d at the second, if written); for "1.0",
+0.9 P('0') + P('1') at the integer digit. P is the full-vocabulary softmax (not renormalised over digits).
+With references, the RefFLEUR prompt is used.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric
+from capeval_plugins.core.heads import fleur_smooth
+from capeval_plugins.core.lvlm import JudgeOutput, JudgeSpec, LVLMJudge, RatingScale, SCALES, fleur_instruction
+
+FLEUR_CITATION = """@inproceedings{lee2024fleur,
+  title     = {{FLEUR}: An Explainable Reference-Free Evaluation Metric for Image Captioning Using a Large
+               Multimodal Model},
+  author    = {Lee, Yebin and Park, Imseong and Kang, Myungjoo},
+  booktitle = {Proceedings of the 62nd Annual Meeting of the Association for Computational Linguistics},
+  pages     = {3732--3746},
+  year      = {2024}
+}"""
+
+INVALID_POLICIES = ("nan", "raise")
+
+
+@dataclass
+class LVLMJudgeConfig(ModelConfig):
+    """Options of metrics that ask an LVLM for a score (:mod:`capeval_plugins.core.lvlm`)."""
+
+    batch_size: int = 16
+    max_new_tokens: int = 10
+    on_invalid: str = "nan"
+
+
+class LVLMJudgeMetric(PointwiseMetric):
+    """Shared plumbing: the shared judge, the FLEUR prompt (RefFLEUR with references) and the policy for
+    answers without a valid score."""
+
+    def __init__(self, **config):
+        super().__init__(**config)
+        cfg = self.config
+        if cfg.on_invalid not in INVALID_POLICIES:
+            raise ValueError(f"{self.info.name}: on_invalid must be one of {INVALID_POLICIES}, got {cfg.on_invalid!r}")
+        if cfg.max_new_tokens < 1:
+            raise ValueError(f"{self.info.name}: max_new_tokens must be at least 1")
+
+    @property
+    def judge(self) -> LVLMJudge:
+        return LVLMJudge.shared(JudgeSpec.from_config(self.config))
+
+    def ask(self, batch: Batch, scale: RatingScale, keep_hidden: bool = False) -> JudgeOutput:
+        refs = batch.references or [None] * len(batch)
+        instructions = [fleur_instruction(c, r, scale) for c, r in zip(batch.candidates, refs)]
+        out = self.judge.judge(batch.images, batch.image_index, instructions, scale,
+                               max_new_tokens=self.config.max_new_tokens, batch_size=self.config.batch_size,
+                               keep_hidden=keep_hidden)
+        self.check_answers(batch, out)
+        return out
+
+    def check_answers(self, batch: Batch, out: JudgeOutput) -> None:
+        bad = [i for i, e in enumerate(out.errors) if e is not None]
+        if not bad:
+            return
+        ids = batch.indices.tolist()
+        lines = [f"sample {ids[i]}: {out.errors[i]} (answer {out.texts[i][:60]!r})" for i in bad[:5]]
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        if self.config.on_invalid == "raise":
+            raise ValueError(f"{self.info.name}: no valid score in the judge's answer for " + "; ".join(lines) + more)
+        warnings.warn(f"{self.info.name}: {len(bad)} sample(s) get NaN (no valid score): " + "; ".join(lines) + more,
+                      stacklevel=4)
+
+
+def fleur_scores(out: JudgeOutput) -> Tensor:
+    """FLEUR's smoothed score of every sample of a 0.0-1.0 judge output (NaN where there is none)."""
+    score = fleur_smooth(out.logprobs_at(1), out.logprobs_at(2), out.logprobs_at(0),
+                         out.positions[:, 2] >= 0, out.labels[:, 0] == 1)
+    return torch.where(out.valid, score, torch.full_like(score, float("nan")))
+
+
+@dataclass
+class FLEURConfig(LVLMJudgeConfig):
+    model: str = "llava-hf/llava-1.5-13b-hf"
+
+
+class FLEUR(LVLMJudgeMetric):
+    info = MetricInfo(
+        name="fleur",
+        display_name="FLEUR",
+        description=(
+            "An LVLM rates the caption from 0.0 to 1.0 (FLEUR prompt; RefFLEUR prompt when references are given) "
+            "and the written score is smoothed by the digit probabilities at its decimal positions."
+        ),
+        citation=FLEUR_CITATION,
+        references="optional",
+        images="always",
+        score_range=(0.0, 1.0),
+        paper="https://aclanthology.org/2024.acl-long.205",
+        paper_config={"model": "LLaVA-1.5-13B", "decoding": "greedy", "scale": "0.0-1.0"},
+        codebase_urls=("https://github.com/Yebin46/FLEUR",),
+    )
+    Config = FLEURConfig
+    extra_names: ClassVar[tuple[str, ...]] = ("raw_score", "digit_probs")
+    extra_shapes: ClassVar[dict[str, tuple[int, ...]]] = {"digit_probs": (10,)}
+    mean_extras: ClassVar[tuple[str, ...]] = ("raw_score",)
+
+    def score(self, batch: Batch) -> dict[str, Tensor]:
+        out = self.ask(batch, SCALES["0.0-1.0"])
+        return {"score": fleur_scores(out), "raw_score": out.raw,
+                "digit_probs": out.logprobs_at(1).double().exp()}
+
+
+METRICS = [FLEUR]

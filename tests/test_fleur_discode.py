@@ -1,0 +1,229 @@
+"""FLEUR and DISCODE end to end on tiny LLaVA-NeXT judges, against a plain re-computation: transformers'
+forward pass over prompt + answer (teacher forcing), then the paper's formulas in numpy and scipy."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from test_lvlm import CAPTIONS, IMAGE_OF, images, scripted_llava, sharp_llava
+
+import capeval_plugins
+from capeval_plugins.core.lvlm import SCALES, LVLMJudge, fleur_instruction
+
+REFERENCES = [["A dog on grass."], ["Kids in a park.", "Children playing."], ["A red car."], ["A man on a bench."],
+              ["A cat."], ["A dog chasing a ball."]]
+ANSWERS = ["0.85", "1.0", "0.3 (out of 1.0)", "0.0", "0.07", "0.5"]
+
+
+def sample_images():
+    pool = images()
+    return [pool[i] for i in IMAGE_OF]
+
+
+@pytest.fixture
+def answers(monkeypatch):
+    """Make the judge answer ``answers[caption]`` (teacher forcing) instead of its own greedy answer."""
+    table: dict[str, str] = {}
+    real = LVLMJudge.judge
+
+    def judge(self, images_, image_index, instructions, scale, **kwargs):
+        kwargs["forced"] = [next(a for c, a in table.items() if f"Caption: {c}\n" in text) for text in instructions]
+        return real(self, images_, image_index, instructions, scale, **kwargs)
+
+    monkeypatch.setattr(LVLMJudge, "judge", judge)
+    return table
+
+
+def plain_answer_distributions(path: str, image, instruction: str, answer: str):
+    """transformers alone: softmax over the full vocabulary at every answer token (one forward pass over prompt
+    + answer), and the answer's tokens as text."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": instruction}]}]
+    prompt = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)], images=[image],
+                       return_tensors="pt")
+    answer_ids = processor.tokenizer(answer, add_special_tokens=False)["input_ids"]
+    ids = torch.cat([prompt["input_ids"], torch.tensor([answer_ids])], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=prompt["pixel_values"],
+                       image_sizes=prompt["image_sizes"]).logits[0].double()
+    start = prompt["input_ids"].shape[1] - 1
+    probs = torch.softmax(logits[start:start + len(answer_ids)], -1).numpy()
+    pieces = [processor.tokenizer.decode([t]).strip() for t in answer_ids]
+    digit_ids = [processor.tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    return probs, pieces, digit_ids
+
+
+def digit_steps(pieces: list[str]) -> list[int]:
+    """Token index of the integer digit, first and second decimal of the first "d.dd" in the answer."""
+    start = next(i for i, p in enumerate(pieces) if p.isdigit())
+    assert pieces[start + 1] == "." and pieces[start + 2].isdigit()
+    second = start + 3 < len(pieces) and pieces[start + 3].isdigit()
+    return [start, start + 2] + ([start + 3] if second else [])
+
+
+def plain_fleur(probs, pieces, digit_ids) -> float:
+    steps = digit_steps(pieces)
+    if pieces[steps[0]] == "1":
+        return 0.9 * probs[steps[0], digit_ids[0]] + probs[steps[0], digit_ids[1]]
+    score = sum(0.1 * d * probs[steps[1], digit_ids[d]] for d in range(10))
+    if len(steps) > 2:
+        score += sum(0.01 * d * probs[steps[2], digit_ids[d]] for d in range(10))
+    return score
+
+
+def plain_discode(probs, pieces, digit_ids, unit: bool) -> tuple[float, float, np.ndarray]:
+    step = digit_steps(pieces)[1]
+    z = np.log(probs[step, digit_ids])
+    x = np.arange(10.0)
+    s = int(np.argmax(z))
+    log_q = -0.5 * (x - s) ** 2
+    log_q -= np.log(np.exp(log_q).sum())
+    on = x / 10 if unit else x
+    alpha = stats.norm.pdf(on[s], on.mean(), np.sqrt(0.1))
+    if alpha < 1e-30:
+        psi = (np.arange(10) == np.argmax(z + log_q)).astype(float)
+    else:
+        e = (z + (1 - alpha) * log_q) / alpha
+        psi = np.exp(e - e.max()) / np.exp(e - e.max()).sum()
+    score = 0.1 * float(psi @ x)
+    if pieces[digit_steps(pieces)[0]] == "1":
+        score = plain_fleur(probs, pieces, digit_ids)
+    return score, alpha, psi
+
+
+@pytest.mark.parametrize("with_references", [False, True])
+def test_fleur_equals_a_plain_teacher_forced_computation(answers, with_references):
+    answers.update(zip(CAPTIONS, ANSWERS))
+    path = sharp_llava()
+    refs = REFERENCES if with_references else None
+    result = capeval_plugins.load("fleur", model=path, batch_size=4)(sample_images(), CAPTIONS, refs)
+    for i, (caption, answer) in enumerate(zip(CAPTIONS, ANSWERS)):
+        ins = fleur_instruction(caption, refs[i] if refs else None)
+        probs, pieces, digit_ids = plain_answer_distributions(path, sample_images()[i], ins, answer)
+        assert result.scores[i].item() == pytest.approx(plain_fleur(probs, pieces, digit_ids), abs=1e-6)
+        first = digit_steps(pieces)[1]
+        assert result.extras["digit_probs"][i].numpy() == pytest.approx(probs[first, digit_ids], abs=1e-6)
+    assert result.extras["raw_score"].tolist() == [0.85, 1.0, 0.3, 0.0, 0.07, 0.5]
+
+
+@pytest.mark.parametrize("alpha_scale", ["label", "unit"])
+def test_discode_equals_a_plain_closed_form(answers, alpha_scale):
+    answers.update(zip(CAPTIONS, ANSWERS))
+    path = sharp_llava()
+    result = capeval_plugins.load("discode", model=path, alpha_scale=alpha_scale)(sample_images(), CAPTIONS)
+    fleur = capeval_plugins.load("fleur", model=path)(sample_images(), CAPTIONS)
+    for i, (caption, answer) in enumerate(zip(CAPTIONS, ANSWERS)):
+        probs, pieces, digit_ids = plain_answer_distributions(path, sample_images()[i], fleur_instruction(caption),
+                                                              answer)
+        score, alpha, psi = plain_discode(probs, pieces, digit_ids, unit=alpha_scale == "unit")
+        assert result.scores[i].item() == pytest.approx(score, abs=1e-6)
+        assert result.extras["alpha"][i].item() == pytest.approx(alpha, rel=1e-9, abs=1e-300)
+        assert result.extras["distribution"][i].numpy() == pytest.approx(psi, abs=1e-5)
+    assert result.extras["fleur_score"].tolist() == pytest.approx(fleur.scores.tolist(), abs=1e-12)
+    assert result.extras["distribution"].shape == (6, 10)
+    assert torch.allclose(result.extras["distribution"].sum(-1), torch.ones(6, dtype=torch.float64))
+
+
+def test_references_switch_to_the_reference_prompt(answers, monkeypatch):
+    answers.update(zip(CAPTIONS, ANSWERS))
+    seen = []
+    real = LVLMJudge.judge
+    monkeypatch.setattr(LVLMJudge, "judge", lambda self, *a, **k: seen.append(a[2]) or real(self, *a, **k))
+    metric = capeval_plugins.load("discode", model=sharp_llava())
+    free = metric(sample_images(), CAPTIONS)
+    with_refs = metric(sample_images(), CAPTIONS, REFERENCES)
+    assert all("Reference Captions" not in t for t in seen[0])
+    assert seen[1][1].endswith("Reference Captions: Kids in a park.\nChildren playing.\n\nCandidate Caption: "
+                               "Two children play in the park!\n\nScore(Choose a rating from 0.0 to 1.0):")
+    assert not torch.allclose(free.scores, with_refs.scores)
+
+
+@pytest.mark.parametrize("scale, answer, values", [("1-5", "4", [1, 2, 3, 4, 5]), ("A-E", "B", [1, 2, 3, 4, 5]),
+                                                   ("0-9", "7", list(range(10)))])
+def test_discode_rating_scales(answers, monkeypatch, scale, answer, values):
+    answers.update({c: answer for c in CAPTIONS})
+    seen = []
+    real = LVLMJudge.judge
+    monkeypatch.setattr(LVLMJudge, "judge", lambda self, *a, **k: seen.append(a[2]) or real(self, *a, **k))
+    result = capeval_plugins.load("discode", model=sharp_llava(), scale=scale)(sample_images(), CAPTIONS)
+    low, high = SCALES[scale].low, SCALES[scale].high
+    assert f"on a scale of {low} to {high}" in seen[0][0]
+    dist = result.extras["distribution"]
+    assert dist.shape == (6, len(values))
+    assert result.scores.numpy() == pytest.approx((dist.numpy() * np.array(values, float)).sum(-1), abs=1e-12)
+    assert result.extras["raw_score"].tolist() == [float(values[SCALES[scale].labels.index(answer)])] * 6
+
+
+def test_what_one_point_zero_scores(answers):
+    answers.update({c: "1.0" for c in CAPTIONS})
+    path = sharp_llava()
+    fleur_rule = capeval_plugins.load("discode", model=path, alpha_scale="unit")(sample_images(), CAPTIONS)
+    decimal = capeval_plugins.load("discode", model=path, alpha_scale="unit", one_rule="decimal")
+    decimal = decimal(sample_images(), CAPTIONS)
+    assert fleur_rule.scores.tolist() == pytest.approx(fleur_rule.extras["fleur_score"].tolist(), abs=1e-12)
+    s_hat = (decimal.extras["distribution"] * torch.arange(10)).sum(-1)
+    assert decimal.scores.tolist() == pytest.approx((1 + 0.1 * s_hat).tolist(), abs=1e-12)
+
+
+def test_numeric_solvers_at_the_metric_level(answers):
+    answers.update(zip(CAPTIONS, ANSWERS))
+    path = sharp_llava()
+    closed = capeval_plugins.load("discode", model=path, alpha_scale="unit")(sample_images(), CAPTIONS)
+    converged = capeval_plugins.load("discode", model=path, alpha_scale="unit", solver="converge")
+    converged = converged(sample_images(), CAPTIONS)
+    assert torch.allclose(converged.extras["distribution"], closed.extras["distribution"], atol=1e-7)
+    paper = capeval_plugins.load("discode", model=path, alpha_scale="unit", solver="adam")(sample_images(), CAPTIONS)
+    assert not torch.allclose(paper.scores, closed.scores)
+    for divergence in ("renyi", "beta", "js"):
+        other = capeval_plugins.load("discode", model=path, divergence=divergence)(sample_images(), CAPTIONS)
+        assert torch.isfinite(other.scores).all() and "alpha" not in other.extras
+        assert torch.allclose(other.extras["distribution"].sum(-1), torch.ones(6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="no closed form"):
+        capeval_plugins.load("discode", model=path, divergence="js", solver="closed_form")
+    with pytest.raises(ValueError, match="alpha_scale"):
+        capeval_plugins.load("discode", model=path, alpha_scale="digits")
+
+
+def test_answers_without_a_score_get_nan_and_a_warning_or_raise(answers):
+    path = sharp_llava()
+    answers.update(zip(CAPTIONS, ANSWERS))
+    valid = capeval_plugins.load("discode", model=path)(sample_images(), CAPTIONS)
+    answers.update({CAPTIONS[2]: "The caption is fine.", CAPTIONS[4]: "1.5"})
+    with pytest.warns(UserWarning, match=r"sample 2: no number.*sample 4: '1.5'"):
+        mixed = capeval_plugins.load("discode", model=path)(sample_images(), CAPTIONS)
+    assert torch.isnan(mixed.scores[[2, 4]]).all() and mixed.corpus_extras["n_invalid"] == 2
+    keep = [0, 1, 3, 5]
+    assert mixed.scores[keep].tolist() == pytest.approx(valid.scores[keep].tolist(), abs=1e-6)  # nothing misaligned
+    assert mixed.score == pytest.approx(float(valid.scores[keep].mean()), abs=1e-6)
+    with pytest.raises(ValueError, match=r"sample 2: no number"):
+        capeval_plugins.load("fleur", model=path, on_invalid="raise")(sample_images(), CAPTIONS)
+
+
+def test_greedy_judges_through_torchmetrics_and_evaluate():
+    """No forcing: a judge that writes "0.8A" greedily, scored through two ecosystems."""
+    import evaluate
+
+    from capeval_plugins.torchmetrics import DISCODE
+
+    path = scripted_llava(("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog"))
+    imgs = sample_images()
+    direct = capeval_plugins.load("discode", model=path)(imgs, CAPTIONS, REFERENCES)
+    assert direct.extras["raw_score"].tolist() == [0.8] * 6 and torch.isfinite(direct.scores).all()
+    tm = DISCODE(model=path)
+    tm.update(imgs[:2], CAPTIONS[:2], REFERENCES[:2])
+    tm.update(imgs[2:], CAPTIONS[2:], REFERENCES[2:])
+    both = tm.compute_all()
+    assert both.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-9)
+    assert torch.allclose(both.extras["distribution"], direct.extras["distribution"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = evaluate.load("fleur", model=path).compute(images=imgs, predictions=CAPTIONS)
+    fleur = capeval_plugins.load("fleur", model=path)(imgs, CAPTIONS)
+    assert out["scores"] == pytest.approx(fleur.scores.tolist(), abs=1e-9)
+    assert out["raw_score"] == [0.8] * 6

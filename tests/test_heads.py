@@ -1,0 +1,199 @@
+"""FLEUR smoothing and the DISCODE ATT head against independent computations: plain numpy formulas, scipy's
+divergences and distributions, scipy's constrained optimiser, and per-sample Adam loops."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import optimize, special, stats
+from scipy.spatial.distance import jensenshannon
+
+from capeval_plugins.core import heads
+
+DIGITS = torch.arange(10, dtype=torch.float64)
+
+
+def random_problem(seed: int, rows: int = 8, k: int = 10, d: int = 24, spread: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, d, generator=g, dtype=torch.float64)
+    weight = spread * torch.randn(k, d, generator=g, dtype=torch.float64) / math.sqrt(d) * 3
+    logits = hidden @ weight.T
+    raw = logits.argmax(-1)
+    log_q = heads.gaussian_log_prior(DIGITS[raw], DIGITS)
+    return hidden, weight, logits, raw, log_q
+
+
+def numpy_closed_form(z: np.ndarray, log_q: np.ndarray, alpha: float) -> np.ndarray:
+    x = (z + (1 - alpha) * log_q) / alpha
+    x = x - x.max()
+    return np.exp(x) / np.exp(x).sum()
+
+
+def test_gaussian_prior_and_alpha_follow_their_formulas():
+    center = torch.tensor([0.0, 3.0, 9.0], dtype=torch.float64)
+    log_q = heads.gaussian_log_prior(center, DIGITS).numpy()
+    for row, c in zip(log_q, center.tolist()):
+        q = np.exp(-((np.arange(10) - c) ** 2) / 2)
+        np.testing.assert_allclose(np.exp(row), q / q.sum(), rtol=1e-12)
+    # Eq. 4 read literally on the digits: mu = 4.5, sigma^2 = 0.1
+    alpha = heads.att_alpha(DIGITS, DIGITS, 0.1).numpy()
+    np.testing.assert_allclose(alpha, stats.norm.pdf(np.arange(10), 4.5, math.sqrt(0.1)), rtol=1e-10)
+    assert 0 < alpha[0] < 1e-40 and alpha[0] == alpha[9]  # the underflow the head must survive
+    # the digits read on the 0-1 scale: mu = 0.45, alpha in [0.46, 1.25] (methods.md)
+    unit = heads.att_alpha(DIGITS / 10, DIGITS / 10, 0.1).numpy()
+    assert unit.min() == pytest.approx(0.458, abs=1e-3) and unit.max() == pytest.approx(1.246, abs=1e-3)
+
+
+def test_closed_form_equals_the_numpy_formula():
+    _, _, logits, raw, log_q = random_problem(0)
+    alpha = heads.att_alpha(DIGITS[raw] / 10, DIGITS / 10)
+    psi = heads.att_closed_form(logits, log_q, alpha).numpy()
+    for i in range(len(psi)):
+        np.testing.assert_allclose(psi[i], numpy_closed_form(logits[i].numpy(), log_q[i].numpy(), float(alpha[i])),
+                                   rtol=1e-10, atol=1e-15)
+
+
+@pytest.mark.parametrize("alphas", ["unit", "small", "literal"])
+def test_closed_form_equals_the_converged_numeric_minimiser(alphas):
+    hidden, weight, logits, raw, log_q = random_problem(1, rows=12)
+    alpha = {"unit": heads.att_alpha(DIGITS[raw] / 10, DIGITS / 10),
+             "small": torch.full((12,), 0.05, dtype=torch.float64),
+             "literal": heads.att_alpha(DIGITS[raw], DIGITS)}[alphas]
+    closed = heads.att_closed_form(logits, log_q, alpha)
+    numeric = heads.att_solve(hidden, weight, None, log_q, alpha, "weighted_kl", converge=True)
+    tolerance = 1e-9 if alphas != "literal" else 1e-6  # near-one-hot optima are reached to ~1e-7
+    assert (closed - numeric).abs().max().item() < tolerance
+
+
+def test_kl_divergence_is_the_weighted_kl_at_one_half():
+    hidden, weight, logits, _, log_q = random_problem(2)
+    half = torch.full((8,), 0.5, dtype=torch.float64)
+    numeric = heads.att_solve(hidden, weight, None, log_q, half, "kl", converge=True)
+    assert (numeric - heads.att_closed_form(logits, log_q, half)).abs().max().item() < 1e-9
+    p = torch.softmax(torch.randn(8, 10, dtype=torch.float64), -1)
+    kl = special.rel_entr(p.numpy(), log_q.exp().numpy()).sum(-1)
+    assert heads.divergence(p.log(), log_q, "kl", half).numpy() == pytest.approx(0.5 * kl, rel=1e-10)
+
+
+def test_the_limit_alpha_to_zero_is_explicit_and_finite_for_every_raw_score():
+    # float32 logits as the model gives them; every raw score 0..9 with the paper's literal alpha
+    g = torch.Generator().manual_seed(3)
+    for s in range(10):
+        logits = torch.randn(4, 10, generator=g)
+        logits[:, s] += 8.0
+        raw = logits.argmax(-1)
+        log_q = heads.gaussian_log_prior(DIGITS[raw], DIGITS)
+        alpha = heads.att_alpha(DIGITS[raw], DIGITS, 0.1)
+        psi = heads.att_closed_form(logits, log_q, alpha)
+        assert torch.isfinite(psi).all() and torch.allclose(psi.sum(-1), torch.ones(4, dtype=torch.float64))
+        # a naive float32 evaluation overflows exactly here
+        naive = torch.softmax((logits + (1 - alpha.float()[:, None]) * log_q.float()) / alpha.float()[:, None], -1)
+        if s in (0, 9):
+            assert torch.isnan(naive).any()
+        # alpha below 1e-30: the one-hot of argmax(z + log q)
+        tiny = alpha < 1e-30
+        top = (logits.double() + log_q).argmax(-1)
+        assert torch.equal(psi[tiny].argmax(-1), top[tiny]) and torch.all(psi[tiny].max(-1).values == 1.0)
+    # alpha that underflows to exactly 0 (sigma^2 = 0.001) takes the same limit, ties shared
+    alpha = heads.att_alpha(torch.tensor([0.0, 0.0], dtype=torch.float64), DIGITS, 0.001)
+    assert torch.all(alpha == 0)
+    logits = torch.zeros(2, 10)
+    logits[1, [2, 5]] = 3.0
+    flat = torch.zeros(2, 10, dtype=torch.float64)
+    psi = heads.att_closed_form(logits, flat, alpha)
+    assert torch.allclose(psi[0], torch.full((10,), 0.1, dtype=torch.float64))
+    assert psi[1, 2].item() == 0.5 and psi[1, 5].item() == 0.5
+
+
+def test_closed_form_is_continuous_down_to_the_limit():
+    _, _, logits, raw, log_q = random_problem(4)
+    limit = heads.att_closed_form(logits, log_q, torch.zeros(8, dtype=torch.float64))
+    for a in (1e-3, 1e-30, 1e-300):
+        psi = heads.att_closed_form(logits, log_q, torch.full((8,), a, dtype=torch.float64))
+        assert (psi - limit).abs().max().item() < 1e-6 if a == 1e-3 else torch.equal(psi, limit)
+
+
+def numpy_divergence(p: np.ndarray, q: np.ndarray, kind: str, alpha: float, order: float) -> float:
+    if kind == "weighted_kl":
+        return float(-(1 - alpha) * (p * np.log(q)).sum() + alpha * (p * np.log(p)).sum())
+    if kind == "renyi":
+        return float(np.log((p ** order * q ** (1 - order)).sum()) / (order - 1))
+    if kind == "beta":
+        b = order
+        return float(((p ** b + (b - 1) * q ** b - b * p * q ** (b - 1)) / (b * (b - 1))).sum())
+    return float(jensenshannon(p, q) ** 2)  # natural log: the JS divergence itself
+
+
+@pytest.mark.parametrize("kind", ["weighted_kl", "renyi", "beta", "js"])
+def test_divergences_equal_direct_formulas(kind):
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(6, 10, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(6, 10, generator=g, dtype=torch.float64), -1)
+    alpha = torch.rand(6, generator=g, dtype=torch.float64)
+    ours = heads.divergence(p.log(), q.log(), kind, alpha, order=0.7).numpy()
+    expected = [numpy_divergence(p[i].numpy(), q[i].numpy(), kind, float(alpha[i]), 0.7) for i in range(6)]
+    np.testing.assert_allclose(ours, expected, rtol=1e-9)
+    if kind == "renyi":  # order 1 is the KL divergence
+        kl = special.rel_entr(p.numpy(), q.numpy()).sum(-1)
+        np.testing.assert_allclose(heads.divergence(p.log(), q.log(), "renyi", alpha, 1.0).numpy(), kl, rtol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["renyi", "beta", "js"])
+def test_converged_solver_is_a_minimum_no_worse_than_scipys(kind):
+    hidden, weight, logits, raw, log_q = random_problem(6, rows=2)
+    alpha = heads.att_alpha(DIGITS[raw] / 10, DIGITS / 10)
+    ours = heads.att_solve(hidden, weight, None, log_q, alpha, kind, converge=True)
+    # stationary on the simplex: the gradient in logit space, psi * (g - <psi, g>), vanishes
+    u = ours.log().requires_grad_(True)
+    heads.att_loss(u, logits, log_q, kind, alpha).sum().backward()
+    assert u.grad.abs().max().item() < 1e-8
+    for i in range(2):
+        def loss(p: np.ndarray, i=i) -> float:
+            lp = torch.log(torch.as_tensor(np.clip(p, 1e-300, None)))[None]
+            return float(heads.att_loss(lp, logits[i:i + 1], log_q[i:i + 1], kind, alpha[i:i + 1]))
+
+        best = optimize.minimize(loss, torch.softmax(logits[i], -1).numpy(), method="SLSQP", bounds=[(0, 1)] * 10,
+                                 constraints=[{"type": "eq", "fun": lambda p: p.sum() - 1}],
+                                 options={"ftol": 1e-12, "maxiter": 300})
+        assert loss(ours[i].numpy()) <= best.fun + 1e-9
+
+
+def test_paper_adam_solver_equals_one_adam_per_sample_and_lowers_the_loss():
+    hidden, weight, logits, raw, log_q = random_problem(7, rows=4)
+    alpha = heads.att_alpha(DIGITS[raw] / 10, DIGITS / 10)
+    batched = heads.att_solve(hidden, weight, None, log_q, alpha, "js", steps=10, lr=1e-3)
+    for i in range(4):
+        w = weight.clone().requires_grad_(True)
+        b = torch.zeros(10, dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.Adam([w, b], lr=1e-3)
+        for _ in range(10):
+            opt.zero_grad()
+            loss = heads.att_loss((w @ hidden[i] + b)[None], logits[i:i + 1], log_q[i:i + 1], "js", alpha[i:i + 1])
+            loss.sum().backward()
+            opt.step()
+        alone = torch.softmax(w.detach() @ hidden[i] + b.detach(), -1)
+        assert (alone - batched[i]).abs().max().item() < 1e-12
+    before = heads.att_loss(logits, logits, log_q, "js", alpha)
+    after = heads.att_loss(batched.log(), logits, log_q, "js", alpha)
+    assert torch.all(after < before)
+
+
+def test_fleur_smoothing_equals_a_plain_recomputation():
+    g = torch.Generator().manual_seed(8)
+    logp = torch.log_softmax(torch.randn(4, 3, 40, generator=g), -1)[..., :10]  # full-vocabulary log-probs
+    has_second = torch.tensor([True, False, True, False])
+    is_one = torch.tensor([False, False, False, True])
+    ours = heads.fleur_smooth(logp[:, 1], logp[:, 2], logp[:, 0], has_second, is_one)
+    p = logp.double().exp().numpy()
+    for i in range(4):
+        if is_one[i]:
+            expected = 0.9 * p[i, 0, 0] + p[i, 0, 1]
+        else:
+            expected = sum(0.1 * d * p[i, 1, d] for d in range(10))
+            if has_second[i]:
+                expected += sum(0.01 * d * p[i, 2, d] for d in range(10))
+        assert ours[i].item() == pytest.approx(expected, rel=1e-12)
+    # the digit mass is not renormalised: a sample with little digit mass scores low
+    assert ours[0].item() < 0.1
