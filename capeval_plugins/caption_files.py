@@ -32,11 +32,15 @@ class CaptionRecords:
         return len(self.captions)
 
 
-def read_captions(path: str | os.PathLike, images_dir: str | os.PathLike | None = None) -> CaptionRecords:
-    """Read a caption file; errors name the line."""
-    records = CaptionRecords()
-    root = Path(images_dir) if images_dir is not None else Path(path).parent
-    with open(path, encoding="utf-8") as f:
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSON Lines file (or CSV, by suffix); errors name the file and line."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise InputError(f"file not found: {path}")
+    with open(path, encoding="utf-8", newline="") as f:
+        if path.endswith(".csv"):
+            return list(csv.DictReader(f))
+        rows = []
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -46,12 +50,21 @@ def read_captions(path: str | os.PathLike, images_dir: str | os.PathLike | None 
                 raise InputError(f"{path}:{lineno}: not valid JSON: {err}") from err
             if not isinstance(row, dict):
                 raise InputError(f"{path}:{lineno}: expected a JSON object")
-            image = row.get("image")
-            records.images.append(str(root / image) if image is not None else None)
-            records.captions.append(row.get("caption"))
-            refs = row.get("references")
-            records.references.append([refs] if isinstance(refs, str) else refs)
-            records.groups.append(row.get("group"))
+            rows.append(row)
+        return rows
+
+
+def read_captions(path: str | os.PathLike, images_dir: str | os.PathLike | None = None) -> CaptionRecords:
+    """Read a caption file; errors name the line."""
+    records = CaptionRecords()
+    root = Path(images_dir) if images_dir is not None else Path(path).parent
+    for row in read_records(path):
+        image = row.get("image")
+        records.images.append(str(root / image) if image is not None else None)
+        records.captions.append(row.get("caption"))
+        refs = row.get("references")
+        records.references.append([refs] if isinstance(refs, str) else refs)
+        records.groups.append(row.get("group"))
     return records
 
 

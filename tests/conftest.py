@@ -67,6 +67,15 @@ def run(cmd: list[str], env: dict | None = None, timeout: int = 300, cwd: str | 
     return proc
 
 
+def free_port() -> int:
+    """A free TCP port on localhost (DDP rendezvous in tests)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def has_java() -> bool:
     return shutil.which("java") is not None
 

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import free_port
 
 import capeval_plugins
 
@@ -198,13 +199,6 @@ def test_evaluate_sees_it_only_as_capeval_bertscore():
     assert names.get("capeval/bertscore") == "bertscore" and "bertscore" not in names
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _ddp_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
     import torch.distributed as dist
@@ -229,7 +223,7 @@ def test_two_process_ddp_with_corpus_idf_equals_single_process(tiny_deberta, tmp
     import torch.multiprocessing as mp
 
     single = capeval_plugins.load("bertscore", model=tiny_deberta, idf=True)(None, CANDIDATES, REFERENCES)
-    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_deberta, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), tiny_deberta, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["indices"] == list(range(len(CANDIDATES)))

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import csv
 import json
-import socket
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, PYTHON, run
+from conftest import EXAMPLES, PYTHON, free_port, run
 
 import capeval_plugins
 from capeval_plugins.caption_files import read_captions
@@ -67,17 +66,12 @@ def test_errors_are_one_line_and_name_the_problem(tiny_clip, tmp_path):
     assert proc.returncode == 2 and "did you mean" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_equals_one_process(tiny_clip, tmp_path):
     out = tmp_path / "ddp.jsonl"
     torchrun = str(Path(PYTHON).parent / "torchrun")
-    run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "capeval_plugins.cli",
+    run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "capeval_plugins.cli",
          "score", "--metric", "clipscore", "--model", tiny_clip, "--captions", str(EXAMPLES / "captions.jsonl"),
          "--images", str(EXAMPLES / "images"), "--out", str(out), "--quiet"], timeout=600)
     rows = [json.loads(line) for line in out.read_text().splitlines()]

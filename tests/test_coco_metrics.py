@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import math
 import random
-import socket
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from conftest import has_java
+from conftest import free_port, has_java
 
 import capeval_plugins
 from capeval_plugins.inputs import InputError
@@ -165,11 +164,6 @@ def test_registered_with_the_names_scripts_rely_on():
     assert {"bleu1", "bleu2", "bleu3", "bleu4", "meteor", "rouge_l", "cider", "spice"} <= names
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
@@ -196,7 +190,7 @@ def test_ddp_ranks_give_the_single_process_corpus_cider(tmp_path):
 
     cands, refs = corpus(25, seed=3)
     single = capeval_plugins.load("cider", tokenize=False)(None, cands, refs)
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["indices"] == list(range(25))

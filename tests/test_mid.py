@@ -2,12 +2,11 @@
 fitted with numpy, scored with scipy), in one process and across two DDP ranks with uneven shards."""
 from __future__ import annotations
 
-import socket
 
 import numpy as np
 import pytest
 import torch
-from conftest import random_image
+from conftest import free_port, random_image
 from scipy.stats import multivariate_normal
 
 import capeval_plugins
@@ -142,11 +141,6 @@ def test_a_corpus_call_adds_sums_as_batches_arrive():
     assert merge_states(spec, iter(()))["s"].shape == (2, 2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 SHARDS = {
     "uneven": {0: [i for i in range(N) if i % 3], 1: [i for i in range(N) if not i % 3]},
@@ -181,7 +175,7 @@ def _ddp_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
 def test_two_process_ddp_with_uneven_shards_equals_the_independent_computation(tiny_clip, expected, tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         for name, got in torch.load(tmp_path / f"rank{rank}.pt").items():
             assert got["indices"] == list(range(N)), name

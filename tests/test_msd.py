@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import random
-import socket
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import CAPTIONS, random_image
+from conftest import CAPTIONS, free_port, random_image
 from PIL import Image
 from test_vmf import plain_fit, plain_log_density
 
@@ -345,11 +344,6 @@ SHARDS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _ddp_worker(rank: int, world: int, port: int, model: str, files: list[str], out: str) -> None:
     import torch.distributed as dist
@@ -378,7 +372,7 @@ def test_two_ranks_equal_one_call(tiny_clip, picture_files, tmp_path):
 
     files = [picture_files[i] for i in IMAGE_OF]
     single = capeval_plugins.load("soft_msd", model=tiny_clip)(files, CANDIDATES)
-    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_clip, picture_files, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), tiny_clip, picture_files, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         for name, got in torch.load(tmp_path / f"rank{rank}.pt").items():
             assert got["indices"] == list(range(6)), name

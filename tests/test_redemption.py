@@ -213,3 +213,20 @@ def test_end_to_end_with_a_tiny_stable_diffusion_3(models, tmp_path, tiny_sd3): 
     assert result.scores.tolist() == pytest.approx(expected.tolist(), abs=1e-12)
     assert bool(torch.isfinite(result.scores).all()) and len(list(tmp_path.rglob("*.png"))) == 9
     assert (extras["dino_raw"] == (extras["dino_s1"] + extras["dino_s2"]) / 2).all()
+
+
+def test_flat_options_keep_their_components_defaults():
+    """Redemption's options repeat its components' (flat, so `-o steps=20` works): their defaults must agree,
+    except where Redemption's configuration is the paper's (the models and BERTScore's layer)."""
+    import dataclasses
+
+    from capeval_plugins.metrics.dino_cycle import DinoCycleConfig
+    from capeval_plugins.metrics.mid import MIDConfig
+    from capeval_plugins.metrics.redemption import RedemptionConfig
+
+    ours = {f.name: f.default for f in dataclasses.fields(RedemptionConfig)}
+    for component in (MIDConfig, DinoCycleConfig):
+        for field in dataclasses.fields(component):
+            if field.name in ours and field.name not in ("model", "batch_size"):
+                assert ours[field.name] == field.default, (component.__name__, field.name)
+    assert ours["clip_model"] == MIDConfig.model and ours["dino_model"] == DinoCycleConfig.model

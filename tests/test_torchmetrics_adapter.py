@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import copy
-import socket
 
 import numpy as np
 import pytest
 import torch
-from conftest import CAPTIONS, REFERENCES, random_image
+from conftest import CAPTIONS, REFERENCES, free_port, random_image
 
 import capeval_plugins
 from capeval_plugins.torchmetrics import CLIPScore, RefCLIPScore
@@ -47,11 +46,6 @@ def test_ids_drop_repeats_and_restore_order(tiny_clip, images):
     assert result.indices.tolist() == [0, 1, 2, 3]
     assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 N = 7
@@ -96,7 +90,7 @@ def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path):
 
     images, captions, references = _corpus()
     single = capeval_plugins.load("clipscore", model=tiny_clip)(images, captions, references)
-    mp.spawn(_ddp_worker, args=(2, _free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for name, got in results.items():
@@ -178,7 +172,7 @@ def test_ddp_ragged_text_states(tmp_path):
     from test_contract import CorpusText
 
     single = CorpusText()(None, TEXTS)
-    mp.spawn(_ragged_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ragged_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         for name, got in torch.load(tmp_path / f"rank{rank}.pt").items():
             assert got["indices"] == list(range(len(TEXTS))), name

@@ -14,7 +14,6 @@ component. Human ratings are a column of the same file or of a second file (``--
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import math
@@ -26,25 +25,9 @@ DEFAULT_COMPONENTS = ("mid_normalized", "dino_normalized", "bertscore_normalized
 
 def read_rows(path: str) -> list[dict[str, Any]]:
     """Records of a JSON Lines or CSV (by suffix) file."""
-    from capeval_plugins.inputs import InputError
+    from capeval_plugins.caption_files import read_records
 
-    if not Path(path).is_file():
-        raise InputError(f"file not found: {path}")
-    with open(path, encoding="utf-8", newline="") as f:
-        if path.endswith(".csv"):
-            return list(csv.DictReader(f))
-        rows = []
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{path}:{lineno}: not valid JSON: {err}") from err
-            if not isinstance(row, dict):
-                raise InputError(f"{path}:{lineno}: expected a JSON object")
-            rows.append(row)
-        return rows
+    return read_records(path)
 
 
 def column(rows: list[dict], key: str, path: str) -> list[float]:

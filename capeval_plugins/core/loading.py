@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 import torch
@@ -25,6 +26,28 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "float64": torch.float64,
 }
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which checkpoint to load and how: one spec, one shared model (encoders, LVLM judges)."""
+
+    model: str
+    device: str | None = None
+    dtype: str | None = None
+    revision: str | None = None
+    local_files_only: bool | None = None
+    trust_remote_code: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any, model: str | None = None) -> "ModelSpec":
+        """From a metric's ``ModelConfig`` (``model`` overrides ``config.model``)."""
+        return cls(model or config.model, config.device, config.dtype, config.revision, config.local_files_only,
+                   config.trust_remote_code)
+
+    def hub(self) -> dict[str, Any]:
+        return {"revision": self.revision, "local_files_only": self.local_files_only,
+                "trust_remote_code": self.trust_remote_code}
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:

@@ -1,10 +1,10 @@
 """Pieces every encoder family shares."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
+
+from capeval_plugins.core.loading import ModelSpec
 
 
 def pooled(output: Tensor | object) -> Tensor:
@@ -12,29 +12,7 @@ def pooled(output: Tensor | object) -> Tensor:
     return output if isinstance(output, Tensor) else output.pooler_output  # type: ignore[attr-defined]
 
 
-@dataclass(frozen=True)
-class EncoderSpec:
-    """Which checkpoint to load and how; one spec, one shared encoder."""
-
-    model: str
-    device: str | None = None
-    dtype: str | None = None
-    revision: str | None = None
-    local_files_only: bool | None = None
-    trust_remote_code: bool = False
-
-    @classmethod
-    def from_config(cls, config, model: str | None = None) -> "EncoderSpec":
-        """From a metric's ``ModelConfig`` (``model`` overrides ``config.model``)."""
-        return cls(model or config.model, config.device, config.dtype, config.revision, config.local_files_only,
-                   config.trust_remote_code)
-
-    def hub(self) -> dict:
-        return {
-            "revision": self.revision,
-            "local_files_only": self.local_files_only,
-            "trust_remote_code": self.trust_remote_code,
-        }
+EncoderSpec = ModelSpec  # which encoder checkpoint to load and how
 
 
 def segment_max(values: Tensor, segments: Tensor, n_segments: int) -> Tensor:
