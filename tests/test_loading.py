@@ -62,3 +62,13 @@ def test_trust_remote_code_is_off_unless_asked():
                                                       "local_files_only": True}
     with pytest.raises(ValueError, match="no model"):
         loading.load_model(object, "")
+
+
+def test_share_false_gives_a_private_copy(tiny_clip):
+    from transformers import AutoModel
+
+    shared = loading.load_model(AutoModel, tiny_clip, device="cpu")
+    private = loading.load_model(AutoModel, tiny_clip, device="cpu", share=False)
+    assert private is not shared
+    assert all(torch.equal(a, b) for a, b in zip(shared.state_dict().values(), private.state_dict().values()))
+    assert loading.load_model(AutoModel, tiny_clip, device="cpu") is shared

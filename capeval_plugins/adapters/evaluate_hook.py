@@ -5,10 +5,11 @@ interpreter starts. That only adds a meta-path finder: nothing is imported until
 and then its ``evaluation_module_factory`` is wrapped so that names registered with capeval (plain, unless
 they are canonical evaluate modules, or ``capeval/<name>``) resolve to a module built in memory, with no
 network call. Everything else goes to evaluate unchanged. Any failure here leaves evaluate untouched.
-"""
-from __future__ import annotations
 
-import importlib.abc
+Every interpreter pays for this file at start-up, so it imports nothing beyond ``sys``, ``os`` and
+``importlib.machinery`` (no ``typing``, no ``importlib.abc``: they cost milliseconds), and the wheel installs
+it as the top-level module ``capeval_plugins_evaluate_hook`` so the package itself is not imported either.
+"""
 import importlib.machinery
 import os
 import sys
@@ -57,7 +58,7 @@ def _capeval_module(path, module_type):
     return hf_evaluate.importable_module(path)
 
 
-class _PatchingLoader(importlib.abc.Loader):
+class _PatchingLoader:
     def __init__(self, inner):
         self._inner = inner
 
@@ -75,7 +76,7 @@ class _PatchingLoader(importlib.abc.Loader):
         return getattr(self._inner, name)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     def find_spec(self, fullname, path, target=None):
         if fullname != TARGET:
             return None

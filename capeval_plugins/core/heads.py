@@ -220,3 +220,90 @@ def _solve_to_convergence(lvlm: Tensor, log_q: Tensor, alpha: Tensor, kind: str,
         # A row that cannot descend any more, or only by steps below rounding, has converged.
         active &= moved & ((scale[:, None] * step).abs().amax(-1) > 1e-13)
     return torch.softmax(torch.cat([v, v.new_zeros(len(v), 1)], dim=-1), dim=-1)
+
+
+# --- Rigel: the scoring head and its ordinal distillation loss -----------------------------------------------
+#
+# Rigel (Koyama et al., 2026) reads a small MLP g on the LVLM's final hidden state h at the score position
+# instead of the LM head's rows of the score tokens "1".."5". Phase 1 distils g from the frozen LVLM:
+# q = softmax(z_score / tau) (Eq. 1), loss tau * EMD(q, softmax(g(h) / tau)) (Eq. 2) with the 1-D EMD of
+# Appendix E (Eq. 4). Phase 2 trains the backbone against the one-hot of the averaged human score through
+# the frozen g (cross-entropy, Eq. 3). Inference: y = sum_k k p_k, p = softmax(g(h)), normalised to [0, 1].
+
+RIGEL_ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "tanh")
+
+
+def emd_1d(p: Tensor, q: Tensor) -> Tensor:
+    """One-dimensional Earth Mover's Distance between distributions over K ordered, unit-spaced labels
+    (Rigel, Appendix E, Eq. 4): ``sum_{i < K} |P_i - Q_i|`` with P, Q the cumulative sums, per row (..., K) ->
+    (...). In the inputs' dtype (pass float64 where it matters); differentiable."""
+    if p.shape[-1] != q.shape[-1]:
+        raise ValueError(f"distributions over {p.shape[-1]} and {q.shape[-1]} labels")
+    return (p.cumsum(-1) - q.cumsum(-1))[..., :-1].abs().sum(-1)
+
+
+def tempered_softmax(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """softmax(logits / tau) in float64 (Rigel Eq. 1). Any per-row shift of the logits (e.g. full-vocabulary
+    log-probabilities) gives the same distribution."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+def distillation_loss(head_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Rigel's phase-1 loss per row (Eq. 2): ``tau * EMD(softmax(z_score / tau), softmax(z_hat / tau))``,
+    float64; the factor tau keeps the gradient's scale as tau changes."""
+    teacher = tempered_softmax(teacher_logits, temperature)
+    student = tempered_softmax(head_logits, temperature)
+    return temperature * emd_1d(teacher, student)
+
+
+def label_expectation(probs: Tensor, num_labels: int | None = None) -> Tensor:
+    """``sum_k k p_k`` over the labels 1..K (float64)."""
+    k = probs.shape[-1] if num_labels is None else num_labels
+    return expected_value(probs, torch.arange(1, k + 1, dtype=torch.float64))
+
+
+def unit_score(expected: Tensor, num_labels: int) -> Tensor:
+    """An expected label in [1, K] mapped linearly to [0, 1] (Rigel, Section 3.3)."""
+    return (expected.double() - 1.0) / (num_labels - 1)
+
+
+def gold_labels(scores: Tensor, num_labels: int, ties: str = "up") -> Tensor:
+    """Index (0..K-1) of the label nearest to each averaged human score given on [0, 1] (label k of 1..K sits
+    at (k - 1) / (K - 1)): the class of Rigel's phase-2 one-hot. ``ties``: a score half-way between two labels
+    (e.g. the mean of a 3 and a 4) goes ``"up"`` or ``"down"``."""
+    if ties not in ("up", "down"):
+        raise ValueError(f"ties must be 'up' or 'down', got {ties!r}")
+    position = scores.double() * (num_labels - 1)
+    if bool(((position < -1e-9) | (position > num_labels - 1 + 1e-9) | torch.isnan(position)).any()):
+        raise ValueError("human scores must lie in [0, 1] (normalise them first)")
+    # Rounded on a grid of 1e-9 so that 0.625 * 4 = 2.5000000000000004 still counts as a tie.
+    position = torch.round(position * 1e9) / 1e9
+    label = torch.floor(position + 0.5) if ties == "up" else torch.ceil(position - 0.5)
+    return label.clamp(0, num_labels - 1).long()
+
+
+class ScoringHead(torch.nn.Module):
+    """Rigel's scoring head g: an MLP from the final hidden state (d) to K label logits, ``hidden`` the widths
+    of its hidden layers. (1024, 512) on Qwen3-VL-2B (d = 2048) has the paper's 2.63M parameters."""
+
+    def __init__(self, input_dim: int, hidden: tuple[int, ...] = (1024, 512), num_labels: int = 5,
+                 activation: str = "relu") -> None:
+        super().__init__()
+        if activation not in RIGEL_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {RIGEL_ACTIVATIONS}, got {activation!r}")
+        if input_dim < 1 or num_labels < 2 or any(h < 1 for h in hidden):
+            raise ValueError("the head needs a positive input size and layer widths, and at least two labels")
+        act = {"relu": torch.nn.ReLU, "gelu": torch.nn.GELU, "tanh": torch.nn.Tanh}[activation]
+        widths = [input_dim, *hidden]
+        layers: list[torch.nn.Module] = []
+        for a, b in zip(widths[:-1], widths[1:]):
+            layers += [torch.nn.Linear(a, b), act()]
+        layers.append(torch.nn.Linear(widths[-1], num_labels))
+        self.net = torch.nn.Sequential(*layers)
+        self.input_dim, self.hidden, self.num_labels, self.activation = input_dim, tuple(hidden), num_labels, activation
+
+    def forward(self, hidden_state: Tensor) -> Tensor:
+        weight = self.net[0].weight
+        return self.net(hidden_state.to(weight.device, weight.dtype))

@@ -102,9 +102,12 @@ def load_model(
     revision: str | None = None,
     local_files_only: bool | None = None,
     trust_remote_code: bool = False,
+    share: bool = True,
     **kwargs: Any,
 ) -> Any:
-    """``loader.from_pretrained(name_or_path)`` in eval mode on the resolved device and dtype, shared."""
+    """``loader.from_pretrained(name_or_path)`` in eval mode on the resolved device and dtype, without
+    gradients; shared with every caller that asks for the same thing, unless ``share=False`` (a model that
+    will be changed in place, e.g. by injecting LoRA layers, must be a copy of its own)."""
     if not name_or_path:
         raise ValueError("no model given (a hub id or a local path)")
     dev = resolve_device(device)
@@ -122,7 +125,7 @@ def load_model(
         )
         return model.to(dev).eval().requires_grad_(False)
 
-    return shared(key, build)
+    return shared(key, build) if share else build()
 
 
 def load_processor(

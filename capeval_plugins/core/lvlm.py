@@ -22,6 +22,13 @@ that position. :class:`LVLMJudge` does the model work once for all of them:
 * **Parsing**: the answer is parsed by the scale's strict pattern; the steps holding the score's label
   characters are found by decoding, never assumed.
 * **Memory**: a chunk that runs out of memory is retried with half the samples (down to one).
+* **Prompt end** (:meth:`LVLMJudge.prompt_end`): one forward pass per sample and no decoding: the final
+  hidden state at the end of the prompt (the position whose logits choose the answer's first token) and the
+  label log-probabilities there, with the same batching and prefix sharing; with ``grad=True`` it runs with
+  autograd (fine-tuning through the shared prefix: the cache is copied out of place, so gradients reach it).
+* **Video**: a visual given as a list of frames is a video: the checkpoint's video input where its processor
+  has one (``video_input="auto"`` or ``"video"``: Qwen-VL), else the frames as that many images in one
+  prompt (``"frames"``: LLaVA-style checkpoints).
 
 Families: any ``AutoModelForImageTextToText`` checkpoint whose processor takes ``text`` and ``images`` and
 whose chat template puts the image before the text: LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision, InternVL (the
@@ -34,7 +41,7 @@ import inspect
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -255,25 +262,7 @@ def _cat_outputs(parts: list[JudgeOutput], label_table: Tensor) -> JudgeOutput:
 # --- the judge ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class JudgeSpec:
-    """Which LVLM to load and how; one spec, one shared judge."""
-
-    model: str
-    device: str | None = None
-    dtype: str | None = None
-    revision: str | None = None
-    local_files_only: bool | None = None
-    trust_remote_code: bool = False
-
-    @classmethod
-    def from_config(cls, config: Any) -> "JudgeSpec":
-        return cls(config.model, config.device, config.dtype, config.revision, config.local_files_only,
-                   config.trust_remote_code)
-
-    def hub(self) -> dict:
-        return {"revision": self.revision, "local_files_only": self.local_files_only,
-                "trust_remote_code": self.trust_remote_code}
+JudgeSpec = loading.ModelSpec  # which LVLM to load and how; one spec, one shared judge
 
 
 def load_lvlm_processor(spec: JudgeSpec) -> Any:
@@ -312,9 +301,49 @@ class _Run:
     image_of: list[int]
     work: dict[int, _ImageWork]
     forced: list[list[int] | None]
-    scale: RatingScale
+    scale: RatingScale | None
     max_new_tokens: int
     keep_hidden: bool
+
+
+VIDEO_INPUTS = ("auto", "video", "frames")
+
+
+@dataclass(frozen=True)
+class VisualInput:
+    """How a video (a list of frames) enters the prompt: ``"video"`` through the processor's video input
+    (frames used as given, ``fps`` their sampling rate: Qwen-VL timestamps and temporal positions), ``"frames"``
+    as that many images, ``"auto"``: video where the processor has a video processor. A single image is one
+    image either way. ``answer_prefix`` is appended after the generation prompt (the assistant's first
+    characters, e.g. a space for templates whose answers start with one)."""
+
+    video: str = "auto"
+    fps: float | None = 2.0
+    answer_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.video not in VIDEO_INPUTS:
+            raise ValueError(f"video input must be one of {VIDEO_INPUTS}, got {self.video!r}")
+        if self.fps is not None and not self.fps > 0:
+            raise ValueError(f"fps must be positive, got {self.fps}")
+
+
+def is_video(visual: Any) -> bool:
+    return isinstance(visual, (list, tuple))
+
+
+@dataclass
+class PromptEnd:
+    """Per sample (rows in input order), at the end of the prompt: ``hidden`` (B, d) float32, the final hidden
+    state (LM-head input), and ``label_logprobs`` (B, K) float32, the log-softmax over the full output
+    vocabulary of the logits there, at the labels' bare tokens. On the model's device; part of the autograd
+    graph when computed with ``grad=True``."""
+
+    hidden: Tensor
+    label_logprobs: Tensor
+
+    def __len__(self) -> int:
+        return len(self.hidden)
 
 
 class LVLMJudge:
@@ -333,6 +362,8 @@ class LVLMJudge:
         self.eos_ids = self._eos_ids()
         image_token = getattr(processor, "image_token", None)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(image_token) if image_token else None
+        video_token = getattr(processor, "video_token", None)
+        self.video_token_id = self.tokenizer.convert_tokens_to_ids(video_token) if video_token else None
         self.rope_index = getattr(getattr(model, "model", model), "get_rope_index", None)
 
     @classmethod
@@ -349,10 +380,28 @@ class LVLMJudge:
 
     # -- prompts and tokens --
 
-    def chat(self, instruction: str) -> str:
-        """One user turn (an image, then ``instruction``) in the processor's chat template, ready to answer."""
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": instruction}]}]
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def chat(self, instruction: str, visual: Any = None, visual_input: VisualInput = VisualInput()) -> str:
+        """One user turn (an image, then ``instruction``) in the processor's chat template, ready to answer.
+        With ``visual`` a video (a list of frames), the video or its frames take the image's place
+        (:class:`VisualInput`), whose ``answer_prefix`` ends the text."""
+        content = self._visual_content(visual, visual_input) + [{"type": "text", "text": instruction}]
+        messages = [{"role": "user", "content": content}]
+        chat = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return chat + visual_input.answer_prefix
+
+    def video_mode(self, visual_input: VisualInput) -> str:
+        """``"video"`` or ``"frames"``: how this judge feeds a video under ``visual_input``."""
+        has_video = getattr(self.processor, "video_processor", None) is not None
+        if visual_input.video == "video" and not has_video:
+            raise ValueError("this checkpoint's processor has no video input; use video input 'frames'")
+        return "video" if visual_input.video == "video" or (visual_input.video == "auto" and has_video) else "frames"
+
+    def _visual_content(self, visual: Any, visual_input: VisualInput) -> list[dict]:
+        if not is_video(visual):
+            return [{"type": "image"}]
+        if self.video_mode(visual_input) == "video":
+            return [{"type": "video"}]
+        return [{"type": "image"} for _ in visual]
 
     def _eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -406,34 +455,64 @@ class LVLMJudge:
         batch_size: int = 64,
         forced: Sequence[str | None] | None = None,
         keep_hidden: bool = True,
+        visual_input: VisualInput = VisualInput(),
     ) -> JudgeOutput:
         """Answer every instruction about its image (``images[image_index[i]]``) greedily and read the score.
 
         ``forced`` (optional, per sample) replaces generation by teacher forcing: that answer is fed token by
         token and read as if the model had written it (the answer ends with it). Samples are processed in
         chunks of ``batch_size`` in the given order (keep the candidates of an image together: their prefix
-        is shared within a chunk); a chunk that runs out of memory is split in halves."""
+        is shared within a chunk); a chunk that runs out of memory is split in halves. An image may be a
+        video (a list of frames), fed as ``visual_input`` says."""
         n = len(instructions)
-        index = [int(i) for i in (image_index.tolist() if isinstance(image_index, Tensor) else image_index)]
-        if len(index) != n:
-            raise ValueError(f"{len(index)} image indices for {n} instructions")
+        index = _check_index(image_index, n)
         if max_new_tokens < 1 or batch_size < 1:
             raise ValueError("max_new_tokens and batch_size must be at least 1")
         table = self.label_table(scale.labels)
         if n == 0:
             return _empty_output(table, len(scale.labels), len(scale.positions))
-        run = self._prepare(images, index, list(instructions), forced, scale, max_new_tokens, keep_hidden)
-        parts = list(self._chunks(run, table, batch_size))
+        run = self._prepare(images, index, list(instructions), forced, scale, max_new_tokens, keep_hidden,
+                            visual_input)
+        parts = list(self._chunks(run, batch_size, lambda rows: self._run_chunk(run, rows, table)))
         return _cat_outputs(parts, table)
 
-    def _prepare(self, images, index, instructions, forced, scale, max_new_tokens, keep_hidden) -> _Run:
-        chats = [self.chat(text) for text in instructions]
+    def prompt_end(
+        self,
+        images: Sequence[Any],
+        image_index: Sequence[int] | Tensor,
+        instructions: Sequence[str],
+        labels: Sequence[str],
+        *,
+        batch_size: int = 64,
+        grad: bool = False,
+        visual_input: VisualInput = VisualInput(),
+    ) -> PromptEnd:
+        """One forward pass per sample, no decoding: the final hidden state at the end of each prompt and the
+        label log-probabilities there (:class:`PromptEnd`), batched and with each image's prefix shared as in
+        :meth:`judge`. ``grad=True`` runs under autograd (for fine-tuning; the out-of-memory retry then keeps
+        the graphs of the chunks already done)."""
+        n = len(instructions)
+        index = _check_index(image_index, n)
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        table = self.label_table(labels)
+        with torch.enable_grad() if grad else torch.inference_mode():
+            if n == 0:
+                d, k = int(self.head.weight.shape[1]), len(labels)
+                return PromptEnd(torch.zeros((0, d), device=self.device), torch.zeros((0, k), device=self.device))
+            run = self._prepare(images, index, list(instructions), None, None, 1, True, visual_input)
+            parts = list(self._chunks(run, batch_size, lambda rows: self._end_chunk(run, rows, table)))
+            return PromptEnd(torch.cat([p.hidden for p in parts]), torch.cat([p.label_logprobs for p in parts]))
+
+    def _prepare(self, images, index, instructions, forced, scale, max_new_tokens, keep_hidden,
+                 visual_input: VisualInput = VisualInput()) -> _Run:
+        chats = [self.chat(text, images[g], visual_input) for text, g in zip(instructions, index)]
         special = self._adds_special(chats[0])
         text_ids = self.tokenizer(chats, add_special_tokens=special)["input_ids"]
         work = {}
         for i, g in enumerate(index):
             if g not in work:  # the processor (image preprocessing) runs once per distinct image
-                work[g] = self._encode_image(images[g], chats[i], len(text_ids[i]), i, special)
+                work[g] = self._encode_image(images[g], chats[i], len(text_ids[i]), i, special, visual_input)
         forced_ids: list[list[int] | None] = [None] * len(chats)
         if forced is not None:
             if len(forced) != len(chats):
@@ -444,14 +523,31 @@ class LVLMJudge:
                 raise ValueError("a forced answer is empty")
         return _Run(text_ids, index, work, forced_ids, scale, max_new_tokens, keep_hidden)
 
-    def _encode_image(self, image, chat: str, text_len: int, rep: int, special: bool) -> _ImageWork:
-        enc = self.processor(text=[chat], images=[image], return_tensors="pt", add_special_tokens=special)
+    def _encode_image(self, image, chat: str, text_len: int, rep: int, special: bool,
+                      visual_input: VisualInput = VisualInput()) -> _ImageWork:
+        enc = self.processor(text=[chat], return_tensors="pt", add_special_tokens=special,
+                             **self._visual_kwargs(image, visual_input))
         ids = enc["input_ids"][0]
         tokens = {k: v[0] for k, v in enc.items() if k in TOKEN_KEYS and k not in ("input_ids", "attention_mask")}
         if self.rope_index is not None and "mm_token_type_ids" not in tokens:
             tokens["mm_token_type_ids"] = self._mm_token_types(ids)
         vision = {k: v for k, v in enc.items() if k not in TOKEN_KEYS and isinstance(v, Tensor)}
+        if "second_per_grid_ts" in enc:  # Qwen2.5-VL video: seconds per temporal patch, a list
+            vision["second_per_grid_ts"] = torch.as_tensor(enc["second_per_grid_ts"], dtype=torch.float32).reshape(-1)
         return _ImageWork(rep, ids, tokens, vision, len(ids) - text_len)
+
+    def _visual_kwargs(self, visual: Any, visual_input: VisualInput) -> dict[str, Any]:
+        """The processor's visual arguments for one image or video."""
+        if not is_video(visual):
+            return {"images": [visual]}
+        frames = list(visual)
+        if self.video_mode(visual_input) == "frames":
+            return {"images": frames}
+        kwargs: dict[str, Any] = {"videos": [frames], "do_sample_frames": False}  # the frames as given
+        if visual_input.fps is not None:
+            kwargs["video_metadata"] = [{"total_num_frames": len(frames), "fps": visual_input.fps,
+                                         "frames_indices": list(range(len(frames)))}]
+        return kwargs
 
     def _mm_token_types(self, ids: Tensor) -> Tensor:
         # What Qwen-VL processors return: 1 on image tokens, 2 on video tokens, 0 on text.
@@ -463,13 +559,14 @@ class LVLMJudge:
                 types[ids == token] = value
         return types
 
-    def _chunks(self, run: _Run, table: Tensor, batch_size: int) -> Iterator[JudgeOutput]:
-        """Chunks of at most ``batch_size`` samples in order; on out-of-memory, halve and retry."""
+    def _chunks(self, run: _Run, batch_size: int, process: Callable[[list[int]], Any]) -> Iterator[Any]:
+        """``process(rows)`` on chunks of at most ``batch_size`` samples in order; on out-of-memory, halve and
+        retry."""
         start, size, n = 0, batch_size, len(run.text_ids)
         while start < n:
             rows = list(range(start, min(start + size, n)))
             try:
-                part = self._run_chunk(run, rows, table)
+                part = process(rows)
             except RuntimeError as err:
                 if not _is_oom(err) or size == 1:
                     raise
@@ -500,7 +597,7 @@ class LVLMJudge:
         return images, group_of, cuts
 
     def _check_cut(self, work: _ImageWork, rep_ids: list[int], cut: int) -> None:
-        if self.image_token_id is not None and self.image_token_id in rep_ids[cut:]:
+        if any(t is not None and t in rep_ids[cut:] for t in (self.image_token_id, self.video_token_id)):
             raise ValueError("this chat template puts the image after text that differs between candidates; "
                              "the judge needs the image first")
         tail = work.ids[cut + work.shift:].tolist()
@@ -509,6 +606,16 @@ class LVLMJudge:
                              "image tokens; this processor is not supported")
 
     def _run_chunk(self, run: _Run, rows: list[int], table: Tensor) -> JudgeOutput:
+        return self._decode(run, rows, table, *self._prefill(run, rows))
+
+    def _end_chunk(self, run: _Run, rows: list[int], table: Tensor) -> PromptEnd:
+        cache, ids, mask, positions = self._prefill(run, rows)
+        logits, h = self._forward_step(ids, mask, positions, cache)
+        return PromptEnd(h, torch.log_softmax(logits, dim=-1)[:, table[0].to(self.device)])
+
+    def _prefill(self, run: _Run, rows: list[int]) -> tuple[Any, Tensor, Tensor, Tensor]:
+        """The chunk's shared prefixes through the model, their caches copied to each sample: (cache, suffix
+        ids, attention mask over prefix + suffix, suffix positions), ready for the first forward step."""
         images, group_of, cuts = self._split(run, rows)
         dev = self.device
         # 1. Shared prefixes (image + prompt up to the caption), left-padded, once per image.
@@ -532,7 +639,7 @@ class LVLMJudge:
             [torch.tensor(run.text_ids[r][cuts[g]:]) for r, g in zip(rows, group_of)], None, self._pad_id())
         mask = torch.cat([pre_mask[group], suf_mask], dim=1)
         positions = next_pos[group, None] + (suf_mask.cumsum(1) - 1).clamp_min(0)
-        return self._decode(run, rows, table, cache, suf_ids, mask, positions)
+        return cache, suf_ids, mask, positions
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
@@ -670,6 +777,13 @@ def _empty_output(table: Tensor, k: int, p: int) -> JudgeOutput:
                        torch.zeros((0, p), dtype=torch.long), [])
 
 
+def _check_index(image_index: Sequence[int] | Tensor, n: int) -> list[int]:
+    index = [int(i) for i in (image_index.tolist() if isinstance(image_index, Tensor) else image_index)]
+    if len(index) != n:
+        raise ValueError(f"{len(index)} image indices for {n} instructions")
+    return index
+
+
 def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
@@ -702,10 +816,11 @@ def _collate_vision(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """Stack per-image processor outputs along their first axis. Flat patch lists (Qwen-VL, InternVL:
     one row per patch, ``image_grid_thw`` per image) concatenate; per-image stacks of varying patch counts
     (LLaVA-NeXT any-resolution) are zero-padded, as the processor itself pads, and ``image_sizes`` tells the
-    model how many are real."""
+    model how many are real. Keys missing from a part (a video's ``pixel_values_videos`` next to an image's
+    ``pixel_values``) are collated over the parts that have them, in order, as the model reads each modality."""
     out = {}
-    for key in parts[0]:
-        values = [p[key] for p in parts]
+    for key in dict.fromkeys(k for part in parts for k in part):
+        values = [p[key] for p in parts if key in p]
         rest = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
         values = [F.pad(v, [x for d in reversed(range(1, v.dim())) for x in (0, rest[d - 1] - v.shape[d])])
                   for v in values]

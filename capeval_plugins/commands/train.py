@@ -1,0 +1,180 @@
+"""``capeval train rigel --phase 1|2 --train FILE --out DIR ...``: train a Rigel checkpoint.
+
+Phase 1 distils the scoring head from the frozen LVLM (its hidden states are extracted once and cached under
+``--cache``, default ``<out>/features``); phase 2 adapts the backbone with LoRA from a phase-1 checkpoint
+(``--init``). Defaults are the paper's (Table 4). Running the same command again continues an interrupted
+run from its last saved epoch (phase 1) or step (phase 2); ``--overwrite`` starts afresh. Prints a JSON
+summary; the checkpoint is then scored with ``capeval score --metric rigel -o checkpoint=DIR``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+EPILOG = """examples:
+  capeval train rigel --phase 1 --train spica_train.parquet --val spica_val.parquet --images images/ \\
+      --out rigel-p1
+  capeval train rigel --phase 2 --init rigel-p1 --train spica_train.parquet --images images/ --out rigel
+  capeval train rigel --phase 1 --train vid_lepus_train.jsonl --images frames/ --score-range 1 5 \\
+      --num-frames 8 --out rigel-video-p1
+  capeval score --metric rigel -o checkpoint=rigel --images DIR --captions captions.jsonl"""
+
+FORMATS = ("rows", "flickr8k-expert", "flickr8k-cf", "composite", "nebula", "polaris", "thumb")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a metric that needs training (Rigel)", description=__doc__,
+                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("method", choices=("rigel",), help="what to train")
+    p.add_argument("--phase", type=int, choices=(1, 2), required=True,
+                   help="1: distil the scoring head (frozen backbone); 2: LoRA on the backbone (head frozen)")
+    p.add_argument("--out", required=True, help="checkpoint folder to write (and to resume in)")
+    p.add_argument("--overwrite", action="store_true", help="discard an earlier run's state in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    data = p.add_argument_group("data")
+    data.add_argument("--train", required=True, help="human-judgment file to train on")
+    data.add_argument("--val", help="validation file (phase 1: early stopping on its Kendall tau-c)")
+    data.add_argument("--val-fraction", type=float, default=None,
+                      help="without --val: share of the training images held out for validation "
+                           "(default 0.1 in phase 1, 0 in phase 2)")
+    data.add_argument("--format", choices=FORMATS, default="rows",
+                      help="file format: generic rows (default) or a rating benchmark's published format")
+    data.add_argument("--images", help="folder of the images and frame folders (default: the file's folder)")
+    data.add_argument("--score-range", type=float, nargs=2, default=(0.0, 1.0), metavar=("LOW", "HIGH"),
+                      help="scale of the file's human scores, mapped to [0, 1] (default 0 1; e.g. 1 5)")
+    data.add_argument("--num-frames", type=int, help="frames taken evenly from each frame folder (default all)")
+    data.add_argument("--references", choices=("auto", "ignore", "both"), default="auto",
+                      help="auto: reference-based prompt where a sample has references; ignore: all "
+                           "reference-free; both: each sample with references twice, with and without")
+    model = p.add_argument_group("model (phase 1; phase 2 takes them from --init)")
+    model.add_argument("--model", help="base LVLM, hub id or path (default Qwen/Qwen3-VL-2B-Instruct; in phase 2 "
+                                       "it replaces the one --init names, e.g. a local copy)")
+    model.add_argument("--revision")
+    model.add_argument("--device")
+    model.add_argument("--dtype")
+    model.add_argument("--local-files-only", action="store_true")
+    model.add_argument("--trust-remote-code", action="store_true")
+    model.add_argument("--prompt-layout", choices=("flat", "lines"), default="flat",
+                       help="the paper's prompts as printed (flat) or one line per item (lines)")
+    model.add_argument("--prompts", help="JSON file of custom prompts {image, image_ref, video, video_ref} "
+                                         "with {cand} and {refs_text} placeholders (replaces the paper's)")
+    model.add_argument("--reference-separator", default="\n", help="between references in the prompt")
+    model.add_argument("--answer-prefix", default="", help="text after the generation prompt (default none)")
+    model.add_argument("--video-input", choices=("auto", "video", "frames"), default="auto")
+    model.add_argument("--video-fps", type=float, default=2.0, help="sampling rate of the given frames")
+    model.add_argument("--temperature", type=float, default=1.0, help="distillation temperature tau")
+    model.add_argument("--head-hidden", default="1024,512", help="widths of the head's hidden layers")
+    model.add_argument("--head-activation", choices=("relu", "gelu", "tanh"), default="relu")
+    opt = p.add_argument_group("optimisation (defaults: the paper's, per phase)")
+    opt.add_argument("--init", help="phase 2: the phase-1 checkpoint folder")
+    opt.add_argument("--epochs", type=int)
+    opt.add_argument("--batch-size", type=int)
+    opt.add_argument("--lr", type=float)
+    opt.add_argument("--weight-decay", type=float)
+    opt.add_argument("--patience", type=int, help="phase 1: epochs without a better validation tau-c (5)")
+    opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--extract-batch-size", type=int, help="phase 1: samples per backbone batch (16)")
+    opt.add_argument("--cache", help="phase 1: hidden-state cache folder (default <out>/features)")
+    opt.add_argument("--lora-r", type=int)
+    opt.add_argument("--lora-alpha", type=int)
+    opt.add_argument("--lora-dropout", type=float)
+    opt.add_argument("--lora-targets", help="regular expression over module names (default: the language "
+                                            "model's q_proj and v_proj)")
+    opt.add_argument("--ties", choices=("up", "down"), help="phase 2: a mean score half-way between labels")
+    opt.add_argument("--save-every", type=int, help="phase 2: steps between saved states (200)")
+    p.set_defaults(func=cmd_train)
+
+
+def _given(args: argparse.Namespace, names: dict[str, str]) -> dict:
+    return {field: getattr(args, arg) for arg, field in names.items() if getattr(args, arg) is not None}
+
+
+def read_data(args: argparse.Namespace, path: str):
+    from capeval_plugins.training.data import read_judgments
+
+    data = read_judgments(path, format=args.format, images=args.images, score_range=tuple(args.score_range),
+                          num_frames=args.num_frames)
+    return data.with_references(args.references)
+
+
+def split_data(args: argparse.Namespace):
+    train = read_data(args, args.train)
+    if args.val:
+        return train, read_data(args, args.val)
+    fraction = args.val_fraction if args.val_fraction is not None else (0.1 if args.phase == 1 else 0.0)
+    if fraction > 0:
+        return train.split(fraction, args.seed)
+    return train, None
+
+
+def settings_from(args: argparse.Namespace):
+    from capeval_plugins.training.model import DEFAULT_BASE_MODEL, RigelSettings, paper_prompts
+
+    if args.prompts:
+        with open(args.prompts, encoding="utf-8") as f:
+            prompts = json.load(f)
+    else:
+        prompts = paper_prompts(args.prompt_layout)
+    hidden = tuple(int(x) for x in args.head_hidden.split(",") if x.strip())
+    return RigelSettings(base_model=args.model or DEFAULT_BASE_MODEL, revision=args.revision, prompts=prompts,
+                         reference_separator=args.reference_separator, temperature=args.temperature,
+                         head_hidden=hidden, head_activation=args.head_activation, video_input=args.video_input,
+                         video_fps=args.video_fps, answer_prefix=args.answer_prefix)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    try:
+        return run_training(args)
+    except (FileExistsError, ImportError) as err:  # a used output folder, no peft: one line, not a traceback
+        print(f"capeval: error: {err}", file=sys.stderr)
+        return 2
+
+
+def run_training(args: argparse.Namespace) -> int:
+    train, val = split_data(args)
+    progress = not args.quiet
+    if args.phase == 1:
+        from capeval_plugins.core.lvlm import JudgeSpec
+        from capeval_plugins.training.phase1 import Phase1Config, train_phase1
+
+        settings = settings_from(args)
+        config = Phase1Config(seed=args.seed, **_given(args, {
+            "epochs": "epochs", "batch_size": "batch_size", "lr": "lr", "weight_decay": "weight_decay",
+            "patience": "patience", "extract_batch_size": "extract_batch_size"}))
+        spec = JudgeSpec(settings.base_model, args.device, args.dtype, args.revision, args.local_files_only or None,
+                         args.trust_remote_code)
+        out = train_phase1(args.out, train, val, settings=settings, config=config, spec=spec, cache_dir=args.cache,
+                           progress=progress, overwrite=args.overwrite)
+    else:
+        from capeval_plugins.training.phase2 import Phase2Config, train_phase2
+
+        if not args.init:
+            print("capeval: error: phase 2 needs --init (a phase-1 checkpoint folder)", file=sys.stderr)
+            return 2
+        config = Phase2Config(seed=args.seed, **_given(args, {
+            "epochs": "epochs", "batch_size": "batch_size", "lr": "lr", "weight_decay": "weight_decay",
+            "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+            "lora_targets": "lora_targets", "ties": "ties", "save_every": "save_every"}))
+        out = train_phase2(args.out, args.init, train, val, config=config, model=args.model, device=args.device,
+                           dtype=args.dtype, local_files_only=args.local_files_only or None,
+                           trust_remote_code=args.trust_remote_code, progress=progress, overwrite=args.overwrite)
+    print(json.dumps(summary(out), indent=2))
+    return 0
+
+
+def summary(checkpoint) -> dict:
+    from capeval_plugins.training.model import read_record, read_settings
+
+    settings, record = read_settings(checkpoint), read_record(checkpoint)
+    history = record.get("history", [])
+    last = history[-1] if history else {}
+    out = {"checkpoint": str(checkpoint), "phase": settings.phase, "base_model": settings.base_model,
+           "train_samples": record.get("train_samples"), "validation_samples": record.get("validation_samples")}
+    if settings.phase == 1:
+        out.update(epochs=record.get("epochs_done"), best_epoch=record.get("best_epoch"),
+                   best_validation_tau_c=record.get("best_tau_c"), stopped_early=record.get("stopped_early"))
+    else:
+        out.update(epochs=record.get("epoch"), steps=record.get("global_step"),
+                   validation=last.get("validation"))
+    return out

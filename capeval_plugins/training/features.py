@@ -1,0 +1,102 @@
+"""Phase 1's backbone pass, done once: the final hidden state at the score position and the score tokens'
+log-probabilities there, for every sample, cached on disk.
+
+The frozen backbone's outputs do not change between epochs, so phase 1 runs it once and trains the head on
+the cache. The cache lives in ``<cache>/<key>/``, ``key`` a digest of the backbone (name, revision, dtype),
+the prompts, labels and visual input, and the data (see :meth:`JudgmentSet.fingerprint`); it is written in
+shards of ``shard_size`` samples, so an interrupted extraction resumes at the first missing shard, and a
+second run on the same data (another head shape, temperature or seed) reuses it whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from capeval_plugins.inputs import iter_batches
+from capeval_plugins.training.data import JudgmentSet
+from capeval_plugins.training.model import RigelModel
+from capeval_plugins.training.state import progress_bar, signature
+
+
+@dataclass
+class Features:
+    """Per sample: ``hidden`` (N, d) float32, ``teacher`` (N, K) float32 (full-vocabulary log-probabilities of
+    the score tokens: softmax(teacher / tau) is the paper's q), ``scores`` (N,) human scores on [0, 1]."""
+
+    hidden: Tensor
+    teacher: Tensor
+    scores: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.hidden)
+
+
+def cache_key(model: RigelModel, data: JudgmentSet) -> str:
+    judge, settings = model.judge, model.settings
+    backbone = getattr(judge.model.config, "_name_or_path", "") or type(judge.model).__name__
+    dtype = str(next(judge.model.parameters()).dtype)
+    return signature("rigel-features-v1", backbone, settings.revision, dtype, settings.labels, settings.prompts,
+                     settings.reference_separator, settings.video_input, settings.video_fps, settings.answer_prefix,
+                     data.fingerprint())[:32]
+
+
+def extract_features(model: RigelModel, data: JudgmentSet, cache_dir: str | os.PathLike | None = None, *,
+                     batch_size: int = 16, shard_size: int = 1024, progress: bool = True,
+                     desc: str = "backbone") -> Features:
+    """Run the backbone once over ``data`` (or read what an earlier run cached) and return the features."""
+    if shard_size < 1:
+        raise ValueError("shard_size must be at least 1")
+    n = len(data)
+    folder = Path(cache_dir) / cache_key(model, data) if cache_dir is not None else None
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "about.json").write_text(json.dumps({"samples": n, "shard_size": shard_size}) + "\n")
+    parts: list[dict[str, Tensor]] = []
+    with progress_bar(n, desc, progress, "sample") as bar:
+        for start in range(0, n, shard_size):
+            stop = min(start + shard_size, n)
+            path = None if folder is None else folder / f"shard-{start // shard_size:05d}-{stop - start}.safetensors"
+            part = _read_shard(path) if path is not None and path.is_file() else None
+            if part is None:
+                part = _extract(model, data.subset(range(start, stop)), batch_size)
+                if path is not None:
+                    _write_shard(path, part)
+            parts.append(part)
+            bar.update(stop - start)
+    hidden = torch.cat([p["hidden"] for p in parts]) if parts else torch.zeros((0, 0))
+    teacher = torch.cat([p["teacher"] for p in parts]) if parts else torch.zeros((0, len(model.settings.labels)))
+    return Features(hidden, teacher, data.scores.copy())
+
+
+def _extract(model: RigelModel, part: JudgmentSet, batch_size: int) -> dict[str, Tensor]:
+    n, d, k = len(part), int(model.judge.head.weight.shape[1]), len(model.settings.labels)
+    hidden = torch.full((n, d), float("nan"))
+    teacher = torch.full((n, k), float("nan"))
+    for batch in iter_batches(part.samples, batch_size):  # the candidates of an image together
+        out = model.states(batch.images, batch.image_index, batch.candidates, batch.references, batch_size=batch_size)
+        hidden[batch.indices] = out.hidden.float().cpu()
+        teacher[batch.indices] = out.label_logprobs.float().cpu()
+    return {"hidden": hidden, "teacher": teacher}
+
+
+def _read_shard(path: Path) -> dict[str, Tensor] | None:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception:  # a shard cut short by an interruption: extract it again
+        return None
+
+
+def _write_shard(path: Path, part: dict[str, Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in part.items()}, str(tmp))
+    os.replace(tmp, path)

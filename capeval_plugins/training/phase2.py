@@ -1,0 +1,196 @@
+"""Rigel phase 2, human-guided score adaptation (paper Section 3.2): the phase-1 head is frozen; LoRA (rank 8,
+alpha 16, via peft) adapts the backbone; the loss is the cross-entropy between softmax(g(h)) and the one-hot
+of the averaged human score. Defaults are the paper's Table 4: Adam (0.9, 0.999), learning rate 1e-4, batch 8,
+weight decay 0.01, one epoch.
+
+LoRA goes on the language model's query and value projections (``lora_targets``, a regular expression over
+module names): on Qwen3-VL-2B that is the paper's 1.61M trainable parameters. The state (LoRA weights and
+optimizer) is saved every ``save_every`` steps and after every epoch; a run called again with the same
+arguments continues from the last save.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from capeval_plugins.core import heads
+from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, load_lvlm_processor
+from capeval_plugins.training.data import JudgmentSet
+from capeval_plugins.training.model import (RigelModel, load_head, load_private_backbone, quiet_peft, read_settings,
+                                            require_peft, save_checkpoint)
+from capeval_plugins.training.state import (batch_of, chunks, correlation, epoch_order, expectation, predict,
+                                            progress_bar, signature, start_or_resume)
+
+LANGUAGE_QV = r".*language_model.*\.(q_proj|v_proj)"
+
+
+@dataclass
+class Phase2Config:
+    """Phase 2 hyper-parameters; defaults are the paper's (Table 4)."""
+
+    epochs: int = 1
+    batch_size: int = 8
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: str = LANGUAGE_QV
+    ties: str = "up"
+    seed: int = 0
+    save_every: int = 200
+    eval_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        if min(self.epochs, self.batch_size, self.lora_r, self.save_every, self.eval_batch_size) < 1:
+            raise ValueError("epochs, batch_size, lora_r, save_every and eval_batch_size must be at least 1")
+        if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.lora_dropout < 1:
+            raise ValueError("lr must be positive, weight_decay non-negative and lora_dropout in [0, 1)")
+        if self.ties not in ("up", "down"):
+            raise ValueError(f"ties must be 'up' or 'down', got {self.ties!r}")
+
+    def lora(self) -> dict[str, Any]:
+        return {"r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+                "target_modules": self.lora_targets}
+
+
+def add_lora(backbone: Any, config: Phase2Config) -> Any:
+    """The backbone with LoRA adapters injected in place (a peft model around it); only they train."""
+    peft = require_peft()
+    lora = peft.LoraConfig(**config.lora())
+    try:
+        with quiet_peft():
+            wrapped = peft.get_peft_model(backbone, lora)
+    except ValueError as err:
+        raise ValueError(f"LoRA targets {config.lora_targets!r} match no module of this backbone: {err}") from err
+    return wrapped
+
+
+def train_phase2(out_dir: str | os.PathLike, init: str | os.PathLike, train: JudgmentSet,
+                 val: JudgmentSet | None = None, *, config: Phase2Config | None = None, model: str | None = None,
+                 device: str | None = None, dtype: str | None = None, local_files_only: bool | None = None,
+                 trust_remote_code: bool = False, progress: bool = True, overwrite: bool = False,
+                 on_step_end: Callable[[int], None] | None = None) -> Path:
+    """Phase 2 from the phase-1 checkpoint ``init``; writes a checkpoint (head + adapter) to ``out_dir``.
+    ``model`` replaces the base model ``init`` names (e.g. a local copy)."""
+    config = config or Phase2Config()
+    settings = read_settings(init)
+    spec = JudgeSpec(model or settings.base_model, device, dtype, settings.revision, local_files_only,
+                     trust_remote_code)
+    rigel = build_trainable(spec, init, config)
+    run = signature("rigel-phase2", rigel.settings.to_dict(), dataclasses.asdict(config), train.fingerprint(),
+                    None if val is None else val.fingerprint(), _head_digest(rigel.head))
+    record = fit(rigel, train, val, config, out_dir, run, progress=progress, overwrite=overwrite,
+                 on_step_end=on_step_end)
+    settings = dataclasses.replace(rigel.settings, phase=2, lora=config.lora())
+    record.update(config=dataclasses.asdict(config), init=str(Path(init).resolve()), train_samples=len(train),
+                  validation_samples=0 if val is None else len(val))
+    return save_checkpoint(out_dir, settings, rigel.head, peft_model=rigel.peft_model, record=record)
+
+
+class TrainableRigel(RigelModel):
+    """A Rigel scorer whose backbone carries LoRA adapters (``peft_model`` wraps it)."""
+
+    def __init__(self, judge: LVLMJudge, head: heads.ScoringHead, settings, peft_model: Any):
+        super().__init__(judge, head, settings)
+        self.peft_model = peft_model
+
+    def lora_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.peft_model.parameters() if p.requires_grad]
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        return require_peft().get_peft_model_state_dict(self.peft_model)
+
+    def load_lora_state(self, state: dict[str, torch.Tensor]) -> None:
+        require_peft().set_peft_model_state_dict(self.peft_model, state)
+
+
+def build_trainable(spec: JudgeSpec, init: str | os.PathLike, config: Phase2Config) -> TrainableRigel:
+    """The base model (a copy of its own) with fresh LoRA adapters, and the frozen head of ``init``."""
+    settings = read_settings(init)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)  # LoRA's A matrices are drawn at random
+        wrapped = add_lora(load_private_backbone(spec), config)
+    judge = LVLMJudge(wrapped.get_base_model(), load_lvlm_processor(spec))
+    head = load_head(init, settings, judge.device)
+    return TrainableRigel(judge, head, settings, wrapped)
+
+
+def fit(rigel: TrainableRigel, train: JudgmentSet, val: JudgmentSet | None, config: Phase2Config,
+        out_dir: str | os.PathLike, run_signature: str, *, progress: bool = True, overwrite: bool = False,
+        on_step_end: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """The LoRA training loop, resumable; returns the run's record."""
+    state, loaded = start_or_resume(out_dir, run_signature, overwrite)
+    params = rigel.lora_parameters()
+    opt = torch.optim.Adam(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    record: dict[str, Any] = {"signature": run_signature, "phase": 2, "epoch": 0, "step": 0, "global_step": 0,
+                              "done": False, "history": [], "losses": []}
+    if loaded is not None:
+        record, tensors, opt_state = loaded
+        rigel.load_lora_state(tensors["lora"])
+        opt.load_state_dict(opt_state)
+    gold = heads.gold_labels(torch.as_tensor(train.scores), len(rigel.settings.labels), config.ties)
+
+    def save() -> None:
+        state.save(record, {"lora": rigel.lora_state()}, opt.state_dict())
+
+    steps_per_epoch = math.ceil(len(train) / config.batch_size)
+    with progress_bar(steps_per_epoch * config.epochs, "phase 2", progress, "step") as bar:
+        bar.update(record["global_step"])
+        while not record["done"]:
+            batches = chunks(epoch_order(len(train), config.seed, record["epoch"]), config.batch_size)
+            for rows in batches[record["step"]:]:
+                loss = _step(rigel, opt, train, rows, gold, config.seed + record["global_step"])
+                record["losses"].append(loss)
+                record["step"] += 1
+                record["global_step"] += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+                if record["global_step"] % config.save_every == 0 and record["step"] < len(batches):
+                    save()
+                if on_step_end is not None:
+                    on_step_end(record["global_step"])
+            record["history"].append({"epoch": record["epoch"] + 1, **_validate(rigel, val, config)})
+            record["epoch"], record["step"] = record["epoch"] + 1, 0
+            record["done"] = record["epoch"] >= config.epochs
+            save()
+    rigel.peft_model.eval()
+    return record
+
+
+def _step(rigel: TrainableRigel, opt: torch.optim.Optimizer, data: JudgmentSet, rows: list[int],
+          gold: torch.Tensor, seed: int) -> float:
+    """One optimiser step on a batch: cross-entropy of softmax(g(h)) against the gold labels (Eq. 3)."""
+    rigel.peft_model.train()
+    torch.manual_seed(seed)  # dropout, if any, draws the same masks when the run is resumed
+    batch = batch_of(data, rows)
+    out = rigel.states(batch.images, batch.image_index, batch.candidates, batch.references,
+                       batch_size=len(rows), grad=True)
+    loss = F.cross_entropy(rigel.logits(out.hidden).double(), gold[rows].to(out.hidden.device))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.item())
+
+
+def _validate(rigel: TrainableRigel, val: JudgmentSet | None, config: Phase2Config) -> dict[str, Any]:
+    if val is None or len(val) < 2:
+        return {}
+    rigel.peft_model.eval()
+    return {"validation": correlation(expectation(predict(rigel, val, config.eval_batch_size)), val.scores)}
+
+
+def _head_digest(head: heads.ScoringHead) -> str:
+    digest = hashlib.sha256()
+    for value in head.state_dict().values():
+        digest.update(value.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()

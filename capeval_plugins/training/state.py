@@ -1,0 +1,145 @@
+"""Resumable training state and the pieces both phases share (scoring a judgment set, batching, progress).
+
+A run keeps its state in ``<out>/training_state/``: ``record.json`` (what is done: epochs, steps, history,
+and the run's signature), one safetensors file per named tensor set (head weights, LoRA weights) and
+``optimizer.pt`` (the optimizer's state, read back with ``weights_only=True``). The directory is replaced
+as a whole (written next to it, then swapped), so an interrupted save leaves the previous state intact.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from capeval_plugins.core import heads
+from capeval_plugins.core.correlation import kendall_tau
+from capeval_plugins.inputs import iter_batches, to_batch
+from capeval_plugins.training.data import JudgmentSet
+from capeval_plugins.training.model import CONFIG_FILE, RigelModel, json_safe
+
+STATE_DIR = "training_state"
+
+
+class RunState:
+    """The resumable state of one training run in ``<out>/training_state``."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.dir = Path(out_dir) / STATE_DIR
+        self._tmp = self.dir.with_name(STATE_DIR + ".tmp")
+        self._old = self.dir.with_name(STATE_DIR + ".old")
+
+    def _current(self) -> Path | None:
+        if (self.dir / "record.json").is_file():
+            return self.dir
+        if (self._old / "record.json").is_file():  # interrupted between the two renames of a save
+            return self._old
+        return None
+
+    def exists(self) -> bool:
+        return self._current() is not None
+
+    def load(self) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict | None]:
+        from safetensors.torch import load_file
+
+        where = self._current()
+        if where is None:
+            raise FileNotFoundError(f"no training state in {self.dir}")
+        record = json.loads((where / "record.json").read_text(encoding="utf-8"))
+        tensors = {p.stem: load_file(str(p)) for p in sorted(where.glob("*.safetensors"))}
+        opt = where / "optimizer.pt"
+        optimizer = torch.load(opt, map_location="cpu", weights_only=True) if opt.is_file() else None
+        return record, tensors, optimizer
+
+    def save(self, record: dict[str, Any], tensors: dict[str, dict[str, Tensor]], optimizer: dict | None) -> None:
+        from safetensors.torch import save_file
+
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp.mkdir(parents=True)
+        for name, values in tensors.items():
+            tensors_of = {k: v.detach().cpu().contiguous() for k, v in values.items()}
+            save_file(tensors_of, str(self._tmp / f"{name}.safetensors"))
+        if optimizer is not None:
+            torch.save(optimizer, self._tmp / "optimizer.pt")
+        (self._tmp / "record.json").write_text(json.dumps(json_safe(record), indent=2) + "\n", encoding="utf-8")
+        shutil.rmtree(self._old, ignore_errors=True)
+        if self.dir.exists():
+            os.replace(self.dir, self._old)
+        os.replace(self._tmp, self.dir)
+        shutil.rmtree(self._old, ignore_errors=True)
+
+    def clear(self) -> None:
+        for path in (self.dir, self._tmp, self._old):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def start_or_resume(out_dir: str | os.PathLike, signature: str, overwrite: bool
+                    ) -> tuple[RunState, tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict | None] | None]:
+    """The run's state, and what it holds when an earlier run of the same signature left some (to continue
+    from). A different run in the same folder is refused unless ``overwrite``."""
+    state = RunState(out_dir)
+    if overwrite:
+        state.clear()
+    if not state.exists():
+        if (Path(out_dir) / CONFIG_FILE).is_file() and not overwrite:
+            raise FileExistsError(f"{out_dir} already holds a finished Rigel checkpoint; choose another output "
+                                  "folder or pass overwrite (--overwrite)")
+        return state, None
+    loaded = state.load()
+    if loaded[0].get("signature") != signature:
+        raise FileExistsError(f"{out_dir} holds the state of a different training run (other data or settings); "
+                              "choose another output folder, or pass overwrite (--overwrite) to start afresh")
+    return state, loaded
+
+
+def signature(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The shuffled sample order of one epoch: a function of (seed, epoch) alone, so a resumed run sees the
+    same batches as an uninterrupted one."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def chunks(order: Sequence[int], size: int) -> list[list[int]]:
+    return [list(map(int, order[i:i + size])) for i in range(0, len(order), size)]
+
+
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it"):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, leave=False)
+
+
+def batch_of(data: JudgmentSet, positions: Sequence[int]):
+    """The decoded batch of these samples (each distinct image once)."""
+    return to_batch(data.samples.subset(list(positions)))
+
+
+def predict(model: RigelModel, data: JudgmentSet, batch_size: int = 16, progress: bool = False) -> Tensor:
+    """softmax(g(h)) for every sample (N, K) float64, in the set's order; the candidates of an image batched
+    together."""
+    out = torch.full((len(data), len(model.settings.labels)), float("nan"), dtype=torch.float64)
+    with progress_bar(len(data), "scoring", progress, "sample") as bar:
+        for batch in iter_batches(data.samples, batch_size):
+            out[batch.indices] = model.probabilities(batch.images, batch.image_index, batch.candidates,
+                                                     batch.references, batch_size=batch_size)
+            bar.update(len(batch))
+    return out
+
+
+def correlation(expected: Tensor | np.ndarray, human: np.ndarray) -> dict[str, float]:
+    """Kendall tau-c and tau-b of predicted and human scores (NaN where undefined)."""
+    x = np.asarray(expected, dtype=np.float64)
+    return {"kendall_tau_c": kendall_tau(x, human, "c"), "kendall_tau_b": kendall_tau(x, human, "b")}
+
+
+def expectation(probs: Tensor) -> Tensor:
+    return heads.label_expectation(probs)
