@@ -5,14 +5,14 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 from PIL import Image
 
 import capeval_plugins
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.core.encoders import ClipEncoder
+from common import timed
 
 
 def corpus(n_images: int, per_image: int, size: int = 224):
@@ -32,14 +32,6 @@ def naive_loop(encoder: ClipEncoder, images, captions, w=2.5):
         out.append(w * max(float(img @ txt), 0.0))
     return out
 
-
-def timed(fn, repeats: int):
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
 
 
 def main() -> None:

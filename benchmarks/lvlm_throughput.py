@@ -19,9 +19,7 @@ image tokens per prompt).
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,6 +27,7 @@ from PIL import Image
 
 from capeval_plugins.core import heads
 from capeval_plugins.core.lvlm import SCALES, JudgeSpec, LVLMJudge, fleur_instruction
+from common import random_llava_next, timed
 
 DECIMAL = SCALES["0.0-1.0"]
 
@@ -85,24 +84,6 @@ def head_time(out, repeats: int = 20) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def timed(fn, repeats: int):
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
-
-
-def build_model(image_size: int) -> str:
-    from capeval_plugins.testing import tiny_checkpoint
-    from capeval_plugins.testing.vision_language import build_llava_next
-
-    if image_size == 32:
-        return str(tiny_checkpoint("llava_next"))
-    path = tempfile.mkdtemp(prefix="capeval-bench-llava-")
-    build_llava_next(Path(path), 0, image_size=image_size)
-    return path
 
 
 def main() -> None:
@@ -117,7 +98,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    model = args.model or build_model(args.image_size)
+    model = args.model or random_llava_next(args.image_size)
     torch.set_grad_enabled(False)
     judge = LVLMJudge.shared(JudgeSpec(model, device=args.device, dtype=args.dtype))
     images, index, captions = corpus(args.images, args.captions_per_image, max(args.image_size, 32) * 2)

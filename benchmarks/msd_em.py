@@ -11,13 +11,13 @@ the bi-directional KL, the length weight and the fusion; feature extraction is n
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from capeval_plugins.core.vmf import content_seeds
 from capeval_plugins.metrics.msd import msd_components, pixel_seeds
+from common import timed
 
 
 def workload(pairs: int, patches: int, dim: int, device: str, seed: int = 0):
@@ -51,18 +51,6 @@ def run(data: dict, rows: slice, dtype: torch.dtype) -> torch.Tensor:
     return out["msd"]
 
 
-def timed(fn, device: str, repeats: int):
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best, result
-
 
 def batched(data: dict, batch_size: int, dtype: torch.dtype) -> torch.Tensor:
     n = len(data["tokens"])
@@ -90,18 +78,18 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     data = workload(args.pairs, args.patches, args.dim, args.device)
     run(data, slice(0, 2), dtype)  # warm up
-    t_loop, reference = timed(lambda: per_pair(data, dtype), args.device, args.repeats)
+    t_loop, reference = timed(lambda: per_pair(data, dtype), args.repeats, args.device)
     n = args.pairs
     print(f"device={args.device} threads={torch.get_num_threads()} dtype={args.dtype} pairs={n} "
           f"patches={args.patches} dim={args.dim} tokens=8-40 K=(3,2) kappa=20 iterations=20")
     print(f"per-pair loop:        {t_loop * 1e3 / n:8.3f} ms/pair")
     for size in (int(s) for s in args.batch_sizes.split(",")):
-        t, scores = timed(lambda: batched(data, size, dtype), args.device, args.repeats)
+        t, scores = timed(lambda: batched(data, size, dtype), args.repeats, args.device)
         diff = float((scores - reference).abs().max())
         print(f"batched, batch {size:5d}: {t * 1e3 / n:8.3f} ms/pair  speed-up {t_loop / t:6.2f}x  "
               f"max |diff| vs loop {diff:.1e}")
     pixels = torch.rand(64, 3, 224, 224, device=args.device)
-    t_seed, _ = timed(lambda: pixel_seeds(pixels), args.device, args.repeats)
+    t_seed, _ = timed(lambda: pixel_seeds(pixels), args.repeats, args.device)
     print(f"seed from an image's pixels (3x224x224, not in the figures above): {t_seed * 1e3 / 64:.3f} ms/image")
     print("paper (RTX A6000, EM + KL): 8.39 ms/pair")
 

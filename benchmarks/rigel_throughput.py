@@ -22,9 +22,7 @@ image tokens per prompt).
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
@@ -37,17 +35,8 @@ from capeval_plugins.training.model import RigelModel, RigelSettings, hidden_siz
 from capeval_plugins.training.phase1 import Phase1Config, new_head
 from capeval_plugins.training.state import chunks, epoch_order
 from capeval_plugins.training.synthetic import synthetic_judgments
+from common import random_llava_next, timed
 
-
-def build_model(image_size: int) -> str:
-    from capeval_plugins.testing import tiny_checkpoint
-    from capeval_plugins.testing.vision_language import build_llava_next
-
-    if image_size == 32:
-        return str(tiny_checkpoint("llava_next"))
-    path = tempfile.mkdtemp(prefix="capeval-bench-llava-")
-    build_llava_next(Path(path), 0, image_size=image_size)
-    return path
 
 
 def one_sample_loop(model: RigelModel, visuals, index, candidates) -> torch.Tensor:
@@ -94,14 +83,6 @@ def step(head, opt, hidden, teacher) -> None:
     opt.step()
 
 
-def timed(fn, repeats: int):
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -115,7 +96,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    model_path = args.model or build_model(args.image_size)
+    model_path = args.model or random_llava_next(args.image_size)
     judge = LVLMJudge.shared(JudgeSpec(model_path, device=args.device, dtype=args.dtype))
     settings = RigelSettings(base_model=model_path, hidden_size=hidden_size_of(judge))
     head = new_head(settings, 0).to(judge.device)

@@ -20,7 +20,6 @@ import torch
 from PIL import Image
 
 import capeval_plugins
-from capeval_plugins.core.encoders.common import EncoderSpec
 from capeval_plugins.core.encoders.conditioned import ConditionedEncoder
 from capeval_plugins.core.matching import greedy_prf
 from capeval_plugins.testing.corpus import caption_corpus

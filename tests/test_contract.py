@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from capeval_plugins.contract import (
     INDEX,
     Batch,
     Metric,
-    MetricConfig,
     MetricInfo,
     MetricResult,
     PointwiseMetric,

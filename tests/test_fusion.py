@@ -63,7 +63,7 @@ def test_the_search_equals_a_plain_loop_with_scipy(variant):
     comps = np.round(rng.random((60, 3)), 2)  # ties inside components too
     human = rng.integers(1, 5, size=60).astype(float)
     result = calibrate(comps, human, step=0.1, variant=variant)
-    best, best_tau = None, -np.inf
+    best_tau = -np.inf
     for units in itertools.product(range(11), repeat=3):
         if sum(units) != 10:
             continue

@@ -1,0 +1,38 @@
+"""Helpers the benchmark scripts share (run them as ``python benchmarks/<script>.py``)."""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+def timed(fn: Callable[[], Any], repeats: int, device: str = "cpu") -> tuple[float, Any]:
+    """Best wall time of ``repeats`` calls (seconds) and the last result; waits for CUDA work to finish."""
+    import torch
+
+    def sync() -> None:
+        if str(device).startswith("cuda"):
+            torch.cuda.synchronize()
+
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        result = fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def random_llava_next(image_size: int = 32) -> str:
+    """A random LLaVA-NeXT checkpoint: the tiny test one (32 px tiles) or one with larger tiles (longer
+    prompts, more realistic sequence lengths)."""
+    from capeval_plugins.testing import tiny_checkpoint
+    from capeval_plugins.testing.vision_language import build_llava_next
+
+    if image_size == 32:
+        return str(tiny_checkpoint("llava_next"))
+    path = tempfile.mkdtemp(prefix="capeval-bench-llava-")
+    build_llava_next(Path(path), 0, image_size=image_size)
+    return path
