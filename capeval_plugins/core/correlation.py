@@ -54,15 +54,21 @@ def _concordance(x: np.ndarray, y: np.ndarray) -> tuple[int, int, int, int]:
     return total - x_ties - y_ties + both_ties - 2 * discordant, x_ties, y_ties, n
 
 
-def kendall_tau(x, y, variant: str = "b") -> float:
-    """Kendall's tau-b or tau-c (Stuart's), as ``scipy.stats.kendalltau(x, y, variant=...)`` defines them.
-    NaN when undefined (fewer than two samples, or a constant input)."""
+def paired(x, y, who: str) -> tuple[np.ndarray, np.ndarray]:
+    """Two equally long float64 vectors without NaN, or a clear error."""
     x = np.asarray(x, dtype=np.float64).ravel()
     y = np.asarray(y, dtype=np.float64).ravel()
     if x.shape != y.shape:
         raise ValueError(f"x and y differ in length: {len(x)} vs {len(y)}")
     if np.isnan(x).any() or np.isnan(y).any():
-        raise ValueError("kendall_tau got NaN; drop or fill those samples first")
+        raise ValueError(f"{who} got NaN; drop or fill those samples first")
+    return x, y
+
+
+def kendall_tau(x, y, variant: str = "b") -> float:
+    """Kendall's tau-b or tau-c (Stuart's), as ``scipy.stats.kendalltau(x, y, variant=...)`` defines them.
+    NaN when undefined (fewer than two samples, or a constant input)."""
+    x, y = paired(x, y, "kendall_tau")
     n = len(x)
     if n < 2:
         return math.nan
@@ -106,12 +112,7 @@ class KendallPlan:
     """
 
     def __init__(self, x, y) -> None:
-        x = np.asarray(x, dtype=np.float64).ravel()
-        y = np.asarray(y, dtype=np.float64).ravel()
-        if x.shape != y.shape:
-            raise ValueError(f"x and y differ in length: {len(x)} vs {len(y)}")
-        if np.isnan(x).any() or np.isnan(y).any():
-            raise ValueError("KendallPlan got NaN; drop or fill those samples first")
+        x, y = paired(x, y, "KendallPlan")
         self.n = len(x)
         self.x_group = _dense_rank(x)
         self.y_group = _dense_rank(y)
