@@ -210,6 +210,11 @@ class Metric(abc.ABC):
     def states(self) -> dict[str, StateSpec]:
         """The state tensors ``map`` returns and how each merges."""
 
+    def image_reader(self) -> Any:
+        """How this metric reads its images: ``None`` for pixel images (paths, PIL, arrays, videos), or an
+        :class:`~capeval_plugins.inputs.ImageReader` for another form (e.g. ids of precomputed features)."""
+        return None
+
     @abc.abstractmethod
     def map(self, batch: Batch) -> dict[str, Tensor]:
         """Per-sample rows or partial sums for one batch."""
@@ -231,7 +236,7 @@ class Metric(abc.ABC):
         merge, finalize."""
         from capeval_plugins.inputs import iter_batches, prepare_samples
 
-        samples = prepare_samples(self.info, images, candidates, references, group_ids)
+        samples = prepare_samples(self.info, images, candidates, references, group_ids, reader=self.image_reader())
         parts = (
             map_batch(self, batch)
             for batch in iter_batches(samples, self.config.batch_size, progress=progress, desc=self.info.name)

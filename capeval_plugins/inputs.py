@@ -12,7 +12,7 @@ import hashlib
 import io
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -31,14 +31,18 @@ class InputError(ValueError):
 @dataclass(frozen=True)
 class ImageSource:
     """One image (or video) as given, validated but not yet decoded. ``key`` identifies the same image
-    given twice (same file, same object, same bytes) so its work is done once."""
+    given twice (same file, same object, same bytes) so its work is done once. ``reader`` is set when a
+    metric reads its images its own way (see :class:`ImageReader`)."""
 
     kind: str
     value: Any
     key: Any
     index: int
+    reader: "ImageReader | None" = field(default=None, compare=False, repr=False)
 
     def load(self) -> Any:
+        if self.reader is not None:
+            return self.reader.load(self)
         if self.kind == "video":
             return [frame.load() for frame in self.value]
         try:
@@ -48,6 +52,21 @@ class ImageSource:
         except Exception as err:  # a corrupt file or buffer: name the sample, keep the cause
             where = f" {self.value}" if self.kind == "path" else ""
             raise InputError(f"sample {self.index}: cannot read image{where}: {err}") from err
+
+
+class ImageReader:
+    """How a metric takes its images when they are not pixels (e.g. ids of precomputed region features).
+
+    A metric returns one from ``Metric.image_reader()``. ``source`` validates one image as given, up front and
+    without loading it, and returns an :class:`ImageSource` with ``reader=self`` (errors are
+    :class:`InputError` naming ``index``); ``load`` is called once per distinct image when its batch is
+    built, and what it returns is what ``Batch.images`` holds."""
+
+    def source(self, image: Any, index: int) -> ImageSource:
+        raise NotImplementedError
+
+    def load(self, source: ImageSource) -> Any:
+        raise NotImplementedError
 
 
 @dataclass
@@ -81,17 +100,19 @@ def prepare_samples(
     references: Sequence[Any] | None = None,
     group_ids: Sequence[Any] | None = None,
     indices: Sequence[int] | None = None,
+    reader: ImageReader | None = None,
 ) -> Samples:
     """Validate everything a metric needs and nothing it does not. Raises :class:`InputError`.
 
     A group metric (``info.groups``) given no ``group_ids`` groups the candidates of each image
-    (:func:`image_group_ids`)."""
+    (:func:`image_group_ids`). ``reader`` (from ``Metric.image_reader()``) replaces the pixel-image
+    validation and loading."""
     cands = check_captions(candidates)
     n = len(cands)
     samples = Samples(
         candidates=cands,
         indices=check_indices(indices, n),
-        images=check_images(info, images, n),
+        images=check_images(info, images, n, reader),
         references=check_references(info, references, n),
         group_ids=check_group_ids(group_ids, n),
     )
@@ -194,7 +215,9 @@ def check_references(info: MetricInfo, references: Sequence[Any] | None, n: int)
     return out
 
 
-def check_images(info: MetricInfo, images: Sequence[Any] | None, n: int) -> list[ImageSource] | None:
+def check_images(
+    info: MetricInfo, images: Sequence[Any] | None, n: int, reader: ImageReader | None = None
+) -> list[ImageSource] | None:
     if info.images == "never":
         return None
     if images is None:
@@ -210,6 +233,8 @@ def check_images(info: MetricInfo, images: Sequence[Any] | None, n: int) -> list
     images = list(images)
     if len(images) != n:
         raise InputError(f"got {len(images)} images for {n} captions")
+    if reader is not None:
+        return [reader.source(img, i) for i, img in enumerate(images)]
     return [image_source(img, i, video_ok=info.video) for i, img in enumerate(images)]
 
 

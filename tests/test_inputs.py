@@ -139,3 +139,30 @@ def test_group_ids_numbered_and_checked():
     assert prepare_samples(IMG, [np.zeros((2, 2))] * 3, ["a", "b", "c"], group_ids=["x", "y", "x"]).group_ids == [0, 1, 0]
     with pytest.raises(InputError, match="group ids"):
         prepare_samples(IMG, [np.zeros((2, 2))] * 2, ["a", "b"], group_ids=[1])
+
+
+class TableReader:
+    """A metric-specific reader: images are keys of a table (e.g. ids of precomputed features)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def source(self, image, index):
+        from capeval_plugins.inputs import ImageSource
+
+        if image not in self.table:
+            raise InputError(f"sample {index}: no entry for {image!r}")
+        return ImageSource("table", image, ("table", image), index, reader=self)
+
+    def load(self, source):
+        return self.table[source.value]
+
+
+def test_a_metric_reader_replaces_pixel_validation_and_loading():
+    reader = TableReader({"a": torch.zeros(2), "b": torch.ones(3)})
+    samples = prepare_samples(IMG, ["b", "a", "b"], ["x", "y", "z"], reader=reader)
+    batch = next(iter_batches(samples, 8))
+    assert [len(img) for img in batch.images] == [3, 2]  # each distinct key loaded once
+    assert batch.image_index.tolist() == [0, 0, 1]  # candidates of one image grouped: samples 0, 2, then 1
+    with pytest.raises(InputError, match="sample 1: no entry for 'c'"):
+        prepare_samples(IMG, ["a", "c"], ["x", "y"], reader=reader)

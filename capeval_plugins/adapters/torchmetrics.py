@@ -74,7 +74,8 @@ class CapevalMetric(torchmetrics.Metric):
         if ids is None:
             rank, world = _world()
             ids = [rank + world * (self._seen + i) for i in range(n)]
-        samples = prepare_samples(info, images, captions, references, group_ids, ids)
+        samples = prepare_samples(info, images, captions, references, group_ids, ids,
+                                  reader=self.capeval_metric.image_reader())
         self._seen += n
         for batch in iter_batches(samples, self.capeval_metric.config.batch_size):
             out = map_batch(self.capeval_metric, batch)
