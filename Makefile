@@ -14,13 +14,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-# A tiny random CLIP is built on the spot (no downloads): its scores are meaningless.
-# With a real model the command is the same: --model openai/clip-vit-base-patch32
+# One pass, four metrics, one backbone: CLIPScore, RefCLIPScore and two seed methods (MSD-Score and Soft-MSD)
+# on a tiny random CLIP built on the spot (no downloads): its scores are meaningless. With a real model the
+# command is the same: --model openai/clip-vit-base-patch32
 demo: $(STAMP)
 	$(BIN)/capeval tiny clip .cache/tiny-clip
-	$(BIN)/capeval score --metric clipscore --model .cache/tiny-clip \
+	$(BIN)/capeval score -m clipscore -m refclipscore -m msd_score -m soft_msd --model .cache/tiny-clip \
 		--images examples/images --captions examples/captions.jsonl --out scores.jsonl
-	@echo "per-sample scores: scores.jsonl"
+	@echo "per-sample scores of every metric: scores.jsonl (random weights: the numbers mean nothing)"
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/pytest -q
@@ -29,4 +30,4 @@ docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .cache site scores.jsonl
+	rm -rf $(VENV) .cache site scores.jsonl scores.jsonl.capeval-run

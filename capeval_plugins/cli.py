@@ -7,43 +7,14 @@ states are merged through the same reduce step as the torchmetrics adapter.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 from typing import Any, Sequence
 
 
-def _parse_value(raw: str, default: Any) -> Any:
-    if isinstance(default, bool):
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise argparse.ArgumentTypeError(f"expected a boolean, got {raw!r}")
-    if isinstance(default, str):
-        return raw
-    if isinstance(default, (int, float)):
-        return type(default)(raw)
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def metric_options(metric_cls: type, pairs: Sequence[str]) -> dict[str, Any]:
-    """``key=value`` strings -> typed options, typed by the metric's Config defaults."""
-    defaults = {f.name: f.default for f in dataclasses.fields(metric_cls.Config)}
-    options = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep:
-            raise SystemExit(f"--option expects key=value, got {pair!r}")
-        if key not in defaults:
-            raise SystemExit(f"{metric_cls.info.name}: unknown option {key!r}; valid: {sorted(defaults)}")
-        options[key] = _parse_value(raw, defaults[key])
-    return options
+class UsageError(Exception):
+    """A mistake in the command line or its inputs: one line on stderr, exit code 2."""
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -87,55 +58,106 @@ def _init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def quiet_libraries() -> None:
+    """No progress bars from the model libraries either (weights loading, downloads)."""
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+
+
+def build_metrics(names: Sequence[str], pairs: Sequence[str], shared: dict[str, str]) -> dict[str, Any]:
+    """The selected metrics, each with its options (``-o key=value`` to every metric that takes it,
+    ``-o metric.key=value`` to one)."""
+    from capeval_plugins import options, registry
+
+    entries = {}
+    for name in names:
+        entry = registry.get(name)
+        entries[entry.info.name] = entry.cls
+    if len(entries) != len(names):
+        raise UsageError("a metric is selected twice")
+    bare, own = options.parse_pairs(pairs, list(entries))
+    bare.update(shared)
+    routed = options.route(entries, bare, own, parse=True)
+    metrics = {}
+    for name, cls in entries.items():
+        try:
+            metrics[name] = cls(**routed[name])
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"{err}" if name in str(err) else f"{name}: {err}") from None
+    return metrics
+
+
 def cmd_score(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
+    if args.quiet:
+        quiet_libraries()
+    from capeval_plugins import runner
+    from capeval_plugins.caption_files import check_writable, read_captions, score_table, write_table
 
-    from capeval_plugins import registry
-    from capeval_plugins.adapters.torchmetrics import metric_class
-    from capeval_plugins.caption_files import read_captions, write_scores
-    from capeval_plugins.inputs import check_group_ids
-
-    entry = registry.get(args.metric)
-    options = metric_options(entry.cls, args.option or [])
-    for key in ("model", "batch_size", "device", "dtype"):
-        value = getattr(args, key)
-        if value is not None:
-            options[key] = value
+    shared = {key: str(value) for key in ("model", "batch_size", "device", "dtype", "on_error")
+              if (value := getattr(args, key)) is not None}
+    metrics = build_metrics(args.metric, args.option or [], shared)
+    if args.out:
+        check_writable(args.out)
     records = read_captions(args.captions, args.images)
-    info = entry.info
+    if not len(records):
+        raise UsageError(f"{args.captions} holds no captions")
+    uses_references = any(m.info.references != "never" for m in metrics.values())
     groups = None
-    if info.groups:
-        groups = check_group_ids([g if g is not None else img for g, img in zip(records.groups, records.images)], len(records))
-    references = records.references if info.references != "never" and any(records.references) else None
+    if any(g is not None for g in records.groups):
+        groups = [g if g is not None else img for g, img in zip(records.groups, records.images)]
+    corpus = runner.Corpus(
+        candidates=records.captions,
+        images=records.images if any(m.info.images != "never" for m in metrics.values()) else None,
+        references=records.references if any(records.references) and uses_references else None,
+        group_ids=groups,
+        describe=records.describe,
+    )
+    run_dir = args.run_dir or (f"{args.out}.capeval-run" if args.out else None)
 
     rank, world = _init_distributed()
-    metric = metric_class(entry.info.name)(metric=entry.cls(**options))
-    mine = list(range(rank, len(records), world))
-    step = metric.capeval_metric.config.batch_size
-    bar = tqdm(total=len(mine), desc=entry.info.name, unit="sample", disable=args.quiet or rank != 0)
-    for start in range(0, len(mine), step):
-        part = mine[start : start + step]
-        metric.update(
-            [records.images[i] for i in part] if info.images != "never" else None,
-            [records.captions[i] for i in part],
-            [references[i] for i in part] if references is not None else None,
-            ids=part,
-            group_ids=[groups[i] for i in part] if groups is not None else None,
-        )
-        bar.update(len(part))
-    bar.close()
-    result = metric.compute_all()  # merges every rank's states when torch.distributed is initialised
-    if rank == 0:
-        if args.out:
-            write_scores(args.out, result)
-        summary = {"metric": info.name, "score": result.score, "n": len(result), **result.corpus_extras}
-        print(json.dumps(summary))
-    if world > 1:
-        import torch.distributed as dist
+    try:
+        with runner.stop_on_signals() as stop:
+            outcome = runner.run(metrics, corpus, run_dir=run_dir, restart=args.restart, progress=not args.quiet,
+                                 shard=True, gather_to=0, stop=stop)
+        if rank == 0:
+            table = score_table(outcome.results)
+            if args.out:
+                write_table(args.out, table)
+            print(json.dumps(summary(outcome, table), allow_nan=False))
+        if run_dir:
+            runner.finish(run_dir, shard=True)
+    except runner.Interrupted as err:
+        if rank == 0:
+            if run_dir:
+                print(f"capeval: {err}; run the same command again to resume, or add --restart to start over",
+                      file=sys.stderr)
+            else:
+                print(f"capeval: {err}; nothing was kept (give --out or --run-dir to make a run resumable)",
+                      file=sys.stderr)
+        return 130
+    finally:
+        if world > 1:
+            import torch.distributed as dist
 
-        dist.barrier()
-        dist.destroy_process_group()
+            dist.destroy_process_group()
     return 0
+
+
+def summary(outcome: Any, table: list[dict]) -> dict[str, Any]:
+    """The closing line: counts, and per metric its corpus score and corpus extras (strict JSON)."""
+    from capeval_plugins.caption_files import json_safe
+
+    metrics = {}
+    for name, result in outcome.results.items():
+        extras = {k: v for k, v in result.corpus_extras.items() if k not in ("n_invalid", "n_skipped")}
+        metrics[name] = {"score": result.score, "n_invalid": int(result.corpus_extras.get("n_invalid", 0)),
+                         "n_skipped": len(result.skipped), **extras}
+    return json_safe({"n": len(table), "n_skipped": sum("error" in row for row in table),
+                      "batches_scored": outcome.batches_scored, "batches_resumed": outcome.batches_resumed,
+                      "metrics": metrics})
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
@@ -164,17 +186,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("score", help="score a caption file (JSON Lines) with one metric")
-    p.add_argument("--metric", required=True, help="registered metric name (see `capeval list`)")
+    p = sub.add_parser("score", help="score a caption file with one or more metrics in one pass",
+                       description=SCORE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--metric", "-m", action="append", required=True,
+                   help="registered metric name (repeatable; see `capeval list`)")
     p.add_argument("--captions", required=True, help='JSON Lines: {"image", "caption", "references"} per line')
     p.add_argument("--images", help="folder the image paths are relative to (default: the caption file's)")
-    p.add_argument("--out", help="per-sample scores, JSON Lines (or CSV if it ends in .csv), input order")
-    p.add_argument("--model", help="hub id or local path of the metric's model")
+    p.add_argument("--out", help="per-sample scores: .jsonl, .csv or .parquet (one row per sample, input order)")
+    p.add_argument("--model", help="model of every selected metric that takes one (same as -o model=...)")
     p.add_argument("--batch-size", dest="batch_size", type=int)
     p.add_argument("--device")
     p.add_argument("--dtype")
-    p.add_argument("--option", "-o", action="append", metavar="KEY=VALUE", help="any metric option (repeatable)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--on-error", dest="on_error", choices=("raise", "skip"),
+                   help="a sample that cannot be scored: stop before scoring (raise, default) or skip it")
+    p.add_argument("--option", "-o", action="append", metavar="[METRIC.]KEY=VALUE",
+                   help="a metric option (repeatable); without METRIC. it goes to every metric that takes it")
+    p.add_argument("--run-dir", dest="run_dir", help="checkpoint folder (default: <out>.capeval-run)")
+    p.add_argument("--restart", action="store_true", help="discard an unfinished run in the checkpoint folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (ours or the model libraries')")
     p.set_defaults(func=cmd_score)
 
     p = sub.add_parser("tiny", help="build a tiny random checkpoint (for tests; its scores are meaningless)")
@@ -195,16 +224,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 a usage or input error (one line on stderr), 130 interrupted, 1 a bug."""
     args = build_parser().parse_args(argv)
+    from capeval_plugins.core.loading import ModelLoadError
+    from capeval_plugins.core.messages import DataError
+    from capeval_plugins.inputs import InputError
+
     try:
         return args.func(args)
-    except (KeyError, ValueError, FileNotFoundError) as err:
-        from capeval_plugins.inputs import InputError
+    except (UsageError, InputError, DataError, KeyError, ModelLoadError) as err:
+        message = err.args[0] if err.args else str(err)
+        # every rank validates the same input: rank 0 reports that; a rank reports what only it found
+        if _rank() == 0 or not isinstance(err, InputError) or getattr(err, "rank_specific", False):
+            print(f"capeval: error: {message}", file=sys.stderr)
+        return 2
 
-        if isinstance(err, (InputError, KeyError)):
-            print(f"capeval: error: {err.args[0] if err.args else err}", file=sys.stderr)
-            return 2
-        raise
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+SCORE_HELP = """Score a caption file with one or more metrics in one pass.
+
+Every input is checked before any model loads; problems are listed by row (`sample 250 (captions.jsonl
+line 252)`). With --out, finished batches are saved in <out>.capeval-run (or --run-dir): after Ctrl-C,
+a crash or a pre-emption, the same command resumes where it stopped; --restart starts over. Runs under
+torchrun too (each rank scores a share; resume with the same number of ranks).
+
+Exit codes: 0 done; 2 a usage or input error; 130 interrupted (resumable); 1 a bug.
+
+examples:
+  capeval score -m clipscore -m refclipscore -m msd_score --model openai/clip-vit-base-patch32 \\
+      --images examples/images --captions examples/captions.jsonl --out scores.jsonl
+  capeval score -m clipscore -m bertscore -o clipscore.model=openai/clip-vit-base-patch32 \\
+      -o bertscore.model=roberta-large --captions caps.jsonl --out scores.parquet --on-error skip"""
 
 
 if __name__ == "__main__":

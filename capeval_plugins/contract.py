@@ -125,7 +125,9 @@ class MetricResult:
     """Corpus score, per-sample scores in input order, and named extras.
 
     ``extras`` are per-sample (one value or row per sample, same order as ``scores``); ``corpus_extras`` are
-    corpus-level numbers. The two never share a key.
+    corpus-level numbers. The two never share a key. ``skipped`` maps the index of every sample that was not
+    scored (``on_error="skip"``) to the reason; such samples have NaN scores and extras and take no part in
+    the corpus score.
     """
 
     name: str
@@ -134,6 +136,7 @@ class MetricResult:
     indices: Tensor
     extras: dict[str, Tensor] = field(default_factory=dict)
     corpus_extras: dict[str, float] = field(default_factory=dict)
+    skipped: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.scores)
@@ -142,7 +145,7 @@ class MetricResult:
         for key, value in self.extras.items():
             if len(value) != n:
                 raise ValueError(f"extra {key!r} has {len(value)} rows for {n} samples")
-        clash = set(self.extras) & set(self.corpus_extras) | {self.name, "scores"} & (
+        clash = set(self.extras) & set(self.corpus_extras) | {self.name, "scores", "skipped"} & (
             set(self.extras) | set(self.corpus_extras)
         )
         if clash:
@@ -151,28 +154,71 @@ class MetricResult:
     def __len__(self) -> int:
         return len(self.scores)
 
+    def with_skipped(self, skipped: Mapping[int, str]) -> "MetricResult":
+        """This result with the ``skipped`` samples put back in index order (NaN score and extras) and
+        counted in ``corpus_extras["n_skipped"]``."""
+        if not skipped:
+            return self
+        missing = torch.tensor(sorted(skipped), dtype=torch.int64)
+        indices = torch.cat([self.indices.cpu().to(torch.int64), missing])
+        order = torch.argsort(indices, stable=True)
+
+        def padded(values: Tensor) -> Tensor:
+            values = values.cpu()
+            if not values.is_floating_point():
+                values = values.to(torch.float64)
+            blank = torch.full((len(missing), *values.shape[1:]), math.nan, dtype=values.dtype)
+            return torch.cat([values, blank])[order]
+
+        return dataclasses.replace(
+            self,
+            scores=padded(self.scores),
+            indices=indices[order],
+            extras={k: padded(v) for k, v in self.extras.items()},
+            corpus_extras={**self.corpus_extras, "n_skipped": float(len(skipped))},
+            skipped={**self.skipped, **{int(i): r for i, r in skipped.items()}},
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        """The shape scripts rely on: ``{name: corpus, "scores": [...], **extras, **corpus_extras}``."""
+        """The shape scripts rely on: ``{name: corpus, "scores": [...], **extras, **corpus_extras}`` (and
+        ``"skipped": {index: reason}`` when samples were skipped)."""
         out: dict[str, Any] = {self.name: self.score, "scores": self.scores.tolist()}
         out.update({k: v.tolist() for k, v in self.extras.items()})
         out.update(self.corpus_extras)
+        if self.skipped:
+            out["skipped"] = dict(self.skipped)
         return out
 
     def rows(self) -> list[dict[str, Any]]:
-        """One record per sample, in input order: ``index``, ``score`` and the per-sample extras."""
+        """One record per sample, in input order: ``index``, ``score``, the per-sample extras, and ``error``
+        (the reason) for a skipped sample."""
         columns = {k: v.tolist() for k, v in self.extras.items()}
-        return [
-            {"index": int(i), "score": float(s), **{k: col[j] for k, col in columns.items()}}
-            for j, (i, s) in enumerate(zip(self.indices.tolist(), self.scores.tolist()))
-        ]
+        rows = []
+        for j, (i, s) in enumerate(zip(self.indices.tolist(), self.scores.tolist())):
+            row = {"index": int(i), "score": float(s), **{k: col[j] for k, col in columns.items()}}
+            if int(i) in self.skipped:
+                row["error"] = self.skipped[int(i)]
+            rows.append(row)
+        return rows
+
+
+ON_ERROR = ("raise", "skip")
 
 
 @dataclass
 class MetricConfig:
     """Options every metric shares. A metric's own ``Config`` subclasses this; its field defaults are the
-    paper's configuration."""
+    paper's configuration.
+
+    ``on_error``: what a sample that cannot be scored (empty caption, missing or corrupt image, missing
+    references) does: ``"raise"`` stops before anything is scored, naming every such sample; ``"skip"``
+    scores the others and records the skipped ones, with their reason, in the result."""
 
     batch_size: int = 64
+    on_error: str = "raise"
+
+    # Options that name existing files or folders to read (checked before anything is scored).
+    input_paths: ClassVar[tuple[str, ...]] = ()
 
 
 @dataclass
@@ -185,6 +231,8 @@ class ModelConfig(MetricConfig):
     revision: str | None = None
     local_files_only: bool | None = None
     trust_remote_code: bool = False
+
+    input_paths: ClassVar[tuple[str, ...]] = ("model",)
 
 
 class Metric(abc.ABC):
@@ -210,11 +258,6 @@ class Metric(abc.ABC):
     def states(self) -> dict[str, StateSpec]:
         """The state tensors ``map`` returns and how each merges."""
 
-    def image_reader(self) -> Any:
-        """How this metric reads its images: ``None`` for pixel images (paths, PIL, arrays, videos), or an
-        :class:`~capeval_plugins.inputs.ImageReader` for another form (e.g. ids of precomputed features)."""
-        return None
-
     @abc.abstractmethod
     def map(self, batch: Batch) -> dict[str, Tensor]:
         """Per-sample rows or partial sums for one batch."""
@@ -223,6 +266,17 @@ class Metric(abc.ABC):
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
         """Merged state (rows sorted by sample index, repeats removed) -> result."""
 
+    def image_reader(self) -> Any:
+        """How this metric reads its images: ``None`` for pixel images (paths, PIL, arrays, videos), or an
+        :class:`~capeval_plugins.inputs.ImageReader` for another form (e.g. ids of precomputed features)."""
+        return None
+
+    def references_required(self) -> bool:
+        """Whether this configured metric cannot score without references (``info.references`` says what the
+        method may use; an instance can need them where the method does not always, e.g. MID without a
+        saved fit)."""
+        return self.info.references == "always"
+
     def __call__(
         self,
         images: Sequence[Any] | None = None,
@@ -230,18 +284,19 @@ class Metric(abc.ABC):
         references: Sequence[Any] | None = None,
         *,
         group_ids: Sequence[Any] | None = None,
+        ids: Sequence[int] | None = None,
+        on_error: str | None = None,
+        run_dir: str | None = None,
+        restart: bool = False,
         progress: bool = False,
     ) -> MetricResult:
-        """Score a whole corpus in this process: validate, batch (candidates of one image together), map,
-        merge, finalize."""
-        from capeval_plugins.inputs import iter_batches, prepare_samples
+        """Score a whole corpus through :func:`capeval_plugins.runner.score`: validate everything first
+        (errors name ``ids[i]``, else the position), batch (candidates of one image together), map, merge,
+        finalize; shard over ranks when torch.distributed is initialised; checkpoint in ``run_dir``."""
+        from capeval_plugins import runner
 
-        samples = prepare_samples(self.info, images, candidates, references, group_ids, reader=self.image_reader())
-        parts = (
-            map_batch(self, batch)
-            for batch in iter_batches(samples, self.config.batch_size, progress=progress, desc=self.info.name)
-        )
-        return finalize_state(self, merge_states(full_spec(self), parts))
+        return runner.score(self, images, candidates, references, group_ids=group_ids, ids=ids,
+                            on_error=on_error, run_dir=run_dir, restart=restart, progress=progress)
 
 
 def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name: str) -> MetricConfig:
@@ -250,7 +305,12 @@ def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name
     unknown = sorted(set(values) - known)
     if unknown:
         raise TypeError(f"{name}: unknown option(s) {unknown}; valid options: {sorted(known)}")
-    return config_cls(**values)
+    config = config_cls(**values)
+    if config.on_error not in ON_ERROR:
+        raise ValueError(f"{name}: on_error must be one of {ON_ERROR}, got {config.on_error!r}")
+    if isinstance(config.batch_size, bool) or not isinstance(config.batch_size, int) or config.batch_size < 1:
+        raise ValueError(f"{name}: batch_size must be a positive integer, got {config.batch_size!r}")
+    return config
 
 
 def full_spec(metric: Metric) -> dict[str, StateSpec]:

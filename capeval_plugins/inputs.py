@@ -13,7 +13,7 @@ import io
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -93,6 +93,46 @@ class Samples:
         )
 
 
+MAX_REPORTED = 20
+
+
+class ProblemReport:
+    """Per-sample problems found by validation, keyed by the sample's own index (the id the user gave, or
+    its position in the user's list), in input order."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, list[str]] = {}
+
+    def add(self, index: int, message: str) -> None:
+        messages = self.by_index.setdefault(index, [])
+        if message not in messages:
+            messages.append(message)
+
+    def merge(self, other: "ProblemReport") -> None:
+        for index, messages in other.by_index.items():
+            for message in messages:
+                self.add(index, message)
+
+    def __len__(self) -> int:
+        return len(self.by_index)
+
+    def reasons(self) -> dict[int, str]:
+        """``{index: "problem; other problem"}``."""
+        return {i: "; ".join(m) for i, m in self.by_index.items()}
+
+    def error(self, describe: Callable[[int], str] | None = None) -> "InputError":
+        """One error listing the first :data:`MAX_REPORTED` problems, then how many more there are."""
+        describe = describe or (lambda i: f"sample {i}")
+        items = sorted(self.by_index.items())
+        lines = [f"{describe(i)}: {'; '.join(m)}" for i, m in items[:MAX_REPORTED]]
+        if len(items) > MAX_REPORTED:
+            lines.append(f"... and {len(items) - MAX_REPORTED} more samples with problems")
+        head = "1 sample cannot be scored" if len(items) == 1 else f"{len(items)} samples cannot be scored"
+        err = InputError(lines[0] if len(items) == 1 else head + ":\n  " + "\n  ".join(lines))
+        err.problems = self.reasons()
+        return err
+
+
 def prepare_samples(
     info: MetricInfo,
     images: Sequence[Any] | None,
@@ -102,40 +142,87 @@ def prepare_samples(
     indices: Sequence[int] | None = None,
     reader: ImageReader | None = None,
 ) -> Samples:
-    """Validate everything a metric needs and nothing it does not. Raises :class:`InputError`.
-
-    A group metric (``info.groups``) given no ``group_ids`` groups the candidates of each image
-    (:func:`image_group_ids`). ``reader`` (from ``Metric.image_reader()``) replaces the pixel-image
-    validation and loading."""
-    cands = check_captions(candidates)
-    n = len(cands)
-    samples = Samples(
-        candidates=cands,
-        indices=check_indices(indices, n),
-        images=check_images(info, images, n, reader),
-        references=check_references(info, references, n),
-        group_ids=check_group_ids(group_ids, n),
-    )
-    if samples.group_ids is None and info.groups and samples.images is not None:
-        samples.group_ids = image_group_ids(samples.images)
+    """Validate everything a metric needs and nothing it does not. Raises :class:`InputError` listing every
+    sample that cannot be scored (see :func:`validate_samples`)."""
+    samples, problems = validate_samples(info, images, candidates, references, group_ids, indices, reader=reader)
+    if problems:
+        raise problems.error()
     return samples
 
 
-def check_captions(candidates: Any) -> list[str]:
+def validate_samples(
+    info: MetricInfo,
+    images: Sequence[Any] | None,
+    candidates: Sequence[str] | None,
+    references: Sequence[Any] | None = None,
+    group_ids: Sequence[Any] | None = None,
+    indices: Sequence[int] | None = None,
+    *,
+    reader: ImageReader | None = None,
+    references_required: bool | None = None,
+    checked: dict | None = None,
+) -> tuple[Samples, ProblemReport]:
+    """Check every sample and return the valid ones with a report of the others.
+
+    Problems of the input as a whole (no captions, lists of different lengths, references missing for a
+    metric that needs them) raise :class:`InputError` at once; problems of one sample (an empty caption, an
+    image file that is missing or whose header does not decode, a bad array, missing references) are
+    collected by the sample's index, which is ``indices[i]`` when given, else its position. Image files are
+    opened only far enough to read their header (once per file, shared through ``checked``); pixels are
+    decoded batch by batch. A group metric (``info.groups``) given no ``group_ids`` groups the candidates of
+    each image (:func:`image_group_ids`). ``reader`` (from ``Metric.image_reader()``) replaces the
+    pixel-image validation and loading; ``references_required`` overrides ``info.references == "always"``."""
+    cands = _caption_list(candidates)
+    n = len(cands)
+    ids = check_indices(indices, n)
+    problems = ProblemReport()
+    for i, caption in zip(ids, cands):
+        message = caption_problem(caption)
+        if message:
+            problems.add(i, message)
+    sources = _image_sources(info, images, ids, reader, problems, {} if checked is None else checked)
+    refs = _reference_lists(info, references, ids, problems, references_required)
+    groups = check_group_ids(group_ids, n)
+    if groups is None and info.groups and sources is not None:
+        groups = image_group_ids([s if s is not None else ImageSource("none", None, ("none", i), i)
+                                  for i, s in zip(ids, sources)])
+    samples = Samples(candidates=cands, indices=ids, images=sources, references=refs, group_ids=groups)
+    if problems:
+        bad = problems.by_index
+        samples = samples.subset([p for p, i in enumerate(ids) if i not in bad])
+    return samples, problems
+
+
+def _caption_list(candidates: Any) -> list[Any]:
     if candidates is None:
         raise InputError("no candidate captions given")
     if isinstance(candidates, (str, bytes)):
         raise InputError("candidates must be a sequence of strings, got a single string")
     if isinstance(candidates, np.ndarray):
         candidates = candidates.tolist()
-    out = []
-    for i, caption in enumerate(candidates):
-        if not isinstance(caption, str):
-            raise InputError(f"sample {i}: caption must be a string, got {type(caption).__name__}")
-        if not caption.strip():
-            raise InputError(f"sample {i}: caption is empty")
-        out.append(caption)
-    return out
+    try:
+        return list(candidates)
+    except TypeError:
+        raise InputError(f"candidates must be a sequence of strings, got {type(candidates).__name__}") from None
+
+
+def caption_problem(caption: Any) -> str | None:
+    """What is wrong with one candidate caption, or None."""
+    if not isinstance(caption, str):
+        return f"caption must be a string, got {type(caption).__name__}"
+    if not caption.strip():
+        return "caption is empty"
+    return None
+
+
+def check_captions(candidates: Any) -> list[str]:
+    """Candidate captions as a list of strings; raises at the first bad one."""
+    cands = _caption_list(candidates)
+    for i, caption in enumerate(cands):
+        message = caption_problem(caption)
+        if message:
+            raise InputError(f"sample {i}: {message}")
+    return cands
 
 
 def check_indices(indices: Sequence[int] | None, n: int) -> list[int]:
@@ -187,37 +274,73 @@ def _stable_id(key: Any, salt: str) -> int:
 
 
 def check_references(info: MetricInfo, references: Sequence[Any] | None, n: int) -> list[list[str]] | None:
+    """References as a list of lists of strings; raises at the first bad sample."""
+    problems = ProblemReport()
+    refs = _reference_lists(info, references, list(range(n)), problems, None)
+    if problems:
+        raise problems.error()
+    return refs
+
+
+def _reference_lists(info: MetricInfo, references: Sequence[Any] | None, ids: list[int], problems: ProblemReport,
+                     required: bool | None) -> list[list[str]] | None:
+    n = len(ids)
+    required = info.references == "always" if required is None else required
     if references is None:
-        if info.references == "always":
+        if required:
             raise InputError(f"{info.name} needs references (a list of reference captions per sample)")
         return None
     if info.references == "never":
-        warnings.warn(f"{info.name} does not use references; they are ignored", stacklevel=3)
+        warnings.warn(f"{info.name} does not use references; they are ignored", stacklevel=4)
         return None
     if isinstance(references, (str, bytes)):
         raise InputError("references must be a sequence with one entry (a list of strings) per sample")
     references = list(references)
     if len(references) != n:
         raise InputError(f"got references for {len(references)} samples but {n} captions")
-    out = []
-    for i, refs in enumerate(references):
-        if refs is None:
-            raise InputError(f"sample {i}: references missing")
-        refs = [refs] if isinstance(refs, str) else list(refs)
-        if not refs:
-            raise InputError(f"sample {i}: empty list of references")
-        for j, ref in enumerate(refs):
-            if not isinstance(ref, str):
-                raise InputError(f"sample {i}: reference {j} must be a string, got {type(ref).__name__}")
-            if not ref.strip():
-                raise InputError(f"sample {i}: reference {j} is empty")
-        out.append(refs)
+    out: list[list[str]] = []
+    for i, refs in zip(ids, references):
+        message = reference_problem(refs)
+        if message:
+            problems.add(i, message)
+        out.append([] if message else [refs] if isinstance(refs, str) else [str(r) for r in refs])
     return out
+
+
+def reference_problem(refs: Any) -> str | None:
+    """What is wrong with one sample's references (a list of strings, or one string), or None."""
+    if refs is None:
+        return "references missing"
+    if isinstance(refs, str):
+        refs = [refs]
+    elif isinstance(refs, np.ndarray):
+        refs = refs.tolist()
+    elif not isinstance(refs, (list, tuple)):
+        return f"references must be a list of strings, got {type(refs).__name__}"
+    if not refs:
+        return "empty list of references"
+    for j, ref in enumerate(refs):
+        if not isinstance(ref, str):
+            return f"reference {j} must be a string, got {type(ref).__name__}"
+        if not ref.strip():
+            return f"reference {j} is empty"
+    return None
 
 
 def check_images(
     info: MetricInfo, images: Sequence[Any] | None, n: int, reader: ImageReader | None = None
 ) -> list[ImageSource] | None:
+    """Image sources of ``n`` samples; raises at the first bad one."""
+    problems = ProblemReport()
+    sources = _image_sources(info, images, list(range(n)), reader, problems, {})
+    if problems:
+        raise problems.error()
+    return sources
+
+
+def _image_sources(info: MetricInfo, images: Sequence[Any] | None, ids: list[int], reader: ImageReader | None,
+                   problems: ProblemReport, checked: dict) -> list[ImageSource | None] | None:
+    n = len(ids)
     if info.images == "never":
         return None
     if images is None:
@@ -226,26 +349,44 @@ def check_images(
         return None
     if isinstance(images, (str, bytes, os.PathLike, Image.Image)):
         raise InputError("images must be a sequence with one image per caption, got a single image")
-    if isinstance(images, torch.Tensor) and images.ndim == 4:
+    if isinstance(images, (torch.Tensor, np.ndarray)) and images.ndim == 4:
         images = list(images)  # a (N, C, H, W) or (N, H, W, C) stack
-    elif isinstance(images, np.ndarray) and images.ndim == 4:
+    try:
         images = list(images)
-    images = list(images)
+    except TypeError:
+        raise InputError(f"images must be a sequence with one image per caption, got {type(images).__name__}") from None
     if len(images) != n:
         raise InputError(f"got {len(images)} images for {n} captions")
-    if reader is not None:
-        return [reader.source(img, i) for i, img in enumerate(images)]
-    return [image_source(img, i, video_ok=info.video) for i, img in enumerate(images)]
+    sources: list[ImageSource | None] = []
+    for i, image in zip(ids, images):
+        try:
+            if reader is not None:
+                sources.append(reader.source(image, i))
+            else:
+                sources.append(image_source(image, i, video_ok=info.video, checked=checked))
+        except InputError as err:
+            problems.add(i, _reason(err, i))
+            sources.append(None)
+    return sources
 
 
-def image_source(image: Any, index: int, video_ok: bool = False) -> ImageSource:
-    """Validate one image (or video) without decoding it."""
+def _reason(err: InputError, index: int) -> str:
+    """The message of a per-sample error without its ``sample <index>:`` prefix."""
+    text = str(err.args[0]) if err.args else str(err)
+    prefix = f"sample {index}: "
+    return text[len(prefix):] if text.startswith(prefix) else text
+
+
+def image_source(image: Any, index: int, video_ok: bool = False, checked: dict | None = None) -> ImageSource:
+    """Validate one image (or video) without decoding its pixels: a file must exist and its header must
+    decode (checked once per file when ``checked`` is shared); an array needs a known layout, dtype and
+    finite values in range."""
     if isinstance(image, (list, tuple)):
         if not video_ok:
             raise InputError(f"sample {index}: got a list of frames, but this metric scores single images")
         if not image:
             raise InputError(f"sample {index}: video has no frames")
-        frames = tuple(image_source(frame, index) for frame in image)
+        frames = tuple(image_source(frame, index, checked=checked) for frame in image)
         return ImageSource("video", frames, ("video", tuple(f.key for f in frames)), index)
     if image is None:
         raise InputError(f"sample {index}: image missing")
@@ -253,22 +394,53 @@ def image_source(image: Any, index: int, video_ok: bool = False) -> ImageSource:
         return ImageSource("pil", image, ("obj", id(image)), index)
     if isinstance(image, (str, os.PathLike)):
         path = os.fspath(image)
-        if not os.path.isfile(path):
-            raise InputError(f"sample {index}: image file not found: {path}")
-        return ImageSource("path", path, ("path", os.path.realpath(path)), index)
+        key = ("path", os.path.realpath(path))
+        if checked is None or key not in checked:
+            problem = _file_problem(path)
+            if checked is not None:
+                checked[key] = problem
+        else:
+            problem = checked[key]
+        if problem:
+            raise InputError(f"sample {index}: {problem}")
+        return ImageSource("path", path, key, index)
     if isinstance(image, dict):
         if image.get("bytes"):
-            data = image["bytes"]
-            return ImageSource("bytes", data, ("bytes", hashlib.sha1(data).hexdigest()), index)
+            return image_source(bytes(image["bytes"]), index, checked=checked)
         if image.get("path"):
-            return image_source(image["path"], index)
+            return image_source(image["path"], index, checked=checked)
         raise InputError(f"sample {index}: image dict needs 'bytes' or 'path'")
-    if isinstance(image, bytes):
-        return ImageSource("bytes", image, ("bytes", hashlib.sha1(image).hexdigest()), index)
+    if isinstance(image, (bytes, bytearray)):
+        data = bytes(image)
+        problem = _header_problem(io.BytesIO(data))
+        if problem:
+            raise InputError(f"sample {index}: cannot read image bytes: {problem}")
+        return ImageSource("bytes", data, ("bytes", hashlib.sha1(data).hexdigest()), index)
     if isinstance(image, (np.ndarray, torch.Tensor)):
         check_array(image, index)
         return ImageSource("array", image, ("obj", id(image)), index)
     raise InputError(f"sample {index}: unsupported image type {type(image).__name__}")
+
+
+def _file_problem(path: str) -> str | None:
+    if not os.path.isfile(path):
+        return f"image file not found: {path}"
+    try:
+        with open(path, "rb") as f:
+            problem = _header_problem(f)
+    except OSError as err:
+        return f"cannot open image {path}: {err.strerror or err}"
+    return f"cannot read image {path}: {problem}" if problem else None
+
+
+def _header_problem(stream: Any) -> str | None:
+    """Why the image header in ``stream`` does not decode, or None. Reads the header only, not the pixels."""
+    try:
+        with Image.open(stream) as img:
+            width, height = img.size
+    except Exception as err:  # PIL raises many types for a bad header
+        return str(err) or type(err).__name__
+    return None if width > 0 and height > 0 else f"image has size {width}x{height}"
 
 
 def check_array(image: np.ndarray | torch.Tensor, index: int) -> None:
@@ -277,14 +449,18 @@ def check_array(image: np.ndarray | torch.Tensor, index: int) -> None:
         raise InputError(f"sample {index}: image array must be HW, CHW or HWC, got shape {shape}")
     if len(shape) == 3 and shape[0] not in _CHANNELS and shape[-1] not in _CHANNELS:
         raise InputError(f"sample {index}: cannot find the channel axis (1, 3 or 4) in shape {shape}")
+    if 0 in shape:
+        raise InputError(f"sample {index}: image array is empty (shape {shape})")
     is_torch = isinstance(image, torch.Tensor)
     floating = image.is_floating_point() if is_torch else np.issubdtype(image.dtype, np.floating)
     if not floating and image.dtype not in (np.uint8, torch.uint8):
         raise InputError(f"sample {index}: image dtype must be uint8 or float, got {image.dtype}")
-    size = image.numel() if is_torch else image.size
-    if floating and size:
+    if floating:
+        finite = bool(torch.isfinite(image).all()) if is_torch else bool(np.isfinite(image).all())
+        if not finite:
+            raise InputError(f"sample {index}: image array contains NaN or infinite values")
         low, high = (float(image.min()), float(image.max()))
-        if not (0.0 <= low and high <= 1.0):  # also catches NaN
+        if not (0.0 <= low and high <= 1.0):
             raise InputError(
                 f"sample {index}: float images must lie in [0, 1], got values in [{low:g}, {high:g}] "
                 "(pass uint8, or divide by 255)"
@@ -329,8 +505,9 @@ def group_by_image(samples: Samples) -> list[int]:
     return sorted(range(len(samples)), key=lambda p: rank[p])
 
 
-def to_batch(samples: Samples) -> Batch:
-    """Decode the distinct images of ``samples`` once each and build a :class:`Batch`."""
+def to_batch(samples: Samples, load: Callable[[ImageSource], Any] | None = None) -> Batch:
+    """Decode the distinct images of ``samples`` once each (through ``load``, e.g. a cache shared between
+    batches; default :meth:`ImageSource.load`) and build a :class:`Batch`."""
     images = image_index = None
     if samples.images is not None:
         rows: dict[Any, int] = {}
@@ -341,7 +518,7 @@ def to_batch(samples: Samples) -> Batch:
                 rows[src.key] = len(unique)
                 unique.append(src)
             index.append(rows[src.key])
-        images = [src.load() for src in unique]
+        images = [src.load() if load is None else load(src) for src in unique]
         image_index = torch.tensor(index, dtype=torch.int64)
     groups = None if samples.group_ids is None else torch.tensor(samples.group_ids, dtype=torch.int64)
     return Batch(

@@ -40,7 +40,7 @@ def test_direct_evaluate_torchmetrics_pycocoevalcap_lm_eval_and_cli_agree(tiny_c
     run([str(Path(PYTHON).parent / "capeval"), "score", "--metric", "clipscore", "--model", tiny_clip,
          "--captions", str(EXAMPLES / "captions.jsonl"), "--images", str(EXAMPLES / "images"), "--out", str(out),
          "--quiet"])
-    assert [json.loads(x)["score"] for x in out.read_text().splitlines()] == pytest.approx(expected, abs=1e-6)
+    assert [json.loads(x)["clipscore"] for x in out.read_text().splitlines()] == pytest.approx(expected, abs=1e-6)
 
     # lm-eval reports the corpus score of the task (per-document values are items, not numbers)
     from capeval_plugins.adapters.lm_eval import CaptionItem, aggregate

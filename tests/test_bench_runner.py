@@ -308,16 +308,18 @@ def test_a_reference_metric_on_a_reference_free_file_is_a_clear_error():
 
 
 def test_options_go_to_the_metric_they_name():
-    from capeval_plugins.commands.bench import build_metrics, split_options
+    from capeval_plugins.commands.bench import build_metrics
+    from capeval_plugins.options import OptionError
 
-    assert split_options(["cider.sigma=5", "bleu4.tokenize=false"], ["bleu4", "cider"]) == {
-        "bleu4": ["tokenize=false"], "cider": ["sigma=5"]}
     metrics = build_metrics(["bleu4", "cider"], ["cider.sigma=5", "bleu4.tokenize=false"])
     assert metrics["cider"].config.sigma == 5.0 and metrics["bleu4"].config.tokenize is False
-    with pytest.raises(SystemExit, match="not among --metric"):
-        split_options(["meteor.tokenize=false"], ["bleu4"])
-    with pytest.raises(SystemExit, match="METRIC.KEY=VALUE"):
-        split_options(["tokenize=false"], ["bleu4"])
+    assert metrics["cider"].config.tokenize is True
+    both = build_metrics(["bleu4", "cider"], ["tokenize=false"])  # a bare option: every metric that takes it
+    assert both["bleu4"].config.tokenize is False and both["cider"].config.tokenize is False
+    with pytest.raises(OptionError, match="names metric 'meteor', which is not selected"):
+        build_metrics(["bleu4"], ["meteor.tokenize=false"])
+    with pytest.raises(OptionError, match="no selected metric takes option 'w'"):
+        build_metrics(["bleu4"], ["w=2"])
 
 
 # ------------------------------------------------------------------------------------- command line

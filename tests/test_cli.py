@@ -1,22 +1,41 @@
-"""`capeval` command line: list, score (single process and torchrun), output formats, errors."""
+"""`capeval` command line: list, score (one or several metrics, single process and torchrun), output formats,
+errors and exit codes, interruption and resume."""
 from __future__ import annotations
 
 import csv
 import json
+import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, PYTHON, free_port, run
+from conftest import EXAMPLES, PYTHON, free_port, random_image, run
 
 import capeval_plugins
 from capeval_plugins.caption_files import read_captions
 
 CAPEVAL = str(Path(PYTHON).parent / "capeval")
+TORCHRUN = str(Path(PYTHON).parent / "torchrun")
+INTERRUPT = str(Path(__file__).parent / "helpers" / "interrupt_after.py")
 
 
-def direct(model):
+def direct(model, name="clipscore", **options):
     records = read_captions(EXAMPLES / "captions.jsonl", EXAMPLES / "images")
-    return capeval_plugins.load("clipscore", model=model)(records.images, records.captions, records.references)
+    return capeval_plugins.load(name, model=model, **options)(records.images, records.captions, records.references)
+
+
+def score_args(model, out=None, *metrics, extra=()):
+    args = [CAPEVAL, "score", *[a for m in metrics or ("clipscore",) for a in ("--metric", m)], "--model", model,
+            "--captions", str(EXAMPLES / "captions.jsonl"), "--images", str(EXAMPLES / "images"), "--quiet"]
+    return args + (["--out", str(out)] if out else []) + list(extra)
+
+
+def strict_json(text):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 def test_list_names_every_metric_and_its_source():
@@ -27,59 +46,259 @@ def test_list_names_every_metric_and_its_source():
     assert clip["references"] == "optional" and clip["images"] == "always"
 
 
-def test_score_writes_one_line_per_sample_in_input_order(tiny_clip, tmp_path):
+def test_score_writes_one_row_per_sample_in_input_order(tiny_clip, tmp_path):
     out = tmp_path / "scores.jsonl"
-    proc = run([CAPEVAL, "score", "--metric", "clipscore", "--model", tiny_clip, "--captions",
-                str(EXAMPLES / "captions.jsonl"), "--images", str(EXAMPLES / "images"), "--out", str(out),
-                "--batch-size", "2", "--quiet"])
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    proc = run(score_args(tiny_clip, out, extra=["--batch-size", "2"]))
+    summary = strict_json(proc.stdout.strip().splitlines()[-1])
+    rows = [strict_json(line) for line in out.read_text().splitlines()]
     expected = direct(tiny_clip)
     assert [r["index"] for r in rows] == list(range(len(expected)))
-    assert [r["score"] for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5)
-    assert [r["refclipscore"] for r in rows] == pytest.approx(expected.extras["refclipscore"].tolist(), abs=1e-5)
-    assert summary["score"] == pytest.approx(expected.score, abs=1e-5) and summary["n"] == len(expected)
+    assert [r["clipscore"] for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5)
+    assert [r["clipscore.refclipscore"] for r in rows] == pytest.approx(expected.extras["refclipscore"].tolist(), abs=1e-5)
+    clip = summary["metrics"]["clipscore"]
+    assert clip["score"] == pytest.approx(expected.score, abs=1e-5)
+    assert summary["n"] == len(expected) and summary["n_skipped"] == 0 and clip["n_invalid"] == 0
+    assert not Path(f"{out}.capeval-run").exists()  # the checkpoint folder goes once the output is written
 
 
-def test_score_csv_and_options(tiny_clip, tmp_path):
+def test_several_metrics_in_one_pass_equal_single_metric_runs(tiny_clip, tmp_path):
     out = tmp_path / "scores.csv"
-    run([CAPEVAL, "score", "--metric", "clipscore", "--model", tiny_clip, "--captions",
-         str(EXAMPLES / "captions.jsonl"), "--images", str(EXAMPLES / "images"), "--out", str(out),
-         "-o", "w=1.0", "-o", "prefix_references=false", "--quiet"])
+    run(score_args(tiny_clip, out, "clipscore", "refclipscore", "msd_score", extra=["-o", "clipscore.w=1.0"]))
     rows = list(csv.DictReader(out.open()))
-    records = read_captions(EXAMPLES / "captions.jsonl", EXAMPLES / "images")
-    expected = capeval_plugins.load("clipscore", model=tiny_clip, w=1.0, prefix_references=False)(
-        records.images, records.captions, records.references)
-    assert [float(r["score"]) for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5)
+    for name, options in (("clipscore", {"w": 1.0}), ("refclipscore", {}), ("msd_score", {})):
+        expected = direct(tiny_clip, name, **options)
+        assert [float(r[name]) for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5), name
+    assert [float(r["msd_score.bi_kl"]) for r in rows] == pytest.approx(
+        direct(tiny_clip, "msd_score").extras["bi_kl"].tolist(), abs=1e-5)
 
 
-def test_errors_are_one_line_and_name_the_problem(tiny_clip, tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"image": "red_ball.png", "caption": "ok"}\n{"image": "nope.png", "caption": "x"}\n')
-    import subprocess
+def test_parquet_output(tiny_clip, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    out = tmp_path / "scores.parquet"
+    run(score_args(tiny_clip, out, "clipscore", "msd_score"))
+    table = pq.read_table(out).to_pylist()
+    assert [r["index"] for r in table] == list(range(6))
+    assert [r["clipscore"] for r in table] == pytest.approx(direct(tiny_clip).scores.tolist(), abs=1e-5)
 
-    proc = subprocess.run([CAPEVAL, "score", "--metric", "clipscore", "--model", tiny_clip, "--captions",
-                           str(bad), "--images", str(EXAMPLES / "images"), "--quiet"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "sample 1: image file not found" in proc.stderr
-    proc = subprocess.run([CAPEVAL, "score", "--metric", "clipscor", "--captions", str(bad)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "did you mean" in proc.stderr
 
+def mistake(args, tmp_path):
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    return proc.returncode, lines
+
+
+def test_every_mistake_exits_2_with_one_line_naming_it(tiny_clip, tmp_path):
+    caps, imgs = str(EXAMPLES / "captions.jsonl"), str(EXAMPLES / "images")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    base = [CAPEVAL, "score", "--captions", caps, "--images", imgs, "--quiet"]
+    cases = {
+        "expects a float, got 'abc'": base + ["-m", "clipscore", "--model", tiny_clip, "-o", "w=abc"],
+        "no selected metric takes option 'model'": base + ["-m", "bleu4", "--model", "x"],
+        "option model: no such file or folder: /nonexistent": base + ["-m", "clipscore", "--model", "/nonexistent"],
+        "cannot write": base + ["-m", "clipscore", "--model", tiny_clip, "--out", str(tmp_path / "no" / "dir.jsonl")],
+        "permission denied": base + ["-m", "clipscore", "--model", tiny_clip, "--out", "/proc/capeval.jsonl"],
+        "holds no captions": [CAPEVAL, "score", "-m", "clipscore", "--model", tiny_clip, "--captions", str(empty)],
+        "did you mean": base + ["-m", "clipscor"],
+        "clipscore takes no option 'nope'": base + ["-m", "clipscore", "--model", tiny_clip, "-o", "clipscore.nope=1"],
+        "names metric 'bleu4', which is not selected": base + ["-m", "clipscore", "-o", "bleu4.n=2"],
+        "on_error must be one of": base + ["-m", "clipscore", "--model", tiny_clip, "-o", "on_error=maybe"],
+    }
+    for expected, args in cases.items():
+        code, lines = mistake(args, tmp_path)
+        assert code == 2 and len(lines) == 1, (expected, code, lines)
+        assert lines[0].startswith("capeval: error:") and expected in lines[0], (expected, lines)
+    assert not (tmp_path / "no").exists()
+
+
+def corpus_with_a_corrupt_image(tmp_path, n=400, bad=250, n_images=40):
+    """A caption file of ``n`` rows (the example captions, two per image) over ``n_images`` random images; row
+    ``bad`` points at a file that is not an image."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for k in range(n_images):
+        random_image(k, size=(24 + k % 7, 20 + k % 5)).save(images / f"{k:03d}.png")
+    (images / "corrupt.png").write_bytes(b"\x89PNG but not really")
+    rows = [json.loads(line) for line in (EXAMPLES / "captions.jsonl").read_text().splitlines()]
+    out = []
+    for i in range(n):
+        source = rows[i % len(rows)]
+        row = dict(source, caption=f"{source['caption']} ({i})",
+                   references=[f"{r} ({i // 2})" for r in source["references"]],
+                   image="corrupt.png" if i == bad else f"{(i // 2) % n_images:03d}.png")
+        out.append(json.dumps(row))
+    path = tmp_path / "captions.jsonl"
+    path.write_text("\n".join(out) + "\n")
+    return path, images
+
+
+def not_a_model(tmp_path):
+    """A folder that exists (so the path check passes) but holds no model: loading it would fail loudly."""
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    return str(folder)
+
+
+def test_a_corrupt_image_is_named_by_its_row_before_any_model_loads(tmp_path, monkeypatch):
+    from capeval_plugins import cli
+    from capeval_plugins.core import loading
+
+    captions, images = corpus_with_a_corrupt_image(tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+    monkeypatch.setattr(loading, "load_processor", refuse)
+    code = cli.main(["score", "-m", "clipscore", "-m", "mid", "--model", not_a_model(tmp_path), "--captions",
+                     str(captions), "--images", str(images), "--out", str(tmp_path / "s.jsonl")])
+    assert code == 2
+    assert not (tmp_path / "s.jsonl").exists() and not (tmp_path / "s.jsonl.capeval-run").exists()
+
+
+def test_the_cli_error_names_row_250_and_its_line(tmp_path):
+    captions, images = corpus_with_a_corrupt_image(tmp_path)
+    code, lines = mistake([CAPEVAL, "score", "-m", "clipscore", "--model", not_a_model(tmp_path), "--captions",
+                           str(captions), "--images", str(images), "--quiet"], tmp_path)
+    assert code == 2 and len(lines) == 1
+    assert "sample 250 (captions.jsonl line 251): cannot read image" in lines[0] and "corrupt.png" in lines[0]
+
+
+@pytest.mark.slow
+def test_torchrun_names_row_250_too(tmp_path):
+    captions, images = corpus_with_a_corrupt_image(tmp_path)
+    proc = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m",
+                           "capeval_plugins.cli", "score", "-m", "clipscore", "--model", not_a_model(tmp_path),
+                           "--captions", str(captions), "--images", str(images), "--quiet"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "sample 250 (captions.jsonl line 251): cannot read image" in proc.stderr
+    assert "cannot load model" not in proc.stderr  # the check came first
+
+
+def test_skip_scores_the_rest_and_writes_strict_json(tiny_clip, tmp_path):
+    captions, images = corpus_with_a_corrupt_image(tmp_path, n=12, bad=5)
+    out = tmp_path / "scores.jsonl"
+    proc = run([CAPEVAL, "score", "-m", "clipscore", "--model", tiny_clip, "--captions", str(captions), "--images",
+                str(images), "--out", str(out), "--on-error", "skip", "--quiet"])
+    assert "NaN" not in out.read_text() and "NaN" not in proc.stdout
+    rows = [strict_json(line) for line in out.read_text().splitlines()]
+    summary = strict_json(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 12 and rows[5]["clipscore"] is None and "cannot read image" in rows[5]["error"]
+    assert summary["n_skipped"] == 1 and summary["metrics"]["clipscore"]["n_skipped"] == 1
+    records = read_captions(captions, images)
+    keep = [i for i in range(12) if i != 5]
+    alone = capeval_plugins.load("clipscore", model=tiny_clip)(
+        [records.images[i] for i in keep], [records.captions[i] for i in keep],
+        [records.references[i] for i in keep], ids=keep)
+    assert [rows[i]["clipscore"] for i in keep] == alone.scores.tolist()  # the others: exactly as without it
+
+
+def interrupted(cmd, stop_after, env):
+    """Run ``cmd`` with a real SIGINT after it has scored ``stop_after`` batches (see helpers/interrupt_after.py)."""
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**env, "CAPEVAL_TEST_STOP_AFTER": str(stop_after)})
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_resumes_to_the_same_bits(tiny_clip, tmp_path):
+    import os
+
+    captions, images = corpus_with_a_corrupt_image(tmp_path, n=120, bad=-1)
+    env = dict(os.environ)
+
+    def command(out, script):
+        return [PYTHON, script, "score", "-m", "clipscore", "-m", "mid", "--model", tiny_clip, "--batch-size", "8",
+                "--captions", str(captions), "--images", str(images), "--out", str(out), "--quiet"]
+
+    whole = tmp_path / "whole.jsonl"
+    run(command(whole, INTERRUPT), env=env)
+    out = tmp_path / "resumed.jsonl"
+    first = interrupted(command(out, INTERRUPT), 7, env)
+    assert first.returncode == 130, first.stderr[-2000:]
+    assert "interrupted after 7 of 30 batches" in first.stderr and "run the same command again to resume" in first.stderr
+    assert "batches mapped by this process: 7" in first.stderr and not out.exists()
+    second = subprocess.run(command(out, INTERRUPT), capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert out.read_text() == whole.read_text()  # bit for bit: JSON floats round-trip exactly
+    summary = strict_json(second.stdout.strip().splitlines()[-1])
+    assert summary["batches_resumed"] == 7 and summary["batches_scored"] == 2 * 15 - 7
+    assert "batches mapped by this process: 23" in second.stderr
+    assert not Path(f"{out}.capeval-run").exists()
+
+
+@pytest.mark.slow
+def test_a_changed_command_is_refused_and_restart_starts_over(tiny_clip, tmp_path):
+    import os
+
+    env = dict(os.environ)
+    out = tmp_path / "s.jsonl"
+    cmd = [PYTHON, INTERRUPT] + score_args(tiny_clip, out, extra=["--batch-size", "2"])[1:]
+    first = interrupted(cmd, 1, env)
+    assert first.returncode == 130
+    changed = subprocess.run(cmd + ["-o", "w=1.0"], capture_output=True, text=True, env=env)
+    assert changed.returncode == 2 and "clipscore options w" in changed.stderr and "--restart" in changed.stderr
+    again = subprocess.run(cmd + ["-o", "w=1.0", "--restart"], capture_output=True, text=True, env=env)
+    assert again.returncode == 0 and "batches mapped by this process: 3" in again.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_interrupted_and_resumed_equals_an_uninterrupted_torchrun(tiny_clip, tmp_path):
+    import os
+
+    captions, images = corpus_with_a_corrupt_image(tmp_path, n=64, bad=-1)
+    env = dict(os.environ)
+
+    def command(out):
+        return [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), INTERRUPT, "score",
+                "-m", "clipscore", "-m", "mid", "--model", tiny_clip, "--batch-size", "8", "--captions",
+                str(captions), "--images", str(images), "--out", str(out), "--quiet"]
+
+    whole = tmp_path / "whole.jsonl"
+    run(command(whole), env=env, timeout=600)
+    out = tmp_path / "resumed.jsonl"
+    first = interrupted(command(out), 2, env)
+    assert first.returncode != 0 and not out.exists()
+    assert sorted(p.name for p in Path(f"{out}.capeval-run").iterdir()) == ["rank-0-of-2", "rank-1-of-2", "run.json"]
+    second = subprocess.run(command(out), capture_output=True, text=True, timeout=600, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert out.read_text() == whole.read_text()
+    summary = strict_json(second.stdout.strip().splitlines()[-1])
+    assert summary["batches_resumed"] == 4 and summary["batches_scored"] == 2 * 2 * 4 - 4
+    reference = direct_rows(tiny_clip, captions, images)
+    rows = [strict_json(line) for line in out.read_text().splitlines()]
+    assert [r["clipscore"] for r in rows] == pytest.approx(reference, abs=1e-5)
+
+
+def direct_rows(model, captions, images):
+    records = read_captions(captions, images)
+    return capeval_plugins.load("clipscore", model=model)(records.images, records.captions, records.references).scores.tolist()
 
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_equals_one_process(tiny_clip, tmp_path):
     out = tmp_path / "ddp.jsonl"
-    torchrun = str(Path(PYTHON).parent / "torchrun")
-    run([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "capeval_plugins.cli",
+    run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "capeval_plugins.cli",
          "score", "--metric", "clipscore", "--model", tiny_clip, "--captions", str(EXAMPLES / "captions.jsonl"),
          "--images", str(EXAMPLES / "images"), "--out", str(out), "--quiet"], timeout=600)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     expected = direct(tiny_clip)
     assert [r["index"] for r in rows] == list(range(len(expected)))
-    assert [r["score"] for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5)
+    assert [r["clipscore"] for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5)
 
 
 def test_tiny_builds_a_loadable_checkpoint(tmp_path):
     path = run([CAPEVAL, "tiny", "clip", str(tmp_path / "clip")]).stdout.strip().splitlines()[-1]
     assert (Path(path) / "model.safetensors").is_file() and (Path(path) / "config.json").is_file()
+
+
+def test_signals_finish_the_batch_then_stop():
+    import os
+
+    from capeval_plugins import runner
+
+    with runner.stop_on_signals() as stop:
+        assert not stop()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -72,7 +72,9 @@ def test_grayscale_and_rgba(base):
         ([np.zeros((4, 4, 3))], "a single string", None, "single string"),
         ([np.zeros((4, 4, 3))] * 3, ["a", "b"], None, "got 3 images for 2 captions"),
         ([np.full((4, 4, 3), 2.0)], ["ok"], None, r"sample 0: float images must lie in \[0, 1\]"),
-        ([np.full((4, 4, 3), np.nan)], ["ok"], None, r"\[0, 1\]"),
+        ([np.full((4, 4, 3), np.nan)], ["ok"], None, "sample 0: image array contains NaN or infinite"),
+        ([torch.full((3, 4, 4), float("inf"))], ["ok"], None, "NaN or infinite"),
+        ([np.zeros((0, 4, 3), np.uint8)], ["ok"], None, "image array is empty"),
         ([np.zeros((4, 4, 3), dtype=np.int32)], ["ok"], None, "dtype"),
         ([np.zeros((5, 6, 7))], ["ok"], None, "channel axis"),
         ([np.zeros((2, 4, 4, 3))], ["ok"], None, "HW, CHW or HWC"),
@@ -104,14 +106,47 @@ def test_single_string_reference_is_one_reference():
     assert samples.references == [["r1"], ["r2", "r3"]]
 
 
-def test_corrupt_file_is_reported_at_decode_with_its_index(tmp_path):
+def test_a_file_whose_header_does_not_decode_is_caught_by_validation(tmp_path):
     good = tmp_path / "good.png"
     Image.new("RGB", (4, 4)).save(good)
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not a png")
-    samples = prepare_samples(IMG, [good, bad], ["a", "b"])
     with pytest.raises(InputError, match="sample 1: cannot read image .*bad.png"):
+        prepare_samples(IMG, [good, bad], ["a", "b"])
+
+
+def test_a_file_corrupt_past_its_header_is_reported_at_decode_with_its_index(tmp_path):
+    good = tmp_path / "good.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(good)
+    truncated = tmp_path / "truncated.png"
+    truncated.write_bytes(good.read_bytes()[:200])  # the header decodes, the pixels do not
+    samples = prepare_samples(IMG, [good, truncated], ["a", "b"], indices=[10, 11])
+    with pytest.raises(InputError, match="sample 11: cannot read image .*truncated.png"):
         list(iter_batches(samples, 8))
+
+
+def test_every_problem_is_reported_together_by_the_samples_own_id(tmp_path):
+    images = [np.zeros((4, 4, 3), np.uint8)] * 30
+    captions = ["ok"] * 30
+    for i in range(3, 30):
+        captions[i] = ""
+    images[1] = str(tmp_path / "missing.png")
+    with pytest.raises(InputError) as err:
+        prepare_samples(IMG, images, captions, indices=[100 + i for i in range(30)])
+    text = str(err.value)
+    assert text.startswith("28 samples cannot be scored")
+    assert "sample 101: image file not found" in text and "sample 103: caption is empty" in text
+    assert "sample 121: caption is empty" in text and "sample 122:" not in text and "... and 8 more samples" in text  # the first 20 only
+    assert len(err.value.problems) == 28 and err.value.problems[129] == "caption is empty"
+
+
+def test_validation_keeps_the_valid_samples_and_names_the_others():
+    from capeval_plugins.inputs import validate_samples
+
+    samples, problems = validate_samples(REFS, None, ["a", "", "c", 5], [["r"], ["r"], [], ["r"]], indices=[7, 8, 9, 10])
+    assert samples.indices == [7] and samples.candidates == ["a"]
+    assert problems.reasons() == {8: "caption is empty", 9: "empty list of references",
+                                  10: "caption must be a string, got int"}
 
 
 def test_video_frames_and_dedupe():

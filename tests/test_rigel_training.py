@@ -390,4 +390,4 @@ def test_command_line_trains_both_phases_and_scores(tmp_path, capsys):
     assert main(["score", "--metric", "rigel", "-o", f"checkpoint={tmp_path / 'p2'}", "--captions", str(captions),
                  "--images", str(write_dir), "--quiet"]) == 0
     scored = json.loads(capsys.readouterr().out)
-    assert scored["metric"] == "rigel" and scored["n"] == 4 and 0 <= scored["score"] <= 1
+    assert scored["n"] == 4 and 0 <= scored["metrics"]["rigel"]["score"] <= 1

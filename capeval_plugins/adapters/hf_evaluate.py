@@ -109,10 +109,17 @@ class CapevalEvaluationModule(evaluate.Metric):
     def _placeholders(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """Fill optional inputs the user left out (evaluate needs every feature column) and turn tensors
         and arrays into PIL images (Arrow cannot store them)."""
-        from capeval_plugins.inputs import image_source
+        from capeval_plugins.inputs import InputError, caption_problem, image_source
 
         info = self.capeval_metric.info
-        n = len(inputs["predictions"])
+        predictions = inputs["predictions"]
+        if predictions is None or isinstance(predictions, str):
+            raise InputError("predictions must be a list of captions")
+        offset = getattr(self, "_capeval_added", 0)  # samples added by earlier add_batch calls
+        for i, prediction in enumerate(predictions):
+            if not isinstance(prediction, str):  # Arrow would fail first, without saying which
+                raise InputError(f"sample {offset + i}: {caption_problem(prediction)}")
+        n = len(predictions)
         if info.references != "never" and inputs.get("references") is None:
             inputs["references"] = [[] for _ in range(n)]
         if info.groups and inputs.get("group_ids") is None:
@@ -127,15 +134,19 @@ class CapevalEvaluationModule(evaluate.Metric):
     def add_batch(self, *, predictions=None, references=None, **kwargs):
         """Add a batch: ``predictions`` (captions), ``references`` and ``images`` as the metric needs."""
         inputs = self._placeholders({"predictions": predictions, "references": references, **kwargs})
+        self._capeval_added = getattr(self, "_capeval_added", 0) + len(inputs["predictions"])
         return super().add_batch(**inputs)
 
     def compute(self, *, predictions=None, references=None, **kwargs):
         """Score everything added so far plus the inputs given here; returns ``{<name>: corpus score,
         "scores": [per sample, input order], **extras}`` on process 0 (None elsewhere)."""
-        if predictions is None:  # everything was added with add_batch
-            return super().compute(references=references, **kwargs)
-        inputs = self._placeholders({"predictions": predictions, "references": references, **kwargs})
-        return super().compute(**inputs)
+        try:
+            if predictions is None:  # everything was added with add_batch
+                return super().compute(references=references, **kwargs)
+            inputs = self._placeholders({"predictions": predictions, "references": references, **kwargs})
+            return super().compute(**inputs)
+        finally:
+            self._capeval_added = 0
 
     def _compute(self, predictions, references=None, images=None, group_ids=None, progress: bool = False):
         if references is not None and all(not r for r in references):

@@ -15,7 +15,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 from pycocoevalcap.eval import COCOEvalCap as StockCOCOEvalCap
 
-from capeval_plugins import registry
+from capeval_plugins import options as metric_options
+from capeval_plugins import registry, runner
+from capeval_plugins.core.messages import warn_once
 from capeval_plugins.adapters.naming import GeneratedClasses, coco_identifier
 from capeval_plugins.contract import Metric, MetricResult
 
@@ -95,7 +97,8 @@ class CapevalScorer:
         info = self.metric.info
         references = [list(gts[i]) for i in ids] if info.references != "never" else None
         images = [self.resolver(i) for i in ids] if self.resolver is not None and info.images != "never" else None
-        self.last_result = self.metric(images, candidates, references)
+        self.last_result = runner.score(self.metric, images, candidates, references,
+                                        describe=lambda k: f"image id {ids[k]!r}")
         return self.last_result.score, np.asarray(self.last_result.scores.tolist())
 
 
@@ -120,13 +123,20 @@ def _stock_scorers(spice: bool) -> list[tuple[Any, Any]]:
     return scorers
 
 
+SPICE_MISSING = ("SPICE was not run: it needs Stanford CoreNLP jars that pycocoevalcap downloads on first use "
+                 "(not possible offline); run it once online, or pass spice=False")
+
+
 class COCOEvalCap(StockCOCOEvalCap):
     """Drop-in for ``pycocoevalcap.eval.COCOEvalCap`` that adds capeval scorers.
 
-    ``COCOEvalCap(coco, cocoRes, scorers=[ClipScore(resolver)])`` or ``metrics=["clipscore"]`` with
-    ``resolver=``. Stock scorers see PTB-tokenised captions as always; a scorer with ``wants_raw_text``
-    sees the captions as written. ``spice=None`` runs SPICE only where its CoreNLP jars are present.
-    ``eval``, ``imgToEval`` and ``evalImgs`` are filled as the stock class fills them.
+    ``COCOEvalCap(coco, cocoRes, scorers=[ClipScore(resolver)])``, or ``metrics=`` with ``resolver=``: a list
+    of names, or a mapping from name to that metric's options (``{"clipscore": {"model": ...}, "bleu4":
+    {}}``), so image and text metrics mix. Options given as keywords go to every listed metric that takes
+    them (one that none takes is an error). Stock scorers see PTB-tokenised captions as always; a scorer
+    with ``wants_raw_text`` sees the captions as written. ``spice=None`` runs SPICE only where its CoreNLP
+    jars are present; when they are not, it warns once, ``eval["SPICE"]`` is NaN and ``unavailable``
+    says why. ``eval``, ``imgToEval`` and ``evalImgs`` are filled as the stock class fills them.
     """
 
     def __init__(
@@ -134,7 +144,7 @@ class COCOEvalCap(StockCOCOEvalCap):
         coco: Any,
         cocoRes: Any,
         scorers: Iterable[Any] = (),
-        metrics: Iterable[str] = (),
+        metrics: Iterable[str] | Mapping[str, Mapping[str, Any]] = (),
         resolver: ImageResolver | None = None,
         stock: bool = True,
         spice: bool | None = None,
@@ -142,12 +152,19 @@ class COCOEvalCap(StockCOCOEvalCap):
     ) -> None:
         super().__init__(coco, cocoRes)
         extra = [s if isinstance(s, tuple) else (s, s.method()) for s in scorers]
-        for name in metrics:
-            scorer = scorer_class(name)(resolver=resolver, **options)
-            extra.append((scorer, scorer.method()))
+        own = {registry.canonical_name(k): dict(v or {}) for k, v in metrics.items()} if isinstance(metrics, Mapping) \
+            else {registry.canonical_name(k): {} for k in metrics}
+        if own:
+            classes = {name: registry.get(name).cls for name in own}
+            for name, opts in metric_options.route(classes, options, own).items():
+                scorer = scorer_class(name)(resolver=resolver, **opts)
+                extra.append((scorer, scorer.method()))
+        elif options:
+            raise TypeError(f"options {sorted(options)} given without metrics=")
         self.extra_scorers = extra
         self.stock = stock
         self.spice = spice
+        self.unavailable: dict[str, str] = {}
 
     def evaluate(self) -> None:
         from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
@@ -162,6 +179,10 @@ class COCOEvalCap(StockCOCOEvalCap):
         tok_gts, tok_res = tokenizer.tokenize(gts), tokenizer.tokenize(res)
         print("setting up scorers...")
         spice = spice_available() if self.spice is None else self.spice
+        if self.stock and self.spice is None and not spice:
+            warn_once(("coco", "spice"), SPICE_MISSING)
+            self.unavailable["SPICE"] = SPICE_MISSING
+            self.setEval(float("nan"), "SPICE")
         scorers = (_stock_scorers(spice) if self.stock else []) + self.extra_scorers
         for scorer, method in scorers:
             print("computing %s score..." % scorer.method())

@@ -15,16 +15,18 @@ from typing import Any, Sequence
 import torch
 import torchmetrics
 
-from capeval_plugins import registry
+from capeval_plugins import registry, runner
 from capeval_plugins.adapters.naming import GeneratedClasses, identifier
-from capeval_plugins.contract import Metric, MetricResult, finalize_state, full_spec, map_batch
-from capeval_plugins.inputs import iter_batches, prepare_samples
+from capeval_plugins.contract import Metric, MetricResult, StateSpec, decode_texts, encode_texts, full_spec
+from capeval_plugins.core.messages import warn_once
 
 # torchmetrics.Metric keyword arguments; everything else is a metric option.
 TORCHMETRICS_ARGS = frozenset(
     "compute_on_cpu dist_sync_on_step process_group dist_sync_fn distributed_available_fn sync_on_compute "
     "compute_with_cache".split()
 )
+# Samples skipped under on_error="skip": their ids and reasons, synced like any "cat" state.
+SKIPPED_SPEC = {"_skipped_index": StateSpec("cat", torch.int64), "_skipped_reason": StateSpec("cat", torch.uint8, (-1,))}
 
 
 def _world() -> tuple[int, int]:
@@ -47,7 +49,7 @@ class CapevalMetric(torchmetrics.Metric):
         if metric is not None and kwargs:
             raise TypeError("pass either a built metric or its options, not both")
         self.capeval_metric = metric if metric is not None else registry.load(self._capeval_name, **kwargs)
-        self._spec = full_spec(self.capeval_metric)
+        self._spec = {**full_spec(self.capeval_metric), **SKIPPED_SPEC}
         for name, spec in self._spec.items():
             if spec.reduce == "cat":
                 # ragged rows are gathered per rank and padded to the widest in _merged_state
@@ -66,25 +68,38 @@ class CapevalMetric(torchmetrics.Metric):
         ids: Sequence[int] | torch.Tensor | None = None,
         group_ids: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
-        """Score one batch. ``ids`` are global sample ids (e.g. dataset indices): repeats are dropped and
-        order restored at ``compute``. Without them, ids follow the interleaving of a non-shuffled
-        ``DistributedSampler`` (``rank + world_size * position``)."""
-        info = self.capeval_metric.info
-        n = len(captions) if captions is not None else 0
+        """Score one batch. ``ids`` are global sample ids (e.g. dataset indices): errors name them, repeats are
+        dropped and order restored at ``compute``. Without them, ids follow the interleaving of a non-shuffled
+        ``DistributedSampler`` (``rank + world_size * position``), and the repeats it adds are counted."""
+        metric = self.capeval_metric
+        n = len(captions) if captions is not None and not isinstance(captions, str) else 0
         if ids is None:
             rank, world = _world()
+            if world > 1:
+                warn_once(("torchmetrics-ids", metric.info.name), (
+                    f"{metric.info.name}: update() without ids under {world} processes: the samples a "
+                    "DistributedSampler repeats to even out the shards cannot be dropped and are counted "
+                    "twice; pass ids=<dataset indices of the batch> (e.g. from the dataset's __getitem__)"))
             ids = [rank + world * (self._seen + i) for i in range(n)]
-        samples = prepare_samples(info, images, captions, references, group_ids, ids,
-                                  reader=self.capeval_metric.image_reader())
+        corpus = runner.Corpus(captions, images, references, group_ids, ids)
+        samples, skipped = runner.validate(metric, corpus)
         self._seen += n
-        for batch in iter_batches(samples, self.capeval_metric.config.batch_size):
-            out = map_batch(self.capeval_metric, batch)
-            for name, value in out.items():
+        self._skip(skipped)
+        for batch, dropped in runner.iter_batches(metric, samples):
+            self._skip(dropped)
+            if batch is None:
+                continue
+            for name, value in runner.map_with_context(metric, batch).items():
                 value = value.to(self.device)
                 if self._spec[name].reduce == "cat":
                     getattr(self, name).append(value)
                 else:
                     setattr(self, name, getattr(self, name) + value)
+
+    def _skip(self, skipped: dict[int, str]) -> None:
+        if skipped:
+            self._skipped_index.append(torch.tensor(list(skipped), dtype=torch.int64, device=self.device))
+            self._skipped_reason.append(encode_texts(list(skipped.values())).to(self.device))
 
     def _merged_state(self) -> dict[str, torch.Tensor]:
         state = {}
@@ -96,7 +111,9 @@ class CapevalMetric(torchmetrics.Metric):
         return state
 
     def compute(self) -> torch.Tensor:
-        self._result = finalize_state(self.capeval_metric, self._merged_state())
+        state = self._merged_state()
+        skipped = dict(zip(state.pop("_skipped_index").tolist(), decode_texts(state.pop("_skipped_reason"))))
+        self._result = runner.finalize(self.capeval_metric, state, skipped)
         return torch.tensor(self._result.score, dtype=torch.float64, device=self.device)
 
     def compute_all(self) -> MetricResult:

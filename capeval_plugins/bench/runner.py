@@ -162,8 +162,9 @@ def _pointwise(name, metric, inputs, keys, key, cache, progress):
     with tqdm(total=len(todo), desc=name, unit="sample", disable=not progress or not todo) as bar:
         for begin in range(0, len(todo), chunk):
             rows = todo[begin : begin + chunk]
-            result = metric(_pick(images, rows), _pick(candidates, rows), _pick(refs, rows))
-            new = {keys[row]: float(s) for row, s in zip(rows, result.scores.tolist())}
+            # ids: errors name benchmark rows; the result comes back in row order
+            result = metric(_pick(images, rows), _pick(candidates, rows), _pick(refs, rows), ids=rows)
+            new = {keys[row]: float(s) for row, s in zip(result.indices.tolist(), result.scores.tolist())}
             cache.put(key, new)
             found.update(new)
             bar.update(len(rows))
@@ -187,8 +188,9 @@ def _by_corpus(name, metric, inputs, keys, key, cache, captions, progress):
                 from tqdm.auto import tqdm
 
                 tqdm.write(f"{name}: scoring {len(rows):,} rows as one corpus", file=sys.stderr)
-            result = metric(_pick(images, rows), _pick(candidates, rows), _pick(refs, rows), progress=progress)
-            cached = result.scores.double().cpu().numpy()
+            result = metric(_pick(images, rows), _pick(candidates, rows), _pick(refs, rows), ids=rows, progress=progress)
+            by_row = dict(zip(result.indices.tolist(), result.scores.double().cpu().tolist()))
+            cached = np.array([by_row[row] for row in rows], dtype=np.float64)
             cache.put_corpus(key, corpus_key, cached)
             computed += len(rows)
         else:

@@ -28,8 +28,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--data", required=True, help="the benchmark's file, or the folder holding its files")
     p.add_argument("--images", help="image folder (needed only by metrics that score images)")
     p.add_argument("--metric", action="append", required=True, help="registered metric name (repeatable)")
-    p.add_argument("--option", "-o", action="append", default=[], metavar="METRIC.KEY=VALUE",
-                   help="an option of one metric, e.g. clipscore.model=PATH (repeatable)")
+    p.add_argument("--option", "-o", action="append", default=[], metavar="[METRIC.]KEY=VALUE",
+                   help="an option of one metric, e.g. clipscore.model=PATH, or of every metric that takes it "
+                        "(repeatable)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON report here")
     p.add_argument("--plot", metavar="DIR", help="write <benchmark>.png into this folder")
     p.add_argument("--cache", metavar="FILE",
@@ -47,28 +48,12 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_bench)
 
 
-def split_options(pairs: Sequence[str], metrics: Sequence[str]) -> dict[str, list[str]]:
-    """``metric.key=value`` strings -> ``{metric: ["key=value", ...]}``."""
-    out: dict[str, list[str]] = {m: [] for m in metrics}
-    for pair in pairs:
-        target, dot, rest = pair.partition(".")
-        if not dot or "=" not in rest or "=" in target:
-            raise SystemExit(f"--option expects METRIC.KEY=VALUE, got {pair!r}")
-        if target not in out:
-            raise SystemExit(f"--option {pair!r} names metric {target!r}, which is not among --metric {list(metrics)}")
-        out[target].append(rest)
-    return out
-
-
 def build_metrics(names: Sequence[str], options: Sequence[str]) -> dict:
-    from capeval_plugins import registry
-    from capeval_plugins.cli import metric_options
+    """The metrics, with ``metric.key=value`` options (and bare ``key=value`` for every metric that takes
+    it), exactly as ``capeval score`` builds them."""
+    from capeval_plugins.cli import build_metrics as build
 
-    if len(set(names)) != len(names):
-        raise SystemExit(f"--metric given twice: {list(names)}")
-    per_metric = split_options(options, names)
-    return {name: registry.get(name).cls(**metric_options(registry.get(name).cls, per_metric[name]))
-            for name in names}
+    return build(names, options, {})
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

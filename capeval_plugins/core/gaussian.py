@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from capeval_plugins.core.messages import DataError
+
 SUM_KEYS = ("count", "sum", "outer")
 _FORMAT = "capeval-joint-gaussian-sums"
 
@@ -86,7 +88,7 @@ def _cholesky(cov: Tensor, what: str) -> Tensor:
     pivots = torch.diagonal(chol) ** 2
     tolerance = len(cov) * torch.finfo(cov.dtype).eps * float(torch.diagonal(cov).abs().max())
     if int(info) != 0 or not bool((pivots > tolerance).all()):
-        raise ValueError(
+        raise DataError(
             f"the {what} covariance of the Gaussian fit is not positive definite (singular: fewer distinct "
             f"{'features' if what == 'joint' else what + 's'} than dimensions, or degenerate features); fit on "
             "more pairs or set covariance_eps > 0"

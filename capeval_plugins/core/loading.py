@@ -116,13 +116,16 @@ def load_model(
            bool(trust_remote_code), tuple(sorted(kwargs.items())))
 
     def build() -> Any:
-        model = loader.from_pretrained(
-            name_or_path,
-            dtype=dt,
-            use_safetensors=True,
-            **hub_kwargs(revision, local_files_only, trust_remote_code),
-            **kwargs,
-        )
+        try:
+            model = loader.from_pretrained(
+                name_or_path,
+                dtype=dt,
+                use_safetensors=True,
+                **hub_kwargs(revision, local_files_only, trust_remote_code),
+                **kwargs,
+            )
+        except OSError as err:  # no such folder, not cached offline, no safetensors weights
+            raise _load_error("model", name_or_path, err) from err
         return model.to(dev).eval().requires_grad_(False)
 
     return shared(key, build) if share else build()
@@ -139,15 +142,40 @@ def load_processor(
 ) -> Any:
     key = ("processor", loader.__name__, _source_key(name_or_path), revision, bool(trust_remote_code),
            tuple(sorted(kwargs.items())))
-    return shared(
-        key,
-        lambda: loader.from_pretrained(
-            name_or_path, **hub_kwargs(revision, local_files_only, trust_remote_code), **kwargs
-        ),
-    )
+    def build() -> Any:
+        try:
+            return loader.from_pretrained(name_or_path, **hub_kwargs(revision, local_files_only, trust_remote_code),
+                                          **kwargs)
+        except OSError as err:
+            raise _load_error("processor", name_or_path, err) from err
+
+    return shared(key, build)
 
 
 def clear_cache() -> None:
     """Drop every shared model (frees memory once no metric holds them)."""
     with _lock:
         _cache.clear()
+
+
+class ModelLoadError(OSError):
+    """A model or processor that cannot be loaded (no such local folder, not in the cache offline, ...)."""
+
+
+def source_key(name_or_path: str) -> str:
+    """A hub id as it is; a local folder by its real path."""
+    return _source_key(name_or_path)
+
+
+def local_path_problem(value: str) -> str | None:
+    """Why ``value``, written as a local path, does not exist; None when it exists or reads as a hub id
+    (``org/name``, ``name``), which only the loader can check."""
+    if os.path.exists(os.path.expanduser(value)):
+        return None
+    local = os.path.isabs(value) or value.startswith(("./", "../", "~", ".\\")) or value.count("/") > 1 or "\\" in value
+    return f"no such file or folder: {value}" if local else None
+
+
+def _load_error(kind: str, name_or_path: str, err: Exception) -> ModelLoadError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return ModelLoadError(f"cannot load {kind} {name_or_path!r}: {first}")

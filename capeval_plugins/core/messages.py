@@ -5,6 +5,12 @@ import threading
 import warnings
 
 _warned: set[tuple] = set()
+
+
+class DataError(ValueError):
+    """The data cannot be scored as configured (e.g. too few distinct images for a Gaussian fit): a problem
+    of the input, not a bug, so the command line reports it in one line (exit code 2)."""
+
 _warn_lock = threading.Lock()
 
 

@@ -17,7 +17,7 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -50,6 +50,7 @@ class BERTScoreConfig(ModelConfig):
     baseline_path: str | None = None
     # "max": bert_score's rule (P, R and F each the best over references); "mean": averaged over references.
     multi_reference: str = "max"
+    input_paths: ClassVar[tuple[str, ...]] = ("model", "baseline_path")
 
 
 class BERTScore(Metric):

@@ -62,6 +62,7 @@ class DinoCycleConfig(ModelConfig):
     # The paper generates one reference image per sample; with several references: the first, or s2
     # averaged / maximised over all of them.
     reference_choice: str = "first"
+    input_paths: ClassVar[tuple[str, ...]] = ("model", "generator", "generated_images")
 
     def __post_init__(self) -> None:
         if self.reference_choice not in REFERENCE_CHOICES:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -42,6 +42,7 @@ class MIDConfig(ModelConfig):
     covariance_eps: float = 0.0
     # A reference Gaussian saved by MID.fit_reference: score against it instead of fitting on this corpus.
     reference_gaussian: str | None = None
+    input_paths: ClassVar[tuple[str, ...]] = ("model", "reference_gaussian")
     # Which (image, reference) pairs of a sample enter the fit.
     fit_pairs: str = "all_references"
 
@@ -81,6 +82,9 @@ class MID(Metric):
     @property
     def encoder(self) -> ClipEncoder:
         return ClipEncoder.shared(EncoderSpec.from_config(self.config))
+
+    def references_required(self) -> bool:
+        return self._saved is None  # the Gaussian is fitted on the corpus's references
 
     @property
     def dim(self) -> int:

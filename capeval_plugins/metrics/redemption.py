@@ -79,6 +79,8 @@ class RedemptionConfig(MetricConfig):
     device: str | None = None
     dtype: str | None = None
     local_files_only: bool | None = None
+    input_paths: ClassVar[tuple[str, ...]] = ("clip_model", "reference_gaussian", "dino_model", "generator",
+                                              "generated_images", "bertscore_model", "bertscore_baseline_path")
 
     def __post_init__(self) -> None:
         weights = (self.mid_weight, self.dino_weight, self.bertscore_weight)

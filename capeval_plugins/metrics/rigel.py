@@ -41,6 +41,7 @@ class RigelConfig(ModelConfig):
     model: str = ""
     # Merge the LoRA adapter into the weights once at load (faster); False keeps it separate.
     merge_lora: bool = True
+    input_paths: ClassVar[tuple[str, ...]] = ("checkpoint", "model")
 
 
 class Rigel(PointwiseMetric):

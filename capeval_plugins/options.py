@@ -1,0 +1,109 @@
+"""Metric options from the outside world: typed parsing of ``key=value`` strings and routing of options to
+the metrics of a run, shared by the command line and the pycocoevalcap drop-in.
+
+Routing: an option addressed to one metric (``clipscore.model=...`` on the command line, or a per-metric
+mapping) goes to that metric and must be one of its options; a bare option goes to every selected metric
+that takes it, and one that no selected metric takes is an error (a typo, or an image metric's option given
+to a text metric alone).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping, Sequence
+
+from capeval_plugins.inputs import InputError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class OptionError(InputError):
+    """An option that is unknown, misaddressed or of the wrong type."""
+
+
+def fields(config_cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(config_cls)}
+
+
+def parse_value(metric: str, key: str, raw: str, field: dataclasses.Field) -> Any:
+    """``raw`` as the type the option's annotation names (``int``, ``float``, ``bool``, ``str``, ``None``,
+    else JSON)."""
+    annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    kinds = [k.strip() for k in annotation.split("|")]
+    text = raw.strip()
+    if text.lower() in ("none", "null") and ("None" in kinds or field.default is None):
+        return None
+    structured = text[:1] in "[{" and any(k not in ("str", "None") for k in kinds)
+    if structured:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    for kind in kinds:
+        if kind == "bool":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+        elif kind in ("int", "float"):
+            try:
+                return int(text) if kind == "int" else float(text)
+            except ValueError:
+                pass
+        elif kind == "str":
+            return raw
+    if all(k in ("bool", "int", "float", "None") for k in kinds):
+        wanted = " or ".join(k if k != "None" else "none" for k in kinds)
+        raise OptionError(f"{metric}: option {key} expects {_article(wanted)}, got {raw!r}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _article(kind: str) -> str:
+    return ("an " if kind[:1] in "aeiou" else "a ") + kind
+
+
+def parse_pairs(pairs: Sequence[str], names: Sequence[str]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
+    """``key=value`` and ``metric.key=value`` strings -> (bare options, options by metric), values as text."""
+    bare: dict[str, str] = {}
+    own: dict[str, dict[str, str]] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise OptionError(f"--option expects key=value or metric.key=value, got {pair!r}")
+        target, dot, name = key.rpartition(".")
+        if dot:
+            if target not in names:
+                raise OptionError(f"option {pair!r} names metric {target!r}, which is not selected ({', '.join(names)})")
+            own.setdefault(target, {})[name] = raw
+        else:
+            bare[key] = raw
+    return bare, own
+
+
+def route(classes: Mapping[str, type], bare: Mapping[str, Any], own: Mapping[str, Mapping[str, Any]],
+          parse: bool = False) -> dict[str, dict[str, Any]]:
+    """Options for every metric (``classes``: name -> Metric class). ``parse`` turns text values into typed
+    ones (command line)."""
+    out: dict[str, dict[str, Any]] = {name: {} for name in classes}
+    for key, value in bare.items():
+        takers = [name for name, cls in classes.items() if key in fields(cls.Config)]
+        if not takers:
+            raise OptionError(f"no selected metric takes option {key!r} ({_valid(classes)})")
+        for name in takers:
+            out[name][key] = parse_value(name, key, value, fields(classes[name].Config)[key]) if parse else value
+    for name, options in own.items():
+        known = fields(classes[name].Config)
+        for key, value in options.items():
+            if key not in known:
+                raise OptionError(f"{name} takes no option {key!r}; valid: {', '.join(sorted(known))}")
+            out[name][key] = parse_value(name, key, value, known[key]) if parse else value
+    return out
+
+
+def _valid(classes: Mapping[str, type]) -> str:
+    return "; ".join(f"{name} takes {', '.join(sorted(fields(cls.Config)))}" for name, cls in classes.items())
