@@ -201,16 +201,19 @@ def test_options_are_typed_and_routed():
 # The adapters through the runner
 
 
-def test_torchmetrics_errors_name_the_ids_before_any_model_loads(tiny_clip, corpus, monkeypatch):
+def test_torchmetrics_errors_name_the_ids_before_any_model_loads(tiny_clip, corpus, monkeypatch, tmp_path):
     from capeval_plugins.torchmetrics import CLIPScore
 
     images, captions, _ = corpus
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"\x89PNG not really")
     metric = CLIPScore(model=tiny_clip)
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     batch = list(images[:4])
-    batch[2] = "/missing.png"
-    with pytest.raises(InputError, match="sample 252: image file not found"):
+    batch[0], batch[2] = str(corrupt), "/missing.png"
+    with pytest.raises(InputError) as err:
         metric.update(batch, captions[:4], ids=[250, 251, 252, 253])
+    assert "sample 250: cannot read image" in str(err.value) and "sample 252: image file not found" in str(err.value)
 
 
 def test_torchmetrics_warns_once_without_ids_under_ddp_and_keeps_skips(tiny_clip, corpus, monkeypatch):
