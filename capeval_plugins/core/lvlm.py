@@ -350,13 +350,20 @@ class LVLMJudge:
     """A loaded LVLM (model + processor) used as a greedy judge; see the module docstring.
 
     Build with :meth:`shared` (through :mod:`capeval_plugins.core.loading`: hub id or local path, safetensors,
-    device and dtype chosen once: bfloat16 on GPU, float32 on CPU) or directly from a model and a processor."""
+    device and dtype chosen once: bfloat16 on GPU, float32 on CPU) or directly from a model and a processor.
 
-    def __init__(self, model: Any, processor: Any):
+    The model may be dispatched by accelerate (a ``device_map``: layers on several GPUs, or offloaded to CPU
+    memory or disk). ``device`` (:func:`loading.input_device`: by default where the input embeddings compute)
+    is then where inputs start and where logits, hidden states and LM-head rows are gathered; the key/value
+    cache of each layer stays on that layer's device."""
+
+    def __init__(self, model: Any, processor: Any, device: str | torch.device | None = None):
         self.model = model
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
-        self.device = next(model.parameters()).device
+        self.device = loading.input_device(model, device)
+        # Rows of a cache spread over devices are selected with CPU indices, which index a tensor on any device.
+        self.index_device = torch.device("cpu") if loading.is_dispatched(model) else self.device
         self.head = model.get_output_embeddings()
         self.vocab_size = int(self.head.weight.shape[0])
         self.eos_ids = self._eos_ids()
@@ -372,9 +379,8 @@ class LVLMJudge:
 
         def build() -> "LVLMJudge":
             processor = load_lvlm_processor(spec)
-            model = loading.load_model(AutoModelForImageTextToText, spec.model, device=spec.device,
-                                       dtype=spec.dtype, gpu_dtype=torch.bfloat16, **spec.hub())
-            return cls(model, processor)
+            model = loading.load_spec(AutoModelForImageTextToText, spec, gpu_dtype=torch.bfloat16)
+            return cls(model, processor, spec.device)
 
         return loading.shared(("LVLMJudge", spec), build)
 
@@ -435,11 +441,15 @@ class LVLMJudge:
         return torch.tensor(rows, dtype=torch.long)
 
     def lm_head_rows(self, token_ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The LM head's rows ``V`` (..., d) and bias (..., or None) for ``token_ids``: the logits of those
-        tokens are ``h @ V.T + bias`` for a final hidden state ``h`` from :class:`JudgeOutput`."""
-        ids = token_ids.to(self.head.weight.device)
-        bias = getattr(self.head, "bias", None)
-        return self.head.weight[ids].float(), None if bias is None else bias[ids].float()
+        """The LM head's rows ``V`` (..., d) and bias (..., or None) for ``token_ids``, float32 on
+        :attr:`device`: the logits of those tokens are ``h @ V.T + bias`` for a final hidden state ``h`` from
+        :class:`JudgeOutput`. A head offloaded to CPU memory or disk (its weight is on the meta device between
+        forward passes) is loaded for the read, as its own forward pass would."""
+        with torch.no_grad(), _onloaded(self.head):
+            weight, bias = self.head.weight, getattr(self.head, "bias", None)
+            ids = token_ids.to(weight.device)
+            rows = weight[ids].float().to(self.device)
+            return rows, None if bias is None else bias[ids].float().to(self.device)
 
     # -- scoring --
 
@@ -634,7 +644,7 @@ class LVLMJudge:
         next_pos = _next_positions(pre_pos, pre_mask)
         # 2. Each candidate's suffix on a copy of its image's cache.
         group = torch.tensor(group_of, dtype=torch.long)
-        cache.batch_select_indices(group.to(dev))
+        cache.batch_select_indices(group.to(self.index_device))
         suf_ids, suf_mask, _ = _left_pad(
             [torch.tensor(run.text_ids[r][cuts[g]:]) for r, g in zip(rows, group_of)], None, self._pad_id())
         mask = torch.cat([pre_mask[group], suf_mask], dim=1)
@@ -671,12 +681,14 @@ class LVLMJudge:
             handle.remove()
 
     def _forward_step(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> tuple[Tensor, Tensor]:
+        """(logits, final hidden state) at the last position, float32, gathered on :attr:`device` (a dispatched
+        model computes its last layers and head elsewhere)."""
         dev = self.device
         with self._capture_hidden() as seen:
             out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                              position_ids=self._step_positions(positions).to(dev), past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float(), seen[-1].float()
+        return out.logits[:, -1].float().to(dev), seen[-1].float().to(dev)
 
     def _decode(self, run: _Run, rows: list[int], table: Tensor, cache: Any, ids: Tensor, mask: Tensor,
                 positions: Tensor) -> JudgeOutput:
@@ -717,8 +729,7 @@ class LVLMJudge:
             if step + 1 == budget or not bool(keep.any()):
                 break
             active = active[keep]
-            keep_dev = keep.nonzero()[:, 0].to(self.device)
-            cache.batch_select_indices(keep_dev)
+            cache.batch_select_indices(keep.nonzero()[:, 0].to(self.index_device))
             mask = torch.cat([mask[keep], torch.ones((len(active), 1), dtype=mask.dtype)], dim=1)
             positions = positions[keep][:, -1:] + 1
             logits, h = self._forward_step(chosen[keep][:, None], mask, positions, cache)
@@ -768,6 +779,19 @@ class LVLMJudge:
             hidden=None if hidden is None else hidden[:, :n_steps], raw=raw, positions=positions,
             labels=labels, errors=errors,
         )
+
+
+@contextmanager
+def _onloaded(module: torch.nn.Module) -> Iterator[None]:
+    """``module``'s own weights readable for the duration: a module that accelerate offloaded (weights on the
+    meta device, loaded by a hook around each forward pass) is loaded to its execution device by that hook."""
+    if getattr(module, "_hf_hook", None) is None or all(p.device.type != "meta" for p in module.parameters()):
+        yield
+        return
+    from accelerate.utils import align_module_device  # present: its hooks are on the module
+
+    with align_module_device(module):
+        yield
 
 
 def _empty_output(table: Tensor, k: int, p: int) -> JudgeOutput:

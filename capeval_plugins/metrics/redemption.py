@@ -79,6 +79,9 @@ class RedemptionConfig(MetricConfig):
     device: str | None = None
     dtype: str | None = None
     local_files_only: bool | None = None
+    device_map: str | dict | None = None
+    max_memory: dict | None = None
+    offload_folder: str | None = None
 
     def __post_init__(self) -> None:
         weights = (self.mid_weight, self.dino_weight, self.bertscore_weight)
@@ -136,7 +139,8 @@ class RedemptionScore(CompositeMetric):
     def _common(self) -> dict:
         cfg = self.config
         return {"batch_size": cfg.batch_size, "device": cfg.device, "dtype": cfg.dtype,
-                "local_files_only": cfg.local_files_only}
+                "local_files_only": cfg.local_files_only, "device_map": cfg.device_map,
+                "max_memory": cfg.max_memory, "offload_folder": cfg.offload_folder}
 
     def _mid(self) -> Metric:
         cfg = self.config

@@ -34,11 +34,9 @@ class ClipEncoder:
         from transformers import AutoModel, AutoProcessor
 
         self.spec = spec
-        self.model = loading.load_model(
-            AutoModel, spec.model, device=spec.device, dtype=spec.dtype, **spec.hub()
-        )
+        self.model = loading.load_spec(AutoModel, spec)
         self.processor = loading.load_processor(AutoProcessor, spec.model, **spec.hub())
-        self.device = next(self.model.parameters()).device
+        self.device = loading.input_device(self.model, spec.device)
         self.dtype = next(self.model.parameters()).dtype
         text_config = getattr(self.model.config, "text_config", self.model.config)
         self.max_tokens = int(text_config.max_position_embeddings)

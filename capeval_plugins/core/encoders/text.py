@@ -177,8 +177,8 @@ class TextEncoder:
 
         self.spec = spec
         self.tokenizer = loading.load_processor(AutoTokenizer, spec.model, **spec.hub())
-        self.model = loading.load_model(AutoModel, spec.model, device=spec.device, dtype=spec.dtype, **spec.hub())
-        self.device = next(self.model.parameters()).device
+        self.model = loading.load_spec(AutoModel, spec)
+        self.device = loading.input_device(self.model, spec.device)
         self.blocks = transformer_blocks(self.model)
         if num_layers is None:
             num_layers = bert_score_layer(spec.model)
