@@ -40,7 +40,7 @@ from __future__ import annotations
 import inspect
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -206,6 +206,7 @@ class JudgeOutput:
     positions: Tensor
     labels: Tensor
     errors: list[str | None]
+    _score_logprobs: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -216,13 +217,21 @@ class JudgeOutput:
 
     def logprobs_at(self, position: int) -> Tensor:
         """(B, K) label log-probabilities at score position ``position`` (NaN rows where absent)."""
-        return _gather_steps(self.label_logprobs, self.positions[:, position], float("nan"))
+        return self.score_logprobs[:, position]
+
+    @property
+    def score_logprobs(self) -> Tensor:
+        """(B, P, K) label log-probabilities at every score position (NaN rows where absent): one gather for
+        all of them, kept (the heads read each position several times)."""
+        if self._score_logprobs is None:
+            self._score_logprobs = _gather_steps(self.label_logprobs, self.positions, float("nan"))
+        return self._score_logprobs
 
     def hidden_at(self, position: int) -> Tensor:
         """(B, d) final hidden state at score position ``position`` (NaN rows where absent)."""
         if self.hidden is None:
             raise ValueError("hidden states were not kept (keep_hidden=False)")
-        return _gather_steps(self.hidden, self.positions[:, position], float("nan"))
+        return _gather_steps(self.hidden, self.positions[:, position:position + 1], float("nan"))[:, 0]
 
     def label_ids_at(self, position: int) -> Tensor:
         """(B, K) ids of the label tokens read at score position ``position`` (the bare form where absent)."""
@@ -232,10 +241,13 @@ class JudgeOutput:
 
 
 def _gather_steps(values: Tensor, steps: Tensor, fill: float) -> Tensor:
-    index = steps.clamp_min(0).view(-1, 1, *([1] * (values.dim() - 2))).expand(-1, 1, *values.shape[2:])
-    out = values.gather(1, index)[:, 0].clone()
-    out[steps < 0] = fill
-    return out
+    """``values`` (B, S, ...) at the steps ``steps`` (B, P) of each row: (B, P, ...), ``fill`` where a step is
+    -1 (absent). Vectorised: one gather and one select, no host synchronisation."""
+    tail = values.shape[2:]
+    index = steps.clamp_min(0).view(*steps.shape, *([1] * len(tail))).expand(*steps.shape, *tail)
+    out = values.gather(1, index)
+    absent = (steps < 0).view(*steps.shape, *([1] * len(tail)))
+    return torch.where(absent, torch.full((), fill, dtype=out.dtype), out)
 
 
 def _cat_outputs(parts: list[JudgeOutput], label_table: Tensor) -> JudgeOutput:
