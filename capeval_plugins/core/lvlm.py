@@ -277,20 +277,23 @@ def _cat_outputs(parts: list[JudgeOutput], label_table: Tensor) -> JudgeOutput:
 JudgeSpec = loading.ModelSpec  # which LVLM to load and how; one spec, one shared judge
 
 
+QWEN_EXTRA = "pip install 'capeval-plugins[qwen]'"
+
+
 def load_lvlm_processor(spec: JudgeSpec) -> Any:
-    """The checkpoint's processor, with a clear error when it needs torchvision (Qwen-VL, LLaVA-OneVision
-    and others build a video processor that requires it)."""
+    """The checkpoint's processor, with a one-line error naming the ``qwen`` extra when it needs torchvision
+    (Qwen-VL, LLaVA-OneVision and others build a video processor that requires it) and torchvision is missing
+    or does not load with this torch."""
     from transformers import AutoProcessor
-    from transformers.utils import is_torchvision_available
 
     try:
         return loading.load_processor(AutoProcessor, spec.model, **spec.hub())
-    except (ImportError, AttributeError) as err:
-        if is_torchvision_available() or "torchvision" not in str(err).lower() + type(err).__name__.lower():
+    except (ImportError, AttributeError, RuntimeError) as err:
+        if "torchvision" not in f"{type(err).__name__} {err}".lower():
             raise
         raise ImportError(
             f"the processor of {spec.model} needs torchvision (its video processor requires it), which is not "
-            "installed; install the torchvision build that matches your torch (pip install torchvision)"
+            f"installed or does not load with this torch: {QWEN_EXTRA} (the torchvision build matching your torch)"
         ) from err
 
 
