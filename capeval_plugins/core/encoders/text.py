@@ -128,7 +128,9 @@ def hidden_state_at(forward: Callable[..., Any], blocks: torch.nn.ModuleList, la
         pass
     finally:
         handle.remove()
-    return captured["h"]
+    # Gathered where the inputs are: a model spread over devices computes block ``layer`` elsewhere.
+    device = next(v.device for v in inputs.values() if isinstance(v, Tensor))
+    return captured["h"].to(device)
 
 
 def pad_rows(rows: Sequence[Sequence[int]], value: int) -> tuple[Tensor, Tensor]:
