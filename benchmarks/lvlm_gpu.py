@@ -238,8 +238,7 @@ def fleur_discode(args, device: torch.device, dtype: torch.dtype, peak: float | 
     t_heads, _ = timed(lambda: (fleur.head(out), discode.head(out)), max(args.repeats, 20))
     print(f"score heads (FLEUR.head + DISCODE.head) on {rows} answers: {t_heads * 1e6:.0f} us = "
           f"{100 * t_heads / (t_heads + t_judge):.4f} % of the judge's {t_judge * 1e3:.1f} ms")
-    del judge
-    loading.clear_cache()
+    loading.clear_cache()  # the 7B judge's memory back before Rigel's model
 
 
 def rigel(args, device: torch.device, dtype: torch.dtype) -> None:

@@ -86,9 +86,10 @@ PYTHON = sys.executable
 def torchvision_works() -> bool:
     """torchvision imports and its operators register (Qwen-VL processors need it; on some machines no
     torchvision wheel matches the installed torch, and then importing it fails)."""
+    import importlib
+
     try:
-        import torchvision  # noqa: F401
-        from torchvision.transforms.v2 import functional  # noqa: F401
+        importlib.import_module("torchvision.transforms.v2.functional")
     except Exception:  # ImportError, or RuntimeError from operators that fail to register
         return False
     return True

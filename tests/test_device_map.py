@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fleur_discode import ANSWERS, answers, sample_images  # noqa: F401  (answers is a fixture)
+import test_fleur_discode
+from test_fleur_discode import ANSWERS, sample_images
 from test_lvlm import CAPTIONS, DECIMAL, IMAGE_OF, images, sharp_llava
 from test_rigel_metric import checkpoint as rigel_checkpoint
 
@@ -16,6 +17,7 @@ from capeval_plugins.core import loading
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, fleur_instruction
 
 pytest.importorskip("accelerate")
+answers = test_fleur_discode.answers  # the fixture that makes the judge answer given texts (teacher forcing)
 pytestmark = pytest.mark.filterwarnings("ignore:The following device_map keys do not match")
 
 # The vision side, the embeddings and decoder layer 0 in CPU memory; layer 1, the final norm and the LM head on
@@ -73,7 +75,7 @@ def test_lm_head_rows_are_read_from_an_offloaded_head(offload):
     assert split.model.lm_head.weight.device.type == "meta"  # offloaded again after the read
 
 
-def test_metrics_on_a_split_model_score_like_the_whole_model(answers, offload):  # noqa: F811
+def test_metrics_on_a_split_model_score_like_the_whole_model(answers, offload):
     answers.update(zip(CAPTIONS, ANSWERS))
     imgs = sample_images()
     options = [("fleur", {}), ("discode", {"alpha_scale": "unit"}),
@@ -100,7 +102,7 @@ def test_rigel_on_a_split_backbone_scores_like_the_whole_backbone(offload):
     assert (whole.scores - whole.scores.mean()).abs().max() > 1e-4  # scores that differ between samples
 
 
-def test_device_map_auto_on_a_cpu_only_machine(answers):  # noqa: F811
+def test_device_map_auto_on_a_cpu_only_machine(answers):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: 'auto' would place the model on it")
     answers.update(zip(CAPTIONS, ANSWERS))

@@ -35,7 +35,6 @@ _DTYPES = {
 }
 
 
-PLACEMENT_OPTIONS = ("device_map", "max_memory", "offload_folder")
 ACCELERATE_EXTRA = "pip install 'capeval-plugins[accelerate]'"
 
 
