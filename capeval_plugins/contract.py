@@ -223,7 +223,11 @@ class MetricConfig:
 
 @dataclass
 class ModelConfig(MetricConfig):
-    """Options of metrics that load a model through :mod:`capeval_plugins.core.loading`."""
+    """Options of metrics that load a model through :mod:`capeval_plugins.core.loading`.
+
+    ``device_map`` (``"auto"`` or a module -> device mapping), ``max_memory`` (device -> size) and
+    ``offload_folder`` spread a model over several devices or offload part of it to CPU memory or disk
+    (accelerate); ``device`` is then where inputs start and outputs are gathered."""
 
     model: str = ""
     device: str | None = None
@@ -231,6 +235,9 @@ class ModelConfig(MetricConfig):
     revision: str | None = None
     local_files_only: bool | None = None
     trust_remote_code: bool = False
+    device_map: str | dict | None = None
+    max_memory: dict | None = None
+    offload_folder: str | None = None
 
     input_paths: ClassVar[tuple[str, ...]] = ("model",)
 

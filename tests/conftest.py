@@ -81,3 +81,19 @@ def has_java() -> bool:
 
 
 PYTHON = sys.executable
+
+
+def torchvision_works() -> bool:
+    """torchvision imports and its operators register (Qwen-VL processors need it; on some machines no
+    torchvision wheel matches the installed torch, and then importing it fails)."""
+    import importlib
+
+    try:
+        importlib.import_module("torchvision.transforms.v2.functional")
+    except Exception:  # ImportError, or RuntimeError from operators that fail to register
+        return False
+    return True
+
+
+needs_torchvision = pytest.mark.skipif(not torchvision_works(), reason="Qwen-VL processors need torchvision "
+                                       "(pip install 'capeval-plugins[qwen]')")

@@ -72,3 +72,52 @@ def test_share_false_gives_a_private_copy(tiny_clip):
     assert private is not shared
     assert all(torch.equal(a, b) for a, b in zip(shared.state_dict().values(), private.state_dict().values()))
     assert loading.load_model(AutoModel, tiny_clip, device="cpu") is shared
+
+
+# --- placement: device_map, max_memory, offload_folder -------------------------------------------------------
+
+
+def test_placement_specs_are_hashable_and_one_per_placement(tmp_path):
+    a = loading.ModelSpec("m", device_map={"lm_head": "disk", "model": 0}, max_memory={"0": "70GiB", "cpu": 10**9},
+                          offload_folder=tmp_path)
+    b = loading.ModelSpec("m", device_map={"model": "0", "lm_head": "disk"}, max_memory={"cpu": 10**9, 0: "70GiB"},
+                          offload_folder=str(tmp_path) + "/")
+    assert a == b and hash(a) == hash(b)
+    assert a.placement() == {"device_map": (("lm_head", "disk"), ("model", 0)),
+                             "max_memory": ((0, "70GiB"), ("cpu", 10**9)), "offload_folder": str(tmp_path)}
+    assert loading.ModelSpec("m", device_map="auto").device_map == "auto"
+    with pytest.raises(ValueError, match="max_memory"):
+        loading.ModelSpec("m", device_map="auto", max_memory={"cpu": 1.5})
+    with pytest.raises(ValueError, match="device_map"):
+        loading.ModelSpec("m", device_map=["auto"])
+
+
+def test_placement_options_parse_on_the_command_line():
+    from capeval_plugins import options as metric_options_module
+    from capeval_plugins import registry
+
+    def metric_options(cls, pairs):
+        bare, own = metric_options_module.parse_pairs(pairs, ["discode"])
+        return metric_options_module.route({"discode": cls}, bare, own, parse=True)["discode"]
+
+    cls = registry.get("discode").cls
+    options = metric_options(cls, ["device_map=auto", 'max_memory={"0": "70GiB", "cpu": "200GiB"}',
+                                   "offload_folder=/tmp/offload"])
+    assert options == {"device_map": "auto", "max_memory": {"0": "70GiB", "cpu": "200GiB"},
+                       "offload_folder": "/tmp/offload"}
+    spec = loading.ModelSpec.from_config(cls.Config(**options))
+    assert spec.device_map == "auto" and dict(spec.max_memory) == {0: "70GiB", "cpu": "200GiB"}
+    assert metric_options(cls, ['device_map={"model": 0, "lm_head": "cpu"}'])["device_map"] == {"model": 0,
+                                                                                                  "lm_head": "cpu"}
+
+
+def test_placement_errors_are_clear(monkeypatch, tiny_clip):
+    from transformers import AutoModel
+
+    with pytest.raises(ValueError, match="only apply with a device_map"):
+        loading.load_model(AutoModel, tiny_clip, max_memory={"cpu": "1GiB"})
+    real = loading.importlib.util.find_spec
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name, *a: None if name == "accelerate"
+                        else real(name, *a))
+    with pytest.raises(ImportError, match=r"needs accelerate.*capeval-plugins\[accelerate\]"):
+        loading.load_model(AutoModel, tiny_clip, device_map="auto", share=False)

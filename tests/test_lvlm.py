@@ -1,6 +1,7 @@
 """The batched LVLM judge against transformers' own one-prompt-at-a-time ``generate`` on tiny random LVLMs
-(LLaVA-NeXT; Qwen2-VL, Qwen2.5-VL and Qwen3-VL through a stand-in for their processor, which needs
-torchvision), plus parsing, stopping, invariances, prefix sharing and the out-of-memory fallback."""
+(LLaVA-NeXT; Qwen2-VL, Qwen2.5-VL and Qwen3-VL through their real processors where torchvision imports, and
+everywhere through a stand-in checked against the real one), plus parsing, stopping, invariances, prefix
+sharing and the out-of-memory fallback."""
 from __future__ import annotations
 
 import re
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_image
+from conftest import needs_torchvision, random_image
 
 from capeval_plugins.core.lvlm import SCALES, JudgeSpec, LVLMJudge, fleur_instruction
 
@@ -379,21 +380,34 @@ def qwen_checkpoint(kind: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-def test_qwen_families_equal_generate_with_their_own_rope_positions(kind):
+QWEN_KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+PROCESSORS = ["stand-in", pytest.param("real", marks=needs_torchvision)]
+
+
+def qwen_judge(kind: str, processor: str) -> LVLMJudge:
+    """The real processor through the user's path (``LVLMJudge.shared``: the checkpoint's own processor), or the
+    stand-in around the same model where torchvision is missing."""
     from transformers import AutoModelForImageTextToText
 
     path = qwen_checkpoint(kind)
-    model = AutoModelForImageTextToText.from_pretrained(path).eval()
-    processor = QwenProcessorStandIn(path)
-    judge = LVLMJudge(model, processor)
+    if processor == "real":
+        return LVLMJudge.shared(JudgeSpec(path))
+    return LVLMJudge(AutoModelForImageTextToText.from_pretrained(path).eval(), QwenProcessorStandIn(path))
+
+
+@pytest.mark.parametrize("processor", PROCESSORS)
+@pytest.mark.parametrize("kind", QWEN_KINDS)
+def test_qwen_families_equal_generate_with_their_own_rope_positions(kind, processor):
+    judge = qwen_judge(kind, processor)
+    assert isinstance(judge.processor, QwenProcessorStandIn) == (processor == "stand-in")
+    model, processor = judge.model, judge.processor
     ins = [fleur_instruction(c) for c in CAPTIONS]
     out = judge.judge(images(), IMAGE_OF, ins, DECIMAL, max_new_tokens=3, batch_size=6)
     one_by_one = judge.judge(images(), IMAGE_OF, ins, DECIMAL, max_new_tokens=3, batch_size=1)
     assert torch.allclose(out.label_logprobs.exp(), one_by_one.label_logprobs.exp(), atol=1e-5, equal_nan=True)
     table = out.label_table[0]
     for i in (1, 5):
-        enc = processor(text=[judge.chat(ins[i])], images=[images()[IMAGE_OF[i]]])
+        enc = processor(text=[judge.chat(ins[i])], images=[images()[IMAGE_OF[i]]], return_tensors="pt")
         with torch.no_grad():
             g = model.generate(**enc, max_new_tokens=3, min_new_tokens=3, do_sample=False, output_logits=True,
                                return_dict_in_generate=True)
@@ -402,10 +416,25 @@ def test_qwen_families_equal_generate_with_their_own_rope_positions(kind):
         assert torch.allclose(out.label_logprobs[i], expected, atol=1e-5)
 
 
-def test_missing_torchvision_is_a_clear_error():
-    from transformers.utils import is_torchvision_available
+@needs_torchvision
+def test_the_stand_in_processor_is_the_real_one_for_images():
+    """The stand-in the torchvision-free tests use gives the real Qwen processor's tokens and patches."""
+    path = qwen_checkpoint("qwen2_5_vl")
+    real = LVLMJudge.shared(JudgeSpec(path)).processor
+    chat = LVLMJudge.shared(JudgeSpec(path)).chat(fleur_instruction(CAPTIONS[0]))
+    ours = QwenProcessorStandIn(path)(text=[chat], images=[images()[1]])
+    theirs = real(text=[chat], images=[images()[1]], return_tensors="pt")
+    for key in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw"):
+        assert torch.equal(ours[key], theirs[key]), key
+    if "mm_token_type_ids" in theirs:
+        assert torch.equal(ours["mm_token_type_ids"], theirs["mm_token_type_ids"].to(ours["mm_token_type_ids"].dtype))
 
-    if is_torchvision_available():
+
+def test_missing_torchvision_is_a_clear_error():
+    from conftest import torchvision_works
+
+    if torchvision_works():
         pytest.skip("torchvision is installed")
-    with pytest.raises(ImportError, match="needs torchvision"):
+    with pytest.raises(ImportError, match=r"needs torchvision.*capeval-plugins\[qwen\]") as error:
         LVLMJudge.shared(JudgeSpec(qwen_checkpoint("qwen2_vl")))
+    assert "\n" not in str(error.value)

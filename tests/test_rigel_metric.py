@@ -1,6 +1,7 @@
 """The ``rigel`` metric and the one-pass scorer under it (:meth:`LVLMJudge.prompt_end`) on tiny random LVLMs:
-equal to transformers' own forward pass one prompt at a time (LLaVA-NeXT; Qwen3-VL images and Qwen2-VL video
-through a stand-in for their processor, which needs torchvision), gradients through the shared prefix equal
+equal to transformers' own forward pass one prompt at a time (LLaVA-NeXT; Qwen2-VL, Qwen2.5-VL and Qwen3-VL
+images and videos through their real processors where torchvision imports, and through a stand-in
+everywhere), gradients through the shared prefix equal
 to the plain forward's, scores equal to an independent computation from the checkpoint's files, prompts per
 sample (image / video, with / without references), and the clear error without a checkpoint."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_image
+from conftest import needs_torchvision, random_image
 
 import capeval_plugins
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, VisualInput
@@ -207,13 +208,30 @@ def qwen(kind: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("kind, visual", [("qwen3_vl", "image"), ("qwen2_vl", "video"), ("qwen2_vl", "mixed")])
-def test_qwen_families_equal_their_own_forward_pass(kind, visual):
+def video_kwargs(frames: list, fps: float = 2.0) -> dict:
+    """A video for a Qwen processor as the judge feeds it: the frames as given, ``fps`` their sampling rate."""
+    return {"videos": [frames], "do_sample_frames": False,
+            "video_metadata": [{"total_num_frames": len(frames), "fps": fps, "frames_indices": list(range(len(frames)))}]}
+
+
+# The stand-in mimics Qwen2-VL's video prompt; Qwen3-VL's (timestamps between frame groups) only the real one has.
+QWEN_CASES = [(kind, visual, processor) for kind, visual in [("qwen3_vl", "image"), ("qwen2_vl", "video"),
+                                                             ("qwen2_vl", "mixed"), ("qwen2_5_vl", "mixed")]
+              for processor in ("stand-in", "real")] + [("qwen3_vl", "video", "real")]
+
+
+@pytest.mark.parametrize("kind, visual, processor", [
+    pytest.param(*case, marks=needs_torchvision) if case[2] == "real" else case for case in QWEN_CASES])
+def test_qwen_families_equal_their_own_forward_pass(kind, visual, processor):
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(qwen(kind)).eval()
-    processor = QwenStandIn(qwen(kind))
-    judge = LVLMJudge(model, processor)
+    if processor == "real":  # the user's path: the checkpoint's own processor
+        judge = LVLMJudge.shared(JudgeSpec(qwen(kind)))
+        model, processor = judge.model, judge.processor
+    else:
+        model = AutoModelForImageTextToText.from_pretrained(qwen(kind)).eval()
+        processor = QwenStandIn(qwen(kind))
+        judge = LVLMJudge(model, processor)
     visuals = {"image": images()[:2], "video": [video(1, 4), video(2, 2)], "mixed": [video(1, 4), images()[1]]}[visual]
     index = [0, 0, 1, 1]
     ins = [render_prompt(paper_prompts()["video" if isinstance(visuals[g], list) else "image"], c)
@@ -227,11 +245,48 @@ def test_qwen_families_equal_their_own_forward_pass(kind, visual):
         v = visuals[index[i]]
         chat = judge.chat(ins[i], v)
         assert ("<|video_pad|>" in chat) == isinstance(v, list)
-        enc = processor(text=[chat], **({"videos": [v]} if isinstance(v, list) else {"images": [v]}))
+        enc = processor(text=[chat], return_tensors="pt", **(video_kwargs(v) if isinstance(v, list) else {"images": [v]}))
         with torch.no_grad():
             plain = model(**enc, output_hidden_states=True)
         assert torch.allclose(out.hidden[i], plain.hidden_states[-1][0, -1], atol=1e-5)
         assert torch.allclose(out.label_logprobs[i], torch.log_softmax(plain.logits[0, -1], -1)[label_ids], atol=1e-5)
+
+
+@needs_torchvision
+def test_rigel_on_qwen3_vl_with_its_real_processor_equals_an_independent_computation():
+    """The paper's backbone family end to end: a checkpoint on a tiny Qwen3-VL, images and a video (the video
+    processor, timestamps at 2 fps), scored by the metric and by hand from the checkpoint's files."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    base = qwen("qwen3_vl")
+    settings = RigelSettings(base_model=base, hidden_size=32, head_hidden=(16,), phase=1)
+    torch.manual_seed(1)
+    head = settings.build_head()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(4)
+    ckpt = save_checkpoint(tempfile.mkdtemp(prefix="capeval-rigel-qwen3-"), settings, head)
+    visuals = [images()[0], video(3, 4), images()[1]]
+    captions = ["A dog runs.", "Two kids play.", "A red car."]
+    result = capeval_plugins.load("rigel", checkpoint=str(ckpt), batch_size=2)(visuals, captions)
+
+    model = AutoModelForImageTextToText.from_pretrained(base).eval()
+    processor = AutoProcessor.from_pretrained(base)
+    w = load_file(str(Path(ckpt) / "head.safetensors"))
+    expected = []
+    for visual, caption in zip(visuals, captions):
+        is_video = isinstance(visual, list)
+        text = render_prompt(paper_prompts()["video" if is_video else "image"], caption)
+        content = [{"type": "video" if is_video else "image"}, {"type": "text", "text": text}]
+        chat = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        enc = processor(text=[chat], return_tensors="pt", **(video_kwargs(visual) if is_video else {"images": [visual]}))
+        with torch.no_grad():
+            h = model(**enc, output_hidden_states=True).hidden_states[-1][0, -1]
+        probs = torch.softmax((torch.relu(h @ w["net.0.weight"].T + w["net.0.bias"]) @ w["net.2.weight"].T
+                               + w["net.2.bias"]).double(), -1)
+        expected.append(((probs * torch.arange(1, 6, dtype=torch.float64)).sum() - 1) / 4)
+    assert torch.allclose(result.scores, torch.stack(expected), atol=1e-5)
 
 
 # --- the metric -----------------------------------------------------------------------------------------------------

@@ -35,12 +35,11 @@ def fleur_smooth(first: Tensor, second: Tensor, integer: Tensor, has_second: Ten
     ``0.1 * E_first[d] + 0.01 * E_second[d]`` (the second term only where a second decimal was written), and
     ``0.9 * P_integer('0') + P_integer('1')`` where the answer is "1.0". Rows that use no value of an input
     may hold NaN there."""
-    digits = torch.arange(10, dtype=torch.float64, device=first.device)
-    tenths = expected_value(first.double().exp().nan_to_num(), digits)
-    hundredths = expected_value(second.double().exp().nan_to_num(), digits)
-    decimal = 0.1 * tenths + torch.where(has_second, 0.01 * hundredths, torch.zeros_like(hundredths))
-    p_int = integer.double().exp().nan_to_num()
-    one = 0.9 * p_int[..., 0] + p_int[..., 1]
+    # One pass over the three positions: (3, ..., 10) probabilities, their expected digits (3, ...).
+    probs = torch.stack([first, second, integer]).double().exp().nan_to_num()
+    expected = probs @ torch.arange(10, dtype=torch.float64, device=probs.device)
+    decimal = 0.1 * expected[0] + 0.01 * expected[1] * has_second
+    one = 0.9 * probs[2, ..., 0] + probs[2, ..., 1]
     return torch.where(is_one, one, decimal)
 
 

@@ -3,13 +3,20 @@
 Hub id or local path through ``from_pretrained``; ``local_files_only`` honoured; safetensors only;
 ``trust_remote_code`` off unless asked; device and dtype chosen once (overridable); and one loaded model
 shared by every metric instance that asks for the same thing.
+
+A model too large for one device is spread over several, or partly offloaded to CPU memory or disk, with a
+``device_map`` (``"auto"``, ``"balanced"``, ``"sequential"`` or an explicit module -> device mapping),
+``max_memory`` (a cap per device) and ``offload_folder``: transformers dispatches it with accelerate (an
+optional extra). Such a model is never moved with ``.to``; its ``device`` (:func:`input_device`) is where
+inputs start and outputs are gathered.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
@@ -28,9 +35,16 @@ _DTYPES = {
 }
 
 
+ACCELERATE_EXTRA = "pip install 'capeval-plugins[accelerate]'"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """Which checkpoint to load and how: one spec, one shared model (encoders, LVLM judges)."""
+    """Which checkpoint to load and how: one spec, one shared model (encoders, LVLM judges).
+
+    ``device_map``, ``max_memory`` and ``offload_folder`` place a model over several devices, CPU memory and
+    disk (see the module docstring); mappings are kept frozen (sorted key-value tuples) so that a spec stays
+    hashable and two spellings of one map are one spec."""
 
     model: str
     device: str | None = None
@@ -38,16 +52,73 @@ class ModelSpec:
     revision: str | None = None
     local_files_only: bool | None = None
     trust_remote_code: bool = False
+    device_map: Any = None
+    max_memory: Any = None
+    offload_folder: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device_map", freeze_device_map(self.device_map))
+        object.__setattr__(self, "max_memory", freeze_max_memory(self.max_memory))
+        if self.offload_folder is not None:
+            object.__setattr__(self, "offload_folder", _folder(self.offload_folder))
 
     @classmethod
     def from_config(cls, config: Any, model: str | None = None) -> "ModelSpec":
         """From a metric's ``ModelConfig`` (``model`` overrides ``config.model``)."""
         return cls(model or config.model, config.device, config.dtype, config.revision, config.local_files_only,
-                   config.trust_remote_code)
+                   config.trust_remote_code, config.device_map, config.max_memory, config.offload_folder)
 
     def hub(self) -> dict[str, Any]:
         return {"revision": self.revision, "local_files_only": self.local_files_only,
                 "trust_remote_code": self.trust_remote_code}
+
+    def placement(self) -> dict[str, Any]:
+        return {"device_map": self.device_map, "max_memory": self.max_memory, "offload_folder": self.offload_folder}
+
+
+def _device_key(key: Any) -> Any:
+    # JSON (the command line) spells GPU indices as strings: {"0": "70GiB"} means GPU 0.
+    if isinstance(key, str) and key.isdigit():
+        return int(key)
+    return key
+
+
+def freeze_device_map(device_map: Any) -> Any:
+    """``None``, a strategy or device name (``"auto"``, ``"cuda:1"``), a GPU index, or a module -> device
+    mapping, made hashable (sorted (module, device) pairs; GPU indices given as strings become ints)."""
+    if device_map is None or isinstance(device_map, (str, int)):
+        return _device_key(device_map) if isinstance(device_map, str) else device_map
+    items = device_map.items() if isinstance(device_map, Mapping) else device_map
+    try:
+        pairs = {str(module): _device_key(str(dev) if not isinstance(dev, int) else dev) for module, dev in items}
+    except (TypeError, ValueError):
+        raise ValueError(f"device_map must be 'auto', a device or a mapping of module names to devices, got "
+                         f"{device_map!r}") from None
+    return tuple(sorted(pairs.items()))
+
+
+def freeze_max_memory(max_memory: Any) -> tuple | None:
+    """``None`` or a device -> memory mapping (``{0: "70GiB", "cpu": "200GiB"}``; byte counts or sizes with
+    units), made hashable."""
+    if max_memory is None:
+        return None
+    items = max_memory.items() if isinstance(max_memory, Mapping) else max_memory
+    try:
+        pairs = {_device_key(dev): size for dev, size in items}
+    except (TypeError, ValueError):
+        raise ValueError(f"max_memory must map devices to sizes, e.g. {{0: '70GiB', 'cpu': '200GiB'}}, got "
+                         f"{max_memory!r}") from None
+    if not all(isinstance(size, (int, str)) and not isinstance(size, bool) for size in pairs.values()):
+        raise ValueError(f"max_memory sizes must be byte counts or strings such as '70GiB', got {max_memory!r}")
+    return tuple(sorted(pairs.items(), key=lambda kv: str(kv[0])))
+
+
+def _folder(path: Any) -> str:
+    return os.path.abspath(os.fspath(path) if isinstance(path, os.PathLike) else str(path))
+
+
+def _thaw(frozen: Any) -> Any:
+    return dict(frozen) if isinstance(frozen, tuple) else frozen
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -102,33 +173,105 @@ def load_model(
     revision: str | None = None,
     local_files_only: bool | None = None,
     trust_remote_code: bool = False,
+    device_map: Any = None,
+    max_memory: Any = None,
+    offload_folder: str | None = None,
     share: bool = True,
     **kwargs: Any,
 ) -> Any:
     """``loader.from_pretrained(name_or_path)`` in eval mode on the resolved device and dtype, without
     gradients; shared with every caller that asks for the same thing, unless ``share=False`` (a model that
-    will be changed in place, e.g. by injecting LoRA layers, must be a copy of its own)."""
+    will be changed in place, e.g. by injecting LoRA layers, must be a copy of its own).
+
+    With a ``device_map`` the model is placed by transformers and accelerate (``max_memory`` caps each device,
+    ``offload_folder`` holds what goes to disk) and left where it was put; ``device`` then only says where
+    its inputs start (:func:`input_device`), so it is not part of what is shared: two callers with the same
+    map share one copy."""
     if not name_or_path:
         raise ValueError("no model given (a hub id or a local path)")
-    dev = resolve_device(device)
+    device_map, max_memory = freeze_device_map(device_map), freeze_max_memory(max_memory)
+    if device_map is None and (max_memory is not None or offload_folder is not None):
+        raise ValueError("max_memory and offload_folder only apply with a device_map (e.g. device_map='auto')")
+    dev = resolve_device(device) if device_map is None else _map_device(device_map, device)
     dt = resolve_dtype(dtype, dev, gpu_dtype)
-    key = ("model", loader.__name__, _source_key(name_or_path), revision, str(dev), str(dt),
-           bool(trust_remote_code), tuple(sorted(kwargs.items())))
+    folder = None if offload_folder is None else _folder(offload_folder)
+    where = str(dev) if device_map is None else ("device_map", device_map, max_memory, folder)
+    key = ("model", loader.__name__, _source_key(name_or_path), revision, where, str(dt), bool(trust_remote_code),
+           tuple(sorted(kwargs.items())))
 
     def build() -> Any:
+        placement: dict[str, Any] = {}
+        if device_map is not None:
+            require_accelerate("a device_map")
+            placement = {"device_map": _thaw(device_map), "max_memory": _thaw(max_memory), "offload_folder": folder}
+            placement = {k: v for k, v in placement.items() if v is not None}
         try:
             model = loader.from_pretrained(
                 name_or_path,
                 dtype=dt,
                 use_safetensors=True,
                 **hub_kwargs(revision, local_files_only, trust_remote_code),
+                **placement,
                 **kwargs,
             )
         except OSError as err:  # no such folder, not cached offline, no safetensors weights
             raise _load_error("model", name_or_path, err) from err
-        return model.to(dev).eval().requires_grad_(False)
+        if device_map is None:  # a dispatched model stays where accelerate put it
+            model = model.to(dev)
+        return model.eval().requires_grad_(False)
 
     return shared(key, build) if share else build()
+
+
+def load_spec(loader: Any, spec: ModelSpec, *, gpu_dtype: torch.dtype = torch.float32, share: bool = True,
+              **kwargs: Any) -> Any:
+    """:func:`load_model` with everything a :class:`ModelSpec` says (checkpoint, device, dtype, hub options,
+    placement)."""
+    return load_model(loader, spec.model, device=spec.device, dtype=spec.dtype, gpu_dtype=gpu_dtype, share=share,
+                      **spec.hub(), **spec.placement(), **kwargs)
+
+
+def require_accelerate(what: str) -> None:
+    if importlib.util.find_spec("accelerate") is None:
+        raise ImportError(f"{what} needs accelerate, which is not installed: {ACCELERATE_EXTRA}")
+
+
+def _map_device(device_map: Any, device: str | torch.device | None) -> torch.device:
+    """The device a placed model computes on first, for choosing its default dtype (bfloat16 where a GPU
+    takes part): ``device`` when given, else the map's first accelerator, else CPU."""
+    if device is not None:
+        return torch.device(device)
+    if isinstance(device_map, str) and device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
+        return resolve_device(None)
+    targets = [device_map] if not isinstance(device_map, tuple) else [d for _, d in device_map]
+    accelerators = [d for d in targets if d not in ("cpu", "disk")]
+    return torch.device(accelerators[0]) if accelerators else torch.device("cpu")
+
+
+def is_dispatched(model: Any) -> bool:
+    """Whether accelerate placed ``model`` with hooks (over several devices, or partly offloaded)."""
+    return any(hasattr(module, "_hf_hook") for module in model.modules())
+
+
+def input_device(model: Any, device: str | torch.device | None = None) -> torch.device:
+    """Where a loaded model's inputs start and its outputs are gathered.
+
+    A model on one device: that device. A dispatched model (:func:`is_dispatched`): ``device`` when given,
+    else the device its input embeddings compute on (accelerate's execution device: for embeddings offloaded
+    to CPU or disk, the accelerator they are brought to)."""
+    if not is_dispatched(model):
+        return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    if device is not None:
+        return torch.device(device)
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embeddings = None
+    for module in (embeddings, model):
+        execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if execution is not None:
+            return torch.device(execution)
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
 def load_processor(

@@ -40,7 +40,7 @@ from __future__ import annotations
 import inspect
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -206,6 +206,7 @@ class JudgeOutput:
     positions: Tensor
     labels: Tensor
     errors: list[str | None]
+    _score_logprobs: Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -216,13 +217,21 @@ class JudgeOutput:
 
     def logprobs_at(self, position: int) -> Tensor:
         """(B, K) label log-probabilities at score position ``position`` (NaN rows where absent)."""
-        return _gather_steps(self.label_logprobs, self.positions[:, position], float("nan"))
+        return self.score_logprobs[:, position]
+
+    @property
+    def score_logprobs(self) -> Tensor:
+        """(B, P, K) label log-probabilities at every score position (NaN rows where absent): one gather for
+        all of them, kept (the heads read each position several times)."""
+        if self._score_logprobs is None:
+            self._score_logprobs = _gather_steps(self.label_logprobs, self.positions, float("nan"))
+        return self._score_logprobs
 
     def hidden_at(self, position: int) -> Tensor:
         """(B, d) final hidden state at score position ``position`` (NaN rows where absent)."""
         if self.hidden is None:
             raise ValueError("hidden states were not kept (keep_hidden=False)")
-        return _gather_steps(self.hidden, self.positions[:, position], float("nan"))
+        return _gather_steps(self.hidden, self.positions[:, position:position + 1], float("nan"))[:, 0]
 
     def label_ids_at(self, position: int) -> Tensor:
         """(B, K) ids of the label tokens read at score position ``position`` (the bare form where absent)."""
@@ -232,10 +241,13 @@ class JudgeOutput:
 
 
 def _gather_steps(values: Tensor, steps: Tensor, fill: float) -> Tensor:
-    index = steps.clamp_min(0).view(-1, 1, *([1] * (values.dim() - 2))).expand(-1, 1, *values.shape[2:])
-    out = values.gather(1, index)[:, 0].clone()
-    out[steps < 0] = fill
-    return out
+    """``values`` (B, S, ...) at the steps ``steps`` (B, P) of each row: (B, P, ...), ``fill`` where a step is
+    -1 (absent). Vectorised: one gather and one select, no host synchronisation."""
+    tail = values.shape[2:]
+    index = steps.clamp_min(0).view(*steps.shape, *([1] * len(tail))).expand(*steps.shape, *tail)
+    out = values.gather(1, index)
+    absent = (steps < 0).view(*steps.shape, *([1] * len(tail)))
+    return torch.where(absent, torch.full((), fill, dtype=out.dtype), out)
 
 
 def _cat_outputs(parts: list[JudgeOutput], label_table: Tensor) -> JudgeOutput:
@@ -265,20 +277,23 @@ def _cat_outputs(parts: list[JudgeOutput], label_table: Tensor) -> JudgeOutput:
 JudgeSpec = loading.ModelSpec  # which LVLM to load and how; one spec, one shared judge
 
 
+QWEN_EXTRA = "pip install 'capeval-plugins[qwen]'"
+
+
 def load_lvlm_processor(spec: JudgeSpec) -> Any:
-    """The checkpoint's processor, with a clear error when it needs torchvision (Qwen-VL, LLaVA-OneVision
-    and others build a video processor that requires it)."""
+    """The checkpoint's processor, with a one-line error naming the ``qwen`` extra when it needs torchvision
+    (Qwen-VL, LLaVA-OneVision and others build a video processor that requires it) and torchvision is missing
+    or does not load with this torch."""
     from transformers import AutoProcessor
-    from transformers.utils import is_torchvision_available
 
     try:
         return loading.load_processor(AutoProcessor, spec.model, **spec.hub())
-    except (ImportError, AttributeError) as err:
-        if is_torchvision_available() or "torchvision" not in str(err).lower() + type(err).__name__.lower():
+    except (ImportError, AttributeError, RuntimeError) as err:
+        if "torchvision" not in f"{type(err).__name__} {err}".lower():
             raise
         raise ImportError(
             f"the processor of {spec.model} needs torchvision (its video processor requires it), which is not "
-            "installed; install the torchvision build that matches your torch (pip install torchvision)"
+            f"installed or does not load with this torch: {QWEN_EXTRA} (the torchvision build matching your torch)"
         ) from err
 
 
@@ -350,13 +365,20 @@ class LVLMJudge:
     """A loaded LVLM (model + processor) used as a greedy judge; see the module docstring.
 
     Build with :meth:`shared` (through :mod:`capeval_plugins.core.loading`: hub id or local path, safetensors,
-    device and dtype chosen once: bfloat16 on GPU, float32 on CPU) or directly from a model and a processor."""
+    device and dtype chosen once: bfloat16 on GPU, float32 on CPU) or directly from a model and a processor.
 
-    def __init__(self, model: Any, processor: Any):
+    The model may be dispatched by accelerate (a ``device_map``: layers on several GPUs, or offloaded to CPU
+    memory or disk). ``device`` (:func:`loading.input_device`: by default where the input embeddings compute)
+    is then where inputs start and where logits, hidden states and LM-head rows are gathered; the key/value
+    cache of each layer stays on that layer's device."""
+
+    def __init__(self, model: Any, processor: Any, device: str | torch.device | None = None):
         self.model = model
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
-        self.device = next(model.parameters()).device
+        self.device = loading.input_device(model, device)
+        # Rows of a cache spread over devices are selected with CPU indices, which index a tensor on any device.
+        self.index_device = torch.device("cpu") if loading.is_dispatched(model) else self.device
         self.head = model.get_output_embeddings()
         self.vocab_size = int(self.head.weight.shape[0])
         self.eos_ids = self._eos_ids()
@@ -372,9 +394,8 @@ class LVLMJudge:
 
         def build() -> "LVLMJudge":
             processor = load_lvlm_processor(spec)
-            model = loading.load_model(AutoModelForImageTextToText, spec.model, device=spec.device,
-                                       dtype=spec.dtype, gpu_dtype=torch.bfloat16, **spec.hub())
-            return cls(model, processor)
+            model = loading.load_spec(AutoModelForImageTextToText, spec, gpu_dtype=torch.bfloat16)
+            return cls(model, processor, spec.device)
 
         return loading.shared(("LVLMJudge", spec), build)
 
@@ -435,11 +456,15 @@ class LVLMJudge:
         return torch.tensor(rows, dtype=torch.long)
 
     def lm_head_rows(self, token_ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The LM head's rows ``V`` (..., d) and bias (..., or None) for ``token_ids``: the logits of those
-        tokens are ``h @ V.T + bias`` for a final hidden state ``h`` from :class:`JudgeOutput`."""
-        ids = token_ids.to(self.head.weight.device)
-        bias = getattr(self.head, "bias", None)
-        return self.head.weight[ids].float(), None if bias is None else bias[ids].float()
+        """The LM head's rows ``V`` (..., d) and bias (..., or None) for ``token_ids``, float32 on
+        :attr:`device`: the logits of those tokens are ``h @ V.T + bias`` for a final hidden state ``h`` from
+        :class:`JudgeOutput`. A head offloaded to CPU memory or disk (its weight is on the meta device between
+        forward passes) is loaded for the read, as its own forward pass would."""
+        with torch.no_grad(), _onloaded(self.head):
+            weight, bias = self.head.weight, getattr(self.head, "bias", None)
+            ids = token_ids.to(weight.device)
+            rows = weight[ids].float().to(self.device)
+            return rows, None if bias is None else bias[ids].float().to(self.device)
 
     # -- scoring --
 
@@ -634,7 +659,7 @@ class LVLMJudge:
         next_pos = _next_positions(pre_pos, pre_mask)
         # 2. Each candidate's suffix on a copy of its image's cache.
         group = torch.tensor(group_of, dtype=torch.long)
-        cache.batch_select_indices(group.to(dev))
+        cache.batch_select_indices(group.to(self.index_device))
         suf_ids, suf_mask, _ = _left_pad(
             [torch.tensor(run.text_ids[r][cuts[g]:]) for r, g in zip(rows, group_of)], None, self._pad_id())
         mask = torch.cat([pre_mask[group], suf_mask], dim=1)
@@ -671,12 +696,14 @@ class LVLMJudge:
             handle.remove()
 
     def _forward_step(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> tuple[Tensor, Tensor]:
+        """(logits, final hidden state) at the last position, float32, gathered on :attr:`device` (a dispatched
+        model computes its last layers and head elsewhere)."""
         dev = self.device
         with self._capture_hidden() as seen:
             out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                              position_ids=self._step_positions(positions).to(dev), past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float(), seen[-1].float()
+        return out.logits[:, -1].float().to(dev), seen[-1].float().to(dev)
 
     def _decode(self, run: _Run, rows: list[int], table: Tensor, cache: Any, ids: Tensor, mask: Tensor,
                 positions: Tensor) -> JudgeOutput:
@@ -717,8 +744,7 @@ class LVLMJudge:
             if step + 1 == budget or not bool(keep.any()):
                 break
             active = active[keep]
-            keep_dev = keep.nonzero()[:, 0].to(self.device)
-            cache.batch_select_indices(keep_dev)
+            cache.batch_select_indices(keep.nonzero()[:, 0].to(self.index_device))
             mask = torch.cat([mask[keep], torch.ones((len(active), 1), dtype=mask.dtype)], dim=1)
             positions = positions[keep][:, -1:] + 1
             logits, h = self._forward_step(chosen[keep][:, None], mask, positions, cache)
@@ -768,6 +794,19 @@ class LVLMJudge:
             hidden=None if hidden is None else hidden[:, :n_steps], raw=raw, positions=positions,
             labels=labels, errors=errors,
         )
+
+
+@contextmanager
+def _onloaded(module: torch.nn.Module) -> Iterator[None]:
+    """``module``'s own weights readable for the duration: a module that accelerate offloaded (weights on the
+    meta device, loaded by a hook around each forward pass) is loaded to its execution device by that hook."""
+    if getattr(module, "_hf_hook", None) is None or all(p.device.type != "meta" for p in module.parameters()):
+        yield
+        return
+    from accelerate.utils import align_module_device  # present: its hooks are on the module
+
+    with align_module_device(module):
+        yield
 
 
 def _empty_output(table: Tensor, k: int, p: int) -> JudgeOutput:

@@ -89,6 +89,12 @@ class DISCODE(LVLMJudgeMetric):
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"discode: {message}")
+        k = len(self.scale.labels)
+        self.values = torch.tensor(self.scale.values, dtype=torch.float64)
+        # The prior and alpha depend on the raw label only: one row per label, computed once.
+        self.log_priors = heads.gaussian_log_prior(self.values, self.values)  # (K, K)
+        on = self.values if cfg.alpha_scale == "label" else torch.arange(k, dtype=torch.float64) / k
+        self.alphas = heads.att_alpha(on, on, cfg.sigma2)  # (K,)
 
     @property
     def closed_form(self) -> bool:
@@ -96,19 +102,22 @@ class DISCODE(LVLMJudgeMetric):
         return cfg.solver == "closed_form" or (cfg.solver == "auto" and cfg.divergence in heads.CLOSED_FORM)
 
     def score(self, batch: Batch) -> dict[str, Tensor]:
-        out = self.ask(batch, self.scale, keep_hidden=not self.closed_form)
+        return self.head(self.ask(batch, self.scale, keep_hidden=not self.closed_form))
+
+    def head(self, out: JudgeOutput) -> dict[str, Tensor]:
+        """Everything after the judge, vectorised over the batch: the ATT head, the score and the extras."""
         target = 1 if self.scale.decimal else 0
         valid = out.valid
         logits = torch.where(valid[:, None], out.logprobs_at(target).double(), 0.0)
         psi, alpha = self.adapt(out, target, logits)
-        values = torch.tensor(self.scale.values, dtype=torch.float64)
-        s_hat = heads.expected_value(psi, values)
-        score = self.final_score(out, s_hat)
+        s_hat = heads.expected_value(psi, self.values)
+        fleur = self.smoothed(out, logits)
+        score = self.final_score(out, s_hat, fleur)
         nan = torch.full_like(score, float("nan"))
         return {
             "score": torch.where(valid, score, nan),
             "raw_score": out.raw,
-            "fleur_score": self.smoothed(out, logits, values),
+            "fleur_score": fleur,
             "alpha": torch.where(valid, alpha, nan),
             "distribution": torch.where(valid[:, None], psi, float("nan")),
         }
@@ -116,12 +125,8 @@ class DISCODE(LVLMJudgeMetric):
     def adapt(self, out: JudgeOutput, target: int, logits: Tensor) -> tuple[Tensor, Tensor]:
         """The ATT head: psi (B, K) and the alpha it used (NaN for divergences without one)."""
         cfg = self.config
-        k = len(self.scale.labels)
-        values = torch.tensor(self.scale.values, dtype=torch.float64)
         raw = logits.argmax(-1)
-        log_q = heads.gaussian_log_prior(values[raw], values)
-        on = values if cfg.alpha_scale == "label" else torch.arange(k, dtype=torch.float64) / k
-        alpha = heads.att_alpha(on[raw], on, cfg.sigma2)
+        log_q, alpha = self.log_priors[raw], self.alphas[raw]
         if cfg.divergence == "kl":
             alpha = torch.full_like(alpha, 0.5)
         if self.closed_form:
@@ -136,20 +141,20 @@ class DISCODE(LVLMJudgeMetric):
             alpha = torch.full_like(alpha, float("nan"))
         return psi, alpha
 
-    def final_score(self, out: JudgeOutput, s_hat: Tensor) -> Tensor:
+    def final_score(self, out: JudgeOutput, s_hat: Tensor, fleur: Tensor) -> Tensor:
         if not self.scale.decimal:
             return s_hat
         one = out.labels[:, 0] == 1
         if self.config.one_rule == "decimal":
             return torch.where(one, 1.0 + 0.1 * s_hat, 0.1 * s_hat)
-        return torch.where(one, fleur_scores(out), 0.1 * s_hat)
+        return torch.where(one, fleur, 0.1 * s_hat)
 
-    def smoothed(self, out: JudgeOutput, logits: Tensor, values: Tensor) -> Tensor:
+    def smoothed(self, out: JudgeOutput, logits: Tensor) -> Tensor:
         """The score-smoothing baseline on the same answer: FLEUR on the 0.0-1.0 scale, the expected label
         under the LVLM's label distribution otherwise."""
         if self.scale.decimal:
             return fleur_scores(out)
-        expected = heads.expected_value(torch.softmax(logits, dim=-1), values)
+        expected = heads.expected_value(torch.softmax(logits, dim=-1), self.values)
         return torch.where(out.valid, expected, torch.full_like(expected, float("nan")))
 
 

@@ -79,9 +79,9 @@ class LVLMJudgeMetric(PointwiseMetric):
 
 def fleur_scores(out: JudgeOutput) -> Tensor:
     """FLEUR's smoothed score of every sample of a 0.0-1.0 judge output (NaN where there is none)."""
-    score = fleur_smooth(out.logprobs_at(1), out.logprobs_at(2), out.logprobs_at(0),
-                         out.positions[:, 2] >= 0, out.labels[:, 0] == 1)
-    return torch.where(out.valid, score, torch.full_like(score, float("nan")))
+    at = out.score_logprobs
+    score = fleur_smooth(at[:, 1], at[:, 2], at[:, 0], out.positions[:, 2] >= 0, out.labels[:, 0] == 1)
+    return torch.where(out.valid, score, float("nan"))
 
 
 @dataclass
@@ -111,9 +111,11 @@ class FLEUR(LVLMJudgeMetric):
     mean_extras: ClassVar[tuple[str, ...]] = ("raw_score",)
 
     def score(self, batch: Batch) -> dict[str, Tensor]:
-        out = self.ask(batch, SCALES["0.0-1.0"])
-        return {"score": fleur_scores(out), "raw_score": out.raw,
-                "digit_probs": out.logprobs_at(1).double().exp()}
+        return self.head(self.ask(batch, SCALES["0.0-1.0"]))
+
+    def head(self, out: JudgeOutput) -> dict[str, Tensor]:
+        """Everything after the judge: the smoothed score and the extras."""
+        return {"score": fleur_scores(out), "raw_score": out.raw, "digit_probs": out.logprobs_at(1).double().exp()}
 
 
 METRICS = [FLEUR]

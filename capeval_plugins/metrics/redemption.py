@@ -79,6 +79,9 @@ class RedemptionConfig(MetricConfig):
     device: str | None = None
     dtype: str | None = None
     local_files_only: bool | None = None
+    device_map: str | dict | None = None
+    max_memory: dict | None = None
+    offload_folder: str | None = None
     input_paths: ClassVar[tuple[str, ...]] = ("clip_model", "reference_gaussian", "dino_model", "generator",
                                               "generated_images", "bertscore_model", "bertscore_baseline_path")
 
@@ -138,7 +141,8 @@ class RedemptionScore(CompositeMetric):
     def _common(self) -> dict:
         cfg = self.config
         return {"batch_size": cfg.batch_size, "device": cfg.device, "dtype": cfg.dtype,
-                "local_files_only": cfg.local_files_only}
+                "local_files_only": cfg.local_files_only, "device_map": cfg.device_map,
+                "max_memory": cfg.max_memory, "offload_folder": cfg.offload_folder}
 
     def _mid(self) -> Metric:
         cfg = self.config

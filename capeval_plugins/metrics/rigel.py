@@ -79,7 +79,8 @@ class Rigel(PointwiseMetric):
         cfg = self.config
         return load_rigel(cfg.checkpoint, model=cfg.model or None, device=cfg.device, dtype=cfg.dtype,
                           revision=cfg.revision, local_files_only=cfg.local_files_only,
-                          trust_remote_code=cfg.trust_remote_code, merge_lora=cfg.merge_lora)
+                          trust_remote_code=cfg.trust_remote_code, merge_lora=cfg.merge_lora,
+                          device_map=cfg.device_map, max_memory=cfg.max_memory, offload_folder=cfg.offload_folder)
 
     def score(self, batch: Batch) -> dict[str, Tensor]:
         probs = self.model.probabilities(batch.images, batch.image_index, batch.candidates, batch.references,

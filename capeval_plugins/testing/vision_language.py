@@ -200,8 +200,9 @@ def _build_qwen(kind: str, path: Path, seed: int) -> None:
     image_processor.save_pretrained(path)
     if not is_torchvision_available():
         raise RuntimeError(
-            f"{kind}: the processor needs a video processor, which requires torchvision (not installed); saved the "
-            f"model, tokenizer (with chat template) and image processor to {path}, but no processor"
+            f"{kind}: the processor needs a video processor, which requires torchvision (not installed: pip install "
+            f"'capeval-plugins[qwen]'); saved the model, tokenizer (with chat template) and image processor to "
+            f"{path}, but no processor"
         )
     import transformers
 

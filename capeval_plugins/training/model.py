@@ -230,8 +230,7 @@ def load_private_backbone(spec: JudgeSpec) -> Any:
 
     if not spec.model:
         raise ValueError("no base model given (a hub id or a local path)")
-    return loading.load_model(AutoModelForImageTextToText, spec.model, device=spec.device, dtype=spec.dtype,
-                              gpu_dtype=torch.bfloat16, share=False, **spec.hub())
+    return loading.load_spec(AutoModelForImageTextToText, spec, gpu_dtype=torch.bfloat16, share=False)
 
 
 def hidden_size_of(judge: LVLMJudge) -> int:
@@ -274,13 +273,15 @@ def load_head(checkpoint: str | os.PathLike, settings: RigelSettings, device: An
 
 def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, device: str | None = None,
                dtype: str | None = None, revision: str | None = None, local_files_only: bool | None = None,
-               trust_remote_code: bool = False, merge_lora: bool = True) -> RigelModel:
+               trust_remote_code: bool = False, merge_lora: bool = True, device_map: Any = None,
+               max_memory: Any = None, offload_folder: str | None = None) -> RigelModel:
     """A trained Rigel (shared per process and arguments). ``model`` replaces the base model the checkpoint
     names (e.g. a local copy of it). A phase-2 adapter is applied to a model of its own, merged into its
-    weights unless ``merge_lora=False``; a phase-1 checkpoint uses the shared backbone."""
+    weights unless ``merge_lora=False``; a phase-1 checkpoint uses the shared backbone. ``device_map``,
+    ``max_memory`` and ``offload_folder`` place the backbone (:mod:`capeval_plugins.core.loading`)."""
     settings = read_settings(checkpoint)
     spec = JudgeSpec(model or settings.base_model, device, dtype, revision or settings.revision, local_files_only,
-                     trust_remote_code)
+                     trust_remote_code, device_map, max_memory, offload_folder)
     adapter = Path(checkpoint) / ADAPTER_DIR
     key = ("rigel", os.path.realpath(checkpoint), (Path(checkpoint) / CONFIG_FILE).stat().st_mtime_ns, spec,
            merge_lora)
@@ -291,7 +292,7 @@ def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, devic
             with quiet_peft():
                 backbone = peft.PeftModel.from_pretrained(load_private_backbone(spec), str(adapter))
             backbone = backbone.merge_and_unload() if merge_lora else backbone.get_base_model()
-            judge = LVLMJudge(backbone.eval(), load_lvlm_processor(spec))
+            judge = LVLMJudge(backbone.eval(), load_lvlm_processor(spec), spec.device)
         else:
             judge = LVLMJudge.shared(spec)
         if settings.hidden_size not in (None, hidden_size_of(judge)):

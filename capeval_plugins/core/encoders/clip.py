@@ -34,11 +34,9 @@ class ClipEncoder:
         from transformers import AutoModel, AutoProcessor
 
         self.spec = spec
-        self.model = loading.load_model(
-            AutoModel, spec.model, device=spec.device, dtype=spec.dtype, **spec.hub()
-        )
+        self.model = loading.load_spec(AutoModel, spec)
         self.processor = loading.load_processor(AutoProcessor, spec.model, **spec.hub())
-        self.device = next(self.model.parameters()).device
+        self.device = loading.input_device(self.model, spec.device)
         self.dtype = next(self.model.parameters()).dtype
         text_config = getattr(self.model.config, "text_config", self.model.config)
         self.max_tokens = int(text_config.max_position_embeddings)
@@ -53,7 +51,7 @@ class ClipEncoder:
     def encode_images(self, images: Sequence) -> Tensor:
         pixels = self.processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
         feats = pooled(self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype)))
-        return F.normalize(feats.float(), dim=-1)
+        return F.normalize(feats.float(), dim=-1).to(self.device)  # gathered, for a model spread over devices
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, Tensor]:
         """Tokenise with truncation that keeps the end-of-text token; warn (once per model) when a caption
@@ -80,7 +78,7 @@ class ClipEncoder:
         tokens = self.tokenize(texts)
         inputs = {k: v.to(self.device) for k, v in tokens.items() if k in ("input_ids", "attention_mask")}
         feats = pooled(self.model.get_text_features(**inputs))
-        return F.normalize(feats.float(), dim=-1)
+        return F.normalize(feats.float(), dim=-1).to(self.device)
 
     # Local features (MSD-Score). Patch tokens: the vision tower's last hidden state without the class token,
     # through the visual projection; text tokens: the text tower's last hidden state through the text
@@ -126,8 +124,9 @@ class ClipEncoder:
         else:
             pooled_feats = out.pooler_output
             local = attention_head_per_token(self.model.vision_model.head, hidden)
-        mask = torch.ones(local.shape[:2], dtype=torch.bool, device=local.device)
-        return LocalFeatures(F.normalize(pooled_feats.float(), dim=-1), F.normalize(local.float(), dim=-1), mask)
+        mask = torch.ones(local.shape[:2], dtype=torch.bool, device=self.device)
+        return LocalFeatures(F.normalize(pooled_feats.float(), dim=-1).to(self.device),
+                             F.normalize(local.float(), dim=-1).to(self.device), mask)
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens per text before truncation, special tokens included."""
@@ -151,7 +150,8 @@ class ClipEncoder:
         mask = ~torch.isin(ids, self.boundary_token_ids().to(ids.device))
         if "attention_mask" in inputs:
             mask &= inputs["attention_mask"].bool()
-        return LocalFeatures(F.normalize(pooled_feats.float(), dim=-1), F.normalize(local.float(), dim=-1), mask, ids)
+        return LocalFeatures(F.normalize(pooled_feats.float(), dim=-1).to(self.device),
+                             F.normalize(local.float(), dim=-1).to(self.device), mask, ids)
 
     def boundary_token_ids(self) -> Tensor:
         """Ids of the tokens that mark sequence boundaries (BOS, EOS, padding, CLS, SEP); an unknown-word token

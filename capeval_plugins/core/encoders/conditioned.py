@@ -53,9 +53,8 @@ class ConditionedEncoder:
         self.final_norm = final_norm
         self.processor = loading.load_processor(self.processor_loader(), spec.model, **spec.hub())
         self.tokenizer = self.processor.tokenizer
-        self.model = loading.load_model(self.model_loader(), spec.model, device=spec.device, dtype=spec.dtype,
-                                        **spec.hub())
-        self.device = next(self.model.parameters()).device
+        self.model = loading.load_spec(self.model_loader(), spec)
+        self.device = loading.input_device(self.model, spec.device)
         self.dtype = next(self.model.parameters()).dtype
         self.blocks = self.text_blocks()
         self.layer = resolve_layer(layer, len(self.blocks), spec.model)

@@ -24,11 +24,9 @@ class DinoEncoder:
 
         self.spec = spec
         # DINO checkpoints ship no pooler; without this AutoModel would add a randomly initialised one.
-        self.model = loading.load_model(
-            AutoModel, spec.model, device=spec.device, dtype=spec.dtype, add_pooling_layer=False, **spec.hub()
-        )
+        self.model = loading.load_spec(AutoModel, spec, add_pooling_layer=False)
         self.processor = loading.load_processor(AutoImageProcessor, spec.model, **spec.hub())
-        self.device = next(self.model.parameters()).device
+        self.device = loading.input_device(self.model, spec.device)
         self.dtype = next(self.model.parameters()).dtype
 
     @classmethod

@@ -128,7 +128,9 @@ def hidden_state_at(forward: Callable[..., Any], blocks: torch.nn.ModuleList, la
         pass
     finally:
         handle.remove()
-    return captured["h"]
+    # Gathered where the inputs are: a model spread over devices computes block ``layer`` elsewhere.
+    device = next(v.device for v in inputs.values() if isinstance(v, Tensor))
+    return captured["h"].to(device)
 
 
 def pad_rows(rows: Sequence[Sequence[int]], value: int) -> tuple[Tensor, Tensor]:
@@ -177,8 +179,8 @@ class TextEncoder:
 
         self.spec = spec
         self.tokenizer = loading.load_processor(AutoTokenizer, spec.model, **spec.hub())
-        self.model = loading.load_model(AutoModel, spec.model, device=spec.device, dtype=spec.dtype, **spec.hub())
-        self.device = next(self.model.parameters()).device
+        self.model = loading.load_spec(AutoModel, spec)
+        self.device = loading.input_device(self.model, spec.device)
         self.blocks = transformer_blocks(self.model)
         if num_layers is None:
             num_layers = bert_score_layer(spec.model)
