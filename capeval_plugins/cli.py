@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit codes: 0 done, 2 a usage or input error (one line on stderr), 130 interrupted, 1 a bug."""
+    """Exit codes: 0 done, 2 a usage or input error or a missing optional dependency (one line on stderr),
+    130 interrupted, 1 a bug."""
     args = build_parser().parse_args(argv)
     from capeval_plugins.core.loading import ModelLoadError
     from capeval_plugins.core.messages import DataError
@@ -232,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (UsageError, InputError, DataError, KeyError, ModelLoadError) as err:
+    except (UsageError, InputError, DataError, KeyError, ModelLoadError, ImportError) as err:
+        # ImportError: an optional dependency a chosen option needs (accelerate, torchvision, pyarrow, ...)
         message = err.args[0] if err.args else str(err)
         # every rank validates the same input: rank 0 reports that; a rank reports what only it found
         if _rank() == 0 or not isinstance(err, InputError) or getattr(err, "rank_specific", False):
