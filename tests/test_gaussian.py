@@ -62,7 +62,7 @@ def numpy_trace_mid(x, y, x0, y0, eps: float = 0.0) -> float:
     modality first (the caption, y here), the conditioning one second (the image, x, whose term is
     tr(S^-1 S) = D); covariances of the fit over N - 1, the scored pairs' scatter about the fitted means over
     M - 1, solves by numpy. ``eps`` is added to the fitted covariances (the package's ``covariance_eps``)."""
-    n, m, d = len(x), len(x0), x.shape[1]
+    n, m = len(x), len(x0)
     gen, cond, gen0 = y, x, y0
     z, z0 = np.concatenate([gen, cond], 1), np.concatenate([gen0, x0], 1)
     cov = lambda a, c, k: (a - c).T @ (a - c) / (k - 1)  # noqa: E731

@@ -224,7 +224,11 @@ def corpus_mid(gaussian: JointGaussian, scored: Mapping[str, Tensor],
 
 
 def mid(gaussian: JointGaussian, x: Tensor, y: Tensor, reduction: Literal["trace", "mean"] = "trace") -> float:
-    """MID of the scored pairs ``(x[i], y[i])`` under the fitted Gaussian (see :func:`corpus_mid`)."""
+    """MID of the scored pairs ``(x[i], y[i])`` under the fitted Gaussian (see :func:`corpus_mid`); the mean
+    form is the mean of their PMI as :meth:`JointGaussian.pmi` gives it."""
+    if reduction == "mean":
+        pmi = gaussian.pmi(x, y)
+        return float(pmi.mean()) if len(pmi) else math.nan
     if x.shape[-1] != gaussian.dim_x or x.shape[-1] + y.shape[-1] != gaussian.dim:
         raise ValueError(f"features of shape {tuple(x.shape)} and {tuple(y.shape)} do not match a fit of "
                          f"{gaussian.dim_x} + {gaussian.dim - gaussian.dim_x} dimensions")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -161,27 +161,26 @@ class MID(Metric):
                 f"mid: the Gaussian is fitted on {fit.count} pairs for {fit.dim} joint dimensions; the "
                 f"covariance is defined only through covariance_eps={self.config.covariance_eps}"))
         corpus = {"mutual_information": fit.mutual_information(), "fit_pairs": float(fit.count)}
+        reduction = self.config.corpus_reduction
         if not self.config.per_sample:
             scored = {k: state[v] for k, v in SCORED.items()}
-            empty = torch.zeros(0, dtype=torch.float64)
-            return MetricResult(self.info.name, self.corpus_value(fit, scored), empty,
+            score = self.defined(lambda: gaussian.corpus_mid(fit, scored, reduction))
+            return MetricResult(self.info.name, score, torch.zeros(0, dtype=torch.float64),
                                 torch.zeros(0, dtype=torch.int64), corpus_extras=corpus)
         image, text = state[IMAGE].double(), state[TEXT].double()
         pmi = fit.pmi(image, text)
         normalized = gaussian.normalize_pmi(pmi)
-        if self.config.corpus_reduction == "mean":
-            score = float(pmi.mean()) if len(pmi) else math.nan
-        else:  # from the de-duplicated rows: repeats a DDP sampler added do not enter the corpus value
-            score = self.corpus_value(fit, gaussian.joint_sums(image, text))
+        # From the de-duplicated rows: repeats a DDP sampler added do not enter the corpus value.
+        score = self.defined(lambda: gaussian.mid(fit, image, text, reduction))
         corpus["mean_pmi_normalized"] = float(normalized.mean()) if len(pmi) else math.nan
         return MetricResult(self.info.name, score, pmi, state[INDEX], extras={"pmi_normalized": normalized},
                             corpus_extras=corpus)
 
-    def corpus_value(self, fit: gaussian.JointGaussian, scored: dict[str, Tensor]) -> float:
-        """The corpus MID of the scored pairs' sums, as ``corpus_reduction`` says; NaN with a warning where it is
-        undefined (the trace form of a single pair)."""
+    @staticmethod
+    def defined(corpus_value: Callable[[], float]) -> float:
+        """The corpus MID, or NaN with a warning where it is undefined (the trace form of a single pair)."""
         try:
-            return gaussian.corpus_mid(fit, scored, self.config.corpus_reduction)
+            return corpus_value()
         except gaussian.TooFewSamplesError as err:
             warn_once(("mid", "one-pair"), f"mid: the corpus MID is NaN: {err}")
             return math.nan
