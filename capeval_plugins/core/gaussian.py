@@ -203,17 +203,19 @@ class JointGaussian:
             raise TooFewSamplesError(
                 "the trace form of MID divides the scored pairs' scatter by M - 1 and needs at least 2 of them, "
                 "got 1; use the mean PMI (corpus_reduction='mean') for a single pair")
+        if tuple(scored["outer"].shape) != (self.dim, self.dim):
+            raise ValueError(f"sums of {len(scored['sum'])}-dimensional pairs do not match a fit of {self.dim}")
         dx = self.dim_x
         scatter = scatter_about({k: v.to(self.mean.device) for k, v in scored.items()}, self.mean)
-        text = _trace_solve(self._chol_y, scatter[dx:, dx:])
-        joint = _trace_solve(self._chol, scatter)
+        term_y = _trace_solve(self._chol_y, scatter[dx:, dx:])
+        term_z = _trace_solve(self._chol, scatter)
         if reduction == "mean":
-            image = _trace_solve(self._chol_x, scatter[:dx, :dx])
-            return self.mutual_information() + float(0.5 * (image + text - joint) / m)
+            term_x = _trace_solve(self._chol_x, scatter[:dx, :dx])
+            return self.mutual_information() + float(0.5 * (term_x + term_y - term_z) / m)
         # The conditioning term at its expectation under the fit: tr(S_x^-1 S_x') = D_x when covariance_eps = 0.
         fitted_x = self.cov[:dx, :dx] - self.covariance_eps * torch.eye(dx, dtype=self.cov.dtype, device=self.cov.device)
-        image = _trace_solve(self._chol_x, fitted_x)
-        return self.mutual_information() + float(0.5 * (image + (text - joint) / (m - 1.0)))
+        term_x = _trace_solve(self._chol_x, fitted_x)
+        return self.mutual_information() + float(0.5 * (term_x + (term_y - term_z) / (m - 1.0)))
 
 
 def corpus_mid(gaussian: JointGaussian, scored: Mapping[str, Tensor],
