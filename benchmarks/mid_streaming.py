@@ -1,6 +1,8 @@
 """MID's reference fit: streaming sums (count, sum z, sum z z^T in float64) vs keeping every feature, as the
 corpus grows. Fit time, peak memory and the bytes a DDP sync moves, with ratios; synthetic unit-norm
-features of CLIP ViT-L/14's size (D = 768), so no model is needed.
+features of CLIP ViT-L/14's size (D = 768), so no model is needed. Then the whole state of the ``mid`` metric
+(its declared states plus the contract's index and group rows) with and without per-sample scores, and the
+bytes one DDP sync of it moves, as N grows.
 
     python benchmarks/mid_streaming.py [--sizes 2048 8192 32768] [--dim 768] [--batch 1024]
 
@@ -122,6 +124,50 @@ def main() -> None:
         reduced = 2 * sums * (args.world - 1) / args.world
         candidates = 4 * 2 * d * n * (args.world - 1) / args.world
         print(f"{n:>7} | {mib(reduced):>16} | {mib(gathered):>18} | {gathered / reduced:5.2f} | {mib(candidates)}")
+    state_table(args.sizes + [10 * args.sizes[-1]], d, args.world)
+
+
+def metric_state(per_sample: bool, dim: int) -> tuple[int, int, int, int]:
+    """The ``mid`` metric's full state (contract index and group rows included): bytes of its "sum" states,
+    bytes per sample of its "cat" states, and how many of each kind. Read from the metric's own declared
+    states (``full_spec``); a saved fit of the right size stands in for the CLIP model."""
+    import math
+    import tempfile
+
+    import torch
+
+    import capeval_plugins
+    from capeval_plugins.contract import full_spec
+    from capeval_plugins.core import gaussian
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/fit.npz"
+        gaussian.save_sums(path, gaussian.empty_sums(2 * dim), dim)
+        metric = capeval_plugins.load("mid", reference_gaussian=path, per_sample=per_sample)
+        spec = full_spec(metric)
+    size = lambda s: math.prod(s.shape) * torch.empty((), dtype=s.dtype).element_size()  # noqa: E731
+    sums = [size(s) for s in spec.values() if s.reduce == "sum"]
+    rows = [size(s) for s in spec.values() if s.reduce == "cat"]
+    return sum(sums), sum(rows), len(sums), len(rows)
+
+
+def state_table(sizes: list[int], dim: int, world: int) -> None:
+    """MID's state and one DDP sync of it, per_sample=True vs False, as N grows."""
+    print(f"\nThe mid metric's whole state at D = {dim} and one DDP sync of it ({world} ranks): \"sum\" states are "
+          "all-reduced (ring, ~2x the buffer sent per rank), \"cat\" rows all-gathered (each rank receives "
+          "(world-1)/world of them)")
+    shapes = {flag: metric_state(flag, dim) for flag in (True, False)}
+    for flag, (sums, rows, n_sums, n_rows) in shapes.items():
+        print(f"  per_sample={flag}: {n_sums} sum states, {mib(sums).strip()}; {n_rows} row states, {rows} bytes "
+              "per sample")
+    print(f"{'N':>7} | {'state, per_sample=True':>22} {'False':>12} | {'sync, per_sample=True':>21} {'False':>12} | "
+          "state ratio")
+    share = (world - 1) / world
+    for n in sizes:
+        state = {flag: sums + n * rows for flag, (sums, rows, _, _) in shapes.items()}
+        sync = {flag: 2 * sums * share + n * rows * share for flag, (sums, rows, _, _) in shapes.items()}
+        print(f"{n:>7} | {mib(state[True]):>22} {mib(state[False]):>12} | {mib(sync[True]):>21} {mib(sync[False]):>12} | "
+              f"{state[True] / state[False]:6.2f}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ bert_score runs unchanged on transformers 5 for DeBERTa-v2/v3 checkpoints (no sh
 num_layers explicitly because its layer table only knows hub ids, not a local path."""
 from __future__ import annotations
 
+import importlib
 import random
 import warnings
 
@@ -229,3 +230,50 @@ def test_two_process_ddp_with_corpus_idf_equals_single_process(tiny_deberta, tmp
         assert got["indices"] == list(range(len(CANDIDATES)))
         assert got["scores"] == pytest.approx(single.scores.tolist(), abs=1e-6)
         assert got["precision"] == pytest.approx(single.extras["precision"].tolist(), abs=1e-6)
+
+
+# --- RoBERTa: bert_score with its prefix space restored -------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_roberta(tiny_root) -> str:
+    from capeval_plugins.testing import tiny_checkpoint
+
+    return str(tiny_checkpoint("roberta", root=tiny_root))
+
+
+def restore_prefix_space(monkeypatch) -> None:
+    """bert_score 0.3.13 asks RoBERTa/GPT-2 tokenizers for a leading space per call (``encode(...,
+    add_prefix_space=True)``), which transformers 5 ignores: build its tokenizer with the space instead, as
+    bert_score meant (and made its rescaling baselines)."""
+    from transformers import AutoTokenizer
+
+    def tokenizer(model_type, use_fast=False):
+        return AutoTokenizer.from_pretrained(model_type, add_prefix_space=True)
+
+    # bert_score.score is also the name of the function the package exports; patch the module's global
+    monkeypatch.setattr(importlib.import_module("bert_score.score"), "get_tokenizer", tokenizer)
+
+
+@pytest.mark.parametrize("idf", [False, True])
+def test_roberta_equals_bert_score_with_its_prefix_space_restored(tiny_roberta, idf, monkeypatch):
+    as_installed = theirs(tiny_roberta, CANDIDATES, REFERENCES, idf=idf)  # transformers 5 drops the space here
+    restore_prefix_space(monkeypatch)
+    expected = theirs(tiny_roberta, CANDIDATES, REFERENCES, idf=idf)
+    got, _ = ours(tiny_roberta, CANDIDATES, REFERENCES, idf=idf)
+    close(got, expected, 1e-5)
+    assert (got - as_installed).abs().max() > 1e-3  # without the space bert_score disagrees: the test sees it
+
+
+def test_roberta_texts_get_the_leading_space(tiny_roberta):
+    from transformers import AutoTokenizer
+
+    from capeval_plugins.core.encoders.common import EncoderSpec
+    from capeval_plugins.core.encoders.text import TextEncoder
+
+    enc = TextEncoder.shared(EncoderSpec(tiny_roberta))
+    spaced = AutoTokenizer.from_pretrained(tiny_roberta, add_prefix_space=True)
+    bare = AutoTokenizer.from_pretrained(tiny_roberta)
+    text = "  A dog runs on the grass. "
+    assert enc.prefix_space and enc.tokenize([text]) == [spaced.encode(text.strip())]
+    assert spaced.encode(text.strip()) != bare.encode(text.strip())

@@ -37,14 +37,35 @@ def answers(monkeypatch):
     return table
 
 
-def plain_answer_distributions(path: str, image, instruction: str, answer: str):
+LLAVA_V1 = ("A chat between a curious human and an artificial intelligence assistant. The assistant gives "
+            "helpful, detailed, and polite answers to the human's questions.")
+
+
+def expand2square(image, processor):
+    """LLaVA's pad: the image centred on a square of the image processor's mean colour (PIL, as LLaVA does)."""
+    from PIL import Image
+
+    background = tuple(int(x * 255) for x in processor.image_processor.image_mean)
+    width, height = image.size
+    side = max(width, height)
+    canvas = Image.new(image.mode, (side, side), background)
+    canvas.paste(image, ((side - width) // 2, (side - height) // 2))
+    return canvas
+
+
+def plain_answer_distributions(path: str, image, instruction: str, answer: str, system: str | None = LLAVA_V1,
+                               pad: bool = True):
     """transformers alone: softmax over the full vocabulary at every answer token (one forward pass over prompt
-    + answer), and the answer's tokens as text."""
+    + answer), and the answer's tokens as text. The official FLEUR script's conversation by default: the
+    llava_v1 system sentence as a system turn, the image padded to a square."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": instruction}]}]
+    if system:
+        messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
+    image = expand2square(image, processor) if pad else image
     prompt = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)], images=[image],
                        return_tensors="pt")
     answer_ids = processor.tokenizer(answer, add_special_tokens=False)["input_ids"]
@@ -227,3 +248,71 @@ def test_greedy_judges_through_torchmetrics_and_evaluate():
     fleur = capeval_plugins.load("fleur", model=path)(imgs, CAPTIONS)
     assert out["scores"] == pytest.approx(fleur.scores.tolist(), abs=1e-9)
     assert out["raw_score"] == [0.8] * 6
+
+
+def test_conversation_options_reach_the_judge(answers):
+    """The official script's conversation (llava_v1 system sentence, padded image) is the default and is what the
+    plain computation above uses; without them the judge sees a bare user turn and the cropped image."""
+    answers.update(zip(CAPTIONS, ANSWERS))
+    path = sharp_llava()
+    bare = capeval_plugins.load("fleur", model=path, system_prompt=None, image_aspect="crop")(sample_images(), CAPTIONS)
+    default = capeval_plugins.load("fleur", model=path)(sample_images(), CAPTIONS)
+    for i in (0, 2):
+        probs, pieces, digit_ids = plain_answer_distributions(path, sample_images()[i], fleur_instruction(CAPTIONS[i]),
+                                                              ANSWERS[i], system=None, pad=False)
+        assert bare.scores[i].item() == pytest.approx(plain_fleur(probs, pieces, digit_ids), abs=1e-6)
+    assert (bare.scores - default.scores).abs().max() > 1e-4
+    user_turn = capeval_plugins.load("fleur", model=path, system_placement="user")(sample_images(), CAPTIONS)
+    assert (user_turn.scores - default.scores).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="image_aspect"):
+        capeval_plugins.load("fleur", model=path, image_aspect="stretch")
+    with pytest.raises(ValueError, match="system_placement"):
+        capeval_plugins.load("discode", model=path, system_placement="first")
+
+
+def test_a_written_trailing_zero_is_smoothed_unless_dropped_as_the_official_script_does(answers):
+    answers.update({c: "0.50" for c in CAPTIONS})
+    path = sharp_llava()
+    smooth = capeval_plugins.load("fleur", model=path)(sample_images(), CAPTIONS)
+    dropped = capeval_plugins.load("fleur", model=path, trailing_zero="drop")(sample_images(), CAPTIONS)
+    i = 1
+    probs, pieces, digit_ids = plain_answer_distributions(path, sample_images()[i], fleur_instruction(CAPTIONS[i]),
+                                                          "0.50")
+    first, second = digit_steps(pieces)[1:]
+    tenths = sum(0.1 * d * probs[first, digit_ids[d]] for d in range(10))
+    hundredths = sum(0.01 * d * probs[second, digit_ids[d]] for d in range(10))
+    assert smooth.scores[i].item() == pytest.approx(tenths + hundredths, abs=1e-6)
+    assert dropped.scores[i].item() == pytest.approx(tenths, abs=1e-6)  # float("0.50") -> "0.5" in the script
+    assert hundredths > 1e-4
+    answers.update({c: "0.57" for c in CAPTIONS})  # other second digits are smoothed either way
+    both = [capeval_plugins.load("fleur", model=path, trailing_zero=t)(sample_images(), CAPTIONS) for t in
+            ("smooth", "drop")]
+    assert both[0].scores.tolist() == both[1].scores.tolist()
+    with pytest.raises(ValueError, match="trailing_zero"):
+        capeval_plugins.load("fleur", model=path, trailing_zero="keep")
+
+
+def test_one_point_zero_answers_say_their_score_is_not_the_heads(answers):
+    answers.update(zip(CAPTIONS, ANSWERS))  # sample 1 answers "1.0"
+    path = sharp_llava()
+    fleur_rule = capeval_plugins.load("discode", model=path, alpha_scale="unit")(sample_images(), CAPTIONS)
+    assert fleur_rule.extras["from_att_head"].tolist() == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    # alpha and the distribution are the head's at the paper's target, the "0" after "1.", for every answer
+    s_hat = (fleur_rule.extras["distribution"] * torch.arange(10)).sum(-1)
+    head = fleur_rule.extras["from_att_head"] == 1
+    assert fleur_rule.scores[head].tolist() == pytest.approx((0.1 * s_hat[head]).tolist(), abs=1e-12)
+    assert fleur_rule.scores[1].item() == pytest.approx(fleur_rule.extras["fleur_score"][1].item(), abs=1e-12)
+    decimal = capeval_plugins.load("discode", model=path, alpha_scale="unit", one_rule="decimal")(sample_images(),
+                                                                                                    CAPTIONS)
+    assert decimal.extras["from_att_head"].tolist() == [1.0] * 6
+    assert torch.equal(decimal.extras["distribution"], fleur_rule.extras["distribution"])
+
+
+def test_judge_precision_defaults():
+    """float16 on GPUs for FLEUR (the official script's), bfloat16 for DISCODE, float32 on CPU; dtype overrides.
+    Only the spec is built: nothing is loaded."""
+    path = sharp_llava()
+    spec = lambda name, **kw: capeval_plugins.load(name, model=path, **kw).judge_spec().dtype  # noqa: E731
+    assert spec("fleur", device="cuda") == "float16" and spec("discode", device="cuda") == "bfloat16"
+    assert spec("fleur", device="cpu") is None and spec("discode", device="cpu") is None
+    assert spec("fleur", device="cuda", dtype="bfloat16") == "bfloat16"

@@ -53,7 +53,57 @@ def test_per_sample_pmi_equals_the_gaussian_log_density_formula_in_scipy(eps):
     fit = fit_in_chunks(x, y, [0, 123, 400], eps)
     ours = fit.pmi(torch.from_numpy(x0), torch.from_numpy(y0)).numpy()
     np.testing.assert_allclose(ours, scipy_pmi(x, y, x0, y0, eps), rtol=1e-8, atol=1e-8)
-    assert gaussian.mid(fit, torch.from_numpy(x0), torch.from_numpy(y0)) == pytest.approx(ours.mean(), abs=1e-12)
+    mean = gaussian.mid(fit, torch.from_numpy(x0), torch.from_numpy(y0), reduction="mean")
+    assert mean == pytest.approx(ours.mean(), abs=1e-10)  # from the scored pairs' sums: rounding only
+
+
+def numpy_trace_mid(x, y, x0, y0, eps: float = 0.0) -> float:
+    """The official code's reduced MID, written out in numpy after ``_compute_pmi(reduction=True)``: the scored
+    modality first (the caption, y here), the conditioning one second (the image, x, whose term is
+    tr(S^-1 S) = D); covariances of the fit over N - 1, the scored pairs' scatter about the fitted means over
+    M - 1, solves by numpy. ``eps`` is added to the fitted covariances (the package's ``covariance_eps``)."""
+    n, m = len(x), len(x0)
+    gen, cond, gen0 = y, x, y0
+    z, z0 = np.concatenate([gen, cond], 1), np.concatenate([gen0, x0], 1)
+    cov = lambda a, c, k: (a - c).T @ (a - c) / (k - 1)  # noqa: E731
+    s_gen, s_cond, s_z = cov(gen, gen.mean(0), n), cov(cond, cond.mean(0), n), cov(z, z.mean(0), n)
+    s_gen0, s_z0 = cov(gen0, gen.mean(0), m), cov(z0, z.mean(0), m)
+    reg = [a + eps * np.eye(len(a)) for a in (s_gen, s_cond, s_z)]
+    logdet = lambda a: np.linalg.slogdet(a)[1]  # noqa: E731
+    mi = 0.5 * (logdet(reg[0]) + logdet(reg[1]) - logdet(reg[2]))
+    trace = lambda a, b: np.trace(np.linalg.solve(a, b))  # noqa: E731
+    return mi + 0.5 * (trace(reg[0], s_gen0) + trace(reg[1], s_cond) - trace(reg[2], s_z0))
+
+
+@pytest.mark.parametrize("eps", [0.0, 5e-4])
+@pytest.mark.parametrize("shared_images", [True, False])
+def test_corpus_mid_is_the_official_trace_form(eps, shared_images):
+    x, y = correlated_pairs(400, 16, seed=1)
+    y0 = correlated_pairs(400 if shared_images else 57, 16, seed=2)[1]
+    x0 = x if shared_images else correlated_pairs(57, 16, seed=3)[0]  # the official code pairs them with x
+    fit = fit_in_chunks(x, y, [0, 150, 400], eps)
+    trace = gaussian.mid(fit, torch.from_numpy(x0), torch.from_numpy(y0))
+    assert trace == pytest.approx(numpy_trace_mid(x, y, x0, y0, eps), rel=1e-10, abs=1e-10)
+    # The same scored pairs summed in uneven chunks give the same value.
+    bounds = [0, 1, 20, len(x0)]
+    parts = [gaussian.joint_sums(torch.from_numpy(x0[a:b]), torch.from_numpy(y0[a:b]))
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    assert gaussian.corpus_mid(fit, gaussian.merge_sums(*parts)) == pytest.approx(trace, abs=1e-9)
+    mean = fit.pmi(torch.from_numpy(x0), torch.from_numpy(y0)).mean().item()
+    assert abs(trace - mean) > 1e-3  # the two forms differ: the test tells them apart
+
+
+def test_the_trace_form_needs_two_scored_pairs_and_refuses_unknown_reductions():
+    x, y = correlated_pairs(100, 3, seed=9)
+    fit = fit_in_chunks(x, y, [0, 100])
+    one = gaussian.joint_sums(torch.from_numpy(x[:1]), torch.from_numpy(y[:1]))
+    with pytest.raises(gaussian.TooFewSamplesError, match="at least 2"):
+        gaussian.corpus_mid(fit, one)
+    assert gaussian.corpus_mid(fit, one, "mean") == pytest.approx(fit.pmi(torch.from_numpy(x[:1]),
+                                                                          torch.from_numpy(y[:1])).item(), abs=1e-9)
+    assert np.isnan(gaussian.corpus_mid(fit, gaussian.empty_sums(6)))
+    with pytest.raises(ValueError, match="reduction"):
+        gaussian.corpus_mid(fit, one, "median")
 
 
 def test_mutual_information_is_the_log_determinant_formula():
@@ -70,8 +120,10 @@ def test_mid_of_the_fitted_pairs_is_their_mutual_information_and_mismatched_pair
     x, y = correlated_pairs(4000, 3, seed=4)
     fit = fit_in_chunks(x, y, [0, 4000])
     d, mi = 3, fit.mutual_information()
-    # On the pairs it was fitted to, the Mahalanobis terms average to exactly (n - 1) / n * (d + d - 2d) = 0.
-    assert gaussian.mid(fit, torch.from_numpy(x), torch.from_numpy(y)) == pytest.approx(mi, abs=1e-9)
+    # On the pairs it was fitted to, the Mahalanobis terms average to exactly (n - 1) / n * (d + d - 2d) = 0
+    # (mean form), and the trace form's to d + d - 2d = 0.
+    for reduction in ("mean", "trace"):
+        assert gaussian.mid(fit, torch.from_numpy(x), torch.from_numpy(y), reduction) == pytest.approx(mi, abs=1e-9)
     # On mismatched pairs, E[PMI] = -KL(p(x) p(y) || p(x, y)) = d + I - tr(S^-1 S_independent) / 2.
     shuffled = gaussian.mid(fit, torch.from_numpy(x), torch.from_numpy(np.roll(y, 1, axis=0)))
     independent = fit.cov.clone()

@@ -197,3 +197,31 @@ def test_fleur_smoothing_equals_a_plain_recomputation():
         assert ours[i].item() == pytest.approx(expected, rel=1e-12)
     # the digit mass is not renormalised: a sample with little digit mass scores low
     assert ours[0].item() < 0.1
+
+
+@pytest.mark.parametrize("alpha_scale", ["label", "unit"])
+def test_att_prior_is_the_gaussian_prior_and_eq4_on_the_chosen_scale(alpha_scale):
+    raw = torch.tensor([0, 3, 4, 5, 9])
+    log_q, alpha = heads.att_prior(raw, DIGITS, 0.1, alpha_scale)
+    assert torch.equal(log_q, heads.gaussian_log_prior(DIGITS[raw], DIGITS))
+    on = np.arange(10.0) / (10 if alpha_scale == "unit" else 1)
+    np.testing.assert_allclose(alpha.numpy(), stats.norm.pdf(on[raw.numpy()], on.mean(), math.sqrt(0.1)), rtol=1e-12)
+    assert heads.att_prior(raw, DIGITS, 0.1, alpha_scale, "kl")[1].tolist() == [0.5] * 5
+    with pytest.raises(ValueError, match="alpha_scale"):
+        heads.att_prior(raw, DIGITS, 0.1, "digits")
+
+
+def test_the_literal_reading_returns_the_written_digit_for_every_raw_digit_but_4_and_5():
+    """With alpha = N(s_raw; 4.5, 0.1) < 2e-5 the prior leaves psi exactly one-hot at the raw digit, whatever
+    the LVLM's distribution (the DISCODE card's claim); at 4 and 5 the expectation moves."""
+    g = torch.Generator().manual_seed(7)
+    logits = 2.0 * torch.randn(4000, 10, generator=g, dtype=torch.float64)
+    raw = logits.argmax(-1)
+    log_q, alpha = heads.att_prior(raw, DIGITS, 0.1, "label")
+    psi = heads.att_closed_form(logits, log_q, alpha)
+    s_hat = heads.expected_value(psi, DIGITS)
+    outer = (raw != 4) & (raw != 5)
+    assert bool((alpha[outer] < 2e-5).all()) and bool((alpha[~outer] > 0.36).all())
+    assert torch.equal(psi[outer], torch.nn.functional.one_hot(raw[outer], 10).double())
+    assert torch.equal(s_hat[outer], raw[outer].double())
+    assert (s_hat[~outer] - raw[~outer]).abs().max() > 0.1

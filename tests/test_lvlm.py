@@ -9,6 +9,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import needs_torchvision, random_image
@@ -438,3 +439,78 @@ def test_missing_torchvision_is_a_clear_error():
     with pytest.raises(ImportError, match=r"needs torchvision.*capeval-plugins\[qwen\]") as error:
         LVLMJudge.shared(JudgeSpec(qwen_checkpoint("qwen2_vl")))
     assert "\n" not in str(error.value)
+
+
+# --- system prompt and image aspect ------------------------------------------------------------------------------
+
+LLAVA_V1 = ("A chat between a curious human and an artificial intelligence assistant. The assistant gives "
+            "helpful, detailed, and polite answers to the human's questions.")
+
+
+def test_system_prompt_on_llava_1_5_is_the_official_llava_v1_conversation():
+    """The llava-hf LLaVA-1.5 template with a system turn writes exactly what LLaVA's conv_templates["llava_v1"]
+    .get_prompt() does for one image and one question: "{system} USER: <image>\\n{question} ASSISTANT:"."""
+    from capeval_plugins.core.lvlm import LLAVA_V1_SYSTEM, VisualInput
+    from capeval_plugins.testing import tiny_checkpoint
+
+    assert LLAVA_V1_SYSTEM == LLAVA_V1
+    judge = LVLMJudge.shared(JudgeSpec(str(tiny_checkpoint("llava"))))
+    question = fleur_instruction(CAPTIONS[0])
+    for placement in ("auto", "system"):
+        chat = judge.chat(question, images()[0], VisualInput(system_prompt=LLAVA_V1, system_placement=placement))
+        assert chat == f"{LLAVA_V1} USER: <image>\n{question} ASSISTANT:"
+    assert judge.chat(question, images()[0]) == f"USER: <image>\n{question} ASSISTANT:"
+
+
+def test_a_template_without_a_system_turn_gets_the_system_prompt_in_the_user_turn(monkeypatch):
+    from capeval_plugins.core.lvlm import VisualInput
+    from capeval_plugins.testing.vision_language import MISTRAL_LLAVA_TEMPLATE
+
+    judge = LVLMJudge.shared(JudgeSpec(sharp_llava()))
+    # llava-hf's LLaVA-NeXT (Mistral) template has a Llama-2 style <<SYS>> block: "auto" uses it
+    with_block = judge.chat("Rate it.", images()[0], VisualInput(system_prompt="Be brief."))
+    assert with_block == "<<SYS>>\nBe brief.\n<</SYS>>\n\n[INST] <image>\nRate it. [/INST]"
+    forced = judge.chat("Rate it.", images()[0], VisualInput(system_prompt="Be brief.", system_placement="user"))
+    assert forced == "[INST] <image>\nBe brief.\n\nRate it. [/INST]"
+    # A Mistral-style template that rejects a system turn: "auto" falls back to the user turn, "system" refuses.
+    strict = MISTRAL_LLAVA_TEMPLATE.replace("{% if message['role'] == 'system' %}",
+                                            "{% if message['role'] == 'system' %}{{ raise_exception('no system') }}")
+    processor = type(judge.processor).from_pretrained(sharp_llava())
+    processor.chat_template = strict
+    strict_judge = LVLMJudge(judge.model, processor)
+    assert strict_judge.chat("Rate it.", images()[0], VisualInput(system_prompt="Be brief.")) == forced
+    with pytest.raises(ValueError, match="no system turn"):
+        strict_judge.chat("Rate it.", images()[0], VisualInput(system_prompt="Be brief.", system_placement="system"))
+    # A template that silently drops the system text counts as having no system turn.
+    processor.chat_template = MISTRAL_LLAVA_TEMPLATE.replace("message['content'][0]['text']", "''")
+    assert LVLMJudge(judge.model, processor).chat("Rate it.", images()[0],
+                                                 VisualInput(system_prompt="Be brief.")) == forced
+
+
+def test_padding_to_a_square_is_llavas_expand2square():
+    from PIL import Image
+
+    from capeval_plugins.core.lvlm import VisualInput, pad_to_square
+
+    mean = (0.48145466, 0.4578275, 0.40821073)
+    for size in ((40, 28), (27, 40), (33, 33)):
+        image = random_image(sum(size), size=size)
+        width, height = image.size
+        side = max(width, height)
+        expected = Image.new("RGB", (side, side), tuple(int(x * 255) for x in mean))  # LLaVA's expand2square
+        expected.paste(image, ((side - width) // 2, (side - height) // 2))
+        assert (pad_to_square(image, mean) == np.asarray(expected)).all()
+    # What the processor makes of the padded array is what it makes of LLaVA's padded PIL image.
+    judge = LVLMJudge.shared(JudgeSpec(sharp_llava()))
+    image = images()[2]
+    padded = judge._visual_kwargs(image, VisualInput(image_aspect="pad"))["images"][0]
+    side = max(image.size)
+    canvas = Image.new("RGB", (side, side), tuple(int(x * 255) for x in judge.processor.image_processor.image_mean))
+    canvas.paste(image, ((side - image.size[0]) // 2, (side - image.size[1]) // 2))
+    ours = judge.processor.image_processor(images=[padded], return_tensors="pt")["pixel_values"]
+    theirs = judge.processor.image_processor(images=[canvas], return_tensors="pt")["pixel_values"]
+    assert torch.equal(ours, theirs)
+    with pytest.raises(ValueError, match="image_aspect"):
+        VisualInput(image_aspect="stretch")
+    with pytest.raises(ValueError, match="system_placement"):
+        VisualInput(system_placement="assistant")

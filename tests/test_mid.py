@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import free_port, random_image
 from scipy.stats import multivariate_normal
+from test_gaussian import numpy_trace_mid
 
 import capeval_plugins
 from capeval_plugins.core.gaussian import TooFewSamplesError
@@ -41,17 +42,23 @@ def plain_features(path: str, images, texts) -> tuple[np.ndarray, np.ndarray]:
     return norm(img), norm(txt)
 
 
+def plain_pairs(path: str, images, candidates, references):
+    """(image, reference) pairs of the fit and (image, candidate) pairs scored, as plain float64 features."""
+    image_feats, _ = plain_features(path, images, ["x"])
+    pairs_x = np.stack([image_feats[i] for i, refs in enumerate(references) for _ in refs])
+    _, ref_feats = plain_features(path, images[:1], [r for refs in references for r in refs])
+    _, cand_feats = plain_features(path, images[:1], candidates)
+    return pairs_x, ref_feats, image_feats, cand_feats
+
+
 def plain_mid(path: str, images, candidates, references, eps: float = 0.0) -> np.ndarray:
     """Per-sample PMI: features of every (image, reference) pair concatenated, mean and covariance by numpy,
     PMI = log N(z) - log N(x) - log N(y) by scipy."""
-    image_feats, _ = plain_features(path, images, ["x"])
-    pairs_x = [image_feats[i] for i, refs in enumerate(references) for _ in refs]
-    _, ref_feats = plain_features(path, images[:1], [r for refs in references for r in refs])
-    _, cand_feats = plain_features(path, images[:1], candidates)
-    z = np.concatenate([np.stack(pairs_x), ref_feats], axis=1)
-    d = image_feats.shape[1]
+    x, y, x0, y0 = plain_pairs(path, images, candidates, references)
+    z = np.concatenate([x, y], axis=1)
+    d = x.shape[1]
     mean, cov = z.mean(axis=0), np.cov(z, rowvar=False) + eps * np.eye(2 * d)
-    z0 = np.concatenate([image_feats, cand_feats], axis=1)
+    z0 = np.concatenate([x0, y0], axis=1)
     return (multivariate_normal(mean, cov).logpdf(z0) - multivariate_normal(mean[:d], cov[:d, :d]).logpdf(z0[:, :d])
             - multivariate_normal(mean[d:], cov[d:, d:]).logpdf(z0[:, d:]))
 
@@ -61,10 +68,20 @@ def expected(tiny_clip):
     return plain_mid(tiny_clip, *corpus())
 
 
-def test_mid_equals_an_independent_computation_on_concatenated_features(tiny_clip, expected):
+@pytest.fixture(scope="module")
+def expected_trace(tiny_clip):
+    """The official code's corpus MID (trace form, written out in numpy) on the plain features."""
+    return numpy_trace_mid(*plain_pairs(tiny_clip, *corpus()))
+
+
+def test_mid_equals_an_independent_computation_on_concatenated_features(tiny_clip, expected, expected_trace):
     result = capeval_plugins.load("mid", model=tiny_clip, batch_size=5)(*corpus())
     assert result.scores.tolist() == pytest.approx(expected.tolist(), **TOL)
-    assert result.score == pytest.approx(expected.mean(), **TOL)
+    assert result.score == pytest.approx(expected_trace, **TOL)
+    assert abs(expected_trace - expected.mean()) > 100 * TOL["abs"]  # the two corpus forms differ here
+    mean = capeval_plugins.load("mid", model=tiny_clip, batch_size=5, corpus_reduction="mean")(*corpus())
+    assert mean.score == pytest.approx(expected.mean(), **TOL)
+    assert mean.scores.tolist() == result.scores.tolist()
     normalized = (expected / (1 + np.abs(expected)) + 1) / 2
     assert result.extras["pmi_normalized"].tolist() == pytest.approx(normalized.tolist(), abs=1e-6)
     assert result.corpus_extras["fit_pairs"] == sum(len(r) for r in corpus()[2])
@@ -107,6 +124,32 @@ def test_a_saved_fit_scores_a_single_small_batch(tiny_clip, expected, tmp_path):
     few = later(images[:3], candidates[:3])  # 3 samples, no references: the saved fit does the work
     assert few.scores.tolist() == pytest.approx(expected[:3].tolist(), **TOL)
     assert few.corpus_extras["fit_pairs"] == sum(len(r) for r in references)
+
+
+@pytest.mark.parametrize("reduction", ["trace", "mean"])
+def test_without_per_sample_scores_only_sums_are_kept(tiny_clip, expected, expected_trace, reduction):
+    from capeval_plugins.contract import full_spec
+
+    images, candidates, references = corpus()
+    metric = capeval_plugins.load("mid", model=tiny_clip, per_sample=False, corpus_reduction=reduction)
+    own = metric.states()
+    assert all(spec.reduce == "sum" for spec in own.values())  # nothing per sample but the contract's index
+    assert {k for k, s in full_spec(metric).items() if s.reduce == "cat"} == {"index", "group"}
+    result = metric(images, candidates, references)
+    assert result.score == pytest.approx(expected_trace if reduction == "trace" else expected.mean(), **TOL)
+    assert len(result.scores) == 0 and "mean_pmi_normalized" not in result.corpus_extras
+    assert result.corpus_extras["fit_pairs"] == sum(len(r) for r in references)
+
+
+def test_the_trace_form_of_a_single_candidate_is_nan_with_a_warning(tiny_clip, expected, tmp_path):
+    images, candidates, references = corpus()
+    path = tmp_path / "fit.npz"
+    capeval_plugins.load("mid", model=tiny_clip).fit_reference(images, references, save_to=str(path))
+    with pytest.warns(UserWarning, match="at least 2"):
+        one = capeval_plugins.load("mid", model=tiny_clip, reference_gaussian=str(path))(images[:1], candidates[:1])
+    assert np.isnan(one.score) and one.scores.tolist() == pytest.approx(expected[:1].tolist(), **TOL)
+    mean = capeval_plugins.load("mid", model=tiny_clip, reference_gaussian=str(path), corpus_reduction="mean")
+    assert mean(images[:1], candidates[:1]).score == pytest.approx(expected[0], **TOL)
 
 
 def test_state_does_not_grow_with_the_corpus(tiny_clip):
@@ -157,27 +200,31 @@ def _ddp_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     images, candidates, references = corpus()
     results = {}
-    for name, shards in SHARDS.items():
-        metric = MID(model=model, batch_size=4)  # built inside the worker
+    for (name, shards), per_sample in ((item, flag) for item in SHARDS.items() for flag in (True, False)):
+        metric = MID(model=model, batch_size=4, per_sample=per_sample)  # built inside the worker
         mine = shards[rank]
         for start in range(0, len(mine), 3):
             part = mine[start:start + 3]
             metric.update([images[i] for i in part], [candidates[i] for i in part], [references[i] for i in part],
                           ids=part)
         result = metric.compute_all()
-        results[name] = {"score": result.score, "scores": result.scores.tolist(), "indices": result.indices.tolist()}
+        results[name, per_sample] = {"score": result.score, "scores": result.scores.tolist(),
+                                     "indices": result.indices.tolist()}
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_two_process_ddp_with_uneven_shards_equals_the_independent_computation(tiny_clip, expected, tmp_path):
+def test_two_process_ddp_with_uneven_shards_equals_the_independent_computation(tiny_clip, expected,
+                                                                              expected_trace, tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_ddp_worker, args=(2, free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        for name, got in torch.load(tmp_path / f"rank{rank}.pt").items():
-            assert got["indices"] == list(range(N)), name
-            assert got["scores"] == pytest.approx(expected.tolist(), **TOL), name
-            assert got["score"] == pytest.approx(expected.mean(), **TOL), name
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        assert len(results) == 2 * len(SHARDS)
+        for (name, per_sample), got in results.items():
+            assert got["indices"] == (list(range(N)) if per_sample else []), name
+            assert got["scores"] == pytest.approx(expected.tolist() if per_sample else [], **TOL), name
+            assert got["score"] == pytest.approx(expected_trace, **TOL), name

@@ -141,7 +141,8 @@ def direct(models, folder):
 @needs_bertscore
 def test_the_score_is_the_weighted_sum_of_its_parts_run_alone(models, folder, direct):
     data, result = corpus(), direct
-    mid, dino, bertscore = (p.scores.numpy() for p in parts(models, folder, data))
+    mid_alone, dino_alone, bertscore_alone = parts(models, folder, data)
+    mid, dino, bertscore = (p.scores.numpy() for p in (mid_alone, dino_alone, bertscore_alone))
     expected = 0.84 * eq9(mid) + 0.08 * dino + 0.08 * bertscore
     assert result.scores.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
     assert result.score == pytest.approx(expected.mean(), abs=1e-5)
@@ -152,7 +153,9 @@ def test_the_score_is_the_weighted_sum_of_its_parts_run_alone(models, folder, di
     assert torch.equal(extras["dino_raw"], extras["dino_normalized"])  # the paper fuses the raw cosine
     assert extras["bertscore_raw"].tolist() == pytest.approx(bertscore.tolist(), abs=1e-6)
     assert {"dino_s1", "dino_s2", "bertscore_precision", "bertscore_recall"} <= set(extras)
-    assert result.corpus_extras["mid"] == pytest.approx(mid.mean(), rel=1e-4)
+    # RS fuses the per-sample PMI; its "mid" extra is MID's corpus value (the official trace form by default)
+    assert result.corpus_extras["mid"] == pytest.approx(mid_alone.score, rel=1e-4)
+    assert abs(mid_alone.score - mid.mean()) > 1e-2
 
 
 @needs_bertscore
@@ -164,6 +167,10 @@ def test_normalisations_weights_and_idf_reach_the_parts(models, folder):
     mid, dino, bertscore = (p.scores.numpy() for p in parts(models, folder, data, idf=True))
     expected = 0.5 * mid + 0.3 * (dino + 1) / 2 + 0.2 * (bertscore + 1) / 2
     assert result.scores.tolist() == pytest.approx(expected.tolist(), rel=1e-4, abs=1e-4)
+    mean = capeval_plugins.load("redemption_score", **options(models, folder, dino_weight=0.0, bertscore_weight=0.16,
+                                                              mid_corpus_reduction="mean"))(*data)
+    assert mean.corpus_extras["mid"] == pytest.approx(mid.mean(), rel=1e-4)  # the fused PMI does not change
+    assert mean.extras["mid_raw"].tolist() == pytest.approx(mid.tolist(), rel=1e-4, abs=1e-4)
 
 
 @needs_bertscore

@@ -15,8 +15,8 @@ from capeval_plugins.testing import build_tiny, kinds  # noqa: E402
 
 QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 LVLMS = ["llava_next", *QWEN]
-ENCODERS = ["clip", "dino", "deberta_v3", "vilt", "blip_itm", "siglip"]
-ALL = ENCODERS + LVLMS
+ENCODERS = ["clip", "dino", "deberta_v3", "roberta", "vilt", "blip_itm", "siglip"]
+ALL = ENCODERS + LVLMS + ["llava"]
 CAPTION = "A dog runs on the grass."
 needs_torchvision = pytest.mark.skipif(not is_torchvision_available(), reason="the Qwen processors need torchvision")
 
@@ -125,6 +125,40 @@ def test_deberta_v3(built):
     with torch.no_grad():
         out = model(**inputs)
     assert out.last_hidden_state.shape == (*inputs.input_ids.shape, 32)
+
+
+def test_roberta(built):
+    from transformers import AutoModel, AutoTokenizer
+
+    path = built("roberta")
+    tokenizer, model = AutoTokenizer.from_pretrained(path), _load(AutoModel, path)
+    assert type(tokenizer).__name__ == "RobertaTokenizer" and type(model).__name__ == "RobertaModel"
+    special = [tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id]
+    assert special == [0, 1, 2, 3] and tokenizer.mask_token_id == len(tokenizer) - 1
+    # byte-level BPE: words after a space carry "Ġ"; the first word gets one only with add_prefix_space
+    assert tokenizer.tokenize(CAPTION)[:2] == ["A", "Ġdog"]
+    spaced = AutoTokenizer.from_pretrained(path, add_prefix_space=True)
+    assert spaced.tokenize("dog runs")[0] == "Ġdog"
+    inputs = tokenizer([CAPTION, "a cat"], padding=True, return_tensors="pt")
+    assert tokenizer.unk_token_id not in inputs.input_ids
+    with torch.no_grad():
+        out = model(**inputs)
+    assert out.last_hidden_state.shape == (*inputs.input_ids.shape, 32)
+
+
+def test_llava_1_5(built):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = built("llava")
+    processor, model = AutoProcessor.from_pretrained(path), _load(AutoModelForImageTextToText, path)
+    system = {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
+    prompt = processor.apply_chat_template([system, *_messages("Rate it.")], add_generation_prompt=True)
+    assert prompt == "Be brief. USER: <image>\nRate it. ASSISTANT:"  # LLaVA's llava_v1 conversation
+    inputs = processor(images=[_image()], text=[prompt], return_tensors="pt")
+    assert (inputs.input_ids == model.config.image_token_id).sum() == model.config.image_seq_length
+    with torch.no_grad():
+        out = model(**inputs)
+    assert out.logits.shape == (1, inputs.input_ids.shape[1], model.config.text_config.vocab_size)
 
 
 def test_vilt(built):

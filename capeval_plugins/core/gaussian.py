@@ -9,8 +9,23 @@ Under Gaussians fitted to (x, y) pairs, the PMI of one pair is
     PMI(x, y) = log N(z; mu, S) - log N(x; mu_x, S_x) - log N(y; mu_y, S_y)
               = 0.5 (logdet S_x + logdet S_y - logdet S) + 0.5 (d2_x + d2_y - d2_z),
 
-d2 the squared Mahalanobis distance to the fitted mean, and MID is its mean over the scored pairs.
-Covariances are unbiased (divided by n - 1), as in the official MID code.
+d2 the squared Mahalanobis distance to the fitted mean. Covariances are unbiased (divided by n - 1), as in the
+official MID code.
+
+The corpus MID of M scored pairs z0_i = [x0_i, y0_i] comes in two forms (:func:`corpus_mid`), both computed from
+the scored pairs' own sums, so they too stream and merge by addition:
+
+* ``"trace"``, the official code's reduced output (``naver-ai/mid.metric``, ``_compute_pmi(reduction=True)``),
+  with x the conditioning modality (the image, in captioning) and y the scored one (the caption)::
+
+      MID = I(X; Y) + 0.5 (tr(S_x^-1 S_x') + tr(S_y^-1 A_y) / (M - 1) - tr(S^-1 A) / (M - 1))
+
+  A = sum_i (z0_i - mu)(z0_i - mu)^T, the scored pairs' scatter about the *fitted* mean, A_y its y block, and
+  S_x' the fitted x covariance before ``covariance_eps`` (so the first term is D_x exactly when eps = 0);
+* ``"mean"``: the mean of the per-pair PMI, ``I(X; Y) + 0.5 (tr(S_x^-1 A_x) + tr(S_y^-1 A_y) - tr(S^-1 A)) / M``.
+
+They differ by O(D / M): the official code divides the scatter by M - 1 and takes the conditioning term at its
+expectation under the fit, D_x, instead of the scored pairs' own.
 """
 from __future__ import annotations
 
@@ -18,7 +33,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import numpy as np
 import torch
@@ -27,6 +42,7 @@ from torch import Tensor
 from capeval_plugins.core.messages import DataError
 
 SUM_KEYS = ("count", "sum", "outer")
+REDUCTIONS = ("trace", "mean")
 _FORMAT = "capeval-joint-gaussian-sums"
 
 
@@ -55,6 +71,15 @@ def merge_sums(*parts: Mapping[str, Tensor]) -> dict[str, Tensor]:
         for k in SUM_KEYS:
             merged[k] += part[k]
     return merged
+
+
+def scatter_about(sums: Mapping[str, Tensor], center: Tensor) -> Tensor:
+    """sum_i (z_i - c)(z_i - c)^T of the pairs summed in ``sums``, about a given center ``c`` (float64)."""
+    count, total, outer = float(sums["count"]), sums["sum"].to(torch.float64), sums["outer"].to(torch.float64)
+    c = center.to(total.device, torch.float64)
+    cross = torch.outer(c, total)
+    scatter = outer - cross - cross.T + count * torch.outer(c, c)
+    return (scatter + scatter.T) / 2.0
 
 
 def normalize_pmi(pmi: Tensor) -> Tensor:
@@ -98,6 +123,11 @@ def _cholesky(cov: Tensor, what: str) -> Tensor:
 
 def _logdet(chol: Tensor) -> Tensor:
     return 2.0 * torch.log(torch.diagonal(chol)).sum()
+
+
+def _trace_solve(chol: Tensor, matrix: Tensor) -> Tensor:
+    """tr(S^-1 M) for S = L L^T and a symmetric M."""
+    return (torch.cholesky_inverse(chol) * matrix).sum()
 
 
 def _mahalanobis2(chol: Tensor, centred: Tensor) -> Tensor:
@@ -163,9 +193,50 @@ class JointGaussian:
         return self.mutual_information() + 0.5 * (d2_x + d2_y - d2_z)
 
 
-def mid(gaussian: JointGaussian, x: Tensor, y: Tensor) -> float:
-    """MID: the mean PMI of the scored pairs under the fitted Gaussian (Kim et al., Eq. 2 of Dahal et al.)."""
-    return float(gaussian.pmi(x, y).mean())
+    def expected_pmi(self, scored: Mapping[str, Tensor], reduction: Literal["trace", "mean"] = "trace") -> float:
+        """The corpus MID of the pairs summed in ``scored`` (:func:`joint_sums` of the scored pairs), in the
+        official code's trace form or as the mean PMI (see the module docstring). NaN for no pairs."""
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        m = float(scored["count"])
+        if m == 0:
+            return math.nan
+        if reduction == "trace" and m < 2:
+            raise TooFewSamplesError(
+                "the trace form of MID divides the scored pairs' scatter by M - 1 and needs at least 2 of them, "
+                "got 1; use the mean PMI (corpus_reduction='mean') for a single pair")
+        if tuple(scored["outer"].shape) != (self.dim, self.dim):
+            raise ValueError(f"sums of {len(scored['sum'])}-dimensional pairs do not match a fit of {self.dim}")
+        dx = self.dim_x
+        scatter = scatter_about({k: v.to(self.mean.device) for k, v in scored.items()}, self.mean)
+        term_y = _trace_solve(self._chol_y, scatter[dx:, dx:])
+        term_z = _trace_solve(self._chol, scatter)
+        if reduction == "mean":
+            term_x = _trace_solve(self._chol_x, scatter[:dx, :dx])
+            return self.mutual_information() + float(0.5 * (term_x + term_y - term_z) / m)
+        # The conditioning term at its expectation under the fit: tr(S_x^-1 S_x') = D_x when covariance_eps = 0.
+        fitted_x = self.cov[:dx, :dx] - self.covariance_eps * torch.eye(dx, dtype=self.cov.dtype, device=self.cov.device)
+        term_x = _trace_solve(self._chol_x, fitted_x)
+        return self.mutual_information() + float(0.5 * (term_x + (term_y - term_z) / (m - 1.0)))
+
+
+def corpus_mid(gaussian: JointGaussian, scored: Mapping[str, Tensor],
+               reduction: Literal["trace", "mean"] = "trace") -> float:
+    """The corpus MID of the scored pairs summed in ``scored`` under the fitted Gaussian: ``"trace"`` (the
+    official code's reduced output, the default) or ``"mean"`` (the mean PMI, Eq. 2 of Dahal et al.)."""
+    return gaussian.expected_pmi(scored, reduction)
+
+
+def mid(gaussian: JointGaussian, x: Tensor, y: Tensor, reduction: Literal["trace", "mean"] = "trace") -> float:
+    """MID of the scored pairs ``(x[i], y[i])`` under the fitted Gaussian (see :func:`corpus_mid`); the mean
+    form is the mean of their PMI as :meth:`JointGaussian.pmi` gives it."""
+    if reduction == "mean":
+        pmi = gaussian.pmi(x, y)
+        return float(pmi.mean()) if len(pmi) else math.nan
+    if x.shape[-1] != gaussian.dim_x or x.shape[-1] + y.shape[-1] != gaussian.dim:
+        raise ValueError(f"features of shape {tuple(x.shape)} and {tuple(y.shape)} do not match a fit of "
+                         f"{gaussian.dim_x} + {gaussian.dim - gaussian.dim_x} dimensions")
+    return corpus_mid(gaussian, joint_sums(x, y), reduction)
 
 
 @dataclass

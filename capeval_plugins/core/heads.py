@@ -59,6 +59,28 @@ def att_alpha(center: Tensor, values: Tensor, sigma2: float = 0.1) -> Tensor:
     return torch.exp(-((center.double() - mu) ** 2) / (2 * sigma2)) / math.sqrt(2 * math.pi * sigma2)
 
 
+ALPHA_SCALES: tuple[str, ...] = ("label", "unit")
+
+
+def att_prior(raw: Tensor, values: Tensor, sigma2: float = 0.1, alpha_scale: str = "label",
+              divergence: str = "weighted_kl") -> tuple[Tensor, Tensor]:
+    """DISCODE's prior for raw scores given as label indices ``raw`` (B,) on a scale whose K labels have
+    ``values``: ``(log q (B, K), alpha (B,))``, q a unit-variance Gaussian around the raw label's value and
+    alpha Eq. 4, read on the label values (``alpha_scale="label"``, the paper's literal reading: mu = 4.5 for
+    the digits) or with label k of K read as k / K (``"unit"``: mu = 0.45). The ``"kl"`` divergence fixes
+    alpha at 0.5."""
+    if alpha_scale not in ALPHA_SCALES:
+        raise ValueError(f"alpha_scale must be one of {ALPHA_SCALES}, got {alpha_scale!r}")
+    values = values.to(torch.float64)
+    raw = raw.to(values.device)
+    log_q = gaussian_log_prior(values[raw], values)
+    on = values if alpha_scale == "label" else torch.arange(len(values), dtype=torch.float64, device=values.device) / len(values)
+    alpha = att_alpha(on[raw], on, sigma2)
+    if divergence == "kl":
+        alpha = torch.full_like(alpha, 0.5)
+    return log_q, alpha
+
+
 def att_closed_form(logits: Tensor, log_prior: Tensor, alpha: Tensor) -> Tensor:
     """The weighted-KL ATT minimiser (B, K): softmax((z + (1 - alpha) log q) / alpha), float64.
 

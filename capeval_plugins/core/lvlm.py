@@ -5,6 +5,9 @@ that position. :class:`LVLMJudge` does the model work once for all of them:
 
 * **Prompt**: one image, then the instruction, inside the processor's chat template, with the generation
   prompt; :func:`fleur_instruction` writes the FLEUR / RefFLEUR instruction for any :class:`RatingScale`.
+  An optional system prompt goes into the template's system turn, or, for templates without one, before the
+  instruction in the user turn (:class:`VisualInput`); images may be padded to a square first, as LLaVA's
+  ``image_aspect_ratio="pad"`` does.
 * **Shared prefix**: the candidates of one image share the image and everything of the prompt before the
   caption. That prefix (vision encoder included) runs once per image and chunk; its key/value cache is
   copied to each candidate, and only the candidate-specific suffixes run per sample. Padding between prefix
@@ -322,25 +325,66 @@ class _Run:
 
 
 VIDEO_INPUTS = ("auto", "video", "frames")
+SYSTEM_PLACEMENTS = ("auto", "system", "user")
+IMAGE_ASPECTS = ("crop", "pad")
+# The system sentence of LLaVA's "llava_v1" conversation, which the official FLEUR script uses.
+LLAVA_V1_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. "
+                   "The assistant gives helpful, detailed, and polite answers to the human's questions.")
 
 
 @dataclass(frozen=True)
 class VisualInput:
-    """How a video (a list of frames) enters the prompt: ``"video"`` through the processor's video input
-    (frames used as given, ``fps`` their sampling rate: Qwen-VL timestamps and temporal positions), ``"frames"``
-    as that many images, ``"auto"``: video where the processor has a video processor. A single image is one
-    image either way. ``answer_prefix`` is appended after the generation prompt (the assistant's first
-    characters, e.g. a space for templates whose answers start with one)."""
+    """How the visual and the conversation around the instruction enter the prompt.
+
+    A video (a list of frames) goes in ``"video"`` through the processor's video input (frames used as given,
+    ``fps`` their sampling rate: Qwen-VL timestamps and temporal positions), ``"frames"`` as that many images,
+    ``"auto"``: video where the processor has a video processor. A single image is one image either way.
+    ``answer_prefix`` is appended after the generation prompt (the assistant's first characters, e.g. a space
+    for templates whose answers start with one).
+
+    ``system_prompt`` (None or "": none) is placed by ``system_placement``: ``"system"`` as the template's
+    system turn (an error if the template has none), ``"user"`` before the instruction in the user turn,
+    separated by a blank line (Mistral's own convention for its system-less format), ``"auto"``: the system
+    turn where the chat template renders one with the text in it, else the user turn.
+
+    ``image_aspect``: ``"crop"`` hands images to the processor as they are (its own resizing, e.g. LLaVA-1.5's
+    shorter side to 336 and a centre crop); ``"pad"`` first pads each image (and each frame fed as an image)
+    to a square with the image processor's mean colour, image centred, as LLaVA's ``expand2square`` does for
+    ``image_aspect_ratio="pad"``. Videos through a video processor are not padded."""
 
     video: str = "auto"
     fps: float | None = 2.0
     answer_prefix: str = ""
+    system_prompt: str | None = None
+    system_placement: str = "auto"
+    image_aspect: str = "crop"
 
     def __post_init__(self) -> None:
         if self.video not in VIDEO_INPUTS:
             raise ValueError(f"video input must be one of {VIDEO_INPUTS}, got {self.video!r}")
         if self.fps is not None and not self.fps > 0:
             raise ValueError(f"fps must be positive, got {self.fps}")
+        if self.system_placement not in SYSTEM_PLACEMENTS:
+            raise ValueError(f"system_placement must be one of {SYSTEM_PLACEMENTS}, got {self.system_placement!r}")
+        if self.image_aspect not in IMAGE_ASPECTS:
+            raise ValueError(f"image_aspect must be one of {IMAGE_ASPECTS}, got {self.image_aspect!r}")
+
+
+def pad_to_square(image: Any, fill: Sequence[float]) -> np.ndarray:
+    """``image`` (a PIL image or an (H, W, C) array) centred on a square canvas of ``fill`` (one value per
+    channel, 0-1; scaled to 0-255 and truncated for 8-bit images, as LLaVA's ``expand2square`` does with the
+    image processor's mean). Returns an (S, S, C) array; a square image comes back unchanged as an array."""
+    pixels = np.asarray(image)
+    if pixels.ndim != 3 or pixels.shape[-1] != len(fill):
+        raise ValueError(f"cannot pad an image of shape {pixels.shape} with a {len(fill)}-channel colour")
+    height, width = pixels.shape[:2]
+    side = max(height, width)
+    colour = [int(v * 255) for v in fill] if pixels.dtype == np.uint8 else list(fill)
+    canvas = np.empty((side, side, pixels.shape[-1]), dtype=pixels.dtype)
+    canvas[...] = np.asarray(colour, dtype=pixels.dtype)
+    top, left = (side - height) // 2, (side - width) // 2
+    canvas[top:top + height, left:left + width] = pixels
+    return canvas
 
 
 def is_video(visual: Any) -> bool:
@@ -387,6 +431,7 @@ class LVLMJudge:
         video_token = getattr(processor, "video_token", None)
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(video_token) if video_token else None
         self.rope_index = getattr(getattr(model, "model", model), "get_rope_index", None)
+        self._system_turns: dict[str, dict | None] = {}  # system prompt -> the system turn the template takes
 
     @classmethod
     def shared(cls, spec: JudgeSpec) -> "LVLMJudge":
@@ -402,13 +447,50 @@ class LVLMJudge:
     # -- prompts and tokens --
 
     def chat(self, instruction: str, visual: Any = None, visual_input: VisualInput = VisualInput()) -> str:
-        """One user turn (an image, then ``instruction``) in the processor's chat template, ready to answer.
-        With ``visual`` a video (a list of frames), the video or its frames take the image's place
-        (:class:`VisualInput`), whose ``answer_prefix`` ends the text."""
-        content = self._visual_content(visual, visual_input) + [{"type": "text", "text": instruction}]
+        """One user turn (an image, then ``instruction``) in the processor's chat template, ready to answer,
+        after the system prompt if :class:`VisualInput` has one (see there for where it goes). With ``visual``
+        a video (a list of frames), the video or its frames take the image's place; ``answer_prefix`` ends the
+        text."""
+        system = visual_input.system_prompt
+        where = self.system_placement(system, visual_input.system_placement) if system else None
+        text = f"{system}\n\n{instruction}" if where == "user" else instruction
+        content = self._visual_content(visual, visual_input) + [{"type": "text", "text": text}]
         messages = [{"role": "user", "content": content}]
+        if where == "system":
+            messages.insert(0, self._system_turn(system))
         chat = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return chat + visual_input.answer_prefix
+
+    def system_placement(self, system_prompt: str, placement: str = "auto") -> str:
+        """``"system"`` or ``"user"``: where :meth:`chat` puts ``system_prompt`` under ``placement``."""
+        if placement == "user":
+            return "user"
+        if system_prompt not in self._system_turns:
+            self._system_turns[system_prompt] = self._renders_system_turn(system_prompt)
+        if self._system_turns[system_prompt] is not None:
+            return "system"
+        if placement == "system":
+            raise ValueError("this checkpoint's chat template has no system turn; use system_placement='user' "
+                             "(the system prompt before the instruction) or 'auto'")
+        return "user"
+
+    def _renders_system_turn(self, system_prompt: str) -> dict | None:
+        """The first form of system turn (content as a list of parts, then as a string) that the template
+        renders with the text in it; None if it rejects both or drops the text."""
+        user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}
+        for turn in ({"role": "system", "content": [{"type": "text", "text": system_prompt}]},
+                     {"role": "system", "content": system_prompt}):
+            try:  # templates without a system role raise from inside jinja (or fail on the content's form)
+                rendered = self.processor.apply_chat_template([turn, user], add_generation_prompt=True,
+                                                              tokenize=False)
+            except Exception:
+                continue
+            if system_prompt in rendered:
+                return turn
+        return None
+
+    def _system_turn(self, system_prompt: str) -> dict:
+        return self._system_turns[system_prompt]
 
     def video_mode(self, visual_input: VisualInput) -> str:
         """``"video"`` or ``"frames"``: how this judge feeds a video under ``visual_input``."""
@@ -564,15 +646,25 @@ class LVLMJudge:
     def _visual_kwargs(self, visual: Any, visual_input: VisualInput) -> dict[str, Any]:
         """The processor's visual arguments for one image or video."""
         if not is_video(visual):
-            return {"images": [visual]}
+            return {"images": [self._shaped(visual, visual_input)]}
         frames = list(visual)
         if self.video_mode(visual_input) == "frames":
-            return {"images": frames}
+            return {"images": [self._shaped(f, visual_input) for f in frames]}
         kwargs: dict[str, Any] = {"videos": [frames], "do_sample_frames": False}  # the frames as given
         if visual_input.fps is not None:
             kwargs["video_metadata"] = [{"total_num_frames": len(frames), "fps": visual_input.fps,
                                          "frames_indices": list(range(len(frames)))}]
         return kwargs
+
+    def _shaped(self, image: Any, visual_input: VisualInput) -> Any:
+        """The image as the processor gets it: as given (``"crop"``) or padded to a square (``"pad"``)."""
+        if visual_input.image_aspect == "crop":
+            return image
+        mean = getattr(getattr(self.processor, "image_processor", None), "image_mean", None)
+        if mean is None:
+            raise ValueError("image_aspect='pad' pads with the image processor's mean colour, but this processor "
+                             "has no image_mean; use image_aspect='crop'")
+        return pad_to_square(image, mean)
 
     def _mm_token_types(self, ids: Tensor) -> Tensor:
         # What Qwen-VL processors return: 1 on image tokens, 2 on video tokens, 0 on text.

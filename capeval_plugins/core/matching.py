@@ -96,6 +96,18 @@ def idf_weights(frequency: Tensor, n_documents: int) -> Tensor:
     return torch.log((n_documents + 1.0) / (frequency.to(torch.float64) + 1.0))
 
 
+def idf_table(documents: Tensor, pad_id: int = -1) -> tuple[Tensor, int]:
+    """bert_score's idf per token id over the rows of ``documents`` (D, L) (``pad_id`` ignored), and D."""
+    return idf_weights(document_frequency(documents, pad_id=pad_id), len(documents)), len(documents)
+
+
+def token_idf(ids: Tensor, mask: Tensor, table: Tensor, n_documents: int) -> Tensor:
+    """The idf weight of every token of ``ids`` (..., L) from :func:`idf_table` (an id never counted gets
+    log(D + 1), as in bert_score); 0 where ``mask`` is False."""
+    weights = lookup(table, ids, math.log(n_documents + 1.0))
+    return torch.where(mask.bool(), weights, torch.zeros_like(weights))
+
+
 def lookup(table: Tensor, ids: Tensor, default: float) -> Tensor:
     """``table[ids]`` with ``default`` for ids outside the table (tokens never counted)."""
     inside = (ids >= 0) & (ids < len(table))

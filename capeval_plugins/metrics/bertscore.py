@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import math
 import os
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
@@ -25,8 +24,8 @@ from torch import Tensor
 from capeval_plugins.contract import INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec, nanmean
 from capeval_plugins.core.encoders.common import EncoderSpec
 from capeval_plugins.core.encoders.text import TextEncoder
-from capeval_plugins.core.matching import (best_similarities, document_frequency, f_measure, idf_weights, lookup,
-                                           reduce_references, weighted_mean)
+from capeval_plugins.core.matching import (best_similarities, f_measure, idf_table, reduce_references, token_idf,
+                                           weighted_mean)
 
 CITATION = """@inproceedings{zhang2020bertscore,
   title     = {{BERTScore}: Evaluating Text Generation with {BERT}},
@@ -150,19 +149,18 @@ class BERTScore(Metric):
         """Per-token weights (0 on padding): idf, or 1 with [CLS]/[SEP] at 0 (bert_score's two cases)."""
         if self.config.idf:
             table, n_docs = self.idf_table(ref_ids[valid_ref])
-            default = math.log(n_docs + 1.0)
-            return tuple(torch.where(ids > 0, lookup(table, ids - 1, default), 0.0) for ids in (cand_ids, ref_ids))
+            return tuple(token_idf(ids - 1, ids > 0, table, n_docs) for ids in (cand_ids, ref_ids))
         special = torch.tensor(sorted(self.encoder.special_ids), dtype=torch.int64, device=cand_ids.device)
         return tuple(((ids > 0) & ~torch.isin(ids - 1, special)).to(torch.float64) for ids in (cand_ids, ref_ids))
 
     def idf_table(self, corpus_refs: Tensor) -> tuple[Tensor, int]:
         """idf per token id (indexed by id) and the number of documents it was counted over."""
         if self.config.idf_references is None:
-            return idf_weights(document_frequency(corpus_refs - 1, pad_id=-1), len(corpus_refs)), len(corpus_refs)
+            return idf_table(corpus_refs - 1, pad_id=-1)
         if self._idf_table is None:
             ids = self.encoder.tokenize(list(self.config.idf_references))
             docs = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in ids], batch_first=True, padding_value=-1)
-            self._idf_table = (idf_weights(document_frequency(docs, pad_id=-1), len(ids)), len(ids))
+            self._idf_table = idf_table(docs, pad_id=-1)
         return self._idf_table
 
     # --- baseline ------------------------------------------------------------------------------------------

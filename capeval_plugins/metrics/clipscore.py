@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, segment_max
+from capeval_plugins.core.clip_score import best_reference_similarity, clip_s, cosine, harmonic_mean
+from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
 
 CITATION = """@inproceedings{hessel2021clipscore,
   title     = {{CLIPScore}: A Reference-free Evaluation Metric for Image Captioning},
@@ -31,11 +32,6 @@ class CLIPScoreConfig(ModelConfig):
     prefix_references: bool = True
     # The paper clamps the reference similarity at 0; the official code does not.
     clamp_reference: bool = True
-
-
-def harmonic_mean(a: Tensor, b: Tensor) -> Tensor:
-    total = a + b
-    return torch.where(total > 0, 2 * a * b / total.clamp_min(1e-12), torch.zeros_like(total))
 
 
 def with_prefix(prefix: str, text: str) -> str:
@@ -80,20 +76,17 @@ class CLIPScore(PointwiseMetric):
             flat_refs += [with_prefix(cfg.prefix, r) if cfg.prefix_references else r for r in refs]
             owner += [i] * len(refs)
         # Candidates and every reference of the batch in one pass through the text encoder.
-        text_feats = enc.encode_texts(texts + flat_refs).double()
+        text_feats = enc.encode_texts(texts + flat_refs)
         cand = text_feats[:n]
-        cosine = (image_feats.double() * cand).sum(-1)
-        clip_s = cfg.w * cosine.clamp_min(0)
-        ref_sim = torch.full_like(clip_s, float("nan"))
-        refclip = torch.full_like(clip_s, float("nan"))
+        cos = cosine(image_feats, cand)
+        score = clip_s(cos, cfg.w)
+        ref_sim = torch.full_like(score, float("nan"))
+        refclip = torch.full_like(score, float("nan"))
         if flat_refs:
             owner_t = torch.tensor(owner, device=cand.device)
-            sims = (cand[owner_t] * text_feats[n:]).sum(-1)
-            ref_sim = segment_max(sims, owner_t, n)
-            if cfg.clamp_reference:
-                ref_sim = ref_sim.clamp_min(0)
-            refclip = harmonic_mean(clip_s, ref_sim)
-        return self.arrange(clip_s, cosine, ref_sim, refclip)
+            ref_sim = best_reference_similarity(cand, text_feats[n:], owner_t, cfg.clamp_reference)
+            refclip = harmonic_mean(score, ref_sim)
+        return self.arrange(score, cos, ref_sim, refclip)
 
     def arrange(self, clip_s: Tensor, cosine: Tensor, ref_sim: Tensor, refclip: Tensor) -> dict[str, Tensor]:
         return {"score": clip_s, "cosine": cosine, "reference_similarity": ref_sim, "refclipscore": refclip}

@@ -6,6 +6,11 @@ At the target position T (the first decimal of "0.x" on the default 0.0-1.0 scal
 alpha = N(s_raw; mean of the labels, sigma^2) and psi = softmax((z + (1 - alpha) log q) / alpha) (Eq. 6,
 float64, alpha -> 0 taken explicitly). s_hat = E_psi[x]; on the 0.0-1.0 scale the decimal part of the
 written score is replaced by 0.1 * s_hat.
+
+An answer "1.0" has its target (the paper's T, the first decimal) at the "0" after "1.": ``alpha`` and
+``distribution`` are the head's there, for every answer. Its score is FLEUR's "1.0" rule by default
+(``one_rule="fleur"``), which does not use them; the ``from_att_head`` extra says which samples' scores came
+from the head (1) and which from that rule (0). The conversation (system prompt, padded images) is FLEUR's.
 """
 from __future__ import annotations
 
@@ -63,10 +68,10 @@ class DISCODE(LVLMJudgeMetric):
         score_range=(0.0, 1.0),
         paper="https://arxiv.org/abs/2512.14420",
         paper_config={"model": "LLaVA-NeXT-72B", "scale": "0.0-1.0", "sigma2": 0.1, "divergence": "weighted KL",
-                      "solver": "closed form (Eq. 6)"},
+                      "solver": "closed form (Eq. 6)", "conversation": "FLEUR's official script (llava_v1, pad)"},
     )
     Config = DISCODEConfig
-    extra_names: ClassVar[tuple[str, ...]] = ("raw_score", "fleur_score", "alpha", "distribution")
+    extra_names: ClassVar[tuple[str, ...]] = ("raw_score", "fleur_score", "alpha", "distribution", "from_att_head")
     extra_shapes: ClassVar[dict[str, tuple[int, ...]]] = {"distribution": (10,)}
     optional_extras: ClassVar[tuple[str, ...]] = ("alpha",)
     mean_extras: ClassVar[tuple[str, ...]] = ("raw_score", "fleur_score")
@@ -77,7 +82,7 @@ class DISCODE(LVLMJudgeMetric):
         self.scale: RatingScale = get_scale(cfg.scale)
         self.extra_shapes = {"distribution": (len(self.scale.labels),)}
         checks = [
-            (cfg.alpha_scale in ("label", "unit"), f"alpha_scale must be 'label' or 'unit', got {cfg.alpha_scale!r}"),
+            (cfg.alpha_scale in heads.ALPHA_SCALES, f"alpha_scale must be 'label' or 'unit', got {cfg.alpha_scale!r}"),
             (cfg.divergence in heads.DIVERGENCES, f"divergence must be one of {heads.DIVERGENCES}"),
             (cfg.solver in SOLVERS, f"solver must be one of {SOLVERS}"),
             (cfg.solver != "closed_form" or cfg.divergence in heads.CLOSED_FORM,
@@ -89,12 +94,11 @@ class DISCODE(LVLMJudgeMetric):
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"discode: {message}")
-        k = len(self.scale.labels)
         self.values = torch.tensor(self.scale.values, dtype=torch.float64)
         # The prior and alpha depend on the raw label only: one row per label, computed once.
-        self.log_priors = heads.gaussian_log_prior(self.values, self.values)  # (K, K)
-        on = self.values if cfg.alpha_scale == "label" else torch.arange(k, dtype=torch.float64) / k
-        self.alphas = heads.att_alpha(on, on, cfg.sigma2)  # (K,)
+        labels = torch.arange(len(self.scale.labels))
+        self.log_priors, self.alphas = heads.att_prior(labels, self.values, cfg.sigma2, cfg.alpha_scale,
+                                                       cfg.divergence)  # (K, K), (K,)
 
     @property
     def closed_form(self) -> bool:
@@ -112,7 +116,7 @@ class DISCODE(LVLMJudgeMetric):
         psi, alpha = self.adapt(out, target, logits)
         s_hat = heads.expected_value(psi, self.values)
         fleur = self.smoothed(out, logits)
-        score = self.final_score(out, s_hat, fleur)
+        score, from_head = self.final_score(out, s_hat, fleur)
         nan = torch.full_like(score, float("nan"))
         return {
             "score": torch.where(valid, score, nan),
@@ -120,6 +124,7 @@ class DISCODE(LVLMJudgeMetric):
             "fleur_score": fleur,
             "alpha": torch.where(valid, alpha, nan),
             "distribution": torch.where(valid[:, None], psi, float("nan")),
+            "from_att_head": torch.where(valid, from_head.double(), nan),
         }
 
     def adapt(self, out: JudgeOutput, target: int, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -127,8 +132,6 @@ class DISCODE(LVLMJudgeMetric):
         cfg = self.config
         raw = logits.argmax(-1)
         log_q, alpha = self.log_priors[raw], self.alphas[raw]
-        if cfg.divergence == "kl":
-            alpha = torch.full_like(alpha, 0.5)
         if self.closed_form:
             psi = heads.att_closed_form(logits, log_q, alpha)
         else:
@@ -141,13 +144,15 @@ class DISCODE(LVLMJudgeMetric):
             alpha = torch.full_like(alpha, float("nan"))
         return psi, alpha
 
-    def final_score(self, out: JudgeOutput, s_hat: Tensor, fleur: Tensor) -> Tensor:
+    def final_score(self, out: JudgeOutput, s_hat: Tensor, fleur: Tensor) -> tuple[Tensor, Tensor]:
+        """The score and whether it is the head's (False where FLEUR's "1.0" rule gave it)."""
+        head = torch.ones_like(s_hat, dtype=torch.bool)
         if not self.scale.decimal:
-            return s_hat
+            return s_hat, head
         one = out.labels[:, 0] == 1
         if self.config.one_rule == "decimal":
-            return torch.where(one, 1.0 + 0.1 * s_hat, 0.1 * s_hat)
-        return torch.where(one, fleur, 0.1 * s_hat)
+            return torch.where(one, 1.0 + 0.1 * s_hat, 0.1 * s_hat), head
+        return torch.where(one, fleur, 0.1 * s_hat), ~one
 
     def smoothed(self, out: JudgeOutput, logits: Tensor) -> Tensor:
         """The score-smoothing baseline on the same answer: FLEUR on the 0.0-1.0 scale, the expected label

@@ -3,10 +3,12 @@ is smoothed by the digit distributions at its decimal positions.
 
 score = 0.1 * sum_d P(d) d at the first decimal (+ 0.01 * sum_d P(d) d at the second, if written); for "1.0",
 0.9 P('0') + P('1') at the integer digit. P is the full-vocabulary softmax (not renormalised over digits).
-With references, the RefFLEUR prompt is used.
+With references, the RefFLEUR prompt is used. As in the official script, the conversation starts with LLaVA's
+"llava_v1" system sentence, images are padded to a square, and the judge runs in float16 on GPUs.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import ClassVar
@@ -16,7 +18,9 @@ from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric
 from capeval_plugins.core.heads import fleur_smooth
-from capeval_plugins.core.lvlm import JudgeOutput, JudgeSpec, LVLMJudge, RatingScale, SCALES, fleur_instruction
+from capeval_plugins.core.loading import resolve_device
+from capeval_plugins.core.lvlm import (LLAVA_V1_SYSTEM, JudgeOutput, JudgeSpec, LVLMJudge, RatingScale, SCALES,
+                                       VisualInput, fleur_instruction)
 
 FLEUR_CITATION = """@inproceedings{lee2024fleur,
   title     = {{FLEUR}: An Explainable Reference-Free Evaluation Metric for Image Captioning Using a Large
@@ -28,20 +32,28 @@ FLEUR_CITATION = """@inproceedings{lee2024fleur,
 }"""
 
 INVALID_POLICIES = ("nan", "raise")
+TRAILING_ZERO = ("smooth", "drop")
 
 
 @dataclass
 class LVLMJudgeConfig(ModelConfig):
-    """Options of metrics that ask an LVLM for a score (:mod:`capeval_plugins.core.lvlm`)."""
+    """Options of metrics that ask an LVLM for a score (:mod:`capeval_plugins.core.lvlm`). The conversation
+    defaults are the official FLEUR script's: LLaVA's "llava_v1" system sentence, images padded to a square."""
 
     batch_size: int = 16
     max_new_tokens: int = 10
     on_invalid: str = "nan"
+    system_prompt: str | None = LLAVA_V1_SYSTEM
+    system_placement: str = "auto"
+    image_aspect: str = "pad"
 
 
 class LVLMJudgeMetric(PointwiseMetric):
     """Shared plumbing: the shared judge, the FLEUR prompt (RefFLEUR with references) and the policy for
-    answers without a valid score."""
+    answers without a valid score. ``accelerator_dtype`` is the judge's dtype on GPUs when ``dtype`` is not
+    given (float32 on CPU)."""
+
+    accelerator_dtype: ClassVar[str] = "bfloat16"
 
     def __init__(self, **config):
         super().__init__(**config)
@@ -50,17 +62,29 @@ class LVLMJudgeMetric(PointwiseMetric):
             raise ValueError(f"{self.info.name}: on_invalid must be one of {INVALID_POLICIES}, got {cfg.on_invalid!r}")
         if cfg.max_new_tokens < 1:
             raise ValueError(f"{self.info.name}: max_new_tokens must be at least 1")
+        try:
+            self.visual_input = VisualInput(system_prompt=cfg.system_prompt or None,
+                                            system_placement=cfg.system_placement, image_aspect=cfg.image_aspect)
+        except ValueError as err:
+            raise ValueError(f"{self.info.name}: {err}") from None
+
+    def judge_spec(self) -> JudgeSpec:
+        """The judge to load: the options as given, with ``accelerator_dtype`` on GPUs unless ``dtype`` is set."""
+        spec = JudgeSpec.from_config(self.config)
+        if spec.dtype is None and resolve_device(spec.device).type != "cpu":
+            spec = dataclasses.replace(spec, dtype=self.accelerator_dtype)
+        return spec
 
     @property
     def judge(self) -> LVLMJudge:
-        return LVLMJudge.shared(JudgeSpec.from_config(self.config))
+        return LVLMJudge.shared(self.judge_spec())
 
     def ask(self, batch: Batch, scale: RatingScale, keep_hidden: bool = False) -> JudgeOutput:
         refs = batch.references or [None] * len(batch)
         instructions = [fleur_instruction(c, r, scale) for c, r in zip(batch.candidates, refs)]
         out = self.judge.judge(batch.images, batch.image_index, instructions, scale,
                                max_new_tokens=self.config.max_new_tokens, batch_size=self.config.batch_size,
-                               keep_hidden=keep_hidden)
+                               keep_hidden=keep_hidden, visual_input=self.visual_input)
         self.check_answers(batch, out)
         return out
 
@@ -77,16 +101,24 @@ class LVLMJudgeMetric(PointwiseMetric):
                       stacklevel=4)
 
 
-def fleur_scores(out: JudgeOutput) -> Tensor:
-    """FLEUR's smoothed score of every sample of a 0.0-1.0 judge output (NaN where there is none)."""
-    at = out.score_logprobs
-    score = fleur_smooth(at[:, 1], at[:, 2], at[:, 0], out.positions[:, 2] >= 0, out.labels[:, 0] == 1)
-    return torch.where(out.valid, score, float("nan"))
+def fleur_scores(out: JudgeOutput, trailing_zero: str = "smooth") -> Tensor:
+    """FLEUR's smoothed score of every sample of a 0.0-1.0 judge output (NaN where there is none). A second
+    decimal is smoothed where one is written; with ``trailing_zero="drop"`` a written second decimal "0"
+    ("0.50") is not, as in the official script (which reads the answer through ``float``)."""
+    has_second = out.positions[:, 2] >= 0
+    if trailing_zero == "drop":
+        has_second &= out.labels[:, 2] != 0
+    score = fleur_smooth(out.logprobs_at(1), out.logprobs_at(2), out.logprobs_at(0), has_second,
+                         out.labels[:, 0] == 1)
+    return torch.where(out.valid, score, torch.full_like(score, float("nan")))
 
 
 @dataclass
 class FLEURConfig(LVLMJudgeConfig):
     model: str = "llava-hf/llava-1.5-13b-hf"
+    # A written second decimal "0" ("0.50"): "smooth" it like any written digit (paper), or "drop" it (the
+    # official script, which reads the answer through float and so never sees it).
+    trailing_zero: str = "smooth"
 
 
 class FLEUR(LVLMJudgeMetric):
@@ -102,20 +134,29 @@ class FLEUR(LVLMJudgeMetric):
         images="always",
         score_range=(0.0, 1.0),
         paper="https://aclanthology.org/2024.acl-long.205",
-        paper_config={"model": "LLaVA-1.5-13B", "decoding": "greedy", "scale": "0.0-1.0"},
+        paper_config={"model": "LLaVA-1.5-13B", "decoding": "greedy", "scale": "0.0-1.0",
+                      "conversation": "llava_v1 (official script)", "image_aspect": "pad (official script)",
+                      "dtype": "float16 (official script)"},
         codebase_urls=("https://github.com/Yebin46/FLEUR",),
     )
     Config = FLEURConfig
     extra_names: ClassVar[tuple[str, ...]] = ("raw_score", "digit_probs")
     extra_shapes: ClassVar[dict[str, tuple[int, ...]]] = {"digit_probs": (10,)}
     mean_extras: ClassVar[tuple[str, ...]] = ("raw_score",)
+    accelerator_dtype: ClassVar[str] = "float16"  # the official script's
+
+    def __init__(self, **config):
+        super().__init__(**config)
+        if self.config.trailing_zero not in TRAILING_ZERO:
+            raise ValueError(f"fleur: trailing_zero must be one of {TRAILING_ZERO}, got {self.config.trailing_zero!r}")
 
     def score(self, batch: Batch) -> dict[str, Tensor]:
         return self.head(self.ask(batch, SCALES["0.0-1.0"]))
 
     def head(self, out: JudgeOutput) -> dict[str, Tensor]:
         """Everything after the judge: the smoothed score and the extras."""
-        return {"score": fleur_scores(out), "raw_score": out.raw, "digit_probs": out.logprobs_at(1).double().exp()}
+        return {"score": fleur_scores(out, self.config.trailing_zero), "raw_score": out.raw,
+                "digit_probs": out.logprobs_at(1).double().exp()}
 
 
 METRICS = [FLEUR]

@@ -1,16 +1,18 @@
 """MID: Mutual Information Divergence (Kim et al., NeurIPS 2022), for image captioning.
 
 A joint Gaussian is fitted to L2-normalised CLIP features of (image, reference caption) pairs of the corpus;
-each (image, candidate caption) pair is scored by its point-wise mutual information under that fit, and MID
-is the mean PMI. The fit is kept as summed statistics (O(D^2) state whatever the corpus size, merged across
-batches and DDP ranks); only the candidate pairs' features are kept per sample.
+each (image, candidate caption) pair is scored by its point-wise mutual information under that fit. The corpus
+MID is the official code's trace form by default, or the mean PMI (``corpus_reduction``). The fit is kept as
+summed statistics (O(D^2) state whatever the corpus size, merged across batches and DDP ranks). With
+``per_sample=True`` (default) each candidate pair's features are kept too, for its PMI; with ``per_sample=False``
+only the candidate pairs' sums are, so the whole state and a DDP sync are O(D^2).
 """
 from __future__ import annotations
 
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -30,8 +32,9 @@ CITATION = """@inproceedings{kim2022mutual,
 }"""
 
 FIT_PAIRS = ("all_references", "first_reference")
-# State names: the reference fit's sums and the candidate pairs' features.
+# State names: the reference fit's sums; the candidate pairs' features (per_sample) or their sums (not).
 FIT = {k: f"fit_{k}" for k in gaussian.SUM_KEYS}
+SCORED = {k: f"candidate_{k}" for k in gaussian.SUM_KEYS}
 IMAGE, TEXT = "image_features", "candidate_features"
 
 
@@ -45,10 +48,17 @@ class MIDConfig(ModelConfig):
     input_paths: ClassVar[tuple[str, ...]] = ("model", "reference_gaussian")
     # Which (image, reference) pairs of a sample enter the fit.
     fit_pairs: str = "all_references"
+    # Corpus MID: "trace" (the official code's reduced output, what published MID numbers are) or "mean" (the
+    # mean of the per-sample PMI).
+    corpus_reduction: str = "trace"
+    # False: no per-sample PMI; only sums of the candidate pairs are kept (state and DDP sync O(D^2), not O(N D)).
+    per_sample: bool = True
 
     def __post_init__(self) -> None:
         if self.fit_pairs not in FIT_PAIRS:
             raise ValueError(f"fit_pairs must be one of {FIT_PAIRS}, got {self.fit_pairs!r}")
+        if self.corpus_reduction not in gaussian.REDUCTIONS:
+            raise ValueError(f"corpus_reduction must be one of {gaussian.REDUCTIONS}, got {self.corpus_reduction!r}")
         if not (self.covariance_eps >= 0 and math.isfinite(self.covariance_eps)):
             raise ValueError(f"covariance_eps must be a finite non-negative number, got {self.covariance_eps}")
 
@@ -58,15 +68,16 @@ class MID(Metric):
         name="mid",
         display_name="MID",
         description=(
-            "Mutual Information Divergence: the mean point-wise mutual information of (image, candidate) CLIP "
-            "features under a joint Gaussian fitted to the corpus's (image, reference) pairs."
+            "Mutual Information Divergence: the point-wise mutual information of (image, candidate) CLIP features "
+            "under a joint Gaussian fitted to the corpus's (image, reference) pairs; the corpus value in the "
+            "official code's trace form."
         ),
         citation=CITATION,
         references="optional",  # needed unless a saved reference Gaussian is given
         images="always",
         score_range=None,
         paper="https://arxiv.org/abs/2205.13445",
-        paper_config={"model": "openai/clip-vit-large-patch14", "covariance_eps": 0.0},
+        paper_config={"model": "openai/clip-vit-large-patch14", "covariance_eps": 0.0, "corpus_reduction": "trace"},
         codebase_urls=("https://github.com/naver-ai/mid.metric",),
     )
     Config = MIDConfig
@@ -97,14 +108,11 @@ class MID(Metric):
 
     def states(self) -> dict[str, StateSpec]:
         d = self.dim
-        return {
-            FIT["count"]: StateSpec("sum", torch.float64, ()),
-            FIT["sum"]: StateSpec("sum", torch.float64, (2 * d,)),
-            FIT["outer"]: StateSpec("sum", torch.float64, (2 * d, 2 * d)),
-            # The encoder's float32 unit vectors, kept as they are (cast to float64 at finalize).
-            IMAGE: StateSpec("cat", torch.float32, (d,)),
-            TEXT: StateSpec("cat", torch.float32, (d,)),
-        }
+        spec = {FIT[k]: s for k, s in sum_specs(2 * d).items()}
+        if not self.config.per_sample:
+            return {**spec, **{SCORED[k]: s for k, s in sum_specs(2 * d).items()}}
+        # The encoder's float32 unit vectors, kept as they are (cast to float64 at finalize).
+        return {**spec, IMAGE: StateSpec("cat", torch.float32, (d,)), TEXT: StateSpec("cat", torch.float32, (d,))}
 
     def reference_pairs(self, references: Sequence[Sequence[str]]) -> tuple[list[str], list[int]]:
         """Flattened reference texts and the sample each belongs to, as ``fit_pairs`` selects."""
@@ -136,7 +144,11 @@ class MID(Metric):
             sums = gaussian.joint_sums(image_feats[owner_t], text_feats[n:])
         else:
             sums = gaussian.empty_sums(2 * self.dim, device=image_feats.device)
-        return {**{FIT[k]: v for k, v in sums.items()}, IMAGE: image_feats, TEXT: text_feats[:n]}
+        out = {FIT[k]: v for k, v in sums.items()}
+        if not self.config.per_sample:
+            scored = gaussian.joint_sums(image_feats, text_feats[:n])
+            return {**out, **{SCORED[k]: v for k, v in scored.items()}}
+        return {**out, IMAGE: image_feats, TEXT: text_feats[:n]}
 
     def fitted(self, state: dict[str, Tensor]) -> gaussian.JointGaussian:
         """The reference Gaussian: the saved one if given, else the one fitted on this corpus."""
@@ -152,20 +164,30 @@ class MID(Metric):
             warn_once(("mid", "few-pairs", fit.count), (
                 f"mid: the Gaussian is fitted on {fit.count} pairs for {fit.dim} joint dimensions; the "
                 f"covariance is defined only through covariance_eps={self.config.covariance_eps}"))
-        pmi = fit.pmi(state[IMAGE].double(), state[TEXT].double())
+        corpus = {"mutual_information": fit.mutual_information(), "fit_pairs": float(fit.count)}
+        reduction = self.config.corpus_reduction
+        if not self.config.per_sample:
+            scored = {k: state[v] for k, v in SCORED.items()}
+            score = self.defined(lambda: gaussian.corpus_mid(fit, scored, reduction))
+            return MetricResult(self.info.name, score, torch.zeros(0, dtype=torch.float64),
+                                torch.zeros(0, dtype=torch.int64), corpus_extras=corpus)
+        image, text = state[IMAGE].double(), state[TEXT].double()
+        pmi = fit.pmi(image, text)
         normalized = gaussian.normalize_pmi(pmi)
-        return MetricResult(
-            name=self.info.name,
-            score=float(pmi.mean()) if len(pmi) else math.nan,
-            scores=pmi,
-            indices=state[INDEX],
-            extras={"pmi_normalized": normalized},
-            corpus_extras={
-                "mean_pmi_normalized": float(normalized.mean()) if len(pmi) else math.nan,
-                "mutual_information": fit.mutual_information(),
-                "fit_pairs": float(fit.count),
-            },
-        )
+        # From the de-duplicated rows: repeats a DDP sampler added do not enter the corpus value.
+        score = self.defined(lambda: gaussian.mid(fit, image, text, reduction))
+        corpus["mean_pmi_normalized"] = float(normalized.mean()) if len(pmi) else math.nan
+        return MetricResult(self.info.name, score, pmi, state[INDEX], extras={"pmi_normalized": normalized},
+                            corpus_extras=corpus)
+
+    @staticmethod
+    def defined(corpus_value: Callable[[], float]) -> float:
+        """The corpus MID, or NaN with a warning where it is undefined (the trace form of a single pair)."""
+        try:
+            return corpus_value()
+        except gaussian.TooFewSamplesError as err:
+            warn_once(("mid", "one-pair"), f"mid: the corpus MID is NaN: {err}")
+            return math.nan
 
     def fit_reference(
         self,
@@ -194,6 +216,12 @@ class MID(Metric):
         if save_to is not None:
             gaussian.save_sums(save_to, sums, self.dim, model=self.config.model, fit_pairs=self.config.fit_pairs)
         return sums
+
+
+def sum_specs(dim: int) -> dict[str, StateSpec]:
+    """States of :func:`gaussian.joint_sums` of pairs with ``dim`` joint dimensions."""
+    return {"count": StateSpec("sum", torch.float64, ()), "sum": StateSpec("sum", torch.float64, (dim,)),
+            "outer": StateSpec("sum", torch.float64, (dim, dim))}
 
 
 METRICS = [MID]

@@ -22,7 +22,7 @@ from torch import Tensor
 from capeval_plugins.contract import (GROUP, INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec,
                                      nanmean)
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
-from capeval_plugins.core.vmf import bi_kl, content_seeds, fit_vmf_mixture, points
+from capeval_plugins.core.vmf import BiKL, Points, bi_kl, content_seeds, fit_vmf_mixture, points
 
 CITATION = """@misc{msdscore,
   title  = {{MSD-Score}: Multi-Scale Distributional Scoring for Reference-Free Image Caption Evaluation},
@@ -89,6 +89,51 @@ def tokens_on_patches(token_contributions: Tensor, tokens: Tensor, token_mask: T
     return torch.einsum("bm,bmn->bn", token_contributions, share)
 
 
+@dataclass
+class Divergence:
+    """The local term of MSD for B pairs: ``bi_kl`` = D = beta KL_img->txt + (1 - beta) KL_txt->img, its parts
+    (``kl``, with per-point contributions), ``beta`` and ``n_tokens``, and the normalised points it used."""
+
+    bi_kl: Tensor
+    kl: BiKL
+    beta: Tensor
+    n_tokens: Tensor
+    patches: Points
+    tokens: Points
+
+
+def length_weighted_divergence(
+    patches: Tensor,
+    patch_mask: Tensor | None,
+    tokens: Tensor,
+    token_mask: Tensor | None,
+    image_index: Tensor | None = None,
+    *,
+    image_seeds: Tensor | None = None,
+    text_seeds: Tensor | None = None,
+    k_image: int = 3,
+    k_text: int = 2,
+    kappa: float = 20.0,
+    iterations: int = 20,
+    reinit_threshold: float = 1e-6,
+    length_l0: float = 20.0,
+    length_tau: float = 3.0,
+    dtype: torch.dtype = torch.float64,
+) -> Divergence:
+    """vMF mixtures fitted to each image's patches (I, N, D) and each caption's tokens (B, T, D), the Monte
+    Carlo KL both ways, and D weighted by caption length. Pair b uses image ``image_index[b]`` (default b);
+    seeds default to the points' own bits (see :func:`~capeval_plugins.core.vmf.fit_vmf_mixture`)."""
+    patch_points, token_points = points(patches, patch_mask, dtype), points(tokens, token_mask, dtype)
+    fit = dict(kappa=kappa, iterations=iterations, reinit_threshold=reinit_threshold, dtype=dtype)
+    image_mixture = fit_vmf_mixture(patch_points, n_components=k_image, seeds=image_seeds, **fit)
+    text_mixture = fit_vmf_mixture(token_points, n_components=k_text, seeds=text_seeds, **fit)
+    kl = bi_kl(patch_points, None, image_mixture, token_points, None, text_mixture, image_index)
+    n_tokens = token_points.mask.sum(1).to(dtype)
+    beta = length_weight(n_tokens, length_l0, length_tau)
+    divergence = beta * kl.image_to_text + (1 - beta) * kl.text_to_image
+    return Divergence(divergence, kl, beta, n_tokens, patch_points, token_points)
+
+
 def msd_components(
     image_global: Tensor,
     patches: Tensor,
@@ -116,30 +161,27 @@ def msd_components(
     captions. Returns per-pair ``cosine``, ``kl_image_text``, ``kl_text_image``, ``beta``, ``bi_kl`` (D),
     ``n_tokens``, ``msd`` and, with ``diagnostics``, ``patch_contributions`` (B, N),
     ``token_contributions`` (B, T, on the token axis of ``tokens``) and ``token_contributions_on_patches``."""
-    patch_points, token_points = points(patches, patch_mask, dtype), points(tokens, token_mask, dtype)
-    fit = dict(kappa=kappa, iterations=iterations, reinit_threshold=reinit_threshold, dtype=dtype)
-    image_mixture = fit_vmf_mixture(patch_points, n_components=k_image, seeds=image_seeds, **fit)
-    text_mixture = fit_vmf_mixture(token_points, n_components=k_text, seeds=text_seeds, **fit)
-    kl = bi_kl(patch_points, None, image_mixture, token_points, None, text_mixture, image_index)
+    local = length_weighted_divergence(
+        patches, patch_mask, tokens, token_mask, image_index, image_seeds=image_seeds, text_seeds=text_seeds,
+        k_image=k_image, k_text=k_text, kappa=kappa, iterations=iterations, reinit_threshold=reinit_threshold,
+        length_l0=length_l0, length_tau=length_tau, dtype=dtype)
+    kl = local.kl
     cosine = (image_global.to(dtype)[image_index] * text_global.to(dtype)).sum(-1)
-    n_tokens = token_mask.sum(1).to(dtype)
-    beta = length_weight(n_tokens, length_l0, length_tau)
-    divergence = beta * kl.image_to_text + (1 - beta) * kl.text_to_image
     out = {
         "cosine": cosine,
         "kl_image_text": kl.image_to_text,
         "kl_text_image": kl.text_to_image,
-        "beta": beta,
-        "bi_kl": divergence,
-        "n_tokens": n_tokens,
-        "msd": cosine - lam * divergence,
+        "beta": local.beta,
+        "bi_kl": local.bi_kl,
+        "n_tokens": local.n_tokens,
+        "msd": cosine - lam * local.bi_kl,
     }
     if diagnostics:
         out["patch_contributions"] = kl.patch_contributions
         out["token_contributions"] = kl.token_contributions
-        pairs = patch_points[image_index]
+        pairs = local.patches[image_index]
         out["token_contributions_on_patches"] = tokens_on_patches(
-            kl.token_contributions, token_points.x, token_points.mask, pairs.x, pairs.mask, kappa)
+            kl.token_contributions, local.tokens.x, local.tokens.mask, pairs.x, pairs.mask, kappa)
     return out
 
 

@@ -55,6 +55,8 @@ class RedemptionConfig(MetricConfig):
     covariance_eps: float = 0.0
     reference_gaussian: str | None = None
     fit_pairs: str = "all_references"
+    # Only the reported corpus MID (the "mid" extra); RS fuses the per-sample PMI either way.
+    mid_corpus_reduction: str = "trace"
     # DINO similarity of cycle-generated images
     dino_model: str = "facebook/dino-vitb8"
     generator: str = SD3_MODEL
@@ -147,7 +149,8 @@ class RedemptionScore(CompositeMetric):
     def _mid(self) -> Metric:
         cfg = self.config
         return registry.load(self.PARTS["mid"], model=cfg.clip_model, covariance_eps=cfg.covariance_eps,
-                             reference_gaussian=cfg.reference_gaussian, fit_pairs=cfg.fit_pairs, **self._common())
+                             reference_gaussian=cfg.reference_gaussian, fit_pairs=cfg.fit_pairs,
+                             corpus_reduction=cfg.mid_corpus_reduction, **self._common())
 
     def _dino(self) -> Metric:
         cfg = self.config

@@ -127,6 +127,17 @@ def train_byte_level_bpe(
     return _train_bpe_model(corpus, vocab_size, special_tokens, pre, pre_tokenizers.ByteLevel.alphabet())
 
 
+def train_gpt2_bpe(
+    corpus: list[str], vocab_size: int, special_tokens: list[str]
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte-level BPE with GPT-2's pre-tokeniser (words carry their leading space as "Ġ"), for RobertaTokenizer
+    and GPT2Tokenizer."""
+    from tokenizers import pre_tokenizers
+
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return _train_bpe_model(corpus, vocab_size, special_tokens, pre, pre_tokenizers.ByteLevel.alphabet())
+
+
 def train_wordpiece_deterministic(
     corpus: list[str], vocab_size: int, special_tokens: list[str], lowercase: bool = True
 ) -> list[str]:

@@ -1,10 +1,10 @@
-"""Tiny non-generative encoders: DINO ViT, DeBERTa-v3, ViLT, BLIP (image-text matching) and SigLIP."""
+"""Tiny non-generative encoders: DINO ViT, DeBERTa-v3, RoBERTa, ViLT, BLIP (image-text matching) and SigLIP."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from capeval_plugins.testing import builder
-from capeval_plugins.testing.corpus import caption_corpus, train_unigram, train_wordpiece_deterministic
+from capeval_plugins.testing.corpus import caption_corpus, train_gpt2_bpe, train_unigram, train_wordpiece_deterministic
 
 _LAYERS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
@@ -56,6 +56,25 @@ def build_deberta_v3(path: Path, seed: int) -> None:
     )
     torch.manual_seed(seed)
     DebertaV2Model(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@builder("roberta")
+def build_roberta(path: Path, seed: int) -> None:
+    """roberta-large's layout (BERTScore's default English model): byte-level BPE RobertaTokenizer with <s>,
+    <pad>, </s>, <unk> = 0..3 and <mask> last, and no added prefix space (bert_score asks for one per call)."""
+    import torch
+    from transformers import RobertaConfig, RobertaModel, RobertaTokenizer
+
+    vocab, merges = train_gpt2_bpe(caption_corpus(), 500, ["<s>", "<pad>", "</s>", "<unk>"])
+    vocab["<mask>"] = len(vocab)
+    tokenizer = RobertaTokenizer(vocab=vocab, merges=merges, model_max_length=512)
+    # Positions start after the padding id (RoBERTa's offset of 2), hence 512 + 2 position embeddings.
+    config = RobertaConfig(**_LAYERS, vocab_size=len(tokenizer), max_position_embeddings=514, type_vocab_size=1,
+                           pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                           eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    RobertaModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
 
 

@@ -1,4 +1,5 @@
-"""Tiny LVLMs (judges): LLaVA-NeXT (Mistral + CLIP) and Qwen2-VL / Qwen2.5-VL / Qwen3-VL.
+"""Tiny LVLMs (judges): LLaVA-1.5 (Llama + CLIP), LLaVA-NeXT (Mistral + CLIP) and Qwen2-VL / Qwen2.5-VL /
+Qwen3-VL.
 
 Each saves what ``AutoProcessor`` and ``AutoModelForImageTextToText`` load. Tokenizers split digits and keep
 '.' whole, like the real ones, so a judge's "0.85" is the pieces "0", ".", "8", "5" and each digit has one id.
@@ -95,6 +96,50 @@ def build_llava_next(path: Path, seed: int, image_size: int = 32, patch_size: in
         vision_feature_select_strategy="default", num_additional_image_tokens=1,  # ... which the processor counts
         chat_template=MISTRAL_LLAVA_TEMPLATE,
     ).save_pretrained(path)
+
+
+# --- LLaVA-1.5 (llava-hf/llava-1.5-13b-hf) -------------------------------------------------------------------------
+
+# The chat template of llava-hf/llava-1.5-*-hf: a system turn is its bare text, then "USER: <image>\n{text} " and
+# "ASSISTANT:", which is LLaVA's "llava_v1" conversation ("{system} USER: <image>\n{text} ASSISTANT:").
+LLAVA_15_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}{% endfor %}"
+    "{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+@builder("llava")
+def build_llava(path: Path, seed: int, image_size: int = 32, patch_size: int = 8) -> None:
+    """LLaVA-1.5: one CLIP tile (resize the shorter side, centre crop), a Llama text model, the llava-hf
+    template and a SentencePiece-style tokenizer with BOS."""
+    import torch
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    tokenizer = mistral_tokenizer()
+    tokenizer.chat_template = LLAVA_15_TEMPLATE
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", **_tiny_text(
+            _padded(len(tokenizer)), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id)),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=image_size, patch_size=patch_size, projection_dim=16),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        image_seq_length=(image_size // patch_size) ** 2,
+    )
+    torch.manual_seed(seed)
+    LlavaForConditionalGeneration(config).save_pretrained(path)
+    image_processor = CLIPImageProcessor(size={"shortest_edge": image_size},
+                                         crop_size={"height": image_size, "width": image_size})
+    LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                   chat_template=LLAVA_15_TEMPLATE).save_pretrained(path)
 
 
 # --- Qwen2-VL / Qwen2.5-VL / Qwen3-VL ---------------------------------------------------------------------------
