@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
