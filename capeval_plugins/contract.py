@@ -125,7 +125,8 @@ class MetricResult:
     """Corpus score, per-sample scores in input order, and named extras.
 
     ``extras`` are per-sample (one value or row per sample, same order as ``scores``); ``corpus_extras`` are
-    corpus-level numbers. The two never share a key.
+    corpus-level numbers (or short strings describing the run, e.g. which features were used). The two never
+    share a key.
     """
 
     name: str
@@ -133,7 +134,7 @@ class MetricResult:
     scores: Tensor
     indices: Tensor
     extras: dict[str, Tensor] = field(default_factory=dict)
-    corpus_extras: dict[str, float] = field(default_factory=dict)
+    corpus_extras: dict[str, float | str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.scores)

@@ -310,12 +310,12 @@ def save_checkpoint(path: str | os.PathLike, settings: RigelSettings, head: head
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in head.state_dict().items()}
-    _atomic(out / HEAD_FILE, lambda tmp: save_file(state, str(tmp)))
+    atomic_write(out / HEAD_FILE, lambda tmp: save_file(state, str(tmp)))
     if peft_model is not None:
         peft_model.save_pretrained(str(out / ADAPTER_DIR))
     config = json_safe({"format": FORMAT, "version": FORMAT_VERSION, "settings": settings.to_dict(),
                         "training": record or {}})
-    _atomic(out / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
+    atomic_write(out / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
     return out
 
 
@@ -330,7 +330,8 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def _atomic(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """``write(tmp)`` next to ``path``, then renamed over it: an interrupted write leaves the old file."""
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
     os.replace(tmp, path)
