@@ -15,6 +15,11 @@ per-sample Python loop runs.
   a per-row seed and the point's rank among the row's valid points, so a row's fit depends only on the row
   itself: not on the batch it sits in, its position there, or where its padding is.
   :func:`content_seeds` derives such a seed from a row's discrete content (token ids, pixel bits).
+- Speed (``benchmarks/msd_em.py``): the random draws of every step are made before the EM loop, which is then
+  a fixed sequence of tensor operations per step with no host synchronisation; rows are fitted in chunks whose
+  points stay in cache across the 2 x iterations passes over them (:data:`CHUNK_BYTES`); the KL takes both
+  mixtures' densities at the patches from one pass. The E- and M-steps are products of the points with 2-5
+  vectors, bound by reading the points, which in float64 is the floor; ``dtype=torch.float32`` halves it.
 """
 from __future__ import annotations
 
@@ -148,21 +153,26 @@ def points(x: Tensor | Points, mask: Tensor | None = None, dtype: torch.dtype = 
     mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.bool()
     if mask.shape != x.shape[:2]:
         raise ValueError(f"mask shape {tuple(mask.shape)} does not match points {tuple(x.shape[:2])}")
-    # One copy, then in place (this is the largest tensor of a batch).
-    x = x.to(dtype, copy=True).masked_fill_(~mask[..., None], 0.0)
-    x.div_(torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12))
-    return Points(x, mask, mask.sum(1))
+    # Two passes over the input (this is the largest tensor of a batch): the norms, computed in ``dtype``, then
+    # the division, which casts; a third only where there is padding to clear (it may hold NaN).
+    norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype).clamp_min_(1e-12)
+    unit = torch.div(x, norms)
+    if not bool(mask.all()):
+        unit.masked_fill_(~mask[..., None], 0.0)
+    return Points(unit, mask, mask.sum(1))
 
 
-# The points of the rows fitted together in one chunk: small enough to stay in a core's cache over the
-# 2 x iterations passes the EM makes over them (at batch 256 the whole patch tensor is 400 MB in float64), large
-# enough to spread the fixed cost of each tensor operation over several rows.
-CHUNK_BYTES = 4 << 20
+# The points of the rows fitted together in one chunk: small enough to stay in cache over the 2 x iterations
+# passes the EM makes over them (at batch 256 the whole patch tensor is 400 MB in float64), large enough to
+# spread the fixed cost of each tensor operation over several rows. 12 MiB is 8 rows of 256 ViT-L/14 patches in
+# float64, 16 in float32, the fastest on the CPUs measured (benchmarks/msd_em.py --chunk-mib).
+CHUNK_BYTES = 12 << 20
 
 
-def _chunk_size(x: Tensor, chunk_bytes: int) -> int:
+def _chunk_size(x: Tensor, chunk_bytes: int | None) -> int:
+    budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     per_row = max(1, x[0].numel() * x.element_size()) if len(x) else 1
-    return len(x) if chunk_bytes <= 0 else max(1, min(len(x), chunk_bytes // per_row))
+    return len(x) if budget <= 0 else max(1, min(len(x), budget // per_row))
 
 
 def _restart_positions(seeds: Tensor, mask: Tensor, counts: Tensor, iterations: int, n_components: int) -> Tensor:
@@ -179,20 +189,23 @@ def _restart_positions(seeds: Tensor, mask: Tensor, counts: Tensor, iterations: 
 def _em(x: Tensor, mask: Tensor, floor: Tensor, means: Tensor, log_w: Tensor, restart_at: Tensor, kappa: float,
         iterations: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``iterations`` EM steps on one chunk of rows. ``floor`` (B, K) is the mass below which a component
-    collapses (-inf for inactive components). Returns the means, log-weights, ``log p(x_n)`` at every E-step
-    (iterations, B, N) and the collapse flags (iterations, B, K).
+    collapses (-inf for inactive components), ``restart_at`` (B, iterations, K) where it then restarts. Returns
+    the means, log-weights, ``log p(x_n)`` at every E-step (iterations, B, N) and the collapse flags
+    (iterations, B, K).
 
-    A step is a fixed sequence of tensor operations with no host synchronisation: one log-sum-exp over the
-    components gives both ``log p(x_n)`` and the responsibilities from one exponential; padding (zero vectors)
-    is kept out of the masses by a masked sum and adds nothing to the resultants; a collapsed component's
-    restart point is selected with ``where`` whether or not any component collapsed. Both matrix products keep
-    the long axis innermost: the E-step reads the points as (D, N), the M-step as (N, D)."""
+    A step is a fixed sequence of tensor operations with no host synchronisation and no data-dependent branch:
+    one log-sum-exp over the components gives both ``log p(x_n)`` and the responsibilities from a single
+    exponential; padding (zero vectors) is kept out of the masses by a masked sum and adds nothing to the
+    resultants; a collapsed component's restart point (gathered for every step before the loop) is selected
+    with ``where``, whether or not anything collapsed. Both matrix products read the points in their (N, D)
+    layout (the E-step through a transposed view), so one copy of them is what stays in cache."""
     B, N, _ = x.shape
-    columns = x.transpose(1, 2).contiguous()
+    columns = x.transpose(1, 2)
+    rows = torch.arange(B, device=x.device)[:, None, None] * N
+    restart = x.reshape(B * N, -1).index_select(0, (rows + restart_at).flatten()).reshape(*restart_at.shape, -1)
+    valid = mask.to(x.dtype)[:, :, None]
     log_norms = x.new_empty(iterations, B, N)
     collapsed = torch.zeros(iterations, B, floor.shape[1], dtype=torch.bool, device=x.device)
-    valid = mask.to(x.dtype)[:, :, None]
-    rows = torch.arange(B, device=x.device)[:, None]
     for step in range(iterations):
         logits = torch.bmm(means, columns).mul_(kappa).add_(log_w[:, :, None])  # (B, K, N)
         top = logits.amax(1, keepdim=True)
@@ -201,13 +214,12 @@ def _em(x: Tensor, mask: Tensor, floor: Tensor, means: Tensor, log_w: Tensor, re
         torch.add(top, total.log(), out=log_norms[step, :, None, :])
         resp.div_(total)
         mass = torch.bmm(resp, valid)[..., 0]
-        sums = torch.bmm(resp, x)
         dead = torch.lt(mass, floor, out=collapsed[step])
         # A collapsed component restarts at a random valid point of its row, with weight 1/N (mass 1).
-        sums = torch.where(dead[..., None], x[rows, restart_at[:, step]], sums)
+        sums = torch.where(dead[..., None], restart[:, step], torch.bmm(resp, x))
         kept = torch.where(dead, 1.0, mass)
         log_w = torch.log(kept / kept.sum(-1, keepdim=True))
-        means = sums / torch.linalg.vector_norm(sums, dim=-1, keepdim=True).clamp_min(1e-12)
+        means = F.normalize(sums, dim=-1)
     return means, log_w, log_norms, collapsed
 
 
@@ -221,15 +233,15 @@ def fit_vmf_mixture(
     seeds: Tensor | None = None,
     reinit_threshold: float = 1e-6,
     dtype: torch.dtype = torch.float64,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int | None = None,
 ) -> VMFMixture:
     """Fit a fixed-kappa vMF mixture to every row of ``x`` (B, N, D, or :class:`Points`) at once.
 
     ``seeds`` (B,) drive the random choices; by default they come from the row's own points
     (:func:`content_seeds` of their bits), which is exact only when those bits do not depend on the batch:
     pass seeds derived from discrete content (token ids, pixels) when features may carry float noise.
-    Rows are fitted in chunks of about ``chunk_bytes`` of points (0: all at once), which changes the speed,
-    not the result.
+    Rows are fitted in chunks of about ``chunk_bytes`` of points (default :data:`CHUNK_BYTES`; 0: all at once),
+    which changes the speed, not the result.
     """
     if n_components < 1 or iterations < 0:
         raise ValueError("n_components must be >= 1 and iterations >= 0")
