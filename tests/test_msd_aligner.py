@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import Interrupted, interrupt_at
 from test_msd import plain_msd, unit
 
 import capeval_plugins
@@ -62,7 +63,7 @@ def ranking_accuracy(aligner: LocalAligner, data) -> float:
     return float(((sims.diag()[:, None] > sims) & other).sum() / other.sum())
 
 
-# --- the objectives --------------------------------------------------------------------------------------------------
+# --- the objectives -------------------------------------------------------------------------------------------------
 
 
 def test_contrastive_loss_equals_a_plain_computation():
@@ -113,10 +114,11 @@ def test_learning_rate_schedule_is_transformers_cosine_with_warmup():
         assert lr_factor(step, total, ratio) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-12)
         opt.step()
         schedule.step()
-    assert lr_factor(3, total, ratio, "constant") == pytest.approx(0.75) and lr_factor(30, total, ratio, "constant") == 1
+    assert lr_factor(3, total, ratio, "constant") == pytest.approx(0.75)
+    assert lr_factor(30, total, ratio, "constant") == 1
 
 
-# --- training ----------------------------------------------------------------------------------------------------------
+# --- training -------------------------------------------------------------------------------------------------------
 
 
 def test_training_lowers_the_loss_and_ranks_matching_pairs_first(backbones, trained):
@@ -157,17 +159,9 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(backbones, tmp_path)
     cache = tmp_path / "cache"
     whole = train_aligner(tmp_path / "whole", data, settings=settings_for(backbones), config=config,
                           cache_dir=cache, progress=False)
-
-    class Interrupted(Exception):
-        pass
-
-    def stop(step):
-        if step == 5:
-            raise Interrupted
-
     with pytest.raises(Interrupted):
         train_aligner(tmp_path / "cut", data, settings=settings_for(backbones), config=config, cache_dir=cache,
-                      progress=False, on_step_end=stop)
+                      progress=False, on_step_end=interrupt_at(5))
     assert not (tmp_path / "cut" / CONFIG_FILE).exists()
     steps = []
     resumed = train_aligner(tmp_path / "cut", data, settings=settings_for(backbones), config=config,
@@ -209,7 +203,7 @@ def test_the_vision_cache_runs_the_tower_once_and_trains_alike(backbones, tmp_pa
     assert features.rows([7, 2]).shape == (2, 16, 32)  # 32 px, 8 px patches, class token dropped
 
 
-# --- scoring ------------------------------------------------------------------------------------------------------------
+# --- scoring --------------------------------------------------------------------------------------------------------
 
 
 def plain_features(aligner: LocalAligner, image, caption: str) -> dict:
@@ -297,7 +291,7 @@ def test_bad_or_incompatible_aligners_are_refused(backbones, trained, tiny_root,
         capeval_plugins.load("msd_score", model=other_clip, aligner=str(trained))(images, captions)
     with pytest.raises(ValueError, match="patch_layernorm"):
         capeval_plugins.load("msd_score", model=backbones[0], aligner=str(trained), patch_layernorm=True)
-    with pytest.raises(FileNotFoundError, match="not an MSD aligner"):
+    with pytest.raises(FileNotFoundError, match="it is no MSD aligner"):
         capeval_plugins.load("msd_score", model=backbones[0], aligner=str(tmp_path))(images, captions)
     broken = tmp_path / "broken"
     shutil.copytree(trained, broken, ignore=shutil.ignore_patterns("training_state", "cache"))
@@ -317,7 +311,7 @@ def test_bad_or_incompatible_aligners_are_refused(backbones, trained, tiny_root,
         load_aligner(wide, EncoderSpec(backbones[0]))
 
 
-# --- data and the command line ---------------------------------------------------------------------------------------
+# --- data and the command line --------------------------------------------------------------------------------------
 
 
 def write_pairs(folder, n: int = 8):

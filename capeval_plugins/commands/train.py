@@ -110,7 +110,8 @@ def add_rigel(methods) -> None:
 
 
 def add_msd_aligner(methods) -> None:
-    from capeval_plugins.training.msd_aligner import DEFAULT_LLM, DEFAULT_VISION, SCHEDULES, TEXT_FEATURES, VISION_FEATURES
+    from capeval_plugins.training.msd_aligner import (DEFAULT_LLM, DEFAULT_VISION, SCHEDULES, TEXT_FEATURES,
+                                                      VISION_FEATURES)
 
     p = methods.add_parser("msd-aligner", help="MSD-Score's local vision-language aligner", epilog=ALIGNER_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter,

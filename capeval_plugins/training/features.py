@@ -96,20 +96,26 @@ def cached_shards(folder: Path | None, n: int, compute: Callable[[int, int], dic
 
 class ShardedRows:
     """Rows of a shard cache left on disk (``cached_shards(..., keep=False)``), read on demand through
-    memory-mapped safetensors files: for caches too large to hold in memory."""
+    memory-mapped safetensors files: for caches too large to hold in memory. Each call opens the shards it
+    needs and closes them again, so a cache of any number of shards holds no file open between calls."""
 
     def __init__(self, paths: Sequence[Path], shard_size: int):
-        from safetensors import safe_open
-
-        self.shard_size = shard_size
-        self._files = [safe_open(str(p), framework="pt") for p in paths]
+        self.paths, self.shard_size = list(paths), shard_size
 
     def get(self, key: str, rows: Sequence[int]) -> Tensor:
         """``key``'s rows ``rows`` (in that order), stacked."""
-        picked = []
-        for row in rows:
+        from safetensors import safe_open
+
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for position, row in enumerate(rows):
             shard, offset = divmod(int(row), self.shard_size)
-            picked.append(self._files[shard].get_slice(key)[offset:offset + 1])
+            wanted.setdefault(shard, []).append((position, offset))
+        picked: list[Tensor | None] = [None] * len(rows)
+        for shard, places in wanted.items():
+            with safe_open(str(self.paths[shard]), framework="pt") as f:
+                rows_of = f.get_slice(key)
+                for position, offset in places:
+                    picked[position] = rows_of[offset:offset + 1]
         return torch.cat(picked)
 
 

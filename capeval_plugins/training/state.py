@@ -24,7 +24,8 @@ from capeval_plugins.core import heads
 from capeval_plugins.core.correlation import kendall_tau
 from capeval_plugins.inputs import iter_batches, to_batch
 from capeval_plugins.training.data import JudgmentSet
-from capeval_plugins.training.model import CONFIG_FILE, RigelModel, json_safe
+from capeval_plugins.training.checkpoint import json_safe
+from capeval_plugins.training.model import CONFIG_FILE, RigelModel
 
 STATE_DIR = "training_state"
 

@@ -38,6 +38,7 @@ from torch import Tensor
 from capeval_plugins.core import loading
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, LocalFeatures, mean_pooled
 from capeval_plugins.core.messages import warn_once
+from capeval_plugins.training.checkpoint import atomic_write, json_safe, read_checkpoint_config
 from capeval_plugins.training.msd_aligner import DEFAULT_LLM, DEFAULT_VISION, TEXT_FEATURES, VISION_FEATURES
 
 CONFIG_FILE = "msd_aligner.json"
@@ -146,10 +147,15 @@ def load_llm(settings: AlignerSettings, device: str | None = None, dtype: str | 
 
 def load_llm_tokenizer(source: str, revision: str | None = None, local_files_only: bool | None = None,
                        trust_remote_code: bool = False) -> Any:
+    """The LLM's tokenizer; one without a padding token pads with its unknown-word token, as LLaVA sets it (or
+    with EOS where there is none): padding is masked everywhere, so the choice does not change a result."""
     from transformers import AutoTokenizer
 
-    return loading.load_processor(AutoTokenizer, source, revision=revision, local_files_only=local_files_only,
-                                  trust_remote_code=trust_remote_code)
+    tokenizer = loading.load_processor(AutoTokenizer, source, revision=revision, local_files_only=local_files_only,
+                                       trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
+    return tokenizer
 
 
 # --- the aligner ---------------------------------------------------------------------------------------------------
@@ -247,26 +253,14 @@ class LocalAligner:
 
 
 def read_settings(checkpoint: str | os.PathLike) -> AlignerSettings:
-    path = Path(checkpoint)
-    if not path.is_dir():
-        raise FileNotFoundError(f"MSD aligner directory not found: {path}")
-    config = path / CONFIG_FILE
-    if not config.is_file():
-        raise FileNotFoundError(f"{path} is not an MSD aligner: no {CONFIG_FILE} (train one with "
-                                "`capeval train msd-aligner ...`)")
-    data = json.loads(config.read_text(encoding="utf-8"))
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{config}: not an MSD aligner config (format {data.get('format')!r})")
-    if int(data.get("version", 0)) > FORMAT_VERSION:
-        raise ValueError(f"{config}: format version {data['version']} is newer than this package reads "
-                         f"({FORMAT_VERSION}); upgrade capeval-plugins")
+    data = read_checkpoint_config(checkpoint, CONFIG_FILE, FORMAT, FORMAT_VERSION, "MSD aligner",
+                                  "train one with `capeval train msd-aligner ...`")
     return AlignerSettings.from_dict(data["settings"])
 
 
 def read_record(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The training record an aligner keeps (losses, history, hyper-parameters, data size)."""
-    data = json.loads((Path(checkpoint) / CONFIG_FILE).read_text(encoding="utf-8"))
-    return data.get("training", {})
+    return json.loads((Path(checkpoint) / CONFIG_FILE).read_text(encoding="utf-8")).get("training", {})
 
 
 def _tensors(path: Path, name: str, keys: Sequence[str]) -> dict[str, Tensor]:
@@ -333,8 +327,6 @@ def save_aligner(path: str | os.PathLike, settings: AlignerSettings, projector: 
                  token_table: Tensor | None = None, record: dict[str, Any] | None = None) -> Path:
     """Write an aligner directory (see the module docstring); files are replaced atomically."""
     from safetensors.torch import save_file
-
-    from capeval_plugins.training.model import atomic_write, json_safe
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)

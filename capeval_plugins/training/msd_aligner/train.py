@@ -342,5 +342,6 @@ def train_aligner(out_dir: str | os.PathLike, data: CaptionSet, *, settings: Ali
         if checkpointing:
             llm.gradient_checkpointing_disable()
             llm.eval()
-    record.update(config=dataclasses.asdict(config), train_samples=len(data), logit_scale=float(run.log_scale.detach().exp()))
+    record.update(config=dataclasses.asdict(config), train_samples=len(data),
+                  logit_scale=float(run.log_scale.detach().exp()))
     return save_aligner(out_dir, settings, aligner.projector, aligner.tokenizer, aligner.token_table, record)
