@@ -153,12 +153,12 @@ def points(x: Tensor | Points, mask: Tensor | None = None, dtype: torch.dtype = 
     mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.bool()
     if mask.shape != x.shape[:2]:
         raise ValueError(f"mask shape {tuple(mask.shape)} does not match points {tuple(x.shape[:2])}")
-    # Two passes over the input (this is the largest tensor of a batch): the norms, computed in ``dtype``, then
-    # the division, which casts; a third only where there is padding to clear (it may hold NaN).
-    norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype).clamp_min_(1e-12)
-    unit = torch.div(x, norms)
+    # One copy in ``dtype``, then in place (this is the largest tensor of a batch); padding (which may hold NaN)
+    # is cleared only where there is some.
+    unit = x.to(dtype, copy=True)
     if not bool(mask.all()):
         unit.masked_fill_(~mask[..., None], 0.0)
+    unit.div_(torch.linalg.vector_norm(unit, dim=-1, keepdim=True).clamp_min_(1e-12))
     return Points(unit, mask, mask.sum(1))
 
 
