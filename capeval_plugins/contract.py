@@ -125,9 +125,9 @@ class MetricResult:
     """Corpus score, per-sample scores in input order, and named extras.
 
     ``extras`` are per-sample (one value or row per sample, same order as ``scores``); ``corpus_extras`` are
-    corpus-level numbers. The two never share a key. ``skipped`` maps the index of every sample that was not
-    scored (``on_error="skip"``) to the reason; such samples have NaN scores and extras and take no part in
-    the corpus score.
+    corpus-level numbers (or short strings describing the run, e.g. which features were used). The two never
+    share a key. ``skipped`` maps the index of every sample that was not scored (``on_error="skip"``) to the
+    reason; such samples have NaN scores and extras and take no part in the corpus score.
     """
 
     name: str
@@ -135,7 +135,7 @@ class MetricResult:
     scores: Tensor
     indices: Tensor
     extras: dict[str, Tensor] = field(default_factory=dict)
-    corpus_extras: dict[str, float] = field(default_factory=dict)
+    corpus_extras: dict[str, float | str] = field(default_factory=dict)
     skipped: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -67,6 +67,20 @@ def run(cmd: list[str], env: dict | None = None, timeout: int = 300, cwd: str | 
     return proc
 
 
+class Interrupted(Exception):
+    """Raised from a training callback to cut a run short (resume tests)."""
+
+
+def interrupt_at(step: int):
+    """A step callback that interrupts a training run when it reaches ``step``."""
+
+    def stop(done: int) -> None:
+        if done == step:
+            raise Interrupted
+
+    return stop
+
+
 def free_port() -> int:
     """A free TCP port on localhost (DDP rendezvous in tests)."""
     import socket

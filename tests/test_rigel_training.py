@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import random_image
+from conftest import Interrupted, interrupt_at, random_image
 
 from capeval_plugins.core import heads
 from capeval_plugins.core.correlation import kendall_tau
@@ -178,9 +178,6 @@ def test_a_resumed_phase1_run_ends_where_an_uninterrupted_one_does(splits, tmp_p
     whole = train_phase1(tmp_path / "whole", train, val, settings=settings, config=config, spec=spec(),
                          cache_dir=cache, progress=False)
 
-    class Interrupted(Exception):
-        pass
-
     def stop_after_three(entry):
         if entry["epoch"] == 3:
             raise Interrupted
@@ -253,16 +250,9 @@ def test_a_resumed_phase2_run_ends_where_an_uninterrupted_one_does(splits, short
     train = splits[0].subset(range(20))
     config = Phase2Config(epochs=2, lr=1e-2, save_every=2)  # 3 steps per epoch
     whole = train_phase2(tmp_path / "whole", short_phase1, train, config=config, progress=False)
-
-    class Interrupted(Exception):
-        pass
-
-    def stop(step):
-        if step == 5:
-            raise Interrupted
-
     with pytest.raises(Interrupted):
-        train_phase2(tmp_path / "cut", short_phase1, train, config=config, progress=False, on_step_end=stop)
+        train_phase2(tmp_path / "cut", short_phase1, train, config=config, progress=False,
+                     on_step_end=interrupt_at(5))
     steps = []
     resumed = train_phase2(tmp_path / "cut", short_phase1, train, config=config, progress=False,
                            on_step_end=steps.append)

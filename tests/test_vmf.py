@@ -231,3 +231,19 @@ def test_float32_fit_is_close_to_float64():
     b = vmf.fit_vmf_mixture(x.float(), mask, n_components=3, seeds=torch.tensor([1, 2]), dtype=torch.float32)
     assert b.means.dtype == torch.float32
     np.testing.assert_allclose(b.means.double().numpy(), a.means.numpy(), atol=1e-4)
+
+
+def test_fitting_in_chunks_of_rows_changes_nothing():
+    rng = np.random.default_rng(8)
+    rows = [clustered(rng, n) for n in (5, 30, 17, 40, 2)]
+    x, mask = padded(rows, width=40, rng=rng)
+    seeds = torch.tensor([4, 5, 6, 7, 8])
+    whole = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=seeds, reinit_threshold=0.3, chunk_bytes=0)
+    assert int(whole.reinitialised.sum()) > 0
+    for rows_per_chunk in (1, 2, 3):
+        chunked = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=seeds, reinit_threshold=0.3,
+                                      chunk_bytes=rows_per_chunk * x[0].numel() * 8)
+        np.testing.assert_allclose(chunked.means.numpy(), whole.means.numpy(), atol=1e-12)
+        np.testing.assert_allclose(chunked.log_weights.numpy(), whole.log_weights.numpy(), atol=1e-12)
+        np.testing.assert_allclose(chunked.log_likelihood.numpy(), whole.log_likelihood.numpy(), atol=1e-12)
+        assert torch.equal(chunked.reinitialised, whole.reinitialised)

@@ -1,10 +1,16 @@
-"""``capeval train rigel --phase 1|2 --train FILE --out DIR ...``: train a Rigel checkpoint.
+"""``capeval train METHOD ...``: train what a metric needs, one sub-command per method, each with its own options.
 
-Phase 1 distils the scoring head from the frozen LVLM (its hidden states are extracted once and cached under
-``--cache``, default ``<out>/features``); phase 2 adapts the backbone with LoRA from a phase-1 checkpoint
-(``--init``). Defaults are the paper's (Table 4). Running the same command again continues an interrupted
-run from its last saved epoch (phase 1) or step (phase 2); ``--overwrite`` starts afresh. Prints a JSON
-summary; the checkpoint is then scored with ``capeval score --metric rigel -o checkpoint=DIR``.
+* ``capeval train rigel --phase 1|2 --train FILE --out DIR ...``: a Rigel checkpoint. Phase 1 distils the scoring
+  head from the frozen LVLM (its hidden states are extracted once and cached under ``--cache``, default
+  ``<out>/features``); phase 2 adapts the backbone with LoRA from a phase-1 checkpoint (``--init``). Defaults are
+  the paper's (Table 4). Scored with ``capeval score --metric rigel -o checkpoint=DIR``.
+* ``capeval train msd-aligner --train chat.json --images DIR --out DIR ...``: MSD-Score's local aligner (frozen
+  CLIP vision tower and LLM, a trained linear projector; contrastive + reconstruction objectives). Defaults are
+  LLaVA v1's projector stage where the paper is silent. Scored with ``capeval score --metric msd_score -o
+  aligner=DIR``.
+
+Running the same command again continues an interrupted run from its last saved epoch or step; ``--overwrite``
+starts afresh. Each prints a JSON summary.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import argparse
 import json
 import sys
 
-EPILOG = """examples:
+RIGEL_EPILOG = """examples:
   capeval train rigel --phase 1 --train spica_train.parquet --val spica_val.parquet --images images/ \\
       --out rigel-p1
   capeval train rigel --phase 2 --init rigel-p1 --train spica_train.parquet --images images/ --out rigel
@@ -20,18 +26,35 @@ EPILOG = """examples:
       --num-frames 8 --out rigel-video-p1
   capeval score --metric rigel -o checkpoint=rigel --images DIR --captions captions.jsonl"""
 
+ALIGNER_EPILOG = """examples:
+  capeval train msd-aligner --train LLaVA-CC3M-Pretrain-595K/chat.json --images LLaVA-CC3M-Pretrain-595K/images \\
+      --out msd-aligner --gradient-checkpointing
+  capeval train msd-aligner --train pairs.jsonl --llm path/to/llama-7b --cache features/ --epochs 3 --out aligner
+  capeval score --metric msd_score -o aligner=msd-aligner --images DIR --captions captions.jsonl"""
+
 FORMATS = ("rows", "flickr8k-expert", "flickr8k-cf", "composite", "nebula", "polaris", "thumb")
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train a metric that needs training (Rigel)", description=__doc__,
-                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("method", choices=("rigel",), help="what to train")
-    p.add_argument("--phase", type=int, choices=(1, 2), required=True,
-                   help="1: distil the scoring head (frozen backbone); 2: LoRA on the backbone (head frozen)")
+    p = subparsers.add_parser("train", help="train what a metric needs (Rigel, MSD-Score's aligner)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    methods = p.add_subparsers(dest="method", required=True, metavar="METHOD")
+    add_rigel(methods)
+    add_msd_aligner(methods)
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="checkpoint folder to write (and to resume in)")
     p.add_argument("--overwrite", action="store_true", help="discard an earlier run's state in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_rigel(methods) -> None:
+    p = methods.add_parser("rigel", help="Rigel's scoring head (phase 1) and LoRA (phase 2)", epilog=RIGEL_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase", type=int, choices=(1, 2), required=True,
+                   help="1: distil the scoring head (frozen backbone); 2: LoRA on the backbone (head frozen)")
+    _run_options(p)
     data = p.add_argument_group("data")
     data.add_argument("--train", required=True, help="human-judgment file to train on")
     data.add_argument("--val", help="validation file (phase 1: early stopping on its Kendall tau-c)")
@@ -86,6 +109,66 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def add_msd_aligner(methods) -> None:
+    from capeval_plugins.training.msd_aligner import (DEFAULT_LLM, DEFAULT_VISION, SCHEDULES, TEXT_FEATURES,
+                                                      VISION_FEATURES)
+
+    p = methods.add_parser("msd-aligner", help="MSD-Score's local vision-language aligner", epilog=ALIGNER_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Train MSD-Score's local aligner: a linear projector of frozen CLIP patch "
+                                       "features into a frozen LLM's embedding space, with a symmetric contrastive "
+                                       "loss on pooled features and caption reconstruction through the LLM.")
+    _run_options(p)
+    data = p.add_argument_group("data")
+    data.add_argument("--train", required=True,
+                      help="image-caption pairs: LLaVA's chat.json (CC3M-595K) or {image, caption} records "
+                           "(JSON, JSON Lines, CSV, Parquet)")
+    data.add_argument("--images", help="folder the image paths are relative to (default: the file's folder)")
+    data.add_argument("--limit", type=int, help="train on the first N pairs only")
+    model = p.add_argument_group("backbones (frozen)")
+    model.add_argument("--vision-model", default=DEFAULT_VISION, help=f"CLIP checkpoint (default {DEFAULT_VISION})")
+    model.add_argument("--vision-revision")
+    model.add_argument("--vision-layer", type=int, default=-2,
+                       help="hidden state taken from the vision tower (default -2, the penultimate layer)")
+    model.add_argument("--vision-feature", choices=VISION_FEATURES, default="patch",
+                       help="patch: drop the class token (default); cls_patch: keep it")
+    model.add_argument("--llm", default=DEFAULT_LLM, help=f"causal language model (default {DEFAULT_LLM})")
+    model.add_argument("--llm-revision")
+    model.add_argument("--text-features", choices=TEXT_FEATURES, default="input_embeddings",
+                       help="caption token embeddings: the LLM's input embeddings (default; no LLM at scoring) "
+                            "or its last hidden states (the official scripts; the LLM is loaded at scoring)")
+    model.add_argument("--max-length", type=int, default=2048, help="LLM context: patches + caption (2048)")
+    model.add_argument("--caption-suffix", default="\\n",
+                       help="appended to each caption for reconstruction (default \\n, a newline: LLaVA's plain "
+                            "template; \\n and \\t are read as newline and tab)")
+    model.add_argument("--device")
+    model.add_argument("--dtype", help="of the frozen backbones (default bfloat16 on GPU, float32 on CPU)")
+    model.add_argument("--local-files-only", action="store_true")
+    model.add_argument("--trust-remote-code", action="store_true")
+    opt = p.add_argument_group("optimisation (defaults: LLaVA's projector stage, CLIP's temperature)")
+    opt.add_argument("--epochs", type=int, default=1)
+    opt.add_argument("--batch-size", type=int, default=128, help="pairs per step, the contrastive negatives (128)")
+    opt.add_argument("--micro-batch-size", type=int, default=16,
+                     help="pairs per LLM forward pass within a step (16; changes memory use, not the loss)")
+    opt.add_argument("--lr", type=float, default=2e-3)
+    opt.add_argument("--weight-decay", type=float, default=0.0)
+    opt.add_argument("--warmup-ratio", type=float, default=0.03)
+    opt.add_argument("--schedule", choices=SCHEDULES, default="cosine")
+    opt.add_argument("--contrastive-weight", type=float, default=1.0)
+    opt.add_argument("--reconstruction-weight", type=float, default=1.0)
+    opt.add_argument("--temperature", type=float, default=0.07, help="initial (or fixed) contrastive temperature")
+    opt.add_argument("--fixed-temperature", action="store_true", help="do not learn the temperature")
+    opt.add_argument("--max-logit-scale", type=float, default=100.0)
+    opt.add_argument("--gradient-checkpointing", action="store_true",
+                     help="recompute the LLM's activations in the backward pass (less memory; for 7B LLMs)")
+    opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--save-every", type=int, default=200, help="steps between saved states (200)")
+    opt.add_argument("--extract-batch-size", type=int, default=64, help="images per vision pass of the cache")
+    opt.add_argument("--cache", help="cache the vision features in this folder (about 0.5 MiB per image for "
+                                     "ViT-L/14 in 16 bits; default: no cache)")
+    p.set_defaults(func=cmd_train_aligner)
+
+
 def _given(args: argparse.Namespace, names: dict[str, str]) -> dict:
     return {field: getattr(args, arg) for arg, field in names.items() if getattr(args, arg) is not None}
 
@@ -124,11 +207,56 @@ def settings_from(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    return _one_line_errors(run_training, args)
+
+
+def cmd_train_aligner(args: argparse.Namespace) -> int:
+    return _one_line_errors(run_aligner_training, args)
+
+
+def _one_line_errors(run, args: argparse.Namespace) -> int:
     try:
-        return run_training(args)
+        return run(args)
     except (FileExistsError, ImportError) as err:  # a used output folder, no peft: one line, not a traceback
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2
+
+
+def run_aligner_training(args: argparse.Namespace) -> int:
+    from capeval_plugins.training.msd_aligner.data import read_captions
+    from capeval_plugins.training.msd_aligner.model import AlignerSettings
+    from capeval_plugins.training.msd_aligner.train import AlignerConfig, train_aligner
+
+    data = read_captions(args.train, images=args.images, limit=args.limit)
+    settings = AlignerSettings(
+        vision_model=args.vision_model, vision_revision=args.vision_revision, vision_layer=args.vision_layer,
+        vision_feature=args.vision_feature, llm=args.llm, llm_revision=args.llm_revision,
+        text_features=args.text_features, max_length=args.max_length,
+        caption_suffix=args.caption_suffix.replace("\\n", "\n").replace("\\t", "\t"))
+    config = AlignerConfig(
+        epochs=args.epochs, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
+        weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, schedule=args.schedule,
+        contrastive_weight=args.contrastive_weight, reconstruction_weight=args.reconstruction_weight,
+        temperature=args.temperature, learn_temperature=not args.fixed_temperature,
+        max_logit_scale=args.max_logit_scale, gradient_checkpointing=args.gradient_checkpointing, seed=args.seed,
+        save_every=args.save_every, extract_batch_size=args.extract_batch_size)
+    out = train_aligner(args.out, data, settings=settings, config=config, device=args.device, dtype=args.dtype,
+                        local_files_only=args.local_files_only or None, trust_remote_code=args.trust_remote_code,
+                        cache_dir=args.cache, progress=not args.quiet, overwrite=args.overwrite)
+    print(json.dumps(aligner_summary(out), indent=2))
+    return 0
+
+
+def aligner_summary(checkpoint) -> dict:
+    from capeval_plugins.training.msd_aligner.model import read_record, read_settings
+
+    settings, record = read_settings(checkpoint), read_record(checkpoint)
+    losses = record.get("losses", [])
+    return {"checkpoint": str(checkpoint), "vision_model": settings.vision_model, "llm": settings.llm,
+            "text_features": settings.text_features, "train_samples": record.get("train_samples"),
+            "epochs": record.get("epoch"), "steps": record.get("global_step"),
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            "history": record.get("history", []), "logit_scale": record.get("logit_scale")}
 
 
 def run_training(args: argparse.Namespace) -> int:

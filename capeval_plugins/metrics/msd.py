@@ -10,6 +10,11 @@ For an image (patch embeddings x_1..x_N) and a caption (token embeddings y_1..y_
 
 Soft-MSD over the M candidates of one image: p = softmax(g / tau), u = clamp(M/(M-1) (1 - max p), 0, 1)
 (u = 1 when M = 1), score = g - lambda u D. Mixture fitting is :mod:`capeval_plugins.core.vmf`.
+
+Features: by default a stock CLIP-like model's patch and token embeddings in its joint space and its pooled
+embeddings for g; with ``aligner=DIR`` the paper's trained local aligner
+(:mod:`capeval_plugins.training.msd_aligner`): projected CLIP patches and the language model's token embeddings,
+g from their mean-pooled directions. The result's corpus extra ``features`` says which ("stock" or "aligner").
 """
 from __future__ import annotations
 
@@ -21,8 +26,9 @@ from torch import Tensor
 
 from capeval_plugins.contract import (GROUP, INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec,
                                      nanmean)
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, mean_pooled
 from capeval_plugins.core.vmf import BiKL, Points, bi_kl, content_seeds, fit_vmf_mixture, points
+from capeval_plugins.training.msd_aligner.model import LocalAligner
 
 CITATION = """@misc{msdscore,
   title  = {{MSD-Score}: Multi-Scale Distributional Scoring for Reference-Free Image Caption Evaluation},
@@ -37,6 +43,8 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 @dataclass
 class MSDConfig(ModelConfig):
     model: str = "openai/clip-vit-large-patch14"
+    # A trained local aligner (``capeval train msd-aligner``); its vision backbone must be ``model``.
+    aligner: str | None = None
     setting: str = "short"
     k_image: int | None = None
     k_text: int | None = None
@@ -71,12 +79,6 @@ class SoftMSDConfig(MSDConfig):
 def length_weight(n_tokens: Tensor, l0: float = 20.0, tau_l: float = 3.0) -> Tensor:
     """beta = sigmoid(-(L - L0) / tau_L): near 1 for short captions (weigh coverage), near 0 for long ones."""
     return torch.sigmoid(-(n_tokens - l0) / tau_l)
-
-
-def mean_pooled(local: Tensor, mask: Tensor) -> Tensor:
-    """Normalised mean of the valid local embeddings."""
-    total = (local * mask[..., None].to(local.dtype)).sum(1)
-    return F.normalize(total, dim=-1)
 
 
 def tokens_on_patches(token_contributions: Tensor, tokens: Tensor, token_mask: Tensor, patches: Tensor,
@@ -242,8 +244,11 @@ class MSDScore(Metric):
         check_config(self.config)
 
     @property
-    def encoder(self) -> ClipEncoder:
-        return ClipEncoder.shared(EncoderSpec.from_config(self.config))
+    def encoder(self) -> ClipEncoder | LocalAligner:
+        spec = EncoderSpec.from_config(self.config)
+        if self.config.aligner:
+            return LocalAligner.shared(self.config.aligner, spec)
+        return ClipEncoder.shared(spec)
 
     @property
     def mixture_sizes(self) -> tuple[int, int]:
@@ -293,7 +298,8 @@ class MSDScore(Metric):
         if self.config.diagnostics:
             extras.update({name: state[name] for name in _MAPS})
             extras["token_contributions"] = pad_beyond(state["token_contributions"], state["n_tokens"])
-        corpus = {"mean_cosine": nanmean(state["cosine"]), "mean_bi_kl": nanmean(state["bi_kl"])}
+        corpus = {"mean_cosine": nanmean(state["cosine"]), "mean_bi_kl": nanmean(state["bi_kl"]),
+                  "features": "aligner" if self.config.aligner else "stock"}
         return MetricResult(self.info.name, nanmean(scores), scores, state[INDEX], extras, corpus)
 
 
@@ -341,6 +347,8 @@ def check_config(cfg: MSDConfig) -> None:
     need(cfg.global_pooling in ("model", "mean"), "global_pooling must be 'model' or 'mean'")
     need(cfg.long_captions in ("truncate", "error"), "long_captions must be 'truncate' or 'error'")
     need(cfg.em_dtype in _DTYPES, f"em_dtype must be one of {sorted(_DTYPES)}")
+    need(not (cfg.aligner and cfg.patch_layernorm),
+         "patch_layernorm applies to stock CLIP patches; an aligner takes its own CLIP layer")
     if isinstance(cfg, SoftMSDConfig):
         need(cfg.tau > 0, "tau must be positive")
 
@@ -352,14 +360,15 @@ def pixel_seeds(pixels: Tensor, seed: int = 0, stride: int = 61) -> Tensor:
     return content_seeds(pixels.reshape(len(pixels), -1)[:, ::stride], seed=seed)
 
 
-def refuse_long_captions(enc: ClipEncoder, batch: Batch) -> None:
+def refuse_long_captions(enc: ClipEncoder | LocalAligner, batch: Batch) -> None:
     from capeval_plugins.inputs import InputError
 
+    source = "the aligner" if isinstance(enc, LocalAligner) else f"the text encoder of {enc.spec.model}"
     for i, count in enumerate(enc.count_tokens(batch.candidates)):
         if count > enc.max_tokens:
             raise InputError(
-                f"sample {int(batch.indices[i])}: caption has {count} tokens, more than the {enc.max_tokens} the "
-                f"text encoder of {enc.spec.model} takes (long_captions='truncate' truncates it with a warning)"
+                f"sample {int(batch.indices[i])}: caption has {count} tokens, more than the {enc.max_tokens} "
+                f"{source} takes (long_captions='truncate' truncates it with a warning)"
             )
 
 

@@ -1,5 +1,6 @@
 """Tiny LVLMs (judges): LLaVA-1.5 (Llama + CLIP), LLaVA-NeXT (Mistral + CLIP) and Qwen2-VL / Qwen2.5-VL /
-Qwen3-VL.
+Qwen3-VL; and a tiny LLaMA causal LM (the frozen language model of MSD-Score's local aligner, LLaVA's
+Vicuna/LLaMA family).
 
 Each saves what ``AutoProcessor`` and ``AutoModelForImageTextToText`` load. Tokenizers split digits and keep
 '.' whole, like the real ones, so a judge's "0.85" is the pieces "0", ".", "8", "5" and each digit has one id.
@@ -48,17 +49,38 @@ MISTRAL_LLAVA_TEMPLATE = (
 )
 
 
-def mistral_tokenizer():
-    """SentencePiece-style BPE in LlamaTokenizer (what llava-v1.6-mistral ships): BOS added, left padding with
-    <unk>, and <image> as the last (added, special) token."""
-    from tokenizers import AddedToken
+def llama_tokenizer():
+    """SentencePiece-style BPE in LlamaTokenizer: BOS added, no EOS, left padding with <unk> (as LLaMA and
+    Vicuna checkpoints ship it)."""
     from transformers import LlamaTokenizer
 
     # Llama's layout: <unk>, <s>, </s>, then the 256 byte-fallback pieces <0x00>..<0xFF> (for "\n" and anything
     # else outside the trained alphabet), then the merges.
     byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
     vocab, merges = train_metaspace_bpe(_chat_corpus(), 640, ["<unk>", "<s>", "</s>", *byte_pieces])
-    tok = LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, pad_token="<unk>", padding_side="left")
+    return LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, pad_token="<unk>", padding_side="left")
+
+
+@builder("llama")
+def build_llama(path: Path, seed: int) -> None:
+    """A 2-layer LlamaForCausalLM (hidden size 32) and its tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = llama_tokenizer()
+    config = LlamaConfig(**_tiny_text(_padded(len(tokenizer)), bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def mistral_tokenizer():
+    """SentencePiece-style BPE in LlamaTokenizer (what llava-v1.6-mistral ships): BOS added, left padding with
+    <unk>, and <image> as the last (added, special) token."""
+    from tokenizers import AddedToken
+
+    tok = llama_tokenizer()
     tok.add_tokens([AddedToken("<image>", special=True, normalized=False)], special_tokens=True)
     tok.chat_template = MISTRAL_LLAVA_TEMPLATE
     return tok

@@ -1,5 +1,6 @@
-"""Phase 1's backbone pass, done once: the final hidden state at the score position and the score tokens'
-log-probabilities there, for every sample, cached on disk.
+"""Frozen backbones run once: their outputs cached on disk in shards (:func:`cached_shards`, also used by the
+MSD aligner's vision-feature cache), and Rigel phase 1's backbone pass (:func:`extract_features`): the final
+hidden state at the score position and the score tokens' log-probabilities there, for every sample.
 
 The frozen backbone's outputs do not change between epochs, so phase 1 runs it once and trains the head on
 the cache. The cache lives in ``<cache>/<key>/``, ``key`` a digest of the backbone (name, revision, dtype),
@@ -13,6 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -50,28 +52,71 @@ def extract_features(model: RigelModel, data: JudgmentSet, cache_dir: str | os.P
                      batch_size: int = 16, shard_size: int = 1024, progress: bool = True,
                      desc: str = "backbone") -> Features:
     """Run the backbone once over ``data`` (or read what an earlier run cached) and return the features."""
+    folder = Path(cache_dir) / cache_key(model, data) if cache_dir is not None else None
+    parts = cached_shards(folder, len(data), lambda start, stop: _extract(model, data.subset(range(start, stop)),
+                                                                          batch_size),
+                          shard_size=shard_size, progress=progress, desc=desc)
+    hidden = torch.cat([p["hidden"] for p in parts]) if parts else torch.zeros((0, 0))
+    teacher = torch.cat([p["teacher"] for p in parts]) if parts else torch.zeros((0, len(model.settings.labels)))
+    return Features(hidden, teacher, data.scores.copy())
+
+
+def cached_shards(folder: Path | None, n: int, compute: Callable[[int, int], dict[str, Tensor]], *,
+                  shard_size: int = 1024, progress: bool = True, desc: str = "backbone",
+                  keep: bool = True) -> list[dict[str, Tensor] | Path]:
+    """A frozen model's outputs for samples ``0..n-1``, in shards of ``shard_size`` samples:
+    ``compute(start, stop)`` gives the tensors of one shard (one row per sample). With a ``folder`` each
+    shard is written there once and read back afterwards, so an interrupted extraction resumes at the first
+    missing shard and a later run reuses them all. Returns the shards in order: their tensors, or with
+    ``keep=False`` (a cache too large to hold in memory) the paths of their files."""
     if shard_size < 1:
         raise ValueError("shard_size must be at least 1")
-    n = len(data)
-    folder = Path(cache_dir) / cache_key(model, data) if cache_dir is not None else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "about.json").write_text(json.dumps({"samples": n, "shard_size": shard_size}) + "\n")
-    parts: list[dict[str, Tensor]] = []
+    elif not keep:
+        raise ValueError("shards can only be left on disk when there is a folder to write them to")
+    parts: list[dict[str, Tensor] | Path] = []
     with progress_bar(n, desc, progress, "sample") as bar:
         for start in range(0, n, shard_size):
             stop = min(start + shard_size, n)
             path = None if folder is None else folder / f"shard-{start // shard_size:05d}-{stop - start}.safetensors"
-            part = _read_shard(path) if path is not None and path.is_file() else None
+            part: dict[str, Tensor] | Path | None = None
+            if path is not None and path.is_file():
+                part = _read_shard(path) if keep else (path if _valid(path) else None)
             if part is None:
-                part = _extract(model, data.subset(range(start, stop)), batch_size)
+                tensors = compute(start, stop)
                 if path is not None:
-                    _write_shard(path, part)
+                    _write_shard(path, tensors)
+                part = tensors if keep else path
             parts.append(part)
             bar.update(stop - start)
-    hidden = torch.cat([p["hidden"] for p in parts]) if parts else torch.zeros((0, 0))
-    teacher = torch.cat([p["teacher"] for p in parts]) if parts else torch.zeros((0, len(model.settings.labels)))
-    return Features(hidden, teacher, data.scores.copy())
+    return parts
+
+
+class ShardedRows:
+    """Rows of a shard cache left on disk (``cached_shards(..., keep=False)``), read on demand through
+    memory-mapped safetensors files: for caches too large to hold in memory. Each call opens the shards it
+    needs and closes them again, so a cache of any number of shards holds no file open between calls."""
+
+    def __init__(self, paths: Sequence[Path], shard_size: int):
+        self.paths, self.shard_size = list(paths), shard_size
+
+    def get(self, key: str, rows: Sequence[int]) -> Tensor:
+        """``key``'s rows ``rows`` (in that order), stacked."""
+        from safetensors import safe_open
+
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for position, row in enumerate(rows):
+            shard, offset = divmod(int(row), self.shard_size)
+            wanted.setdefault(shard, []).append((position, offset))
+        picked: list[Tensor | None] = [None] * len(rows)
+        for shard, places in wanted.items():
+            with safe_open(str(self.paths[shard]), framework="pt") as f:
+                rows_of = f.get_slice(key)
+                for position, offset in places:
+                    picked[position] = rows_of[offset:offset + 1]
+        return torch.cat(picked)
 
 
 def _extract(model: RigelModel, part: JudgmentSet, batch_size: int) -> dict[str, Tensor]:
@@ -83,6 +128,17 @@ def _extract(model: RigelModel, part: JudgmentSet, batch_size: int) -> dict[str,
         hidden[batch.indices] = out.hidden.float().cpu()
         teacher[batch.indices] = out.label_logprobs.float().cpu()
     return {"hidden": hidden, "teacher": teacher}
+
+
+def _valid(path: Path) -> bool:
+    """Whether a shard file can be opened (a shard cut short by an interruption cannot)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            return True
+    except Exception:
+        return False
 
 
 def _read_shard(path: Path) -> dict[str, Tensor] | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import warnings
@@ -30,6 +29,7 @@ from torch import Tensor
 
 from capeval_plugins.core import heads, loading
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, PromptEnd, VisualInput, is_video, load_lvlm_processor
+from capeval_plugins.training.checkpoint import atomic_write, json_safe, read_checkpoint_config
 
 DEFAULT_BASE_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 LABELS = ("1", "2", "3", "4", "5")
@@ -238,19 +238,8 @@ def hidden_size_of(judge: LVLMJudge) -> int:
 
 
 def read_settings(checkpoint: str | os.PathLike) -> RigelSettings:
-    path = Path(checkpoint)
-    if not path.is_dir():
-        raise FileNotFoundError(f"Rigel checkpoint directory not found: {path}")
-    config = path / CONFIG_FILE
-    if not config.is_file():
-        raise FileNotFoundError(f"{path} is not a Rigel checkpoint: no {CONFIG_FILE} (make one with "
-                                "`capeval train rigel --phase 1 ...`)")
-    data = json.loads(config.read_text(encoding="utf-8"))
-    if data.get("format") != FORMAT:
-        raise ValueError(f"{config}: not a Rigel checkpoint config (format {data.get('format')!r})")
-    if int(data.get("version", 0)) > FORMAT_VERSION:
-        raise ValueError(f"{config}: format version {data['version']} is newer than this package reads "
-                         f"({FORMAT_VERSION}); upgrade capeval-plugins")
+    data = read_checkpoint_config(checkpoint, CONFIG_FILE, FORMAT, FORMAT_VERSION, "Rigel checkpoint",
+                                  "make one with `capeval train rigel --phase 1 ...`")
     return RigelSettings.from_dict(data["settings"])
 
 
@@ -311,27 +300,10 @@ def save_checkpoint(path: str | os.PathLike, settings: RigelSettings, head: head
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in head.state_dict().items()}
-    _atomic(out / HEAD_FILE, lambda tmp: save_file(state, str(tmp)))
+    atomic_write(out / HEAD_FILE, lambda tmp: save_file(state, str(tmp)))
     if peft_model is not None:
         peft_model.save_pretrained(str(out / ADAPTER_DIR))
     config = json_safe({"format": FORMAT, "version": FORMAT_VERSION, "settings": settings.to_dict(),
                         "training": record or {}})
-    _atomic(out / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
+    atomic_write(out / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
     return out
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` with NaN and infinities as None (strict JSON), tuples as lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,8 @@ from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, load_lvlm_processor
 from capeval_plugins.training.data import JudgmentSet
 from capeval_plugins.training.model import (RigelModel, load_head, load_private_backbone, quiet_peft, read_settings,
                                             require_peft, save_checkpoint)
-from capeval_plugins.training.state import (batch_of, chunks, correlation, epoch_order, expectation, predict,
-                                            progress_bar, signature, start_or_resume)
+from capeval_plugins.training.state import (batch_of, correlation, expectation, predict, run_steps, signature,
+                                            start_or_resume, step_record)
 
 LANGUAGE_QV = r".*language_model.*\.(q_proj|v_proj)"
 
@@ -132,8 +131,7 @@ def fit(rigel: TrainableRigel, train: JudgmentSet, val: JudgmentSet | None, conf
     state, loaded = start_or_resume(out_dir, run_signature, overwrite)
     params = rigel.lora_parameters()
     opt = torch.optim.Adam(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    record: dict[str, Any] = {"signature": run_signature, "phase": 2, "epoch": 0, "step": 0, "global_step": 0,
-                              "done": False, "history": [], "losses": []}
+    record = step_record(run_signature, phase=2)
     if loaded is not None:
         record, tensors, opt_state = loaded
         rigel.load_lora_state(tensors["lora"])
@@ -143,26 +141,12 @@ def fit(rigel: TrainableRigel, train: JudgmentSet, val: JudgmentSet | None, conf
     def save() -> None:
         state.save(record, {"lora": rigel.lora_state()}, opt.state_dict())
 
-    steps_per_epoch = math.ceil(len(train) / config.batch_size)
-    with progress_bar(steps_per_epoch * config.epochs, "phase 2", progress, "step") as bar:
-        bar.update(record["global_step"])
-        while not record["done"]:
-            batches = chunks(epoch_order(len(train), config.seed, record["epoch"]), config.batch_size)
-            for rows in batches[record["step"]:]:
-                loss = _step(rigel, opt, train, rows, gold, config.seed + record["global_step"])
-                record["losses"].append(loss)
-                record["step"] += 1
-                record["global_step"] += 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
-                if record["global_step"] % config.save_every == 0 and record["step"] < len(batches):
-                    save()
-                if on_step_end is not None:
-                    on_step_end(record["global_step"])
-            record["history"].append({"epoch": record["epoch"] + 1, **_validate(rigel, val, config)})
-            record["epoch"], record["step"] = record["epoch"] + 1, 0
-            record["done"] = record["epoch"] >= config.epochs
-            save()
+    def step(rows: list[int], global_step: int) -> float:
+        return _step(rigel, opt, train, rows, gold, config.seed + global_step)
+
+    run_steps(record, samples=len(train), batch_size=config.batch_size, epochs=config.epochs, seed=config.seed,
+              save_every=config.save_every, step=step, save=save, end_epoch=lambda: _validate(rigel, val, config),
+              on_step_end=on_step_end, progress=progress, desc="phase 2")
     rigel.peft_model.eval()
     return record
 

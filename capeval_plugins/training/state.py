@@ -1,18 +1,20 @@
-"""Resumable training state and the pieces both phases share (scoring a judgment set, batching, progress).
+"""Resumable training state and the pieces every training run shares (the step loop, batching, progress,
+scoring a judgment set).
 
 A run keeps its state in ``<out>/training_state/``: ``record.json`` (what is done: epochs, steps, history,
-and the run's signature), one safetensors file per named tensor set (head weights, LoRA weights) and
-``optimizer.pt`` (the optimizer's state, read back with ``weights_only=True``). The directory is replaced
+and the run's signature), one safetensors file per named tensor set (head weights, LoRA weights, projector)
+and ``optimizer.pt`` (the optimizer's state, read back with ``weights_only=True``). The directory is replaced
 as a whole (written next to it, then swapped), so an interrupted save leaves the previous state intact.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +24,8 @@ from capeval_plugins.core import heads
 from capeval_plugins.core.correlation import kendall_tau
 from capeval_plugins.inputs import iter_batches, to_batch
 from capeval_plugins.training.data import JudgmentSet
-from capeval_plugins.training.model import CONFIG_FILE, RigelModel, json_safe
+from capeval_plugins.training.checkpoint import json_safe
+from capeval_plugins.training.model import CONFIG_FILE, RigelModel
 
 STATE_DIR = "training_state"
 
@@ -79,16 +82,18 @@ class RunState:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def start_or_resume(out_dir: str | os.PathLike, signature: str, overwrite: bool
+def start_or_resume(out_dir: str | os.PathLike, signature: str, overwrite: bool, *, finished: str = CONFIG_FILE,
+                    what: str = "Rigel"
                     ) -> tuple[RunState, tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict | None] | None]:
     """The run's state, and what it holds when an earlier run of the same signature left some (to continue
-    from). A different run in the same folder is refused unless ``overwrite``."""
+    from). A different run in the same folder, or a finished ``what`` checkpoint (its ``finished`` file), is
+    refused unless ``overwrite``."""
     state = RunState(out_dir)
     if overwrite:
         state.clear()
     if not state.exists():
-        if (Path(out_dir) / CONFIG_FILE).is_file() and not overwrite:
-            raise FileExistsError(f"{out_dir} already holds a finished Rigel checkpoint; choose another output "
+        if (Path(out_dir) / finished).is_file() and not overwrite:
+            raise FileExistsError(f"{out_dir} already holds a finished {what} checkpoint; choose another output "
                                   "folder or pass overwrite (--overwrite)")
         return state, None
     loaded = state.load()
@@ -110,6 +115,46 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 def chunks(order: Sequence[int], size: int) -> list[list[int]]:
     return [list(map(int, order[i:i + size])) for i in range(0, len(order), size)]
+
+
+def step_record(run_signature: str, **extra: Any) -> dict[str, Any]:
+    """The record of a fresh step-wise run (:func:`run_steps` keeps it up to date)."""
+    return {"signature": run_signature, **extra, "epoch": 0, "step": 0, "global_step": 0, "done": False,
+            "history": [], "losses": []}
+
+
+def run_steps(record: dict[str, Any], *, samples: int, batch_size: int, epochs: int, seed: int, save_every: int,
+              step: Callable[[list[int], int], float | dict[str, float]], save: Callable[[], None],
+              end_epoch: Callable[[], dict[str, Any]] | None = None,
+              on_step_end: Callable[[int], None] | None = None, progress: bool = True,
+              desc: str = "training") -> dict[str, Any]:
+    """The optimisation loop of a step-wise run, resumable: every epoch the shuffled sample order
+    (:func:`epoch_order`, a function of seed and epoch) is cut into batches and ``step(rows, global_step)``
+    runs on each, returning the loss (or a dict of losses with ``"loss"``), appended to ``record["losses"]``.
+    ``save()`` runs every ``save_every`` steps and after each epoch; ``end_epoch()`` adds to the epoch's
+    history entry. A record left by an interrupted run continues at its next step, so the run ends exactly
+    where an uninterrupted one would."""
+    steps_per_epoch = math.ceil(samples / batch_size)
+    with progress_bar(steps_per_epoch * epochs, desc, progress, "step") as bar:
+        bar.update(record["global_step"])
+        while not record["done"]:
+            batches = chunks(epoch_order(samples, seed, record["epoch"]), batch_size)
+            for rows in batches[record["step"]:]:
+                loss = step(rows, record["global_step"])
+                record["losses"].append(loss)
+                record["step"] += 1
+                record["global_step"] += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss if isinstance(loss, float) else loss['loss']:.4f}")
+                if record["global_step"] % save_every == 0 and record["step"] < len(batches):
+                    save()
+                if on_step_end is not None:
+                    on_step_end(record["global_step"])
+            record["history"].append({"epoch": record["epoch"] + 1, **(end_epoch() if end_epoch else {})})
+            record["epoch"], record["step"] = record["epoch"] + 1, 0
+            record["done"] = record["epoch"] >= epochs
+            save()
+    return record
 
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it"):

@@ -5,6 +5,6 @@
 Further families (DINO, text encoders, image-conditioned text encoders) live beside them.
 """
 from capeval_plugins.core.encoders.clip import ClipEncoder, LocalFeatures
-from capeval_plugins.core.encoders.common import EncoderSpec, pooled, segment_max
+from capeval_plugins.core.encoders.common import EncoderSpec, mean_pooled, pooled, segment_max
 
-__all__ = ["ClipEncoder", "EncoderSpec", "LocalFeatures", "pooled", "segment_max"]
+__all__ = ["ClipEncoder", "EncoderSpec", "LocalFeatures", "mean_pooled", "pooled", "segment_max"]

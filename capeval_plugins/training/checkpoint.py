@@ -1,0 +1,46 @@
+"""Pieces every trained checkpoint directory shares (Rigel's, the MSD aligner's): strict JSON, atomic writes, and
+reading a config whose format and version are checked."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as None (strict JSON), tuples as lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def atomic_write(path: Path, write) -> None:
+    """``write(tmp)`` next to ``path``, then renamed over it: an interrupted write leaves the old file."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def read_checkpoint_config(checkpoint: str | os.PathLike, file: str, format: str, version: int, what: str,
+                           how: str) -> dict[str, Any]:
+    """The JSON config of a trained checkpoint directory, its format and version checked; ``what`` names the kind
+    of checkpoint in errors, ``how`` says how to make one."""
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{what} directory not found: {path}")
+    config = path / file
+    if not config.is_file():
+        raise FileNotFoundError(f"{path} holds no {file}: it is no {what} ({how})")
+    data = json.loads(config.read_text(encoding="utf-8"))
+    if data.get("format") != format:
+        raise ValueError(f"{config}: format {data.get('format')!r}, expected {format!r} ({what})")
+    if int(data.get("version", 0)) > version:
+        raise ValueError(f"{config}: format version {data['version']} is newer than this package reads "
+                         f"({version}); upgrade capeval-plugins")
+    return data

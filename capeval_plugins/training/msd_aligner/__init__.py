@@ -1,0 +1,18 @@
+"""MSD-Score's local vision-language aligner (paper Sec. 3.2): frozen CLIP vision tower and LLM, a trained linear
+projector of the patches into the LLM's input-embedding space, a contrastive and a reconstruction objective.
+
+* :mod:`.model`: settings, the aligner (patch and token embeddings for the ``msd_score`` / ``soft_msd``
+  metrics, ``aligner=DIR``), its checkpoint directory;
+* :mod:`.train`: :func:`~.train.train_aligner`, resumable, with an optional cache of the vision features;
+* :mod:`.data`: image-caption pairs (LLaVA ``chat.json`` or ``{image, caption}`` records);
+* :mod:`.synthetic`: coloured shapes captioned by colour and shape, for tests and trials.
+
+The command line is ``capeval train msd-aligner ...``; see docs/training.md.
+"""
+
+# Names the command line needs before anything heavy is imported.
+DEFAULT_VISION = "openai/clip-vit-large-patch14"
+DEFAULT_LLM = "lmsys/vicuna-7b-v1.3"
+TEXT_FEATURES = ("input_embeddings", "last_hidden")
+VISION_FEATURES = ("patch", "cls_patch")
+SCHEDULES = ("cosine", "constant")
