@@ -2,7 +2,8 @@
 
 A scorer per registered metric (``ClipScore``, ...) with ``compute_score(gts, res)`` and ``method()``, so it
 drops into the usual ``for scorer, method in scorers`` loop; image metrics are built with an
-:class:`ImageResolver`. :class:`COCOEvalCap` runs the stock scorers exactly as pycocoevalcap does and adds
+:class:`ImageResolver` (a metric that finds its images by id itself, such as ViLBERTScore on region features,
+takes the ids when no resolver is given). :class:`COCOEvalCap` runs the stock scorers exactly as pycocoevalcap does and adds
 ours, feeding raw (untokenised) captions to scorers that want them.
 """
 from __future__ import annotations
@@ -72,7 +73,10 @@ class CapevalScorer:
             raise TypeError("pass either a built metric or its options, not both")
         self.metric = metric if metric is not None else registry.load(self._capeval_name, **options)
         info = self.metric.info
-        if info.images == "always" and resolver is None:
+        # A metric that reads its images its own way (e.g. precomputed features found by image id) takes the
+        # ids themselves when no resolver is given.
+        self.ids_as_images = resolver is None and self.metric.image_reader() is not None
+        if info.images == "always" and resolver is None and not self.ids_as_images:
             raise ValueError(f"{info.display_name} scores images: build it with an ImageResolver")
         self.resolver = resolver
         self.wants_raw_text = info.text_input == "raw"
@@ -94,7 +98,11 @@ class CapevalScorer:
             candidates.append(hyp[0])
         info = self.metric.info
         references = [list(gts[i]) for i in ids] if info.references != "never" else None
-        images = [self.resolver(i) for i in ids] if self.resolver is not None and info.images != "never" else None
+        images = None
+        if info.images != "never" and self.resolver is not None:
+            images = [self.resolver(i) for i in ids]
+        elif info.images != "never" and self.ids_as_images:
+            images = list(ids)
         self.last_result = self.metric(images, candidates, references)
         return self.last_result.score, np.asarray(self.last_result.scores.tolist())
 

@@ -21,6 +21,8 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -99,23 +101,39 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return dict(state)
 
 
+def _has_tokenizer_files(source: str) -> bool:
+    """Whether a folder or hub id (from the hub or its cache, as the environment allows) has a tokenizer; loading
+    one without files would quietly give an empty vocabulary."""
+    from transformers.utils import cached_file
+
+    for name in ("tokenizer.json", "vocab.txt"):
+        try:
+            if cached_file(source, name):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def _save_tokenizer(source: str | None, destination: Path, vocab_size: int) -> tuple[str, str | None]:
     """Save the WordPiece tokenizer into ``destination``. Returns (what happened, the source to record in the
-    config when nothing could be saved)."""
+    config when nothing could be saved now)."""
     from transformers import BertTokenizerFast
 
     if source is None:
-        return "none: pass tokenizer_source in config.json or put the tokenizer files in the folder", None
+        return "none saved: put the tokenizer files into the folder, or set tokenizer_source in config.json", None
     path = Path(source)
-    try:
-        if path.is_file():
-            tokenizer = BertTokenizerFast(vocab_file=str(path), do_lower_case=True)
-        else:
-            tokenizer = BertTokenizerFast.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        if path.exists() or source.startswith((".", "/", "~")):  # a local path that holds no tokenizer
-            raise ConversionError(f"--tokenizer {source}: not a BERT WordPiece tokenizer ({err})") from None
-        return (f"{source} (could not be loaded now; loaded from the hub or its cache at scoring time)", source)
+    local = path.exists() or source.startswith((".", "/", "~"))
+    if path.is_file():  # a bare vocab.txt: load it as a folder holding it (the one form every version reads)
+        with tempfile.TemporaryDirectory() as folder:
+            shutil.copyfile(path, Path(folder) / "vocab.txt")
+            tokenizer = BertTokenizerFast.from_pretrained(folder, do_lower_case=True)
+    elif _has_tokenizer_files(source):
+        tokenizer = BertTokenizerFast.from_pretrained(source)
+    elif local:
+        raise ConversionError(f"--tokenizer {source}: no tokenizer.json or vocab.txt there")
+    else:
+        return f"{source} (not available now; loaded from the hub or its cache at scoring time)", source
     if len(tokenizer) != vocab_size:
         raise ConversionError(f"--tokenizer {source}: {len(tokenizer)} word pieces, but the model has {vocab_size} "
                               "(ViLBERT uses bert-base-uncased's 30522)")

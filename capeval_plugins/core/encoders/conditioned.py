@@ -293,10 +293,14 @@ class ViLBertConditioned(ConditionedEncoder):
         from capeval_plugins.core.encoders.vilbert import ViLBertConfig
 
         config = ViLBertConfig.from_pretrained(self.spec.model, **_file_kwargs(self.spec))
-        if config.tokenizer_source:
-            return loading.load_processor(BertTokenizerFast, config.tokenizer_source,
-                                          local_files_only=self.spec.local_files_only)
-        return loading.load_processor(BertTokenizerFast, self.spec.model, **self.spec.hub())
+        source = config.tokenizer_source or self.spec.model
+        hub = {"local_files_only": self.spec.local_files_only} if config.tokenizer_source else self.spec.hub()
+        tokenizer = loading.load_processor(BertTokenizerFast, source, **hub)
+        if len(tokenizer) != config.vocab_size:  # a folder without tokenizer files loads as an empty vocabulary
+            raise ValueError(f"{self.spec.model}: the tokenizer from {source} has {len(tokenizer)} word pieces but the "
+                             f"model {config.vocab_size}; convert with `capeval convert vilbert --tokenizer` pointing "
+                             "at bert-base-uncased's files")
+        return tokenizer
 
     def model_loader(self) -> Any:
         from capeval_plugins.core.encoders.vilbert import ViLBertModel
