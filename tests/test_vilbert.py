@@ -311,6 +311,22 @@ def test_unknown_missing_and_renamed_parameters(tiny_vilbert, tmp_path):
         convert_vilbert(released_file(tiny_vilbert), tmp_path / "out4", None, tok)  # default: bert_base_6layer_6conect
 
 
+def test_a_folder_missing_a_parameter_does_not_load(tiny_vilbert, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from capeval_plugins.core.encoders.vilbert import ViLBertModel
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_vilbert, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights.pop("encoder.c_layer.0.biOutput.dense2.bias")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="encoder.c_layer.0.biOutput.dense2.bias"):
+        ViLBertModel.from_pretrained(folder)
+
+
 class Payload:
     """An object a pickle would rebuild by creating a marker file (that must never happen)."""
 
@@ -339,6 +355,8 @@ def test_a_tokenizer_that_cannot_be_fetched_is_recorded_for_scoring_time(tiny_vi
                              tokenizer="nobody/not-cached-here")
     assert "at scoring time" in report.tokenizer
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tokenizer_source"] == "nobody/not-cached-here"
+    with pytest.raises(ValueError, match="word pieces but the model"):  # never an empty vocabulary at scoring time
+        capeval_plugins.load("vilbertscore", model=str(tmp_path / "out")).encoder
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "dog"]) + "\n")
     with pytest.raises(ConversionError, match="7 word pieces, but the model has"):

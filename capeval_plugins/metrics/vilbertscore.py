@@ -156,7 +156,8 @@ class ViLBERTScore(PointwiseMetric):
         images="always",
         score_range=None,
         paper="https://aclanthology.org/2020.eval4nlp-1.4/",
-        paper_config={"backbone": "vilbert (12-in-1 multi_task_model.bin; pretrained_model.bin for the plain rows)",
+        paper_config={"backbone": "vilbert (12-in-1 multi_task_model.bin for ViLBERTScore*, a pretrained ViLBERT "
+                                  "for the plain rows)",
                       "regions": "100 Faster R-CNN ResNeXt-152 (Visual Genome) boxes plus the global region",
                       "layer": "text stream after the 6th (last) co-attention layer", "task_id": 7,
                       "multi_reference": "mean", "idf": False},
