@@ -138,11 +138,10 @@ def compare(label: str, metric, metric_images, loop_images, candidates, referenc
     diff = max(float(np.max(np.abs(np.array(x) - batched.scores.numpy()))) for x in (naive, official))
     print(f"[{label}] {len(candidates)} candidates ({len(set(map(str, metric_images)))} images), {pairs} "
           f"candidate-reference pairs, device {enc.device}, torch threads {torch.get_num_threads()}")
-    print(f"  batched metric (batch_size={batch_size}):   {t_batched:8.2f} s  {pairs / t_batched:8.2f} pairs/s")
-    print(f"  official script's batching:          {t_official:8.2f} s  {pairs / t_official:8.2f} pairs/s  "
-          f"(metric {t_official / t_batched:.1f}x faster)")
-    print(f"  one pair at a time:                  {t_naive:8.2f} s  {pairs / t_naive:8.2f} pairs/s  "
-          f"(metric {t_naive / t_batched:.1f}x faster)")
+    for name, seconds in ((f"batched metric (batch_size={batch_size})", t_batched),
+                          ("official script's batching", t_official), ("one pair at a time", t_naive)):
+        ratio = "" if seconds is t_batched else f"  (metric {seconds / t_batched:.1f}x faster)"
+        print(f"  {name + ':':<34}{seconds:8.2f} s  {pairs / seconds:8.2f} pairs/s{ratio}")
     print(f"  max |score difference|: {diff:.2e}")
 
 
