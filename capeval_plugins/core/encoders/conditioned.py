@@ -1,6 +1,6 @@
 """Image-conditioned text token embeddings: text tokens that attend to the image, at a chosen layer.
 
-Two families are supported:
+Three families are supported:
 
 - ViLT (``dandelin/vilt-b32-mlm`` and other ViLT checkpoints): one transformer over text tokens and image
   patches. ViLT draws its image patches at random, even in eval mode (a random order of all patches, or a
