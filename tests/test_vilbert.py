@@ -228,6 +228,7 @@ def test_independent_of_batch_size_and_order(tiny_vilbert, features):
     assert shuffled.scores.tolist() == pytest.approx([base.scores[i].item() for i in order], abs=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:.*37-token text limit")
 def test_each_image_is_embedded_once_per_batch_and_long_captions_truncated(tiny_vilbert, features, monkeypatch):
     from capeval_plugins.core.encoders.conditioned import ViLBertConditioned
 
