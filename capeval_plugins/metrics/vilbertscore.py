@@ -77,6 +77,9 @@ class ViLBERTScoreConfig(ModelConfig):
     seed: int = 0
     max_image_patches: int | None = None
 
+    # Options that name local files or folders (checked before scoring by a runner that reads this).
+    input_paths: ClassVar[tuple[str, ...]] = ("model", "features")
+
 
 # Options that only one backbone reads: setting them away from their default for another is an error.
 BACKBONE_OPTIONS = {"features": "vilbert", "after_text_layer": "vilbert", "task_id": "vilbert",
