@@ -62,6 +62,11 @@ class ImageResolver:
         return path
 
 
+def same_id(image_id: Any) -> Any:
+    """The resolver of a metric that reads its images by id itself (``Metric.image_reader()``)."""
+    return image_id
+
+
 class CapevalScorer:
     """A registered metric as a pycocoevalcap scorer. ``last_result`` keeps the full result (per-sample
     extras) of the latest ``compute_score``."""
@@ -73,10 +78,9 @@ class CapevalScorer:
             raise TypeError("pass either a built metric or its options, not both")
         self.metric = metric if metric is not None else registry.load(self._capeval_name, **options)
         info = self.metric.info
-        # A metric that reads its images its own way (e.g. precomputed features found by image id) takes the
-        # ids themselves when no resolver is given.
-        self.ids_as_images = resolver is None and self.metric.image_reader() is not None
-        if info.images == "always" and resolver is None and not self.ids_as_images:
+        if resolver is None and self.metric.image_reader() is not None:
+            resolver = same_id  # the metric finds its images by id itself (e.g. precomputed feature files)
+        if info.images == "always" and resolver is None:
             raise ValueError(f"{info.display_name} scores images: build it with an ImageResolver")
         self.resolver = resolver
         self.wants_raw_text = info.text_input == "raw"
@@ -98,11 +102,7 @@ class CapevalScorer:
             candidates.append(hyp[0])
         info = self.metric.info
         references = [list(gts[i]) for i in ids] if info.references != "never" else None
-        images = None
-        if info.images != "never" and self.resolver is not None:
-            images = [self.resolver(i) for i in ids]
-        elif info.images != "never" and self.ids_as_images:
-            images = list(ids)
+        images = [self.resolver(i) for i in ids] if self.resolver is not None and info.images != "never" else None
         self.last_result = self.metric(images, candidates, references)
         return self.last_result.score, np.asarray(self.last_result.scores.tolist())
 
