@@ -56,7 +56,8 @@ class ConditionedEncoder:
     def __init__(self, spec: EncoderSpec, layer: int = -1, final_norm: bool = True, max_tokens: int | None = None):
         self.spec = spec
         self.final_norm = final_norm
-        self.tokenizer = self.load_tokenizer()
+        self.processor = loading.load_processor(self.processor_loader(), spec.model, **spec.hub())
+        self.tokenizer = self.processor.tokenizer
         self.model = loading.load_model(self.model_loader(), spec.model, device=spec.device, dtype=spec.dtype,
                                         **spec.hub())
         self.device = next(self.model.parameters()).device
@@ -79,11 +80,10 @@ class ConditionedEncoder:
         return loading.shared(key, lambda: cls(spec, **options))
 
     # --- per family ---------------------------------------------------------------------------------------
-    def load_tokenizer(self) -> Any:
+    def processor_loader(self) -> Any:
         from transformers import AutoProcessor
 
-        self.processor = loading.load_processor(AutoProcessor, self.spec.model, **self.spec.hub())
-        return self.processor.tokenizer
+        return AutoProcessor
 
     def model_loader(self) -> Any:
         raise NotImplementedError
@@ -152,9 +152,9 @@ class ConditionedEncoder:
 FAMILIES = ("vilt", "blip", "vilbert")
 
 
-def _file_kwargs(spec: EncoderSpec) -> dict[str, Any]:
+def _file_kwargs(revision: str | None, local_files_only: bool | None) -> dict[str, Any]:
     """Where to read a checkpoint's small files from (no remote code is involved in reading a config)."""
-    hub = loading.hub_kwargs(spec.revision, spec.local_files_only, False)
+    hub = loading.hub_kwargs(revision, local_files_only, False)
     hub.pop("trust_remote_code")
     return hub
 
@@ -163,7 +163,7 @@ def model_family(spec: EncoderSpec) -> str:
     """``"vilt"``, ``"blip"`` or ``"vilbert"``, from the checkpoint's ``config.json`` (no weights are read)."""
     from transformers import PretrainedConfig
 
-    config, _ = PretrainedConfig.get_config_dict(spec.model, **_file_kwargs(spec))
+    config, _ = PretrainedConfig.get_config_dict(spec.model, **_file_kwargs(spec.revision, spec.local_files_only))
     family = config.get("model_type", "")
     if family not in FAMILIES:
         raise ValueError(f"{spec.model}: model type {family!r} is not an image-conditioned text encoder supported "
@@ -260,6 +260,33 @@ class BlipConditioned(ConditionedEncoder):
         )
 
 
+class WordPieceOnly:
+    """ViLBERT's processor: the BERT WordPiece tokenizer alone (its images are region features, read elsewhere),
+    from the model folder or the ``tokenizer_source`` its config names."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, revision: str | None = None, local_files_only: bool | None = None,
+                        trust_remote_code: bool = False) -> "WordPieceOnly":
+        from transformers import BertTokenizerFast
+
+        from capeval_plugins.core.encoders.vilbert import ViLBertConfig
+
+        where = _file_kwargs(revision, local_files_only)
+        config = ViLBertConfig.from_pretrained(name_or_path, **where)
+        source = config.tokenizer_source or name_or_path
+        if config.tokenizer_source:
+            where.pop("revision", None)  # the model's revision, not the tokenizer's
+        tokenizer = BertTokenizerFast.from_pretrained(source, **where)
+        if len(tokenizer) != config.vocab_size:  # a folder without tokenizer files loads as an empty vocabulary
+            raise ValueError(f"{name_or_path}: the tokenizer from {source} has {len(tokenizer)} word pieces but the "
+                             f"model {config.vocab_size}; convert with `capeval convert vilbert --tokenizer` pointing "
+                             "at bert-base-uncased's files")
+        return cls(tokenizer)
+
+
 # The official ViLBERTScore script: task token 7 ("Retrieval COCO") with the multi-task model, captions cut to 37
 # tokens.
 OFFICIAL_TASK_ID = 7
@@ -287,20 +314,8 @@ class ViLBertConditioned(ConditionedEncoder):
             raise ValueError("after_text_layer reads the text layer after a co-attention layer: use layer 1 or above")
         self.after_text_layer = after_text_layer
 
-    def load_tokenizer(self) -> Any:
-        from transformers import BertTokenizerFast
-
-        from capeval_plugins.core.encoders.vilbert import ViLBertConfig
-
-        config = ViLBertConfig.from_pretrained(self.spec.model, **_file_kwargs(self.spec))
-        source = config.tokenizer_source or self.spec.model
-        hub = {"local_files_only": self.spec.local_files_only} if config.tokenizer_source else self.spec.hub()
-        tokenizer = loading.load_processor(BertTokenizerFast, source, **hub)
-        if len(tokenizer) != config.vocab_size:  # a folder without tokenizer files loads as an empty vocabulary
-            raise ValueError(f"{self.spec.model}: the tokenizer from {source} has {len(tokenizer)} word pieces but the "
-                             f"model {config.vocab_size}; convert with `capeval convert vilbert --tokenizer` pointing "
-                             "at bert-base-uncased's files")
-        return tokenizer
+    def processor_loader(self) -> Any:
+        return WordPieceOnly
 
     def model_loader(self) -> Any:
         from capeval_plugins.core.encoders.vilbert import ViLBertModel
