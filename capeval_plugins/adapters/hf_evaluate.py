@@ -160,13 +160,16 @@ class CapevalEvaluationModule(evaluate.Metric):
 
 
 def _arrow_image(image_source, image: Any, index: int) -> Any:
-    """Paths, PIL images, dicts and bytes go to Arrow as they are; arrays and tensors become PIL images
-    (validated here, so a bad array is reported with its sample index)."""
+    """Paths, PIL images, dicts and bytes go to Arrow as they are; integer ids as strings (Arrow stores them as
+    ``{"path": id}``, for metrics that find their images by id); arrays and tensors become PIL images (validated
+    here, so a bad array is reported with its sample index)."""
     import numpy as np
     import torch
 
     if isinstance(image, (list, tuple)):
         return [_arrow_image(image_source, frame, index) for frame in image]
+    if isinstance(image, (int, np.integer)) and not isinstance(image, bool):
+        return str(image)
     if isinstance(image, (np.ndarray, torch.Tensor)):
         return image_source(image, index).load()
     return image

@@ -2,7 +2,8 @@
 
 A scorer per registered metric (``ClipScore``, ...) with ``compute_score(gts, res)`` and ``method()``, so it
 drops into the usual ``for scorer, method in scorers`` loop; image metrics are built with an
-:class:`ImageResolver`. :class:`COCOEvalCap` runs the stock scorers exactly as pycocoevalcap does and adds
+:class:`ImageResolver` (a metric that finds its images by id itself, such as ViLBERTScore on region features,
+takes the ids when no resolver is given). :class:`COCOEvalCap` runs the stock scorers exactly as pycocoevalcap does and adds
 ours, feeding raw (untokenised) captions to scorers that want them.
 """
 from __future__ import annotations
@@ -63,6 +64,11 @@ class ImageResolver:
         return path
 
 
+def same_id(image_id: Any) -> Any:
+    """The resolver of a metric that reads its images by id itself (``Metric.image_reader()``)."""
+    return image_id
+
+
 class CapevalScorer:
     """A registered metric as a pycocoevalcap scorer. ``last_result`` keeps the full result (per-sample
     extras) of the latest ``compute_score``."""
@@ -74,6 +80,8 @@ class CapevalScorer:
             raise TypeError("pass either a built metric or its options, not both")
         self.metric = metric if metric is not None else registry.load(self._capeval_name, **options)
         info = self.metric.info
+        if resolver is None and self.metric.image_reader() is not None:
+            resolver = same_id  # the metric finds its images by id itself (e.g. precomputed feature files)
         if info.images == "always" and resolver is None:
             raise ValueError(f"{info.display_name} scores images: build it with an ImageResolver")
         self.resolver = resolver

@@ -2,7 +2,8 @@
 
 - ``clip``: CLIP-family dual encoders (global embeddings; patch and token embeddings in the joint space)
 - ``common``: spec of a checkpoint to load, pooled-output handling, segment reductions
-Further families (DINO, text encoders, image-conditioned text encoders) live beside them.
+Further families (DINO, text encoders, image-conditioned text encoders, the ViLBERT model in ``vilbert``) live
+beside them.
 """
 from capeval_plugins.core.encoders.clip import ClipEncoder, LocalFeatures
 from capeval_plugins.core.encoders.common import EncoderSpec, mean_pooled, pooled, segment_max

@@ -1,0 +1,254 @@
+"""Precomputed region features (ViLBERT's image input): per-image files, read safely, and ViLBERT's box locations.
+
+The layout is what ``script/extract_features.py`` of vilbert-multi-task (and of ViLBERTScore) writes: one file per
+image, named after the image file's name up to its first dot, holding
+
+- ``features`` (N, 2048): the detector's fc6 features of N regions (100 in the papers);
+- ``bbox`` (or ``boxes``, the LMDB naming) (N, 4): x1, y1, x2, y2 in original-image pixels;
+- ``image_width``/``image_w`` and ``image_height``/``image_h``: the original image size in pixels;
+- ``num_boxes`` (optional here): regions with a non-zero detection score; ViLBERTScore ignores it and uses all N
+  rows, and so does this module;
+- anything else (``objects``, ``cls_prob``, ``image_id``) is ignored.
+
+``.npy`` files are ``np.save`` of a dict, i.e. a pickle. They are read with an unpickler that only rebuilds numpy
+arrays, numbers and strings and refuses anything else, so a feature file cannot run code. ``.npz`` files (plain
+arrays, no pickle) are also accepted and can be checked from their headers alone.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+DETECTOR_FEATURE_DIM = 2048  # fc6 of the ResNeXt-152 Faster R-CNN (Visual Genome) ViLBERT was trained on
+SUFFIXES = (".npy", ".npz")
+FIELDS = {
+    "features": ("features",),
+    "boxes": ("bbox", "boxes"),
+    "width": ("image_width", "image_w"),
+    "height": ("image_height", "image_h"),
+}
+NUM_BOXES = "num_boxes"
+
+
+class RegionFileError(ValueError):
+    """A region-feature file that cannot be used (the caller adds which sample and image)."""
+
+
+@dataclass
+class RegionFeatures:
+    """One image's regions: ``features`` (N, D) float32, ``boxes`` (N, 4) float32 x1 y1 x2 y2 in pixels, and the
+    original image size."""
+
+    features: np.ndarray
+    boxes: np.ndarray
+    width: float
+    height: float
+
+    def __len__(self) -> int:
+        return self.features.shape[0]
+
+
+def region_file_stems(name: str) -> list[str]:
+    """Names a feature file of image ``name`` may have, without suffix: the extractor's (up to the first dot),
+    then the name without its last suffix, then the name itself (an id without a suffix)."""
+    base = os.path.basename(name)
+    stems = [base.split(".")[0], os.path.splitext(base)[0], base]
+    return [s for i, s in enumerate(stems) if s and s not in stems[:i]]
+
+
+def find_region_file(folder: str | os.PathLike, name: str) -> tuple[Path | None, list[Path]]:
+    """The feature file of image ``name`` in ``folder`` and every path looked at."""
+    tried = []
+    for stem in region_file_stems(name):
+        for suffix in SUFFIXES:
+            path = Path(folder) / f"{stem}{suffix}"
+            tried.append(path)
+            if path.is_file():
+                return path, tried
+    return None, tried
+
+
+# --- safe reading ---------------------------------------------------------------------------------------------
+def _numpy_attr(module: str, name: str) -> Any:
+    core = getattr(np, "_core", None) or np.core  # numpy 2 moved numpy.core to numpy._core
+    return getattr(getattr(core, module), name)
+
+
+# What a pickled dict of numpy arrays, numbers and strings refers to (numpy 1 and 2 spell the modules differently).
+_ALLOWED = {
+    **{(f"{pkg}.multiarray", "_reconstruct"): ("multiarray", "_reconstruct") for pkg in ("numpy.core", "numpy._core")},
+    **{(f"{pkg}.multiarray", "scalar"): ("multiarray", "scalar") for pkg in ("numpy.core", "numpy._core")},
+    **{(f"{pkg}.numeric", "_frombuffer"): ("numeric", "_frombuffer") for pkg in ("numpy.core", "numpy._core")},
+}
+
+
+class _ArraysOnlyUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _numpy_attr(*_ALLOWED[(module, name)])
+        if module == "numpy" and name in ("ndarray", "dtype"):
+            return getattr(np, name)
+        if (module, name) == ("collections", "OrderedDict"):
+            from collections import OrderedDict
+
+            return OrderedDict
+        raise pickle.UnpicklingError(
+            f"refusing to unpickle {module}.{name}: a region file may hold only numpy arrays, numbers and strings"
+        )
+
+
+def _npy_header(stream: Any) -> tuple[tuple[int, ...], np.dtype]:
+    version = np.lib.format.read_magic(stream)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
+    else:
+        raise RegionFileError(f"unsupported .npy format version {version}")
+    return tuple(shape), dtype
+
+
+def _read_npy_dict(path: Path) -> Mapping[str, Any]:
+    with open(path, "rb") as f:
+        try:
+            shape, dtype = _npy_header(f)
+        except ValueError as err:
+            raise RegionFileError(f"{path}: not a .npy file ({err})") from None
+        if dtype != np.dtype(object) or shape != ():
+            raise RegionFileError(f"{path}: holds a {dtype} array of shape {shape}, not a dict of features, boxes and "
+                                  "image size (np.save of a dict, as the extraction script writes)")
+        try:
+            value = _ArraysOnlyUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
+            raise RegionFileError(f"{path}: cannot read the pickled dict: {err}") from None
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value.item()
+    if not isinstance(value, Mapping):
+        raise RegionFileError(f"{path}: holds a {type(value).__name__}, not a dict")
+    return value
+
+
+def _field(data: Mapping[str, Any], field: str, path: Path) -> Any:
+    for key in FIELDS[field]:
+        if key in data:
+            return data[key]
+    names = " or ".join(repr(k) for k in FIELDS[field])
+    raise RegionFileError(f"{path}: no {names} (keys: {sorted(data)})")
+
+
+def _positive_number(value: Any, what: str, path: Path) -> float:
+    arr = np.asarray(value)
+    if arr.size != 1 or not np.issubdtype(arr.dtype, np.number):
+        raise RegionFileError(f"{path}: {what} must be a number, got {value!r}")
+    number = float(arr.reshape(()))
+    if not np.isfinite(number) or number <= 0:
+        raise RegionFileError(f"{path}: {what} must be positive, got {number}")
+    return number
+
+
+def _check_shapes(features: tuple[tuple[int, ...], np.dtype], boxes: tuple[tuple[int, ...], np.dtype],
+                  feature_dim: int, path: Path) -> int:
+    (f_shape, f_dtype), (b_shape, b_dtype) = features, boxes
+    if len(f_shape) != 2 or f_shape[1] != feature_dim:
+        raise RegionFileError(f"{path}: features have shape {f_shape}; expected (regions, {feature_dim}) (fc6 "
+                              "features of the ResNeXt-152 Faster R-CNN trained on Visual Genome)")
+    if f_shape[0] < 1:
+        raise RegionFileError(f"{path}: no regions")
+    if not np.issubdtype(f_dtype, np.floating):
+        raise RegionFileError(f"{path}: features must be floating point, got {f_dtype}")
+    if b_shape != (f_shape[0], 4) or not np.issubdtype(b_dtype, np.number):
+        raise RegionFileError(f"{path}: boxes have shape {b_shape} ({b_dtype}); expected ({f_shape[0]}, 4) numbers, "
+                              "one x1, y1, x2, y2 row per region")
+    return f_shape[0]
+
+
+def _check_num_boxes(data: Mapping[str, Any], n: int, path: Path) -> None:
+    if NUM_BOXES not in data:
+        return
+    value = np.asarray(data[NUM_BOXES])
+    if value.size != 1 or not np.issubdtype(value.dtype, np.integer) or not 0 <= int(value.reshape(())) <= n:
+        raise RegionFileError(f"{path}: num_boxes must be an integer in 0..{n}, got {data[NUM_BOXES]!r}")
+
+
+def _npz_members(path: Path) -> dict[str, str]:
+    with zipfile.ZipFile(path) as zf:
+        return {name[: -len(".npy")]: name for name in zf.namelist() if name.endswith(".npy")}
+
+
+def check_region_file(path: str | os.PathLike, feature_dim: int = DETECTOR_FEATURE_DIM) -> None:
+    """Raise :class:`RegionFileError` unless ``path`` is a usable region file. ``.npz`` files are checked from the
+    array headers and the small scalars only; ``.npy`` dicts are a single pickle and are read whole."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        read_region_file(path, feature_dim)
+        return
+    try:
+        members = _npz_members(path)
+        with zipfile.ZipFile(path) as zf:
+            headers = {}
+            for field in ("features", "boxes"):
+                key = next((k for k in FIELDS[field] if k in members), None)
+                if key is None:
+                    _field(members, field, path)  # raises, naming the missing field
+                with zf.open(members[key]) as member:
+                    headers[field] = _npy_header(member)
+    except (zipfile.BadZipFile, OSError) as err:
+        raise RegionFileError(f"{path}: not a readable .npz file ({err})") from None
+    n = _check_shapes(headers["features"], headers["boxes"], feature_dim, path)
+    with np.load(path, allow_pickle=False) as data:
+        scalars = {k: data[k] for k in (*FIELDS["width"], *FIELDS["height"], NUM_BOXES) if k in members}
+    _positive_number(_field(scalars, "width", path), "the image width", path)
+    _positive_number(_field(scalars, "height", path), "the image height", path)
+    _check_num_boxes(scalars, n, path)
+
+
+def read_region_file(path: str | os.PathLike, feature_dim: int = DETECTOR_FEATURE_DIM) -> RegionFeatures:
+    """The regions of one image (``.npy`` dict or ``.npz``), checked; raises :class:`RegionFileError`."""
+    path = Path(path)
+    if path.suffix == ".npz":
+        try:
+            with np.load(path, allow_pickle=False) as npz:
+                data = {key: npz[key] for key in npz.files}
+        except (zipfile.BadZipFile, OSError, ValueError) as err:
+            raise RegionFileError(f"{path}: not a readable .npz file of plain arrays ({err})") from None
+    elif path.suffix == ".npy":
+        data = _read_npy_dict(path)
+    else:
+        raise RegionFileError(f"{path}: expected a .npy or .npz file")
+    features = np.asarray(_field(data, "features", path))
+    boxes = np.asarray(_field(data, "boxes", path))
+    n = _check_shapes((features.shape, features.dtype), (boxes.shape, boxes.dtype), feature_dim, path)
+    width = _positive_number(_field(data, "width", path), "the image width", path)
+    height = _positive_number(_field(data, "height", path), "the image height", path)
+    _check_num_boxes(data, n, path)
+    if not (np.isfinite(features).all() and np.isfinite(boxes).all()):
+        raise RegionFileError(f"{path}: features or boxes contain NaN or infinite values")
+    return RegionFeatures(features.astype(np.float32, copy=False), boxes.astype(np.float32, copy=False), width, height)
+
+
+# --- ViLBERT's region inputs ----------------------------------------------------------------------------------
+def box_locations(boxes: np.ndarray, width: float, height: float) -> np.ndarray:
+    """ViLBERT's 5-d location of each box: x1/W, y1/H, x2/W, y2/H and the box area over the image area (pixel
+    coordinates, no clipping, as the official data loaders)."""
+    boxes = np.asarray(boxes, dtype=np.float64)
+    area = (boxes[:, 3] - boxes[:, 1]) * (boxes[:, 2] - boxes[:, 0]) / (float(width) * float(height))
+    scaled = boxes / np.array([width, height, width, height], dtype=np.float64)
+    return np.concatenate([scaled, area[:, None]], axis=1).astype(np.float32)
+
+
+GLOBAL_LOCATION = np.array([0.0, 0.0, 1.0, 1.0, 1.0], dtype=np.float32)
+
+
+def with_global_region(regions: RegionFeatures) -> tuple[np.ndarray, np.ndarray]:
+    """(features, locations) of ViLBERT's image input: the "global" region first (the mean of all region features,
+    located at the whole image [0, 0, 1, 1, 1]), then every region: (N + 1, D) and (N + 1, 5), float32."""
+    features = regions.features.astype(np.float32, copy=False)
+    global_feature = features.sum(axis=0, dtype=np.float32) / np.float32(len(features))
+    locations = box_locations(regions.boxes, regions.width, regions.height)
+    return (np.concatenate([global_feature[None], features]), np.concatenate([GLOBAL_LOCATION[None], locations]))
