@@ -4,14 +4,18 @@ batch, against scoring the same caption file without them, same metric, same bat
     python benchmarks/runner_overhead.py [--arch clip_vit_b32|clip] [--images 64] [--captions-per-image 5]
 
 The baseline is the bare contract loop (batches of image files decoded as they come, ``map``, merge,
-finalize), which is what the runner adds its checks and checkpoints to. Runs alternate (baseline, runner
-without checkpoints, runner with checkpoints) and each keeps its best time, so a busy machine hurts all three
-alike.
+finalize), which is what the runner adds its checks and checkpoints to. The three variants (baseline, runner
+without checkpoints, runner with checkpoints) run in a shuffled order in every round, and each reports its
+median wall time and median CPU time (``time.process_time``, all threads of this process), so drift and other
+load on the machine hurt all three alike. Single runs of a few seconds vary by several per cent on a 2-core
+machine: use ``--repeats 7`` or more for a figure at the 1 % level.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -55,6 +59,25 @@ def with_runner(metric, images, captions, run_dir):
     return outcome.results["m"]
 
 
+def checkpoint_write_seconds(metric, images, captions, folder, repeats: int = 20) -> float:
+    """Median time to save one batch's rows the way the runner does after every batch (append + fsync)."""
+    from capeval_plugins.checkpoint import RunStore
+    from capeval_plugins.contract import full_spec, map_batch
+
+    size = metric.config.batch_size
+    samples = Samples(candidates=list(captions[:size]), indices=list(range(size)),
+                      images=[ImageSource("path", p, ("path", p), i) for i, p in enumerate(images[:size])])
+    rows = {k: v for k, v in map_batch(metric, next(iter_batches(samples, size))).items()
+            if full_spec(metric)[k].reduce == "cat"}
+    store = RunStore(folder)
+    times = []
+    for k in range(repeats):
+        start = time.perf_counter()
+        store.save("m", k, rows, None, {})
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="CLIP checkpoint (default: a random one built here, see --arch)")
@@ -63,13 +86,16 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--captions-per-image", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.model is None:
         from capeval_plugins.testing import tiny_checkpoint
 
         args.model = str(tiny_checkpoint(args.arch))
     torch.set_grad_enabled(False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="capeval-runner-bench-"))
     images, captions = write_corpus(work, args.images, args.captions_per_image)
     metric = capeval_plugins.load("clipscore", model=args.model, batch_size=args.batch_size)
@@ -79,24 +105,35 @@ def main() -> None:
         "runner, no checkpoints": lambda: with_runner(metric, images, captions, None),
         "runner + checkpoints": lambda: with_runner(metric, images, captions, work / "run"),
     }
-    best = {name: float("inf") for name in variants}
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     results = {}
+    order = list(variants)
     for _ in range(args.repeats):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            results[name] = fn()
-            best[name] = min(best[name], time.perf_counter() - start)
+        random.shuffle(order)
+        for name in order:
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            results[name] = variants[name]()
+            wall[name].append(time.perf_counter() - start_wall)
+            cpu[name].append(time.process_time() - start_cpu)
     for name, result in results.items():
         assert torch.equal(result.scores, results["bare loop"].scores), f"{name} scores differ from the bare loop"
     start = time.perf_counter()
     runner.validate(metric, runner.Corpus(captions, images))
     validation = time.perf_counter() - start
+    write = checkpoint_write_seconds(metric, images, captions, work / "writes")
     n = len(captions)
     print(f"model={args.model} samples={n} images={args.images} batch_size={args.batch_size} "
-          f"threads={torch.get_num_threads()} (scores identical in all three)")
-    for name, seconds in best.items():
-        extra = "" if name == "bare loop" else f"  overhead {100 * (seconds / best['bare loop'] - 1):+.2f} %"
-        print(f"{name:24s} {seconds * 1e3 / n:8.3f} ms/sample{extra}")
+          f"threads={torch.get_num_threads()} repeats={args.repeats} (scores identical in all three; medians)")
+    base_wall, base_cpu = statistics.median(wall["bare loop"]), statistics.median(cpu["bare loop"])
+    for name in variants:
+        w, c = statistics.median(wall[name]), statistics.median(cpu[name])
+        extra = "" if name == "bare loop" else (f"  overhead wall {100 * (w / base_wall - 1):+.2f} %, "
+                                                f"cpu {100 * (c / base_cpu - 1):+.2f} %")
+        print(f"{name:24s} {w * 1e3 / n:8.3f} ms/sample wall, {c * 1e3 / n:8.3f} ms/sample cpu{extra}")
+    per_batch = statistics.median(wall["bare loop"]) * metric.config.batch_size / n
+    print(f"checkpoint write         {write * 1e3:8.3f} ms/batch = {100 * write / per_batch:.2f} % of a batch's "
+          f"{per_batch * 1e3:.0f} ms (rows appended and fsynced)")
     print(f"validation alone         {validation * 1e3 / n:8.3f} ms/sample ({args.images} image headers)")
 
 
