@@ -297,9 +297,10 @@ class Metric(abc.ABC):
         restart: bool = False,
         progress: bool = False,
     ) -> MetricResult:
-        """Score a whole corpus through :func:`capeval_plugins.runner.score`: validate everything first
-        (errors name ``ids[i]``, else the position), batch (candidates of one image together), map, merge,
-        finalize; shard over ranks when torch.distributed is initialised; checkpoint in ``run_dir``."""
+        """Score a whole corpus in this process through :func:`capeval_plugins.runner.score`: validate
+        everything first (errors name ``ids[i]``, else the position), batch (candidates of one image together),
+        map, merge, finalize; checkpoint in ``run_dir``. It does not shard over torch.distributed ranks (a call
+        made on one rank only must not wait for the others): ``runner.score(..., shard=True)`` does."""
         from capeval_plugins import runner
 
         return runner.score(self, images, candidates, references, group_ids=group_ids, ids=ids,
