@@ -435,7 +435,7 @@ def test_region_options_are_checked(tiny_vilbert, tiny_root, features, tmp_path)
 
     with pytest.raises(InputError, match="pass features=FOLDER"):
         capeval_plugins.load("vilbertscore", model=tiny_vilbert)(IMAGES, CAPTIONS, REFERENCES)
-    with pytest.raises(InputError, match="features folder not found|option features: no such file or folder"):
+    with pytest.raises(InputError, match="option features: no such file or folder"):
         vilbertscore(tiny_vilbert, str(tmp_path / "nowhere"))(IMAGES, CAPTIONS, REFERENCES)
     with pytest.raises(ValueError, match="features applies to the vilbert backbone only"):
         capeval_plugins.load("vilbertscore", backbone="vilt", features=features)
