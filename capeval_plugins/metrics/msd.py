@@ -19,6 +19,7 @@ g from their mean-pooled directions. The result's corpus extra ``features`` says
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ class MSDConfig(ModelConfig):
     model: str = "openai/clip-vit-large-patch14"
     # A trained local aligner (``capeval train msd-aligner``); its vision backbone must be ``model``.
     aligner: str | None = None
+    input_paths: ClassVar[tuple[str, ...]] = ("model", "aligner")
     setting: str = "short"
     k_image: int | None = None
     k_text: int | None = None
