@@ -169,15 +169,16 @@ class DiscodeHead(NamedTuple):
 
 
 def discode_head(digit_logits: Tensor, raw_digit: Tensor | None = None, sigma2: float = 0.1,
-                 alpha_scale: str = "label", values: Sequence[float] | Tensor | None = None,
+                 alpha_scale: str = "unit", values: Sequence[float] | Tensor | None = None,
                  divergence: str = "weighted_kl") -> DiscodeHead:
     """DISCODE's ATT head in closed form (Inoue et al., 2026, Eq. 6): psi = softmax((z + (1 - alpha) log q) /
     alpha), q a unit-variance Gaussian around the raw score, alpha = N(s_raw; mu, sigma2) (Eq. 4).
 
     ``digit_logits`` (N, K): the label logits z at the target position (any per-row shift, e.g. full-vocabulary
     log-probabilities). ``raw_digit`` (N,) label indices: the raw score (default: argmax z, the paper's).
-    ``values`` (K,): the labels' values (default 0..K-1). ``alpha_scale``: ``"label"`` (Eq. 4 on the values, the
-    paper's literal reading) or ``"unit"`` (label k of K read as k / K). ``divergence``: ``"weighted_kl"``, or
+    ``values`` (K,): the labels' values (default 0..K-1). ``alpha_scale``: ``"unit"`` (label k of K read as k / K,
+    DISCODE's default: the reading consistent with the paper's tables) or ``"label"`` (Eq. 4 on the values, the
+    literal reading). ``divergence``: ``"weighted_kl"``, or
     ``"kl"`` (alpha fixed at 0.5). float64; alpha -> 0 is taken as its limit."""
     if divergence not in heads.CLOSED_FORM:
         raise ValueError(f"divergence must be one of {heads.CLOSED_FORM} (the others have no closed form)")

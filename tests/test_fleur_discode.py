@@ -316,3 +316,72 @@ def test_judge_precision_defaults():
     assert spec("fleur", device="cuda") == "float16" and spec("discode", device="cuda") == "bfloat16"
     assert spec("fleur", device="cpu") is None and spec("discode", device="cpu") is None
     assert spec("fleur", device="cuda", dtype="bfloat16") == "bfloat16"
+
+
+# --- issue 19: the default reading of Eq. 4 adapts the written digit; Table 10's ablations -----------------
+
+
+def test_default_adapts_typical_answers_and_the_literal_reading_returns_the_written_digit(answers):
+    answers.update(zip(CAPTIONS, ANSWERS))
+    path = sharp_llava()
+    default = capeval_plugins.load("discode", model=path)(sample_images(), CAPTIONS)
+    literal = capeval_plugins.load("discode", model=path, alpha_scale="label")(sample_images(), CAPTIONS)
+    for psi, alpha in zip(default.extras["distribution"], default.extras["alpha"]):
+        assert 0.4 < alpha.item() < 1.3
+        assert psi.max().item() < 0.99 and int((psi > 1e-3).sum()) >= 2  # spread over several digits
+    # The literal reading: every row here has its raw digit outside {4, 5}, alpha < 2e-5 and psi one-hot.
+    for psi, alpha in zip(literal.extras["distribution"], literal.extras["alpha"]):
+        assert alpha.item() < 2e-5
+        assert psi.max().item() == 1.0 and int((psi > 0).sum()) == 1
+
+
+@pytest.mark.parametrize("raw_digit", range(10))
+def test_default_head_is_not_one_hot_for_any_written_digit(raw_digit):
+    from capeval_plugins import functional as F
+
+    # A distribution like LLaVA's at the first decimal (paper Fig. 4): the written digit plus mass elsewhere.
+    p = np.full(10, 0.02)
+    p[raw_digit] = 0.6
+    p[min(raw_digit + 1, 9) if raw_digit != 9 else 8] += 0.15
+    logits = torch.tensor(np.log(p / p.sum()))[None]
+    default = F.discode_head(logits).distribution[0]
+    literal = F.discode_head(logits, alpha_scale="label").distribution[0]
+    assert int((default > 1e-3).sum()) >= 2
+    assert (int((literal > 0).sum()) == 1) == (raw_digit not in (4, 5))
+
+
+def numpy_ablation(z: np.ndarray, alpha: float, ablation: str) -> np.ndarray:
+    """The ablated losses' minimisers written out (Lagrange conditions on the simplex), numpy."""
+    x = np.arange(10.0)
+    s = int(np.argmax(z))
+    log_q = -0.5 * (x - s) ** 2
+    if ablation == "no_divergence":  # linear in psi: all mass on the largest p
+        return (z == z.max()).astype(float)
+    if ablation == "no_cross_entropy":  # (1 - a) H(psi, q) - a H(psi): psi proportional to q^((1 - a) / a)
+        e = (1 - alpha) / alpha * log_q
+    else:  # fixed alpha = 0.5: psi proportional to p^2 q
+        e = 2 * z + log_q
+    e = np.exp(e - e.max())
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("ablation", ["no_cross_entropy", "no_divergence", "fixed_alpha"])
+def test_table10_ablations_equal_their_closed_forms(answers, ablation):
+    answers.update(zip(CAPTIONS, ANSWERS))
+    path = sharp_llava()
+    result = capeval_plugins.load("discode", model=path, ablation=ablation)(sample_images(), CAPTIONS)
+    fleur = capeval_plugins.load("fleur", model=path)(sample_images(), CAPTIONS)
+    x = np.arange(10.0)
+    for i in range(len(CAPTIONS)):
+        z = np.log(fleur.extras["digit_probs"][i].numpy())  # the digit distribution at the first decimal
+        on = x / 10
+        alpha = stats.norm.pdf(on[int(np.argmax(z))], on.mean(), np.sqrt(0.1))
+        psi = numpy_ablation(z, alpha, ablation)
+        assert result.extras["distribution"][i].numpy() == pytest.approx(psi, abs=1e-6)
+        if ANSWERS[i] != "1.0":
+            assert result.scores[i].item() == pytest.approx(0.1 * psi @ x, abs=1e-6)
+    assert ("alpha" in result.extras) == (ablation != "no_divergence")
+    with pytest.raises(ValueError, match="ablation"):
+        capeval_plugins.load("discode", model=path, ablation="no_prior")
+    with pytest.raises(ValueError, match="weighted_kl"):
+        capeval_plugins.load("discode", model=path, ablation=ablation, divergence="js")

@@ -225,3 +225,61 @@ def test_the_literal_reading_returns_the_written_digit_for_every_raw_digit_but_4
     assert torch.equal(psi[outer], torch.nn.functional.one_hot(raw[outer], 10).double())
     assert torch.equal(s_hat[outer], raw[outer].double())
     assert (s_hat[~outer] - raw[~outer]).abs().max() > 0.1
+
+
+# --- DISCODE's ablations (Table 10) against scipy's constrained optimiser ------------------------------------
+
+
+def scipy_minimise_on_simplex(loss, k: int = 10) -> np.ndarray:
+    """argmin of a function of a distribution over k labels by SLSQP on the simplex."""
+    result = optimize.minimize(loss, np.full(k, 1.0 / k), method="SLSQP", bounds=[(1e-12, 1.0)] * k,
+                               constraints=[{"type": "eq", "fun": lambda p: p.sum() - 1.0}],
+                               options={"ftol": 1e-14, "maxiter": 500})
+    return result.x / result.x.sum()
+
+
+@pytest.mark.parametrize("ablation", ["no_cross_entropy", "fixed_alpha", "none"])
+def test_att_ablations_are_the_minimisers_of_their_losses(ablation):
+    _, _, logits, raw, log_q = random_problem(7, rows=4, spread=0.4)
+    alpha = torch.tensor([0.46, 0.7, 0.92, 0.8], dtype=torch.float64)
+    psi = heads.att_ablation(logits, log_q, alpha, ablation).numpy()
+    for i in range(4):
+        log_p = logits[i].numpy() - special.logsumexp(logits[i].numpy())
+        a = 0.5 if ablation == "fixed_alpha" else float(alpha[i])
+        lq = log_q[i].numpy()
+
+        def loss(p):
+            cross = 0.0 if ablation == "no_cross_entropy" else -(p * log_p).sum()
+            return cross - (1 - a) * (p * lq).sum() + a * (p * np.log(p)).sum()
+
+        expected = scipy_minimise_on_simplex(loss)
+        # SLSQP stops at ftol 1e-14 on a strongly convex loss: the minimiser agrees to ~1e-5.
+        np.testing.assert_allclose(psi[i], expected, atol=2e-5)
+        assert loss(psi[i]) <= loss(expected) + 1e-10
+
+
+def test_att_ablation_without_the_divergence_is_the_one_hot_of_the_written_digit():
+    logits = torch.tensor([[0.1, 2.0, 0.3, -1.0], [1.0, 1.0, 0.0, 0.5]], dtype=torch.float64)
+    psi = heads.att_ablation(logits, torch.zeros(2, 4, dtype=torch.float64), torch.tensor([0.5, 0.5]), "no_divergence")
+    # H(psi, p) = -sum psi log p is linear in psi: every minimiser sits on the labels of largest p (plain loop).
+    for row, z in zip(psi.tolist(), logits.tolist()):
+        top = [j for j, v in enumerate(z) if v == max(z)]
+        assert row == pytest.approx([1 / len(top) if j in top else 0.0 for j in range(4)], abs=1e-15)
+    with pytest.raises(ValueError, match="ablation"):
+        heads.att_ablation(logits, torch.zeros(2, 4, dtype=torch.float64), torch.tensor([0.5, 0.5]), "no_prior")
+
+
+@pytest.mark.parametrize("ablation", ["no_cross_entropy", "fixed_alpha"])
+def test_att_solve_to_convergence_reaches_the_ablations_closed_forms(ablation):
+    hidden, weight, logits, raw, log_q = random_problem(11, rows=3, spread=0.4)
+    alpha = torch.tensor([0.46, 0.7, 0.92], dtype=torch.float64)
+    numeric = heads.att_solve(hidden, weight, None, log_q, alpha, converge=True, ablation=ablation)
+    torch.testing.assert_close(numeric, heads.att_ablation(logits, log_q, alpha, ablation), atol=1e-7, rtol=0)
+
+
+def test_clipped_alpha_is_capped_at_one():
+    raw = torch.arange(10)
+    _, alpha = heads.att_prior(raw, DIGITS, 0.1, "unit")
+    _, clipped = heads.att_prior(raw, DIGITS, 0.1, "unit", clip=True)
+    torch.testing.assert_close(clipped, alpha.clamp(max=1.0))
+    assert alpha.max() > 1.2 and clipped.max() == 1.0

@@ -63,12 +63,12 @@ ALPHA_SCALES: tuple[str, ...] = ("label", "unit")
 
 
 def att_prior(raw: Tensor, values: Tensor, sigma2: float = 0.1, alpha_scale: str = "label",
-              divergence: str = "weighted_kl") -> tuple[Tensor, Tensor]:
+              divergence: str = "weighted_kl", clip: bool = False) -> tuple[Tensor, Tensor]:
     """DISCODE's prior for raw scores given as label indices ``raw`` (B,) on a scale whose K labels have
     ``values``: ``(log q (B, K), alpha (B,))``, q a unit-variance Gaussian around the raw label's value and
     alpha Eq. 4, read on the label values (``alpha_scale="label"``, the paper's literal reading: mu = 4.5 for
-    the digits) or with label k of K read as k / K (``"unit"``: mu = 0.45). The ``"kl"`` divergence fixes
-    alpha at 0.5."""
+    the digits) or with label k of K read as k / K (``"unit"``: mu = 0.45). ``clip`` caps alpha at 1 (the
+    paper's "alpha in [0, 1]"). The ``"kl"`` divergence fixes alpha at 0.5."""
     if alpha_scale not in ALPHA_SCALES:
         raise ValueError(f"alpha_scale must be one of {ALPHA_SCALES}, got {alpha_scale!r}")
     values = values.to(torch.float64)
@@ -76,6 +76,8 @@ def att_prior(raw: Tensor, values: Tensor, sigma2: float = 0.1, alpha_scale: str
     log_q = gaussian_log_prior(values[raw], values)
     on = values if alpha_scale == "label" else torch.arange(len(values), dtype=torch.float64, device=values.device) / len(values)
     alpha = att_alpha(on[raw], on, sigma2)
+    if clip:
+        alpha = alpha.clamp(max=1.0)
     if divergence == "kl":
         alpha = torch.full_like(alpha, 0.5)
     return log_q, alpha
@@ -100,6 +102,31 @@ def att_closed_form(logits: Tensor, log_prior: Tensor, alpha: Tensor) -> Tensor:
     top = (score == score.amax(-1, keepdim=True)).double()
     limit = top / top.sum(-1, keepdim=True)
     return torch.where(tiny, limit, adapted)
+
+
+ABLATIONS: tuple[str, ...] = ("none", "no_cross_entropy", "no_divergence", "fixed_alpha")
+
+
+def att_ablation(logits: Tensor, log_prior: Tensor, alpha: Tensor, ablation: str = "none") -> Tensor:
+    """The minimiser psi (B, K) of the ATT loss or of one of the paper's ablations (Table 10), float64:
+
+    ``"none"``: H(psi, p) + D_alpha(psi || q), :func:`att_closed_form`; ``"no_cross_entropy"``: D_alpha alone,
+    (1 - alpha) H(psi, q) - alpha H(psi), minimised by psi proportional to q^((1 - alpha) / alpha) (the one-hot
+    of argmax q where alpha underflows); ``"no_divergence"``: H(psi, p) alone, linear in psi, minimised by the
+    one-hot of argmax z (ties shared); ``"fixed_alpha"``: the full loss at alpha = 0.5 (the vanilla KL up to a
+    factor), softmax(2 z + log q)."""
+    if ablation == "none":
+        return att_closed_form(logits, log_prior, alpha)
+    if ablation == "fixed_alpha":
+        return att_closed_form(logits, log_prior, torch.full_like(alpha.double(), 0.5))
+    if ablation == "no_cross_entropy":
+        # D_alpha alone is the weighted-KL minimiser with a flat p: z = 0 leaves only the prior's term.
+        return att_closed_form(torch.zeros_like(log_prior.double()), log_prior, alpha)
+    if ablation == "no_divergence":
+        z = logits.double()
+        top = (z == z.amax(-1, keepdim=True)).double()
+        return top / top.sum(-1, keepdim=True)
+    raise ValueError(f"ablation must be one of {ABLATIONS}, got {ablation!r}")
 
 
 # --- the ATT loss and its numeric minimiser ------------------------------------------------------------------
@@ -134,13 +161,23 @@ def divergence(log_p: Tensor, log_q: Tensor, kind: str, alpha: Tensor, order: fl
 
 
 def att_loss(head_logits: Tensor, lvlm_logits: Tensor, log_prior: Tensor, kind: str, alpha: Tensor,
-             order: float = 0.5) -> Tensor:
+             order: float = 0.5, ablation: str = "none") -> Tensor:
     """ATT loss per row (paper Eq. 2): H(psi, p_LVLM) + D(psi || q), psi = softmax(head_logits) and p_LVLM the
-    LVLM's label distribution (softmax of its label logits)."""
+    LVLM's label distribution (softmax of its label logits); ``ablation`` (Table 10) drops the cross-entropy
+    or the divergence term, or fixes alpha at 0.5."""
+    if ablation not in ABLATIONS:
+        raise ValueError(f"ablation must be one of {ABLATIONS}, got {ablation!r}")
+    if ablation == "fixed_alpha":
+        alpha = torch.full_like(alpha.double(), 0.5)
     log_psi = torch.log_softmax(head_logits, dim=-1)
     log_lvlm = torch.log_softmax(lvlm_logits, dim=-1)
     cross = -(log_psi.exp() * log_lvlm).sum(-1)
-    return cross + divergence(log_psi, log_prior, kind, alpha, order)
+    div = divergence(log_psi, log_prior, kind, alpha, order)
+    if ablation == "no_cross_entropy":
+        return div
+    if ablation == "no_divergence":
+        return cross
+    return cross + div
 
 
 def att_solve(
@@ -156,6 +193,7 @@ def att_solve(
     lr: float = 1e-3,
     converge: bool = False,
     tol: float = 1e-12,
+    ablation: str = "none",
 ) -> Tensor:
     """Minimise the ATT loss numerically; returns psi (B, K), float64.
 
@@ -176,21 +214,21 @@ def att_solve(
     log_q, alpha = log_prior.double().clone(), alpha.double().clone()
     with torch.enable_grad():
         if converge:
-            return _solve_to_convergence(lvlm, log_q, alpha, kind, order, tol)
+            return _solve_to_convergence(lvlm, log_q, alpha, kind, order, tol, ablation=ablation)
         w_head = w.clone().requires_grad_(True)
         b_head = b.clone().requires_grad_(True)
         opt = torch.optim.Adam([w_head, b_head], lr=lr)
         for _ in range(steps):
             opt.zero_grad()
             logits = torch.einsum("bkd,bd->bk", w_head, h) + b_head
-            att_loss(logits, lvlm, log_q, kind, alpha, order).sum().backward()
+            att_loss(logits, lvlm, log_q, kind, alpha, order, ablation).sum().backward()
             opt.step()
         logits = torch.einsum("bkd,bd->bk", w_head, h) + b_head
     return torch.softmax(logits.detach(), dim=-1)
 
 
 def _solve_to_convergence(lvlm: Tensor, log_q: Tensor, alpha: Tensor, kind: str, order: float, tol: float,
-                          max_iter: int = 200, radius: float = 2.0) -> Tensor:
+                          max_iter: int = 200, radius: float = 2.0, ablation: str = "none") -> Tensor:
     """Saddle-free Newton per row on the head logits, the last one fixed at 0 (softmax is shift-invariant).
 
     The loss is convex in psi but not in the logits, whose only stationary points with psi inside the simplex
@@ -199,7 +237,7 @@ def _solve_to_convergence(lvlm: Tensor, log_q: Tensor, alpha: Tensor, kind: str,
     the row's loss does not increase (beyond rounding); a row stops when its gradient is below ``tol`` or its
     steps fall below rounding."""
     def losses(v: Tensor) -> Tensor:
-        return att_loss(torch.cat([v, v.new_zeros(len(v), 1)], dim=-1), lvlm, log_q, kind, alpha, order)
+        return att_loss(torch.cat([v, v.new_zeros(len(v), 1)], dim=-1), lvlm, log_q, kind, alpha, order, ablation)
 
     def derivatives(v: Tensor) -> tuple[Tensor, Tensor]:
         # Rows are independent: the gradient of the summed loss is each row's gradient, and each row's

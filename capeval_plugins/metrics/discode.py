@@ -3,7 +3,8 @@ that balances the LVLM's distribution at the score digit against a Gaussian prio
 
 At the target position T (the first decimal of "0.x" on the default 0.0-1.0 scale, the label itself on the
 1-5, 0-9 and A-E scales) with label logits z: s_raw = argmax z, q(x) proportional to exp(-(x - s_raw)^2 / 2),
-alpha = N(s_raw; mean of the labels, sigma^2) and psi = softmax((z + (1 - alpha) log q) / alpha) (Eq. 6,
+alpha = N(s_raw; mean of the labels, sigma^2) (label k of K read as k / K: the reading consistent with the
+paper's tables, see the card) and psi = softmax((z + (1 - alpha) log q) / alpha) (Eq. 6,
 float64, alpha -> 0 taken explicitly). s_hat = E_psi[x]; on the 0.0-1.0 scale the decimal part of the
 written score is replaced by 0.1 * s_hat.
 
@@ -41,8 +42,13 @@ class DISCODEConfig(LVLMJudgeConfig):
     model: str = "llava-hf/llava-next-72b-hf"
     scale: str = "0.0-1.0"
     sigma2: float = 0.1
-    # The paper's Eq. 4 on the label values (mu = 4.5 for the digits); "unit" reads label k of K as k / K.
-    alpha_scale: str = "label"
+    # Eq. 4 with label k of K read as k / K (mu = 0.45 for the digits): the reading consistent with the paper's
+    # Tables 6 and 11 (card). "label", the literal reading on the digits (mu = 4.5), returns the written digit.
+    alpha_scale: str = "unit"
+    # Cap alpha at 1 (the text's "alpha in [0, 1]"); Eq. 4 itself is a density (up to 1.26 at sigma2 = 0.1).
+    alpha_clip: bool = False
+    # Table 10's ablations: "no_cross_entropy", "no_divergence", "fixed_alpha" (alpha = 0.5); "none" the method.
+    ablation: str = "none"
     divergence: str = "weighted_kl"
     # "auto": the closed form where there is one (weighted KL, KL), else the paper's Adam.
     solver: str = "auto"
@@ -68,6 +74,7 @@ class DISCODE(LVLMJudgeMetric):
         score_range=(0.0, 1.0),
         paper="https://arxiv.org/abs/2512.14420",
         paper_config={"model": "LLaVA-NeXT-72B", "scale": "0.0-1.0", "sigma2": 0.1, "divergence": "weighted KL",
+                      "alpha": "Eq. 4 on the digits read as tenths (mu = 0.45); see the card",
                       "solver": "closed form (Eq. 6)", "conversation": "FLEUR's official script (llava_v1, pad)"},
     )
     Config = DISCODEConfig
@@ -83,6 +90,11 @@ class DISCODE(LVLMJudgeMetric):
         self.extra_shapes = {"distribution": (len(self.scale.labels),)}
         checks = [
             (cfg.alpha_scale in heads.ALPHA_SCALES, f"alpha_scale must be 'label' or 'unit', got {cfg.alpha_scale!r}"),
+            (cfg.ablation in heads.ABLATIONS, f"ablation must be one of {heads.ABLATIONS}, got {cfg.ablation!r}"),
+            (cfg.ablation == "none" or cfg.divergence == "weighted_kl",
+             "the ablations (Table 10) are of the weighted-KL loss: use divergence='weighted_kl'"),
+            (not (cfg.ablation == "no_divergence" and cfg.solver == "converge"),
+             "without the divergence the loss is linear in psi and has no interior minimum: use solver='auto'"),
             (cfg.divergence in heads.DIVERGENCES, f"divergence must be one of {heads.DIVERGENCES}"),
             (cfg.solver in SOLVERS, f"solver must be one of {SOLVERS}"),
             (cfg.solver != "closed_form" or cfg.divergence in heads.CLOSED_FORM,
@@ -98,7 +110,9 @@ class DISCODE(LVLMJudgeMetric):
         # The prior and alpha depend on the raw label only: one row per label, computed once.
         labels = torch.arange(len(self.scale.labels))
         self.log_priors, self.alphas = heads.att_prior(labels, self.values, cfg.sigma2, cfg.alpha_scale,
-                                                       cfg.divergence)  # (K, K), (K,)
+                                                       cfg.divergence, clip=cfg.alpha_clip)  # (K, K), (K,)
+        if cfg.ablation == "fixed_alpha":
+            self.alphas = torch.full_like(self.alphas, 0.5)
 
     @property
     def closed_form(self) -> bool:
@@ -133,14 +147,14 @@ class DISCODE(LVLMJudgeMetric):
         raw = logits.argmax(-1)
         log_q, alpha = self.log_priors[raw], self.alphas[raw]
         if self.closed_form:
-            psi = heads.att_closed_form(logits, log_q, alpha)
+            psi = heads.att_ablation(logits, log_q, alpha, cfg.ablation)
         else:
             weight, bias = self.judge.lm_head_rows(out.label_ids_at(target))
             hidden = torch.nan_to_num(out.hidden_at(target)).to(weight.device)
             psi = heads.att_solve(hidden, weight, bias, log_q.to(weight.device), alpha.to(weight.device),
                                   cfg.divergence, order=cfg.divergence_order, steps=cfg.solver_steps,
-                                  lr=cfg.solver_lr, converge=cfg.solver == "converge").cpu()
-        if cfg.divergence not in heads.CLOSED_FORM:
+                                  lr=cfg.solver_lr, converge=cfg.solver == "converge", ablation=cfg.ablation).cpu()
+        if cfg.divergence not in heads.CLOSED_FORM or cfg.ablation == "no_divergence":
             alpha = torch.full_like(alpha, float("nan"))
         return psi, alpha
 
