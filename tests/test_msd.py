@@ -63,29 +63,45 @@ def unit(x: torch.Tensor) -> np.ndarray:
 @functools.lru_cache(maxsize=None)
 def plain_model(path: str):
     """The model and processor loaded directly through transformers, no capeval code."""
-    from transformers import AutoModel, AutoProcessor
+    import json
 
-    return AutoModel.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+    from transformers import AutoModel, AutoProcessor, BlipForImageTextRetrieval
+
+    with open(Path(path) / "config.json") as f:
+        blip = "BlipForImageTextRetrieval" in json.load(f).get("architectures", [])
+    loader = BlipForImageTextRetrieval if blip else AutoModel
+    return loader.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
 
 
 @torch.no_grad()
-def plain_features(path: str, image, caption: str, post_layernorm: bool = False) -> dict:
+def plain_features(path: str, image, caption: str, post_layernorm: bool = False, siglip_head: bool = False) -> dict:
     """Global and local features of one pair, computed from transformers directly, plus the seeds of the
     plain EM (from the pixels and the content token ids, no padding anywhere)."""
     model, processor = plain_model(path)
     pixels = processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
     vision = model.vision_model(pixel_values=pixels)
     siglip = model.config.model_type == "siglip"
-    if siglip:
+    blip = hasattr(model, "text_encoder")
+    if blip:  # the official BLIP script: vision_proj / text_proj, class tokens pooled, [CLS] / [SEP] dropped
+        projected = model.vision_proj(vision.last_hidden_state[0])
+        image_global, patches = projected[0], projected[1:]
+        tokens = processor.tokenizer([caption], truncation=True, return_tensors="pt")
+        text = model.text_proj(model.text_encoder(**tokens).last_hidden_state[0])
+        keep = torch.zeros_like(tokens["input_ids"][0], dtype=torch.bool)
+        keep[1:-1] = True
+        text_global, token_feats = text[0], text[keep]
+    elif siglip:
         hidden = vision.last_hidden_state
-        # the attention-pooling head looking at one patch at a time
-        patches = torch.cat([model.vision_model.head(hidden[:, n:n + 1]) for n in range(hidden.shape[1])])
-        image_global = vision.pooler_output[0]
         tokens = processor.tokenizer([caption], padding="max_length", max_length=64, truncation=True,
                                      return_tensors="pt")
         text = model.text_model(**tokens)
         keep = tokens["input_ids"][0] != processor.tokenizer.eos_token_id
-        token_feats = model.text_model.head(text.last_hidden_state[0, keep])
+        if siglip_head:  # the attention-pooling head looking at one patch at a time
+            patches = torch.cat([model.vision_model.head(hidden[:, n:n + 1]) for n in range(hidden.shape[1])])
+            token_feats = model.text_model.head(text.last_hidden_state[0, keep])
+        else:  # the official SigLIP script: raw last hidden states
+            patches, token_feats = hidden[0], text.last_hidden_state[0, keep]
+        image_global = vision.pooler_output[0]
         text_global = text.pooler_output[0]
     else:
         hidden = vision.last_hidden_state[0, 1:]
@@ -147,12 +163,21 @@ def plain_rows(tiny_clip, pictures):
 # MSD
 
 
-@pytest.mark.parametrize("kind", ["clip", "siglip"])
-def test_msd_equals_the_plain_pipeline(kind, tiny_clip, tiny_siglip, pictures, plain_rows):
-    path = tiny_clip if kind == "clip" else tiny_siglip
+@pytest.fixture(scope="session")
+def tiny_blip(tiny_root) -> str:
+    from capeval_plugins.testing import tiny_checkpoint
+
+    return str(tiny_checkpoint("blip_itm", root=tiny_root))
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip", "siglip_head", "blip_itm"])
+def test_msd_equals_the_plain_pipeline(kind, tiny_clip, tiny_siglip, tiny_blip, pictures, plain_rows):
+    path = {"clip": tiny_clip, "blip_itm": tiny_blip}.get(kind, tiny_siglip)
+    options = {"siglip_features": "head"} if kind == "siglip_head" else {}
     images, captions = corpus(pictures)
-    result = capeval_plugins.load("msd_score", model=path)(images, captions)
-    rows = plain_rows if kind == "clip" else [plain_msd(plain_features(path, i, c)) for i, c in zip(images, captions)]
+    result = capeval_plugins.load("msd_score", model=path, **options)(images, captions)
+    rows = plain_rows if kind == "clip" else [
+        plain_msd(plain_features(path, i, c, siglip_head=kind == "siglip_head")) for i, c in zip(images, captions)]
     for key in ("cosine", "kl_image_text", "kl_text_image", "beta", "bi_kl", "n_tokens"):
         assert result.extras[key].tolist() == pytest.approx([r[key] for r in rows], abs=1e-5), key
     assert result.scores.tolist() == pytest.approx([r["msd"] for r in rows], abs=1e-5)
@@ -174,11 +199,18 @@ def test_options_follow_their_definition(tiny_clip, pictures):
     explicit = capeval_plugins.load("msd_score", model=tiny_clip, **{**options, "setting": "short"}, k_image=5,
                                     k_text=3)(images, captions)
     assert explicit.scores.tolist() == pytest.approx(result.scores.tolist(), abs=1e-12)
+    # The SugarCrepe scripts' preset: 4 image and 2 text components; an explicit size still wins.
+    sugarcrepe = capeval_plugins.load("soft_msd", model=tiny_clip, preset="sugarcrepe")(images, captions)
+    for i, (img, cap) in enumerate(zip(images, captions)):
+        row = plain_msd(plain_features(tiny_clip, img, cap), k_image=4, k_text=2)
+        assert sugarcrepe.extras["msd"][i].item() == pytest.approx(row["msd"], abs=1e-5)
+    assert capeval_plugins.load("msd_score", model=tiny_clip, preset="sugarcrepe", k_image=2).mixture_sizes == (2, 2)
     other_seed = capeval_plugins.load("msd_score", model=tiny_clip, seed=5, **options)(images, captions)
     assert torch.isfinite(other_seed.scores).all()
 
 
-@pytest.mark.parametrize("bad", [{"setting": "medium"}, {"k_image": 0}, {"kappa": 0.0}, {"global_pooling": "max"},
+@pytest.mark.parametrize("bad", [{"setting": "medium"}, {"k_image": 0}, {"preset": "winoground"},
+                                 {"siglip_features": "pooled"}, {"kappa": 0.0}, {"global_pooling": "max"},
                                  {"long_captions": "chunk"}, {"em_dtype": "float16"}, {"tau": -1.0}])
 def test_bad_options_are_refused(tiny_clip, bad):
     with pytest.raises(ValueError):
@@ -190,9 +222,9 @@ def test_global_features_equal_the_existing_encoder_methods(tiny_clip, tiny_sigl
 
     for path in (tiny_clip, tiny_siglip):
         enc = ClipEncoder.shared(EncoderSpec(path))
-        image = enc.encode_image_patches(enc.pixel_values(pictures))
+        image = enc.encode_image_patches(enc.pixel_values(pictures), siglip_features="head")
         assert torch.allclose(image.pooled, enc.encode_images(pictures), atol=1e-6)
-        text = enc.encode_text_tokens(CANDIDATES)
+        text = enc.encode_text_tokens(CANDIDATES, siglip_features="head")
         assert torch.allclose(text.pooled, enc.encode_texts(CANDIDATES), atol=1e-6)
         assert torch.allclose(text.local.norm(dim=-1), torch.ones(text.local.shape[:2]), atol=1e-5)
 
@@ -378,3 +410,11 @@ def test_two_ranks_equal_one_call(tiny_clip, picture_files, tmp_path):
             assert got["indices"] == list(range(6)), name
             assert got["group_size"] == [3, 3, 3, 1, 2, 2], name
             assert got["scores"] == pytest.approx(single.scores.tolist(), abs=1e-6), name
+
+
+def test_benchmark_options_name_the_official_scripts_preset():
+    from capeval_plugins.metrics.msd import PRESETS, benchmark_options
+
+    assert benchmark_options("sugarcrepe") == {"preset": "sugarcrepe"}
+    assert PRESETS[benchmark_options("sugarcrepe")["preset"]] == {"k_image": 4, "k_text": 2}
+    assert benchmark_options("flickr8k_expert") == {}

@@ -38,6 +38,23 @@ CITATION = """@misc{msdscore,
 
 # Mixture sizes (K_img, K_txt) of the paper's two caption-length regimes.
 SETTINGS = {"short": (3, 2), "long": (5, 3)}
+
+# Option sets of the official evaluation scripts, by name (``preset=``); an option given explicitly wins.
+# "sugarcrepe": the SugarCrepe scripts (SteinsGateSg/MSDScore, metrics/vMF_MSD_Score/sugarcrepe_*.py) call the
+# bi-KL with its defaults, 4 image and 2 text components, not the README's 3 / 2; the rest as the paper.
+PRESETS: dict[str, dict[str, object]] = {
+    "paper": {},
+    "sugarcrepe": {"k_image": 4, "k_text": 2},
+}
+# The preset each benchmark runs by default (for `capeval bench`).
+BENCHMARK_PRESETS: dict[str, str] = {"sugarcrepe": "sugarcrepe"}
+
+
+def benchmark_options(benchmark: str) -> dict[str, object]:
+    """The load() options that make msd_score / soft_msd run as the official script of ``benchmark`` does
+    (``{"preset": name}``), or ``{}`` where no official script is known."""
+    name = BENCHMARK_PRESETS.get(benchmark)
+    return {"preset": name} if name else {}
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
@@ -48,6 +65,8 @@ class MSDConfig(ModelConfig):
     aligner: str | None = None
     input_paths: ClassVar[tuple[str, ...]] = ("model", "aligner")
     setting: str = "short"
+    # A named option set of the official scripts (PRESETS): "sugarcrepe" = 4 image, 2 text components.
+    preset: str = "paper"
     k_image: int | None = None
     k_text: int | None = None
     kappa: float = 20.0
@@ -63,6 +82,9 @@ class MSDConfig(ModelConfig):
     # Patch tokens straight through the visual projection (reference code) or after the vision tower's
     # final layer norm, as the pooled class token gets it (CLIP only).
     patch_layernorm: bool = False
+    # SigLIP patches and tokens: the raw last hidden state of each tower (the official SigLIP script) or
+    # "head", each mapped by its tower's attention-pooling / text head.
+    siglip_features: str = "hidden"
     long_captions: str = "truncate"
     seed: int = 0
     em_dtype: str = "float64"
@@ -254,8 +276,11 @@ class MSDScore(Metric):
 
     @property
     def mixture_sizes(self) -> tuple[int, int]:
-        k_image, k_text = SETTINGS[self.config.setting]
-        return self.config.k_image or k_image, self.config.k_text or k_text
+        cfg = self.config
+        k_image, k_text = SETTINGS[cfg.setting]
+        preset = PRESETS[cfg.preset]
+        k_image, k_text = preset.get("k_image", k_image), preset.get("k_text", k_text)
+        return cfg.k_image or k_image, cfg.k_text or k_text
 
     def states(self) -> dict[str, StateSpec]:
         spec = {name: StateSpec("cat", torch.float64) for name in _ROWS}
@@ -268,9 +293,18 @@ class MSDScore(Metric):
         if cfg.long_captions == "error":
             refuse_long_captions(enc, batch)
         pixels = enc.pixel_values(batch.images)
-        image = enc.encode_image_patches(pixels, post_layernorm=cfg.patch_layernorm)
-        text = enc.encode_text_tokens(batch.candidates)
+        if cfg.aligner:
+            image = enc.encode_image_patches(pixels, post_layernorm=cfg.patch_layernorm)
+            text = enc.encode_text_tokens(batch.candidates)
+        else:
+            image = enc.encode_image_patches(pixels, post_layernorm=cfg.patch_layernorm,
+                                             siglip_features=cfg.siglip_features)
+            text = enc.encode_text_tokens(batch.candidates, siglip_features=cfg.siglip_features)
         refuse_empty_captions(text.mask, batch)
+        if image.local.shape[-1] != text.local.shape[-1]:
+            raise ValueError(f"MSD-Score: {cfg.model}'s patch ({image.local.shape[-1]}) and token "
+                             f"({text.local.shape[-1]}) features differ in size; for SigLIP use "
+                             "siglip_features='head'")
         device = image.local.device
         image_global, text_global = image.pooled, text.pooled
         if cfg.global_pooling == "mean":
@@ -339,6 +373,8 @@ def check_config(cfg: MSDConfig) -> None:
             raise ValueError(f"MSD-Score: {message}")
 
     need(cfg.setting in SETTINGS, f"setting must be one of {sorted(SETTINGS)}, got {cfg.setting!r}")
+    need(cfg.preset in PRESETS, f"preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
+    need(cfg.siglip_features in ("hidden", "head"), f"siglip_features must be 'hidden' or 'head', got {cfg.siglip_features!r}")
     for name in ("k_image", "k_text"):
         value = getattr(cfg, name)
         need(value is None or (isinstance(value, int) and value >= 1), f"{name} must be a positive integer or None")

@@ -34,7 +34,7 @@ class ClipEncoder:
         from transformers import AutoModel, AutoProcessor
 
         self.spec = spec
-        self.model = loading.load_spec(AutoModel, spec)
+        self.model = loading.load_spec(model_class(spec), spec)
         self.processor = loading.load_processor(AutoProcessor, spec.model, **spec.hub())
         self.device = loading.input_device(self.model, spec.device)
         self.dtype = next(self.model.parameters()).dtype
@@ -86,16 +86,19 @@ class ClipEncoder:
     # features come from one forward pass.
 
     def family(self) -> str:
-        """``"clip"`` (CLIP-style projections) or ``"siglip"`` (attention-pooling head); anything else is
-        refused, since its patch and token embeddings have no defined place in the joint space here."""
+        """``"clip"`` (CLIP-style projections), ``"siglip"`` (attention-pooling head) or ``"blip_itm"`` (BLIP's
+        image-text retrieval model: its contrastive projections); anything else is refused, since its patch and
+        token embeddings have no defined place in the joint space here."""
         model = self.model
         if hasattr(model, "visual_projection") and hasattr(model, "text_projection"):
             return "clip"
+        if all(hasattr(model, name) for name in ("vision_proj", "text_proj", "text_encoder")):
+            return "blip_itm"
         head = getattr(getattr(model, "vision_model", None), "head", None)
         if hasattr(head, "probe") and hasattr(getattr(model, "text_model", None), "head"):
             return "siglip"
         raise NotImplementedError(
-            f"{self.spec.model}: patch and token embeddings are defined for CLIP and SigLIP models, not for "
+            f"{self.spec.model}: patch and token embeddings are defined for CLIP, SigLIP and BLIP-ITM models, not for "
             f"{type(model).__name__}"
         )
 
@@ -104,15 +107,19 @@ class ClipEncoder:
         return self.processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
 
     @torch.inference_mode()
-    def encode_image_patches(self, pixel_values: Tensor, post_layernorm: bool = False) -> LocalFeatures:
+    def encode_image_patches(self, pixel_values: Tensor, post_layernorm: bool = False,
+                             siglip_features: str = "hidden") -> LocalFeatures:
         """Pooled image embeddings and patch embeddings in the joint space.
 
         CLIP: patches are ``visual_projection(last_hidden_state[:, 1:])``; ``post_layernorm=True`` applies the
         vision tower's final layer norm first, as the pooled class token gets it. SigLIP has no class token and
-        no projection: its joint space is the output of an attention-pooling head, so a patch is mapped by that
-        head as if the head attended to it alone (value and output projections, then the head's residual MLP);
-        the last hidden state is already layer-normed there, so ``post_layernorm`` changes nothing."""
+        no projection: ``siglip_features="hidden"`` takes the raw last hidden state (MSD-Score's official SigLIP
+        script), ``"head"`` maps each patch by the attention-pooling head as if the head attended to it alone
+        (value and output projections, then the head's residual MLP); the last hidden state is already
+        layer-normed there, so ``post_layernorm`` changes nothing. BLIP-ITM: ``vision_proj`` of the last hidden
+        state, its class token the pooled embedding and the rest the patches (its official MSD script)."""
         family = self.family()
+        check_siglip_features(siglip_features)
         out = self.model.vision_model(pixel_values=pixel_values.to(self.device, self.dtype))
         hidden = out.last_hidden_state
         if family == "clip":
@@ -121,9 +128,12 @@ class ClipEncoder:
             if post_layernorm:
                 hidden = self.model.vision_model.post_layernorm(hidden)
             local = self.model.visual_projection(hidden)
+        elif family == "blip_itm":
+            projected = self.model.vision_proj(hidden)
+            pooled_feats, local = projected[:, 0], projected[:, 1:]
         else:
             pooled_feats = out.pooler_output
-            local = attention_head_per_token(self.model.vision_model.head, hidden)
+            local = hidden if siglip_features == "hidden" else attention_head_per_token(self.model.vision_model.head, hidden)
         mask = torch.ones(local.shape[:2], dtype=torch.bool, device=self.device)
         return LocalFeatures(F.normalize(pooled_feats.float(), dim=-1).to(self.device),
                              F.normalize(local.float(), dim=-1).to(self.device), mask)
@@ -133,19 +143,27 @@ class ClipEncoder:
         return [len(ids) for ids in self.processor.tokenizer(list(texts), truncation=False)["input_ids"]]
 
     @torch.inference_mode()
-    def encode_text_tokens(self, texts: Sequence[str]) -> LocalFeatures:
+    def encode_text_tokens(self, texts: Sequence[str], siglip_features: str = "hidden") -> LocalFeatures:
         """Pooled text embeddings and token embeddings in the joint space, tokenised exactly as
-        ``encode_texts`` does (same truncation and warning). ``mask`` drops special tokens (BOS, EOS, padding)."""
+        ``encode_texts`` does (same truncation and warning). ``mask`` drops special tokens (BOS, EOS, padding).
+        SigLIP: the raw last hidden state (``siglip_features="hidden"``) or the text head per token
+        (``"head"``); BLIP-ITM: ``text_proj`` of its text encoder's last hidden state (text only), [CLS] pooled."""
         family = self.family()
+        check_siglip_features(siglip_features)
         tokens = self.tokenize(texts)
         inputs = {k: v.to(self.device) for k, v in tokens.items() if k in ("input_ids", "attention_mask")}
-        out = self.model.text_model(**inputs)
+        if family == "blip_itm":
+            out = self.model.text_encoder(**inputs, return_dict=True)
+            projected = self.model.text_proj(out.last_hidden_state)
+            pooled_feats, local = projected[:, 0], projected
+        else:
+            out = self.model.text_model(**inputs)
         if family == "clip":
             pooled_feats = self.model.text_projection(out.pooler_output)
             local = self.model.text_projection(out.last_hidden_state)
-        else:
+        elif family == "siglip":
             pooled_feats = out.pooler_output
-            local = self.model.text_model.head(out.last_hidden_state)
+            local = out.last_hidden_state if siglip_features == "hidden" else self.model.text_model.head(out.last_hidden_state)
         ids = inputs["input_ids"]
         mask = ~torch.isin(ids, self.boundary_token_ids().to(ids.device))
         if "attention_mask" in inputs:
@@ -160,6 +178,31 @@ class ClipEncoder:
         names = ("bos_token_id", "eos_token_id", "pad_token_id", "cls_token_id", "sep_token_id")
         ids = {getattr(tokenizer, name, None) for name in names} - {None}
         return torch.tensor(sorted(ids), dtype=torch.int64)
+
+
+SIGLIP_FEATURES: tuple[str, ...] = ("hidden", "head")
+
+
+def check_siglip_features(value: str) -> None:
+    if value not in SIGLIP_FEATURES:
+        raise ValueError(f"siglip_features must be one of {SIGLIP_FEATURES}, got {value!r}")
+
+
+def model_class(spec: EncoderSpec):
+    """The transformers class for a checkpoint: BLIP's image-text retrieval model when its configuration names
+    it (AutoModel would load a BlipModel and leave its ITM projections untrained), else AutoModel."""
+    from transformers import AutoConfig, AutoModel
+
+    try:
+        config = AutoConfig.from_pretrained(spec.model, **loading.hub_kwargs(spec.revision, spec.local_files_only,
+                                                                             spec.trust_remote_code))
+    except (OSError, ValueError):
+        return AutoModel  # let AutoModel report the problem
+    if "BlipForImageTextRetrieval" in (getattr(config, "architectures", None) or []):
+        from transformers import BlipForImageTextRetrieval
+
+        return BlipForImageTextRetrieval
+    return AutoModel
 
 
 def attention_head_per_token(head: torch.nn.Module, hidden: Tensor) -> Tensor:
