@@ -237,3 +237,65 @@ def test_flat_options_keep_their_components_defaults():
             if field.name in ours and field.name not in ("model", "batch_size"):
                 assert ours[field.name] == field.default, (component.__name__, field.name)
     assert ours["clip_model"] == MIDConfig.model and ours["dino_model"] == DinoCycleConfig.model
+
+
+# --- the paper's fusion ablations (Tables 5 and 6) -----------------------------------------------------------
+
+
+def fake_parts(seed: int = 0, n: int = 7) -> dict[str, MetricResult]:
+    """Component results as the parts return them: MID's PMI (any sign), DINO and BERTScore similarities."""
+    rng = np.random.default_rng(seed)
+    raw = {"mid": rng.normal(0, 3, n), "dino": rng.uniform(-0.2, 1, n), "bertscore": rng.uniform(0.3, 0.9, n)}
+    raw["dino"][0] = -0.1  # a negative similarity: the product is 0 there
+    corpus = {"mid": {"mutual_information": 1.0}}
+    return {name: MetricResult(name, float(v.mean()), torch.tensor(v), torch.arange(n),
+                               corpus_extras=corpus.get(name, {})) for name, v in raw.items()}
+
+
+def plain_fusion(parts, weights, multiplicative: bool) -> list[float]:
+    """Eq. 10 or Eq. 11 written out per sample (MID through Eq. 9, the others as they are)."""
+    out = []
+    n = len(next(iter(parts.values())).scores)
+    for i in range(n):
+        values = {name: float(result.scores[i]) for name, result in parts.items()}
+        if "mid" in values:
+            p = values["mid"]
+            values["mid"] = (p / (1 + abs(p)) + 1) / 2
+        if multiplicative:
+            total = 1.0
+            for name, value in values.items():
+                total *= max(value, 0.0) ** weights[name]
+        else:
+            total = sum(weights[name] * value for name, value in values.items())
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("ablation", ["none", "multiplicative", "mid_bertscore", "mid_dino", "dino_bertscore"])
+def test_fusion_ablations_equal_their_formulas(ablation):
+    from capeval_plugins.metrics.redemption import ABLATIONS, RedemptionScore
+
+    metric = RedemptionScore(ablation=ablation)
+    weights = dict(zip(("mid", "dino", "bertscore"), ABLATIONS[ablation][0] if ablation != "none" else (0.84, 0.08, 0.08)))
+    parts = {k: v for k, v in fake_parts().items() if weights[k] > 0}
+    result = metric.combine(parts, {INDEX: torch.arange(7)})
+    expected = plain_fusion(parts, weights, ablation == "multiplicative")
+    assert result.scores.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert (ablation == "multiplicative") == (result.scores[0].item() == 0.0)  # its DINO similarity is < 0
+    assert set(metric.components()) == {k for k, w in weights.items() if w > 0}
+
+
+def test_multiplicative_fusion_with_chosen_weights_and_conflicts_refused():
+    from capeval_plugins.metrics.redemption import RedemptionScore
+
+    metric = RedemptionScore(fusion="multiplicative", mid_weight=0.5, dino_weight=0.25, bertscore_weight=0.25)
+    parts = fake_parts(3)
+    result = metric.combine(parts, {INDEX: torch.arange(7)})
+    assert result.scores.tolist() == pytest.approx(
+        plain_fusion(parts, {"mid": 0.5, "dino": 0.25, "bertscore": 0.25}, True), rel=1e-12, abs=1e-15)
+    with pytest.raises(ValueError, match="ablation sets"):
+        RedemptionScore(ablation="mid_dino", mid_weight=0.5, dino_weight=0.5, bertscore_weight=0.0)
+    with pytest.raises(ValueError, match="fusion"):
+        RedemptionScore(fusion="geometric")
+    with pytest.raises(ValueError, match="ablation"):
+        RedemptionScore(ablation="lpips")

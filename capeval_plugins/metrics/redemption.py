@@ -33,6 +33,17 @@ from capeval_plugins.core.gaussian import normalize_pmi
 from capeval_plugins.core.generation import SD3_MODEL
 from capeval_plugins.metrics.dino_cycle import CITATION
 
+FUSIONS: tuple[str, ...] = ("additive", "multiplicative")
+PAPER_WEIGHTS = (0.84, 0.08, 0.08)
+# The paper's ablation rows (Flickr8k-Expert grid searches): weights (MID, DINO, BERTScore) and fusion.
+# Table 5: MID^a DINO^b BERTScore^c (Eq. 11); Table 6: the three pairs of components, additive.
+ABLATIONS: dict[str, tuple[tuple[float, float, float], str]] = {
+    "multiplicative": ((0.12, 0.64, 0.24), "multiplicative"),
+    "mid_bertscore": ((0.92, 0.0, 0.08), "additive"),
+    "mid_dino": ((0.90, 0.10, 0.0), "additive"),
+    "dino_bertscore": ((0.0, 0.62, 0.38), "additive"),
+}
+
 NORMALIZATIONS: dict[str, tuple[str, ...]] = {
     "mid": ("eq9", "none"),
     "dino": ("none", "unit"),
@@ -46,6 +57,10 @@ class RedemptionConfig(MetricConfig):
     mid_weight: float = 0.84
     dino_weight: float = 0.08
     bertscore_weight: float = 0.08
+    # "additive": Eq. 10, sum w_k s_k; "multiplicative": Eq. 11, prod max(s_k, 0)^w_k (Table 5's ablation).
+    fusion: str = "additive"
+    # A row of the paper's ablation tables by name (ABLATIONS): sets the weights and the fusion.
+    ablation: str = "none"
     # How each component enters the sum: "eq9" = (p / (1 + |p|) + 1) / 2, "unit" = (s + 1) / 2, "none" = as is.
     mid_normalization: str = "eq9"
     dino_normalization: str = "none"
@@ -88,6 +103,15 @@ class RedemptionConfig(MetricConfig):
                                               "generated_images", "bertscore_model", "bertscore_baseline_path")
 
     def __post_init__(self) -> None:
+        if self.ablation != "none":
+            if self.ablation not in ABLATIONS:
+                raise ValueError(f"ablation must be 'none' or one of {sorted(ABLATIONS)}, got {self.ablation!r}")
+            given = (self.mid_weight, self.dino_weight, self.bertscore_weight)
+            if given != PAPER_WEIGHTS or self.fusion != "additive":
+                raise ValueError("ablation sets the weights and the fusion; do not pass them as well")
+            (self.mid_weight, self.dino_weight, self.bertscore_weight), self.fusion = ABLATIONS[self.ablation]
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
         weights = (self.mid_weight, self.dino_weight, self.bertscore_weight)
         if not all(math.isfinite(w) and w >= 0 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
             raise ValueError(f"the weights must be non-negative and sum to 1 (paper Eq. 10), got {weights}")
@@ -172,19 +196,24 @@ class RedemptionScore(CompositeMetric):
     def combine(self, results: Mapping[str, MetricResult], state: Mapping[str, Tensor]) -> MetricResult:
         cfg = self.config
         index = state[INDEX]
+        multiplicative = cfg.fusion == "multiplicative"
+        # The product in log space: sum w_k log max(s_k, 0) (a component at or below 0 makes the product 0).
         total = torch.zeros(len(index), dtype=torch.float64)
         extras: dict[str, Tensor] = {}
         corpus: dict[str, float] = {}
         for name, result in results.items():
             raw = result.scores.to(torch.float64).cpu()
             norm = normalized(getattr(cfg, f"{name}_normalization"), raw)
-            total += getattr(cfg, f"{name}_weight") * norm
+            weight = getattr(cfg, f"{name}_weight")
+            total += weight * (torch.log(norm.clamp_min(0.0)) if multiplicative else norm)
             extras[f"{name}_raw"], extras[f"{name}_normalized"] = raw, norm
             for key, value in result.extras.items():
                 if key not in self.REPEATED.get(name, ()):
                     extras.setdefault(f"{name}_{key}", value.cpu())
             corpus[f"mean_{name}_raw"] = nanmean(raw)
             corpus[f"mean_{name}_normalized"] = nanmean(norm)
+        if multiplicative:
+            total = torch.exp(total)
         if "mid" in results:
             corpus["mid"] = results["mid"].score
             corpus["mid_mutual_information"] = results["mid"].corpus_extras["mutual_information"]
