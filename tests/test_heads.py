@@ -283,3 +283,15 @@ def test_clipped_alpha_is_capped_at_one():
     _, clipped = heads.att_prior(raw, DIGITS, 0.1, "unit", clip=True)
     torch.testing.assert_close(clipped, alpha.clamp(max=1.0))
     assert alpha.max() > 1.2 and clipped.max() == 1.0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+def test_rigel_kl_objective_is_tau_times_scipy_kl(temperature):
+    g = torch.Generator().manual_seed(3)
+    head_logits, teacher_logits = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g) * 2
+    loss = heads.distillation_loss(head_logits, teacher_logits, temperature, objective="kl")
+    for row, (h, t) in enumerate(zip(head_logits.double().numpy(), teacher_logits.double().numpy())):
+        teacher, student = special.softmax(t / temperature), special.softmax(h / temperature)
+        assert loss[row].item() == pytest.approx(temperature * stats.entropy(teacher, student), rel=1e-10)
+    with pytest.raises(ValueError, match="objective"):
+        heads.distillation_loss(head_logits, teacher_logits, objective="js")

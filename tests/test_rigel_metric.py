@@ -65,7 +65,7 @@ def plain_forward(model, processor, chat: str, visual) -> tuple[torch.Tensor, to
     return out.hidden_states[-1][0, -1], torch.log_softmax(out.logits[0, -1].float(), -1)[ids]
 
 
-def independent_scores(visuals, candidates, references=None) -> torch.Tensor:
+def independent_scores(visuals, candidates, references=None, head: str = "scoring") -> torch.Tensor:
     """The checkpoint's files read by hand: prompt, chat template, one forward pass per sample, the MLP from the
     safetensors weights, expectation over 1..5 normalised to [0, 1]."""
     from safetensors.torch import load_file
@@ -83,9 +83,11 @@ def independent_scores(visuals, candidates, references=None) -> torch.Tensor:
         slots = len(visual) if isinstance(visual, list) else 1
         content = [{"type": "image"}] * slots + [{"type": "text", "text": text}]
         chat = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-        h, _ = plain_forward(model, processor, chat, visual)
+        h, label_logprobs = plain_forward(model, processor, chat, visual)
         hidden = torch.relu(h @ w["net.0.weight"].T + w["net.0.bias"])
         probs = torch.softmax((hidden @ w["net.2.weight"].T + w["net.2.bias"]).double(), -1)
+        if head == "lm":  # the LM head's label tokens, renormalised over the five labels
+            probs = label_logprobs.double().exp() / label_logprobs.double().exp().sum()
         out.append(((probs * torch.arange(1, 6, dtype=torch.float64)).sum() - 1) / 4)
     return torch.stack(out)
 
@@ -325,3 +327,13 @@ def test_videos_and_images_score_in_one_call():
     assert torch.allclose(result.scores, independent_scores(visuals, captions), atol=1e-5)
     with pytest.raises(Exception, match="video has no frames"):
         capeval_plugins.load("rigel", checkpoint=checkpoint())([[]], ["x"])
+
+
+def test_the_lm_head_ablation_equals_the_label_tokens_distribution():
+    imgs = [images()[g] for g in IMAGE_OF]
+    result = capeval_plugins.load("rigel", checkpoint=checkpoint(), head="lm", batch_size=3)(imgs, CAPTIONS)
+    assert torch.allclose(result.scores, independent_scores(imgs, CAPTIONS, head="lm"), atol=1e-5)
+    scoring = capeval_plugins.load("rigel", checkpoint=checkpoint())(imgs, CAPTIONS)
+    assert (result.scores - scoring.scores).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="head"):
+        capeval_plugins.load("rigel", checkpoint=checkpoint(), head="random")

@@ -381,3 +381,32 @@ def test_command_line_trains_both_phases_and_scores(tmp_path, capsys):
                  "--images", str(write_dir), "--quiet"]) == 0
     scored = json.loads(capsys.readouterr().out)
     assert scored["n"] == 4 and 0 <= scored["metrics"]["rigel"]["score"] <= 1
+
+
+# --- the paper's head ablations (Table 3 row (iii), Table 5) -------------------------------------------------
+
+
+def test_phase1_with_the_kl_objective_lowers_the_kl_to_the_teacher(splits, tmp_path):
+    train, val, _ = splits
+    settings = RigelSettings(prompts=SHORT, head_hidden=(64,))
+    out = train_phase1(tmp_path / "p1", train, val, settings=settings,
+                       config=Phase1Config(**{**FAST_PHASE1, "epochs": 10, "patience": 10}, objective="kl"),
+                       spec=spec(), progress=False)
+    history = read_record(out)["history"]
+    # the training loss is tau * KL(teacher || head) (checked against scipy in test_heads)
+    assert history[-1]["train_loss"] < 0.5 * history[0]["train_loss"]
+    with pytest.raises(ValueError, match="objective"):
+        Phase1Config(objective="js")
+
+
+def test_phase2_with_a_random_head_freezes_a_fresh_seeded_head(short_phase1):
+    settings = read_settings(short_phase1)
+    rigel = build_trainable(spec(), short_phase1, Phase2Config(head_init="random", seed=3))
+    torch.manual_seed(3)
+    fresh = settings.build_head()
+    distilled = load_head(short_phase1, settings)
+    for got, want, phase1 in zip(rigel.head.parameters(), fresh.parameters(), distilled.parameters()):
+        assert torch.equal(got.cpu(), want) and not got.requires_grad
+        assert not torch.equal(got.cpu(), phase1)
+    with pytest.raises(ValueError, match="head_init"):
+        Phase2Config(head_init="lm")

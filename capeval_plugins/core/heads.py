@@ -309,10 +309,21 @@ def tempered_softmax(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return torch.softmax(logits.double() / temperature, dim=-1)
 
 
-def distillation_loss(head_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0) -> Tensor:
+RIGEL_OBJECTIVES: tuple[str, ...] = ("emd", "kl")
+
+
+def distillation_loss(head_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0,
+                      objective: str = "emd") -> Tensor:
     """Rigel's phase-1 loss per row (Eq. 2): ``tau * EMD(softmax(z_score / tau), softmax(z_hat / tau))``,
-    float64; the factor tau keeps the gradient's scale as tau changes."""
+    float64; the factor tau keeps the gradient's scale as tau changes. ``objective="kl"`` is the paper's
+    Table 5 ablation, ``tau * KL(teacher || student)`` (the same factor: the paper gives none)."""
+    if objective not in RIGEL_OBJECTIVES:
+        raise ValueError(f"objective must be one of {RIGEL_OBJECTIVES}, got {objective!r}")
     teacher = tempered_softmax(teacher_logits, temperature)
+    if objective == "kl":
+        log_student = torch.log_softmax(head_logits.double() / temperature, dim=-1)
+        log_teacher = torch.log_softmax(teacher_logits.double() / temperature, dim=-1)
+        return temperature * (teacher * (log_teacher - log_student)).sum(-1)
     student = tempered_softmax(head_logits, temperature)
     return temperature * emd_1d(teacher, student)
 

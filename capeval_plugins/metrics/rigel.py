@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric
+from capeval_plugins.core import heads
 from capeval_plugins.training.model import RigelModel, load_rigel, read_settings, scores_from_probabilities
 
 CITATION = """@article{koyama2026rigel,
@@ -24,6 +25,8 @@ CITATION = """@article{koyama2026rigel,
   journal = {arXiv preprint arXiv:2606.29997},
   year    = {2026}
 }"""
+
+HEADS: tuple[str, ...] = ("scoring", "lm")
 
 NO_CHECKPOINT = (
     "rigel needs a trained checkpoint (checkpoint=PATH): no Rigel weights are public. Train one with "
@@ -41,6 +44,9 @@ class RigelConfig(ModelConfig):
     model: str = ""
     # Merge the LoRA adapter into the weights once at load (faster); False keeps it separate.
     merge_lora: bool = True
+    # Which head reads the score: "scoring" (the checkpoint's distilled head g) or "lm" (the LM head's label
+    # tokens "1".."5", softmax over them: the paper's Table 3 row (i)).
+    head: str = "scoring"
     input_paths: ClassVar[tuple[str, ...]] = ("checkpoint", "model")
 
 
@@ -71,6 +77,8 @@ class Rigel(PointwiseMetric):
         super().__init__(**config)
         if not self.config.checkpoint:
             raise ValueError(NO_CHECKPOINT)
+        if self.config.head not in HEADS:
+            raise ValueError(f"rigel: head must be one of {HEADS}, got {self.config.head!r}")
         # The label count of this checkpoint (the paper's 1..5 unless trained otherwise), read without the model.
         self.extra_shapes = {"distribution": (len(read_settings(self.config.checkpoint).labels),)}
 
@@ -83,8 +91,14 @@ class Rigel(PointwiseMetric):
                           device_map=cfg.device_map, max_memory=cfg.max_memory, offload_folder=cfg.offload_folder)
 
     def score(self, batch: Batch) -> dict[str, Tensor]:
-        probs = self.model.probabilities(batch.images, batch.image_index, batch.candidates, batch.references,
-                                         batch_size=self.config.batch_size)
+        if self.config.head == "lm":
+            with torch.inference_mode():
+                end = self.model.states(batch.images, batch.image_index, batch.candidates, batch.references,
+                                        batch_size=self.config.batch_size)
+            probs = heads.tempered_softmax(end.label_logprobs).cpu()  # renormalised over the labels
+        else:
+            probs = self.model.probabilities(batch.images, batch.image_index, batch.candidates, batch.references,
+                                             batch_size=self.config.batch_size)
         expected, score = scores_from_probabilities(probs)
         return {"score": score, "expected_label": expected, "distribution": probs.to(torch.float64)}
 

@@ -39,10 +39,14 @@ class Phase1Config:
     seed: int = 0
     extract_batch_size: int = 16
     shard_size: int = 1024
+    # The distillation objective: "emd" (Eq. 2) or "kl" (the paper's Table 5 ablation).
+    objective: str = "emd"
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.patience < 1 or self.extract_batch_size < 1:
             raise ValueError("epochs, batch_size, patience and extract_batch_size must be at least 1")
+        if self.objective not in heads.RIGEL_OBJECTIVES:
+            raise ValueError(f"objective must be one of {heads.RIGEL_OBJECTIVES}, got {self.objective!r}")
         if not self.lr > 0 or self.weight_decay < 0:
             raise ValueError("lr must be positive and weight_decay non-negative")
 
@@ -109,7 +113,7 @@ def _epoch(head: heads.ScoringHead, opt: torch.optim.Optimizer, features: Featur
     total = 0.0
     for rows in chunks(epoch_order(len(features), config.seed, epoch), config.batch_size):
         loss = heads.distillation_loss(head(features.hidden[rows]), features.teacher[rows],
-                                       settings.temperature).mean()
+                                       settings.temperature, config.objective).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -48,6 +48,9 @@ class Phase2Config:
     seed: int = 0
     save_every: int = 200
     eval_batch_size: int = 16
+    # The frozen head: "phase1" (init's distilled head) or "random" (freshly initialised with ``seed``: the
+    # paper's Table 3 row (iii), phase 2 without phase 1).
+    head_init: str = "phase1"
 
     def __post_init__(self) -> None:
         if min(self.epochs, self.batch_size, self.lora_r, self.save_every, self.eval_batch_size) < 1:
@@ -56,6 +59,8 @@ class Phase2Config:
             raise ValueError("lr must be positive, weight_decay non-negative and lora_dropout in [0, 1)")
         if self.ties not in ("up", "down"):
             raise ValueError(f"ties must be 'up' or 'down', got {self.ties!r}")
+        if self.head_init not in ("phase1", "random"):
+            raise ValueError(f"head_init must be 'phase1' or 'random', got {self.head_init!r}")
 
     def lora(self) -> dict[str, Any]:
         return {"r": self.lora_r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
@@ -121,6 +126,10 @@ def build_trainable(spec: JudgeSpec, init: str | os.PathLike, config: Phase2Conf
         wrapped = add_lora(load_private_backbone(spec), config)
     judge = LVLMJudge(wrapped.get_base_model(), load_lvlm_processor(spec))
     head = load_head(init, settings, judge.device)
+    if config.head_init == "random":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            head = settings.build_head().to(judge.device).eval().requires_grad_(False)
     return TrainableRigel(judge, head, settings, wrapped)
 
 
