@@ -9,7 +9,7 @@ a unit-variance bump elsewhere, the bump's centre drawn at random), over several
 with the package's closed-form head under each reading of Eq. 4 and correlated (Kendall tau-c x 100, the
 Flickr8k-Expert protocol: one row per expert rating) with the human ratings.
 
-    python metric_cards/discode/alpha_simulation.py --fleur-results PATH/fleur_flickr8k_expert.txt \
+    python benchmarks/discode_alpha_simulation.py --fleur-results PATH/fleur_flickr8k_expert.txt \
         --flickr8k ../shared/benchdata/flickr8k_expert/flickr8k.json [--seeds 5]
 
 The FLEUR repository and the human ratings are third-party data: the script reads them from where they are.
