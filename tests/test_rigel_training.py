@@ -410,3 +410,26 @@ def test_phase2_with_a_random_head_freezes_a_fresh_seeded_head(short_phase1):
         assert not torch.equal(got.cpu(), phase1)
     with pytest.raises(ValueError, match="head_init"):
         Phase2Config(head_init="lm")
+
+
+def test_command_line_passes_the_head_ablations_to_each_phase(tmp_path, monkeypatch, capsys):
+    """--objective reaches phase 1's config and --head-init phase 2's; without them the published defaults."""
+    import capeval_plugins.commands.train as train_cmd
+    import capeval_plugins.training.phase1 as phase1
+    import capeval_plugins.training.phase2 as phase2
+    from capeval_plugins.cli import main
+
+    seen = {}
+    monkeypatch.setattr(phase1, "train_phase1", lambda out, *a, config, **k: seen.setdefault("p1", []).append(config))
+    monkeypatch.setattr(phase2, "train_phase2", lambda out, *a, config, **k: seen.setdefault("p2", []).append(config))
+    monkeypatch.setattr(train_cmd, "summary", lambda checkpoint: {})
+    data = tmp_path / "train.jsonl"
+    write_images(tmp_path, ["0.png"])
+    data.write_text(json.dumps({"image": "0.png", "candidate": "A dog.", "score": 0.5}))
+    common = ["train", "rigel", "--train", str(data), "--quiet", "--val-fraction", "0", "--out", str(tmp_path / "o")]
+    for extra in ([], ["--objective", "kl"]):
+        assert main([*common, "--phase", "1", "--model", "m", *extra]) == 0
+    for extra in ([], ["--head-init", "random"]):
+        assert main([*common, "--phase", "2", "--init", str(tmp_path / "p1"), *extra]) == 0
+    assert [c.objective for c in seen["p1"]] == ["emd", "kl"]
+    assert [c.head_init for c in seen["p2"]] == ["phase1", "random"]

@@ -106,6 +106,12 @@ def add_rigel(methods) -> None:
                                             "model's q_proj and v_proj)")
     opt.add_argument("--ties", choices=("up", "down"), help="phase 2: a mean score half-way between labels")
     opt.add_argument("--save-every", type=int, help="phase 2: steps between saved states (200)")
+    ablation = p.add_argument_group("the paper's head ablations (defaults: the method as published)")
+    ablation.add_argument("--objective", choices=("emd", "kl"),
+                          help="phase 1: distil with the EMD of Eq. 2 (default) or tau x KL (Table 5)")
+    ablation.add_argument("--head-init", dest="head_init", choices=("phase1", "random"),
+                          help="phase 2: start from the distilled head (default) or a fresh seeded random head, "
+                               "kept frozen (Table 3, row iii)")
     p.set_defaults(func=cmd_train)
 
 
@@ -269,7 +275,7 @@ def run_training(args: argparse.Namespace) -> int:
         settings = settings_from(args)
         config = Phase1Config(seed=args.seed, **_given(args, {
             "epochs": "epochs", "batch_size": "batch_size", "lr": "lr", "weight_decay": "weight_decay",
-            "patience": "patience", "extract_batch_size": "extract_batch_size"}))
+            "patience": "patience", "extract_batch_size": "extract_batch_size", "objective": "objective"}))
         spec = JudgeSpec(settings.base_model, args.device, args.dtype, args.revision, args.local_files_only or None,
                          args.trust_remote_code)
         out = train_phase1(args.out, train, val, settings=settings, config=config, spec=spec, cache_dir=args.cache,
@@ -283,7 +289,7 @@ def run_training(args: argparse.Namespace) -> int:
         config = Phase2Config(seed=args.seed, **_given(args, {
             "epochs": "epochs", "batch_size": "batch_size", "lr": "lr", "weight_decay": "weight_decay",
             "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-            "lora_targets": "lora_targets", "ties": "ties", "save_every": "save_every"}))
+            "lora_targets": "lora_targets", "ties": "ties", "save_every": "save_every", "head_init": "head_init"}))
         out = train_phase2(args.out, args.init, train, val, config=config, model=args.model, device=args.device,
                            dtype=args.dtype, local_files_only=args.local_files_only or None,
                            trust_remote_code=args.trust_remote_code, progress=progress, overwrite=args.overwrite)
