@@ -1,9 +1,9 @@
 """The benchmarks ``capeval bench`` knows, by the names scripts rely on, with the protocol each expects."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from capeval_plugins.bench.data import Pairs, Ratings
@@ -11,15 +11,22 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Protocol:
-    """How a benchmark is judged. ``kind="correlation"``: Kendall tau-b, tau-c and Pearson between metric and
-    human scores over all rows, ``primary`` the one papers report. ``kind="pairwise"``: share of pairs where the
-    metric prefers the caption humans preferred, per category, and their mean when ``mean`` is set."""
+    """How a benchmark is judged. ``kind="correlation"``: Kendall tau-b, tau-c, Pearson and Spearman between
+    metric and human scores over all rows (against each human column; ``average_columns``: also their mean),
+    ``primary`` the one papers report. ``kind="pairwise"``: share of pairs where the metric prefers the caption
+    humans preferred, per category, per ``category_groups`` (mean of their categories) and the mean of all
+    categories when ``mean`` is set. ``ties`` is the official script's convention for a tied metric score
+    (``--ties`` overrides); ``round_scores`` rounds metric scores first, as an official script does."""
 
     kind: str
     primary: str
     description: str
     categories: tuple[str, ...] = ()
     mean: bool = True
+    ties: str = "wrong"
+    category_groups: Mapping[str, tuple[str, ...]] | None = None
+    average_columns: bool = False
+    round_scores: int | None = None
 
     def headline(self) -> tuple[str, ...]:
         """The statistics compared between metrics (significance tests)."""
@@ -35,6 +42,11 @@ class Benchmark:
     protocol: Protocol
     reader: Callable[[Path], "Ratings | Pairs"]
     data_format: str
+    # Options a metric gets on this benchmark unless the user sets them (``-o``), e.g. the settings of the
+    # benchmark's official script: {"msd_score": {"preset": "sugarcrepe"}}. Applied by ``capeval bench`` and
+    # :func:`metric_options`; a metric whose Config lacks the key is left as it is.
+    metric_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    source: str = ""
 
     def read(self, path: str | Path) -> "Ratings | Pairs":
         return self.reader(Path(path))
@@ -92,6 +104,41 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("thumb", "THumB 1.0 (COCO)",
               Protocol("correlation", "kendall_tau_c", _CORRELATION + "; human_score = (P + R) / 2 + penalties; tau-c"),
               _reader("read_thumb"), "THumB mscoco_THumB-1.0.jsonl + mscoco_references.json"),
+    Benchmark("sugarcrepe", "SugarCrepe",
+              Protocol("pairwise", "accuracy",
+                       "accuracy (x100) per subset: the metric is right when it scores the positive caption "
+                       "strictly higher than the hard negative (a tie is wrong, as the official script counts "
+                       "it); Replace / Swap / Add = mean of their subsets, as MSD-Score groups them; both captions "
+                       "of a pair form one group for group metrics",
+                       categories=("replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj",
+                                   "add_att"),
+                       category_groups={"Replace": ("replace_obj", "replace_att", "replace_rel"),
+                                        "Swap": ("swap_obj", "swap_att"), "Add": ("add_obj", "add_att")}),
+              _reader("read_sugarcrepe"), "RAIVNLab/sugar-crepe data/ folder (7 json files) or one subset file",
+              source="Hsieh et al., NeurIPS 2023; RAIVNLab/sugar-crepe"),
+    Benchmark("activitynet-fact", "ActivityNet-Fact",
+              Protocol("correlation", "pearson:paragraph",
+                       "Pearson r (x100; Kendall and Spearman also reported) against the paragraph score and the "
+                       "negated sentence- and word-level hallucination rates, one row per (video, model) "
+                       "paragraph, model-major over vids.txt, text kept as lower-case letters (FactVC's script); "
+                       "system level over the 6 models"),
+              _reader("read_factvc", "activitynet"), "FactVC data/activitynet folder",
+              source="Liu and Wan, 2023 (FactVC); PKULiuHui/FactVC metric/factvc_corr.py"),
+    Benchmark("youcook2-fact", "YouCook2-Fact",
+              Protocol("correlation", "pearson:paragraph",
+                       "Pearson r (x100) against the paragraph score and the negated sentence- and word-level "
+                       "hallucination rates, model-major over vids.txt, FactVC's text normalisation; system level "
+                       "over the 6 models"),
+              _reader("read_factvc", "youcook2"), "FactVC data/youcook2 folder",
+              source="Liu and Wan, 2023 (FactVC); PKULiuHui/FactVC metric/factvc_corr.py"),
+    Benchmark("vatex-eval", "VATEX-EVAL",
+              Protocol("correlation", "kendall_tau_b",
+                       "Kendall tau-b and Spearman rho (x100) against each of the 3 annotators' ratings, then "
+                       "their mean (EMScore's protocol), metric scores rounded to 4 decimals; references: the "
+                       "first --num-references of 9 (EMScore reports 1 and 9; 0 for reference-free)",
+                       average_columns=True, round_scores=4),
+              _reader("read_vatex_eval"), "VATEX-EVAL vid_cans_score_dict.json",
+              source="Shi et al., 2022 (EMScore); ShiYaya/emscore"),
     Benchmark("mceval", "MCEval",
               Protocol("pairwise", "accuracy",
                        "accuracy (x100) per visual domain and their mean (DISCODE's MCEval protocol): the metric "
@@ -113,3 +160,24 @@ def get_benchmark(name: str) -> Benchmark:
 def load_benchmark(name: str, path: str | Path) -> "Ratings | Pairs":
     """Read a benchmark's file (or folder) with its reader."""
     return get_benchmark(name).read(path)
+
+
+def metric_options(benchmark: str | Benchmark, names: Sequence[str], options: Sequence[str]) -> list[str]:
+    """``options`` (``[metric.]key=value`` strings) with the benchmark's ``metric_defaults`` added for every
+    selected metric that takes the key and for which the user set no value (``metric.key=`` or bare ``key=``).
+    Defaults come first, so ``capeval score``'s option rules apply unchanged."""
+    from capeval_plugins import registry
+    from capeval_plugins.options import fields
+
+    bench = benchmark if isinstance(benchmark, Benchmark) else get_benchmark(benchmark)
+    given = {pair.partition("=")[0].strip().replace("-", "_") for pair in options}
+    added = []
+    for name in names:
+        entry = registry.get(name)
+        canonical = entry.info.name
+        defaults = bench.metric_defaults.get(canonical, {})
+        known = fields(entry.cls.Config) if defaults else {}
+        for key, value in defaults.items():
+            if key in known and not given & {key, f"{name}.{key}", f"{canonical}.{key}"}:
+                added.append(f"{canonical}.{key}={value}")
+    return added + list(options)

@@ -35,10 +35,11 @@ class Captions:
     candidates: list[str]
     references: list[list[str]] | None = None
     corpus: list[int] | None = None
+    groups: list[int] | None = None  # group metrics (Soft-MSD) normalise within a group: one pair, not an image
 
     def __post_init__(self) -> None:
         n = len(self.candidates)
-        for name in ("images", "references", "corpus"):
+        for name in ("images", "references", "corpus", "groups"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} rows for {n} candidates")
@@ -61,18 +62,33 @@ class Captions:
 
 @dataclass
 class Ratings:
-    """A benchmark judged by correlation: one human score per row."""
+    """A benchmark judged by correlation: one human score per row. ``targets`` holds several human columns
+    when a benchmark correlates against each (FactVC's paragraph / sentence / word levels, VATEX-EVAL's three
+    annotators); ``human`` is then the first. ``systems`` names the captioning model of each row (system-level
+    correlation)."""
 
     captions: Captions
     human: np.ndarray
     categories: list[str] | None = None  # optional subsets with their own correlation (e.g. Composite)
     excluded: int = 0                    # rows the protocol dropped (e.g. candidates that are references)
     notes: dict[str, Any] = field(default_factory=dict)
+    targets: dict[str, np.ndarray] | None = None
+    systems: list[str] | None = None
 
     def __post_init__(self) -> None:
+        if self.targets:
+            self.targets = {k: np.asarray(v, dtype=np.float64) for k, v in self.targets.items()}
+            self.human = next(iter(self.targets.values()))
         self.human = np.asarray(self.human, dtype=np.float64)
-        if len(self.human) != len(self.captions):
-            raise ValueError(f"{len(self.human)} human scores for {len(self.captions)} rows")
+        n = len(self.captions)
+        for name, values in [("human", self.human), *((f"target {k}", v) for k, v in (self.targets or {}).items()),
+                             ("systems", self.systems if self.systems is not None else [None] * n)]:
+            if len(values) != n:
+                raise ValueError(f"{name} has {len(values)} values for {n} rows")
+
+    def human_columns(self) -> dict[str, np.ndarray]:
+        """The human scores each correlation is computed against, by name (``{"human": ...}`` by default)."""
+        return dict(self.targets) if self.targets else {"human": self.human}
 
     def units(self, by: str) -> np.ndarray:
         """Resampling unit of every row: the row itself, or its image."""

@@ -1,8 +1,10 @@
 """From per-row metric scores to the figures papers report, with paired bootstrap confidence intervals and
 significance tests.
 
-Correlation benchmarks: Kendall tau-b and tau-c (:mod:`capeval_plugins.core.correlation`, equal to scipy's)
-and Pearson's r between metric and human scores. Pairwise benchmarks: per-category accuracy (a pair is right
+Correlation benchmarks: Kendall tau-b and tau-c (:mod:`capeval_plugins.core.correlation`, equal to scipy's),
+Pearson's r and Spearman's rho between metric and human scores, against every human column the benchmark has
+(averaged over the columns where its protocol says so, as VATEX-EVAL's annotators), and over systems (one
+mean per captioning model) where the benchmark names them. Pairwise benchmarks: per-category accuracy (a pair is right
 when the metric scores the preferred caption strictly higher; ties count ``ties="wrong"`` 0 or ``"half"`` 0.5)
 and the mean over categories. Every figure is x100. Rows (pairs) whose metric score is NaN are left out and
 counted in ``n_invalid``.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from itertools import combinations
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -26,7 +28,8 @@ from capeval_plugins.bench.data import Pairs, Ratings
 from capeval_plugins.core.correlation import KendallPlan, pearson
 
 SCALE = 100.0
-CORRELATION_STATS = ("kendall_tau_b", "kendall_tau_c", "pearson")
+CORRELATION_STATS = ("kendall_tau_b", "kendall_tau_c", "pearson", "spearman")
+SYSTEM_STATS = ("kendall_tau_b", "spearman", "pearson")
 
 
 @dataclass
@@ -41,31 +44,109 @@ class Evaluation:
     category_sizes: dict[str, int] = field(default_factory=dict)
     category_stats: dict[str, dict[str, float]] = field(default_factory=dict)
     replicates: dict[str, np.ndarray] = field(default_factory=dict)
+    system_stats: dict[str, float] = field(default_factory=dict)
+    n_systems: int = 0
 
 
 # ------------------------------------------------------------------------------------------ correlation
 
+class RankPlan:
+    """Spearman's rho of fixed ``(x, y)`` under integer sample weights: equal to ``scipy.stats.spearmanr`` on
+    the data with item ``i`` repeated ``weights[i]`` times (tied values share their mean rank), without
+    re-sorting per bootstrap replicate."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.x_group = np.unique(x, return_inverse=True)[1].ravel()
+        self.y_group = np.unique(y, return_inverse=True)[1].ravel()
+
+    @staticmethod
+    def _ranks(groups: np.ndarray, w: np.ndarray) -> np.ndarray:
+        sizes = np.bincount(groups, weights=w, minlength=int(groups.max()) + 1 if len(groups) else 1)
+        before = np.cumsum(sizes) - sizes
+        return (before + (sizes + 1) / 2)[groups]
+
+    def rho(self, weights: np.ndarray | None = None) -> float:
+        w = np.ones(len(self.x_group)) if weights is None else np.asarray(weights, dtype=np.float64)
+        if not len(w):
+            return math.nan
+        return pearson(self._ranks(self.x_group, w), self._ranks(self.y_group, w), w)
+
+
 def correlation_stats(scores: np.ndarray, human: np.ndarray, plan: KendallPlan | None = None,
-                      weights: np.ndarray | None = None) -> dict[str, float]:
+                      weights: np.ndarray | None = None, ranks: RankPlan | None = None) -> dict[str, float]:
     plan = plan if plan is not None else KendallPlan(scores, human)
+    ranks = ranks if ranks is not None else RankPlan(scores, human)
     tau = plan.statistics(weights)
     return {"kendall_tau_b": SCALE * tau["b"], "kendall_tau_c": SCALE * tau["c"],
-            "pearson": SCALE * pearson(scores, human, weights)}
+            "pearson": SCALE * pearson(scores, human, weights), "spearman": SCALE * ranks.rho(weights)}
 
 
-def evaluate_ratings(scores: np.ndarray, data: Ratings) -> tuple[Evaluation, KendallPlan, np.ndarray]:
+def column_stats(per_column: Mapping[str, dict[str, float]], average: bool,
+                 keys: Sequence[str] = CORRELATION_STATS) -> dict[str, float]:
+    """One human column: its statistics as they are. Several: ``<stat>:<column>`` for each and, when the
+    protocol averages them (VATEX-EVAL's annotators), the mean under the plain name."""
+    if list(per_column) == ["human"]:
+        return dict(per_column["human"])
+    out = {f"{k}:{col}": v for col, stats in per_column.items() for k, v in stats.items()}
+    if average:
+        for k in keys:
+            out[k] = float(np.mean([stats[k] for stats in per_column.values()]))
+    return out
+
+
+class RatingPlans:
+    """Precomputed Kendall and rank plans of one metric against every human column, on the valid rows."""
+
+    def __init__(self, scores: np.ndarray, data: Ratings, valid: np.ndarray, average: bool) -> None:
+        self.x = scores[valid]
+        self.valid = valid
+        self.average = average
+        self.columns = {col: (y[valid], KendallPlan(self.x, y[valid]), RankPlan(self.x, y[valid]))
+                        for col, y in data.human_columns().items()}
+
+    def stats(self, weights: np.ndarray | None = None) -> dict[str, float]:
+        w = None if weights is None else weights[self.valid]
+        per = {col: correlation_stats(self.x, y, plan, w, ranks) for col, (y, plan, ranks) in self.columns.items()}
+        return column_stats(per, self.average)
+
+
+def system_stats(scores: np.ndarray, data: Ratings, valid: np.ndarray, average: bool) -> tuple[dict[str, float], int]:
+    """Correlation over systems: each system's mean metric score against its mean human score (valid rows)."""
+    systems = np.asarray(data.systems, dtype=object)[valid]
+    names, index = np.unique(systems.astype(str), return_inverse=True)
+    if len(names) < 3:
+        return {}, len(names)
+    count = np.bincount(index, minlength=len(names))
+
+    def means(values: np.ndarray) -> np.ndarray:
+        return np.bincount(index, weights=values[valid], minlength=len(names)) / count
+
+    x = means(scores)
+    per = {}
+    for col, y in data.human_columns().items():
+        full = correlation_stats(x, means(y))
+        per[col] = {k: full[k] for k in SYSTEM_STATS}
+    return column_stats(per, average, SYSTEM_STATS), len(names)
+
+
+def evaluate_ratings(scores: np.ndarray, data: Ratings, average: bool = False
+                     ) -> tuple[Evaluation, RatingPlans]:
     scores = np.asarray(scores, dtype=np.float64)
-    valid = np.isfinite(scores) & np.isfinite(data.human)
-    plan = KendallPlan(scores[valid], data.human[valid])
-    evaluation = Evaluation(correlation_stats(scores[valid], data.human[valid], plan), int(valid.sum()),
-                            int((~valid).sum()))
+    valid = np.isfinite(scores)
+    for y in data.human_columns().values():
+        valid &= np.isfinite(y)
+    plans = RatingPlans(scores, data, valid, average)
+    evaluation = Evaluation(plans.stats(), int(valid.sum()), int((~valid).sum()))
+    if data.systems is not None:
+        evaluation.system_stats, evaluation.n_systems = system_stats(scores, data, valid, average)
     if data.categories is not None:
         cats = np.asarray(data.categories)
         for cat in dict.fromkeys(data.categories):
             rows = valid & (cats == cat)
             evaluation.category_sizes[cat] = int(rows.sum())
-            evaluation.category_stats[cat] = correlation_stats(scores[rows], data.human[rows])
-    return evaluation, plan, valid
+            per = {col: correlation_stats(scores[rows], y[rows]) for col, y in data.human_columns().items()}
+            evaluation.category_stats[cat] = column_stats(per, average)
+    return evaluation, plans
 
 
 # --------------------------------------------------------------------------------------------- pairwise
@@ -83,13 +164,18 @@ def pair_outcomes(scores: np.ndarray, data: Pairs, ties: str) -> tuple[np.ndarra
 
 
 def accuracy_stats(credit: np.ndarray, category_index: np.ndarray, names: list[str], mean: bool,
-                   weights: np.ndarray) -> dict[str, float]:
-    """``{"category:<name>": accuracy, "accuracy": their mean}`` (x100) with per-pair weights."""
+                   weights: np.ndarray, groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, float]:
+    """``{"category:<name>": accuracy, "group:<name>": mean of its categories, "accuracy": mean of all
+    categories}`` (x100) with per-pair weights."""
     totals = np.bincount(category_index, weights=weights * credit, minlength=len(names))
     counts = np.bincount(category_index, weights=weights, minlength=len(names))
     with np.errstate(invalid="ignore", divide="ignore"):
         per_category = SCALE * totals / counts
     out = {f"category:{name}": float(v) for name, v in zip(names, per_category)}
+    for group, members in (groups or {}).items():
+        present = [out[f"category:{m}"] for m in members if f"category:{m}" in out]
+        if present:
+            out[f"group:{group}"] = float(np.mean(present))
     if mean:
         out["accuracy"] = float(np.mean(per_category))
     return out
@@ -105,7 +191,8 @@ def evaluate_pairs(scores: np.ndarray, data: Pairs, protocol: Protocol, ties: st
     credit, valid, tied = pair_outcomes(np.asarray(scores, dtype=np.float64), data, ties)
     names = category_order(data, protocol)
     index = np.array([names.index(c) for c in data.categories], dtype=np.int64)
-    stats = accuracy_stats(credit[valid], index[valid], names, protocol.mean, np.ones(int(valid.sum())))
+    stats = accuracy_stats(credit[valid], index[valid], names, protocol.mean, np.ones(int(valid.sum())),
+                           protocol.category_groups)
     sizes = {c: int((valid & (index == i)).sum()) for i, c in enumerate(names)}
     evaluation = Evaluation(stats, int(valid.sum()), int((~valid).sum()), int(tied.sum()), sizes)
     return evaluation, (credit, valid, index, names)
@@ -159,13 +246,17 @@ def p_value(differences: np.ndarray) -> float:
 # ---------------------------------------------------------------------------------------------- evaluate
 
 def evaluate(data: Ratings | Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], *,
-             replicates: int = 1000, seed: int = 0, unit: str = "image", ties: str = "wrong"
-             ) -> tuple[dict[str, Evaluation], list[dict]]:
+             replicates: int = 1000, seed: int = 0, unit: str = "image", ties: str | None = None,
+             compare_only: Sequence[str] | None = None) -> tuple[dict[str, Evaluation], list[dict]]:
     """Every metric's figures (with bootstrap intervals when ``replicates > 0``) and the paired comparisons
-    of every two metrics on the benchmark's headline statistics."""
+    of every two metrics on the benchmark's headline statistics. ``ties``: the protocol's convention unless
+    given. Scores are rounded first where the protocol says so (VATEX-EVAL: 4 decimals)."""
+    ties = ties or protocol.ties
     scores = {name: np.asarray(s, dtype=np.float64) for name, s in scores.items()}
+    if protocol.round_scores is not None:
+        scores = {name: np.round(s, protocol.round_scores) for name, s in scores.items()}
     if isinstance(data, Ratings):
-        prepare = lambda sc: _ratings(data, sc)  # noqa: E731
+        prepare = lambda sc: _ratings(data, protocol, sc)  # noqa: E731
         resampler = Resampler(data.units(unit), None, replicates, seed)
     else:
         prepare = lambda sc: _pairs(data, protocol, sc, ties)  # noqa: E731
@@ -173,7 +264,8 @@ def evaluate(data: Ratings | Pairs, protocol: Protocol, scores: Mapping[str, np.
     evaluations, replicate = prepare(scores)
     for name, values in _replicates(replicate, resampler).items():
         evaluations[name].replicates = values
-    return evaluations, compare(evaluations, protocol, resampler, scores, prepare)
+    compared = evaluations if compare_only is None else {n: evaluations[n] for n in compare_only}
+    return evaluations, compare(compared, protocol, resampler, scores, prepare)
 
 
 def _replicates(replicate, resampler: Resampler) -> dict[str, dict[str, np.ndarray]]:
@@ -186,15 +278,13 @@ def _replicates(replicate, resampler: Resampler) -> dict[str, dict[str, np.ndarr
     return {name: {k: np.asarray(v) for k, v in stats.items()} for name, stats in rows.items()}
 
 
-def _ratings(data: Ratings, scores: Mapping[str, np.ndarray]):
+def _ratings(data: Ratings, protocol: Protocol, scores: Mapping[str, np.ndarray]):
     evaluations, plans = {}, {}
     for name, s in scores.items():
-        evaluation, plan, valid = evaluate_ratings(s, data)
-        evaluations[name] = evaluation
-        plans[name] = (plan, s[valid], data.human[valid], valid)
+        evaluations[name], plans[name] = evaluate_ratings(s, data, protocol.average_columns)
 
     def replicate(w: np.ndarray) -> dict[str, dict[str, float]]:
-        return {name: correlation_stats(x, y, plan, w[valid]) for name, (plan, x, y, valid) in plans.items()}
+        return {name: plan.stats(w) for name, plan in plans.items()}
 
     return evaluations, replicate
 
@@ -207,7 +297,8 @@ def _pairs(data: Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], ti
     def replicate(w: np.ndarray) -> dict[str, dict[str, float]]:
         out = {}
         for name, (credit, valid, index, cats) in outcomes.items():
-            out[name] = accuracy_stats(credit[valid], index[valid], cats, protocol.mean, w[valid])
+            out[name] = accuracy_stats(credit[valid], index[valid], cats, protocol.mean, w[valid],
+                                       protocol.category_groups)
         return out
 
     return evaluations, replicate
