@@ -27,6 +27,7 @@ class Protocol:
     category_groups: Mapping[str, tuple[str, ...]] | None = None
     average_columns: bool = False
     round_scores: int | None = None
+    table_stats: tuple[str, ...] = ()  # the statistics the printed table shows (all in the JSON); () = all
 
     def headline(self) -> tuple[str, ...]:
         """The statistics compared between metrics (significance tests)."""
@@ -121,14 +122,14 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        "Pearson r (x100; Kendall and Spearman also reported) against the paragraph score and the "
                        "negated sentence- and word-level hallucination rates, one row per (video, model) "
                        "paragraph, model-major over vids.txt, text kept as lower-case letters (FactVC's script); "
-                       "system level over the 6 models"),
+                       "system level over the 6 models", table_stats=("pearson", "spearman")),
               _reader("read_factvc", "activitynet"), "FactVC data/activitynet folder",
               source="Liu and Wan, 2023 (FactVC); PKULiuHui/FactVC metric/factvc_corr.py"),
     Benchmark("youcook2-fact", "YouCook2-Fact",
               Protocol("correlation", "pearson:paragraph",
                        "Pearson r (x100) against the paragraph score and the negated sentence- and word-level "
                        "hallucination rates, model-major over vids.txt, FactVC's text normalisation; system level "
-                       "over the 6 models"),
+                       "over the 6 models", table_stats=("pearson", "spearman")),
               _reader("read_factvc", "youcook2"), "FactVC data/youcook2 folder",
               source="Liu and Wan, 2023 (FactVC); PKULiuHui/FactVC metric/factvc_corr.py"),
     Benchmark("vatex-eval", "VATEX-EVAL",
@@ -136,7 +137,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        "Kendall tau-b and Spearman rho (x100) against each of the 3 annotators' ratings, then "
                        "their mean (EMScore's protocol), metric scores rounded to 4 decimals; references: the "
                        "first --num-references of 9 (EMScore reports 1 and 9; 0 for reference-free)",
-                       average_columns=True, round_scores=4),
+                       average_columns=True, round_scores=4, table_stats=("kendall_tau_b", "spearman")),
               _reader("read_vatex_eval"), "VATEX-EVAL vid_cans_score_dict.json",
               source="Shi et al., 2022 (EMScore); ShiYaya/emscore"),
     Benchmark("mceval", "MCEval",

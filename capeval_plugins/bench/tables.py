@@ -39,13 +39,15 @@ def report_markdown(report) -> str:
     if protocol.kind == "correlation":
         stat = protocol.primary
         first = next(iter(results.values()), {})
-        columns = [k for k in first if k.split(":")[0] in STATS and k != "ci95"]
+        shown = protocol.table_stats or STATS
+        columns = [k for k in first if k.split(":")[0] in shown]
+        columns.sort(key=lambda k: ":" in k)  # a mean over human columns before the columns themselves
         header = ["metric", "n", *(label(c) for c in columns), f"95% CI ({label(stat)})", "time (s)"]
         rows = [[name, f"{r['n']:,}", *(number(r.get(c)) for c in columns), ci(r.get("ci95", {}).get(stat)), _time(r)]
                 for name, r in results.items()]
         systems = {name: r["system"] for name, r in results.items() if "system" in r}
         if systems:
-            sys_cols = [k for k in next(iter(systems.values())) if k != "n"]
+            sys_cols = [k for k in next(iter(systems.values())) if k.split(":")[0] in shown]
             lines += table(header, rows) + ["", f"System level ({next(iter(systems.values()))['n']} systems: mean "
                                             "metric score per system against mean human score):", ""]
             header, rows = ["metric", *(label(c) for c in sys_cols)], [
