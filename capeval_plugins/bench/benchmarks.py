@@ -28,6 +28,10 @@ class Protocol:
     average_columns: bool = False
     round_scores: int | None = None
     table_stats: tuple[str, ...] = ()  # the statistics the printed table shows (all in the JSON); () = all
+    pooled: bool = False  # pairwise "accuracy": share over all pairs instead of the mean over categories
+    # model-level ranking: human ranking of the systems, best first (CapArena's official list), or () to rank
+    # them by the human votes; None: no model-level figure
+    model_ranking: tuple[str, ...] | None = None
 
     def headline(self) -> tuple[str, ...]:
         """The statistics compared between metrics (significance tests)."""
@@ -64,6 +68,12 @@ def _reader(name: str, *args: Any) -> Callable[[Path], "Ratings | Pairs"]:
 
     return read
 
+
+# The human ranking CapArena's official model-level script compares with (best first).
+CAPARENA_HUMAN_RANKING = (
+    "GPT-4o-0806", "human", "Gemini-2.0-flash-exp", "InternVL2-26B", "Gemini-1.5-pro-002", "Claude-3.5-Sonnet-0620",
+    "GPT-4o-mini-0718", "LLama-3.2-90B", "Qwen2-VL-72B-Instruct", "CogVLM2-llama3-chat-19B", "MiniCPM-V2.6-8B",
+    "Qwen2-VL-7B-Instruct", "Qwen2-VL-2B-Instruct", "LLaVA-1.6-34B", "LLaVA-1.5-7B")
 
 _CORRELATION = ("Kendall tau between metric scores and human scores over all rows (scipy's definition; "
                 "x100), corpus-level metrics scored on all rows in one call")
@@ -140,6 +150,17 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        average_columns=True, round_scores=4, table_stats=("kendall_tau_b", "spearman")),
               _reader("read_vatex_eval"), "VATEX-EVAL vid_cans_score_dict.json",
               source="Shi et al., 2022 (EMScore); ShiYaya/emscore"),
+    Benchmark("caparena", "CapArena",
+              Protocol("pairwise", "accuracy",
+                       "caption-level agreement (x100) with the human vote, ties included (the official script): "
+                       "the metric's decision is the caption it scores higher, equal scores predict a tie "
+                       "(--tie-margin D: scores within D, MSD-Score's reading); share over all battles and per "
+                       "level; model level: Spearman / Kendall tau-b between the models' bootstrap-Elo ranking "
+                       "from the metric's decisions and the official human ranking; battles with the human "
+                       "source left out", categories=("level 1", "level 2", "level 3", "level 4"),
+                       ties="tie", pooled=True, model_ranking=CAPARENA_HUMAN_RANKING),
+              _reader("read_caparena"), "CapArena caparena_annots_eval.json (list of battles)",
+              source="Cheng et al., 2025 (CapArena); njucckevin/CapArena caparena_metrics.py, cal_ranking.py"),
     Benchmark("mceval", "MCEval",
               Protocol("pairwise", "accuracy",
                        "accuracy (x100) per visual domain and their mean (DISCODE's MCEval protocol): the metric "

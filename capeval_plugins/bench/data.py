@@ -98,7 +98,9 @@ class Ratings:
 @dataclass
 class Pairs:
     """A benchmark judged by pairwise accuracy: pair ``i`` compares rows ``first[i]`` and ``second[i]``;
-    ``label[i]`` is 0 when humans preferred the first, 1 when they preferred the second."""
+    ``label[i]`` is 0 when humans preferred the first, 1 when they preferred the second. ``human_tie`` marks
+    pairs humans judged a tie (CapArena; their ``label`` is then meaningless); ``pair_systems`` names the two
+    captioning models of each pair (model-level ranking)."""
 
     captions: Captions
     first: np.ndarray
@@ -107,8 +109,16 @@ class Pairs:
     categories: list[str]
     excluded: int = 0
     notes: dict[str, Any] = field(default_factory=dict)
+    human_tie: np.ndarray | None = None
+    pair_systems: list[tuple[str, str]] | None = None
 
     def __post_init__(self) -> None:
+        if self.human_tie is not None:
+            self.human_tie = np.asarray(self.human_tie, dtype=bool)
+            if len(self.human_tie) != len(self.first):
+                raise ValueError("human_tie must have one entry per pair")
+        if self.pair_systems is not None and len(self.pair_systems) != len(self.first):
+            raise ValueError("pair_systems must have one entry per pair")
         self.first = np.asarray(self.first, dtype=np.int64)
         self.second = np.asarray(self.second, dtype=np.int64)
         self.label = np.asarray(self.label, dtype=np.int64)

@@ -151,22 +151,37 @@ def evaluate_ratings(scores: np.ndarray, data: Ratings, average: bool = False
 
 # --------------------------------------------------------------------------------------------- pairwise
 
-def pair_outcomes(scores: np.ndarray, data: Pairs, ties: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per pair: credit (1 right, 0 wrong, tie 0 or 0.5), whether both scores are finite, whether tied."""
-    if ties not in ("wrong", "half"):
-        raise ValueError(f"ties must be 'wrong' or 'half', got {ties!r}")
+TIES = ("wrong", "half", "tie")
+
+
+def pair_outcomes(scores: np.ndarray, data: Pairs, ties: str, margin: float = 0.0
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per pair: credit, whether both scores are finite, whether the metric tied them (scores within
+    ``margin``; 0: equal). The metric's decision is the caption it scores higher. A metric tie counts
+    ``ties="wrong"`` 0, ``"half"`` 0.5, or ``"tie"``: the metric predicts a tie, right exactly where humans
+    judged one (CapArena's caption-level agreement). A human tie is right only when the metric predicts one."""
+    if ties not in TIES:
+        raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
+    if not margin >= 0:
+        raise ValueError(f"the tie margin must be 0 or more, got {margin!r}")
     a, b = scores[data.first], scores[data.second]
     valid = np.isfinite(a) & np.isfinite(b)
-    tied = valid & (a == b)
-    right = np.where(data.label == 0, a > b, b > a).astype(np.float64)
-    right[tied] = 0.5 if ties == "half" else 0.0
+    diff = np.where(valid, a - b, 0.0)
+    tied = valid & (np.abs(diff) <= margin)
+    right = np.where(data.label == 0, diff > 0, diff < 0).astype(np.float64)
+    human_tie = np.zeros(len(diff), dtype=bool) if data.human_tie is None else data.human_tie
+    right[human_tie] = 0.0
+    right[tied] = {"wrong": 0.0, "half": 0.5}.get(ties, 0.0)
+    if ties == "tie":
+        right[tied & human_tie] = 1.0
     return right, valid, tied
 
 
 def accuracy_stats(credit: np.ndarray, category_index: np.ndarray, names: list[str], mean: bool,
-                   weights: np.ndarray, groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, float]:
+                   weights: np.ndarray, groups: Mapping[str, Sequence[str]] | None = None,
+                   pooled: bool = False) -> dict[str, float]:
     """``{"category:<name>": accuracy, "group:<name>": mean of its categories, "accuracy": mean of all
-    categories}`` (x100) with per-pair weights."""
+    categories (``pooled``: share over all pairs)}`` (x100) with per-pair weights."""
     totals = np.bincount(category_index, weights=weights * credit, minlength=len(names))
     counts = np.bincount(category_index, weights=weights, minlength=len(names))
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -177,7 +192,8 @@ def accuracy_stats(credit: np.ndarray, category_index: np.ndarray, names: list[s
         if present:
             out[f"group:{group}"] = float(np.mean(present))
     if mean:
-        out["accuracy"] = float(np.mean(per_category))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out["accuracy"] = float(SCALE * totals.sum() / counts.sum() if pooled else np.mean(per_category))
     return out
 
 
@@ -187,14 +203,19 @@ def category_order(data: Pairs, protocol: Protocol) -> list[str]:
     return known + [c for c in present if c not in known]
 
 
-def evaluate_pairs(scores: np.ndarray, data: Pairs, protocol: Protocol, ties: str):
-    credit, valid, tied = pair_outcomes(np.asarray(scores, dtype=np.float64), data, ties)
+def evaluate_pairs(scores: np.ndarray, data: Pairs, protocol: Protocol, ties: str, margin: float = 0.0):
+    scores = np.asarray(scores, dtype=np.float64)
+    credit, valid, tied = pair_outcomes(scores, data, ties, margin)
     names = category_order(data, protocol)
     index = np.array([names.index(c) for c in data.categories], dtype=np.int64)
     stats = accuracy_stats(credit[valid], index[valid], names, protocol.mean, np.ones(int(valid.sum())),
-                           protocol.category_groups)
+                           protocol.category_groups, protocol.pooled)
     sizes = {c: int((valid & (index == i)).sum()) for i, c in enumerate(names)}
     evaluation = Evaluation(stats, int(valid.sum()), int((~valid).sum()), int(tied.sum()), sizes)
+    if data.pair_systems is not None and protocol.model_ranking is not None:
+        from capeval_plugins.bench.ranking import model_level_agreement
+
+        evaluation.system_stats, evaluation.n_systems = model_level_agreement(scores, data, valid, tied, protocol)
     return evaluation, (credit, valid, index, names)
 
 
@@ -247,7 +268,8 @@ def p_value(differences: np.ndarray) -> float:
 
 def evaluate(data: Ratings | Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], *,
              replicates: int = 1000, seed: int = 0, unit: str = "image", ties: str | None = None,
-             compare_only: Sequence[str] | None = None) -> tuple[dict[str, Evaluation], list[dict]]:
+             compare_only: Sequence[str] | None = None, tie_margin: float = 0.0
+             ) -> tuple[dict[str, Evaluation], list[dict]]:
     """Every metric's figures (with bootstrap intervals when ``replicates > 0``) and the paired comparisons
     of every two metrics on the benchmark's headline statistics. ``ties``: the protocol's convention unless
     given. Scores are rounded first where the protocol says so (VATEX-EVAL: 4 decimals)."""
@@ -259,7 +281,7 @@ def evaluate(data: Ratings | Pairs, protocol: Protocol, scores: Mapping[str, np.
         prepare = lambda sc: _ratings(data, protocol, sc)  # noqa: E731
         resampler = Resampler(data.units(unit), None, replicates, seed)
     else:
-        prepare = lambda sc: _pairs(data, protocol, sc, ties)  # noqa: E731
+        prepare = lambda sc: _pairs(data, protocol, sc, ties, tie_margin)  # noqa: E731
         resampler = Resampler(data.units(unit), np.asarray(data.categories), replicates, seed)
     evaluations, replicate = prepare(scores)
     for name, values in _replicates(replicate, resampler).items():
@@ -289,16 +311,16 @@ def _ratings(data: Ratings, protocol: Protocol, scores: Mapping[str, np.ndarray]
     return evaluations, replicate
 
 
-def _pairs(data: Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], ties: str):
+def _pairs(data: Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], ties: str, margin: float):
     evaluations, outcomes = {}, {}
     for name, s in scores.items():
-        evaluations[name], outcomes[name] = evaluate_pairs(s, data, protocol, ties)
+        evaluations[name], outcomes[name] = evaluate_pairs(s, data, protocol, ties, margin)
 
     def replicate(w: np.ndarray) -> dict[str, dict[str, float]]:
         out = {}
         for name, (credit, valid, index, cats) in outcomes.items():
             out[name] = accuracy_stats(credit[valid], index[valid], cats, protocol.mean, w[valid],
-                                       protocol.category_groups)
+                                       protocol.category_groups, protocol.pooled)
         return out
 
     return evaluations, replicate

@@ -589,3 +589,42 @@ def read_vatex_eval(path: str | Path) -> Ratings:
     targets = {f"annotator{i + 1}": values for i, values in enumerate(columns)}
     return Ratings(Captions(images, candidates, references), np.array(columns[0] if columns else []),
                    targets=targets, notes={"videos": len(data)})
+
+
+# -------------------------------------------------------------------------------------- CapArena (MSD-Score)
+
+def read_caparena(path: str | Path) -> Pairs:
+    """CapArena's human annotations (Cheng et al., 2025; github.com/njucckevin/CapArena), the file its
+    evaluation scripts read (``caparena_annots_eval.json``): a JSON list of battles ``{"img", "source1",
+    "source2", "caption1", "caption2", "ref", "winner", "cluster"}``, ``winner`` the winning source (anything
+    else a tie), ``cluster`` the difficulty level ("level 1" .. "level 4"). As the official scripts do, battles
+    involving the ``human`` source are left out (counted in ``excluded``). ``ref`` (the DOCCI description) is
+    the pair's reference."""
+    data = load_records(path)
+    if not isinstance(data, list):
+        raise InputError(f"{path}: expected a JSON list of battles (CapArena)")
+    rows = _PairRows()
+    ties, systems = [], []
+    excluded = 0
+    for k, item in enumerate(data):
+        at = f"{path}: battle {k}"
+        if not isinstance(item, dict):
+            raise InputError(f"{at}: expected an object")
+        sources = [text(pick(item, (key,), key, at), key, at) for key in ("source1", "source2")]
+        if "human" in sources:
+            excluded += 1
+            continue
+        captions = [clean(text(pick(item, (key,), key, at), key, at)) for key in ("caption1", "caption2")]
+        winner = text(pick(item, ("winner",), "winner", at), "winner", at)
+        ref = item.get("ref")
+        refs = as_list(ref, at) if ref is not None else None
+        image = text(pick(item, ("img", "image"), "img", at), "img", at)
+        cluster = text(pick(item, ("cluster",), "cluster", at), "cluster", at)
+        rows.add(image, captions, refs, 1 if winner == sources[1] else 0, cluster, corpus=0)
+        ties.append(winner not in sources)
+        systems.append((sources[0], sources[1]))
+    pairs = rows.build(path, notes={"human_ties": int(sum(ties))})
+    pairs.excluded = excluded
+    pairs.human_tie = np.array(ties, dtype=bool)
+    pairs.pair_systems = systems
+    return pairs

@@ -63,6 +63,8 @@ class BenchReport:
                                "seed": self.settings["seed"], "level": 0.95}}
         if self.kind == "pairwise":
             proto["ties"] = self.settings["ties"]
+            if self.settings.get("tie_margin"):
+                proto["tie_margin"] = self.settings["tie_margin"]
             if protocol.category_groups:
                 proto["groups"] = {k: list(v) for k, v in protocol.category_groups.items()}
         if protocol.round_scores is not None:
@@ -109,6 +111,8 @@ class BenchReport:
                 out["groups"] = groups
             if ev.replicates and "accuracy" in ci:
                 out["ci95"] = {"accuracy": ci["accuracy"]}
+            if ev.system_stats:
+                out["system"] = {**ev.system_stats, "n": ev.n_systems}
         if ev.n_invalid:
             out["n_invalid"] = ev.n_invalid
         if run.source:
@@ -280,7 +284,8 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
                   cache: Any = None, bootstrap: int = 1000, seed: int = 0, unit: str = "image",
                   ties: str | None = None, with_references: bool = False, progress: bool = True,
                   scores: Mapping[str, str | os.PathLike] | None = None, extras: bool = False,
-                  save_scores: str | os.PathLike | None = None, num_references: int | None = None) -> BenchReport:
+                  save_scores: str | os.PathLike | None = None, num_references: int | None = None,
+                  tie_margin: float = 0.0) -> BenchReport:
     """Read the benchmark (unless ``data`` is already read), score it with every metric and evaluate them.
 
     ``metrics`` maps a label to a built metric; ``scores`` maps a label to a per-sample score file computed
@@ -289,7 +294,8 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     :func:`open_cache`. ``bootstrap`` replicates (0: none) resample ``unit`` (``"image"`` or ``"row"``) with
     ``seed``. ``ties`` counts a tied pair ``"wrong"`` or ``"half"`` right (default: the benchmark's official
     convention). ``with_references`` also gives references to metrics for which they are optional;
-    ``num_references`` keeps the first n references of every row (0: none). ``extras``: a metric's
+    ``num_references`` keeps the first n references of every row (0: none). ``tie_margin``: pairwise scores
+    within it are a metric tie (0: only equal scores). ``extras``: a metric's
     one-value-per-sample extras are evaluated as rows of their own (``metric:extra``). ``save_scores``: a
     folder that gets ``<label>.jsonl`` with every row's score and extras, readable back with ``scores``."""
     from capeval_plugins.bench.scorefiles import match_scores, write_scores
@@ -330,8 +336,10 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
             runs[label] = MetricRun(values, 0.0, run.from_cache, run.computed, source=run.source)
     ties = ties or bench.protocol.ties
     evaluations, comparisons = evaluate(data, bench.protocol, table, replicates=bootstrap, seed=seed, unit=unit,
-                                        ties=ties, compare_only=[n for n in table if n in metrics or n in scores])
-    settings = {"bootstrap": bootstrap, "seed": seed, "unit": unit, "ties": ties, "num_references": num_references}
+                                        ties=ties, compare_only=[n for n in table if n in metrics or n in scores],
+                                        tie_margin=tie_margin)
+    settings = {"bootstrap": bootstrap, "seed": seed, "unit": unit, "ties": ties, "num_references": num_references,
+                "tie_margin": tie_margin}
     return BenchReport(bench, data, runs, evaluations, comparisons, settings, time.perf_counter() - started, source)
 
 

@@ -55,7 +55,8 @@ def report_markdown(report) -> str:
     else:
         cats = list(next(iter(results.values()))["categories"]) if results else []
         groups = list(next(iter(results.values())).get("groups", {})) if results else []
-        header = ["metric", "n", *cats, *groups] + (["mean", "95% CI (mean)"] if protocol.mean else []) + \
+        overall = "overall" if protocol.pooled else "mean"
+        header = ["metric", "n", *cats, *groups] + ([overall, f"95% CI ({overall})"] if protocol.mean else []) + \
             ["ties", "time (s)"]
         rows = []
         for name, r in results.items():
@@ -64,6 +65,13 @@ def report_markdown(report) -> str:
             if protocol.mean:
                 row += [number(r.get("accuracy")), ci(r.get("ci95", {}).get("accuracy"))]
             rows.append(row + [f"{r['n_ties']:,}", _time(r)])
+        models = {name: r["system"] for name, r in results.items() if "system" in r}
+        if models:
+            lines += table(header, rows) + ["", "Model level (bootstrap-Elo ranking from the metric's decisions "
+                                            "against the human ranking):", ""]
+            header = ["metric", "models", "Spearman", "Kendall τb"]
+            rows = [[name, str(m["n"]), number(m.get("spearman")), number(m.get("kendall_tau_b"))]
+                    for name, m in models.items()]
     lines += table(header, rows)
     if doc["comparisons"]:
         lines += ["", "Paired bootstrap comparisons (difference = first - second):", ""]

@@ -52,9 +52,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--bootstrap-unit", choices=("image", "row"), default="image",
                    help="what the bootstrap resamples (default: images, so rows of one image stay together)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    p.add_argument("--ties", choices=("wrong", "half"), default=None,
-                   help="pairwise benchmarks: a tied pair counts as wrong or half right (default: the benchmark's "
-                        "official script's convention, see docs/bench.md)")
+    p.add_argument("--ties", choices=("wrong", "half", "tie"), default=None,
+                   help="pairwise benchmarks: a tied pair counts as wrong, half right, or as a predicted tie "
+                        "(right where humans judged a tie: CapArena) (default: the benchmark's official "
+                        "script's convention, see docs/bench.md)")
+    p.add_argument("--tie-margin", type=float, default=0.0, metavar="D",
+                   help="pairwise benchmarks: scores within D of each other are a metric tie (default 0: equal "
+                        "scores only; MSD-Score's CapArena reading uses a margin)")
     p.add_argument("--with-references", action="store_true",
                    help="also give references to metrics for which they are optional")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -93,7 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             cache=False if args.no_cache else args.cache, bootstrap=args.bootstrap, seed=args.seed,
             unit=args.bootstrap_unit, ties=args.ties, with_references=args.with_references, progress=not args.quiet,
             scores=score_files, extras=args.extras, save_scores=args.save_scores,
-            num_references=args.num_references)
+            num_references=args.num_references, tie_margin=args.tie_margin)
     except RuntimeError as err:  # a missing runtime (Java, SPICE's jars): one line, not a traceback
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2
