@@ -250,7 +250,9 @@ def read_thumb(path: str | Path) -> Ratings:
         images.append(str(pick(row, ("image",), "image", at)))
         systems.append(str(row.get("SYS", "")))
     notes = {"systems": sorted(set(systems))}
-    return Ratings(Captions(images, candidates, references), np.array(human), notes=notes)
+    named = all(systems)  # the SYS column: system-level correlation over the captioning models
+    return Ratings(Captions(images, candidates, references), np.array(human), notes=notes,
+                   systems=systems if named else None)
 
 
 def _rows(records: Any) -> list:
