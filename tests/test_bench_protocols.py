@@ -590,3 +590,58 @@ def test_each_benchmark_carries_its_official_tie_convention(tmp_path):
     per_subset = [c["n"] for c in default.to_dict()["results"]["len"]["categories"].values()]
     assert gained > 0 and len(set(per_subset)) == 1
     assert gained == pytest.approx(100 * 0.5 * ties / sum(per_subset), abs=1e-9)  # equal subsets: pooled = mean
+
+
+# ------------------------------------------------------------------------------------- ActivityNet-FOIL
+
+def anet_foil_folder(root: Path) -> Path:
+    """EMScore's storage layout: right / foiled paragraphs, candidate segments (test 1), references (test 2)."""
+    folder = root / "anet"
+    folder.mkdir()
+    rng = np.random.default_rng(7)
+    right, foil, test1, test2 = {}, {}, {}, {}
+    for v in range(9):
+        vid = f"v_{v}"
+        n = int(rng.integers(1, 4))
+        right[vid] = [{"sentence": "a man " + "w " * int(rng.integers(0, 5))} for _ in range(n)]
+        foil[vid] = [{"sentence": "a dog " + "v " * int(rng.integers(0, 5))} for _ in range(n)]
+        test1[vid] = {"duration": 30.0, "timestamps": [[10 * i, 10 * i + 9.5] for i in range(n)], "sentences": []}
+        test2[vid] = {"duration": 30.0, "timestamps": [[0, 12], [12.5, 30]], "sentences": [f"ref one {v}", f"ref two {v}"]}
+    right["v_extra"] = [{"sentence": "only right"}]  # no foil: not a pair
+    for name, data in (("final_right_video_sentences.json", {"results": right}),
+                       ("final_foil_video_sentences.json", {"results": foil}),
+                       ("anet_entities_test_1.json", test1), ("anet_entities_test_2.json", test2)):
+        (folder / name).write_text(json.dumps(data))
+    return folder
+
+
+def test_activitynet_foil_scores_videos_by_their_mean_sentence(tmp_path):
+    folder = anet_foil_folder(tmp_path)
+    data = load_benchmark("activitynet-foil", folder)
+    assert len(data) == 9 and data.notes["videos_skipped"] == 1
+    right = json.loads((folder / "final_right_video_sentences.json").read_text())["results"]
+    foil = json.loads((folder / "final_foil_video_sentences.json").read_text())["results"]
+    words = lambda s: len(s.split())  # noqa: E731
+    expected = 100 * np.mean([np.mean([words(x["sentence"]) for x in right[v]]) >
+                              np.mean([words(x["sentence"]) for x in foil[v]]) for v in foil])
+    result = run_benchmark("activitynet-foil", folder, {"len": Length()}, cache=False, bootstrap=0, progress=False
+                           ).to_dict()["results"]["len"]
+    assert result["accuracy"] == pytest.approx(expected, abs=1e-9) and result["n"] == 9
+    # references: the test-2 sentences the segment overlaps by more than 40 %
+    first = data.captions.candidates.index(right["v_0"][0]["sentence"].strip())
+    assert data.captions.references[first] == ["ref one 0"]           # [0, 9.5] covers 10 of [0, 12]'s 13 s
+    assert data.captions.segments[first] == (0.0, 9.5, 30.0)
+
+
+def test_video_folders_resolve_to_frames_cut_and_sampled(tmp_path):
+    from capeval_plugins.bench.data import resolve_images
+
+    video = tmp_path / "frames" / "v_0"
+    video.mkdir(parents=True)
+    for i in range(30):
+        (video / f"{i}.jpg").write_bytes(b"")
+    names = [str(video / f"{i}.jpg") for i in range(30)]
+    assert resolve_images(["v_0"], tmp_path / "frames", "b") == [names]              # numeric order, not 0, 1, 10
+    assert resolve_images(["v_0"], tmp_path / "frames", "b", [(10.0, 20.0, 30.0)]) == [names[10:20]]
+    sampled = resolve_images(["v_0"], tmp_path / "frames", "b", frames=10)[0]
+    assert sampled == [names[int(i)] for i in np.linspace(0, 29, 10)]

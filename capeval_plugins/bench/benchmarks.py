@@ -150,6 +150,13 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        average_columns=True, round_scores=4, table_stats=("kendall_tau_b", "spearman")),
               _reader("read_vatex_eval"), "VATEX-EVAL vid_cans_score_dict.json",
               source="Shi et al., 2022 (EMScore); ShiYaya/emscore"),
+    Benchmark("activitynet-foil", "ActivityNet-FOIL",
+              Protocol("pairwise", "accuracy",
+                       "accuracy (x100) of scoring a video's right paragraph strictly higher than its foiled one, "
+                       "a paragraph's score the mean over its sentences, each sentence scored against its own "
+                       "video segment and the references it overlaps by more than 40 % (EMScore's protocol)"),
+              _reader("read_activitynet_foil"), "EMScore's ActivityNet-FOIL storage folder",
+              source="Shi et al., 2022 (EMScore); ShiYaya/emscore ActivityNet-FOIL_demo.py"),
     Benchmark("caparena", "CapArena",
               Protocol("pairwise", "accuracy",
                        "caption-level agreement (x100) with the human vote, ties included (the official script): "

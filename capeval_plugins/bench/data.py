@@ -18,6 +18,7 @@ import numpy as np
 from capeval_plugins.inputs import InputError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".avi", ".mov")
 
 
 def clean(text: str) -> str:
@@ -36,10 +37,12 @@ class Captions:
     references: list[list[str]] | None = None
     corpus: list[int] | None = None
     groups: list[int] | None = None  # group metrics (Soft-MSD) normalise within a group: one pair, not an image
+    # video benchmarks scoring a part of a video: (start, end, duration) in seconds per row (ActivityNet-FOIL)
+    segments: list[tuple[float, float, float] | None] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.candidates)
-        for name in ("images", "references", "corpus", "groups"):
+        for name in ("images", "references", "corpus", "groups", "segments"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"{name} has {len(value)} rows for {n} candidates")
@@ -111,6 +114,10 @@ class Pairs:
     notes: dict[str, Any] = field(default_factory=dict)
     human_tie: np.ndarray | None = None
     pair_systems: list[tuple[str, str]] | None = None
+    # rows scored separately and judged together: each row's score is replaced by the mean over its unit before
+    # pairs are compared (ActivityNet-FOIL: a video's score is the mean over its sentences); first / second
+    # name one row of each unit
+    row_units: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.human_tie is not None:
@@ -130,6 +137,14 @@ class Pairs:
 
     def __len__(self) -> int:
         return len(self.first)
+
+    def unit_scores(self, scores: np.ndarray) -> np.ndarray:
+        """Per row: the mean score of its unit (NaN when any row of the unit has none); as given without units."""
+        if self.row_units is None:
+            return scores
+        units = np.asarray(self.row_units, dtype=np.int64)
+        total = np.bincount(units, weights=scores)
+        return (total / np.bincount(units))[units]
 
     def units(self, by: str) -> np.ndarray:
         keys = self.captions.image_keys()
@@ -152,10 +167,15 @@ def image_name(image: Any) -> str:
     return str(image)
 
 
-def resolve_images(images: Sequence[Any], root: str | os.PathLike | None, benchmark: str) -> list[Any]:
+def resolve_images(images: Sequence[Any], root: str | os.PathLike | None, benchmark: str,
+                   segments: Sequence[Any] | None = None, frames: int | None = None) -> list[Any]:
     """Image names -> files under ``root``. A name is tried as given, then by its file name alone, each also
-    with a .jpg / .jpeg / .png suffix when it has none (Nebula and Polaris name images by id); embedded images
-    pass through. Errors name the row and every path tried."""
+    with a .jpg / .jpeg / .png (or a video) suffix when it has none (Nebula and Polaris name images by id);
+    embedded images pass through. A name that is a folder is a video given as frames: its image files in
+    numeric order, cut to the row's segment (frames ``start * n // duration`` to ``end * n // duration``, as
+    EMScore's ActivityNet-FOIL code cuts them) and, with ``frames``, ``frames`` of them sampled uniformly
+    (``linspace(0, n - 1, frames)``, EMScore's VATEX-EVAL sampling). Errors name the row and every path
+    tried."""
     found: dict[str, Any] = {}
     out = []
     for row, image in enumerate(images):
@@ -165,18 +185,49 @@ def resolve_images(images: Sequence[Any], root: str | os.PathLike | None, benchm
         name = str(image)
         if name not in found:
             found[name] = _find(name, root, row, benchmark)
-        out.append(found[name])
+        value = found[name]
+        if isinstance(value, list):
+            value = sample_frames(cut_segment(value, segments[row] if segments else None), frames)
+        out.append(value)
     return out
 
 
-def _find(name: str, root: str | os.PathLike | None, row: int, benchmark: str) -> str:
+def frame_files(folder: Path) -> list[str]:
+    """A folder's frames in numeric order of their names (0.jpg, 1.jpg, ..., 10.jpg)."""
+    files = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES]
+    key = lambda p: (0, int(p.stem), "") if p.stem.isdigit() else (1, 0, p.name)  # noqa: E731
+    return [str(p) for p in sorted(files, key=key)]
+
+
+def cut_segment(frames: list[str], segment: Any) -> list[str]:
+    if not segment:
+        return frames
+    start, end, duration = (float(v) for v in segment)
+    n = len(frames)
+    part = frames[int(start * n // duration): int(end * n // duration)]
+    return part or frames[min(int(start * n // duration), n - 1):][:1]
+
+
+def sample_frames(frames: list[str], count: int | None) -> list[str]:
+    if count is None or len(frames) <= count:
+        return frames
+    return [frames[int(i)] for i in np.linspace(0, len(frames) - 1, count)]
+
+
+def _find(name: str, root: str | os.PathLike | None, row: int, benchmark: str) -> Any:
     if root is None:
         raise InputError(f"{benchmark}: this metric scores images: pass the image folder (--images DIR)")
     base = Path(root)
     stems = [name, Path(name).name]
     tried = []
     for stem in dict.fromkeys(stems):
-        options = [stem] if Path(stem).suffix.lower() in IMAGE_SUFFIXES else [stem, *(stem + s for s in IMAGE_SUFFIXES)]
+        folder = base / stem
+        if folder.is_dir():
+            frames = frame_files(folder)
+            if frames:
+                return frames
+        suffixed = Path(stem).suffix.lower() in IMAGE_SUFFIXES + VIDEO_SUFFIXES
+        options = [stem] if suffixed else [stem, *(stem + s for s in IMAGE_SUFFIXES + VIDEO_SUFFIXES)]
         for option in options:
             path = base / option
             tried.append(str(path))

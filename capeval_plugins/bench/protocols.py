@@ -204,7 +204,7 @@ def category_order(data: Pairs, protocol: Protocol) -> list[str]:
 
 
 def evaluate_pairs(scores: np.ndarray, data: Pairs, protocol: Protocol, ties: str, margin: float = 0.0):
-    scores = np.asarray(scores, dtype=np.float64)
+    scores = data.unit_scores(np.asarray(scores, dtype=np.float64))
     credit, valid, tied = pair_outcomes(scores, data, ties, margin)
     names = category_order(data, protocol)
     index = np.array([names.index(c) for c in data.categories], dtype=np.int64)

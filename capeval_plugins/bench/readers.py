@@ -630,3 +630,84 @@ def read_caparena(path: str | Path) -> Pairs:
     pairs.human_tie = np.array(ties, dtype=bool)
     pairs.pair_systems = systems
     return pairs
+
+
+# ------------------------------------------------------------------------------ ActivityNet-FOIL (EMScore)
+
+def segment_overlap(segment: Sequence[float], reference: Sequence[float]) -> float:
+    """Share of a reference segment's whole seconds that the candidate segment covers (EMScore's rule: a
+    reference is used when this exceeds 0.4)."""
+    a, b = int(segment[0]), int(segment[1])
+    c, d = int(reference[0]), int(reference[1])
+    length = d - c + 1
+    return max(0, min(b, d) - max(a, c) + 1) / length if length > 0 else 0.0
+
+
+def read_activitynet_foil(path: str | Path) -> Pairs:
+    """ActivityNet-FOIL (Shi et al., 2022; EMScore's ``ActivityNet-FOIL_demo.py`` storage folder): the right
+    and foiled paragraphs ``final_right_video_sentences.json`` / ``final_foil_video_sentences.json``
+    (``{"results": {vid: [{"sentence"}, ...]}}``, sentence i of both describing segment i), the candidates'
+    segments ``anet_entities_test_1.json`` and the references ``anet_entities_test_2.json`` (``{vid:
+    {"timestamps", "sentences", "duration"}}``). One row per sentence, its image the video cut to the
+    sentence's segment; its references the test-2 sentences whose segment it overlaps by more than 40 % (all
+    of them where none does). A video's score is the mean over its sentences (``row_units``); a pair is right
+    when the right paragraph scores strictly higher than the foiled one."""
+    folder = Path(path)
+    folder = folder if folder.is_dir() else folder.parent
+    right = _results(folder / "final_right_video_sentences.json")
+    foil = _results(folder / "final_foil_video_sentences.json")
+    segments_file, refs_file = folder / "anet_entities_test_1.json", folder / "anet_entities_test_2.json"
+    segments, references = load_records(segments_file), load_records(refs_file)
+    durations = {vid: v.get("duration") for table in (segments, references) for vid, v in table.items()
+                 if isinstance(v, dict)}
+    rows = _PairRows()
+    units: list[int] = []
+    spans: list[tuple[float, float, float]] = []
+    skipped = 0
+    for vid, sentences in right.items():
+        if vid not in foil or vid not in segments:
+            skipped += 1
+            continue
+        at = f"{folder}: video {vid}"
+        foiled = foil[vid]
+        if len(foiled) != len(sentences):
+            raise InputError(f"{at}: {len(sentences)} right sentences but {len(foiled)} foiled ones")
+        stamps = segments[vid].get("timestamps") if isinstance(segments[vid], dict) else None
+        if not isinstance(stamps, list) or len(stamps) < len(sentences):
+            raise InputError(f"{segments_file}: video {vid}: fewer timestamps than sentences")
+        duration = as_score(durations.get(vid), f"{at}: duration")
+        ref_entry = references.get(vid) if isinstance(references, dict) else None
+        if not isinstance(ref_entry, dict):
+            raise InputError(f"{refs_file}: no references for {vid}")
+        ref_sentences = [clean(text(r, "reference", f"{refs_file}: {vid}")) for r in ref_entry["sentences"]]
+        ref_stamps = ref_entry["timestamps"]
+        for side, paragraph in ((0, sentences), (1, foiled)):
+            unit = 2 * len(rows.label) + side
+            for i, item in enumerate(paragraph):
+                where = f"{at}: sentence {i}"
+                sentence = clean(text(item.get("sentence") if isinstance(item, dict) else None, "sentence", where))
+                used = [r for r, stamp in zip(ref_sentences, ref_stamps) if segment_overlap(stamps[i], stamp) > 0.4]
+                rows.images.append(vid)
+                rows.candidates.append(sentence)
+                rows.references.append(used or ref_sentences)
+                rows.corpus.append(0)
+                rows.groups.append(unit)
+                units.append(unit)
+                spans.append((float(stamps[i][0]), float(stamps[i][1]), duration))
+        first_row = len(units) - len(sentences) - len(foiled)
+        rows.first.append(first_row)
+        rows.second.append(first_row + len(sentences))
+        rows.label.append(0)
+        rows.categories.append("ActivityNet-FOIL")
+    pairs = rows.build(folder, notes={"videos_skipped": skipped, "sentences": len(units)})
+    pairs.captions.segments = spans
+    _, dense = np.unique(np.array(units), return_inverse=True)
+    pairs.row_units = dense.ravel()
+    return pairs
+
+
+def _results(path: Path) -> dict:
+    data = load_records(path)
+    if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
+        raise InputError(f"{path}: expected {{\"results\": {{vid: [{{\"sentence\": ...}}]}}}}")
+    return data["results"]

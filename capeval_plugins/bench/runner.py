@@ -141,7 +141,8 @@ def is_pointwise(metric: Metric) -> bool:
 
 def score_metric(name: str, metric: Metric, captions: Captions, *, images: str | os.PathLike | None = None,
                  cache: ScoreCache | NoCache | None = None, with_references: bool = False,
-                 progress: bool = True, benchmark: str = "", extras: bool = False) -> MetricRun:
+                 progress: bool = True, benchmark: str = "", extras: bool = False,
+                 frames: int | None = None) -> MetricRun:
     """Per-row scores of one metric (NaN where the metric gave none), through the cache. ``extras``: also its
     one-value-per-sample extras, which the cache does not hold, so the metric is then scored afresh."""
     cache = cache if cache is not None else NoCache()
@@ -155,7 +156,7 @@ def score_metric(name: str, metric: Metric, captions: Captions, *, images: str |
             raise InputError(f"{name} needs references, and this {benchmark or 'benchmark'} file has none")
         use_refs = False
     use_images = info.images == "always" or (info.images == "optional" and images is not None)
-    image_files = resolve_images(captions.images, images, benchmark) if use_images else None
+    image_files = resolve_images(captions.images, images, benchmark, captions.segments, frames) if use_images else None
     refs = captions.references if use_refs else None
     key = metric_key(metric, use_images, use_refs)
     keys = sample_keys(captions.candidates, refs, image_files)
@@ -241,6 +242,8 @@ def _pointwise(name, metric, inputs, keys, key, cache, progress, collected=None)
 
 
 def _image_id(image: Any) -> Any:
+    if isinstance(image, list):  # a video as frames
+        return tuple(image)
     return id(image) if isinstance(image, dict) else image
 
 
@@ -285,7 +288,7 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
                   ties: str | None = None, with_references: bool = False, progress: bool = True,
                   scores: Mapping[str, str | os.PathLike] | None = None, extras: bool = False,
                   save_scores: str | os.PathLike | None = None, num_references: int | None = None,
-                  tie_margin: float = 0.0) -> BenchReport:
+                  tie_margin: float = 0.0, frames: int | None = None) -> BenchReport:
     """Read the benchmark (unless ``data`` is already read), score it with every metric and evaluate them.
 
     ``metrics`` maps a label to a built metric; ``scores`` maps a label to a per-sample score file computed
@@ -294,7 +297,8 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     :func:`open_cache`. ``bootstrap`` replicates (0: none) resample ``unit`` (``"image"`` or ``"row"``) with
     ``seed``. ``ties`` counts a tied pair ``"wrong"`` or ``"half"`` right (default: the benchmark's official
     convention). ``with_references`` also gives references to metrics for which they are optional;
-    ``num_references`` keeps the first n references of every row (0: none). ``tie_margin``: pairwise scores
+    ``num_references`` keeps the first n references of every row (0: none). ``frames``: a video given as a
+    folder of frames is sampled to that many, uniformly (default: all). ``tie_margin``: pairwise scores
     within it are a metric tie (0: only equal scores). ``extras``: a metric's
     one-value-per-sample extras are evaluated as rows of their own (``metric:extra``). ``save_scores``: a
     folder that gets ``<label>.jsonl`` with every row's score and extras, readable back with ``scores``."""
@@ -321,7 +325,7 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
         for name, metric in metrics.items():
             runs[name] = score_metric(name, metric, data.captions, images=images, cache=store,
                                       with_references=with_references, progress=progress, benchmark=bench.name,
-                                      extras=extras)
+                                      extras=extras, frames=frames)
     finally:
         if metrics and not isinstance(cache, (ScoreCache, NoCache)):
             store.close()

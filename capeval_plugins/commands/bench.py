@@ -36,6 +36,9 @@ def add_parser(subparsers) -> None:
                         "score (repeatable; compared with the --metric runs)")
     p.add_argument("--save-scores", metavar="DIR",
                    help="write every metric's per-row scores (and extras) to DIR/<name>.jsonl, readable by --scores")
+    p.add_argument("--frames", type=int, metavar="N",
+                   help="video benchmarks: sample N frames uniformly from each video's frame folder (EMScore's "
+                        "VATEX-EVAL protocol: 10; default: every frame)")
     p.add_argument("--extras", action="store_true",
                    help="also report each metric's per-sample extras as rows of their own (metric:extra)")
     p.add_argument("--num-references", type=int, metavar="N",
@@ -97,7 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             cache=False if args.no_cache else args.cache, bootstrap=args.bootstrap, seed=args.seed,
             unit=args.bootstrap_unit, ties=args.ties, with_references=args.with_references, progress=not args.quiet,
             scores=score_files, extras=args.extras, save_scores=args.save_scores,
-            num_references=args.num_references, tie_margin=args.tie_margin)
+            num_references=args.num_references, tie_margin=args.tie_margin, frames=args.frames)
     except RuntimeError as err:  # a missing runtime (Java, SPICE's jars): one line, not a traceback
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2
