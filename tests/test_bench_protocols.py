@@ -645,3 +645,17 @@ def test_video_folders_resolve_to_frames_cut_and_sampled(tmp_path):
     assert resolve_images(["v_0"], tmp_path / "frames", "b", [(10.0, 20.0, 30.0)]) == [names[10:20]]
     sampled = resolve_images(["v_0"], tmp_path / "frames", "b", frames=10)[0]
     assert sampled == [names[int(i)] for i in np.linspace(0, 29, 10)]
+
+
+def test_coco_cf_reads_the_sugarcrepe_layout_and_the_generic_pairwise_format(tmp_path):
+    folder = sugarcrepe_folder(tmp_path)
+    (folder / "replace_att.json").rename(folder / "Replace-Att.json")
+    data = load_benchmark("coco-cf", folder)
+    assert len(data) == 42 and "Replace-Att" in data.categories
+    expected = plain_sugarcrepe(folder, lambda c: len(c.split()))
+    result = run_benchmark("coco-cf", data, {"len": Length()}, cache=False, bootstrap=0, progress=False
+                           ).to_dict()["results"]["len"]
+    assert result["accuracy"] == pytest.approx(np.mean(list(expected.values())), abs=1e-9)
+    flat = tmp_path / "pairs.jsonl"
+    flat.write_text(json.dumps({"image": "a.jpg", "captions": ["a b", "c"], "label": 0, "category": "Swap-Obj"}) + "\n")
+    assert load_benchmark("coco-cf", flat).categories == ["Swap-Obj"]

@@ -127,6 +127,14 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                                         "Swap": ("swap_obj", "swap_att"), "Add": ("add_obj", "add_att")}),
               _reader("read_sugarcrepe"), "RAIVNLab/sugar-crepe data/ folder (7 json files) or one subset file",
               source="Hsieh et al., NeurIPS 2023; RAIVNLab/sugar-crepe"),
+    Benchmark("coco-cf", "COCO-CF",
+              Protocol("pairwise", "accuracy",
+                       "accuracy (x100) per perturbation type and their mean: the metric is right when it scores "
+                       "the faithful caption strictly higher than its counterfactual (a tie is wrong); both "
+                       "captions of a pair form one group for group metrics"),
+              _reader("read_counterfactual"),
+              "not public: SugarCrepe's layout (one json per perturbation) or the generic pairwise format",
+              source="MSD-Score (Sec. 4.1); files not public, layout assumed"),
     Benchmark("activitynet-fact", "ActivityNet-Fact",
               Protocol("correlation", "pearson:paragraph",
                        "Pearson r (x100; Kendall and Spearman also reported) against the paragraph score and the "

@@ -392,6 +392,22 @@ def read_foil(path: str | Path, settings: Iterable[tuple[str, int]] = (("1-ref",
 SUGARCREPE_SUBSETS = ("replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj", "add_att")
 
 
+def read_counterfactual(path: str | Path) -> Pairs:
+    """Counterfactual caption pairs (COCO-CF, whose files are not public): SugarCrepe's layout, one JSON file
+    per perturbation type ``{idx: {"filename", "caption", "negative_caption"}}`` in a folder (every ``*.json``,
+    each a category), or the generic pairwise format (:func:`read_pairwise`)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.json"))
+        if not files:
+            raise InputError(f"{path}: no .json files")
+        return _sugarcrepe_files(path, files)
+    data = load_records(path)
+    if isinstance(data, dict) and data and all(isinstance(v, dict) and "negative_caption" in v for v in data.values()):
+        return _sugarcrepe_files(path, [path])
+    return read_pairwise(path)
+
+
 def read_sugarcrepe(path: str | Path) -> Pairs:
     """SugarCrepe (Hsieh et al., 2023; github.com/RAIVNLab/sugar-crepe, ``data/``): one JSON file per subset,
     ``{idx: {"filename": COCO val2017 image, "caption": positive, "negative_caption": negative}}``. ``path`` is
@@ -405,6 +421,10 @@ def read_sugarcrepe(path: str | Path) -> Pairs:
             raise InputError(f"{path}: SugarCrepe subsets missing: {', '.join(missing)}")
     else:
         files = [path]
+    return _sugarcrepe_files(path, files)
+
+
+def _sugarcrepe_files(path: Path, files: Sequence[Path]) -> Pairs:
     rows = _PairRows()
     for file in files:
         data = load_records(file)
