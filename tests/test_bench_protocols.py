@@ -659,3 +659,35 @@ def test_coco_cf_reads_the_sugarcrepe_layout_and_the_generic_pairwise_format(tmp
     flat = tmp_path / "pairs.jsonl"
     flat.write_text(json.dumps({"image": "a.jpg", "captions": ["a b", "c"], "label": 0, "category": "Swap-Obj"}) + "\n")
     assert load_benchmark("coco-cf", flat).categories == ["Swap-Obj"]
+
+
+class FrameCount(PointwiseMetric):
+    """A video metric whose score is the number of frames it was given."""
+
+    info = MetricInfo(name="frame_count", display_name="frame_count", description="", citation="",
+                      references="never", images="always", video=True)
+
+    def score(self, batch):
+        counts = [float(len(batch.images[i])) for i in batch.image_index.tolist()]
+        return {"score": torch.tensor(counts, dtype=torch.float64)}
+
+
+def test_video_metrics_get_their_own_frame_count_through_the_cli(tmp_path):
+    from PIL import Image
+
+    frames = tmp_path / "frames"
+    path = vatex_file(tmp_path, videos=2)
+    for vid in json.loads(path.read_text()):
+        (frames / vid).mkdir(parents=True)
+        for i in range(12):
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(frames / vid / f"{i}.jpg")
+    metrics = {"a": FrameCount(), "b": FrameCount(), "c": FrameCount()}
+    report = run_benchmark("vatex-eval", path, metrics, images=frames, cache=False, bootstrap=0, progress=False,
+                           frames={"a": 10, "*": 4})
+    assert set(report.runs["a"].scores.tolist()) == {10.0}   # EMScore's 10 uniform frames
+    assert set(report.runs["b"].scores.tolist()) == {4.0}
+    from capeval_plugins.commands.bench import parse_frames
+
+    assert parse_frames(["10"]) == 10 and parse_frames(["4", "a=10"]) == {"*": 4, "a": 10}
+    with pytest.raises(InputError, match="--frames expects"):
+        parse_frames(["a=0"])

@@ -288,7 +288,7 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
                   ties: str | None = None, with_references: bool = False, progress: bool = True,
                   scores: Mapping[str, str | os.PathLike] | None = None, extras: bool = False,
                   save_scores: str | os.PathLike | None = None, num_references: int | None = None,
-                  tie_margin: float = 0.0, frames: int | None = None) -> BenchReport:
+                  tie_margin: float = 0.0, frames: int | Mapping[str, int] | None = None) -> BenchReport:
     """Read the benchmark (unless ``data`` is already read), score it with every metric and evaluate them.
 
     ``metrics`` maps a label to a built metric; ``scores`` maps a label to a per-sample score file computed
@@ -298,7 +298,8 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     ``seed``. ``ties`` counts a tied pair ``"wrong"`` or ``"half"`` right (default: the benchmark's official
     convention). ``with_references`` also gives references to metrics for which they are optional;
     ``num_references`` keeps the first n references of every row (0: none). ``frames``: a video given as a
-    folder of frames is sampled to that many, uniformly (default: all). ``tie_margin``: pairwise scores
+    folder of frames is sampled to that many, uniformly (default: all); a mapping gives each metric its own
+    count (as each metric's paper samples frames). ``tie_margin``: pairwise scores
     within it are a metric tie (0: only equal scores). ``extras``: a metric's
     one-value-per-sample extras are evaluated as rows of their own (``metric:extra``). ``save_scores``: a
     folder that gets ``<label>.jsonl`` with every row's score and extras, readable back with ``scores``."""
@@ -325,7 +326,7 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
         for name, metric in metrics.items():
             runs[name] = score_metric(name, metric, data.captions, images=images, cache=store,
                                       with_references=with_references, progress=progress, benchmark=bench.name,
-                                      extras=extras, frames=frames)
+                                      extras=extras, frames=_frames_for(name, frames))
     finally:
         if metrics and not isinstance(cache, (ScoreCache, NoCache)):
             store.close()
@@ -345,6 +346,13 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     settings = {"bootstrap": bootstrap, "seed": seed, "unit": unit, "ties": ties, "num_references": num_references,
                 "tie_margin": tie_margin}
     return BenchReport(bench, data, runs, evaluations, comparisons, settings, time.perf_counter() - started, source)
+
+
+def _frames_for(name: str, frames: int | Mapping[str, int] | None) -> int | None:
+    """The frame count of one metric: its own, else the one for every metric ("*"), else all frames."""
+    if isinstance(frames, Mapping):
+        return frames.get(name, frames.get("*"))
+    return frames
 
 
 def _file_name(label: str) -> str:

@@ -36,9 +36,9 @@ def add_parser(subparsers) -> None:
                         "score (repeatable; compared with the --metric runs)")
     p.add_argument("--save-scores", metavar="DIR",
                    help="write every metric's per-row scores (and extras) to DIR/<name>.jsonl, readable by --scores")
-    p.add_argument("--frames", type=int, metavar="N",
-                   help="video benchmarks: sample N frames uniformly from each video's frame folder (EMScore's "
-                        "VATEX-EVAL protocol: 10; default: every frame)")
+    p.add_argument("--frames", action="append", default=[], metavar="[METRIC=]N",
+                   help="video benchmarks: sample N frames uniformly from each video's frame folder, for every "
+                        "metric or for one (repeatable; EMScore's VATEX-EVAL protocol: 10; default: every frame)")
     p.add_argument("--extras", action="store_true",
                    help="also report each metric's per-sample extras as rows of their own (metric:extra)")
     p.add_argument("--num-references", type=int, metavar="N",
@@ -79,6 +79,24 @@ def build_metrics(names: Sequence[str], options: Sequence[str], benchmark: str |
     return build(names, options, {})
 
 
+def parse_frames(values: Sequence[str]) -> int | dict[str, int] | None:
+    """``--frames N`` (every metric) or ``--frames METRIC=N`` (one metric), repeatable."""
+    from capeval_plugins.inputs import InputError
+
+    every, per = None, {}
+    for value in values:
+        name, _, count = value.rpartition("=")
+        if not count.strip().isdigit() or int(count) < 1:
+            raise InputError(f"--frames expects N or METRIC=N with N >= 1, got {value!r}")
+        if name:
+            per[name.strip()] = int(count)
+        else:
+            every = int(count)
+    if not per:
+        return every
+    return {**({} if every is None else {"*": every}), **per}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from capeval_plugins.bench.plots import plot_report
     from capeval_plugins.bench.runner import run_benchmark
@@ -100,7 +118,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             cache=False if args.no_cache else args.cache, bootstrap=args.bootstrap, seed=args.seed,
             unit=args.bootstrap_unit, ties=args.ties, with_references=args.with_references, progress=not args.quiet,
             scores=score_files, extras=args.extras, save_scores=args.save_scores,
-            num_references=args.num_references, tie_margin=args.tie_margin, frames=args.frames)
+            num_references=args.num_references, tie_margin=args.tie_margin, frames=parse_frames(args.frames))
     except RuntimeError as err:  # a missing runtime (Java, SPICE's jars): one line, not a traceback
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2
