@@ -75,6 +75,10 @@ CAPARENA_HUMAN_RANKING = (
     "GPT-4o-mini-0718", "LLama-3.2-90B", "Qwen2-VL-72B-Instruct", "CogVLM2-llama3-chat-19B", "MiniCPM-V2.6-8B",
     "Qwen2-VL-7B-Instruct", "Qwen2-VL-2B-Instruct", "LLaVA-1.6-34B", "LLaVA-1.5-7B")
 
+# MSD-Score's official settings for short captions (SugarCrepe, COCO-CF: few mixture components), applied
+# where the metric's Config has the option and the user did not set it.
+SHORT_CAPTION_MSD = {"msd_score": {"preset": "sugarcrepe"}, "soft_msd": {"preset": "sugarcrepe"}}
+
 _CORRELATION = ("Kendall tau between metric scores and human scores over all rows (scipy's definition; "
                 "x100), corpus-level metrics scored on all rows in one call")
 
@@ -126,7 +130,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        category_groups={"Replace": ("replace_obj", "replace_att", "replace_rel"),
                                         "Swap": ("swap_obj", "swap_att"), "Add": ("add_obj", "add_att")}),
               _reader("read_sugarcrepe"), "RAIVNLab/sugar-crepe data/ folder (7 json files) or one subset file",
-              source="Hsieh et al., NeurIPS 2023; RAIVNLab/sugar-crepe"),
+              metric_defaults=SHORT_CAPTION_MSD, source="Hsieh et al., NeurIPS 2023; RAIVNLab/sugar-crepe"),
     Benchmark("coco-cf", "COCO-CF",
               Protocol("pairwise", "accuracy",
                        "accuracy (x100) per perturbation type and their mean: the metric is right when it scores "
@@ -134,7 +138,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        "captions of a pair form one group for group metrics"),
               _reader("read_counterfactual"),
               "not public: SugarCrepe's layout (one json per perturbation) or the generic pairwise format",
-              source="MSD-Score (Sec. 4.1); files not public, layout assumed"),
+              metric_defaults=SHORT_CAPTION_MSD, source="MSD-Score (Sec. 4.1); files not public, layout assumed"),
     Benchmark("activitynet-fact", "ActivityNet-Fact",
               Protocol("correlation", "pearson:paragraph",
                        "Pearson r (x100; Kendall and Spearman also reported) against the paragraph score and the "

@@ -75,7 +75,11 @@ def build_metrics(names: Sequence[str], options: Sequence[str], benchmark: str |
     from capeval_plugins.cli import build_metrics as build
 
     if benchmark is not None:
-        options = metric_options(benchmark, names, options)
+        given = list(options)
+        options = metric_options(benchmark, names, given)
+        added = options[: len(options) - len(given)]
+        if added:
+            print(f"benchmark defaults: {', '.join(added)} (--option overrides)", file=sys.stderr)
     return build(names, options, {})
 
 
