@@ -312,3 +312,13 @@ def test_new_readers_refuse_mistyped_values(tmp_path):
                                   "winner": "A", "cluster": "level 1"}]))
     with pytest.raises(InputError, match="battle 0: no caption2"):
         load_benchmark("caparena", arena)
+
+
+def test_foil_flag_must_be_a_boolean(tmp_path):
+    foil = {"images": [{"id": 1, "file_name": "one.jpg"}],
+            "annotations": [{"id": 10, "image_id": 1, "caption": "A dog.", "foil": "false"},
+                            {"id": 10, "image_id": 1, "caption": "A cat.", "foil": True}]}
+    (tmp_path / "foilv1.0_test_2017.json").write_text(json.dumps(foil))
+    (tmp_path / "captions_val2014.json").write_text(json.dumps({"annotations": [{"image_id": 1, "caption": "r"}]}))
+    with pytest.raises(InputError, match="annotation 10: 'foil' must be true or false, got 'false'"):
+        load_benchmark("foil", tmp_path)

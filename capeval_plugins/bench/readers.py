@@ -364,6 +364,9 @@ def read_foil(path: str | Path, settings: Iterable[tuple[str, int]] = (("1-ref",
             coco_refs[ann["image_id"]].append(clean(text(ann["caption"], "caption", f"{coco_file}: {ann.get('id')}")))
         by_id: dict[Any, dict[str, list]] = defaultdict(lambda: {"orig": [], "foil": []})
         for ann in foil["annotations"]:
+            if not isinstance(ann["foil"], bool):  # "false" as text would be truthy: a foil read as an original
+                raise InputError(f"{foil_file}: annotation {ann.get('id')}: 'foil' must be true or false, "
+                                 f"got {ann['foil']!r}")
             by_id[ann["id"]]["foil" if ann["foil"] else "orig"].append(ann)
     except (KeyError, TypeError) as err:
         raise InputError(f"{foil_file} / {coco_file}: not in the FOIL / COCO caption format ({err!r})") from err
