@@ -691,3 +691,26 @@ def test_video_metrics_get_their_own_frame_count_through_the_cli(tmp_path):
     assert parse_frames(["10"]) == 10 and parse_frames(["4", "a=10"]) == {"*": 4, "a": 10}
     with pytest.raises(InputError, match="--frames expects"):
         parse_frames(["a=0"])
+
+
+def test_caparena_model_level_equals_scipy_on_the_elo_ranking(tmp_path):
+    from scipy.stats import kendalltau as kt
+
+    from capeval_plugins.bench.benchmarks import CAPARENA_HUMAN_RANKING
+    from capeval_plugins.bench.ranking import rank_by
+
+    path = caparena_file(tmp_path)
+    data = load_benchmark("caparena", path)
+    scores = np.array([float(len(c.split())) for c in data.captions.candidates])
+    result = run_benchmark("caparena", data, scores={"w": _write(tmp_path / "w.jsonl", data, scores)}, bootstrap=0,
+                           progress=False).to_dict()["results"]["w"]["system"]
+    names = sorted({m for pair in data.pair_systems for m in pair})
+    index = {m: i for i, m in enumerate(names)}
+    a, b = scores[data.first], scores[data.second]
+    outcome = np.where(a == b, 0.5, (a > b).astype(float))
+    order = rank_by(bootstrap_elo(np.array([index[x] for x, _ in data.pair_systems]),
+                                  np.array([index[y] for _, y in data.pair_systems]), outcome, len(names)), names)
+    human = [CAPARENA_HUMAN_RANKING.index(m) + 1 for m in order]
+    assert result["n"] == len(names) == len(order)
+    assert result["spearman"] == pytest.approx(100 * spearmanr(human, range(len(order))).statistic, abs=1e-9)
+    assert result["kendall_tau_b"] == pytest.approx(100 * kt(human, range(len(order))).statistic, abs=1e-9)

@@ -17,8 +17,8 @@ EPILOG = """examples:
   capeval bench flickr8k-expert --data flickr8k.json --metric bleu4 --metric cider --json out.json
   capeval bench pascal50s --data pascal_50s.json --images VOC2012/JPEGImages --metric clipscore \\
       --option clipscore.model=openai/clip-vit-base-patch32 --plot plots/
-  capeval bench sugarcrepe --data sugar-crepe/data --metric cider --save-scores scores/
-  capeval bench sugarcrepe --data sugar-crepe/data --scores theirs=their_scores.jsonl --metric cider"""
+  capeval bench sugarcrepe --data sugar-crepe/data --images val2017 --metric clipscore --save-scores scores/
+  capeval bench youcook2-fact --data FactVC/data/youcook2 --scores theirs=their_scores.jsonl --metric cider"""
 
 
 def add_parser(subparsers) -> None:
