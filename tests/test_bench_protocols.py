@@ -408,7 +408,8 @@ def test_activitynet_fact_official_layout(tmp_path):
 
 
 @real
-@pytest.mark.parametrize("name, sub, rows", [("youcook2-fact", "youcook2", 600), ("activitynet-fact", "activitynet", 1200)])
+@pytest.mark.parametrize("name, sub, rows", [("youcook2-fact", "youcook2", 600),
+                                             ("activitynet-fact", "activitynet", 1200)])
 def test_factvc_real_files_through_the_cli(tmp_path, name, sub, rows):
     result = check_factvc(name, BENCHDATA / "factvc" / sub, tmp_path)
     assert result["n"] == rows
@@ -606,7 +607,8 @@ def anet_foil_folder(root: Path) -> Path:
         right[vid] = [{"sentence": "a man " + "w " * int(rng.integers(0, 5))} for _ in range(n)]
         foil[vid] = [{"sentence": "a dog " + "v " * int(rng.integers(0, 5))} for _ in range(n)]
         test1[vid] = {"duration": 30.0, "timestamps": [[10 * i, 10 * i + 9.5] for i in range(n)], "sentences": []}
-        test2[vid] = {"duration": 30.0, "timestamps": [[0, 12], [12.5, 30]], "sentences": [f"ref one {v}", f"ref two {v}"]}
+        test2[vid] = {"duration": 30.0, "timestamps": [[0, 12], [12.5, 30]],
+                      "sentences": [f"ref one {v}", f"ref two {v}"]}
     right["v_extra"] = [{"sentence": "only right"}]  # no foil: not a pair
     for name, data in (("final_right_video_sentences.json", {"results": right}),
                        ("final_foil_video_sentences.json", {"results": foil}),

@@ -296,7 +296,8 @@ def test_judgement_json_refuses_a_numeric_caption_and_a_boolean_rating(tmp_path)
 def test_new_readers_refuse_mistyped_values(tmp_path):
     folder = tmp_path / "sc"
     folder.mkdir()
-    (folder / "add_att.json").write_text(json.dumps({"0": {"filename": "a.jpg", "caption": 3, "negative_caption": "b"}}))
+    item = {"filename": "a.jpg", "caption": 3, "negative_caption": "b"}
+    (folder / "add_att.json").write_text(json.dumps({"0": item}))
     with pytest.raises(InputError, match="item '0': caption must be text"):
         load_benchmark("sugarcrepe", folder / "add_att.json")
     vatex = tmp_path / "vatex.json"
