@@ -716,3 +716,66 @@ def test_caparena_model_level_equals_scipy_on_the_elo_ranking(tmp_path):
     assert result["n"] == len(names) == len(order)
     assert result["spearman"] == pytest.approx(100 * spearmanr(human, range(len(order))).statistic, abs=1e-9)
     assert result["kendall_tau_b"] == pytest.approx(100 * kt(human, range(len(order))).statistic, abs=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------- DOCENT
+
+LABELS = ["1_much_better", "1_slightly_better", "equal", "2_slightly_better", "2_much_better"]
+
+
+def docent_rows(n: int = 60) -> list[dict]:
+    rng = np.random.default_rng(11)
+    rows = []
+    for k in range(n):
+        rows.append({"uuid": f"nga-{k % 20}", "reference": "a painting of a knight and two women",
+                     "model1": "A", "model2": "B", "model1_generation": "w " * int(rng.integers(1, 9)),
+                     "model2_generation": "v " * int(rng.integers(1, 9)),
+                     **{kind: LABELS[int(rng.integers(0, 5))] for kind in ("mistakes", "omissions", "overall_quality")}})
+    return rows
+
+
+def plain_docent(rows, score) -> dict[str, float]:
+    """PoSh's coarse protocol written as a loop."""
+    out = {}
+    for kind in ("mistakes", "omissions", "overall_quality"):
+        diffs = [score(r["model1_generation"]) - score(r["model2_generation"]) for r in rows]
+        labels = [LABELS.index(r[kind]) for r in rows]
+        threshold = sorted(abs(d) for d in diffs)[sum(lab == 2 for lab in labels)]
+        right = 0
+        for d, lab in zip(diffs, labels):
+            predicted = 0 if d >= threshold else 2 if -d >= threshold else 1
+            right += predicted == {0: 0, 1: 0, 2: 1, 3: 2, 4: 2}[lab]
+        human = [{0: 2, 1: 1, 2: 0, 3: -1, 4: -2}[lab] for lab in labels]
+        out[f"accuracy:{kind}"] = 100 * right / len(rows)
+        out[f"spearman:{kind}"] = 100 * spearmanr(human, diffs).statistic
+        out[f"kendall_tau_b:{kind}"] = 100 * kendalltau(human, diffs).statistic
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_docent_coarse_protocol_equals_posh_script_as_a_loop(tmp_path, fmt):
+    rows = docent_rows()
+    path = tmp_path / f"test.{fmt}"
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "docent.json"
+    stdout = run(CLI + ["docent", "--data", str(path), "--scores", f"len={_len_scores(tmp_path, path)}",
+                        "--bootstrap", "30", "--json", str(out), "--quiet", "--plot", str(tmp_path)]).stdout
+    assert "accuracy (overall_quality)" in stdout
+    result = json.loads(out.read_text())["results"]["len"]
+    for key, value in plain_docent(rows, lambda c: len(c.split())).items():
+        assert result[key] == pytest.approx(value, abs=1e-9), key
+    bad = [dict(rows[0], omissions="better")]
+    path.with_suffix(".bad.jsonl").write_text(json.dumps(bad[0]) + "\n")
+    with pytest.raises(InputError, match="omissions must be one of"):
+        load_benchmark("docent", path.with_suffix(".bad.jsonl"))
+
+
+def _len_scores(tmp_path: Path, path: Path) -> Path:
+    data = load_benchmark("docent", path)
+    return _write(tmp_path / "len.jsonl", data, np.array([float(len(c.split())) for c in data.captions.candidates]))

@@ -35,7 +35,7 @@ class Protocol:
 
     def headline(self) -> tuple[str, ...]:
         """The statistics compared between metrics (significance tests)."""
-        if self.kind == "correlation":
+        if self.kind == "correlation" or self.primary != "accuracy":
             return (self.primary,)
         return ("accuracy",) if self.mean else tuple(f"category:{c}" for c in self.categories)
 
@@ -180,6 +180,15 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        ties="tie", pooled=True, model_ranking=CAPARENA_HUMAN_RANKING),
               _reader("read_caparena"), "CapArena caparena_annots_eval.json (list of battles)",
               source="Cheng et al., 2025 (CapArena); njucckevin/CapArena caparena_metrics.py, cal_ranking.py"),
+    Benchmark("docent", "DOCENT",
+              Protocol("pairwise", "accuracy:overall_quality",
+                       "per judgment type (mistakes, omissions, overall quality): accuracy (x100) over three "
+                       "classes (first better, equal, second better), the metric predicting 'equal' below a score "
+                       "difference calibrated to the number of human ties, and Spearman / Kendall tau-b between "
+                       "the 5-level human preference and the score difference (PoSh's official script)",
+                       mean=False),
+              _reader("read_docent"), "Hugging Face amitha/docent-eval-coarse (test split) as Parquet / JSON",
+              source="Ananthram et al., 2025 (PoSh, DOCENT); amith-ananthram/posh evaluate_posh_coarse.py"),
     Benchmark("mceval", "MCEval",
               Protocol("pairwise", "accuracy",
                        "accuracy (x100) per visual domain and their mean (DISCODE's MCEval protocol): the metric "

@@ -118,6 +118,9 @@ class Pairs:
     # pairs are compared (ActivityNet-FOIL: a video's score is the mean over its sentences); first / second
     # name one row of each unit
     row_units: np.ndarray | None = None
+    # graded preferences (DOCENT): per judgment type, one 5-level label per pair, 0 = first much better,
+    # 1 = first slightly better, 2 = equal, 3 = second slightly better, 4 = second much better
+    graded: dict[str, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         if self.human_tie is not None:

@@ -311,7 +311,60 @@ def _ratings(data: Ratings, protocol: Protocol, scores: Mapping[str, np.ndarray]
     return evaluations, replicate
 
 
+GRADE_DIFFERENCE = np.array([2.0, 1.0, 0.0, -1.0, -2.0])  # label -> how much better the first caption is
+GRADE_CLASS = np.array([0, 0, 1, 2, 2])                   # label -> first better, equal, second better
+
+
+class GradedPlans:
+    """One metric on a graded pairwise benchmark (DOCENT), as PoSh's official script judges it, for each
+    judgment type: accuracy over three classes (first better, equal, second better), the metric predicting
+    "equal" when the score difference is below a threshold calibrated so that the metric predicts at most as
+    many ties as humans gave (the ``k``-th smallest absolute difference, ``k`` the number of human ties);
+    Spearman and Kendall tau-b between the 5-level human label (as +2 .. -2) and the score difference."""
+
+    def __init__(self, scores: np.ndarray, data: Pairs) -> None:
+        a, b = scores[data.first], scores[data.second]
+        self.valid = np.isfinite(a) & np.isfinite(b)
+        diff = (a - b)[self.valid]
+        self.columns = {}
+        for kind, labels in data.graded.items():
+            labels = np.asarray(labels)[self.valid]
+            ties = int((labels == 2).sum())
+            gaps = np.sort(np.abs(diff))
+            threshold = gaps[ties] if ties < len(gaps) else np.inf
+            predicted = np.where(diff >= threshold, 0, np.where(-diff >= threshold, 2, 1))
+            credit = (predicted == GRADE_CLASS[labels]).astype(np.float64)
+            human = GRADE_DIFFERENCE[labels]
+            self.columns[kind] = (credit, KendallPlan(human, diff), RankPlan(human, diff), int((predicted == 1).sum()))
+
+    def stats(self, weights: np.ndarray | None = None) -> dict[str, float]:
+        w = np.ones(int(self.valid.sum())) if weights is None else np.asarray(weights, np.float64)[self.valid]
+        out = {}
+        for kind, (credit, plan, ranks, _) in self.columns.items():
+            with np.errstate(invalid="ignore", divide="ignore"):
+                out[f"accuracy:{kind}"] = float(SCALE * (w * credit).sum() / w.sum())
+            out[f"spearman:{kind}"] = SCALE * ranks.rho(w)
+            out[f"kendall_tau_b:{kind}"] = SCALE * plan.statistics(w.astype(np.int64))["b"]
+        return out
+
+
+def _graded(data: Pairs, scores: Mapping[str, np.ndarray]):
+    evaluations, plans = {}, {}
+    for name, s in scores.items():
+        plan = GradedPlans(np.asarray(s, dtype=np.float64), data)
+        ties = sum(col[3] for col in plan.columns.values())
+        evaluations[name] = Evaluation(plan.stats(), int(plan.valid.sum()), int((~plan.valid).sum()), ties)
+        plans[name] = plan
+
+    def replicate(w: np.ndarray) -> dict[str, dict[str, float]]:
+        return {name: plan.stats(w) for name, plan in plans.items()}
+
+    return evaluations, replicate
+
+
 def _pairs(data: Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], ties: str, margin: float):
+    if data.graded is not None:
+        return _graded(data, scores)
     evaluations, outcomes = {}, {}
     for name, s in scores.items():
         evaluations[name], outcomes[name] = evaluate_pairs(s, data, protocol, ties, margin)

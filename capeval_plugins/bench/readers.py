@@ -734,3 +734,51 @@ def _results(path: Path) -> dict:
     if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
         raise InputError(f"{path}: expected {{\"results\": {{vid: [{{\"sentence\": ...}}]}}}}")
     return data["results"]
+
+
+# ---------------------------------------------------------------------------------------- DOCENT (PoSh)
+
+DOCENT_LABELS = ("1_much_better", "1_slightly_better", "equal", "2_slightly_better", "2_much_better")
+DOCENT_JUDGMENTS = ("mistakes", "omissions", "overall_quality")
+
+
+def read_docent(path: str | Path) -> Pairs:
+    """DOCENT's coarse judgments (Ananthram et al., 2025; Hugging Face ``amitha/docent-eval-coarse``, split
+    ``test``, as PoSh's ``evaluate_posh_coarse.py`` reads it): rows with ``uuid``, ``reference``, ``model1``,
+    ``model2``, ``model1_generation``, ``model2_generation`` and, for each of ``mistakes``, ``omissions`` and
+    ``overall_quality``, one of ``1_much_better``, ``1_slightly_better``, ``equal``, ``2_slightly_better``,
+    ``2_much_better``. ``path`` is the split exported as Parquet, JSON Lines, CSV or a JSON list, or a folder of
+    Parquet files (a dataset snapshot's ``data/``). The image is named by ``uuid`` (or the row's ``image``)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.rglob("test-*.parquet")) or sorted(path.rglob("*.parquet"))
+        if not files:
+            raise InputError(f"{path}: no Parquet files (DOCENT's coarse judgments)")
+        records = [r for f in files for r in load_records(f)]
+    else:
+        records = load_records(path)
+    if not isinstance(records, list):
+        raise InputError(f"{path}: expected rows of DOCENT's coarse judgments")
+    rows = _PairRows()
+    graded: dict[str, list[int]] = {kind: [] for kind in DOCENT_JUDGMENTS}
+    systems = []
+    for k, row in enumerate(records):
+        at = f"{path}: row {k}"
+        if not isinstance(row, dict):
+            raise InputError(f"{at}: expected an object")
+        captions = [clean(text(pick(row, (key,), key, at), key, at))
+                    for key in ("model1_generation", "model2_generation")]
+        reference = clean(text(pick(row, ("reference",), "reference", at), "reference", at))
+        image = row["image"] if isinstance(row.get("image"), dict) else text(pick(row, ("uuid",), "uuid", at),
+                                                                               "uuid", at)
+        for kind in DOCENT_JUDGMENTS:
+            value = pick(row, (kind,), kind, at)
+            if value not in DOCENT_LABELS:
+                raise InputError(f"{at}: {kind} must be one of {', '.join(DOCENT_LABELS)}, got {value!r}")
+            graded[kind].append(DOCENT_LABELS.index(value))
+        rows.add(image, captions, [reference], 0, "DOCENT", corpus=0)
+        systems.append((str(row.get("model1", "")), str(row.get("model2", ""))))
+    pairs = rows.build(path)
+    pairs.graded = {kind: np.array(values, dtype=np.int64) for kind, values in graded.items()}
+    pairs.pair_systems = systems if all(a and b for a, b in systems) else None
+    return pairs

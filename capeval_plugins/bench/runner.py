@@ -92,6 +92,12 @@ class BenchReport:
                 out["system"] = {**ev.system_stats, "n": ev.n_systems}
             if ev.category_stats:
                 out["categories"] = {c: {**s, "n": ev.category_sizes[c]} for c, s in ev.category_stats.items()}
+        elif isinstance(self.data, Pairs) and self.data.graded is not None:
+            out.update(ev.stats)
+            out["n"] = ev.n
+            out["n_ties"] = ev.n_ties
+            if ev.replicates:
+                out["ci95"] = ci
         else:
             if "accuracy" in ev.stats:
                 out["accuracy"] = ev.stats["accuracy"]

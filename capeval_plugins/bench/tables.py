@@ -5,7 +5,7 @@ import math
 from typing import Any, Sequence
 
 GREEK = {"kendall_tau_b": "Kendall τb", "kendall_tau_c": "Kendall τc", "pearson": "Pearson", "spearman": "Spearman",
-         "accuracy": "mean"}
+         "accuracy": "accuracy"}
 STATS = ("kendall_tau_b", "kendall_tau_c", "pearson", "spearman")
 
 
@@ -52,6 +52,13 @@ def report_markdown(report) -> str:
                                             "metric score per system against mean human score):", ""]
             header, rows = ["metric", *(label(c) for c in sys_cols)], [
                 [name, *(number(s.get(c)) for c in sys_cols)] for name, s in systems.items()]
+    elif report.data.__class__.__name__ == "Pairs" and report.data.graded is not None:
+        stat = protocol.primary
+        columns = [k for k in next(iter(results.values()), {}) if k.split(":")[0] in ("accuracy", "spearman",
+                                                                                        "kendall_tau_b") and ":" in k]
+        header = ["metric", "n", *(label(c) for c in columns), f"95% CI ({label(stat)})", "time (s)"]
+        rows = [[name, f"{r['n']:,}", *(number(r.get(c)) for c in columns), ci(r.get("ci95", {}).get(stat)), _time(r)]
+                for name, r in results.items()]
     else:
         cats = list(next(iter(results.values()))["categories"]) if results else []
         groups = list(next(iter(results.values())).get("groups", {})) if results else []
