@@ -779,3 +779,24 @@ def test_docent_coarse_protocol_equals_posh_script_as_a_loop(tmp_path, fmt):
 def _len_scores(tmp_path: Path, path: Path) -> Path:
     data = load_benchmark("docent", path)
     return _write(tmp_path / "len.jsonl", data, np.array([float(len(c.split())) for c in data.captions.candidates]))
+
+
+def test_caparena_calibrated_tie_margin_predicts_at_most_the_human_ties(tmp_path):
+    path = caparena_file(tmp_path)
+    items = [i for i in json.loads(path.read_text()) if "human" not in (i["source1"], i["source2"])]
+    data = load_benchmark("caparena", path)
+    scores = np.array([float(len(c.split())) for c in data.captions.candidates])
+    file = _write(tmp_path / "w.jsonl", data, scores)
+    out = tmp_path / "cal.json"
+    run(CLI + ["caparena", "--data", str(path), "--scores", f"w={file}", "--tie-margin", "calibrated",
+               "--bootstrap", "0", "--json", str(out), "--quiet"])
+    result = json.loads(out.read_text())["results"]["w"]
+    words = lambda c: len(c.split())  # noqa: E731
+    diffs = [words(i["caption1"]) - words(i["caption2"]) for i in items]
+    human = ["1" if i["winner"] == i["source1"] else "2" if i["winner"] == i["source2"] else "tie" for i in items]
+    threshold = sorted(abs(d) for d in diffs)[human.count("tie")]
+    metric = ["1" if d >= threshold else "2" if -d >= threshold else "tie" for d in diffs]  # PoSh's loop
+    assert result["accuracy"] == pytest.approx(100 * np.mean([m == h for m, h in zip(metric, human)]), abs=1e-9)
+    assert result["n_ties"] == metric.count("tie") <= human.count("tie")
+    proc = run_or_fail(CLI + ["caparena", "--data", str(path), "--scores", f"w={file}", "--tie-margin", "-1"])
+    assert proc.returncode == 2 and "calibrated" in proc.stderr

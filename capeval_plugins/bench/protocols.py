@@ -154,22 +154,32 @@ def evaluate_ratings(scores: np.ndarray, data: Ratings, average: bool = False
 TIES = ("wrong", "half", "tie")
 
 
-def pair_outcomes(scores: np.ndarray, data: Pairs, ties: str, margin: float = 0.0
+def pair_outcomes(scores: np.ndarray, data: Pairs, ties: str, margin: float | str = 0.0
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per pair: credit, whether both scores are finite, whether the metric tied them (scores within
     ``margin``; 0: equal). The metric's decision is the caption it scores higher. A metric tie counts
     ``ties="wrong"`` 0, ``"half"`` 0.5, or ``"tie"``: the metric predicts a tie, right exactly where humans
-    judged one (CapArena's caption-level agreement). A human tie is right only when the metric predicts one."""
+    judged one (CapArena's caption-level agreement). A human tie is right only when the metric predicts one.
+    ``margin="calibrated"`` (PoSh's reading of CapArena): a tie below the k-th smallest absolute difference,
+    k the number of pairs humans judged a tie, so the metric predicts at most as many ties as humans gave."""
     if ties not in TIES:
         raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
-    if not margin >= 0:
-        raise ValueError(f"the tie margin must be 0 or more, got {margin!r}")
     a, b = scores[data.first], scores[data.second]
     valid = np.isfinite(a) & np.isfinite(b)
     diff = np.where(valid, a - b, 0.0)
-    tied = valid & (np.abs(diff) <= margin)
-    right = np.where(data.label == 0, diff > 0, diff < 0).astype(np.float64)
     human_tie = np.zeros(len(diff), dtype=bool) if data.human_tie is None else data.human_tie
+    if margin == "calibrated":
+        gaps = np.sort(np.abs(diff[valid]))
+        k = int((human_tie & valid).sum())
+        threshold = gaps[k] if k < len(gaps) else np.inf
+        tied = valid & (np.abs(diff) < threshold)
+        if threshold == 0:  # PoSh's loop: a difference >= 0 goes to the first caption
+            diff = np.where(diff == 0, np.finfo(np.float64).tiny, diff)
+    elif isinstance(margin, str) or not margin >= 0:
+        raise ValueError(f"the tie margin must be 0 or more, or 'calibrated', got {margin!r}")
+    else:
+        tied = valid & (np.abs(diff) <= margin)
+    right = np.where(data.label == 0, diff > 0, diff < 0).astype(np.float64)
     right[human_tie] = 0.0
     right[tied] = {"wrong": 0.0, "half": 0.5}.get(ties, 0.0)
     if ties == "tie":
@@ -203,7 +213,7 @@ def category_order(data: Pairs, protocol: Protocol) -> list[str]:
     return known + [c for c in present if c not in known]
 
 
-def evaluate_pairs(scores: np.ndarray, data: Pairs, protocol: Protocol, ties: str, margin: float = 0.0):
+def evaluate_pairs(scores: np.ndarray, data: Pairs, protocol: Protocol, ties: str, margin: float | str = 0.0):
     scores = data.unit_scores(np.asarray(scores, dtype=np.float64))
     credit, valid, tied = pair_outcomes(scores, data, ties, margin)
     names = category_order(data, protocol)
@@ -268,7 +278,7 @@ def p_value(differences: np.ndarray) -> float:
 
 def evaluate(data: Ratings | Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], *,
              replicates: int = 1000, seed: int = 0, unit: str = "image", ties: str | None = None,
-             compare_only: Sequence[str] | None = None, tie_margin: float = 0.0
+             compare_only: Sequence[str] | None = None, tie_margin: float | str = 0.0
              ) -> tuple[dict[str, Evaluation], list[dict]]:
     """Every metric's figures (with bootstrap intervals when ``replicates > 0``) and the paired comparisons
     of every two metrics on the benchmark's headline statistics. ``ties``: the protocol's convention unless
@@ -362,7 +372,7 @@ def _graded(data: Pairs, scores: Mapping[str, np.ndarray]):
     return evaluations, replicate
 
 
-def _pairs(data: Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], ties: str, margin: float):
+def _pairs(data: Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], ties: str, margin: float | str):
     if data.graded is not None:
         return _graded(data, scores)
     evaluations, outcomes = {}, {}

@@ -294,7 +294,7 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
                   ties: str | None = None, with_references: bool = False, progress: bool = True,
                   scores: Mapping[str, str | os.PathLike] | None = None, extras: bool = False,
                   save_scores: str | os.PathLike | None = None, num_references: int | None = None,
-                  tie_margin: float = 0.0, frames: int | Mapping[str, int] | None = None) -> BenchReport:
+                  tie_margin: float | str = 0.0, frames: int | Mapping[str, int] | None = None) -> BenchReport:
     """Read the benchmark (unless ``data`` is already read), score it with every metric and evaluate them.
 
     ``metrics`` maps a label to a built metric; ``scores`` maps a label to a per-sample score file computed
@@ -306,7 +306,7 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     ``num_references`` keeps the first n references of every row (0: none). ``frames``: a video given as a
     folder of frames is sampled to that many, uniformly (default: all); a mapping gives each metric its own
     count (as each metric's paper samples frames). ``tie_margin``: pairwise scores
-    within it are a metric tie (0: only equal scores). ``extras``: a metric's
+    within it are a metric tie (0: only equal scores; ``"calibrated"``: as many ties as humans gave at most). ``extras``: a metric's
     one-value-per-sample extras are evaluated as rows of their own (``metric:extra``). ``save_scores``: a
     folder that gets ``<label>.jsonl`` with every row's score and extras, readable back with ``scores``."""
     from capeval_plugins.bench.scorefiles import match_scores, write_scores

@@ -59,9 +59,10 @@ def add_parser(subparsers) -> None:
                    help="pairwise benchmarks: a tied pair counts as wrong, half right, or as a predicted tie "
                         "(right where humans judged a tie: CapArena) (default: the benchmark's official "
                         "script's convention, see docs/bench.md)")
-    p.add_argument("--tie-margin", type=float, default=0.0, metavar="D",
+    p.add_argument("--tie-margin", type=tie_margin, default=0.0, metavar="D|calibrated",
                    help="pairwise benchmarks: scores within D of each other are a metric tie (default 0: equal "
-                        "scores only; MSD-Score's CapArena reading uses a margin)")
+                        "scores only; MSD-Score's CapArena reading uses a margin); 'calibrated': below the k-th "
+                        "smallest score difference, k = the human ties (PoSh's CapArena reading)")
     p.add_argument("--with-references", action="store_true",
                    help="also give references to metrics for which they are optional")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -81,6 +82,18 @@ def build_metrics(names: Sequence[str], options: Sequence[str], benchmark: str |
         if added:
             print(f"benchmark defaults: {', '.join(added)} (--option overrides)", file=sys.stderr)
     return build(names, options, {})
+
+
+def tie_margin(value: str) -> float | str:
+    if value == "calibrated":
+        return value
+    try:
+        margin = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'calibrated', got {value!r}") from None
+    if not margin >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'calibrated', got {value!r}")
+    return margin
 
 
 def parse_frames(values: Sequence[str]) -> int | dict[str, int] | None:
