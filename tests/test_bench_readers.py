@@ -253,3 +253,73 @@ def test_resampling_units_group_rows_of_one_image():
     ratings = Ratings(Captions(["a", "b", "a", "c"], ["w", "x", "y", "z"]), np.array([1, 2, 3, 4]))
     units = ratings.units("image")
     assert units[0] == units[2] and len(set(units.tolist())) == 3 and ratings.units("row").tolist() == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------ values of the wrong type are refused
+
+@pytest.mark.parametrize("benchmark, record, message", [
+    # a caption that is a number or a list was turned into its repr and scored
+    ("nebula", {"imgid": 1, "mt": 42, "refs": ["a dog"], "score": 0.5}, "candidate caption must be text"),
+    ("nebula", {"imgid": 1, "mt": ["a", "dog"], "refs": ["a dog"], "score": 0.5}, "candidate caption must be text"),
+    # true / false read as 1 / 0
+    ("nebula", {"imgid": 1, "mt": "a dog", "refs": ["a dog"], "score": True}, "human score True is not a number"),
+])
+def test_rated_rows_refuse_values_of_the_wrong_type(tmp_path, benchmark, record, message):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([record]))
+    with pytest.raises(InputError, match=f"row 0: {message}"):
+        load_benchmark(benchmark, path)
+
+
+@pytest.mark.parametrize("label", [True, "1", 0.5, None])
+def test_pairwise_labels_must_be_the_numbers_0_or_1(tmp_path, label):
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps({"HC": [{"image": "a.jpg", "captions": ["a", "b"], "label": label}]}))
+    with pytest.raises(InputError, match=r"HC\[0\]: (label must be 0 or 1|no label)"):
+        load_benchmark("mceval", path)
+    path.write_text(json.dumps({"HC": [{"image": "a.jpg", "captions": ["a", "b"], "label": 1.0}]}))
+    assert load_benchmark("mceval", path).label.tolist() == [1]  # an integral float (pandas, Parquet) is read
+
+
+def test_judgement_json_refuses_a_numeric_caption_and_a_boolean_rating(tmp_path):
+    path = tmp_path / "flickr8k.json"
+    entry = {"ground_truth": ["a dog runs"], "human_judgement": [{"caption": 7, "rating": 3, "image_path": "x.jpg"}]}
+    path.write_text(json.dumps({"1": entry}))
+    with pytest.raises(InputError, match="judgement 0: caption must be text"):
+        load_benchmark("flickr8k-expert", path)
+    entry["human_judgement"][0].update(caption="a cat", rating=False)
+    path.write_text(json.dumps({"1": entry}))
+    with pytest.raises(InputError, match="judgement 0: human score False is not a number"):
+        load_benchmark("flickr8k-expert", path)
+
+
+def test_new_readers_refuse_mistyped_values(tmp_path):
+    folder = tmp_path / "sc"
+    folder.mkdir()
+    item = {"filename": "a.jpg", "caption": 3, "negative_caption": "b"}
+    (folder / "add_att.json").write_text(json.dumps({"0": item}))
+    with pytest.raises(InputError, match="item '0': caption must be text"):
+        load_benchmark("sugarcrepe", folder / "add_att.json")
+    vatex = tmp_path / "vatex.json"
+    vatex.write_text(json.dumps({"v": {"vid": "v", "cands": ["a"], "scores": "[[1, 2, true]]", "refs": [["r"]]}}))
+    with pytest.raises(InputError, match="candidate 0: human score True is not a number"):
+        load_benchmark("vatex-eval", vatex)
+    vatex.write_text(json.dumps({"v": {"vid": "v", "cands": ["a", "b"], "scores": "[[1, 2, 3], [1, 2]]",
+                                       "refs": [["r"]]}}))
+    with pytest.raises(InputError, match="candidate 1: expected one rating per annotator"):
+        load_benchmark("vatex-eval", vatex)
+    arena = tmp_path / "arena.json"
+    arena.write_text(json.dumps([{"img": "a.jpg", "source1": "A", "source2": "B", "caption1": "x", "caption2": None,
+                                  "winner": "A", "cluster": "level 1"}]))
+    with pytest.raises(InputError, match="battle 0: no caption2"):
+        load_benchmark("caparena", arena)
+
+
+def test_foil_flag_must_be_a_boolean(tmp_path):
+    foil = {"images": [{"id": 1, "file_name": "one.jpg"}],
+            "annotations": [{"id": 10, "image_id": 1, "caption": "A dog.", "foil": "false"},
+                            {"id": 10, "image_id": 1, "caption": "A cat.", "foil": True}]}
+    (tmp_path / "foilv1.0_test_2017.json").write_text(json.dumps(foil))
+    (tmp_path / "captions_val2014.json").write_text(json.dumps({"annotations": [{"image_id": 1, "caption": "r"}]}))
+    with pytest.raises(InputError, match="annotation 10: 'foil' must be true or false, got 'false'"):
+        load_benchmark("foil", tmp_path)

@@ -334,7 +334,7 @@ def test_capeval_bench_prints_the_table_writes_json_and_a_plot(tmp_path):
            str(tmp_path / "c.sqlite"), "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "plots"),
            "--quiet"]
     out = run(cmd).stdout
-    assert "| metric | n | Kendall τb | Kendall τc | Pearson | 95% CI (Kendall τc) | time (s) |" in out
+    assert "| metric | n | Kendall τb | Kendall τc | Pearson | Spearman | 95% CI (Kendall τc) | time (s) |" in out
     assert "| rouge_l | 30 |" in out and "| cider | 30 |" in out and "rouge_l vs cider" in out and "wall time:" in out
     doc = json.loads((tmp_path / "out.json").read_text())
     assert doc["benchmark"] == "nebula" and doc["protocol"]["statistic"] == "kendall_tau_c"

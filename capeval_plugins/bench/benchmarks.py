@@ -1,9 +1,9 @@
 """The benchmarks ``capeval bench`` knows, by the names scripts rely on, with the protocol each expects."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from capeval_plugins.bench.data import Pairs, Ratings
@@ -11,19 +11,31 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Protocol:
-    """How a benchmark is judged. ``kind="correlation"``: Kendall tau-b, tau-c and Pearson between metric and
-    human scores over all rows, ``primary`` the one papers report. ``kind="pairwise"``: share of pairs where the
-    metric prefers the caption humans preferred, per category, and their mean when ``mean`` is set."""
+    """How a benchmark is judged. ``kind="correlation"``: Kendall tau-b, tau-c, Pearson and Spearman between
+    metric and human scores over all rows (against each human column; ``average_columns``: also their mean),
+    ``primary`` the one papers report. ``kind="pairwise"``: share of pairs where the metric prefers the caption
+    humans preferred, per category, per ``category_groups`` (mean of their categories) and the mean of all
+    categories when ``mean`` is set. ``ties`` is the official script's convention for a tied metric score
+    (``--ties`` overrides); ``round_scores`` rounds metric scores first, as an official script does."""
 
     kind: str
     primary: str
     description: str
     categories: tuple[str, ...] = ()
     mean: bool = True
+    ties: str = "wrong"
+    category_groups: Mapping[str, tuple[str, ...]] | None = None
+    average_columns: bool = False
+    round_scores: int | None = None
+    table_stats: tuple[str, ...] = ()  # the statistics the printed table shows (all in the JSON); () = all
+    pooled: bool = False  # pairwise "accuracy": share over all pairs instead of the mean over categories
+    # model-level ranking: human ranking of the systems, best first (CapArena's official list), or () to rank
+    # them by the human votes; None: no model-level figure
+    model_ranking: tuple[str, ...] | None = None
 
     def headline(self) -> tuple[str, ...]:
         """The statistics compared between metrics (significance tests)."""
-        if self.kind == "correlation":
+        if self.kind == "correlation" or self.primary != "accuracy":
             return (self.primary,)
         return ("accuracy",) if self.mean else tuple(f"category:{c}" for c in self.categories)
 
@@ -35,6 +47,11 @@ class Benchmark:
     protocol: Protocol
     reader: Callable[[Path], "Ratings | Pairs"]
     data_format: str
+    # Options a metric gets on this benchmark unless the user sets them (``-o``), e.g. the settings of the
+    # benchmark's official script: {"msd_score": {"preset": "sugarcrepe"}}. Applied by ``capeval bench`` and
+    # :func:`metric_options`; a metric whose Config lacks the key is left as it is.
+    metric_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    source: str = ""
 
     def read(self, path: str | Path) -> "Ratings | Pairs":
         return self.reader(Path(path))
@@ -51,6 +68,16 @@ def _reader(name: str, *args: Any) -> Callable[[Path], "Ratings | Pairs"]:
 
     return read
 
+
+# The human ranking CapArena's official model-level script compares with (best first).
+CAPARENA_HUMAN_RANKING = (
+    "GPT-4o-0806", "human", "Gemini-2.0-flash-exp", "InternVL2-26B", "Gemini-1.5-pro-002", "Claude-3.5-Sonnet-0620",
+    "GPT-4o-mini-0718", "LLama-3.2-90B", "Qwen2-VL-72B-Instruct", "CogVLM2-llama3-chat-19B", "MiniCPM-V2.6-8B",
+    "Qwen2-VL-7B-Instruct", "Qwen2-VL-2B-Instruct", "LLaVA-1.6-34B", "LLaVA-1.5-7B")
+
+# MSD-Score's official settings for short captions (SugarCrepe, COCO-CF: few mixture components), applied
+# where the metric's Config has the option and the user did not set it.
+SHORT_CAPTION_MSD = {"msd_score": {"preset": "sugarcrepe"}, "soft_msd": {"preset": "sugarcrepe"}}
 
 _CORRELATION = ("Kendall tau between metric scores and human scores over all rows (scipy's definition; "
                 "x100), corpus-level metrics scored on all rows in one call")
@@ -92,6 +119,76 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("thumb", "THumB 1.0 (COCO)",
               Protocol("correlation", "kendall_tau_c", _CORRELATION + "; human_score = (P + R) / 2 + penalties; tau-c"),
               _reader("read_thumb"), "THumB mscoco_THumB-1.0.jsonl + mscoco_references.json"),
+    Benchmark("sugarcrepe", "SugarCrepe",
+              Protocol("pairwise", "accuracy",
+                       "accuracy (x100) per subset: the metric is right when it scores the positive caption "
+                       "strictly higher than the hard negative (a tie is wrong, as the official script counts "
+                       "it); Replace / Swap / Add = mean of their subsets, as MSD-Score groups them; both captions "
+                       "of a pair form one group for group metrics",
+                       categories=("replace_obj", "replace_att", "replace_rel", "swap_obj", "swap_att", "add_obj",
+                                   "add_att"),
+                       category_groups={"Replace": ("replace_obj", "replace_att", "replace_rel"),
+                                        "Swap": ("swap_obj", "swap_att"), "Add": ("add_obj", "add_att")}),
+              _reader("read_sugarcrepe"), "RAIVNLab/sugar-crepe data/ folder (7 json files) or one subset file",
+              metric_defaults=SHORT_CAPTION_MSD, source="Hsieh et al., NeurIPS 2023; RAIVNLab/sugar-crepe"),
+    Benchmark("coco-cf", "COCO-CF",
+              Protocol("pairwise", "accuracy",
+                       "accuracy (x100) per perturbation type and their mean: the metric is right when it scores "
+                       "the faithful caption strictly higher than its counterfactual (a tie is wrong); both "
+                       "captions of a pair form one group for group metrics"),
+              _reader("read_counterfactual"),
+              "not public: SugarCrepe's layout (one json per perturbation) or the generic pairwise format",
+              metric_defaults=SHORT_CAPTION_MSD, source="MSD-Score (Sec. 4.1); files not public, layout assumed"),
+    Benchmark("activitynet-fact", "ActivityNet-Fact",
+              Protocol("correlation", "pearson:paragraph",
+                       "Pearson r (x100; Kendall and Spearman also reported) against the paragraph score and the "
+                       "negated sentence- and word-level hallucination rates, one row per (video, model) "
+                       "paragraph, model-major over vids.txt, text kept as lower-case letters (FactVC's script); "
+                       "system level over the 6 models", table_stats=("pearson", "spearman")),
+              _reader("read_factvc", "activitynet"), "FactVC data/activitynet folder",
+              source="Liu and Wan, 2023 (FactVC); PKULiuHui/FactVC metric/factvc_corr.py"),
+    Benchmark("youcook2-fact", "YouCook2-Fact",
+              Protocol("correlation", "pearson:paragraph",
+                       "Pearson r (x100) against the paragraph score and the negated sentence- and word-level "
+                       "hallucination rates, model-major over vids.txt, FactVC's text normalisation; system level "
+                       "over the 6 models", table_stats=("pearson", "spearman")),
+              _reader("read_factvc", "youcook2"), "FactVC data/youcook2 folder",
+              source="Liu and Wan, 2023 (FactVC); PKULiuHui/FactVC metric/factvc_corr.py"),
+    Benchmark("vatex-eval", "VATEX-EVAL",
+              Protocol("correlation", "kendall_tau_b",
+                       "Kendall tau-b and Spearman rho (x100) against each of the 3 annotators' ratings, then "
+                       "their mean (EMScore's protocol), metric scores rounded to 4 decimals; references: the "
+                       "first --num-references of 9 (EMScore reports 1 and 9; 0 for reference-free)",
+                       average_columns=True, round_scores=4, table_stats=("kendall_tau_b", "spearman")),
+              _reader("read_vatex_eval"), "VATEX-EVAL vid_cans_score_dict.json",
+              source="Shi et al., 2022 (EMScore); ShiYaya/emscore"),
+    Benchmark("activitynet-foil", "ActivityNet-FOIL",
+              Protocol("pairwise", "accuracy",
+                       "accuracy (x100) of scoring a video's right paragraph strictly higher than its foiled one, "
+                       "a paragraph's score the mean over its sentences, each sentence scored against its own "
+                       "video segment and the references it overlaps by more than 40 % (EMScore's protocol)"),
+              _reader("read_activitynet_foil"), "EMScore's ActivityNet-FOIL storage folder",
+              source="Shi et al., 2022 (EMScore); ShiYaya/emscore ActivityNet-FOIL_demo.py"),
+    Benchmark("caparena", "CapArena",
+              Protocol("pairwise", "accuracy",
+                       "caption-level agreement (x100) with the human vote, ties included (the official script): "
+                       "the metric's decision is the caption it scores higher, equal scores predict a tie "
+                       "(--tie-margin D: scores within D, MSD-Score's reading); share over all battles and per "
+                       "level; model level: Spearman / Kendall tau-b between the models' bootstrap-Elo ranking "
+                       "from the metric's decisions and the official human ranking; battles with the human "
+                       "source left out", categories=("level 1", "level 2", "level 3", "level 4"),
+                       ties="tie", pooled=True, model_ranking=CAPARENA_HUMAN_RANKING),
+              _reader("read_caparena"), "CapArena caparena_annots_eval.json (list of battles)",
+              source="Cheng et al., 2025 (CapArena); njucckevin/CapArena caparena_metrics.py, cal_ranking.py"),
+    Benchmark("docent", "DOCENT",
+              Protocol("pairwise", "accuracy:overall_quality",
+                       "per judgment type (mistakes, omissions, overall quality): accuracy (x100) over three "
+                       "classes (first better, equal, second better), the metric predicting 'equal' below a score "
+                       "difference calibrated to the number of human ties, and Spearman / Kendall tau-b between "
+                       "the 5-level human preference and the score difference (PoSh's official script)",
+                       mean=False),
+              _reader("read_docent"), "Hugging Face amitha/docent-eval-coarse (test split) as Parquet / JSON",
+              source="Ananthram et al., 2025 (PoSh, DOCENT); amith-ananthram/posh evaluate_posh_coarse.py"),
     Benchmark("mceval", "MCEval",
               Protocol("pairwise", "accuracy",
                        "accuracy (x100) per visual domain and their mean (DISCODE's MCEval protocol): the metric "
@@ -113,3 +210,24 @@ def get_benchmark(name: str) -> Benchmark:
 def load_benchmark(name: str, path: str | Path) -> "Ratings | Pairs":
     """Read a benchmark's file (or folder) with its reader."""
     return get_benchmark(name).read(path)
+
+
+def metric_options(benchmark: str | Benchmark, names: Sequence[str], options: Sequence[str]) -> list[str]:
+    """``options`` (``[metric.]key=value`` strings) with the benchmark's ``metric_defaults`` added for every
+    selected metric that takes the key and for which the user set no value (``metric.key=`` or bare ``key=``).
+    Defaults come first, so ``capeval score``'s option rules apply unchanged."""
+    from capeval_plugins import registry
+    from capeval_plugins.options import fields
+
+    bench = benchmark if isinstance(benchmark, Benchmark) else get_benchmark(benchmark)
+    given = {pair.partition("=")[0].strip().replace("-", "_") for pair in options}
+    added = []
+    for name in names:
+        entry = registry.get(name)
+        canonical = entry.info.name
+        defaults = bench.metric_defaults.get(canonical, {})
+        known = fields(entry.cls.Config) if defaults else {}
+        for key, value in defaults.items():
+            if key in known and not given & {key, f"{name}.{key}", f"{canonical}.{key}"}:
+                added.append(f"{canonical}.{key}={value}")
+    return added + list(options)

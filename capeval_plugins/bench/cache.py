@@ -71,6 +71,8 @@ def metric_key(metric: Metric, images: bool, references: bool) -> str:
 
 
 def image_fingerprint(image: Any) -> Any:
+    if isinstance(image, (list, tuple)):  # a video as frames
+        return [image_fingerprint(frame) for frame in image]
     if isinstance(image, dict) and image.get("bytes"):
         return "sha1:" + hashlib.sha1(image["bytes"]).hexdigest()
     path = os.fspath(image)
@@ -85,7 +87,8 @@ def sample_keys(candidates: Sequence[str], references: Sequence[Sequence[str]] |
     for i, cand in enumerate(candidates):
         image = None
         if images is not None:
-            ident = id(images[i]) if isinstance(images[i], dict) else images[i]
+            ident = id(images[i]) if isinstance(images[i], dict) else (
+                tuple(images[i]) if isinstance(images[i], list) else images[i])
             if ident not in prints:
                 prints[ident] = image_fingerprint(images[i])
             image = prints[ident]

@@ -55,14 +55,16 @@ def _bars(report, Figure):
     names = list(report.runs)
     first = report.evaluations[names[0]]
     cats = list(first.category_sizes)
-    groups = cats + (["mean"] if "accuracy" in first.stats else [])
+    graded = [k for k in first.stats if k.startswith("accuracy:")]  # DOCENT: accuracy per judgment type
+    groups = cats + (["mean"] if "accuracy" in first.stats else []) + [k.split(":", 1)[1] for k in graded]
     fig = Figure(figsize=(1.2 + 1.1 * len(groups) * max(1, len(names)) ** 0.5, 3.8), layout="constrained")
     ax = fig.add_subplot(1, 1, 1)
     width = 0.8 / len(names)
     x = np.arange(len(groups))
     for k, name in enumerate(names):
         stats = report.evaluations[name].stats
-        values = [stats[f"category:{c}"] for c in cats] + ([stats["accuracy"]] if "mean" in groups else [])
+        values = [stats[f"category:{c}"] for c in cats] + ([stats["accuracy"]] if "mean" in groups else []) + \
+            [stats[k] for k in graded]
         ax.bar(x + (k - (len(names) - 1) / 2) * width, values, width, label=name)
     ax.set_xticks(x, groups)
     ax.set_ylabel("accuracy (%)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -27,12 +27,15 @@ from capeval_plugins.inputs import InputError
 
 @dataclass
 class MetricRun:
-    """One metric's per-row scores on a benchmark, and what producing them cost."""
+    """One metric's per-row scores on a benchmark (and its per-sample extras when asked for), what producing
+    them cost, and the score file they were read from (``--scores``)."""
 
     scores: np.ndarray
     seconds: float
     from_cache: int
     computed: int
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    source: str = ""
 
 
 @dataclass
@@ -60,6 +63,14 @@ class BenchReport:
                                "seed": self.settings["seed"], "level": 0.95}}
         if self.kind == "pairwise":
             proto["ties"] = self.settings["ties"]
+            if self.settings.get("tie_margin"):
+                proto["tie_margin"] = self.settings["tie_margin"]
+            if protocol.category_groups:
+                proto["groups"] = {k: list(v) for k, v in protocol.category_groups.items()}
+        if protocol.round_scores is not None:
+            proto["round_scores"] = protocol.round_scores
+        if self.settings.get("num_references") is not None:
+            proto["num_references"] = self.settings["num_references"]
         data = {"path": self.source, "rows": len(self.data.captions), "excluded": self.data.excluded,
                 **self.data.notes}
         if isinstance(self.data, Pairs):
@@ -73,12 +84,20 @@ class BenchReport:
         out: dict[str, Any] = {}
         ci = {k: _interval(v) for k, v in ev.replicates.items()}
         if self.kind == "correlation":
-            out.update({k: ev.stats[k] for k in CORRELATION_STATS})
+            out.update(ev.stats)
             out["n"] = ev.n
             if ev.replicates:
-                out["ci95"] = {k: ci[k] for k in CORRELATION_STATS}
+                out["ci95"] = ci
+            if ev.system_stats:
+                out["system"] = {**ev.system_stats, "n": ev.n_systems}
             if ev.category_stats:
                 out["categories"] = {c: {**s, "n": ev.category_sizes[c]} for c, s in ev.category_stats.items()}
+        elif isinstance(self.data, Pairs) and self.data.graded is not None:
+            out.update(ev.stats)
+            out["n"] = ev.n
+            out["n_ties"] = ev.n_ties
+            if ev.replicates:
+                out["ci95"] = ci
         else:
             if "accuracy" in ev.stats:
                 out["accuracy"] = ev.stats["accuracy"]
@@ -90,10 +109,20 @@ class BenchReport:
                 if ev.replicates:
                     entry["ci95"] = ci[f"category:{cat}"]
                 out["categories"][cat] = entry
+            groups = {k.removeprefix("group:"): {"accuracy": v} for k, v in ev.stats.items() if k.startswith("group:")}
+            for group, entry in groups.items():
+                if ev.replicates:
+                    entry["ci95"] = ci[f"group:{group}"]
+            if groups:
+                out["groups"] = groups
             if ev.replicates and "accuracy" in ci:
                 out["ci95"] = {"accuracy": ci["accuracy"]}
+            if ev.system_stats:
+                out["system"] = {**ev.system_stats, "n": ev.n_systems}
         if ev.n_invalid:
             out["n_invalid"] = ev.n_invalid
+        if run.source:
+            out["scores_file"] = run.source
         out["seconds"] = round(run.seconds, 3)
         out["from_cache"] = run.from_cache
         out["computed"] = run.computed
@@ -118,9 +147,14 @@ def is_pointwise(metric: Metric) -> bool:
 
 def score_metric(name: str, metric: Metric, captions: Captions, *, images: str | os.PathLike | None = None,
                  cache: ScoreCache | NoCache | None = None, with_references: bool = False,
-                 progress: bool = True, benchmark: str = "") -> MetricRun:
-    """Per-row scores of one metric (NaN where the metric gave none), through the cache."""
+                 progress: bool = True, benchmark: str = "", extras: bool = False,
+                 frames: int | None = None) -> MetricRun:
+    """Per-row scores of one metric (NaN where the metric gave none), through the cache. ``extras``: also its
+    one-value-per-sample extras, which the cache does not hold, so the metric is then scored afresh."""
     cache = cache if cache is not None else NoCache()
+    collected: dict[str, dict[int, float]] | None = {} if extras else None
+    if extras:
+        cache = _WriteOnly(cache)
     info = metric.info
     use_refs = info.references == "always" or (info.references == "optional" and with_references)
     if use_refs and captions.references is None:
@@ -128,24 +162,64 @@ def score_metric(name: str, metric: Metric, captions: Captions, *, images: str |
             raise InputError(f"{name} needs references, and this {benchmark or 'benchmark'} file has none")
         use_refs = False
     use_images = info.images == "always" or (info.images == "optional" and images is not None)
-    image_files = resolve_images(captions.images, images, benchmark) if use_images else None
+    image_files = resolve_images(captions.images, images, benchmark, captions.segments, frames) if use_images else None
     refs = captions.references if use_refs else None
     key = metric_key(metric, use_images, use_refs)
     keys = sample_keys(captions.candidates, refs, image_files)
     start = time.perf_counter()
     inputs = (image_files, captions.candidates, refs)
     if is_pointwise(metric):
-        scores, from_cache, computed = _pointwise(name, metric, inputs, keys, key, cache, progress)
+        scores, from_cache, computed = _pointwise(name, metric, inputs, keys, key, cache, progress, collected)
+        extra_rows = _spread(collected, keys) if extras else {}
     else:
-        scores, from_cache, computed = _by_corpus(name, metric, inputs, keys, key, cache, captions, progress)
-    return MetricRun(scores, time.perf_counter() - start, from_cache, computed)
+        groups = captions.groups if metric.info.groups else None
+        scores, from_cache, computed = _by_corpus(name, metric, inputs, keys, key, cache, captions, progress,
+                                                  collected, groups)
+        extra_rows = {k: np.array([v.get(i, np.nan) for i in range(len(keys))]) for k, v in (collected or {}).items()}
+    return MetricRun(scores, time.perf_counter() - start, from_cache, computed, extra_rows)
+
+
+class _WriteOnly:
+    """A cache that stores new scores but finds none (``--extras`` needs every sample's extras computed)."""
+
+    def __init__(self, cache: ScoreCache | NoCache) -> None:
+        self.cache = cache
+
+    def get(self, key, first):
+        return {}
+
+    def get_corpus(self, key, corpus_key):
+        return None
+
+    def put(self, key, values):
+        self.cache.put(key, values)
+
+    def put_corpus(self, key, corpus_key, values):
+        self.cache.put_corpus(key, corpus_key, values)
+
+
+def _collect(collected: dict | None, result, rows_or_keys) -> None:
+    """Keep a result's one-value-per-sample extras by row (or sample key)."""
+    if collected is None:
+        return
+    for extra, values in result.extras.items():
+        if values.dim() != 1:
+            continue  # a vector per sample (an embedding, a per-token list) is no table row
+        by = collected.setdefault(extra, {})
+        for where, value in zip(rows_or_keys, values.double().cpu().tolist()):
+            by[where] = value
+
+
+def _spread(collected: dict | None, keys: list[str]) -> dict[str, np.ndarray]:
+    """Extras collected per distinct sample -> one value per row."""
+    return {k: np.array([v.get(key, np.nan) for key in keys]) for k, v in (collected or {}).items()}
 
 
 def _pick(values, rows):
     return None if values is None else [values[i] for i in rows]
 
 
-def _pointwise(name, metric, inputs, keys, key, cache, progress):
+def _pointwise(name, metric, inputs, keys, key, cache, progress, collected=None):
     images, candidates, refs = inputs
     first: dict[str, int] = {}
     for row, k in enumerate(keys):
@@ -165,6 +239,7 @@ def _pointwise(name, metric, inputs, keys, key, cache, progress):
             # ids: errors name benchmark rows; the result comes back in row order
             result = metric(_pick(images, rows), _pick(candidates, rows), _pick(refs, rows), ids=rows)
             new = {keys[row]: float(s) for row, s in zip(result.indices.tolist(), result.scores.tolist())}
+            _collect(collected, result, [keys[row] for row in result.indices.tolist()])
             cache.put(key, new)
             found.update(new)
             bar.update(len(rows))
@@ -173,23 +248,28 @@ def _pointwise(name, metric, inputs, keys, key, cache, progress):
 
 
 def _image_id(image: Any) -> Any:
+    if isinstance(image, list):  # a video as frames
+        return tuple(image)
     return id(image) if isinstance(image, dict) else image
 
 
-def _by_corpus(name, metric, inputs, keys, key, cache, captions, progress):
+def _by_corpus(name, metric, inputs, keys, key, cache, captions, progress, collected=None, groups=None):
     images, candidates, refs = inputs
     scores = np.full(len(keys), np.nan)
     from_cache = computed = 0
     for rows in captions.corpora():
-        corpus_key = digest([keys[i] for i in rows])
+        # a group metric's scores depend on its groups (one pair each on pairwise benchmarks)
+        corpus_key = digest([keys[i] for i in rows] + ([] if groups is None else [[groups[i] for i in rows]]))
         cached = cache.get_corpus(key, corpus_key)
         if cached is None or len(cached) != len(rows):
             if progress:
                 from tqdm.auto import tqdm
 
                 tqdm.write(f"{name}: scoring {len(rows):,} rows as one corpus", file=sys.stderr)
-            result = metric(_pick(images, rows), _pick(candidates, rows), _pick(refs, rows), ids=rows, progress=progress)
+            result = metric(_pick(images, rows), _pick(candidates, rows), _pick(refs, rows), ids=rows,
+                            group_ids=_pick(groups, rows), progress=progress)
             by_row = dict(zip(result.indices.tolist(), result.scores.double().cpu().tolist()))
+            _collect(collected, result, result.indices.tolist())
             cached = np.array([by_row[row] for row in rows], dtype=np.float64)
             cache.put_corpus(key, corpus_key, cached)
             computed += len(rows)
@@ -209,30 +289,95 @@ def open_cache(cache: str | os.PathLike | ScoreCache | NoCache | None | bool) ->
 
 
 def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings | Pairs,
-                  metrics: Mapping[str, Metric], *, images: str | os.PathLike | None = None,
+                  metrics: Mapping[str, Metric] | None = None, *, images: str | os.PathLike | None = None,
                   cache: Any = None, bootstrap: int = 1000, seed: int = 0, unit: str = "image",
-                  ties: str = "wrong", with_references: bool = False, progress: bool = True) -> BenchReport:
+                  ties: str | None = None, with_references: bool = False, progress: bool = True,
+                  scores: Mapping[str, str | os.PathLike] | None = None, extras: bool = False,
+                  save_scores: str | os.PathLike | None = None, num_references: int | None = None,
+                  tie_margin: float | str = 0.0, frames: int | Mapping[str, int] | None = None) -> BenchReport:
     """Read the benchmark (unless ``data`` is already read), score it with every metric and evaluate them.
 
-    ``metrics`` maps a label to a built metric. ``images`` is the image folder (needed only by metrics that
-    score images). ``cache``: see :func:`open_cache`. ``bootstrap`` replicates (0: none) resample ``unit``
-    (``"image"`` or ``"row"``) with ``seed``. ``ties`` counts a tied pair ``"wrong"`` or ``"half"`` right.
-    ``with_references`` also gives references to metrics for which they are optional."""
+    ``metrics`` maps a label to a built metric; ``scores`` maps a label to a per-sample score file computed
+    elsewhere (:mod:`capeval_plugins.bench.scorefiles`); both kinds are evaluated and compared together.
+    ``images`` is the image (or video frame) folder, needed only by metrics that score images. ``cache``: see
+    :func:`open_cache`. ``bootstrap`` replicates (0: none) resample ``unit`` (``"image"`` or ``"row"``) with
+    ``seed``. ``ties`` counts a tied pair ``"wrong"`` or ``"half"`` right (default: the benchmark's official
+    convention). ``with_references`` also gives references to metrics for which they are optional;
+    ``num_references`` keeps the first n references of every row (0: none). ``frames``: a video given as a
+    folder of frames is sampled to that many, uniformly (default: all); a mapping gives each metric its own
+    count (as each metric's paper samples frames). ``tie_margin``: pairwise scores
+    within it are a metric tie (0: only equal scores; ``"calibrated"``: as many ties as humans gave at most). ``extras``: a metric's
+    one-value-per-sample extras are evaluated as rows of their own (``metric:extra``). ``save_scores``: a
+    folder that gets ``<label>.jsonl`` with every row's score and extras, readable back with ``scores``."""
+    from capeval_plugins.bench.scorefiles import match_scores, write_scores
+
     started = time.perf_counter()
     bench = benchmark if isinstance(benchmark, Benchmark) else get_benchmark(benchmark)
     source = "" if isinstance(data, (Ratings, Pairs)) else str(Path(data))
     data = data if isinstance(data, (Ratings, Pairs)) else bench.read(data)
-    if not metrics:
-        raise ValueError("no metric to run")
-    store = open_cache(cache)
+    data = keep_references(data, num_references)
+    metrics, scores = dict(metrics or {}), dict(scores or {})
+    if not metrics and not scores:
+        raise ValueError("no metric to run: give metrics or score files")
+    clash = sorted(set(metrics) & set(scores))
+    if clash:
+        raise InputError(f"{clash} named both as a metric and as a score file")
+    runs: dict[str, MetricRun] = {}
+    for name, path in scores.items():
+        begin = time.perf_counter()
+        values, file_extras = match_scores(path, data)
+        runs[name] = MetricRun(values, time.perf_counter() - begin, 0, 0, file_extras if extras else {}, str(path))
+    store = open_cache(cache) if metrics else NoCache()
     try:
-        runs = {name: score_metric(name, metric, data.captions, images=images, cache=store,
-                                   with_references=with_references, progress=progress, benchmark=bench.name)
-                for name, metric in metrics.items()}
+        for name, metric in metrics.items():
+            runs[name] = score_metric(name, metric, data.captions, images=images, cache=store,
+                                      with_references=with_references, progress=progress, benchmark=bench.name,
+                                      extras=extras, frames=_frames_for(name, frames))
     finally:
-        if not isinstance(cache, (ScoreCache, NoCache)):
+        if metrics and not isinstance(cache, (ScoreCache, NoCache)):
             store.close()
-    evaluations, comparisons = evaluate(data, bench.protocol, {n: r.scores for n, r in runs.items()},
-                                        replicates=bootstrap, seed=seed, unit=unit, ties=ties)
-    settings = {"bootstrap": bootstrap, "seed": seed, "unit": unit, "ties": ties}
+    if save_scores is not None:
+        for name, run in runs.items():
+            write_scores(Path(save_scores) / f"{_file_name(name)}.jsonl", data, run.scores, run.extras)
+    table = {n: r.scores for n, r in runs.items()}
+    for name, run in list(runs.items()):
+        for extra, values in run.extras.items():
+            label = f"{name}:{extra}"
+            table[label] = values
+            runs[label] = MetricRun(values, 0.0, run.from_cache, run.computed, source=run.source)
+    ties = ties or bench.protocol.ties
+    evaluations, comparisons = evaluate(data, bench.protocol, table, replicates=bootstrap, seed=seed, unit=unit,
+                                        ties=ties, compare_only=[n for n in table if n in metrics or n in scores],
+                                        tie_margin=tie_margin)
+    settings = {"bootstrap": bootstrap, "seed": seed, "unit": unit, "ties": ties, "num_references": num_references,
+                "tie_margin": tie_margin}
     return BenchReport(bench, data, runs, evaluations, comparisons, settings, time.perf_counter() - started, source)
+
+
+def _frames_for(name: str, frames: int | Mapping[str, int] | None) -> int | None:
+    """The frame count of one metric: its own, else the one for every metric ("*"), else all frames."""
+    if isinstance(frames, Mapping):
+        return frames.get(name, frames.get("*"))
+    return frames
+
+
+def _file_name(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+
+
+def keep_references(data: Ratings | Pairs, count: int | None) -> Ratings | Pairs:
+    """The benchmark with only the first ``count`` references of each row (0: none; None: as read)."""
+    if count is None:
+        return data
+    if count < 0:
+        raise ValueError(f"num_references must be 0 or more, got {count}")
+    captions = data.captions
+    if count == 0:
+        return replace(data, captions=replace(captions, references=None))
+    if captions.references is None:
+        raise InputError("--num-references: this benchmark file has no references")
+    short = [i for i, refs in enumerate(captions.references) if len(refs) < count]
+    if short:
+        raise InputError(f"--num-references {count}: {len(short):,} rows have fewer references, e.g. row {short[0]} "
+                         f"has {len(captions.references[short[0]])}")
+    return replace(data, captions=replace(captions, references=[refs[:count] for refs in captions.references]))

@@ -1,5 +1,6 @@
-"""``capeval bench <benchmark> --data PATH [--images DIR] --metric NAME [--metric NAME ...]``: correlation or
-accuracy of registered metrics against human judgments, with the protocol each benchmark expects.
+"""``capeval bench <benchmark> --data PATH [--images DIR] (--metric NAME | --scores NAME=FILE) ...``: correlation
+or accuracy of registered metrics, or of per-sample scores computed elsewhere, against human judgments, with
+the protocol each benchmark's official evaluation code uses.
 
 Prints a markdown table (and the paired comparisons when several metrics run), writes the JSON report with
 ``--json`` and a PNG with ``--plot``. Per-sample scores are cached (``--cache``, ``--no-cache``)."""
@@ -15,7 +16,9 @@ from typing import Sequence
 EPILOG = """examples:
   capeval bench flickr8k-expert --data flickr8k.json --metric bleu4 --metric cider --json out.json
   capeval bench pascal50s --data pascal_50s.json --images VOC2012/JPEGImages --metric clipscore \\
-      --option clipscore.model=openai/clip-vit-base-patch32 --plot plots/"""
+      --option clipscore.model=openai/clip-vit-base-patch32 --plot plots/
+  capeval bench sugarcrepe --data sugar-crepe/data --images val2017 --metric clipscore --save-scores scores/
+  capeval bench youcook2-fact --data FactVC/data/youcook2 --scores theirs=their_scores.jsonl --metric cider"""
 
 
 def add_parser(subparsers) -> None:
@@ -27,7 +30,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("benchmark", choices=benchmark_names())
     p.add_argument("--data", required=True, help="the benchmark's file, or the folder holding its files")
     p.add_argument("--images", help="image folder (needed only by metrics that score images)")
-    p.add_argument("--metric", action="append", required=True, help="registered metric name (repeatable)")
+    p.add_argument("--metric", action="append", default=[], help="registered metric name (repeatable)")
+    p.add_argument("--scores", action="append", default=[], metavar="NAME=FILE",
+                   help="per-sample scores computed elsewhere: JSON Lines / CSV / Parquet with image, caption, "
+                        "score (repeatable; compared with the --metric runs)")
+    p.add_argument("--save-scores", metavar="DIR",
+                   help="write every metric's per-row scores (and extras) to DIR/<name>.jsonl, readable by --scores")
+    p.add_argument("--frames", action="append", default=[], metavar="[METRIC=]N",
+                   help="video benchmarks: sample N frames uniformly from each video's frame folder, for every "
+                        "metric or for one (repeatable; EMScore's VATEX-EVAL protocol: 10; default: every frame)")
+    p.add_argument("--extras", action="store_true",
+                   help="also report each metric's per-sample extras as rows of their own (metric:extra)")
+    p.add_argument("--num-references", type=int, metavar="N",
+                   help="keep the first N references of every row (0: none; VATEX-EVAL: 1 or 9)")
     p.add_argument("--option", "-o", action="append", default=[], metavar="[METRIC.]KEY=VALUE",
                    help="an option of one metric, e.g. clipscore.model=PATH, or of every metric that takes it "
                         "(repeatable)")
@@ -40,20 +55,63 @@ def add_parser(subparsers) -> None:
     p.add_argument("--bootstrap-unit", choices=("image", "row"), default="image",
                    help="what the bootstrap resamples (default: images, so rows of one image stay together)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
-    p.add_argument("--ties", choices=("wrong", "half"), default="wrong",
-                   help="pairwise benchmarks: a tied pair counts as wrong (default) or half right")
+    p.add_argument("--ties", choices=("wrong", "half", "tie"), default=None,
+                   help="pairwise benchmarks: a tied pair counts as wrong, half right, or as a predicted tie "
+                        "(right where humans judged a tie: CapArena) (default: the benchmark's official "
+                        "script's convention, see docs/bench.md)")
+    p.add_argument("--tie-margin", type=tie_margin, default=0.0, metavar="D|calibrated",
+                   help="pairwise benchmarks: scores within D of each other are a metric tie (default 0: equal "
+                        "scores only; MSD-Score's CapArena reading uses a margin); 'calibrated': below the k-th "
+                        "smallest score difference, k = the human ties (PoSh's CapArena reading)")
     p.add_argument("--with-references", action="store_true",
                    help="also give references to metrics for which they are optional")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_bench)
 
 
-def build_metrics(names: Sequence[str], options: Sequence[str]) -> dict:
+def build_metrics(names: Sequence[str], options: Sequence[str], benchmark: str | None = None) -> dict:
     """The metrics, with ``metric.key=value`` options (and bare ``key=value`` for every metric that takes
-    it), exactly as ``capeval score`` builds them."""
+    it), exactly as ``capeval score`` builds them, after the benchmark's own defaults for its metrics."""
+    from capeval_plugins.bench.benchmarks import metric_options
     from capeval_plugins.cli import build_metrics as build
 
+    if benchmark is not None:
+        given = list(options)
+        options = metric_options(benchmark, names, given)
+        added = options[: len(options) - len(given)]
+        if added:
+            print(f"benchmark defaults: {', '.join(added)} (--option overrides)", file=sys.stderr)
     return build(names, options, {})
+
+
+def tie_margin(value: str) -> float | str:
+    if value == "calibrated":
+        return value
+    try:
+        margin = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'calibrated', got {value!r}") from None
+    if not margin >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or 'calibrated', got {value!r}")
+    return margin
+
+
+def parse_frames(values: Sequence[str]) -> int | dict[str, int] | None:
+    """``--frames N`` (every metric) or ``--frames METRIC=N`` (one metric), repeatable."""
+    from capeval_plugins.inputs import InputError
+
+    every, per = None, {}
+    for value in values:
+        name, _, count = value.rpartition("=")
+        if not count.strip().isdigit() or int(count) < 1:
+            raise InputError(f"--frames expects N or METRIC=N with N >= 1, got {value!r}")
+        if name:
+            per[name.strip()] = int(count)
+        else:
+            every = int(count)
+    if not per:
+        return every
+    return {**({} if every is None else {"*": every}), **per}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -64,12 +122,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("capeval: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
+    if not args.metric and not args.scores:
+        print("capeval: error: give --metric NAME or --scores NAME=FILE (or both)", file=sys.stderr)
+        return 2
     try:
-        metrics = build_metrics(args.metric, args.option)
+        from capeval_plugins.bench.scorefiles import parse_score_args
+
+        score_files = parse_score_args(args.scores)
+        metrics = build_metrics(args.metric, args.option, args.benchmark) if args.metric else {}
         report = run_benchmark(
             args.benchmark, args.data, metrics, images=args.images,
             cache=False if args.no_cache else args.cache, bootstrap=args.bootstrap, seed=args.seed,
-            unit=args.bootstrap_unit, ties=args.ties, with_references=args.with_references, progress=not args.quiet)
+            unit=args.bootstrap_unit, ties=args.ties, with_references=args.with_references, progress=not args.quiet,
+            scores=score_files, extras=args.extras, save_scores=args.save_scores,
+            num_references=args.num_references, tie_margin=args.tie_margin, frames=parse_frames(args.frames))
     except RuntimeError as err:  # a missing runtime (Java, SPICE's jars): one line, not a traceback
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2
@@ -81,5 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump(report.to_dict(), f, indent=2)
         print(f"json: {args.json_out}")
+    if args.save_scores:
+        print(f"scores: {args.save_scores}/")
     print(f"\nwall time: {report.wall_time:.1f} s")
     return 0

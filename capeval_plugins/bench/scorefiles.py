@@ -1,0 +1,188 @@
+"""Per-sample scores computed elsewhere (a released per-sample output, another toolkit, a cluster run) read
+back onto a benchmark's rows, and a benchmark run's own per-sample scores written out in the same format.
+
+A score file holds one row per scored input, as JSON Lines, a JSON list, CSV or Parquet, with ``image`` (as the
+benchmark file names it), ``caption`` and ``score``. Rows are matched to the benchmark by image and
+whitespace-normalised caption (and by ``category`` when the file has that column: FOIL's 1-ref and 4-ref
+settings score one caption twice). A file written by ``--save-scores`` also carries ``row``, the benchmark
+row: it is then matched by row, and the image and caption are checked, because a group or corpus metric can
+give one caption two scores (Soft-MSD in two SugarCrepe pairs). Every other numeric column is a per-sample
+extra (``--extras``). Every benchmark row must find its score, else the error says how many did not and
+shows one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from capeval_plugins.bench.data import Pairs, Ratings, clean, image_name
+from capeval_plugins.inputs import InputError
+
+RESERVED = ("image", "caption", "score", "category", "row")
+
+
+def row_categories(data: Ratings | Pairs) -> list[str] | None:
+    """The category of each row (a pair's category for both its rows), or None."""
+    if isinstance(data, Pairs):
+        out = [""] * len(data.captions)
+        for first, second, category in zip(data.first.tolist(), data.second.tolist(), data.categories):
+            out[first] = out[second] = str(category)
+        return out
+    return None if data.categories is None else [str(c) for c in data.categories]
+
+
+def _number(value: Any, where: str) -> float:
+    """A score: a number or numeric text; empty / null is NaN (no score); a boolean is refused."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return math.nan
+    if isinstance(value, bool):
+        raise InputError(f"{where}: score {value!r} is not a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as err:
+        raise InputError(f"{where}: score {value!r} is not a number") from err
+
+
+def _text(value: Any, what: str, where: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InputError(f"{where}: {what} must be text, got {type(value).__name__} {str(value)[:60]!r}")
+    return str(value)
+
+
+def read_score_rows(path: str | os.PathLike) -> list[dict]:
+    from capeval_plugins.bench.readers import load_records
+
+    if not Path(path).is_file():
+        raise InputError(f"score file not found: {path}")
+    records = load_records(path)
+    if isinstance(records, dict):
+        records = [records]
+    if not isinstance(records, list) or not records:
+        raise InputError(f"{path}: expected rows with image, caption and score (JSON Lines, CSV or Parquet)")
+    for k, row in enumerate(records):
+        if not isinstance(row, dict):
+            raise InputError(f"{path}: row {k}: expected an object with image, caption and score")
+        missing = [c for c in ("image", "caption", "score") if c not in row]
+        if missing:
+            raise InputError(f"{path}: row {k}: no {', '.join(missing)} column (columns: {sorted(row)})")
+    return records
+
+
+def match_scores(path: str | os.PathLike, data: Ratings | Pairs) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Per benchmark row: the file's score and its numeric extra columns (NaN where a row has none)."""
+    rows = read_score_rows(path)
+    captions = data.captions
+    images = [image_name(img) for img in captions.images]
+    cands = [clean(c) for c in captions.candidates]
+    if all("row" in r and r["row"] is not None and str(r["row"]).strip() != "" for r in rows):
+        found = _by_row(path, rows, images, cands)
+    else:
+        found = _by_key(path, rows, images, cands, row_categories(data))
+    missing = [i for i, k in enumerate(found) if k is None]
+    if missing:
+        i = missing[0]
+        raise InputError(f"{path}: {len(missing):,} of {len(found):,} benchmark rows have no score, e.g. row {i}: "
+                         f"image {images[i]!r}, caption {cands[i]!r}")
+    scores = np.array([_number(rows[k]["score"], f"{path}: row {k}") for k in found], dtype=np.float64)
+    extras = {}
+    for column in rows[0]:
+        if column in RESERVED:
+            continue
+        try:
+            extras[column] = np.array([_number(rows[k].get(column), f"{path}: row {k}") for k in found])
+        except InputError:
+            continue  # a text column (an id, a model name) is no extra
+    return scores, extras
+
+
+def _by_row(path, rows: Sequence[dict], images: list[str], cands: list[str]) -> list[int | None]:
+    found: list[int | None] = [None] * len(images)
+    for k, row in enumerate(rows):
+        where = f"{path}: row {k}"
+        index = _row_number(row["row"], where)
+        if not 0 <= index < len(images):
+            raise InputError(f"{where}: row {index} is outside the benchmark's {len(images):,} rows")
+        image, caption = _text(row["image"], "image", where), clean(_text(row["caption"], "caption", where))
+        if (image, caption) != (images[index], cands[index]):
+            raise InputError(f"{where}: benchmark row {index} is image {images[index]!r}, caption "
+                             f"{cands[index]!r}, not {image!r}, {caption!r} (a file for another benchmark?)")
+        found[index] = k
+    return found
+
+
+def _row_number(value: Any, where: str) -> int:
+    """A row number: an integer, an integral float (Parquet / pandas) or digits (CSV)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+        return int(value)
+    raise InputError(f"{where}: 'row' must be a benchmark row number, got {value!r}")
+
+
+def _by_key(path, rows: Sequence[dict], images: list[str], cands: list[str],
+            categories: list[str] | None) -> list[int | None]:
+    use_category = categories is not None and all("category" in r for r in rows)
+    table: dict[tuple, int] = {}
+    for k, row in enumerate(rows):
+        where = f"{path}: row {k}"
+        key = (_text(row["image"], "image", where), clean(_text(row["caption"], "caption", where)))
+        if use_category:
+            key += (str(row["category"]),)
+        if key in table:
+            a, b = _number(rows[table[key]]["score"], where), _number(row["score"], where)
+            if not (a == b or (math.isnan(a) and math.isnan(b))):
+                raise InputError(f"{where}: image {key[0]!r}, caption {key[1]!r} has two different scores "
+                                 f"({a} and {b}); add a 'row' (benchmark row) or 'category' column")
+            continue
+        table[key] = k
+    out = []
+    for i, (image, caption) in enumerate(zip(images, cands)):
+        key = (image, caption) + ((categories[i],) if use_category else ())
+        out.append(table.get(key))
+    return out
+
+
+def write_scores(path: str | os.PathLike, data: Ratings | Pairs, scores: np.ndarray,
+                 extras: Mapping[str, np.ndarray] | None = None) -> Path:
+    """One JSON line per benchmark row: ``row``, ``image``, ``caption``, ``category`` (where the benchmark has
+    categories), ``score`` and the per-sample extras; NaN is written as null."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    categories = row_categories(data)
+    columns = {k: np.asarray(v, dtype=np.float64) for k, v in (extras or {}).items()}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i, (image, caption) in enumerate(zip(data.captions.images, data.captions.candidates)):
+            record: dict[str, Any] = {"row": i, "image": image_name(image), "caption": caption}
+            if categories is not None:
+                record["category"] = categories[i]
+            record["score"] = _finite(scores[i])
+            record.update({k: _finite(v[i]) for k, v in columns.items()})
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)  # never a half-written score file under the final name
+    return path
+
+
+def _finite(value: float) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def parse_score_args(values: Sequence[str]) -> dict[str, str]:
+    """``NAME=FILE`` strings -> ``{name: file}``; a name given twice is refused."""
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, file = value.partition("=")
+        name, file = name.strip(), file.strip()
+        if not sep or not name or not file:
+            raise InputError(f"--scores expects NAME=FILE, got {value!r}")
+        if name in out:
+            raise InputError(f"--scores: {name!r} given twice")
+        out[name] = file
+    return out
+
