@@ -412,9 +412,12 @@ def test_two_ranks_equal_one_call(tiny_clip, picture_files, tmp_path):
             assert got["scores"] == pytest.approx(single.scores.tolist(), abs=1e-6), name
 
 
-def test_benchmark_options_name_the_official_scripts_preset():
-    from capeval_plugins.metrics.msd import PRESETS, benchmark_options
+def test_sugarcrepe_bench_runs_msd_with_the_official_scripts_preset():
+    from capeval_plugins.bench.benchmarks import metric_options
+    from capeval_plugins.metrics.msd import PRESETS
 
-    assert benchmark_options("sugarcrepe") == {"preset": "sugarcrepe"}
-    assert PRESETS[benchmark_options("sugarcrepe")["preset"]] == {"k_image": 4, "k_text": 2}
-    assert benchmark_options("flickr8k_expert") == {}
+    added = metric_options("sugarcrepe", ["msd_score", "soft_msd", "cider"], [])
+    assert added == ["msd_score.preset=sugarcrepe", "soft_msd.preset=sugarcrepe"]
+    assert PRESETS["sugarcrepe"] == {"k_image": 4, "k_text": 2}
+    assert metric_options("sugarcrepe", ["msd_score"], ["msd_score.preset=paper"]) == ["msd_score.preset=paper"]
+    assert metric_options("flickr8k-expert", ["msd_score"], []) == []

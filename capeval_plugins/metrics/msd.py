@@ -46,15 +46,7 @@ PRESETS: dict[str, dict[str, object]] = {
     "paper": {},
     "sugarcrepe": {"k_image": 4, "k_text": 2},
 }
-# The preset each benchmark runs by default (for `capeval bench`).
-BENCHMARK_PRESETS: dict[str, str] = {"sugarcrepe": "sugarcrepe"}
 
-
-def benchmark_options(benchmark: str) -> dict[str, object]:
-    """The load() options that make msd_score / soft_msd run as the official script of ``benchmark`` does
-    (``{"preset": name}``), or ``{}`` where no official script is known."""
-    name = BENCHMARK_PRESETS.get(benchmark)
-    return {"preset": name} if name else {}
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
