@@ -24,6 +24,7 @@ import lm_eval.api.registry as lm_registry
 from lm_eval.api.task import ConfigurableTask
 
 from capeval_plugins import registry
+from capeval_plugins.adapters.harness import split_metric_list
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lm_eval_tasks"
 
@@ -113,12 +114,7 @@ class CaptionTask(ConfigurableTask):
             ]
         super().__init__(config=config, **kwargs)
         self._capeval_metrics: dict[str, str] = {}
-        for entry in self.config.metric_list or []:
-            lm_name = entry["metric"]
-            name = registry.canonical_name(lm_name)
-            if name not in registry.metrics():
-                continue
-            options = {k: v for k, v in entry.items() if k not in ("metric", "aggregation", "higher_is_better")}
+        for lm_name, name, options in split_metric_list(self.config.metric_list)[0]:
             self._capeval_metrics[lm_name] = name
             self._aggregation_list[lm_name] = functools.partial(aggregate, name, **options)
             self._higher_is_better[lm_name] = registry.get(name).info.higher_is_better

@@ -196,15 +196,19 @@ def _resolve_base(config: dict) -> dict:
 
 
 def _base_config(name: str) -> dict:
-    from lmms_eval.tasks import TaskManager
+    """The config of lmms-eval's task ``name``: its YAML, includes and ``!function`` resolved by lmms-eval."""
+    import lmms_eval.tasks
+    from lmms_eval.utils import load_yaml_config
 
-    manager = TaskManager(verbosity="WARNING")
-    if name not in manager.all_subtasks:
-        raise ValueError(f"base_task {name!r} is not an lmms-eval task")
-    base = dict(manager._get_config(name))  # the YAML, includes and !function resolved as lmms-eval does
-    if "class" in base:
-        raise ValueError(f"base_task {name!r} is itself a class-based task; include its YAML instead")
-    return base
+    for path in sorted(Path(lmms_eval.tasks.__file__).parent.rglob("*.yaml")):
+        if name not in path.read_text(errors="replace"):  # cheap filter before parsing
+            continue
+        if load_yaml_config(str(path), mode="simple").get("task") == name:
+            base = load_yaml_config(str(path), mode="full")
+            if "class" in base:
+                raise ValueError(f"base_task {name!r} is a class-based task; include its YAML instead")
+            return base
+    raise ValueError(f"base_task {name!r} is not one of lmms-eval's tasks")
 
 
 __all__ = ["CaptionItem", "CaptionTask", "tasks_dir"]
