@@ -193,3 +193,45 @@ def test_shipped_example_names_registered_metrics_with_valid_options():
 def test_a_task_without_any_capeval_metric_is_refused():
     with pytest.raises(ValueError, match="no capeval metric"):
         adapter.CaptionTask(config={"task": "x", "metric_list": [{"metric": "exact_match"}]})
+
+
+def _loaded_task(include: Path):
+    from lmms_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(include)).load_task_or_group([TASK], task_type="chat")[TASK]
+
+
+def _items(task, captions: list[str]) -> list[dict]:
+    return [task.process_results(task.eval_docs_no_media[i], [c]) for i, c in enumerate(captions)]
+
+
+def test_all_capeval_metrics_of_a_task_share_one_pass(caption_task, tiny_clip, monkeypatch):
+    """lmms-eval calls one aggregation per metric; the first scores the split with every capeval metric of the
+    task, the second reuses that pass. The items are text only; the images come from the task's documents."""
+    calls = []
+    real = adapter.score_documents
+
+    def counting(metrics, *args, **kwargs):
+        calls.append(sorted(metrics))
+        return real(metrics, *args, **kwargs)
+
+    monkeypatch.setattr(adapter, "score_documents", counting)
+    task = _loaded_task(caption_task)
+    captions = ["A red ball.", "A blue car on a road.", "A tree.", "The sun."]
+    per_doc = _items(task, captions)
+    assert all(isinstance(d["clipscore"], adapter.CaptionItem) for d in per_doc)
+    items = [d["clipscore"] for d in reversed(per_doc)]  # gathered order does not matter
+    scores = {name: fn(items) for name, fn in task.aggregation().items()}
+    assert calls == [["capeval/refclipscore", "clipscore"]]
+    docs = _dataset(caption_task)
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)([d["image"] for d in docs], captions).score
+    assert scores["clipscore"] == pytest.approx(direct, abs=1e-9)
+
+
+def test_a_bad_generation_is_named_by_its_document(caption_task):
+    from capeval_plugins.inputs import InputError
+
+    task = _loaded_task(caption_task)
+    items = [d["clipscore"] for d in _items(task, ["A red ball.", "   ", "A tree.", "The sun."])]
+    with pytest.raises(InputError, match=f"{TASK} document 1"):
+        task.aggregation()["clipscore"](items)

@@ -212,6 +212,3 @@ def _base_config(name: str) -> dict:
 
 
 __all__ = ["CaptionItem", "CaptionTask", "tasks_dir"]
-
-if __name__ == "__main__":  # ``--include_path "$(python -m capeval_plugins.adapters.lmms_eval)"``
-    print(TASKS_DIR)
