@@ -30,7 +30,7 @@ def tiny_llava(tiny_root) -> str:
 @pytest.fixture(scope="module")
 def caption_task(tmp_path_factory, tiny_clip) -> Path:
     """A local dataset (one row per example image, its references) and a task YAML scoring it with two
-    capeval metrics that share one CLIP; returns the include folder."""
+    pointwise capeval metrics and a corpus one (MID), all on one CLIP; returns the include folder."""
     import datasets
     from PIL import Image
 
@@ -67,6 +67,9 @@ metric_list:
   - metric: capeval/refclipscore
     model: {tiny_clip}
     w: 2.0
+  - metric: mid
+    model: {tiny_clip}
+    covariance_eps: 1.0e-3
 """)
     return root / "tasks"
 
@@ -95,7 +98,8 @@ def _direct(tiny_clip: str, include: Path, captions: dict[int, str]) -> dict:
     refs = [docs[i]["sentences"] for i in ids]
     cands = [captions[i] for i in ids]
     return {"clipscore": capeval_plugins.load("clipscore", model=tiny_clip)(images, cands, refs).score,
-            "capeval/refclipscore": capeval_plugins.load("refclipscore", model=tiny_clip, w=2.0)(images, cands, refs).score}
+            "capeval/refclipscore": capeval_plugins.load("refclipscore", model=tiny_clip, w=2.0)(images, cands, refs).score,
+            "mid": capeval_plugins.load("mid", model=tiny_clip, covariance_eps=1e-3)(images, cands, refs).score}
 
 
 @pytest.mark.slow
@@ -122,7 +126,7 @@ def test_task_is_built_for_the_kind_of_model_lmms_eval_runs(caption_task, task_t
 
     task = TaskManager(include_path=str(caption_task)).load_task_or_group([TASK], task_type=task_type)[TASK]
     assert isinstance(task, ConfigurableMessagesTask) == (task_type == "chat")
-    assert set(task.aggregation()) == {"clipscore", "capeval/refclipscore"}
+    assert set(task.aggregation()) == {"clipscore", "capeval/refclipscore", "mid"}
     assert task.eval_docs[2][adapter.DOC_ID] == 2 and task.eval_docs_no_media[3][adapter.DOC_ID] == 3
 
 
@@ -222,7 +226,7 @@ def test_all_capeval_metrics_of_a_task_share_one_pass(caption_task, tiny_clip, m
     assert all(isinstance(d["clipscore"], adapter.CaptionItem) for d in per_doc)
     items = [d["clipscore"] for d in reversed(per_doc)]  # gathered order does not matter
     scores = {name: fn(items) for name, fn in task.aggregation().items()}
-    assert calls == [["capeval/refclipscore", "clipscore"]]
+    assert calls == [["capeval/refclipscore", "clipscore", "mid"]]
     docs = _dataset(caption_task)
     direct = capeval_plugins.load("clipscore", model=tiny_clip)([d["image"] for d in docs], captions).score
     assert scores["clipscore"] == pytest.approx(direct, abs=1e-9)
