@@ -239,3 +239,15 @@ def test_a_bad_generation_is_named_by_its_document(caption_task):
     items = [d["clipscore"] for d in _items(task, ["A red ball.", "   ", "A tree.", "The sun."])]
     with pytest.raises(InputError, match=f"{TASK} document 1"):
         task.aggregation()["clipscore"](items)
+
+
+def test_every_registered_metric_can_be_named_either_way():
+    from capeval_plugins import registry
+    from capeval_plugins.adapters.harness import split_metric_list
+
+    names = sorted(registry.metrics())
+    entries = [{"metric": n, "batch_size": 4} for n in names] + [{"metric": f"capeval/{names[0]}"},
+                                                                {"metric": "coco_CIDEr", "aggregation": "x"}]
+    ours, others = split_metric_list(entries)
+    assert [e.name for e in ours] == [*names, names[0]] and [o["metric"] for o in others] == ["coco_CIDEr"]
+    assert all(e.options == {"batch_size": 4} for e in ours[:-1])

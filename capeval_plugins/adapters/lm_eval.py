@@ -24,7 +24,7 @@ import lm_eval.api.registry as lm_registry
 from lm_eval.api.task import ConfigurableTask
 
 from capeval_plugins import registry
-from capeval_plugins.adapters.harness import split_metric_list
+from capeval_plugins.adapters.harness import score_documents, split_metric_list
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lm_eval_tasks"
 
@@ -48,10 +48,9 @@ def aggregate(name: str, items: list[CaptionItem], **options: Any) -> float:
             f"{name} scores images, but this task does not pass them: use the capeval_caption task "
             "(or a task built on capeval_plugins.adapters.lm_eval.CaptionTask)"
         )
-    references = [it.references for it in items] if info.references != "never" else None
-    if references is not None and all(not r for r in references):
-        references = None
-    return float(metric(images, [it.caption for it in items], references).score)
+    scored = score_documents({name: metric}, images, [it.caption for it in items], [it.references for it in items],
+                             range(len(items)))
+    return float(scored[name].score)
 
 
 def _item_from_generation(references: list, predictions: list) -> CaptionItem:
