@@ -103,10 +103,24 @@ def _direct(tiny_clip: str, include: Path, captions: dict[int, str]) -> dict:
 
 
 @pytest.mark.slow
-def test_task_scores_equal_capeval_load_on_the_same_captions(tiny_llava, tiny_clip, caption_task):
+def test_task_scores_equal_capeval_load_on_the_same_captions(tiny_llava, tiny_clip, caption_task, monkeypatch):
     """Each metric's number in lmms-eval's results equals the metric run directly (``capeval_plugins.load``)
-    on the generated captions, the documents' images and their references."""
+    on the generated captions, the documents' images and their references; the images the task loaded for the
+    model are the ones scored (the task's doc_to_visual runs once per document)."""
+    from collections import Counter
+
+    import capeval_plugins.lmms_eval_tasks.utils as task_utils
+
+    loads = Counter()
+    real = task_utils.doc_to_image
+
+    def counting(doc):
+        loads[doc["name"]] += 1
+        return real(doc)
+
+    monkeypatch.setattr(task_utils, "doc_to_image", counting)
     out = _evaluate(tiny_llava, caption_task, force_simple=False)
+    assert sorted(loads.values()) == [1, 1, 1, 1]
     samples = out["samples"][TASK]
     assert sorted(s["doc_id"] for s in samples) == [0, 1, 2, 3]
     captions = {s["doc_id"]: s["filtered_resps"][0].strip() for s in samples}

@@ -10,18 +10,20 @@ through lmms-eval's own ``class: !function ...`` hook, adds every capeval metric
   metrics, a small item: the document id, the generated caption and the references (text only: images never
   travel between ranks);
 * the first of our aggregations on rank 0 scores every document of the split with **all** our metrics of the
-  task in one runner pass (images taken from the task's own documents through its ``doc_to_visual``, each
-  decoded once for every metric; one model load per backbone for the whole run); the other aggregations read
-  that result. The documents are scored in id order, so a multi-process run scores exactly the corpus a
+  task in one runner pass (the images rank 0's ``doc_to_visual`` gave its model, kept; those of other ranks'
+  documents through the same ``doc_to_visual``; each decoded once for every metric; one model load per
+  backbone for the whole run); the other aggregations read that result. The documents are scored in id order, so a multi-process run scores exactly the corpus a
   one-process run scores.
 
 ``base_task: <name>`` extends an existing lmms-eval task (its YAML found by lmms-eval's task index) instead of
 copying it: its prompts, generation settings and metrics stay, ours are added. ``capeval_references`` names
 the documents' reference captions (a field name or a ``!function``; default: the task's ``doc_to_target``).
+``capeval_keep_visuals: false`` loads the images again at scoring time instead of keeping them.
 """
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
@@ -33,7 +35,6 @@ from capeval_plugins.adapters.harness import MetricEntry, score_documents, split
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lmms_eval_tasks"
 DOC_ID = "_capeval_doc_id"  # added to the documents so process_results knows which document it scores
-OUR_KEYS = ("base_task", "capeval_references")
 
 
 class CaptionItem(NamedTuple):
@@ -88,11 +89,15 @@ class _CapevalMixin:
         config = _resolve_base(dict(config or {}))
         config.pop("class", None)
         references = config.pop("capeval_references", None)
+        keep = config.pop("capeval_keep_visuals", True)
         ours, others = split_metric_list(config.get("metric_list"))
         if not ours:
             raise ValueError(f"task {config.get('task')!r}: no capeval metric in metric_list "
                              f"(registered: {sorted(registry.metrics())})")
         config["metric_list"] = others
+        # Only rank 0 scores, so only rank 0 keeps what its model was shown (memory: its share of the split).
+        self._capeval_keep_visuals = bool(keep) and int(os.environ.get("RANK", "0")) == 0
+        self._capeval_visuals: dict[int, Any] = {}
         super().__init__(config=config, **kwargs)
         self._capeval_entries: list[MetricEntry] = ours
         self._capeval_references = references
@@ -122,8 +127,18 @@ class _CapevalMixin:
             return None
         return [refs] if isinstance(refs, str) else [str(r) for r in refs]
 
+    def doc_to_visual(self, doc: dict) -> Any:
+        """The task's own ``doc_to_visual``; on rank 0, what it gave the model is kept for scoring, so the
+        metrics take the images the task already loaded instead of loading them again."""
+        visuals = super().doc_to_visual(doc)
+        if self._capeval_keep_visuals and isinstance(doc, dict) and DOC_ID in doc:
+            self._capeval_visuals[int(doc[DOC_ID])] = visuals
+        return visuals
+
     def _image(self, doc_id: int) -> Any:
-        visuals = self.doc_to_visual(self.eval_docs[doc_id])
+        visuals = self._capeval_visuals.pop(doc_id, None)
+        if visuals is None:  # generated on another rank (or not kept): the task loads it
+            visuals = super().doc_to_visual(self.eval_docs[doc_id])
         if isinstance(visuals, (list, tuple)):
             if len(visuals) != 1:
                 raise ValueError(f"{self.config.task} document {doc_id}: doc_to_visual gave {len(visuals)} "
