@@ -97,9 +97,10 @@ def _direct(tiny_clip: str, include: Path, captions: dict[int, str]) -> dict:
     images = [docs[i]["image"].convert("RGB") for i in ids]
     refs = [docs[i]["sentences"] for i in ids]
     cands = [captions[i] for i in ids]
-    return {"clipscore": capeval_plugins.load("clipscore", model=tiny_clip)(images, cands, refs).score,
-            "capeval/refclipscore": capeval_plugins.load("refclipscore", model=tiny_clip, w=2.0)(images, cands, refs).score,
-            "mid": capeval_plugins.load("mid", model=tiny_clip, covariance_eps=1e-3)(images, cands, refs).score}
+    metrics = {"clipscore": capeval_plugins.load("clipscore", model=tiny_clip),
+               "capeval/refclipscore": capeval_plugins.load("refclipscore", model=tiny_clip, w=2.0),
+               "mid": capeval_plugins.load("mid", model=tiny_clip, covariance_eps=1e-3)}
+    return {name: metric(images, cands, refs).score for name, metric in metrics.items()}
 
 
 @pytest.mark.slow

@@ -12,10 +12,10 @@ through lmms-eval's own ``class: !function ...`` hook, adds every capeval metric
 * the first of our aggregations on rank 0 scores every document of the split with **all** our metrics of the
   task in one runner pass (the images rank 0's ``doc_to_visual`` gave its model, kept; those of other ranks'
   documents through the same ``doc_to_visual``; each decoded once for every metric; one model load per
-  backbone for the whole run); the other aggregations read that result. The documents are scored in id order, so a multi-process run scores exactly the corpus a
-  one-process run scores.
+  backbone for the whole run); the other aggregations read that result. The documents are scored in id
+  order, so a multi-process run scores exactly the corpus a one-process run scores.
 
-``base_task: <name>`` extends an existing lmms-eval task (its YAML found by lmms-eval's task index) instead of
+``base_task: <name>`` extends an existing lmms-eval task (its YAML found in lmms-eval's tasks and loaded by lmms-eval's loader) instead of
 copying it: its prompts, generation settings and metrics stay, ours are added. ``capeval_references`` names
 the documents' reference captions (a field name or a ``!function``; default: the task's ``doc_to_target``).
 ``capeval_keep_visuals: false`` loads the images again at scoring time instead of keeping them.
@@ -191,7 +191,8 @@ def _on_device(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
     options = dict(options)
     fields = {f.name for f in dataclasses.fields(registry.get(name).cls.Config)}
-    if "device" in fields and options.get("device") is None and "device_map" not in options and torch.cuda.is_available():
+    placed = options.get("device") is not None or "device_map" in options
+    if "device" in fields and not placed and torch.cuda.is_available():
         options["device"] = f"cuda:{torch.cuda.current_device()}"
     return options
 
