@@ -18,7 +18,8 @@ through lmms-eval's own ``class: !function ...`` hook, adds every capeval metric
 ``base_task: <name>`` extends an existing lmms-eval task (its YAML found among lmms-eval's tasks, read by
 lmms-eval's own loader) instead of copying it: its prompts, generation settings and metrics stay, ours are
 added. ``capeval_references`` names the documents' reference captions (a field name or a ``!function``;
-default: the task's ``doc_to_target``). ``capeval_keep_visuals: false`` loads the images again at scoring time instead of keeping them.
+default: the task's ``doc_to_target``). ``capeval_keep_visuals: false`` loads the images again at scoring
+time instead of keeping them.
 """
 from __future__ import annotations
 
