@@ -24,6 +24,7 @@ import lm_eval.api.registry as lm_registry
 from lm_eval.api.task import ConfigurableTask
 
 from capeval_plugins import registry
+from capeval_plugins.adapters.harness import score_documents, split_metric_list
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lm_eval_tasks"
 
@@ -47,10 +48,9 @@ def aggregate(name: str, items: list[CaptionItem], **options: Any) -> float:
             f"{name} scores images, but this task does not pass them: use the capeval_caption task "
             "(or a task built on capeval_plugins.adapters.lm_eval.CaptionTask)"
         )
-    references = [it.references for it in items] if info.references != "never" else None
-    if references is not None and all(not r for r in references):
-        references = None
-    return float(metric(images, [it.caption for it in items], references).score)
+    scored = score_documents({name: metric}, images, [it.caption for it in items], [it.references for it in items],
+                             range(len(items)))
+    return float(scored[name].score)
 
 
 def _item_from_generation(references: list, predictions: list) -> CaptionItem:
@@ -113,12 +113,7 @@ class CaptionTask(ConfigurableTask):
             ]
         super().__init__(config=config, **kwargs)
         self._capeval_metrics: dict[str, str] = {}
-        for entry in self.config.metric_list or []:
-            lm_name = entry["metric"]
-            name = registry.canonical_name(lm_name)
-            if name not in registry.metrics():
-                continue
-            options = {k: v for k, v in entry.items() if k not in ("metric", "aggregation", "higher_is_better")}
+        for lm_name, name, options in split_metric_list(self.config.metric_list)[0]:
             self._capeval_metrics[lm_name] = name
             self._aggregation_list[lm_name] = functools.partial(aggregate, name, **options)
             self._higher_is_better[lm_name] = registry.get(name).info.higher_is_better

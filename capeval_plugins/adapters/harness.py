@@ -1,0 +1,54 @@
+"""What the lm-eval and lmms-eval adapters share: finding capeval metrics (and their options) in a task's
+``metric_list``, and scoring a task's documents with all of them in one pass through the runner."""
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple, Sequence
+
+from capeval_plugins import registry
+
+# Keys of a metric_list entry that belong to the harness; every other key is an option of the metric.
+HARNESS_KEYS = ("metric", "aggregation", "higher_is_better")
+
+
+class MetricEntry(NamedTuple):
+    """A capeval metric named in a task's metric_list: the harness's name for it (``clipscore`` or
+    ``capeval/clipscore``), the registered name, and the options written beside it."""
+
+    harness_name: str
+    name: str
+    options: dict[str, Any]
+
+
+def capeval_name(harness_name: Any) -> str | None:
+    """The registered capeval metric a metric_list name refers to, or None if it is not one of ours."""
+    if not isinstance(harness_name, str):
+        return None
+    name = registry.canonical_name(harness_name)
+    return name if name in registry.metrics() else None
+
+
+def split_metric_list(metric_list: Sequence[Mapping[str, Any]] | None) -> tuple[list[MetricEntry], list[dict]]:
+    """Our metrics (with their options) and the harness's own entries, each in their order."""
+    ours, others = [], []
+    for entry in metric_list or []:
+        name = capeval_name(entry.get("metric"))
+        if name is None:
+            others.append(dict(entry))
+        else:
+            options = {k: v for k, v in entry.items() if k not in HARNESS_KEYS}
+            ours.append(MetricEntry(entry["metric"], name, options))
+    return ours, others
+
+
+def score_documents(metrics: Mapping[str, Any], images: Sequence[Any] | None, captions: Sequence[str],
+                    references: Sequence[Any] | None, ids: Sequence[int], describe=None) -> dict:
+    """Score one task's documents with every metric at once (images decoded once, shared backbones loaded
+    once); errors name the task's own document ids. ``metrics``: harness name -> Metric."""
+    from capeval_plugins import runner
+
+    needs_images = any(m.info.images != "never" for m in metrics.values())
+    needs_refs = any(m.info.references != "never" for m in metrics.values())
+    if references is not None and all(not r for r in references):
+        references = None
+    return runner.score_many(dict(metrics), images if needs_images else None, list(captions),
+                             references if needs_refs else None, ids=list(ids), describe=describe)

@@ -1,0 +1,231 @@
+"""lmms-eval adapter, generic over the contract.
+
+lmms-eval scores a task in two steps: ``process_results(doc, results)`` turns each document's generation into
+one item per metric (on every rank, for that rank's documents), and each metric's aggregation turns the items
+of the whole split, gathered on rank 0, into the task's number. :class:`CaptionTask`, named in a task YAML
+through lmms-eval's own ``class: !function ...`` hook, adds every capeval metric of the task's ``metric_list``
+(with the options written beside it) to that flow:
+
+* ``process_results`` keeps what the task's own function returns (BLEU, CIDEr, ...) and adds, for each of our
+  metrics, a small item: the document id, the generated caption and the references (text only: images never
+  travel between ranks);
+* the first of our aggregations on rank 0 scores every document of the split with **all** our metrics of the
+  task in one runner pass (the images rank 0's ``doc_to_visual`` gave its model, kept; those of other ranks'
+  documents through the same ``doc_to_visual``; each decoded once for every metric; one model load per
+  backbone for the whole run); the other aggregations read that result. The documents are scored in id
+  order, so a multi-process run scores exactly the corpus a one-process run scores.
+
+``base_task: <name>`` extends an existing lmms-eval task (its YAML found among lmms-eval's tasks, read by
+lmms-eval's own loader) instead of copying it: its prompts, generation settings and metrics stay, ours are
+added. ``capeval_references`` names the documents' reference captions (a field name or a ``!function``;
+default: the task's ``doc_to_target``). ``capeval_keep_visuals: false`` loads the images again at scoring
+time instead of keeping them.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple
+
+from lmms_eval.api.task import ConfigurableMessagesTask, ConfigurableTask
+
+from capeval_plugins import registry
+from capeval_plugins.adapters.harness import MetricEntry, score_documents, split_metric_list
+
+TASKS_DIR = Path(__file__).resolve().parent.parent / "lmms_eval_tasks"
+DOC_ID = "_capeval_doc_id"  # added to the documents so process_results knows which document it scores
+
+
+class CaptionItem(NamedTuple):
+    """What one document contributes to a capeval metric (no image: rank 0 takes it from its own copy of
+    the task's documents)."""
+
+    doc_id: int
+    caption: str
+    references: list[str] | None
+
+
+def tasks_dir() -> Path:
+    """The shipped task YAMLs (pass as ``--include_path``)."""
+    return TASKS_DIR
+
+
+class CaptionTask:
+    """``class: !function capeval_plugins.adapters.lmms_eval.CaptionTask`` in a task YAML.
+
+    lmms-eval builds a plain YAML task as a ``ConfigurableTask`` for simple models and a
+    ``ConfigurableMessagesTask`` for chat models, but builds a ``class:`` task as that class whatever the
+    model; this factory builds the kind lmms-eval is loading tasks for, with our metrics added."""
+
+    def __new__(cls, config: dict | None = None, **kwargs: Any) -> ConfigurableTask:
+        return _task_class(_loading_task_type())(config=config, **kwargs)
+
+    def __init__(self, config: dict | None = None, **kwargs: Any) -> None:  # signature read by lmms-eval
+        pass
+
+
+def _loading_task_type() -> str:
+    """``"chat"`` or ``"simple"``: the task kind of the lmms-eval ``TaskManager`` call building this task
+    (lmms-eval passes it down its loader but not to a ``class:`` task); ``"simple"`` outside one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_load_individual_task_or_group" and "task_type" in frame.f_locals:
+            return frame.f_locals["task_type"]
+        frame = frame.f_back
+    return "simple"
+
+
+@functools.cache
+def _task_class(task_type: str) -> type:
+    base = ConfigurableMessagesTask if task_type == "chat" else ConfigurableTask
+    return type(f"Capeval{base.__name__}", (_CapevalMixin, base), {"__module__": __name__})
+
+
+class _CapevalMixin:
+    """The capeval part of :class:`CaptionTask` (mixed into lmms-eval's task class)."""
+
+    def __init__(self, config: dict | None = None, **kwargs: Any) -> None:
+        config = _resolve_base(dict(config or {}))
+        config.pop("class", None)
+        references = config.pop("capeval_references", None)
+        keep = config.pop("capeval_keep_visuals", True)
+        ours, others = split_metric_list(config.get("metric_list"))
+        if not ours:
+            raise ValueError(f"task {config.get('task')!r}: no capeval metric in metric_list "
+                             f"(registered: {sorted(registry.metrics())})")
+        config["metric_list"] = others
+        # Only rank 0 scores, so only rank 0 keeps what its model was shown (memory: its share of the split).
+        self._capeval_keep_visuals = bool(keep) and int(os.environ.get("RANK", "0")) == 0
+        self._capeval_visuals: dict[int, Any] = {}
+        super().__init__(config=config, **kwargs)
+        self._capeval_entries: list[MetricEntry] = ours
+        self._capeval_references = references
+        self._capeval_metrics: dict[str, Any] | None = None
+        self._capeval_scored: tuple[Any, dict] | None = None
+        for entry in ours:
+            self._aggregation_list[entry.harness_name] = functools.partial(self._capeval_aggregate, entry.harness_name)
+            self._higher_is_better[entry.harness_name] = registry.get(entry.name).info.higher_is_better
+        self._number_documents()
+
+    # -- documents ---------------------------------------------------------------------------------------
+
+    def _number_documents(self) -> None:
+        """Give every document of the evaluated split its id, in both copies lmms-eval hands to
+        process_results (with media or without)."""
+        split = self.config.test_split if self.has_test_docs() else self.config.validation_split
+        for dataset in {id(d): d for d in (self.dataset, self.dataset_no_image)}.values():
+            docs = dataset[split]
+            if DOC_ID not in docs.column_names:
+                dataset[split] = docs.add_column(DOC_ID, list(range(len(docs))))
+        self.task_docs = self.dataset[split]
+
+    def _references(self, doc: dict) -> list[str] | None:
+        how = self._capeval_references
+        refs = how(doc) if callable(how) else doc[how] if isinstance(how, str) else self.doc_to_target(doc)
+        if refs is None:
+            return None
+        return [refs] if isinstance(refs, str) else [str(r) for r in refs]
+
+    def doc_to_visual(self, doc: dict) -> Any:
+        """The task's own ``doc_to_visual``; on rank 0, what it gave the model is kept for scoring, so the
+        metrics take the images the task already loaded instead of loading them again."""
+        visuals = super().doc_to_visual(doc)
+        if self._capeval_keep_visuals and isinstance(doc, dict) and DOC_ID in doc:
+            self._capeval_visuals[int(doc[DOC_ID])] = visuals
+        return visuals
+
+    def _image(self, doc_id: int) -> Any:
+        visuals = self._capeval_visuals.pop(doc_id, None)
+        if visuals is None:  # generated on another rank (or not kept): the task loads it
+            visuals = super().doc_to_visual(self.eval_docs[doc_id])
+        if isinstance(visuals, (list, tuple)):
+            if len(visuals) != 1:
+                raise ValueError(f"{self.config.task} document {doc_id}: doc_to_visual gave {len(visuals)} "
+                                 "images; capeval metrics score one image (or one video) per caption")
+            visuals = visuals[0]
+        return visuals
+
+    # -- lmms-eval hooks ---------------------------------------------------------------------------------
+
+    def process_results(self, doc: dict, results: list, full_docs: Any = None) -> dict:
+        has_own = callable(self.config.process_results) or bool(self._metric_fn_list)
+        out = dict(super().process_results(doc, results, full_docs)) if has_own else {}
+        caption = results[0] if results else ""
+        if isinstance(caption, (list, tuple)):  # repeats: the first generation
+            caption = caption[0] if caption else ""
+        item = CaptionItem(int(doc[DOC_ID]), (caption or "").strip(), self._references(doc))
+        for entry in self._capeval_entries:
+            out[entry.harness_name] = item
+        return out
+
+    def _capeval_aggregate(self, harness_name: str, items: list) -> float:
+        items = sorted(items, key=lambda it: it.doc_id)
+        key = tuple((it.doc_id, it.caption) for it in items)
+        if self._capeval_scored is None or self._capeval_scored[0] != key:
+            self._capeval_scored = (key, self._score(items))
+        return float(self._capeval_scored[1][harness_name].score)
+
+    def _score(self, items: list[CaptionItem]) -> dict:
+        metrics = self._metrics()
+        needs_images = any(m.info.images != "never" for m in metrics.values())
+        images = [self._image(it.doc_id) for it in items] if needs_images else None
+        task = self.config.task
+        return score_documents(metrics, images, [it.caption for it in items], [it.references for it in items],
+                               [it.doc_id for it in items], describe=lambda i: f"{task} document {i}")
+
+    def _metrics(self) -> dict[str, Any]:
+        """Our metrics, built once per task (a backbone shared by several loads once)."""
+        if self._capeval_metrics is None:
+            self._capeval_metrics = {e.harness_name: registry.load(e.name, **_on_device(e.name, e.options))
+                                     for e in self._capeval_entries}
+        return self._capeval_metrics
+
+
+def _on_device(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The metric's options, on this process's accelerator where the task does not say otherwise (under
+    ``accelerate launch`` each process's current CUDA device; rank 0 aggregates)."""
+    import dataclasses
+
+    import torch
+
+    options = dict(options)
+    fields = {f.name for f in dataclasses.fields(registry.get(name).cls.Config)}
+    placed = options.get("device") is not None or "device_map" in options
+    if "device" in fields and not placed and torch.cuda.is_available():
+        options["device"] = f"cuda:{torch.cuda.current_device()}"
+    return options
+
+
+def _resolve_base(config: dict) -> dict:
+    """``base_task: <name>``: the named lmms-eval task's config, with this YAML's keys on top and its
+    metric_list extended (not replaced) by this one's."""
+    base_name = config.pop("base_task", None)
+    if not base_name:
+        return config
+    base = _base_config(base_name)
+    mine = config.get("metric_list") or []
+    names = {m.get("metric") for m in mine}
+    merged = {**base, **config}
+    merged["metric_list"] = [m for m in base.get("metric_list") or [] if m.get("metric") not in names] + list(mine)
+    return merged
+
+
+def _base_config(name: str) -> dict:
+    """The config of lmms-eval's task ``name``: its YAML, includes and ``!function`` resolved by lmms-eval."""
+    import lmms_eval.tasks
+    from lmms_eval.utils import load_yaml_config
+
+    for path in sorted(Path(lmms_eval.tasks.__file__).parent.rglob("*.yaml")):
+        if name not in path.read_text(errors="replace"):  # cheap filter before parsing
+            continue
+        if load_yaml_config(str(path), mode="simple").get("task") == name:
+            base = load_yaml_config(str(path), mode="full")
+            if "class" in base:
+                raise ValueError(f"base_task {name!r} is a class-based task; include its YAML instead")
+            return base
+    raise ValueError(f"base_task {name!r} is not one of lmms-eval's tasks")
+
+
+__all__ = ["CaptionItem", "CaptionTask", "tasks_dir"]

@@ -1,0 +1,271 @@
+"""lmms-eval: capeval metrics added to a task through lmms-eval's own ``class:`` hook, run end to end offline on
+a tiny LLaVA (lmms-eval's ``llava_hf`` model) captioning a handful of local images.
+
+lmms-eval is an optional extra (``pip install capeval-plugins[lmms]``): everything here skips without it."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLES, run
+
+import capeval_plugins
+
+try:  # a broken install (e.g. a CUDA torchvision beside a CPU torch) fails with other errors than ImportError
+    import lmms_eval.api.task  # noqa: F401
+except Exception as err:  # noqa: BLE001
+    pytest.skip(f"lmms_eval is not importable: {err}", allow_module_level=True)
+
+from capeval_plugins.adapters import lmms_eval as adapter  # noqa: E402
+
+TASK = "tiny_caption"
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tiny_root) -> str:
+    from capeval_plugins.testing import tiny_checkpoint
+
+    return str(tiny_checkpoint("llava", root=tiny_root))
+
+
+@pytest.fixture(scope="module")
+def caption_task(tmp_path_factory, tiny_clip) -> Path:
+    """A local dataset (one row per example image, its references) and a task YAML scoring it with two
+    pointwise capeval metrics and a corpus one (MID), all on one CLIP; returns the include folder."""
+    import datasets
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("lmms")
+    refs: dict[str, list[str]] = {}
+    for line in (EXAMPLES / "captions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        refs.setdefault(row["image"], row["references"])
+    features = datasets.Features({"image": datasets.Image(), "name": datasets.Value("string"),
+                                  "sentences": datasets.Sequence(datasets.Value("string"))})
+    ds = datasets.Dataset.from_dict({"image": [Image.open(EXAMPLES / "images" / k).convert("RGB") for k in refs],
+                                     "name": list(refs), "sentences": list(refs.values())}, features=features)
+    ds.to_parquet(root / "test.parquet")
+    (root / "tasks").mkdir()
+    (root / "tasks" / "tiny.yaml").write_text(f"""
+task: {TASK}
+class: !function capeval_plugins.adapters.lmms_eval.CaptionTask
+dataset_path: parquet
+dataset_kwargs:
+  data_files:
+    test: {root / 'test.parquet'}
+test_split: test
+output_type: generate_until
+doc_to_visual: !function capeval_plugins.lmms_eval_tasks.utils.doc_to_image
+doc_to_text: "Describe the image briefly."
+doc_to_target: sentences
+generation_kwargs:
+  max_new_tokens: 8
+  do_sample: false
+capeval_references: sentences
+metric_list:
+  - metric: clipscore
+    model: {tiny_clip}
+  - metric: capeval/refclipscore
+    model: {tiny_clip}
+    w: 2.0
+  - metric: mid
+    model: {tiny_clip}
+    covariance_eps: 1.0e-3
+""")
+    return root / "tasks"
+
+
+def _dataset(include: Path):
+    import datasets
+
+    return datasets.load_dataset("parquet", data_files={"test": str(include.parent / "test.parquet")})["test"]
+
+
+def _evaluate(tiny_llava: str, include: Path, force_simple: bool) -> dict:
+    from lmms_eval import evaluator
+    from lmms_eval.tasks import TaskManager
+
+    return evaluator.simple_evaluate(
+        model="llava_hf", model_args=f"pretrained={tiny_llava},dtype=float32,device_map=cpu", tasks=[TASK],
+        task_manager=TaskManager(include_path=str(include)), log_samples=True, device="cpu", batch_size=1,
+        force_simple=force_simple)
+
+
+def _direct(tiny_clip: str, include: Path, captions: dict[int, str]) -> dict:
+    """The same metrics through ``capeval_plugins.load`` on the captions lmms-eval logged, in document order."""
+    docs = _dataset(include)
+    ids = sorted(captions)
+    images = [docs[i]["image"].convert("RGB") for i in ids]
+    refs = [docs[i]["sentences"] for i in ids]
+    cands = [captions[i] for i in ids]
+    metrics = {"clipscore": capeval_plugins.load("clipscore", model=tiny_clip),
+               "capeval/refclipscore": capeval_plugins.load("refclipscore", model=tiny_clip, w=2.0),
+               "mid": capeval_plugins.load("mid", model=tiny_clip, covariance_eps=1e-3)}
+    return {name: metric(images, cands, refs).score for name, metric in metrics.items()}
+
+
+@pytest.mark.slow
+def test_task_scores_equal_capeval_load_on_the_same_captions(tiny_llava, tiny_clip, caption_task, monkeypatch):
+    """Each metric's number in lmms-eval's results equals the metric run directly (``capeval_plugins.load``)
+    on the generated captions, the documents' images and their references; the images the task loaded for the
+    model are the ones scored (the task's doc_to_visual runs once per document)."""
+    from collections import Counter
+
+    import capeval_plugins.lmms_eval_tasks.utils as task_utils
+
+    loads = Counter()
+    real = task_utils.doc_to_image
+
+    def counting(doc):
+        loads[doc["name"]] += 1
+        return real(doc)
+
+    monkeypatch.setattr(task_utils, "doc_to_image", counting)
+    out = _evaluate(tiny_llava, caption_task, force_simple=False)
+    assert sorted(loads.values()) == [1, 1, 1, 1]
+    samples = out["samples"][TASK]
+    assert sorted(s["doc_id"] for s in samples) == [0, 1, 2, 3]
+    captions = {s["doc_id"]: s["filtered_resps"][0].strip() for s in samples}
+    direct = _direct(tiny_clip, caption_task, captions)
+    got = out["results"][TASK]
+    for name, value in direct.items():
+        assert got[f"{name},none"] == pytest.approx(value, abs=1e-9), name
+    assert out["higher_is_better"][TASK]["clipscore"] is True
+
+
+@pytest.mark.parametrize("task_type", ["chat", "simple"])
+def test_task_is_built_for_the_kind_of_model_lmms_eval_runs(caption_task, task_type):
+    """lmms-eval builds chat models' tasks as ConfigurableMessagesTask and simple models' as ConfigurableTask;
+    a ``class:`` task gets the same treatment, with our metrics added and the documents numbered."""
+    from lmms_eval.api.task import ConfigurableMessagesTask
+    from lmms_eval.tasks import TaskManager
+
+    task = TaskManager(include_path=str(caption_task)).load_task_or_group([TASK], task_type=task_type)[TASK]
+    assert isinstance(task, ConfigurableMessagesTask) == (task_type == "chat")
+    assert set(task.aggregation()) == {"clipscore", "capeval/refclipscore", "mid"}
+    assert task.eval_docs[2][adapter.DOC_ID] == 2 and task.eval_docs_no_media[3][adapter.DOC_ID] == 3
+
+
+_DIST_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    dist.init_process_group("gloo")
+from lmms_eval import evaluator
+from lmms_eval.tasks import TaskManager
+llava, include, out_path = sys.argv[1:4]
+out = evaluator.simple_evaluate(model="llava_hf", model_args=f"pretrained={llava},dtype=float32,device_map=cpu",
+    tasks=["%s"], task_manager=TaskManager(include_path=include), log_samples=True, device="cpu", batch_size=1,
+    distributed_executor_backend="torchrun" if dist.is_initialized() else "accelerate")
+if out is not None:
+    samples = {s["doc_id"]: s["filtered_resps"][0].strip() for s in out["samples"]["%s"]}
+    json.dump({"results": out["results"]["%s"], "captions": samples}, open(out_path, "w"), default=str)
+""" % (TASK, TASK, TASK)
+
+
+@pytest.mark.slow
+def test_two_processes_score_the_corpus_one_process_scores(tiny_llava, tiny_clip, caption_task, tmp_path):
+    """torchrun with 2 gloo processes: each generates half the documents, rank 0 gathers the items and scores
+    the whole split in document order, so the corpus scores equal one process's and the direct computation."""
+    script = tmp_path / "run.py"
+    script.write_text(_DIST_SCRIPT)
+    outs = {}
+    for n in (1, 2):
+        path = tmp_path / f"out{n}.json"
+        run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
+             str(29500 + n), str(script), tiny_llava, str(caption_task), str(path)], timeout=600)
+        outs[n] = json.loads(path.read_text())
+    assert outs[1]["captions"] == outs[2]["captions"]  # greedy decoding: the same captions either way
+    direct = _direct(tiny_clip, caption_task, {int(k): v for k, v in outs[2]["captions"].items()})
+    for name, value in direct.items():
+        assert outs[2]["results"][f"{name},none"] == pytest.approx(outs[1]["results"][f"{name},none"], abs=1e-12)
+        assert outs[2]["results"][f"{name},none"] == pytest.approx(value, abs=1e-9)
+
+
+def test_base_task_keeps_its_metrics_and_adds_ours():
+    """``base_task`` takes lmms-eval's own task config (found by name, functions resolved) and appends ours."""
+    config = adapter._resolve_base({"base_task": "coco_karpathy_test", "task": "mine",
+                                    "metric_list": [{"metric": "clipscore", "model": "m"}]})
+    names = [m["metric"] for m in config["metric_list"]]
+    assert names[-1] == "clipscore" and "coco_CIDEr" in names and "coco_Bleu_4" in names
+    assert callable(config["process_results"]) and config["task"] == "mine"
+    with pytest.raises(ValueError, match="not one of lmms-eval's tasks"):
+        adapter._base_config("no_such_task_anywhere")
+
+
+def test_shipped_example_names_registered_metrics_with_valid_options():
+    import dataclasses
+
+    from lmms_eval.utils import load_yaml_config
+
+    from capeval_plugins import registry
+    from capeval_plugins.adapters.harness import split_metric_list
+
+    config = load_yaml_config(str(adapter.tasks_dir() / "coco_karpathy_test_capeval.yaml"), mode="full")
+    assert config["class"] is adapter.CaptionTask and config["base_task"] == "coco_karpathy_test"
+    ours, others = split_metric_list(config["metric_list"])
+    assert [e.name for e in ours] == ["clipscore", "refclipscore", "discode"] and not others
+    for entry in ours:
+        fields = {f.name for f in dataclasses.fields(registry.get(entry.name).cls.Config)}
+        assert set(entry.options) <= fields, entry
+
+
+def test_a_task_without_any_capeval_metric_is_refused():
+    with pytest.raises(ValueError, match="no capeval metric"):
+        adapter.CaptionTask(config={"task": "x", "metric_list": [{"metric": "exact_match"}]})
+
+
+def _loaded_task(include: Path):
+    from lmms_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(include)).load_task_or_group([TASK], task_type="chat")[TASK]
+
+
+def _items(task, captions: list[str]) -> list[dict]:
+    return [task.process_results(task.eval_docs_no_media[i], [c]) for i, c in enumerate(captions)]
+
+
+def test_all_capeval_metrics_of_a_task_share_one_pass(caption_task, tiny_clip, monkeypatch):
+    """lmms-eval calls one aggregation per metric; the first scores the split with every capeval metric of the
+    task, the second reuses that pass. The items are text only; the images come from the task's documents."""
+    calls = []
+    real = adapter.score_documents
+
+    def counting(metrics, *args, **kwargs):
+        calls.append(sorted(metrics))
+        return real(metrics, *args, **kwargs)
+
+    monkeypatch.setattr(adapter, "score_documents", counting)
+    task = _loaded_task(caption_task)
+    captions = ["A red ball.", "A blue car on a road.", "A tree.", "The sun."]
+    per_doc = _items(task, captions)
+    assert all(isinstance(d["clipscore"], adapter.CaptionItem) for d in per_doc)
+    items = [d["clipscore"] for d in reversed(per_doc)]  # gathered order does not matter
+    scores = {name: fn(items) for name, fn in task.aggregation().items()}
+    assert calls == [["capeval/refclipscore", "clipscore", "mid"]]
+    docs = _dataset(caption_task)
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)([d["image"] for d in docs], captions).score
+    assert scores["clipscore"] == pytest.approx(direct, abs=1e-9)
+
+
+def test_a_bad_generation_is_named_by_its_document(caption_task):
+    from capeval_plugins.inputs import InputError
+
+    task = _loaded_task(caption_task)
+    items = [d["clipscore"] for d in _items(task, ["A red ball.", "   ", "A tree.", "The sun."])]
+    with pytest.raises(InputError, match=f"{TASK} document 1"):
+        task.aggregation()["clipscore"](items)
+
+
+def test_every_registered_metric_can_be_named_either_way():
+    from capeval_plugins import registry
+    from capeval_plugins.adapters.harness import split_metric_list
+
+    names = sorted(registry.metrics())
+    entries = [{"metric": n, "batch_size": 4} for n in names] + [{"metric": f"capeval/{names[0]}"},
+                                                                {"metric": "coco_CIDEr", "aggregation": "x"}]
+    ours, others = split_metric_list(entries)
+    assert [e.name for e in ours] == [*names, names[0]] and [o["metric"] for o in others] == ["coco_CIDEr"]
+    assert all(e.options == {"batch_size": 4} for e in ours[:-1])
