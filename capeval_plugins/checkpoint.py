@@ -313,12 +313,18 @@ class RunStore:
         wanted = {"format": FORMAT, "fingerprint": json.loads(json.dumps(fingerprint, sort_keys=True, default=str))}
         manifest = self._read_manifest()
         if manifest is not None:
-            found = self._read_run()
-            if found is not None and not restart and found.get("format") == FORMAT and \
-                    found["fingerprint"] == wanted["fingerprint"]:
+            found, damaged = None, None
+            if not restart:
+                try:
+                    found = self._read_run()
+                except DamagedRun as err:
+                    damaged = err
+            if found is not None and found.get("format") == FORMAT and found["fingerprint"] == wanted["fingerprint"]:
                 self.run_id = found["run"]
                 return self._has_progress(manifest["files"])
             if not restart and self._has_progress(manifest["files"]):
+                if damaged is not None:
+                    raise damaged
                 if found is None:
                     raise DamagedRun(self.root, f"its {RUN} is missing but finished batches are there")
                 raise RunMismatch(
