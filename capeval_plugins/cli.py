@@ -288,8 +288,10 @@ SCORE_HELP = """Score a caption file with one or more metrics in one pass.
 
 Every input is checked before any model loads; problems are listed by row (`sample 250 (captions.jsonl
 line 252)`). With --out, finished batches are saved in <out>.capeval-run (or --run-dir): after Ctrl-C,
-a crash or a pre-emption, the same command resumes where it stopped; --restart starts over. Runs under
-torchrun too (each rank scores a share; resume with the same number of ranks).
+a crash or a pre-emption, the same command resumes where it stopped; --restart starts over. A run
+folder is made only in a new or empty folder, locked while a run uses it, and only the files capeval wrote
+there are ever deleted. Runs under torchrun too (each rank scores a share; resume with the same number of
+ranks).
 
 Exit codes: 0 done; 2 a usage or input error; 130 interrupted (resumable); 1 a bug.
 
