@@ -134,7 +134,10 @@ def cmd_score(args: argparse.Namespace) -> int:
             runner.finish(run_dir, shard=True, run_id=outcome.run_id)
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, inside a batch
         if rank == 0:
-            kept = f"; finished batches are saved in {run_dir}, run the same command again to resume" if run_dir else ""
+            from capeval_plugins.checkpoint import MANIFEST
+
+            saved = run_dir is not None and os.path.exists(os.path.join(run_dir, MANIFEST))
+            kept = f"; finished batches are saved in {run_dir}, run the same command again to resume" if saved else ""
             print(f"capeval: interrupted{kept}", file=sys.stderr)
         return 130
     except runner.Interrupted as err:

@@ -9,7 +9,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -207,16 +206,15 @@ def test_an_image_replaced_by_one_of_the_same_size_and_time_is_a_different_input
     _, folder, _ = files
     run_dir = tmp_path / "run"
     interrupted_run(tiny_clip, files, run_dir)
-    target, other = folder / "00.png", folder / "01.png"
+    target = folder / "00.png"
     stat = target.stat()
     data = bytearray(target.read_bytes())
-    data[-20] ^= 0xFF  # same size; PNG IEND region untouched is not needed: the fingerprint reads bytes
+    data[-20] ^= 0xFF  # other bytes, the same size and modification time
     target.write_bytes(bytes(data))
     os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert target.stat().st_size == stat.st_size and target.stat().st_mtime_ns == stat.st_mtime_ns
     with pytest.raises(InputError, match="inputs differ"):
         runner.run(metrics(tiny_clip), corpus_of(files), run_dir=run_dir)
-    assert other.is_file()
 
 
 def test_new_weights_in_the_same_model_folder_are_a_different_model(tiny_clip, files, tmp_path):
@@ -436,4 +434,3 @@ def test_lock_and_manifest_are_the_run_folders_only_extra_files(tiny_clip, files
     store = RunStore(run_dir)
     store.remove()
     assert not run_dir.exists()
-    assert sys.platform != "win32"
