@@ -3,6 +3,9 @@ batch, against scoring the same caption file without them, same metric, same bat
 
     python benchmarks/runner_overhead.py [--arch clip_vit_b32|clip] [--images 64] [--captions-per-image 5]
 
+It also times the run's fingerprint on its own: every image file and every file of the model folder hashed
+once per run (what a resume is checked against), as a share of scoring the corpus.
+
 The baseline is the bare contract loop (batches of image files decoded as they come, ``map``, merge,
 finalize), which is what the runner adds its checks and checkpoints to. The three variants (baseline, runner
 without checkpoints, runner with checkpoints) run in a shuffled order in every round, and each reports its
@@ -78,6 +81,21 @@ def checkpoint_write_seconds(metric, images, captions, folder, repeats: int = 20
     return statistics.median(times)
 
 
+def fingerprint_seconds(metric, images, captions, repeats: int = 3) -> float:
+    """Median time of a run's fingerprint: every image file and every file of the model folder hashed (the
+    content digests a resume is checked against), once per run as the runner does it."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.fingerprint({"m": metric}, runner.Corpus(captions, images), 1, None)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def folder_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if os.path.isdir(path) else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="CLIP checkpoint (default: a random one built here, see --arch)")
@@ -122,6 +140,7 @@ def main() -> None:
     runner.validate(metric, runner.Corpus(captions, images))
     validation = time.perf_counter() - start
     write = checkpoint_write_seconds(metric, images, captions, work / "writes")
+    hashing = fingerprint_seconds(metric, images, captions)
     n = len(captions)
     print(f"model={args.model} samples={n} images={args.images} batch_size={args.batch_size} "
           f"threads={torch.get_num_threads()} repeats={args.repeats} (scores identical in all three; medians)")
@@ -135,6 +154,10 @@ def main() -> None:
     print(f"checkpoint write         {write * 1e3:8.3f} ms/batch = {100 * write / per_batch:.2f} % of a batch's "
           f"{per_batch * 1e3:.0f} ms (rows appended and fsynced)")
     print(f"validation alone         {validation * 1e3 / n:8.3f} ms/sample ({args.images} image headers)")
+    scoring = statistics.median(wall["bare loop"])
+    print(f"fingerprint (hashing)    {hashing * 1e3:8.1f} ms per run = {100 * hashing / scoring:.2f} % of scoring "
+          f"{n} samples ({scoring:.2f} s); {args.images} images + model folder "
+          f"({folder_bytes(args.model) / 2**20:.0f} MiB)")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from capeval_plugins.contract import MetricResult
 from capeval_plugins.inputs import InputError
@@ -94,13 +94,13 @@ def load_caption_docs(path: str | os.PathLike, images_dir: str | os.PathLike | N
 # ---------------------------------------------------------------------------------------------------------
 # Output: one row per sample, strict JSON.
 
-OUTPUT_FORMATS = (".jsonl", ".csv", ".parquet")
+OUTPUT_FORMATS = (".jsonl", ".json", ".csv", ".parquet")
 
 
 def output_format(path: str | os.PathLike) -> str:
-    """``.csv`` and ``.parquet`` by suffix; anything else is JSON Lines."""
+    """``.json`` (one JSON array), ``.csv`` and ``.parquet`` by suffix; anything else is JSON Lines."""
     suffix = Path(path).suffix.lower()
-    return suffix if suffix in (".csv", ".parquet") else ".jsonl"
+    return suffix if suffix in (".json", ".csv", ".parquet") else ".jsonl"
 
 
 def json_safe(value: Any) -> Any:
@@ -136,11 +136,15 @@ def score_table(results: Mapping[str, MetricResult]) -> list[dict[str, Any]]:
     return table
 
 
-def check_writable(path: str | os.PathLike) -> None:
-    """Fail now, not after hours of scoring, if ``path`` cannot be written (or its format not produced)."""
+def check_writable(path: str | os.PathLike, inputs: Sequence[str | os.PathLike | None] = ()) -> None:
+    """Fail now, not after hours of scoring, if ``path`` cannot be written (or its format not produced), or if
+    it is one of the ``inputs`` (the caption file: writing the scores would destroy it)."""
     path = Path(path)
     if path.is_dir():
-        raise InputError(f"--out {path} is a folder; give a file name (.jsonl, .csv or .parquet)")
+        raise InputError(f"--out {path} is a folder; give a file name (.jsonl, .json, .csv or .parquet)")
+    for given in inputs:
+        if given is not None and _same_file(path, Path(given)):
+            raise InputError(f"--out {path} is an input of this run ({given}); give another file name")
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise InputError(f"cannot write {path}: folder {folder} does not exist")
@@ -158,30 +162,55 @@ def check_writable(path: str | os.PathLike) -> None:
             raise InputError("writing .parquet needs pyarrow: pip install 'capeval-plugins[parquet]'") from None
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def write_table(path: str | os.PathLike, table: list[dict[str, Any]]) -> None:
-    """Write rows (from :func:`score_table`) as JSON Lines, CSV or Parquet by suffix, atomically."""
+    """Write rows (from :func:`score_table`) as JSON Lines, a JSON array (``.json``), CSV or Parquet by
+    suffix, atomically: into a temporary file of a name no other writer uses, then renamed over ``path``, so
+    two runs writing one path leave one whole output, never a mix."""
     path = Path(path)
     columns: list[str] = []
     for row in table:
         columns += [k for k in row if k not in columns]
-    tmp = path.with_name(f".{path.name}.tmp")
-    fmt = output_format(path)
+    fd, name = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
+    try:
+        os.close(fd)
+        _write_rows(tmp, output_format(path), table, columns)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary new file (mkstemp makes it private)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_rows(tmp: Path, fmt: str, table: list[dict[str, Any]], columns: list[str]) -> None:
     if fmt == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist(table), tmp)
-    elif fmt == ".csv":
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
+        # every column of every row (``error`` may first appear in a later row)
+        pq.write_table(pa.Table.from_pydict({c: [row.get(c) for row in table] for c in columns}), tmp)
+        return
+    with open(tmp, "w", newline="" if fmt == ".csv" else None, encoding="utf-8") as f:
+        if fmt == ".csv":
             writer = csv.DictWriter(f, fieldnames=columns or ["index"])
             writer.writeheader()
             for row in table:
                 writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
-    else:
-        with open(tmp, "w", encoding="utf-8") as f:
+        elif fmt == ".json":
+            f.write("[\n" + ",\n".join(json.dumps(row, allow_nan=False) for row in table) + "\n]\n")
+        else:
             for row in table:
                 f.write(json.dumps(row, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_scores(path: str | os.PathLike, result: MetricResult) -> None:

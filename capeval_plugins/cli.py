@@ -99,9 +99,13 @@ def cmd_score(args: argparse.Namespace) -> int:
     shared = {key: str(value) for key in ("model", "batch_size", "device", "dtype", "on_error")
               if (value := getattr(args, key)) is not None}
     metrics = build_metrics(args.metric, args.option or [], shared)
+    run_dir = args.run_dir or (f"{args.out}.capeval-run" if args.out else None)
     if args.out:
-        check_writable(args.out)
+        check_writable(args.out, [args.captions])
+        check_out_and_run_dir(args.out, run_dir)
     records = read_captions(args.captions, args.images)
+    if args.out:
+        check_not_an_image(args.out, records.images)
     if not len(records):
         raise UsageError(f"{args.captions} holds no captions")
     uses_references = any(m.info.references != "never" for m in metrics.values())
@@ -115,7 +119,6 @@ def cmd_score(args: argparse.Namespace) -> int:
         group_ids=groups,
         describe=records.describe,
     )
-    run_dir = args.run_dir or (f"{args.out}.capeval-run" if args.out else None)
 
     rank, world = _init_distributed()
     try:
@@ -128,7 +131,15 @@ def cmd_score(args: argparse.Namespace) -> int:
                 write_table(args.out, table)
             print(json.dumps(summary(outcome, table), allow_nan=False))
         if run_dir:
-            runner.finish(run_dir, shard=True)
+            runner.finish(run_dir, shard=True, run_id=outcome.run_id)
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once, inside a batch
+        if rank == 0:
+            from capeval_plugins.checkpoint import MANIFEST
+
+            saved = run_dir is not None and os.path.exists(os.path.join(run_dir, MANIFEST))
+            kept = f"; finished batches are saved in {run_dir}, run the same command again to resume" if saved else ""
+            print(f"capeval: interrupted{kept}", file=sys.stderr)
+        return 130
     except runner.Interrupted as err:
         if rank == 0:
             if run_dir:
@@ -144,6 +155,30 @@ def cmd_score(args: argparse.Namespace) -> int:
 
             dist.destroy_process_group()
     return 0
+
+
+def check_out_and_run_dir(out: str, run_dir: str | None) -> None:
+    """The output is never one of the run folder's own files (they are deleted when the run ends)."""
+    from pathlib import Path
+
+    from capeval_plugins.checkpoint import LOCK, MANIFEST, RUN
+
+    if run_dir is None:
+        return
+    target, folder = Path(os.path.realpath(out)), Path(os.path.realpath(run_dir))
+    if target == folder:
+        raise UsageError(f"--out {out} and --run-dir {run_dir} are the same path; give them different names")
+    if (target.parent == folder and target.name.startswith((MANIFEST, LOCK, RUN))) or (
+            target.parent.parent == folder and target.parent.name.startswith("rank-")):
+        raise UsageError(f"--out {out} is a file name capeval uses in the run folder {run_dir}; give another name")
+
+
+def check_not_an_image(out: str, images: Sequence[Any]) -> None:
+    if not os.path.exists(out):
+        return
+    target = os.path.realpath(out)
+    if any(isinstance(i, str) and os.path.realpath(i) == target for i in images):
+        raise UsageError(f"--out {out} is an image of the caption file; give another file name")
 
 
 def summary(outcome: Any, table: list[dict]) -> dict[str, Any]:
@@ -192,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="registered metric name (repeatable; see `capeval list`)")
     p.add_argument("--captions", required=True, help='JSON Lines: {"image", "caption", "references"} per line')
     p.add_argument("--images", help="folder the image paths are relative to (default: the caption file's)")
-    p.add_argument("--out", help="per-sample scores: .jsonl, .csv or .parquet (one row per sample, input order)")
+    p.add_argument("--out", help="per-sample scores: .jsonl, .json (one array), .csv or .parquet (one row per "
+                   "sample, input order)")
     p.add_argument("--model", help="model of every selected metric that takes one (same as -o model=...)")
     p.add_argument("--batch-size", dest="batch_size", type=int)
     p.add_argument("--device")
@@ -201,8 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a sample that cannot be scored: stop before scoring (raise, default) or skip it")
     p.add_argument("--option", "-o", action="append", metavar="[METRIC.]KEY=VALUE",
                    help="a metric option (repeatable); without METRIC. it goes to every metric that takes it")
-    p.add_argument("--run-dir", dest="run_dir", help="checkpoint folder (default: <out>.capeval-run)")
-    p.add_argument("--restart", action="store_true", help="discard an unfinished run in the checkpoint folder")
+    p.add_argument("--run-dir", dest="run_dir", help="checkpoint folder, new or empty (default: <out>.capeval-run); "
+                   "capeval deletes only the files it wrote there")
+    p.add_argument("--restart", action="store_true", help="discard an unfinished (or damaged) run in the checkpoint "
+                   "folder")
     p.add_argument("--quiet", action="store_true", help="no progress bars (ours or the model libraries')")
     p.set_defaults(func=cmd_score)
 
@@ -235,11 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (UsageError, InputError, DataError, KeyError, ModelLoadError, ImportError) as err:
         # ImportError: an optional dependency a chosen option needs (accelerate, torchvision, pyarrow, ...)
-        message = err.args[0] if err.args else str(err)
+        message = getattr(err, "cli_message", None) or (err.args[0] if err.args else str(err))
         # every rank validates the same input: rank 0 reports that; a rank reports what only it found
         if _rank() == 0 or not isinstance(err, InputError) or getattr(err, "rank_specific", False):
             print(f"capeval: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run (loading, reading): one line, not a traceback
+        print("capeval: interrupted", file=sys.stderr)
+        return 130
 
 
 def _rank() -> int:
@@ -250,8 +291,10 @@ SCORE_HELP = """Score a caption file with one or more metrics in one pass.
 
 Every input is checked before any model loads; problems are listed by row (`sample 250 (captions.jsonl
 line 252)`). With --out, finished batches are saved in <out>.capeval-run (or --run-dir): after Ctrl-C,
-a crash or a pre-emption, the same command resumes where it stopped; --restart starts over. Runs under
-torchrun too (each rank scores a share; resume with the same number of ranks).
+a crash or a pre-emption, the same command resumes where it stopped; --restart starts over. A run
+folder is made only in a new or empty folder, locked while a run uses it, and only the files capeval wrote
+there are ever deleted. Runs under torchrun too (each rank scores a share; resume with the same number of
+ranks).
 
 Exit codes: 0 done; 2 a usage or input error; 130 interrupted (resumable); 1 a bug.
 

@@ -34,9 +34,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from capeval_plugins.checkpoint import Progress, RunStore
+from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch_digest
 from capeval_plugins.contract import (ON_ERROR, Batch, Metric, MetricResult, StateSpec, finalize_state, full_spec,
                                       map_batch)
+from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
                                     to_batch, validate_samples)
 
@@ -62,15 +63,16 @@ class Corpus:
     def name(self, index: int) -> str:
         return self.describe(index) if self.describe else f"sample {index}"
 
-    def digest(self) -> str:
-        """A fingerprint of the inputs (captions, references, groups, ids, and each image by its file and
-        size, its bytes or its pixels), for checkpoints."""
+    def digest(self, contents: ContentDigests | None = None) -> str:
+        """A fingerprint of the inputs (captions, references, groups, ids, and each image by its content:
+        a file's bytes, given bytes or pixels), for checkpoints."""
+        contents = contents if contents is not None else ContentDigests()
         h = hashlib.sha256()
         n = len(self.candidates) if self.candidates is not None else 0
         texts = [self.candidates, self.references, self.group_ids, self.ids]
         for i in range(n):
             row = [None if c is None else _plain(c[i]) for c in texts]
-            row.append(None if self.images is None else _image_token(self.images[i]))
+            row.append(None if self.images is None else _image_token(self.images[i], contents))
             h.update(json.dumps(row, sort_keys=True, default=str).encode())
         return h.hexdigest()
 
@@ -81,14 +83,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _image_token(value: Any) -> Any:
-    """A JSON-able identity of one image as given: a file by its real path and size, bytes and pixels by
-    their hash."""
+def _image_token(value: Any, contents: ContentDigests) -> Any:
+    """A JSON-able identity of one image as given, by content: a file by its path and bytes (hashed once per
+    run), given bytes and pixels by their hash."""
     from PIL import Image
 
     if isinstance(value, (str, os.PathLike)):
-        path = os.fspath(value)
-        return ["file", os.path.realpath(path), os.path.getsize(path) if os.path.isfile(path) else None]
+        return contents.file(value)
     if isinstance(value, (bytes, bytearray)):
         return ["bytes", hashlib.sha1(value).hexdigest()]
     if isinstance(value, Image.Image):
@@ -97,9 +98,9 @@ def _image_token(value: Any) -> Any:
         arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
         return ["array", str(arr.dtype), list(arr.shape), hashlib.sha1(np.ascontiguousarray(arr).tobytes()).hexdigest()]
     if isinstance(value, dict):
-        return {k: _image_token(v) if k != "bytes" or v else None for k, v in value.items()}
+        return {k: _image_token(v, contents) if k != "bytes" or v else None for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_image_token(v) for v in value]
+        return [_image_token(v, contents) for v in value]
     return repr(value)
 
 
@@ -111,6 +112,7 @@ class RunOutcome:
     batches_scored: int = 0
     batches_resumed: int = 0
     samples: int = 0
+    run_id: str | None = None  # the run in the run folder, for :func:`finish`
 
 
 @dataclass
@@ -133,6 +135,11 @@ class _Task:
 
     def batch(self, k: int) -> Samples:
         return self.samples.subset(range(k * self.batch_size, min((k + 1) * self.batch_size, len(self.samples))))
+
+    def plan(self) -> list[str]:
+        """The digest of every planned batch (its samples in order), checked against each saved record."""
+        return [batch_digest(self.samples.indices[k * self.batch_size : (k + 1) * self.batch_size])
+                for k in range(self.n_batches)]
 
     def fraction_done(self) -> float:
         return 1.0 if not self.n_batches else self.progress.batches / self.n_batches
@@ -322,17 +329,19 @@ def _shard(samples: Samples, rank: int, size: int) -> Samples:
 
 
 def fingerprint(metrics: Mapping[str, Metric], corpus: Corpus, world_size: int, on_error: str | None) -> dict:
-    from capeval_plugins.core.loading import source_key
-
+    """What a run folder is a run of: every metric with its options, the models and data files they name (by
+    content: a local folder's files are hashed, a hub id resolves to its cached commit), the inputs (by
+    content, see :meth:`Corpus.digest`) and the world size."""
+    contents = ContentDigests()  # each file hashed once in this run
     described = {}
     for name, metric in metrics.items():
         options = dataclasses.asdict(metric.config)
         for key in getattr(metric.config, "input_paths", ()):
             if isinstance(options.get(key), str) and options[key]:
-                options[key] = source_key(options[key])
+                options[key] = contents.source(options[key])
         options["on_error"] = policy(metric, on_error)
         described[name] = {"metric": f"{type(metric).__module__}.{type(metric).__qualname__}", **options}
-    return {"metrics": described, "inputs": corpus.digest(), "world_size": world_size}
+    return {"metrics": described, "inputs": corpus.digest(contents), "world_size": world_size}
 
 
 def _gather(obj: Any, size: int, dst: int | None) -> list[Any] | None:
@@ -350,20 +359,53 @@ def _gather(obj: Any, size: int, dst: int | None) -> list[Any] | None:
 
 
 def _open_store(run_dir: str | os.PathLike, fp: dict, restart: bool, rank: int, size: int) -> RunStore:
-    """Rank 0 checks (or clears) the folder first; every rank then learns the verdict."""
+    """Rank 0 locks and checks (or clears) the folder first; every rank then learns the verdict and the run
+    id. Rank 0 holds the lock until the run ends."""
     store = RunStore(run_dir, rank, size)
-    error = None
+    verdict: tuple[str, str] | str | None = None
+    error: Exception | None = None
     if rank == 0:
         try:
-            store.check(fp, restart)
+            store.open(fp, restart)
+            verdict = store.run_id
         except InputError as err:
-            error = str(err)
-    verdict = _gather(error, size, None)[0]
-    if verdict is not None:
-        raise InputError(verdict)
-    if rank != 0:
-        store.check(fp, False)
+            error, verdict = err, (str(err), getattr(err, "cli_message", str(err)))
+    verdict = _gather(verdict, size, None)[0]
+    if error is not None:
+        raise error
+    if isinstance(verdict, tuple):
+        raise _RankError(*verdict)
+    store.attach(verdict)
     return store
+
+
+class _RankError(RunFolderError):
+    """A run-folder error found on one rank, raised on every rank with both its messages."""
+
+    def __init__(self, python_message: str, cli_message: str) -> None:
+        InputError.__init__(self, python_message)
+        self.text = python_message
+        self._cli = cli_message
+
+    @property
+    def cli_message(self) -> str:
+        return self._cli
+
+
+def _load_progress(tasks: list[_Task], store: RunStore, size: int) -> None:
+    """Every task's saved progress, checked against the run and its batch plan; a damaged part on any rank
+    stops every rank."""
+    error, mine = None, None
+    try:
+        for task in tasks:
+            task.progress = store.load(task.name, any(s.reduce == "sum" for s in task.spec.values()), task.plan())
+    except RunFolderError as err:
+        error, mine = err, (str(err), err.cli_message)
+    errors = [e for e in _gather(mine, size, None) if e is not None]
+    if error is not None:
+        raise error
+    if errors:
+        raise _RankError(*errors[0])
 
 
 def run(
@@ -391,13 +433,28 @@ def run(
     valid = _validate_all(metrics, corpus, on_error)
     rank, size = world(shard)
     store = _open_store(run_dir, fingerprint(metrics, corpus, size, on_error), restart, rank, size) if run_dir else None
-
     tasks = [_Task(name, metric, _shard(valid[name][0], rank, size), valid[name][1], policy(metric, on_error))
              for name, metric in metrics.items()]
+    try:
+        return _run_tasks(tasks, corpus, store, run_dir, progress, rank, size, gather_to, stop)
+    except RunFolderError:  # a damaged folder is refused as it is
+        raise
+    except BaseException:
+        # a run that finished no batch leaves nothing to resume (one process: other ranks may have saved some)
+        if store is not None and size == 1 and not any(t.progress.batches for t in tasks):
+            store.remove()
+        raise
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_dir: Any, progress: bool, rank: int,
+               size: int, gather_to: int | None, stop: Callable[[], bool] | None) -> RunOutcome:
     for task in tasks:
         task.spec = full_spec(task.metric)  # may load the model: only now, after validation
-        if store is not None:
-            task.progress = store.load(task.name, any(s.reduce == "sum" for s in task.spec.values()))
+    if store is not None:
+        _load_progress(tasks, store, size)
     resumed = sum(t.progress.batches for t in tasks)
     cache = ImageCache(2 * max(t.batch_size for t in tasks))
     events = sorted(((k + 1) / t.n_batches, i, k) for i, t in enumerate(tasks) for k in range(t.progress.batches, t.n_batches))
@@ -432,7 +489,7 @@ def run(
             skipped.update(part_skipped)
         results[task.name] = finalize(task.metric, merge_ranks(task.spec, [p for p, _ in parts]), skipped)
     n = len(corpus.candidates) if corpus.candidates is not None else 0
-    return RunOutcome(results, scored, resumed, n)
+    return RunOutcome(results, scored, resumed, n, store.run_id if store is not None else None)
 
 
 def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | None, store: RunStore | None) -> None:
@@ -453,7 +510,7 @@ def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | No
     task.progress.skipped.update(skipped)
     task.progress.batches = k + 1
     if store is not None:
-        store.save(task.name, k, rows, task.progress.sums, skipped)
+        store.save(task.name, k, rows, task.progress.sums, skipped, batch_digest(task.batch(k).indices))
 
 
 class _ProgressBar:
@@ -493,7 +550,7 @@ def score_many(metrics: Mapping[str, Metric], images: Sequence[Any] | None = Non
     outcome = run(metrics, corpus, on_error=on_error, run_dir=run_dir, restart=restart, progress=progress,
                   shard=shard)
     if run_dir is not None:
-        finish(run_dir, shard)
+        finish(run_dir, shard, outcome.run_id)
     return outcome.results  # type: ignore[return-value]
 
 
@@ -503,13 +560,15 @@ def score(metric: Metric, images: Sequence[Any] | None = None, candidates: Seque
     return score_many({metric.info.name: metric}, images, candidates, references, **kwargs)[metric.info.name]
 
 
-def finish(run_dir: str | os.PathLike, shard: bool = False) -> None:
-    """Remove a finished run's folder (rank 0, once every rank is done with it)."""
+def finish(run_dir: str | os.PathLike, shard: bool = False, run_id: str | None = None) -> None:
+    """Remove what a finished run wrote in its folder (rank 0, once every rank is done with it): the files its
+    manifest lists, the folder itself only if the run made it and nothing else is in it. ``run_id`` (from
+    :class:`RunOutcome`): only if the folder still holds that run; a folder another run holds now is left."""
     rank, size = world(shard)
     if size > 1:
         torch.distributed.barrier()
     if rank == 0:
-        RunStore(run_dir).remove()
+        RunStore(run_dir).remove(run_id)
 
 
 @contextmanager

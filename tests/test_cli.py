@@ -258,7 +258,8 @@ def test_torchrun_interrupted_and_resumed_equals_an_uninterrupted_torchrun(tiny_
     out = tmp_path / "resumed.jsonl"
     first = interrupted(command(out), 2, env)
     assert first.returncode != 0 and not out.exists()
-    assert sorted(p.name for p in Path(f"{out}.capeval-run").iterdir()) == ["rank-0-of-2", "rank-1-of-2", "run.json"]
+    assert sorted(p.name for p in Path(f"{out}.capeval-run").iterdir()) == [
+        "capeval-run.lock", "capeval-run.manifest", "rank-0-of-2", "rank-1-of-2", "run.json"]
     second = subprocess.run(command(out), capture_output=True, text=True, timeout=600, env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     assert out.read_text() == whole.read_text()

@@ -1,5 +1,6 @@
-"""`capeval` with a real SIGINT sent to itself after its N-th scored batch (N from CAPEVAL_TEST_STOP_AFTER),
-and a count of the batches it scored printed to stderr: how the tests interrupt a run part-way."""
+"""`capeval` with a real SIGINT sent to itself after its N-th scored batch (N from CAPEVAL_TEST_STOP_AFTER;
+CAPEVAL_TEST_SIGINTS=2 sends a second one right after, as a user pressing Ctrl-C twice), and a count of the
+batches it scored printed to stderr: how the tests interrupt a run part-way."""
 import os
 import signal
 import sys
@@ -8,6 +9,7 @@ from capeval_plugins import runner
 from capeval_plugins.cli import main
 
 stop_after = int(os.environ.get("CAPEVAL_TEST_STOP_AFTER", "0"))
+sigints = int(os.environ.get("CAPEVAL_TEST_SIGINTS", "1"))
 original = runner._score_batch
 scored = 0
 
@@ -17,7 +19,8 @@ def score_batch(*args, **kwargs):
     original(*args, **kwargs)
     scored += 1
     if scored == stop_after:
-        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(sigints):
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 runner._score_batch = score_batch

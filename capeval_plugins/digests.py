@@ -1,0 +1,86 @@
+"""Content digests of the files a run reads, for its fingerprint: an input changed between a run and its resume
+(an image replaced by another of the same size, new weights in the same model folder) changes the fingerprint,
+so old scores are never reused for new content.
+
+Every file is hashed once per run (XXH3-128 from ``xxhash``, which ``datasets`` and ``evaluate`` already
+need: several GB/s, so a model folder costs about what reading it costs); within a run a file seen again with
+the same (path, size, mtime_ns) reuses its digest, so an image shared by many captions is read once.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import xxhash
+
+_BLOCK = 8 * 2**20
+
+
+def file_hash(path: str) -> str:
+    """XXH3-128 of a file's bytes (several GB/s on one core: a change detector, not a signature)."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb", buffering=0) as f:
+        buffer = bytearray(_BLOCK)
+        view = memoryview(buffer)
+        while n := f.readinto(buffer):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+class ContentDigests:
+    """Digests of files and folders, cached for one run by (real path, size, mtime_ns)."""
+
+    def __init__(self) -> None:
+        self._files: dict[tuple[str, int, int], str] = {}
+
+    def file(self, path: str | os.PathLike) -> list[Any]:
+        """``["file", real path, size, xxh3-128]`` (None for the last two when it cannot be read: validation
+        reports that)."""
+        real = os.path.realpath(os.fspath(path))
+        try:
+            stat = os.stat(real)
+        except OSError:
+            return ["file", real, None, None]
+        key = (real, stat.st_size, stat.st_mtime_ns)
+        if key not in self._files:
+            try:
+                self._files[key] = file_hash(real)
+            except OSError:
+                return ["file", real, stat.st_size, None]
+        return ["file", real, stat.st_size, self._files[key]]
+
+    def folder(self, path: str | os.PathLike) -> list[Any]:
+        """``["folder", real path, digest over every file's relative name and digest]``. Hidden names (``.git``,
+        ``.cache``) are left out: no loader reads them."""
+        root = os.path.realpath(os.fspath(path))
+        h = xxhash.xxh3_128()
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for name in sorted(f for f in files if not f.startswith(".")):
+                full = os.path.join(folder, name)
+                h.update(f"{os.path.relpath(full, root)}\0{self.file(full)[3]}\n".encode())
+        return ["folder", root, h.hexdigest()]
+
+    def source(self, value: str) -> Any:
+        """A model or data option: a local file or folder by content; a hub id by the commit its cached
+        snapshot resolves to (None when it is not cached yet)."""
+        expanded = os.path.expanduser(value)
+        if os.path.isdir(expanded):
+            return self.folder(expanded)
+        if os.path.isfile(expanded):
+            return self.file(expanded)
+        return ["hub", value, cached_commit(value)]
+
+
+def cached_commit(repo_id: str, revision: str = "main") -> str | None:
+    """The commit of ``repo_id`` at ``revision`` in the local Hugging Face cache (no network)."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    ref = os.path.join(constants.HF_HUB_CACHE, f"models--{repo_id.replace('/', '--')}", "refs", revision)
+    try:
+        with open(ref, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
