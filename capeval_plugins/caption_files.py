@@ -134,7 +134,7 @@ def _parquet_rows(path: str) -> list[tuple[int, dict[str, Any]]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise InputError("reading .parquet needs pyarrow: pip install 'capeval-plugins[parquet]'") from None
+        raise InputError("reading .parquet needs pyarrow: pip install pyarrow (the parquet extra)") from None
     try:
         table = pq.read_table(path)
     except Exception as err:  # pyarrow raises several types for a damaged file
