@@ -14,10 +14,13 @@ def load_captions(captions=None, images=None, limit=None, **_):
 
 
 def doc_to_image(doc):
+    """The image as every capeval metric decodes it (16-bit and float images scaled by their range)."""
     from PIL import Image
 
+    from capeval_plugins.inputs import to_rgb
+
     with Image.open(doc["image_path"]) as img:
-        return [img.convert("RGB")]
+        return [to_rgb(img)]
 
 
 def doc_to_target(doc):
