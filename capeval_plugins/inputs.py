@@ -40,13 +40,15 @@ class ImageSource:
     index: int
     reader: "ImageReader | None" = field(default=None, compare=False, repr=False)
 
-    def load(self) -> Any:
+    def load(self, keep_side: int | None = None) -> Any:
+        """The decoded RGB image (or frames). ``keep_side``: reduce, as it is read, by a whole factor that
+        keeps the shorter side at least this long (see :func:`reduce_to`); None: full size."""
         if self.reader is not None:
             return self.reader.load(self)
         if self.kind == "video":
-            return [frame.load() for frame in self.value]
+            return [frame.load(keep_side) for frame in self.value]
         try:
-            return _decode(self.kind, self.value)
+            return _decode(self.kind, self.value, keep_side)
         except Exception as err:  # a corrupt file or buffer, or pixels out of range: name the sample, keep the cause
             where = f" {self.value}" if self.kind == "path" else ""
             raise InputError(f"sample {self.index}: cannot read image{where}: {err}") from err
@@ -471,16 +473,35 @@ def check_array(image: np.ndarray | torch.Tensor, index: int) -> None:
             )
 
 
-def _decode(kind: str, value: Any) -> Image.Image:
+def _decode(kind: str, value: Any, keep_side: int | None = None) -> Image.Image:
     if kind == "pil":
-        return value if value.mode == "RGB" else to_rgb(value)
-    if kind == "path":
-        with Image.open(value) as img:
-            return to_rgb(img)
-    if kind == "bytes":
-        with Image.open(io.BytesIO(value)) as img:
-            return to_rgb(img)
-    return _array_to_pil(value)
+        return reduce_to(value if value.mode == "RGB" else to_rgb(value), keep_side)
+    if kind in ("path", "bytes"):
+        with Image.open(value if kind == "path" else io.BytesIO(value)) as img:
+            if keep_side:
+                draft_to(img, keep_side)
+            return reduce_to(to_rgb(img), keep_side)
+    return reduce_to(_array_to_pil(value), keep_side)
+
+
+def _factor(size: tuple[int, int], keep_side: int | None) -> int:
+    """The largest whole factor that keeps the shorter side of ``size`` at least ``keep_side``."""
+    return max(1, min(size) // keep_side) if keep_side else 1
+
+
+def draft_to(img: Image.Image, keep_side: int) -> None:
+    """Let a JPEG decode at 1/2, 1/4 or 1/8 scale (in the DCT, never reading full size) when the shorter side
+    stays at least ``keep_side``; other formats are left alone."""
+    factor = _factor(img.size, keep_side)
+    if factor >= 2 and img.format == "JPEG":
+        img.draft(img.mode, (-(-img.size[0] // factor), -(-img.size[1] // factor)))
+
+
+def reduce_to(img: Image.Image, keep_side: int | None) -> Image.Image:
+    """``img`` reduced by the largest whole factor (box average of factor x factor pixels) that keeps its
+    shorter side at least ``keep_side``, or as it is."""
+    factor = _factor(img.size, keep_side)
+    return img.reduce(factor) if factor >= 2 else img
 
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
