@@ -41,8 +41,8 @@ class ImageSource:
     reader: "ImageReader | None" = field(default=None, compare=False, repr=False)
 
     def load(self, keep_side: int | None = None) -> Any:
-        """The decoded RGB image (or frames). ``keep_side``: reduce, as it is read, by a whole factor that
-        keeps the shorter side at least this long (see :func:`reduce_to`); None: full size."""
+        """The decoded RGB image (or frames). ``keep_side``: an image whose shorter side is at least twice this
+        is resized to it as it is read (see :func:`reduce_to`); None: full size."""
         if self.reader is not None:
             return self.reader.load(self)
         if self.kind == "video":
@@ -478,30 +478,20 @@ def _decode(kind: str, value: Any, keep_side: int | None = None) -> Image.Image:
         return reduce_to(value if value.mode == "RGB" else to_rgb(value), keep_side)
     if kind in ("path", "bytes"):
         with Image.open(value if kind == "path" else io.BytesIO(value)) as img:
-            if keep_side:
-                draft_to(img, keep_side)
             return reduce_to(to_rgb(img), keep_side)
     return reduce_to(_array_to_pil(value), keep_side)
 
 
-def _factor(size: tuple[int, int], keep_side: int | None) -> int:
-    """The largest whole factor that keeps the shorter side of ``size`` at least ``keep_side``."""
-    return max(1, min(size) // keep_side) if keep_side else 1
-
-
-def draft_to(img: Image.Image, keep_side: int) -> None:
-    """Let a JPEG decode at 1/2, 1/4 or 1/8 scale (in the DCT, never reading full size) when the shorter side
-    stays at least ``keep_side``; other formats are left alone."""
-    factor = _factor(img.size, keep_side)
-    if factor >= 2 and img.format == "JPEG":
-        img.draft(img.mode, (-(-img.size[0] // factor), -(-img.size[1] // factor)))
-
-
 def reduce_to(img: Image.Image, keep_side: int | None) -> Image.Image:
-    """``img`` reduced by the largest whole factor (box average of factor x factor pixels) that keeps its
-    shorter side at least ``keep_side``, or as it is."""
-    factor = _factor(img.size, keep_side)
-    return img.reduce(factor) if factor >= 2 else img
+    """``img`` resized (bicubic, antialiased: the filter CLIP-style processors use) so that its shorter side
+    is ``keep_side``, when it is at least twice that; else as it is. The aspect ratio is kept to the pixel and
+    the resize maps the whole extent, so a processor's later resize and centre crop see the same picture."""
+    width, height = img.size
+    if not keep_side or min(width, height) < 2 * keep_side:
+        return img
+    scale = keep_side / min(width, height)
+    size = (max(keep_side, round(width * scale)), max(keep_side, round(height * scale)))
+    return img.resize(size, Image.BICUBIC)
 
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
