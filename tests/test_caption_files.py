@@ -195,3 +195,12 @@ def test_lm_eval_docs_refuse_references_that_are_not_strings(tmp_path):
     rows = [dict(ROWS[0]), {**ROWS[1], "references": [1, 2]}]
     with pytest.raises(InputError, match=r"sample 1 \(caps\.jsonl line 2\): reference 0 must be a string"):
         load_caption_docs(write_jsonl(tmp_path / "caps.jsonl", rows), EXAMPLES / "images")
+
+
+def test_lm_eval_metadata_paths_must_be_strings(tmp_path):
+    from capeval_plugins.lm_eval_tasks.utils import load_captions
+
+    with pytest.raises(ValueError, match="'images' must be a path"):
+        load_captions(str(write_jsonl(tmp_path / "caps.jsonl")), images=["a", "b"])
+    docs = load_captions(str(write_table(tmp_path / "caps.csv")), images=str(EXAMPLES / "images"), limit="2")
+    assert len(docs["test"]) == 2 and docs["test"][1]["references"] == ["a dog on grass", "a brown dog"]

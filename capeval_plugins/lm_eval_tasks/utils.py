@@ -9,6 +9,10 @@ def load_captions(captions=None, images=None, limit=None, **_):
         raise ValueError('capeval_caption needs --metadata \'{"captions": "FILE.jsonl", "images": "DIR"}\'')
     import datasets
 
+    for key, value in (("captions", captions), ("images", images)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"capeval_caption: --metadata {key!r} must be a path (a string), got "
+                             f"{type(value).__name__}")
     docs = load_caption_docs(captions, images, limit)
     return {"test": datasets.Dataset.from_list(docs)}
 
