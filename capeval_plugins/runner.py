@@ -256,7 +256,8 @@ KEEP_FACTOR = 4
 def pass_keep_side(metrics: Sequence[Metric]) -> int | None:
     """The shorter side images of a pass are reduced to as they are read: :data:`KEEP_FACTOR` times the
     largest side any metric's processor needs, or None (full size) when a metric takes full-size images."""
-    sides = [metric.image_side() for metric in metrics if metric.info.images != "never"]
+    sides = [metric.image_side() for metric in metrics  # metrics with their own reader take no pixels
+             if metric.info.images != "never" and metric.image_reader() is None]
     if not sides or any(side is None for side in sides):
         return None
     return KEEP_FACTOR * max(sides)

@@ -83,9 +83,18 @@ def test_a_metric_that_needs_full_size_images_turns_shrinking_off(tiny_clip):
         def image_side(self):
             return None
 
+        def image_reader(self):
+            return None
+
     clip = capeval_plugins.load("clipscore", model=tiny_clip)
     assert runner.pass_keep_side([clip]) == runner.KEEP_FACTOR * clip.image_side()
     assert runner.pass_keep_side([clip, FullSize()]) is None
+
+    class ReadsFeatures(FullSize):  # takes ids of precomputed features, not pixels: no say in the pixel size
+        def image_reader(self):
+            return object()
+
+    assert runner.pass_keep_side([clip, ReadsFeatures()]) == runner.KEEP_FACTOR * clip.image_side()
 
 
 def counting_sources(n, size=(200, 100)):
