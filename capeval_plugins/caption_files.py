@@ -1,16 +1,24 @@
 """The caption file format shared by ``capeval score`` and the shipped lm-eval task, and score output.
 
-One JSON object per line::
+A caption file is JSON Lines (any suffix but the ones below), CSV (``.csv``), TSV (``.tsv``) or Parquet
+(``.parquet``), with one record per sample::
 
     {"image": "dog.png", "caption": "A dog runs on the grass.", "references": ["...", "..."]}
 
 ``image`` is relative to the images folder (or absolute); ``references`` (a list, or one string) is needed
 only by reference-based metrics; ``group`` (optional) names the group of a candidate for group metrics;
 ``caption`` is the candidate to score (not needed by the lm-eval task, which generates it).
+
+In CSV and TSV files (first line: the column names) the ``references`` cell holds a JSON list
+(``["a dog on grass", "a brown dog"]``); a cell that does not start with ``[`` is one reference, and an
+empty cell none. In Parquet, ``references`` is a list column (a string column is read like a CSV cell).
+Every form gives the same records as the JSON Lines file; a cell that is neither is refused by its line.
 """
+
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -29,66 +37,187 @@ class CaptionRecords:
     captions: list[str | None] = field(default_factory=list)
     references: list[list[str] | None] = field(default_factory=list)
     groups: list[Any] = field(default_factory=list)
-    lines: list[int] = field(default_factory=list)  # each record's line in the file (1-based)
+    lines: list[int] = field(default_factory=list)  # each record's line in the file (1-based; Parquet: row)
     path: str = ""
+    unit: str = "line"  # "row" for Parquet
 
     def __len__(self) -> int:
         return len(self.captions)
 
     def describe(self, index: int) -> str:
-        """How an error names record ``index``: ``sample 250 (captions.jsonl line 252)``."""
+        """How an error names record ``index``: ``sample 250 (captions.jsonl line 251)``."""
         line = self.lines[index] if 0 <= index < len(self.lines) else None
-        return f"sample {index} ({os.path.basename(self.path)} line {line})" if line else f"sample {index}"
+        if line is None:
+            return f"sample {index}"
+        return f"sample {index} ({os.path.basename(self.path)} {self.unit} {line})"
+
+
+TABLE_DELIMITERS = {".csv": ",", ".tsv": "\t"}
+
+
+def caption_file_format(path: str | os.PathLike) -> str:
+    """``.csv``, ``.tsv`` and ``.parquet`` by suffix; anything else is JSON Lines."""
+    suffix = Path(path).suffix.lower()
+    return suffix if suffix in (".csv", ".tsv", ".parquet") else ".jsonl"
 
 
 def read_records(path: str | os.PathLike, with_lines: bool = False) -> list[dict[str, Any]]:
-    """The records of a JSON Lines file (or CSV, by suffix); errors name the file and line. With
-    ``with_lines``, each record comes as ``(line number, record)``."""
+    """The records of a JSON Lines, CSV, TSV or Parquet file (by suffix), values as stored (a CSV cell is a
+    string; a Parquet null is left out); errors name the file and line. With ``with_lines``, each record
+    comes as ``(line number, record)`` (for Parquet, its row number from 0)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise InputError(f"file not found: {path}")
-    with open(path, encoding="utf-8", newline="") as f:
-        if path.endswith(".csv"):
-            rows = [(n + 2, row) for n, row in enumerate(csv.DictReader(f))]
-            return rows if with_lines else [row for _, row in rows]
-        rows = []
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{path}:{lineno}: not valid JSON: {err}") from err
-            if not isinstance(row, dict):
-                raise InputError(f"{path}:{lineno}: expected a JSON object")
-            rows.append((lineno, row))
-        return rows if with_lines else [row for _, row in rows]
+    fmt = caption_file_format(path)
+    if fmt == ".parquet":
+        rows = _parquet_rows(path)
+    elif fmt in TABLE_DELIMITERS:
+        rows = _table_rows(path, _read_text(path), TABLE_DELIMITERS[fmt])
+    else:
+        rows = _json_lines(path)
+    return rows if with_lines else [row for _, row in rows]
+
+
+def _read_text(path: str) -> str:
+    """The file as text (UTF-8, a leading byte-order mark dropped); invalid UTF-8 is refused by its line."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise InputError(f"{path}:{line}: not valid UTF-8 (byte {data[err.start]:#04x} at offset {err.start}); "
+                         "save the file as UTF-8") from None
+
+
+def _json_lines(path: str) -> list[tuple[int, dict[str, Any]]]:
+    rows = []
+    for lineno, line in enumerate(_read_text(path).split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path}:{lineno}: not valid JSON: {err}") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{lineno}: expected a JSON object")
+        rows.append((lineno, row))
+    return rows
+
+
+def _table_rows(path: str, text: str, delimiter: str) -> list[tuple[int, dict[str, Any]]]:
+    """CSV/TSV rows keyed by the header, each with the line it starts on (cells are strings)."""
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    try:
+        header = next(reader)
+    except StopIteration:
+        return []
+    except csv.Error as err:
+        raise InputError(f"{path}:1: {err}") from None
+    if len(set(header)) != len(header):
+        raise InputError(f"{path}:1: a column name appears twice in the header: {header}")
+    rows, start = [], reader.line_num + 1
+    try:
+        for cells in reader:
+            if any(cell.strip() for cell in cells):
+                if len(cells) > len(header):
+                    raise InputError(f"{path}:{start}: {len(cells)} cells but {len(header)} columns in the header "
+                                     f"(a {'tab' if delimiter == chr(9) else 'comma'} inside an unquoted cell?)")
+                rows.append((start, dict(zip(header, cells))))
+            start = reader.line_num + 1
+    except csv.Error as err:
+        raise InputError(f"{path}:{start}: {err}") from None
+    return rows
+
+
+def _parquet_rows(path: str) -> list[tuple[int, dict[str, Any]]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise InputError("reading .parquet needs pyarrow: pip install pyarrow (the parquet extra)") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several types for a damaged file
+        raise InputError(f"{path}: cannot read Parquet: {err}") from None
+    return [(k, {key: value for key, value in row.items() if value is not None})
+            for k, row in enumerate(table.to_pylist())]
+
+
+def references_cell(value: Any, at: str, cell: bool = True) -> list[Any] | None:
+    """One record's ``references`` as a list (or None when absent). ``cell``: the value comes from a table
+    (CSV, TSV, Parquet), where a JSON list written as text is decoded and an empty cell is no references;
+    a cell that starts like a list but is not a JSON list is refused (``at`` names the line). Any other
+    string is one reference."""
+    if value is None or (cell and isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        if not cell or not value.lstrip().startswith("["):
+            return [value]
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise InputError(f"{at}: references must be a JSON list of strings, e.g. [\"a dog\", \"a brown dog\"] "
+                             f"(double quotes; write it with json.dumps), got {_clip(value)}") from None
+    if isinstance(value, tuple) or type(value).__name__ == "ndarray":
+        value = list(value)
+    if not isinstance(value, list):
+        raise InputError(f"{at}: references must be a list of strings or one string, got {type(value).__name__}")
+    return value
+
+
+def _clip(text: str, width: int = 60) -> str:
+    return repr(text if len(text) <= width else text[:width] + "...")
 
 
 def read_captions(path: str | os.PathLike, images_dir: str | os.PathLike | None = None) -> CaptionRecords:
-    """Read a caption file; errors name the line."""
+    """Read a caption file (JSON Lines, CSV, TSV or Parquet: see the module docstring); errors name the
+    line. A given ``images_dir`` must be a folder."""
+    if images_dir is not None and not os.path.isdir(images_dir):
+        raise InputError(f"images folder not found: {images_dir}" if not os.path.exists(images_dir)
+                         else f"--images {images_dir} is not a folder")
     records = CaptionRecords(path=os.fspath(path))
+    fmt = caption_file_format(path)
+    if fmt == ".parquet":
+        records.unit = "row"
+    table = fmt != ".jsonl"
     root = Path(images_dir) if images_dir is not None else Path(path).parent
     for lineno, row in read_records(path, with_lines=True):
+        at = f"{path}:{lineno}" if records.unit == "line" else f"{path}: row {lineno}"
         image = row.get("image")
         records.images.append(str(root / image) if isinstance(image, str) and image else image)
         records.captions.append(row.get("caption"))
-        refs = row.get("references")
-        records.references.append([refs] if isinstance(refs, str) else refs)
-        records.groups.append(row.get("group"))
+        records.references.append(references_cell(row.get("references"), at, cell=table))
+        group = row.get("group")
+        records.groups.append(None if table and group == "" else group)
         records.lines.append(lineno)
     return records
 
 
 def load_caption_docs(path: str | os.PathLike, images_dir: str | os.PathLike | None, limit: int | None = None) -> list[dict]:
-    """Documents for the lm-eval caption task: ``image_path`` and ``references`` per line."""
+    """Documents for the lm-eval caption task: ``image_path`` and ``references`` per line. ``limit``: the
+    first ``limit`` documents (a positive integer; None for all)."""
+    limit = _limit(limit)
     records = read_captions(path, images_dir)
     docs = []
     for i, (image, refs) in enumerate(zip(records.images, records.references)):
-        if image is None or not os.path.isfile(image):
+        if not isinstance(image, str) or not os.path.isfile(image):
             raise InputError(f"{records.describe(i)}: image file not found: {image}")
+        for j, ref in enumerate(refs or []):
+            if not isinstance(ref, str):
+                raise InputError(f"{records.describe(i)}: reference {j} must be a string, got {type(ref).__name__}")
         docs.append({"id": i, "image_path": image, "references": refs or []})
-    return docs[:limit] if limit else docs
+    return docs if limit is None else docs[:limit]
+
+
+def _limit(limit: Any) -> int | None:
+    """``--metadata``'s ``limit``: a positive integer (or its digits as a string), or None."""
+    if limit is None:
+        return None
+    if isinstance(limit, str) and limit.strip().isdigit():
+        limit = int(limit)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InputError(f"limit must be a positive integer, got {limit!r}")
+    return limit
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def build_metrics(names: Sequence[str], pairs: Sequence[str], shared: dict[str, 
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    if args.quiet:
+    if args.quiet or _rank() != 0:  # under torchrun only rank 0 draws progress bars
         quiet_libraries()
     from capeval_plugins import runner
     from capeval_plugins.caption_files import check_writable, read_captions, score_table, write_table
@@ -225,14 +225,20 @@ def build_parser() -> argparse.ArgumentParser:
                        description=SCORE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--metric", "-m", action="append", required=True,
                    help="registered metric name (repeatable; see `capeval list`)")
-    p.add_argument("--captions", required=True, help='JSON Lines: {"image", "caption", "references"} per line')
+    p.add_argument("--captions", required=True,
+                   help='JSON Lines ({"image", "caption", "references"} per line), or .csv / .tsv / .parquet with '
+                        "those columns (references: a JSON list in the cell; a list column in Parquet)")
     p.add_argument("--images", help="folder the image paths are relative to (default: the caption file's)")
     p.add_argument("--out", help="per-sample scores: .jsonl, .json (one array), .csv or .parquet (one row per "
                    "sample, input order)")
     p.add_argument("--model", help="model of every selected metric that takes one (same as -o model=...)")
-    p.add_argument("--batch-size", dest="batch_size", type=int)
-    p.add_argument("--device")
-    p.add_argument("--dtype")
+    p.add_argument("--batch-size", dest="batch_size", type=int,
+                   help="samples per batch, for every selected metric (same as -o batch_size=N; default: each "
+                        "metric's own)")
+    p.add_argument("--device", help="where the models run: cpu, cuda, cuda:1, mps (same as -o device=...; default: "
+                                    "cuda when available, else cpu)")
+    p.add_argument("--dtype", help="model weights' dtype: float32, float16, bfloat16 (same as -o dtype=...; "
+                                   "default: float32 on CPU, each metric's own on a GPU)")
     p.add_argument("--on-error", dest="on_error", choices=("raise", "skip"),
                    help="a sample that cannot be scored: stop before scoring (raise, default) or skip it")
     p.add_argument("--option", "-o", action="append", metavar="[METRIC.]KEY=VALUE",
@@ -290,7 +296,7 @@ def _rank() -> int:
 SCORE_HELP = """Score a caption file with one or more metrics in one pass.
 
 Every input is checked before any model loads; problems are listed by row (`sample 250 (captions.jsonl
-line 252)`). With --out, finished batches are saved in <out>.capeval-run (or --run-dir): after Ctrl-C,
+line 251)`). With --out, finished batches are saved in <out>.capeval-run (or --run-dir): after Ctrl-C,
 a crash or a pre-emption, the same command resumes where it stopped; --restart starts over. A run
 folder is made only in a new or empty folder, locked while a run uses it, and only the files capeval wrote
 there are ever deleted. Runs under torchrun too (each rank scores a share; resume with the same number of

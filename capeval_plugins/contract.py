@@ -278,6 +278,12 @@ class Metric(abc.ABC):
         :class:`~capeval_plugins.inputs.ImageReader` for another form (e.g. ids of precomputed features)."""
         return None
 
+    def image_side(self) -> int | None:
+        """The largest side this metric's image processor resizes to, or None when it needs images at full
+        size (the default). The runner then reduces images as they are read, keeping at least twice this
+        side, so large photos are never held at full size (the processor's own resize still decides)."""
+        return None
+
     def references_required(self) -> bool:
         """Whether this configured metric cannot score without references (``info.references`` says what the
         method may use; an instance can need them where the method does not always, e.g. MID without a

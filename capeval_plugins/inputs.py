@@ -40,16 +40,16 @@ class ImageSource:
     index: int
     reader: "ImageReader | None" = field(default=None, compare=False, repr=False)
 
-    def load(self) -> Any:
+    def load(self, keep_side: int | None = None) -> Any:
+        """The decoded RGB image (or frames). ``keep_side``: an image whose shorter side is at least twice this
+        is resized to it as it is read (see :func:`reduce_to`); None: full size."""
         if self.reader is not None:
             return self.reader.load(self)
         if self.kind == "video":
-            return [frame.load() for frame in self.value]
+            return [frame.load(keep_side) for frame in self.value]
         try:
-            return _decode(self.kind, self.value)
-        except InputError:
-            raise
-        except Exception as err:  # a corrupt file or buffer: name the sample, keep the cause
+            return _decode(self.kind, self.value, keep_side)
+        except Exception as err:  # a corrupt file or buffer, or pixels out of range: name the sample, keep the cause
             where = f" {self.value}" if self.kind == "path" else ""
             raise InputError(f"sample {self.index}: cannot read image{where}: {err}") from err
 
@@ -391,6 +391,9 @@ def image_source(image: Any, index: int, video_ok: bool = False, checked: dict |
     if image is None:
         raise InputError(f"sample {index}: image missing")
     if isinstance(image, Image.Image):
+        problem = mode_problem(image.mode)
+        if problem:
+            raise InputError(f"sample {index}: {problem}")
         return ImageSource("pil", image, ("obj", id(image)), index)
     if isinstance(image, (str, os.PathLike)):
         path = os.fspath(image)
@@ -438,9 +441,12 @@ def _header_problem(stream: Any) -> str | None:
     try:
         with Image.open(stream) as img:
             width, height = img.size
+            mode = img.mode
     except Exception as err:  # PIL raises many types for a bad header
         return str(err) or type(err).__name__
-    return None if width > 0 and height > 0 else f"image has size {width}x{height}"
+    if not (width > 0 and height > 0):
+        return f"image has size {width}x{height}"
+    return mode_problem(mode)
 
 
 def check_array(image: np.ndarray | torch.Tensor, index: int) -> None:
@@ -467,16 +473,62 @@ def check_array(image: np.ndarray | torch.Tensor, index: int) -> None:
             )
 
 
-def _decode(kind: str, value: Any) -> Image.Image:
+def _decode(kind: str, value: Any, keep_side: int | None = None) -> Image.Image:
     if kind == "pil":
-        return value.convert("RGB") if value.mode != "RGB" else value
-    if kind == "path":
-        with Image.open(value) as img:
-            return img.convert("RGB")
-    if kind == "bytes":
-        with Image.open(io.BytesIO(value)) as img:
-            return img.convert("RGB")
-    return _array_to_pil(value)
+        return reduce_to(value if value.mode == "RGB" else to_rgb(value), keep_side)
+    if kind in ("path", "bytes"):
+        with Image.open(value if kind == "path" else io.BytesIO(value)) as img:
+            return reduce_to(to_rgb(img), keep_side)
+    return reduce_to(_array_to_pil(value), keep_side)
+
+
+def reduce_to(img: Image.Image, keep_side: int | None) -> Image.Image:
+    """``img`` resized (bicubic, antialiased: the filter CLIP-style processors use) so that its shorter side
+    is ``keep_side``, when it is at least twice that; else as it is. The aspect ratio is kept to the pixel and
+    the resize maps the whole extent, so a processor's later resize and centre crop see the same picture."""
+    width, height = img.size
+    if not keep_side or min(width, height) < 2 * keep_side:
+        return img
+    scale = keep_side / min(width, height)
+    size = (max(keep_side, round(width * scale)), max(keep_side, round(height * scale)))
+    return img.resize(size, Image.BICUBIC)
+
+
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def mode_problem(mode: str) -> str | None:
+    """Why an image of PIL ``mode`` cannot be scored, or None. A 32-bit integer image (``I``, e.g. an int32
+    TIFF) has no defined white: scaling by its type's range would make it black, by 255 white. (16-bit
+    images scale by 65535, float images must lie in [0, 1].)"""
+    if mode in SIXTEEN_BIT_MODES or mode == "F" or not mode.startswith("I"):
+        return None
+    return (f"{mode} images are not supported ({'32-bit integer' if mode == 'I' else 'signed integer'} pixels "
+            "have no defined range); save it as an 8- or 16-bit PNG, or pass a uint8 array")
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """An 8-bit RGB image, each mode scaled by its own range: 16-bit (``I;16``) by 65535, float (``F``, which
+    must lie in [0, 1]) by 1; ``convert("RGB")`` would clip both to near white or black. Always a new image
+    (the file ``img`` was opened from may be closed after)."""
+    mode = img.mode
+    problem = mode_problem(mode)
+    if problem:
+        raise InputError(problem)
+    if mode in SIXTEEN_BIT_MODES:
+        pixels = np.asarray(img).astype(np.float64) / 257.0  # 65535 -> 255 exactly
+    elif mode == "F":
+        pixels = np.asarray(img, dtype=np.float64)
+        if not np.isfinite(pixels).all():
+            raise InputError("float image (mode F) contains NaN or infinite values")
+        low, high = float(pixels.min()), float(pixels.max())
+        if low < 0.0 or high > 1.0:
+            raise InputError(f"float image (mode F) must lie in [0, 1], got values in [{low:g}, {high:g}]; save it "
+                             "as an 8- or 16-bit image, or scale it to [0, 1]")
+        pixels = pixels * 255.0
+    else:
+        return img.convert("RGB")
+    return Image.fromarray(np.round(pixels).astype(np.uint8), "L").convert("RGB")
 
 
 def _array_to_pil(image: np.ndarray | torch.Tensor) -> Image.Image:

@@ -206,13 +206,21 @@ def check_paths(metric: Metric) -> None:
 # Batching
 
 
-class ImageCache:
-    """Decoded images shared by the batches and metrics of one pass (least recently used first out); an
-    image that fails to decode fails once, for every metric."""
+IMAGE_CACHE_BYTES = 1 << 30  # decoded images kept for later batches and metrics of a pass
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
+
+class ImageCache:
+    """Decoded images shared by the batches and metrics of one pass, least recently used out first once they
+    hold more than ``max_bytes``; an image that fails to decode fails once, for every metric. ``keep_side``:
+    images at least twice that are resized to it as they are read (see :func:`pass_keep_side`), so a
+    12-megapixel photo is never held at full size."""
+
+    def __init__(self, max_bytes: int = IMAGE_CACHE_BYTES, keep_side: int | None = None) -> None:
+        self.max_bytes = max(0, int(max_bytes))
+        self.keep_side = keep_side
         self.items: OrderedDict[Any, Any] = OrderedDict()
+        self.sizes: dict[Any, int] = {}
+        self.bytes = 0
 
     def load(self, source: ImageSource) -> Any:
         key = source.key
@@ -220,15 +228,46 @@ class ImageCache:
             self.items.move_to_end(key)
         else:
             try:
-                self.items[key] = source.load()
+                value = source.load(self.keep_side)
             except InputError as err:
-                self.items[key] = err
-            while len(self.items) > self.capacity:
-                self.items.popitem(last=False)
+                value = err
+            self.items[key] = value
+            self.sizes[key] = image_bytes(value)
+            self.bytes += self.sizes[key]
+            while self.bytes > self.max_bytes and len(self.items) > 1:
+                old, _ = self.items.popitem(last=False)
+                self.bytes -= self.sizes.pop(old)
         value = self.items[key]
         if isinstance(value, InputError):
             raise value
         return value
+
+
+def image_bytes(value: Any) -> int:
+    """Memory held by a decoded image (or a video's frames)."""
+    if isinstance(value, (list, tuple)):
+        return sum(image_bytes(v) for v in value)
+    if hasattr(value, "size") and hasattr(value, "getbands"):  # a PIL image
+        return value.size[0] * value.size[1] * len(value.getbands())
+    if isinstance(value, (Tensor, np.ndarray)):
+        return int(value.nbytes) if isinstance(value, np.ndarray) else value.numel() * value.element_size()
+    return 64
+
+
+# Images keep four times the side a metric's processor resizes to: resized there first, a photo reaches the
+# processor's output within 2 of 255 levels (0.13 on average) of the direct resize, as much as re-saving it as
+# JPEG at quality 95 changes it; at twice the side the difference reaches 6 levels (tests/test_image_memory.py).
+KEEP_FACTOR = 4
+
+
+def pass_keep_side(metrics: Sequence[Metric]) -> int | None:
+    """The shorter side images of a pass are reduced to as they are read: :data:`KEEP_FACTOR` times the
+    largest side any metric's processor needs, or None (full size) when a metric takes full-size images."""
+    sides = [metric.image_side() for metric in metrics  # metrics with their own reader take no pixels
+             if metric.info.images != "never" and metric.image_reader() is None]
+    if not sides or any(side is None for side in sides):
+        return None
+    return KEEP_FACTOR * max(sides)
 
 
 def build_batch(part: Samples, cache: ImageCache, on_error: str,
@@ -236,11 +275,12 @@ def build_batch(part: Samples, cache: ImageCache, on_error: str,
     """The batch of ``part`` and the samples dropped because their image would not decode (``"skip"``); with
     ``"raise"`` such an image raises, naming its sample."""
     skipped: dict[int, str] = {}
+    loaded: dict[Any, Any] = {}  # this batch's images, held by the batch whatever the cache evicts
     if part.images is not None:
         failed: dict[Any, str] = {}
         for source in {s.key: s for s in part.images}.values():
             try:
-                cache.load(source)
+                loaded[source.key] = cache.load(source)
             except InputError as err:
                 failed[source.key] = _reason(err, source.index)
         if failed:
@@ -253,7 +293,7 @@ def build_batch(part: Samples, cache: ImageCache, on_error: str,
                 raise err
             skipped = {part.indices[p]: failed[part.images[p].key] for p in bad}
             part = part.subset([p for p in range(len(part)) if p not in set(bad)])
-    return (to_batch(part, cache.load) if len(part) else None), skipped
+    return (to_batch(part, lambda source: loaded[source.key]) if len(part) else None), skipped
 
 
 def iter_batches(metric: Metric, samples: Samples, on_error: str | None = None,
@@ -262,7 +302,7 @@ def iter_batches(metric: Metric, samples: Samples, on_error: str | None = None,
     skipped from it."""
     ordered = samples.subset(group_by_image(samples))
     size = metric.config.batch_size
-    cache = ImageCache(2 * size)
+    cache = ImageCache(keep_side=pass_keep_side([metric]))
     how = policy(metric, on_error)
     for start in range(0, len(ordered), size):
         yield build_batch(ordered.subset(range(start, min(start + size, len(ordered)))), cache, how, describe)
@@ -456,7 +496,7 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
     if store is not None:
         _load_progress(tasks, store, size)
     resumed = sum(t.progress.batches for t in tasks)
-    cache = ImageCache(2 * max(t.batch_size for t in tasks))
+    cache = ImageCache(keep_side=pass_keep_side([t.metric for t in tasks]))  # after full_spec: processors loaded
     events = sorted(((k + 1) / t.n_batches, i, k) for i, t in enumerate(tasks) for k in range(t.progress.batches, t.n_batches))
     bar = _ProgressBar(tasks, progress and rank == 0)
     interrupted, scored = False, 0

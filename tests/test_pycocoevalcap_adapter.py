@@ -112,3 +112,20 @@ def test_cocoevalcap_dropin_keeps_stock_results_and_feeds_raw_text(tiny_clip, tm
     assert [ours.imgToEval[i]["CLIPScore"] for i in ids] == pytest.approx(direct.scores.tolist(), abs=1e-6)
     assert ours.eval["CLIPScore"] == pytest.approx(direct.score, abs=1e-6)
     assert {e["image_id"] for e in ours.evalImgs} == set(ids)
+
+
+def test_resolver_matches_an_id_however_its_number_was_read(tmp_path):
+    """A results file whose ids went through a float column (7.0) or numpy finds image 7, by mapping and by
+    pattern; an id given twice with different files is refused instead of the last one winning silently."""
+    import numpy as np
+
+    resolver = ImageResolver(tmp_path, mapping={7: "seven.png"})
+    for image_id in (7, "7", 7.0, np.int64(7), np.float32(7.0)):
+        assert resolver(image_id).name == "seven.png"
+    pattern = ImageResolver(tmp_path, pattern="{id:012d}.jpg")
+    assert pattern(7.0).name == pattern(np.int64(7)).name == "000000000007.jpg"
+    with pytest.raises(ValueError, match="given twice"):
+        ImageResolver(tmp_path, mapping={1: "a.png", "1": "b.png"})
+    with pytest.raises(ValueError, match="boolean"):
+        resolver(True)
+

@@ -38,11 +38,11 @@ class ImageResolver:
         self.root = Path(root).resolve()
         self.files: dict[str, str] = {}
         if annotation_file is not None:
-            with open(annotation_file) as f:
+            with open(annotation_file, encoding="utf-8") as f:  # JSON is UTF-8, whatever the locale
                 images = json.load(f).get("images", [])
-            self.files.update({str(img["id"]): img["file_name"] for img in images})
+            self._add(((img["id"], img["file_name"]) for img in images), f"{annotation_file}: images")
         if mapping is not None:
-            self.files.update({str(k): str(v) for k, v in mapping.items()})
+            self._add(mapping.items(), "mapping")
         self.pattern = pattern
         if not self.files and pattern is None:
             raise ValueError("ImageResolver needs an annotation file, a mapping or a pattern")
@@ -52,16 +52,42 @@ class ImageResolver:
         """From a loaded ``pycocotools.coco.COCO`` object."""
         return cls(root, mapping={i: img["file_name"] for i, img in coco.imgs.items()})
 
+    def _add(self, pairs: Iterable[tuple[Any, Any]], where: str) -> None:
+        """Ids to file names; an id given twice with different files (``1`` and ``"1"``, ``7`` and ``7.0``
+        are one id) is refused rather than resolved to whichever came last."""
+        for image_id, name in pairs:
+            key, name = id_key(image_id), str(name)
+            if self.files.get(key, name) != name:
+                raise ValueError(f"{where}: image id {image_id!r} is given twice, as {self.files[key]!r} and "
+                                 f"{name!r}")
+            self.files[key] = name
+
     def __call__(self, image_id: Any) -> Path:
-        relative = self.files.get(str(image_id))
+        relative = self.files.get(id_key(image_id))
         if relative is None:
             if self.pattern is None:
                 raise KeyError(f"image id {image_id!r} is not in the resolver's annotations")
-            relative = self.pattern.format(id=image_id)
+            relative = self.pattern.format(id=_plain_id(image_id))
         path = (self.root / relative).resolve()
         if not path.is_relative_to(self.root):
             raise ValueError(f"image id {image_id!r} resolves outside the image root: {path}")
         return path
+
+
+def _plain_id(image_id: Any) -> Any:
+    """An integral id as an int (numpy integers, ``7.0`` from a float column), anything else as it is."""
+    if isinstance(image_id, bool):
+        raise ValueError(f"image id {image_id!r} is a boolean, not an id")
+    if isinstance(image_id, (int, np.integer)):
+        return int(image_id)
+    if isinstance(image_id, (float, np.floating)) and float(image_id).is_integer():
+        return int(image_id)
+    return image_id
+
+
+def id_key(image_id: Any) -> str:
+    """How ids are matched: COCO's integer ids, the same ids read as strings or floats, one key each."""
+    return str(_plain_id(image_id))
 
 
 def same_id(image_id: Any) -> Any:

@@ -9,15 +9,22 @@ def load_captions(captions=None, images=None, limit=None, **_):
         raise ValueError('capeval_caption needs --metadata \'{"captions": "FILE.jsonl", "images": "DIR"}\'')
     import datasets
 
+    for key, value in (("captions", captions), ("images", images)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"capeval_caption: --metadata {key!r} must be a path (a string), got "
+                             f"{type(value).__name__}")
     docs = load_caption_docs(captions, images, limit)
     return {"test": datasets.Dataset.from_list(docs)}
 
 
 def doc_to_image(doc):
+    """The image as every capeval metric decodes it (16-bit and float images scaled by their range)."""
     from PIL import Image
 
+    from capeval_plugins.inputs import to_rgb
+
     with Image.open(doc["image_path"]) as img:
-        return [img.convert("RGB")]
+        return [to_rgb(img)]
 
 
 def doc_to_target(doc):

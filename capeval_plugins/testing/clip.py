@@ -7,6 +7,23 @@ from capeval_plugins.testing import builder
 from capeval_plugins.testing.corpus import caption_corpus, train_bpe
 
 
+def clip_image_processor(**kwargs):
+    """``CLIPImageProcessor(**kwargs)``. Without torchvision, transformers falls back to the PIL backend (the
+    same processing) and warns that torchvision is required; it is not here, so that one warning is muted."""
+    import logging
+
+    import transformers
+
+    quiet = logging.getLogger("transformers.utils.import_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        cls = transformers.CLIPImageProcessor
+    finally:
+        quiet.setLevel(level)
+    return cls(**kwargs)
+
+
 def clip_tokenizer(model_max_length: int = 77):
     from transformers import CLIPTokenizer
 
@@ -19,7 +36,7 @@ def clip_tokenizer(model_max_length: int = 77):
 @builder("clip")
 def build_clip(path: Path, seed: int, image_size: int = 32, patch_size: int = 8) -> None:
     import torch
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor
 
     tokenizer = clip_tokenizer()
     special = {"eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
@@ -35,7 +52,7 @@ def build_clip(path: Path, seed: int, image_size: int = 32, patch_size: int = 8)
     CLIPModel(config).save_pretrained(path)
     size = {"shortest_edge": image_size}
     crop = {"height": image_size, "width": image_size}
-    image_processor = CLIPImageProcessor(size=size, crop_size=crop)
+    image_processor = clip_image_processor(size=size, crop_size=crop)
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
 
 
@@ -44,7 +61,7 @@ def build_clip_vit_b32(path: Path, seed: int) -> None:
     """Full-size ViT-B/32 CLIP (the CLIPScore paper's architecture) with random weights, about 600 MB:
     for benchmarks that need real compute, not for tests."""
     import torch
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor
 
     tokenizer = clip_tokenizer()
     config = CLIPConfig(
@@ -55,4 +72,4 @@ def build_clip_vit_b32(path: Path, seed: int) -> None:
     )
     torch.manual_seed(seed)
     CLIPModel(config).save_pretrained(path)
-    CLIPProcessor(image_processor=CLIPImageProcessor(), tokenizer=tokenizer).save_pretrained(path)
+    CLIPProcessor(image_processor=clip_image_processor(), tokenizer=tokenizer).save_pretrained(path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from capeval_plugins.testing import builder
+from capeval_plugins.testing.clip import clip_image_processor
 from capeval_plugins.testing.corpus import caption_corpus, train_byte_level_bpe, train_metaspace_bpe
 
 # Real checkpoints pad the embedding matrix past the tokenizer (32064 > 32001 for llava-v1.6-mistral,
@@ -140,7 +141,7 @@ def build_llava(path: Path, seed: int, image_size: int = 32, patch_size: int = 8
     """LLaVA-1.5: one CLIP tile (resize the shorter side, centre crop), a Llama text model, the llava-hf
     template and a SentencePiece-style tokenizer with BOS."""
     import torch
-    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tokenizer = mistral_tokenizer()
     tokenizer.chat_template = LLAVA_15_TEMPLATE
@@ -157,7 +158,7 @@ def build_llava(path: Path, seed: int, image_size: int = 32, patch_size: int = 8
     )
     torch.manual_seed(seed)
     LlavaForConditionalGeneration(config).save_pretrained(path)
-    image_processor = CLIPImageProcessor(size={"shortest_edge": image_size},
+    image_processor = clip_image_processor(size={"shortest_edge": image_size},
                                          crop_size={"height": image_size, "width": image_size})
     LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
                    vision_feature_select_strategy="default", num_additional_image_tokens=1,

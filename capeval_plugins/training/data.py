@@ -199,26 +199,45 @@ def _read_rows(path: Path, images: str | os.PathLike | None, num_frames: int | N
         if not isinstance(row, dict):
             raise InputError(f"{at}: expected an object")
         visuals.append(_visual(row, root, num_frames, at))
-        candidates.append(" ".join(str(pick(row, CANDIDATE_KEYS, "candidate caption", at)).split()))
+        candidate = pick(row, CANDIDATE_KEYS, "candidate caption", at)
+        if not isinstance(candidate, str):  # str() would score "5" or "['a', 'b']" as a caption
+            raise InputError(f"{at}: the candidate caption must be a string, got {type(candidate).__name__}")
+        candidates.append(" ".join(candidate.split()))
         refs = pick(row, REFERENCE_KEYS, "references", at, required=False)
         references.append(as_list(refs, at) if refs not in (None, "", []) else [])
         ratings.append(_ratings(row, at))
     return visuals, candidates, references, ratings
 
 
+def _score(value: Any, at: str) -> float:
+    from capeval_plugins.bench.readers import as_score
+
+    if isinstance(value, bool):  # float(True) is 1.0: a flag, not a rating
+        raise InputError(f"{at}: human score {value!r} is not a number")
+    return as_score(value, at)
+
+
 def _ratings(row: dict, at: str) -> list[float]:
-    from capeval_plugins.bench.readers import as_score, pick
+    from capeval_plugins.bench.readers import pick
 
     listed = pick(row, SCORE_LIST_KEYS, "", at, required=False)
     if listed is not None:
         if isinstance(listed, str):
-            listed = json.loads(listed)
-        values = [as_score(v, at) for v in (listed if isinstance(listed, (list, tuple)) else [listed])]
+            listed = json_cell(listed, at, "ratings")
+        values = [_score(v, at) for v in (listed if isinstance(listed, (list, tuple)) else [listed])]
     else:
-        values = [as_score(pick(row, SCORE_KEYS, "human score", at), at)]
+        values = [_score(pick(row, SCORE_KEYS, "human score", at), at)]
     if not values or any(math.isnan(v) for v in values):
         raise InputError(f"{at}: no valid human score")
     return values
+
+
+def json_cell(text: str, at: str, what: str) -> Any:
+    """A list written as JSON text in a CSV cell (or a string column), refused by its row when it is not."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise InputError(f"{at}: {what} must be a list (a JSON list in a CSV cell), got {text[:60]!r}") from None
 
 
 def _visual(row: dict, root: Path, num_frames: int | None, at: str) -> Any:
@@ -228,7 +247,7 @@ def _visual(row: dict, root: Path, num_frames: int | None, at: str) -> Any:
     frames = pick(row, FRAMES_KEYS, "", at, required=False)
     if frames is not None:
         if isinstance(frames, str):
-            frames = json.loads(frames)
+            frames = json_cell(frames, at, "frames")
         if not isinstance(frames, (list, tuple)) or not frames:
             raise InputError(f"{at}: 'frames' must be a non-empty list of frame files")
         return _subsample([_under(root, f, at) for f in frames], num_frames)

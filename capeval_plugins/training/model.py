@@ -223,6 +223,23 @@ def require_peft() -> Any:
     return peft
 
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def safe_adapter_weights(adapter: Path) -> Path:
+    """The LoRA adapter's weights, which must be safetensors: peft falls back to a pickled
+    ``adapter_model.bin`` through ``torch.load``, which runs arbitrary code with the torch versions (< 2.6)
+    this package supports, so such an adapter is refused whatever peft and torch are installed."""
+    weights = adapter / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        pickled = [p.name for p in adapter.glob("*.bin")] + [p.name for p in adapter.glob("*.pt")]
+        found = f" (found {', '.join(sorted(pickled))}: pickled weights are never loaded)" if pickled else ""
+        raise loading.ModelLoadError(f"Rigel adapter {adapter} has no {ADAPTER_WEIGHTS}{found}; convert it once in a "
+                                     "trusted session (peft: PeftModel.from_pretrained(...).save_pretrained(dir, "
+                                     "safe_serialization=True))")
+    return weights
+
+
 def load_private_backbone(spec: JudgeSpec) -> Any:
     """The base LVLM as a model of its own (not the process-wide shared one): LoRA is injected into it in
     place. Loaded like every model (safetensors only, device and dtype resolved once: bfloat16 on GPU)."""
@@ -268,10 +285,12 @@ def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, devic
     names (e.g. a local copy of it). A phase-2 adapter is applied to a model of its own, merged into its
     weights unless ``merge_lora=False``; a phase-1 checkpoint uses the shared backbone. ``device_map``,
     ``max_memory`` and ``offload_folder`` place the backbone (:mod:`capeval_plugins.core.loading`)."""
+    adapter = Path(checkpoint) / ADAPTER_DIR
+    if adapter.is_dir():
+        safe_adapter_weights(adapter)  # before anything loads
     settings = read_settings(checkpoint)
     spec = JudgeSpec(model or settings.base_model, device, dtype, revision or settings.revision, local_files_only,
                      trust_remote_code, device_map, max_memory, offload_folder)
-    adapter = Path(checkpoint) / ADAPTER_DIR
     key = ("rigel", os.path.realpath(checkpoint), (Path(checkpoint) / CONFIG_FILE).stat().st_mtime_ns, spec,
            merge_lora)
 

@@ -71,6 +71,10 @@ def caption_of(row: dict, at: str) -> str:
     from capeval_plugins.bench.readers import pick
 
     turns = row.get("conversations")
+    if isinstance(turns, str):  # a CSV cell or string column: the turns as JSON text
+        from capeval_plugins.training.data import json_cell
+
+        turns = json_cell(turns, at, "'conversations'")
     if turns is not None:
         if not isinstance(turns, list):
             raise InputError(f"{at}: 'conversations' must be a list of turns")
@@ -97,6 +101,8 @@ def read_captions(path: str | os.PathLike, *, images: str | os.PathLike | None =
     if not isinstance(records, list):
         raise InputError(f"{path}: expected a list of records (JSON list, JSON Lines, CSV or Parquet)")
     if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InputError(f"limit must be a positive number of records, got {limit!r}")  # [:-1] drops the last
         records = records[:limit]
     root = Path(images) if images is not None else path.parent
     files, captions = [], []

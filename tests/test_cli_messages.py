@@ -1,0 +1,57 @@
+"""What `capeval` tells a user: help text that is true, no spurious warnings, one progress bar under torchrun."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from conftest import EXAMPLES, PYTHON, free_port, run
+
+from capeval_plugins import cli
+from capeval_plugins.caption_files import read_captions
+
+CAPEVAL = str(Path(PYTHON).parent / "capeval")
+TORCHRUN = str(Path(PYTHON).parent / "torchrun")
+
+
+def score_help() -> str:
+    parser = cli.build_parser()
+    score = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "score")[1]
+    return score.format_help()
+
+
+def test_the_help_example_line_number_is_the_one_an_error_prints(tmp_path):
+    """`sample 250` of a caption file is on line 251 (sample 0 is on line 1)."""
+    text = score_help()
+    sample, line = map(int, re.search(r"sample (\d+) \(captions\.jsonl\s+line (\d+)\)", text).groups())
+    path = tmp_path / "captions.jsonl"
+    path.write_text("".join(json.dumps({"image": "a.png", "caption": f"c{i}"}) + "\n" for i in range(sample + 1)))
+    assert read_captions(path).describe(sample) == f"sample {sample} (captions.jsonl line {line})"
+
+
+def test_every_score_option_has_help():
+    parser = cli.build_parser()
+    score = parser._subparsers._group_actions[0].choices["score"]
+    for action in score._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+    text = score_help()
+    for flag in ("--batch-size", "--device", "--dtype"):
+        assert re.search(rf"{flag} \w+\s+\S", text), flag
+
+
+def test_tiny_clip_does_not_warn_about_torchvision(tmp_path):
+    proc = run([CAPEVAL, "tiny", "clip", str(tmp_path / "clip")], env={"TRANSFORMERS_VERBOSITY": "warning"})
+    assert "torchvision" not in proc.stderr
+
+
+def test_under_torchrun_only_rank_0_draws_progress_bars(tiny_clip, tmp_path):
+    proc = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m",
+                           "capeval_plugins.cli", "score", "-m", "clipscore", "--model", tiny_clip, "--batch-size", "2",
+                           "--captions", str(EXAMPLES / "captions.jsonl"), "--images", str(EXAMPLES / "images")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    finished_bars = re.findall(r"100%\|", proc.stderr)
+    # rank 0's pass bar (and at most its own model-loading bar); never one per rank
+    assert 1 <= len(finished_bars) <= 2, proc.stderr[-3000:]
+    assert proc.stderr.count("clipscore: 100%") == 1, proc.stderr[-3000:]
