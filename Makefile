@@ -4,6 +4,12 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# lmms-eval gets its own venv: its dependencies (timm, opencv, sentencepiece, ...) would change what
+# transformers imports in the main suite. torchvision is pinned to the build of TORCH so pip keeps that torch,
+# then removed: PyPI's torchvision does not load beside the CPU torch, and lmms-eval's core does not need it.
+LMMS_VENV ?= .venv-lmms
+LMMS_TORCHVISION ?= torchvision==0.28.*
+LMMS_STAMP := $(LMMS_VENV)/.installed
 
 .PHONY: demo test docs clean
 
@@ -23,11 +29,21 @@ demo: $(STAMP)
 		--images examples/images --captions examples/captions.jsonl --out scores.jsonl
 	@echo "per-sample scores of every metric: scores.jsonl (random weights: the numbers mean nothing)"
 
-test: $(STAMP)
+$(LMMS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(LMMS_VENV)
+	$(LMMS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LMMS_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(LMMS_VENV)/bin/python -m pip install -q -e ".[test,lmms]" "$(LMMS_TORCHVISION)" decord
+	$(LMMS_VENV)/bin/python -m pip uninstall -q -y torchvision
+	touch $(LMMS_STAMP)
+
+# The suite, then the lmms-eval tests in their own venv (they skip in the main one).
+test: $(STAMP) $(LMMS_STAMP)
 	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/pytest -q
+	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(LMMS_VENV)/bin/pytest -q tests/test_lmms_eval_adapter.py
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .cache site scores.jsonl scores.jsonl.capeval-run
+	rm -rf $(VENV) $(LMMS_VENV) .cache site scores.jsonl scores.jsonl.capeval-run
