@@ -234,7 +234,28 @@ def check_indices(indices: Sequence[int] | None, n: int) -> list[int]:
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise InputError(f"sample {i}: sample id must be a non-negative integer, got {v!r}")
-    return [int(v) for v in values]
+    ids = [int(v) for v in values]
+    repeated = repeated_ids(ids)
+    if repeated:
+        raise InputError(f"sample ids must be unique: {describe_repeats(repeated, ids)}")
+    return ids
+
+
+def repeated_ids(ids: Sequence[int], seen: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The ids of ``ids`` that occur twice in it or already in ``seen``, in order of first repeat."""
+    found, out = set(seen), []
+    for i in ids:
+        if i in found and i not in out:
+            out.append(i)
+        found.add(i)
+    return out
+
+
+def describe_repeats(repeated: Sequence[int], ids: Sequence[int], limit: int = 10) -> str:
+    """``"3 at positions 0, 4; 7 at positions 2, 5"`` (the first ``limit`` ids, then a count)."""
+    parts = [f"{i} at positions {', '.join(str(p) for p, v in enumerate(ids) if v == i)}" for i in repeated[:limit]]
+    more = f"; and {len(repeated) - limit} more" if len(repeated) > limit else ""
+    return "; ".join(parts) + more
 
 
 def check_group_ids(group_ids: Sequence[Any] | None, n: int) -> list[int] | None:

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.checkpoint import Progress, RunStore
-from capeval_plugins.contract import (ON_ERROR, Batch, Metric, MetricResult, StateSpec, finalize_state, full_spec,
-                                      map_batch)
+from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, finalize_state,
+                                      full_spec, map_batch)
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
                                     to_batch, validate_samples)
 
@@ -181,6 +181,22 @@ def _validate_all(metrics: Mapping[str, Metric], corpus: Corpus,
     if report:
         raise report.error(corpus.describe)
     return out
+
+
+def check_fits(valid: Mapping[str, tuple[Samples, dict[int, str]]], metrics: Mapping[str, Metric]) -> None:
+    """Every metric's :meth:`~capeval_plugins.contract.Metric.check_corpus` on the samples it will score
+    (the whole corpus, before sharding: corpus statistics merge over ranks); the problems, one line each,
+    raise one :class:`InputError` before any model loads."""
+    problems = []
+    for name, metric in metrics.items():
+        samples = valid[name][0]
+        refs = samples.references
+        counts = tuple(len(r) for r in refs) if refs is not None else (0,) * len(samples)
+        problem = metric.check_corpus(CorpusSize(counts))
+        if problem is not None:
+            problems.append(problem.message(name))
+    if problems:
+        raise InputError("; ".join(problems))
 
 
 def check_paths(metric: Metric) -> None:
@@ -389,6 +405,7 @@ def run(
     for metric in metrics.values():
         check_paths(metric)
     valid = _validate_all(metrics, corpus, on_error)
+    check_fits(valid, metrics)
     rank, size = world(shard)
     store = _open_store(run_dir, fingerprint(metrics, corpus, size, on_error), restart, rank, size) if run_dir else None
 
