@@ -212,6 +212,17 @@ def caption_problem(caption: Any) -> str | None:
         return f"caption must be a string, got {type(caption).__name__}"
     if not caption.strip():
         return "caption is empty"
+    return text_problem(caption, "caption")
+
+
+def text_problem(text: str, what: str) -> str | None:
+    """Characters no tokenizer can take: a lone surrogate (valid JSON, not encodable as UTF-8) or a NUL."""
+    if "\x00" in text:
+        return f"{what} contains a NUL character (U+0000) at character {text.index(chr(0))}"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"{what} contains a lone surrogate (U+{ord(text[err.start]):04X}) at character {err.start}, not valid Unicode"
     return None
 
 
@@ -345,6 +356,9 @@ def reference_problem(refs: Any) -> str | None:
             return f"reference {j} must be a string, got {type(ref).__name__}"
         if not ref.strip():
             return f"reference {j} is empty"
+        problem = text_problem(ref, f"reference {j}")
+        if problem:
+            return problem
     return None
 
 

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from capeval_plugins.checkpoint import Progress, RunStore
 from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, finalize_state,
-                                      full_spec, map_batch)
+                                      full_spec, map_batch, merge_states)
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
                                     to_batch, validate_samples)
 
@@ -277,6 +277,72 @@ def iter_batches(metric: Metric, samples: Samples, on_error: str | None = None,
         yield build_batch(ordered.subset(range(start, min(start + size, len(ordered)))), cache, how, describe)
 
 
+def iter_parts(metric: Metric, samples: Samples) -> Iterator[Samples]:
+    """``samples`` in batches of the metric's size (an image's captions together), not yet decoded."""
+    ordered = samples.subset(group_by_image(samples))
+    size = metric.config.batch_size
+    for start in range(0, len(ordered), size):
+        yield ordered.subset(range(start, min(start + size, len(ordered))))
+
+
+# Failures that say nothing about a sample: not isolated by re-scoring smaller batches.
+NOT_A_SAMPLE_FAULT = (MemoryError, torch.OutOfMemoryError)
+
+
+def map_part(metric: Metric, part: Samples, cache: ImageCache, on_error: str,
+             describe: Describe | None = None) -> tuple[list[dict[str, Tensor]], dict[int, str]]:
+    """Map the samples of one batch: the mapped states (one dict per batch actually scored) and the samples
+    left out with their reasons. A sample whose image will not decode is handled by :func:`build_batch`; a
+    failure while the metric scores the batch is isolated to its samples by scoring each half again
+    (bisection: about log2(batch) extra calls per bad sample): under ``"skip"`` they are left out with the
+    error as their reason, under ``"raise"`` the error names the first one by the user's own index. When no
+    sample of a batch of several scores alone, the metric fails, not a sample: that error is raised."""
+    return _map_piece(metric, part, cache, on_error, describe, top=True)
+
+
+def _map_piece(metric: Metric, part: Samples, cache: ImageCache, on_error: str, describe: Describe | None,
+               top: bool = False) -> tuple[list[dict[str, Tensor]], dict[int, str]]:
+    batch, skipped = build_batch(part, cache, on_error, describe)
+    if batch is None:
+        return [], skipped
+    try:
+        return [map_batch(metric, batch)], skipped
+    except NOT_A_SAMPLE_FAULT:
+        raise
+    except Exception as err:
+        kept = part.subset([p for p, i in enumerate(part.indices) if i not in skipped]) if skipped else part
+        outs, failed = _isolate(metric, kept, cache, on_error, describe, err)
+        if top and not outs and len(kept) > 1:
+            if hasattr(err, "add_note"):
+                err.add_note(f"(while {metric.info.name} scored samples {min(kept.indices)}..{max(kept.indices)}: "
+                             "each one fails alone too)")
+            raise err
+        return outs, {**skipped, **failed}
+
+
+def _isolate(metric: Metric, part: Samples, cache: ImageCache, on_error: str, describe: Describe | None,
+             err: Exception) -> tuple[list[dict[str, Tensor]], dict[int, str]]:
+    if len(part) == 1:
+        index = part.indices[0]
+        name = describe(index) if describe else f"sample {index}"
+        reason = _reason(err, index) if isinstance(err, InputError) else f"{type(err).__name__}: {err}"
+        reason = f"{metric.info.name} failed while scoring it: {' '.join(reason.split())}"
+        if on_error == "skip":
+            return [], {index: reason}
+        if isinstance(err, InputError):
+            raise InputError(f"{name}: {reason}") from err
+        if hasattr(err, "add_note"):
+            err.add_note(f"(while {metric.info.name} scored {name})")
+        raise err
+    half = len(part) // 2
+    outs, skipped = [], {}
+    for piece in (part.subset(range(half)), part.subset(range(half, len(part)))):
+        o, s = _map_piece(metric, piece, cache, on_error, describe)
+        outs += o
+        skipped.update(s)
+    return outs, skipped
+
+
 def map_with_context(metric: Metric, batch: Batch) -> dict[str, Tensor]:
     """``map_batch``, with the samples of the batch named in any error."""
     try:
@@ -453,11 +519,11 @@ def run(
 
 
 def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | None, store: RunStore | None) -> None:
-    batch, skipped = build_batch(task.batch(k), cache, task.on_error, describe)
+    outs, skipped = map_part(task.metric, task.batch(k), cache, task.on_error, describe)
     rows = {key: want.empty() for key, want in task.spec.items() if want.reduce == "cat"}
     sum_keys = [key for key, want in task.spec.items() if want.reduce == "sum"]
-    if batch is not None:
-        out = map_with_context(task.metric, batch)
+    if outs:
+        out = combine_parts(task.spec, outs)
         rows = {key: out[key].cpu() for key in rows}
         if sum_keys and task.progress.sums is None:  # the first batch's sums start the running total
             task.progress.sums = {key: out[key].cpu().clone() for key in sum_keys}
@@ -471,6 +537,13 @@ def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | No
     task.progress.batches = k + 1
     if store is not None:
         store.save(task.name, k, rows, task.progress.sums, skipped)
+
+
+def combine_parts(spec: Mapping[str, StateSpec], outs: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The states of the pieces one batch was scored in, as one batch's (rows in order, sums added)."""
+    if len(outs) == 1:
+        return dict(outs[0])
+    return merge_states(spec, outs)
 
 
 class _ProgressBar:

@@ -89,16 +89,17 @@ class CapevalMetric(torchmetrics.Metric):
         self._check_new_ids(corpus.ids)
         self._seen += n
         self._skip(skipped)
-        for batch, dropped in runner.iter_batches(metric, samples):
+        cache, how = runner.ImageCache(2 * metric.config.batch_size), runner.policy(metric)
+        for part in runner.iter_parts(metric, samples):
+            outs, dropped = runner.map_part(metric, part, cache, how)  # a sample failing here: per the policy
             self._skip(dropped)
-            if batch is None:
-                continue
-            for name, value in runner.map_with_context(metric, batch).items():
-                value = value.to(self.device)
-                if self._spec[name].reduce == "cat":
-                    getattr(self, name).append(value)
-                else:
-                    setattr(self, name, getattr(self, name) + value)
+            for out in outs:
+                for name, value in out.items():
+                    value = value.to(self.device)
+                    if self._spec[name].reduce == "cat":
+                        getattr(self, name).append(value)
+                    else:
+                        setattr(self, name, getattr(self, name) + value)
 
     def _check_new_ids(self, ids: Sequence[int] | torch.Tensor) -> None:
         """A sample id given again on this rank (in an earlier update) would drop a sample: refuse it. Repeats
