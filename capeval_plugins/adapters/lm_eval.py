@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -37,8 +38,16 @@ class CaptionItem(NamedTuple):
     references: list[str] | None
 
 
+# The aggregation's per-document policy unless a task's metric_list says otherwise: a model that generated
+# nothing (or text no metric can take) for one document costs that document, not the whole evaluation.
+DEFAULT_ON_ERROR = "skip"
+
+
 def aggregate(name: str, items: list[CaptionItem], **options: Any) -> float:
-    """Score all documents of a task at once; the corpus score."""
+    """Score all documents of a task at once; the corpus score. Documents that cannot be scored (an empty
+    generation) are skipped by default, with a warning naming them by position and the count; the score is
+    over the others (``on_error: raise`` in the metric's ``metric_list`` entry stops instead)."""
+    options.setdefault("on_error", DEFAULT_ON_ERROR)
     metric = registry.load(name, **options)
     info = metric.info
     images = [it.image for it in items] if info.images != "never" else None
@@ -50,7 +59,14 @@ def aggregate(name: str, items: list[CaptionItem], **options: Any) -> float:
     references = [it.references for it in items] if info.references != "never" else None
     if references is not None and all(not r for r in references):
         references = None
-    return float(metric(images, [it.caption for it in items], references).score)
+    result = metric(images, [it.caption for it in items], references)
+    if result.skipped:
+        shown = "; ".join(f"document {i}: {why}" for i, why in list(sorted(result.skipped.items()))[:5])
+        warnings.warn(f"{name}: {len(result.skipped)} of {len(items)} documents not scored ({shown}"
+                      f"{'; ...' if len(result.skipped) > 5 else ''}); the score is over the other "
+                      f"{len(items) - len(result.skipped)} (on_error: raise in metric_list stops instead)",
+                      stacklevel=2)
+    return float(result.score)
 
 
 def _item_from_generation(references: list, predictions: list) -> CaptionItem:
