@@ -504,7 +504,9 @@ def run(
         raise Interrupted(f"interrupted after {done} of {total} batches{' on this rank' if size > 1 else ''}{where}")
 
     results: dict[str, MetricResult | None] = {}
+    stage = _FinalizeBar(tasks, progress and rank == (gather_to or 0))
     for task in tasks:
+        stage.start(task.name)
         mine = (local_state(task.spec, task.progress), task.progress.skipped)
         parts = _gather(mine, size, gather_to)
         if parts is None:
@@ -514,6 +516,7 @@ def run(
         for _, part_skipped in parts:
             skipped.update(part_skipped)
         results[task.name] = finalize(task.metric, merge_ranks(task.spec, [p for p, _ in parts]), skipped)
+    stage.close()
     n = len(corpus.candidates) if corpus.candidates is not None else 0
     return RunOutcome(results, scored, resumed, n)
 
@@ -568,6 +571,30 @@ class _ProgressBar:
 
     def close(self) -> None:
         if self.bar is not None:
+            self.bar.close()
+
+
+class _FinalizeBar:
+    """After the batches, the corpus step of every metric (a corpus metric's whole computation, e.g. CIDEr's
+    idf or METEOR's Java scorer, happens here): one bar over the metrics, naming the one at work."""
+
+    def __init__(self, tasks: list[_Task], enabled: bool) -> None:
+        self.bar = None
+        if enabled and tasks:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=len(tasks), desc="corpus scores", unit="metric", dynamic_ncols=True)
+
+    def start(self, name: str) -> None:
+        if self.bar is not None:
+            if self.bar.postfix:  # the previous metric is done
+                self.bar.update(1)
+            self.bar.set_postfix_str(name, refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(self.bar.total - self.bar.n)
+            self.bar.set_postfix_str("done", refresh=False)
             self.bar.close()
 
 
