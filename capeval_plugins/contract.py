@@ -123,9 +123,12 @@ class Batch:
 @dataclass(frozen=True)
 class CorpusSize:
     """What the runner knows of a corpus before any model loads: the number of references of every sample a
-    metric will score (after validation and its skips), in scoring order."""
+    metric will score (after validation and its skips), in scoring order, and how many distinct images and
+    reference texts they hold (None where the corpus has none)."""
 
     reference_counts: tuple[int, ...]
+    distinct_images: int | None = None
+    distinct_references: int | None = None
 
     @property
     def samples(self) -> int:

@@ -192,7 +192,9 @@ def check_fits(valid: Mapping[str, tuple[Samples, dict[int, str]]], metrics: Map
         samples = valid[name][0]
         refs = samples.references
         counts = tuple(len(r) for r in refs) if refs is not None else (0,) * len(samples)
-        problem = metric.check_corpus(CorpusSize(counts))
+        images = len({s.key for s in samples.images}) if samples.images is not None else None
+        texts = len({r for group in refs for r in group}) if refs is not None else None
+        problem = metric.check_corpus(CorpusSize(counts, images, texts))
         if problem is not None:
             problems.append(problem.message(name))
     if problems:

@@ -174,3 +174,17 @@ def test_cli_skip_covers_a_surrogate_caption_and_a_caption_of_special_tokens(tin
     assert "lone surrogate" in got[1]["error"]
     assert "msd_score" in got[3]["error"] and "special tokens" in got[3]["error"]
     assert all("error" not in got[i] for i in (0, 2, 4, 5))
+
+
+def test_mid_with_too_few_distinct_images_is_refused_before_loading(tiny_clip, monkeypatch):
+    from conftest import random_image
+
+    four = [random_image(i) for i in range(4)]
+    images = [four[i % 4] for i in range(40)]  # 40 pairs, but only 4 distinct images for D = 16
+    captions = [f"caption {i}" for i in range(40)]
+    references = [[f"reference {i}"] for i in range(40)]
+    mid = capeval_plugins.load("mid", model=tiny_clip)
+    _no_model_loads(monkeypatch)
+    with pytest.raises(InputError, match=r"mid: .*more distinct images than the D = 16 .* the corpus has 4; .*"
+                                         r"covariance_eps=5e-4"):
+        mid(images, captions, references)

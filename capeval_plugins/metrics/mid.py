@@ -118,13 +118,21 @@ class MID(Metric):
                               ("score more samples with references",
                                "give reference_gaussian=PATH (a fit saved by MID.fit_reference)"))
         dim = self._config_dim()
-        if dim is None or pairs > 2 * dim or self.config.covariance_eps > 0:
+        if dim is None or self.config.covariance_eps > 0:
             return None
-        return FitProblem(
-            f"its Gaussian fit on {self.config.model} features needs more (image, reference) pairs than the "
-            f"2D = {2 * dim} joint dimensions for a non-singular covariance, the corpus gives {pairs}",
-            ("score more samples", "give reference_gaussian=PATH (a fit on more pairs)"),
-            option=("covariance_eps", "5e-4"))
+        fixes = ("score more samples", "give reference_gaussian=PATH (a fit on more pairs)")
+        eps = ("covariance_eps", "5e-4")
+        if pairs <= 2 * dim:
+            return FitProblem(
+                f"its Gaussian fit on {self.config.model} features needs more (image, reference) pairs than the "
+                f"2D = {2 * dim} joint dimensions for a non-singular covariance, the corpus gives {pairs}", fixes, eps)
+        # Each block of the covariance has rank below the number of distinct features in it.
+        for what, distinct in (("images", size.distinct_images), ("reference texts", size.distinct_references)):
+            if distinct is not None and distinct <= dim:
+                return FitProblem(
+                    f"its Gaussian fit on {self.config.model} features needs more distinct {what} than the D = "
+                    f"{dim} feature dimensions for a non-singular covariance, the corpus has {distinct}", fixes, eps)
+        return None
 
     def _config_dim(self) -> int | None:
         from transformers import AutoConfig
