@@ -6,10 +6,12 @@ import json
 import subprocess
 
 import pytest
+import torch
 from conftest import CAPTIONS, EXAMPLES, PYTHON, REFERENCES
 
 import capeval_plugins
 from capeval_plugins import runner
+from capeval_plugins.contract import Metric, MetricInfo, MetricResult, StateSpec
 from capeval_plugins.inputs import InputError
 
 
@@ -74,11 +76,6 @@ def test_repeated_ids_are_an_error_naming_them(tiny_clip, images):
 
 
 # --- failures found while scoring ------------------------------------------------------------------------
-
-import torch  # noqa: E402
-
-from capeval_plugins.contract import Metric, MetricInfo, MetricResult, StateSpec  # noqa: E402
-
 
 class Fragile(Metric):
     """Caption length as its score, a summed total; fails on any batch holding a caption with "boom"."""
