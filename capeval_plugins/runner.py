@@ -327,8 +327,10 @@ def _isolate(metric: Metric, part: Samples, cache: ImageCache, on_error: str, de
     if len(part) == 1:
         index = part.indices[0]
         name = describe(index) if describe else f"sample {index}"
-        reason = _reason(err, index) if isinstance(err, InputError) else f"{type(err).__name__}: {err}"
-        reason = f"{metric.info.name} failed while scoring it: {' '.join(reason.split())}"
+        if isinstance(err, InputError):  # the metric found a problem of this sample's input
+            reason = f"{' '.join(_reason(err, index).split())} ({metric.info.name}, found while scoring)"
+        else:
+            reason = f"{metric.info.name} failed while scoring it: {type(err).__name__}: {' '.join(str(err).split())}"
         if on_error == "skip":
             return [], {index: reason}
         if isinstance(err, InputError):
