@@ -59,9 +59,10 @@ def _init_distributed() -> tuple[int, int]:
 
 
 def quiet_libraries() -> None:
-    """No progress bars from the model libraries either (weights loading, downloads)."""
+    """No progress bars from the model libraries either (weights loading, downloads), no Java lines."""
     os.environ["TQDM_DISABLE"] = "1"
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["CAPEVAL_QUIET"] = "1"  # the Java tools of the classic metrics too (metrics/coco.py)
     import transformers
 
     transformers.utils.logging.disable_progress_bar()

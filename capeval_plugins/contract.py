@@ -120,6 +120,39 @@ class Batch:
         return [self.images[i] for i in self.image_index.tolist()]
 
 
+@dataclass(frozen=True)
+class CorpusSize:
+    """What the runner knows of a corpus before any model loads: the number of references of every sample a
+    metric will score (after validation and its skips), in scoring order, and how many distinct images and
+    reference texts they hold (None where the corpus has none)."""
+
+    reference_counts: tuple[int, ...]
+    distinct_images: int | None = None
+    distinct_references: int | None = None
+
+    @property
+    def samples(self) -> int:
+        return len(self.reference_counts)
+
+
+@dataclass(frozen=True)
+class FitProblem:
+    """Why a configured metric cannot be fitted on a corpus (see :meth:`Metric.check_corpus`): ``need`` says
+    what it needs and what the corpus gives; ``fixes`` are the remedies in words; ``option`` is an option
+    (name, example value) that lifts the constraint, if one does."""
+
+    need: str
+    fixes: tuple[str, ...] = ()
+    option: tuple[str, str] | None = None
+
+    def message(self, metric: str) -> str:
+        fixes = list(self.fixes)
+        if self.option is not None:
+            key, value = self.option
+            fixes.append(f"set {key}={value} (`-o {metric}.{key}={value}` on the command line)")
+        return f"{metric}: {self.need}" + (f"; {', or '.join(fixes)}" if fixes else "")
+
+
 @dataclass
 class MetricResult:
     """Corpus score, per-sample scores in input order, and named extras.
@@ -284,6 +317,13 @@ class Metric(abc.ABC):
         side, so large photos are never held at full size (the processor's own resize still decides)."""
         return None
 
+    def check_corpus(self, size: CorpusSize) -> FitProblem | None:
+        """Why this configured metric cannot be fitted on a corpus of ``size`` (None when it can): a corpus
+        statistic that needs more samples than it will get (a covariance needing more pairs than dimensions).
+        The runner calls it after validation and before any model loads, so it must not load one (reading
+        a model's config file is fine); a usage error found here costs the user no wait."""
+        return None
+
     def references_required(self) -> bool:
         """Whether this configured metric cannot score without references (``info.references`` says what the
         method may use; an instance can need them where the method does not always, e.g. MID without a
@@ -413,7 +453,10 @@ def finalize_state(metric: Metric, state: Mapping[str, Tensor]) -> MetricResult:
             "not repeat samples, e.g. drop_last or an even split)",
             stacklevel=2,
         )
-    return metric.finalize(ordered)
+    result = metric.finalize(ordered)
+    if repeats:  # a padding DistributedSampler's repeats: dropped, and said so
+        result = dataclasses.replace(result, corpus_extras={**result.corpus_extras, "n_repeats_dropped": float(repeats)})
+    return result
 
 
 class PointwiseMetric(Metric):
@@ -502,6 +545,13 @@ class CompositeMetric(Metric):
                 if key not in (INDEX, GROUP):
                     out[f"{name}{COMPONENT_SEP}{key}"] = value
         return out
+
+    def check_corpus(self, size: CorpusSize) -> FitProblem | None:
+        for metric in self.components().values():
+            problem = metric.check_corpus(size)
+            if problem is not None:
+                return problem
+        return None
 
     def component_state(self, name: str, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The part of a (canonical) composite state that belongs to one component, with index and groups."""

@@ -212,6 +212,17 @@ def caption_problem(caption: Any) -> str | None:
         return f"caption must be a string, got {type(caption).__name__}"
     if not caption.strip():
         return "caption is empty"
+    return text_problem(caption, "caption")
+
+
+def text_problem(text: str, what: str) -> str | None:
+    """Characters no tokenizer can take: a lone surrogate (valid JSON, not encodable as UTF-8) or a NUL."""
+    if "\x00" in text:
+        return f"{what} contains a NUL character (U+0000) at character {text.index(chr(0))}"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"{what} contains a lone surrogate (U+{ord(text[err.start]):04X}) at character {err.start}, not valid Unicode"
     return None
 
 
@@ -234,7 +245,28 @@ def check_indices(indices: Sequence[int] | None, n: int) -> list[int]:
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise InputError(f"sample {i}: sample id must be a non-negative integer, got {v!r}")
-    return [int(v) for v in values]
+    ids = [int(v) for v in values]
+    repeated = repeated_ids(ids)
+    if repeated:
+        raise InputError(f"sample ids must be unique: {describe_repeats(repeated, ids)}")
+    return ids
+
+
+def repeated_ids(ids: Sequence[int], seen: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The ids of ``ids`` that occur twice in it or already in ``seen``, in order of first repeat."""
+    found, out = set(seen), []
+    for i in ids:
+        if i in found and i not in out:
+            out.append(i)
+        found.add(i)
+    return out
+
+
+def describe_repeats(repeated: Sequence[int], ids: Sequence[int], limit: int = 10) -> str:
+    """``"3 at positions 0, 4; 7 at positions 2, 5"`` (the first ``limit`` ids, then a count)."""
+    parts = [f"{i} at positions {', '.join(str(p) for p, v in enumerate(ids) if v == i)}" for i in repeated[:limit]]
+    more = f"; and {len(repeated) - limit} more" if len(repeated) > limit else ""
+    return "; ".join(parts) + more
 
 
 def check_group_ids(group_ids: Sequence[Any] | None, n: int) -> list[int] | None:
@@ -324,6 +356,9 @@ def reference_problem(refs: Any) -> str | None:
             return f"reference {j} must be a string, got {type(ref).__name__}"
         if not ref.strip():
             return f"reference {j} is empty"
+        problem = text_problem(ref, f"reference {j}")
+        if problem:
+            return problem
     return None
 
 

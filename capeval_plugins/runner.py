@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch_digest
-from capeval_plugins.contract import (ON_ERROR, Batch, Metric, MetricResult, StateSpec, finalize_state, full_spec,
-                                      map_batch)
+from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, finalize_state,
+                                      full_spec, map_batch, merge_states)
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
                                     to_batch, validate_samples)
@@ -190,6 +190,24 @@ def _validate_all(metrics: Mapping[str, Metric], corpus: Corpus,
     return out
 
 
+def check_fits(valid: Mapping[str, tuple[Samples, dict[int, str]]], metrics: Mapping[str, Metric]) -> None:
+    """Every metric's :meth:`~capeval_plugins.contract.Metric.check_corpus` on the samples it will score
+    (the whole corpus, before sharding: corpus statistics merge over ranks); the problems, one line each,
+    raise one :class:`InputError` before any model loads."""
+    problems = []
+    for name, metric in metrics.items():
+        samples = valid[name][0]
+        refs = samples.references
+        counts = tuple(len(r) for r in refs) if refs is not None else (0,) * len(samples)
+        images = len({s.key for s in samples.images}) if samples.images is not None else None
+        texts = len({r for group in refs for r in group}) if refs is not None else None
+        problem = metric.check_corpus(CorpusSize(counts, images, texts))
+        if problem is not None:
+            problems.append(problem.message(name))
+    if problems:
+        raise InputError("; ".join(problems))
+
+
 def check_paths(metric: Metric) -> None:
     """Options that name local files or folders (``Config.input_paths``) must exist: a typo fails here, not
     after a long load. Hub ids (``org/name``) are left to the loader."""
@@ -306,6 +324,74 @@ def iter_batches(metric: Metric, samples: Samples, on_error: str | None = None,
     how = policy(metric, on_error)
     for start in range(0, len(ordered), size):
         yield build_batch(ordered.subset(range(start, min(start + size, len(ordered)))), cache, how, describe)
+
+
+def iter_parts(metric: Metric, samples: Samples) -> Iterator[Samples]:
+    """``samples`` in batches of the metric's size (an image's captions together), not yet decoded."""
+    ordered = samples.subset(group_by_image(samples))
+    size = metric.config.batch_size
+    for start in range(0, len(ordered), size):
+        yield ordered.subset(range(start, min(start + size, len(ordered))))
+
+
+# Failures that say nothing about a sample: not isolated by re-scoring smaller batches.
+NOT_A_SAMPLE_FAULT = (MemoryError, torch.OutOfMemoryError)
+
+
+def map_part(metric: Metric, part: Samples, cache: ImageCache, on_error: str,
+             describe: Describe | None = None) -> tuple[list[dict[str, Tensor]], dict[int, str]]:
+    """Map the samples of one batch: the mapped states (one dict per batch actually scored) and the samples
+    left out with their reasons. A sample whose image will not decode is handled by :func:`build_batch`; a
+    failure while the metric scores the batch is isolated to its samples by scoring each half again
+    (bisection: about log2(batch) extra calls per bad sample): under ``"skip"`` they are left out with the
+    error as their reason, under ``"raise"`` the error names the first one by the user's own index. When no
+    sample of a batch of several scores alone, the metric fails, not a sample: that error is raised."""
+    return _map_piece(metric, part, cache, on_error, describe, top=True)
+
+
+def _map_piece(metric: Metric, part: Samples, cache: ImageCache, on_error: str, describe: Describe | None,
+               top: bool = False) -> tuple[list[dict[str, Tensor]], dict[int, str]]:
+    batch, skipped = build_batch(part, cache, on_error, describe)
+    if batch is None:
+        return [], skipped
+    try:
+        return [map_batch(metric, batch)], skipped
+    except NOT_A_SAMPLE_FAULT:
+        raise
+    except Exception as err:
+        kept = part.subset([p for p, i in enumerate(part.indices) if i not in skipped]) if skipped else part
+        outs, failed = _isolate(metric, kept, cache, on_error, describe, err)
+        if top and not outs and len(kept) > 1:
+            if hasattr(err, "add_note"):
+                err.add_note(f"(while {metric.info.name} scored samples {min(kept.indices)}..{max(kept.indices)}: "
+                             "each one fails alone too)")
+            raise err
+        return outs, {**skipped, **failed}
+
+
+def _isolate(metric: Metric, part: Samples, cache: ImageCache, on_error: str, describe: Describe | None,
+             err: Exception) -> tuple[list[dict[str, Tensor]], dict[int, str]]:
+    if len(part) == 1:
+        index = part.indices[0]
+        name = describe(index) if describe else f"sample {index}"
+        if isinstance(err, InputError):  # the metric found a problem of this sample's input
+            reason = f"{' '.join(_reason(err, index).split())} ({metric.info.name}, found while scoring)"
+        else:
+            reason = f"{metric.info.name} failed while scoring it: {type(err).__name__}: {' '.join(str(err).split())}"
+        if on_error == "skip":
+            return [], {index: reason}
+        if isinstance(err, InputError):
+            raise InputError(f"{name}: {reason}") from err
+        if hasattr(err, "add_note"):
+            err.add_note(f"(while {metric.info.name} scored {name})")
+        raise err
+    half = len(part) // 2
+    outs, skipped = [], {}
+    for piece in (part.subset(range(half)), part.subset(range(half, len(part)))):
+        o, s = _map_piece(metric, piece, cache, on_error, describe)
+        outs += o
+        skipped.update(s)
+    return outs, skipped
 
 
 def map_with_context(metric: Metric, batch: Batch) -> dict[str, Tensor]:
@@ -471,6 +557,7 @@ def run(
     for metric in metrics.values():
         check_paths(metric)
     valid = _validate_all(metrics, corpus, on_error)
+    check_fits(valid, metrics)
     rank, size = world(shard)
     store = _open_store(run_dir, fingerprint(metrics, corpus, size, on_error), restart, rank, size) if run_dir else None
     tasks = [_Task(name, metric, _shard(valid[name][0], rank, size), valid[name][1], policy(metric, on_error))
@@ -518,7 +605,9 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
         raise Interrupted(f"interrupted after {done} of {total} batches{' on this rank' if size > 1 else ''}{where}")
 
     results: dict[str, MetricResult | None] = {}
+    stage = _FinalizeBar(tasks, progress and rank == (gather_to or 0))
     for task in tasks:
+        stage.start(task.name)
         mine = (local_state(task.spec, task.progress), task.progress.skipped)
         parts = _gather(mine, size, gather_to)
         if parts is None:
@@ -528,16 +617,17 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
         for _, part_skipped in parts:
             skipped.update(part_skipped)
         results[task.name] = finalize(task.metric, merge_ranks(task.spec, [p for p, _ in parts]), skipped)
+    stage.close()
     n = len(corpus.candidates) if corpus.candidates is not None else 0
     return RunOutcome(results, scored, resumed, n, store.run_id if store is not None else None)
 
 
 def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | None, store: RunStore | None) -> None:
-    batch, skipped = build_batch(task.batch(k), cache, task.on_error, describe)
+    outs, skipped = map_part(task.metric, task.batch(k), cache, task.on_error, describe)
     rows = {key: want.empty() for key, want in task.spec.items() if want.reduce == "cat"}
     sum_keys = [key for key, want in task.spec.items() if want.reduce == "sum"]
-    if batch is not None:
-        out = map_with_context(task.metric, batch)
+    if outs:
+        out = combine_parts(task.spec, outs)
         rows = {key: out[key].cpu() for key in rows}
         if sum_keys and task.progress.sums is None:  # the first batch's sums start the running total
             task.progress.sums = {key: out[key].cpu().clone() for key in sum_keys}
@@ -551,6 +641,13 @@ def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | No
     task.progress.batches = k + 1
     if store is not None:
         store.save(task.name, k, rows, task.progress.sums, skipped, batch_digest(task.batch(k).indices))
+
+
+def combine_parts(spec: Mapping[str, StateSpec], outs: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The states of the pieces one batch was scored in, as one batch's (rows in order, sums added)."""
+    if len(outs) == 1:
+        return dict(outs[0])
+    return merge_states(spec, outs)
 
 
 class _ProgressBar:
@@ -575,6 +672,30 @@ class _ProgressBar:
 
     def close(self) -> None:
         if self.bar is not None:
+            self.bar.close()
+
+
+class _FinalizeBar:
+    """After the batches, the corpus step of every metric (a corpus metric's whole computation, e.g. CIDEr's
+    idf or METEOR's Java scorer, happens here): one bar over the metrics, naming the one at work."""
+
+    def __init__(self, tasks: list[_Task], enabled: bool) -> None:
+        self.bar = None
+        if enabled and tasks:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=len(tasks), desc="corpus scores", unit="metric", dynamic_ncols=True)
+
+    def start(self, name: str) -> None:
+        if self.bar is not None:
+            if self.bar.postfix:  # the previous metric is done
+                self.bar.update(1)
+            self.bar.set_postfix_str(name, refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(self.bar.total - self.bar.n)
+            self.bar.set_postfix_str("done", refresh=False)
             self.bar.close()
 
 

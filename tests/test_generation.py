@@ -163,12 +163,20 @@ def test_tiny_sd3_is_seeded_and_independent_of_batching(tiny_sd3, tmp_path):
     batch = sd3.generate(["a dog runs", "a cat sits", "a dog runs", "a man walks"], [0, 0, 1, 0])
     alone = sd3.generate(["a dog runs"], [0])[0]
     assert batch[0].size == (32, 32)
-    assert np.array_equal(pixels(batch[0]), pixels(alone))  # same caption and seed, other batch: same image
-    assert not np.array_equal(pixels(batch[0]), pixels(batch[2]))  # another seed: another image
+    # Same caption and seed in another batch: the same image. Not bit for bit: a batch of 3 and one of 1 run
+    # float32 matmuls of other shapes, which a BLAS may round differently, and a rounding flips a pixel by at
+    # most a level or two after the uint8 quantisation; another seed moves pixels by tens of levels.
+    assert pixel_gap(batch[0], alone) <= 2
+    assert pixel_gap(batch[0], batch[2]) > 20  # another seed: another image
     cached = CachedGenerator(sd3, tmp_path)
     first = cached.generate(["a dog runs", "a cat sits"], [0, 0])
     again = CachedGenerator(sd3, tmp_path).generate(["a dog runs"], [0])
-    assert np.array_equal(pixels(first[0]), pixels(alone)) and np.array_equal(pixels(again[0]), pixels(alone))
+    assert pixel_gap(first[0], alone) <= 2
+    assert np.array_equal(pixels(again[0]), pixels(first[0]))  # read back from the cache: exactly the file
+
+
+def pixel_gap(a, b) -> int:
+    return int(np.abs(pixels(a).astype(np.int16) - pixels(b).astype(np.int16)).max())
 
 
 @functools.lru_cache(maxsize=None)

@@ -88,3 +88,24 @@ def test_capeval_lm_eval_lists_the_shipped_task():
 
     proc = run([str(Path(PYTHON).parent / "capeval-lm-eval"), "ls", "tasks"], timeout=300)
     assert "capeval_caption" in proc.stdout
+
+
+def test_an_empty_generation_costs_its_document_not_the_aggregation():
+    import warnings
+
+    from capeval_plugins.adapters.lm_eval import CaptionItem, aggregate
+    from capeval_plugins.inputs import InputError
+
+    refs = [["a dog runs on grass"], ["a cat sits"], ["a red car"], ["two birds fly"]]
+    captions = ["a dog runs", "", "a red car", "birds flying"]
+    items = [CaptionItem(None, c, r) for c, r in zip(captions, refs)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = aggregate("cider", items, tokenize=False)
+    said = [str(w.message) for w in caught if "documents not scored" in str(w.message)]
+    assert len(said) == 1 and "1 of 4 documents not scored (document 1: caption is empty)" in said[0]
+    kept = [0, 2, 3]
+    expected = capeval_plugins.load("cider", tokenize=False)(None, [captions[i] for i in kept], [refs[i] for i in kept])
+    assert got == pytest.approx(expected.score, rel=1e-12)
+    with pytest.raises(InputError, match="sample 1: caption is empty"):
+        aggregate("cider", items, tokenize=False, on_error="raise")

@@ -250,11 +250,26 @@ def test_all_capeval_metrics_of_a_task_share_one_pass(caption_task, tiny_clip, m
     assert scores["clipscore"] == pytest.approx(direct, abs=1e-9)
 
 
-def test_a_bad_generation_is_named_by_its_document(caption_task):
+def test_a_bad_generation_costs_its_document_and_is_named(caption_task, tmp_path):
+    """As in lm-eval: skipped with a warning naming the document by default (the score is the one over the other
+    documents); ``on_error: raise`` in the metric_list entry stops instead, naming the document."""
     from capeval_plugins.inputs import InputError
 
+    captions = ["A red ball.", "   ", "A tree.", "The sun."]
     task = _loaded_task(caption_task)
-    items = [d["clipscore"] for d in _items(task, ["A red ball.", "   ", "A tree.", "The sun."])]
+    items = [d["clipscore"] for d in _items(task, captions)]
+    with pytest.warns(UserWarning, match="1 of 4 documents not scored.*document 1"):
+        got = task.aggregation()["clipscore"](items)
+    fresh = _loaded_task(caption_task)
+    kept = [d["clipscore"] for i, d in enumerate(_items(fresh, captions)) if i != 1]
+    assert got == pytest.approx(fresh.aggregation()["clipscore"](kept), abs=1e-9)
+
+    strict = tmp_path / "tasks"
+    strict.mkdir()
+    yaml = (caption_task / "tiny.yaml").read_text()
+    (strict / "tiny.yaml").write_text(yaml.replace("  - metric: clipscore\n", "  - metric: clipscore\n    on_error: raise\n"))
+    task = _loaded_task(tmp_path)
+    items = [d["clipscore"] for d in _items(task, captions)]
     with pytest.raises(InputError, match=f"{TASK} document 1"):
         task.aggregation()["clipscore"](items)
 

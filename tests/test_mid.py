@@ -11,7 +11,8 @@ from scipy.stats import multivariate_normal
 from test_gaussian import numpy_trace_mid
 
 import capeval_plugins
-from capeval_plugins.core.gaussian import TooFewSamplesError
+from capeval_plugins.core.gaussian import TooFewSamplesError, joint_sums
+from capeval_plugins.inputs import InputError
 from capeval_plugins.testing import caption_corpus
 
 N = 40  # the tiny CLIP has 16-dimensional features: the joint fit needs more than 32 pairs
@@ -110,8 +111,11 @@ def test_regularised_and_first_reference_fits(tiny_clip):
 
 def test_too_few_pairs_and_missing_references_are_clear_errors(tiny_clip):
     images, candidates, references = corpus(10)  # at most 20 pairs for 32 joint dimensions
-    with pytest.raises(TooFewSamplesError, match=r"N=\d+ .* 2D=32"):
-        capeval_plugins.load("mid", model=tiny_clip)(images, candidates, references)
+    with pytest.raises(InputError, match=r"mid: .* 2D = 32 joint dimensions .* gives \d+; .*covariance_eps"):
+        capeval_plugins.load("mid", model=tiny_clip)(images, candidates, references)  # found before scoring
+    with pytest.raises(TooFewSamplesError, match=r"N=\d+ .* 2D=32"):  # the fit itself still says so
+        capeval_plugins.load("mid", model=tiny_clip).fitted({f"fit_{k}": v for k, v in joint_sums(
+            torch.randn(20, 16, dtype=torch.float64), torch.randn(20, 16, dtype=torch.float64)).items()})
     with pytest.raises(ValueError, match="needs references"):
         capeval_plugins.load("mid", model=tiny_clip)(images, candidates)
 

@@ -216,7 +216,7 @@ def test_torchmetrics_errors_name_the_ids_before_any_model_loads(tiny_clip, corp
     assert "sample 250: cannot read image" in str(err.value) and "sample 252: image file not found" in str(err.value)
 
 
-def test_torchmetrics_warns_once_without_ids_under_ddp_and_keeps_skips(tiny_clip, corpus, monkeypatch):
+def test_torchmetrics_without_ids_under_ddp_warns_once_and_refuses_per_sample_rows(tiny_clip, corpus, monkeypatch):
     from capeval_plugins.adapters import torchmetrics as tm_adapter
     from capeval_plugins.core import messages
     from capeval_plugins.torchmetrics import CLIPScore
@@ -231,9 +231,9 @@ def test_torchmetrics_warns_once_without_ids_under_ddp_and_keeps_skips(tiny_clip
         metric.update(images[2:4], ["", captions[3]])
     said = [str(w.message) for w in caught if "without ids" in str(w.message)]
     assert len(said) == 1 and "pass ids=" in said[0]
-    result = metric.compute_all()
-    assert result.indices.tolist() == [0, 2, 4, 6] and result.skipped == {4: "caption is empty"}
-    assert math.isnan(result.scores[2]) and not math.isnan(result.score)
+    assert not math.isnan(float(metric.compute()))  # the corpus score stands
+    with pytest.raises(ValueError, match="per-sample results under torch.distributed need ids="):
+        metric.compute_all()  # rows filed under guessed ids would be wrong for a shuffled sampler
 
 
 def test_evaluate_names_a_non_string_prediction(tiny_clip, images):

@@ -37,14 +37,30 @@ def test_backbone_outside_module_tree_and_shared(tiny_clip):
     assert copy.deepcopy(a).capeval_metric is a.capeval_metric
 
 
-def test_ids_drop_repeats_and_restore_order(tiny_clip, images):
+def test_ids_restore_order_and_a_repeat_in_one_process_is_refused(tiny_clip, images):
+    from capeval_plugins.inputs import InputError
+
     direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS)
     metric = CLIPScore(model=tiny_clip)
     metric.update([images[3], images[1]], [CAPTIONS[3], CAPTIONS[1]], ids=[3, 1])
-    metric.update([images[0], images[2], images[3]], [CAPTIONS[0], CAPTIONS[2], CAPTIONS[3]], ids=[0, 2, 3])
+    with pytest.raises(InputError, match=r"sample id\(s\) 3 already given in an earlier update"):
+        metric.update([images[0], images[2], images[3]], [CAPTIONS[0], CAPTIONS[2], CAPTIONS[3]], ids=[0, 2, 3])
+    metric.update([images[0], images[2]], [CAPTIONS[0], CAPTIONS[2]], ids=[0, 2])
     result = metric.compute_all()
     assert result.indices.tolist() == [0, 1, 2, 3]
     assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    assert "n_repeats_dropped" not in result.corpus_extras
+    metric.reset()  # a new epoch may give the same ids again
+    metric.update([images[3]], [CAPTIONS[3]], ids=[3])
+    assert metric.compute_all().indices.tolist() == [3]
+
+
+def test_repeated_ids_within_one_update_are_refused_naming_them(tiny_clip, images):
+    from capeval_plugins.inputs import InputError
+
+    metric = CLIPScore(model=tiny_clip)
+    with pytest.raises(InputError, match=r"unique: 0 at positions 0, 1"):
+        metric.update(images[:3], CAPTIONS[:3], ids=[0, 0, 1])
 
 
 
@@ -78,8 +94,20 @@ def _ddp_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
             metric.update([images[i] for i in part], [captions[i] for i in part], [references[i] for i in part], ids=part)
         result = metric.compute_all()
         results[name] = {"score": result.score, "scores": result.scores.tolist(), "indices": result.indices.tolist(),
-                         "refclipscore": result.extras["refclipscore"].tolist()}
-    torch.save(results, f"{out}/rank{rank}.pt")
+                         "refclipscore": result.extras["refclipscore"].tolist(),
+                         "repeats": result.corpus_extras.get("n_repeats_dropped", 0.0)}
+    # No ids, a shuffled split: the corpus score stands, per-sample rows are refused.
+    metric = CLIPScore(model=model, batch_size=3)
+    mine = [[5, 0, 3, 6], [2, 4, 1]][rank]
+    metric.update([images[i] for i in mine], [captions[i] for i in mine])
+    corpus_score = float(metric.compute())
+    try:
+        metric.compute_all()
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    results_no_ids = {"score": corpus_score, "refused": refused}
+    torch.save({"by_name": results, "no_ids": results_no_ids}, f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -92,8 +120,12 @@ def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path):
     single = capeval_plugins.load("clipscore", model=tiny_clip)(images, captions, references)
     mp.spawn(_ddp_worker, args=(2, free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        results = torch.load(tmp_path / f"rank{rank}.pt")
-        for name, got in results.items():
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        assert saved["by_name"]["uneven"]["repeats"] == 1.0  # the sampler's repeat: dropped and counted
+        assert saved["by_name"]["empty_rank"]["repeats"] == 0.0
+        assert saved["no_ids"]["score"] == pytest.approx(single.score, abs=1e-5)
+        assert "need ids=<dataset indices>" in saved["no_ids"]["refused"]
+        for name, got in saved["by_name"].items():
             assert got["indices"] == list(range(N)), name
             assert got["scores"] == pytest.approx(single.scores.tolist(), abs=1e-5), name
             assert got["refclipscore"] == pytest.approx(single.extras["refclipscore"].tolist(), abs=1e-5), name

@@ -2,12 +2,22 @@
 ``metric_list``, and scoring a task's documents with all of them in one pass through the runner."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from capeval_plugins import registry
 
 # Keys of a metric_list entry that belong to the harness; every other key is an option of the metric.
 HARNESS_KEYS = ("metric", "aggregation", "higher_is_better")
+
+# The per-document policy of an aggregation unless a task's metric_list says otherwise: a model that generated
+# nothing (or text no metric can take) for one document costs that document, not the whole evaluation.
+DEFAULT_ON_ERROR = "skip"
+
+
+def with_default_policy(options: Mapping[str, Any]) -> dict[str, Any]:
+    """A metric_list entry's options with the harness default ``on_error`` where the entry sets none."""
+    return {"on_error": DEFAULT_ON_ERROR, **options}
 
 
 class MetricEntry(NamedTuple):
@@ -52,3 +62,15 @@ def score_documents(metrics: Mapping[str, Any], images: Sequence[Any] | None, ca
         references = None
     return runner.score_many(dict(metrics), images if needs_images else None, list(captions),
                              references if needs_refs else None, ids=list(ids), describe=describe)
+
+
+def warn_skipped(name: str, result: Any, n_documents: int) -> Any:
+    """Warn, naming up to five documents and the count, when ``result`` left some documents out (a per-sample
+    ``on_error: skip``); the corpus score is then over the others. Returns ``result``."""
+    if result.skipped:
+        shown = "; ".join(f"document {i}: {why}" for i, why in sorted(result.skipped.items())[:5])
+        more = "; ..." if len(result.skipped) > 5 else ""
+        warnings.warn(f"{name}: {len(result.skipped)} of {n_documents} documents not scored ({shown}{more}); the "
+                      f"score is over the other {n_documents - len(result.skipped)} (on_error: raise in metric_list "
+                      "stops instead)", stacklevel=3)
+    return result

@@ -11,6 +11,7 @@ hook is ``evaluate.load(module_file("clipscore"))``.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import types
 from pathlib import Path
@@ -132,21 +133,52 @@ class CapevalEvaluationModule(evaluate.Metric):
         return inputs
 
     def add_batch(self, *, predictions=None, references=None, **kwargs):
-        """Add a batch: ``predictions`` (captions), ``references`` and ``images`` as the metric needs."""
-        inputs = self._placeholders({"predictions": predictions, "references": references, **kwargs})
+        """Add a batch: ``predictions`` (captions), ``references`` and ``images`` as the metric needs. A batch
+        that is refused discards the batches added before it too (a later ``compute()`` would otherwise score
+        a corpus with a hole, or mix them into the next one): add them again."""
+        try:
+            inputs = self._placeholders({"predictions": predictions, "references": references, **kwargs})
+            added = super().add_batch(**inputs)
+        except Exception as err:
+            self._discard(err)
+            raise
         self._capeval_added = getattr(self, "_capeval_added", 0) + len(inputs["predictions"])
-        return super().add_batch(**inputs)
+        return added
 
     def compute(self, *, predictions=None, references=None, **kwargs):
         """Score everything added so far plus the inputs given here; returns ``{<name>: corpus score,
-        "scores": [per sample, input order], **extras}`` on process 0 (None elsewhere)."""
+        "scores": [per sample, input order], **extras}`` on process 0 (None elsewhere). Whatever happens,
+        nothing added so far is kept for the next ``compute()``."""
         try:
             if predictions is None:  # everything was added with add_batch
                 return super().compute(references=references, **kwargs)
             inputs = self._placeholders({"predictions": predictions, "references": references, **kwargs})
             return super().compute(**inputs)
+        except Exception as err:
+            self._discard(err)
+            raise
         finally:
             self._capeval_added = 0
+
+    def _discard(self, err: Exception) -> None:
+        """Drop the batches added so far (evaluate keeps them in a writer until compute() reads them)."""
+        had = getattr(self, "_capeval_added", 0)
+        self._capeval_added = 0
+        writer, self.writer = getattr(self, "writer", None), None
+        if writer is not None:
+            try:
+                writer.finalize()
+            except Exception:  # nothing written yet: nothing to close
+                pass
+        self.buf_writer = None
+        path, lock = getattr(self, "cache_file_name", None), getattr(self, "filelock", None)
+        if path and os.path.exists(path):
+            os.remove(path)
+        if lock is not None:
+            lock.release()
+        self.cache_file_name, self.filelock, self.selected_feature_format = None, None, None
+        if had and hasattr(err, "add_note"):
+            err.add_note(f"(the {had} samples added before were discarded: add them again)")
 
     def _compute(self, predictions, references=None, images=None, group_ids=None, progress: bool = False):
         if references is not None and all(not r for r in references):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,7 +25,7 @@ import lm_eval.api.registry as lm_registry
 from lm_eval.api.task import ConfigurableTask
 
 from capeval_plugins import registry
-from capeval_plugins.adapters.harness import score_documents, split_metric_list
+from capeval_plugins.adapters.harness import score_documents, split_metric_list, warn_skipped, with_default_policy
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lm_eval_tasks"
 
@@ -39,8 +40,10 @@ class CaptionItem(NamedTuple):
 
 
 def aggregate(name: str, items: list[CaptionItem], **options: Any) -> float:
-    """Score all documents of a task at once; the corpus score."""
-    metric = registry.load(name, **options)
+    """Score all documents of a task at once; the corpus score. Documents that cannot be scored (an empty
+    generation) are skipped by default, with a warning naming them by position and the count; the score is
+    over the others (``on_error: raise`` in the metric's ``metric_list`` entry stops instead)."""
+    metric = registry.load(name, **with_default_policy(options))
     info = metric.info
     images = [it.image for it in items] if info.images != "never" else None
     if images is not None and any(img is None for img in images):
@@ -50,7 +53,7 @@ def aggregate(name: str, items: list[CaptionItem], **options: Any) -> float:
         )
     scored = score_documents({name: metric}, images, [it.caption for it in items], [it.references for it in items],
                              range(len(items)))
-    return float(scored[name].score)
+    return float(warn_skipped(name, scored[name], len(items)).score)
 
 
 def _item_from_generation(references: list, predictions: list) -> CaptionItem:

@@ -32,7 +32,8 @@ from typing import Any, Mapping, NamedTuple
 from lmms_eval.api.task import ConfigurableMessagesTask, ConfigurableTask
 
 from capeval_plugins import registry
-from capeval_plugins.adapters.harness import MetricEntry, score_documents, split_metric_list
+from capeval_plugins.adapters.harness import (MetricEntry, score_documents, split_metric_list, warn_skipped,
+                                              with_default_policy)
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lmms_eval_tasks"
 DOC_ID = "_capeval_doc_id"  # added to the documents so process_results knows which document it scores
@@ -165,7 +166,7 @@ class _CapevalMixin:
         key = tuple((it.doc_id, it.caption) for it in items)
         if self._capeval_scored is None or self._capeval_scored[0] != key:
             self._capeval_scored = (key, self._score(items))
-        return float(self._capeval_scored[1][harness_name].score)
+        return float(warn_skipped(harness_name, self._capeval_scored[1][harness_name], len(items)).score)
 
     def _score(self, items: list[CaptionItem]) -> dict:
         metrics = self._metrics()
@@ -178,7 +179,7 @@ class _CapevalMixin:
     def _metrics(self) -> dict[str, Any]:
         """Our metrics, built once per task (a backbone shared by several loads once)."""
         if self._capeval_metrics is None:
-            self._capeval_metrics = {e.harness_name: registry.load(e.name, **_on_device(e.name, e.options))
+            self._capeval_metrics = {e.harness_name: registry.load(e.name, **_on_device(e.name, with_default_policy(e.options)))
                                      for e in self._capeval_entries}
         return self._capeval_metrics
 

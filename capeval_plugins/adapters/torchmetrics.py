@@ -57,6 +57,8 @@ class CapevalMetric(torchmetrics.Metric):
             else:
                 self.add_state(name, default=spec.empty(), dist_reduce_fx="sum")
         self._seen = 0
+        self._ids: set[int] = set()  # ids updated on this rank: a repeat here is a user error
+        self._guessed_ids = False  # ids made up under DDP: per-sample rows cannot be trusted
         self._result: MetricResult | None = None
 
     def update(
@@ -81,20 +83,36 @@ class CapevalMetric(torchmetrics.Metric):
                     "DistributedSampler repeats to even out the shards cannot be dropped and are counted "
                     "twice; pass ids=<dataset indices of the batch> (e.g. from the dataset's __getitem__)"))
             ids = [rank + world * (self._seen + i) for i in range(n)]
+            self._guessed_ids = self._guessed_ids or world > 1
         corpus = runner.Corpus(captions, images, references, group_ids, ids)
         samples, skipped = runner.validate(metric, corpus)
+        self._check_new_ids(corpus.ids)
         self._seen += n
         self._skip(skipped)
-        for batch, dropped in runner.iter_batches(metric, samples):
+        cache, how = runner.ImageCache(2 * metric.config.batch_size), runner.policy(metric)
+        for part in runner.iter_parts(metric, samples):
+            outs, dropped = runner.map_part(metric, part, cache, how)  # a sample failing here: per the policy
             self._skip(dropped)
-            if batch is None:
-                continue
-            for name, value in runner.map_with_context(metric, batch).items():
-                value = value.to(self.device)
-                if self._spec[name].reduce == "cat":
-                    getattr(self, name).append(value)
-                else:
-                    setattr(self, name, getattr(self, name) + value)
+            for out in outs:
+                for name, value in out.items():
+                    value = value.to(self.device)
+                    if self._spec[name].reduce == "cat":
+                        getattr(self, name).append(value)
+                    else:
+                        setattr(self, name, getattr(self, name) + value)
+
+    def _check_new_ids(self, ids: Sequence[int] | torch.Tensor) -> None:
+        """A sample id given again on this rank (in an earlier update) would drop a sample: refuse it. Repeats
+        across ranks are what a padding DistributedSampler adds; compute() drops and counts those."""
+        from capeval_plugins.inputs import InputError, repeated_ids
+
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+        repeated = repeated_ids(ids, self._ids)
+        if repeated:
+            shown = ", ".join(str(i) for i in repeated[:10]) + (f" and {len(repeated) - 10} more" if len(repeated) > 10 else "")
+            raise InputError(f"{self.capeval_metric.info.name}: sample id(s) {shown} already given in an earlier "
+                             "update() since the last reset(): ids must be unique per process")
+        self._ids.update(ids)
 
     def _skip(self, skipped: dict[int, str]) -> None:
         if skipped:
@@ -117,7 +135,16 @@ class CapevalMetric(torchmetrics.Metric):
         return torch.tensor(self._result.score, dtype=torch.float64, device=self.device)
 
     def compute_all(self) -> MetricResult:
-        """Corpus score, per-sample scores (in sample-id order, repeats dropped) and extras."""
+        """Corpus score, per-sample scores (in sample-id order, repeats dropped) and extras.
+
+        Under DDP the per-sample rows are filed by the ids given to ``update``; without ids they would follow
+        a guess (a non-shuffled sampler's interleaving), wrong for a shuffled one, so they are refused: pass
+        ``ids=`` (``compute()``'s corpus score does not depend on them)."""
+        if self._guessed_ids:
+            raise ValueError(
+                f"{self.capeval_metric.info.name}: per-sample results under torch.distributed need ids=<dataset "
+                "indices> in every update(): without them a shuffled sampler's samples are filed under wrong "
+                "indices; compute() gives the corpus score")
         self.compute()
         assert self._result is not None
         return self._result
@@ -125,6 +152,8 @@ class CapevalMetric(torchmetrics.Metric):
     def reset(self) -> None:
         super().reset()
         self._seen = 0
+        self._ids = set()
+        self._guessed_ids = False
         self._result = None
 
     def _sync_dist(self, dist_sync_fn=None, process_group=None) -> None:

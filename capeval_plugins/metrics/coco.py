@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import abc
 import atexit
+import hashlib
 import json
 import math
+import os
 import shutil
+import sys
+import tempfile
 import threading
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import numpy as np
 import torch
@@ -83,7 +89,57 @@ def require_java(what: str, hint: str = "") -> None:
                            f"put `java` on PATH{hint}")
 
 
-def ptb_tokenize(texts: dict[int, list[str]]) -> dict[int, list[str]]:
+QUIET_ENV = "CAPEVAL_QUIET"  # set by `capeval ... --quiet`: the Java tools' own lines are not shown
+
+
+@contextmanager
+def java_output() -> Iterator[None]:
+    """Around a pycocoevalcap call that starts Java: under ``CAPEVAL_QUIET=1`` the process's stderr (which
+    the JVM inherits) goes to a temporary file for the call, and what Java said there is attached to an error
+    raised meanwhile, so nothing is lost when it matters."""
+    if os.environ.get(QUIET_ENV) != "1":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        except Exception as err:
+            os.dup2(saved, 2)
+            sink.seek(0)
+            said = sink.read().decode(errors="replace").strip()
+            if said and hasattr(err, "add_note"):
+                err.add_note(f"Java said:\n{said[-4000:]}")
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+_ptb_cache: OrderedDict[str, dict] = OrderedDict()
+_ptb_lock = threading.Lock()
+PTB_CACHE_SIZE = 4
+
+
+def ptb_tokenize_pair(gts: dict[int, list[str]], res: dict[int, list[str]]) -> tuple[dict, dict]:
+    """References and candidates PTB-tokenised in one Java call, remembered by content: every classic metric
+    of one pass finalises the same corpus, so the tokenizer runs once per pass, not once (twice) per metric."""
+    joint = {**{("ref", k): v for k, v in gts.items()}, **{("cand", k): v for k, v in res.items()}}
+    key = hashlib.sha256(json.dumps([[list(k), v] for k, v in joint.items()], ensure_ascii=False).encode()).hexdigest()
+    with _ptb_lock:
+        out = _ptb_cache.get(key)
+        if out is None:
+            out = ptb_tokenize(joint)
+            _ptb_cache[key] = out
+            while len(_ptb_cache) > PTB_CACHE_SIZE:
+                _ptb_cache.popitem(last=False)
+        _ptb_cache.move_to_end(key)
+    return ({k: list(out[("ref", k)]) for k in gts}, {k: list(out[("cand", k)]) for k in res})
+
+
+def ptb_tokenize(texts: dict[Any, list[str]]) -> dict[Any, list[str]]:
     """pycocoevalcap's PTB tokenisation of ``{id: [captions]}``. Whitespace is collapsed first (the tokenizer
     reads one caption per line; a carriage return or other line break inside a caption would shift every
     later caption onto the wrong id), and the output is checked to hold every caption."""
@@ -91,7 +147,8 @@ def ptb_tokenize(texts: dict[int, list[str]]) -> dict[int, list[str]]:
 
     require_java("PTB tokenisation", ", or pass tokenize=False for text that is already tokenised")
     wrapped = {k: [{"caption": " ".join(c.split())} for c in caps] for k, caps in texts.items()}
-    out = PTBTokenizer().tokenize(wrapped)
+    with java_output():
+        out = PTBTokenizer().tokenize(wrapped)
     for k, caps in texts.items():
         if len(out.get(k, ())) != len(caps):
             got = len(out.get(k, ()))
@@ -121,10 +178,11 @@ class CocoMetric(Metric):
         gts = {i: refs for i, refs in enumerate(references)}
         res = {i: [c] for i, c in enumerate(candidates)}
         if self.config.tokenize:
-            gts, res = ptb_tokenize(gts), ptb_tokenize(res)
+            gts, res = ptb_tokenize_pair(gts, res)
         if self.java_name:
             require_java(self.java_name)
-        score, scores, corpus_extras = self.score_corpus(gts, res)
+        with java_output():
+            score, scores, corpus_extras = self.score_corpus(gts, res)
         return MetricResult(
             name=self.info.name,
             score=float(score),

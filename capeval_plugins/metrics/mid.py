@@ -17,7 +17,8 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 from torch import Tensor
 
-from capeval_plugins.contract import INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec
+from capeval_plugins.contract import (INDEX, Batch, CorpusSize, FitProblem, Metric, MetricInfo, MetricResult,
+                                      ModelConfig, StateSpec)
 from capeval_plugins.core import gaussian
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
 from capeval_plugins.core.messages import warn_once
@@ -105,9 +106,49 @@ class MID(Metric):
         """Dimension of one feature (image and text share CLIP's joint space)."""
         if self._saved is not None:
             return self._saved.dim_x
-        config = self.encoder.model.config
-        dim = getattr(config, "projection_dim", None)
-        return int(dim if dim else getattr(config, "text_config", config).hidden_size)
+        return feature_dim(self.encoder.model.config)
+
+    def check_corpus(self, size: CorpusSize) -> FitProblem | None:
+        """The fit on this corpus's (image, reference) pairs needs more pairs than joint dimensions (2D)
+        unless ``covariance_eps > 0``, and at least 2 pairs in any case. D is read from the model's config
+        file, not its weights; a config that cannot be read is left to the model loader."""
+        if self._saved is not None:
+            return None
+        counts = size.reference_counts
+        pairs = sum(counts) if self.config.fit_pairs == "all_references" else sum(1 for c in counts if c)
+        if pairs < 2:
+            return FitProblem(f"its Gaussian fit needs at least 2 (image, reference) pairs, the corpus gives {pairs}",
+                              ("score more samples with references",
+                               "give reference_gaussian=PATH (a fit saved by MID.fit_reference)"))
+        dim = self._config_dim()
+        if dim is None or self.config.covariance_eps > 0:
+            return None
+        fixes = ("score more samples", "give reference_gaussian=PATH (a fit on more pairs)")
+        eps = ("covariance_eps", "5e-4")
+        if pairs <= 2 * dim:
+            return FitProblem(
+                f"its Gaussian fit on {self.config.model} features needs more (image, reference) pairs than the "
+                f"2D = {2 * dim} joint dimensions for a non-singular covariance, the corpus gives {pairs}", fixes, eps)
+        # Each block of the covariance has rank below the number of distinct features in it.
+        for what, distinct in (("images", size.distinct_images), ("reference texts", size.distinct_references)):
+            if distinct is not None and distinct <= dim:
+                return FitProblem(
+                    f"its Gaussian fit on {self.config.model} features needs more distinct {what} than the D = "
+                    f"{dim} feature dimensions for a non-singular covariance, the corpus has {distinct}", fixes, eps)
+        return None
+
+    def _config_dim(self) -> int | None:
+        from transformers import AutoConfig
+
+        from capeval_plugins.core.loading import hub_kwargs
+
+        cfg = self.config
+        try:
+            config = AutoConfig.from_pretrained(cfg.model, **hub_kwargs(cfg.revision, cfg.local_files_only,
+                                                                        cfg.trust_remote_code))
+            return feature_dim(config)
+        except Exception:  # unreadable here: the loader reports it when the model loads
+            return None
 
     def states(self) -> dict[str, StateSpec]:
         d = self.dim
@@ -219,6 +260,12 @@ class MID(Metric):
         if save_to is not None:
             gaussian.save_sums(save_to, sums, self.dim, model=self.config.model, fit_pairs=self.config.fit_pairs)
         return sums
+
+
+def feature_dim(config: Any) -> int:
+    """Dimension of one CLIP feature (image and text share the joint space) from a model config."""
+    dim = getattr(config, "projection_dim", None)
+    return int(dim if dim else getattr(config, "text_config", config).hidden_size)
 
 
 def sum_specs(dim: int) -> dict[str, StateSpec]:

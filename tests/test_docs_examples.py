@@ -1,0 +1,225 @@
+"""Every shell and Python example of the README and docs/ runs as written, on tiny checkpoints.
+
+Each ```bash / ```python block is executed in a sandbox folder that holds the files the examples name
+(`examples/`, `captions.jsonl`, `images/`, `dog.jpg`, a COCO annotation file, ...), with the model ids
+replaced by tiny local checkpoints. The blocks of one page share one Python namespace (as a reader runs them
+one after the other), seeded with the variables the prose defines (`images`, `candidates`, `references`,
+features of the documented shapes). A block that cannot run here (a 72B model, a benchmark's data, a
+download) is listed in NOT_RUN with the reason and shows as skipped; a listed block that no longer exists
+fails, so the list stays true. A new block runs by default: the next drift between docs and code is caught.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import EXAMPLES, ROOT, has_java, random_image
+
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+RUNNABLE = ("bash", "python")
+
+# (page, text the block contains) -> why it is not run here.
+NOT_RUN = {
+    ("README.md", "make demo"): "the set-up commands themselves (CI runs `make test`; tests/test_docs.py checks them)",
+    ("README.md", "capeval-lm-eval --model hf-multimodal"): "lm-eval with a real LVLM (the task runs in "
+                                                              "tests/test_lm_eval_adapter.py)",
+    ("docs/ecosystems/lm-eval.md", "capeval-lm-eval --model hf-multimodal"): "lm-eval with a real LVLM",
+    ("docs/ecosystems/lm-eval.md", '--metadata \'{"captions": "..."'): "a fragment of the command above",
+    ("README.md", "capeval bench flickr8k-expert"): "a benchmark's annotation file (tests/test_bench_*.py)",
+    ("docs/bench.md", "capeval bench <benchmark>"): "the command's synopsis",
+    ("docs/bench.md", "capeval bench flickr8k-expert"): "benchmarks' annotation files (tests/test_bench_*.py)",
+    ("docs/bench.md", "run_benchmark("): "a benchmark's annotation file (tests/test_bench_runner.py)",
+    ("docs/ecosystems/cli.md", "capeval list [--json]"): "the commands' synopsis",
+    ("docs/ecosystems/cli.md", "capeval convert vilbert"): "the released 12-in-1 checkpoint (tests/test_vilbert.py)",
+    ("docs/vilbert.md", "capeval convert vilbert"): "the released 12-in-1 checkpoint (tests/test_vilbert.py)",
+    ("docs/vilbert.md", "script/extract_features.py"): "another project's feature extractor",
+    ("docs/vilbert.md", 'model="vilbert-12in1"'): "the converted 12-in-1 checkpoint and its region features",
+    ("docs/ecosystems/cli.md", "torchrun --nproc_per_node"): "several processes (DDP is tested in tests/test_cli.py)",
+    ("docs/index.md", "pip install"): "installs the package",
+    ("docs/models.md", "pip install 'capeval-plugins[accelerate]'\n"): "installs an extra",
+    ("docs/models.md", "pip install 'capeval-plugins[accelerate]'\ncapeval"): "installs an extra, then a 72B judge",
+    ("docs/models.md", "pip install 'capeval-plugins[qwen]'"): "installs an extra",
+    ("docs/models.md", "max_memory='{"): "DISCODE's 72B judge over several GPUs (tests/test_device_map.py)",
+    ("docs/models.md", 'device_map="auto", batch_size=16'): "DISCODE's 72B judge over several GPUs",
+    ("docs/training.md", "capeval train rigel"): "human-judgment training data (tests/test_rigel_training.py)",
+    ("docs/training.md", "train_phase1"): "human-judgment training data (tests/test_rigel_training.py)",
+    ("docs/training.md", "capeval train msd-aligner"): "CC3M-595K (tests/test_msd_aligner.py)",
+    ("docs/training.md", "train_aligner"): "CC3M-595K (tests/test_msd_aligner.py)",
+}
+
+# Model ids of the examples -> the tiny checkpoint of the same architecture.
+TINY = {
+    "openai/clip-vit-large-patch14": "clip",
+    "openai/clip-vit-base-patch32": "clip",
+}
+
+
+def blocks() -> list[tuple[str, int, str, str]]:
+    """(page, line, language, text) of every fenced block of the pages."""
+    out = []
+    for page in PAGES:
+        text = (ROOT / page).read_text()
+        for match in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
+            out.append((page, text[: match.start()].count("\n") + 1, match.group(1), match.group(2)))
+    return out
+
+
+def not_run(page: str, body: str) -> str | None:
+    for (where, snippet), reason in NOT_RUN.items():
+        if where == page and snippet in body:
+            return reason
+    return None
+
+
+RUN = [b for b in blocks() if b[2] in RUNNABLE]
+
+
+def test_every_not_run_entry_names_an_existing_block():
+    stale = [key for key in NOT_RUN if not any(b[0] == key[0] and key[1] in b[3] for b in RUN)]
+    assert not stale, f"NOT_RUN entries that match no block any more: {stale}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sandbox: the files the examples name
+
+
+N = 20  # rows of the sandbox corpus: 2 references each, 40 pairs, enough for MID on the tiny CLIP (2D = 32)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory, tiny_clip) -> Path:
+    root = tmp_path_factory.mktemp("docs")
+    shutil.copytree(EXAMPLES, root / "examples")
+    # N distinct images: MID's image covariance needs more distinct images than D (16 on the tiny CLIP)
+    names = [f"img{i:02d}.png" for i in range(N)]
+    rows = [{"image": name, "caption": f"A photo of thing number {i} on the grass.",
+             "references": [f"thing {i} on a lawn", f"a small thing {i} outside"]} for i, name in enumerate(names)]
+    for folder in ("images", "data/images", "val2014", "coco/val2014"):
+        (root / folder).mkdir(parents=True)
+        for i, name in enumerate(names):
+            random_image(i, size=(40, 32)).save(root / folder / name)
+    for folder in (root, root / "data"):
+        (folder / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("dog.jpg", "cat.jpg"):
+        random_image(len(name), size=(40, 32)).save(root / name, format="PNG")
+    _coco_files(root, names)
+    return root
+
+
+def _coco_files(root: Path, names: list[str]) -> None:
+    images = [{"id": i + 1, "file_name": name} for i, name in enumerate(names)]
+    annotations = [{"id": 10 * (i + 1) + j, "image_id": i + 1, "caption": f"a thing number {i} seen {j}"}
+                   for i in range(len(names)) for j in range(2)]
+    coco = {"images": images, "annotations": annotations, "type": "captions", "info": {}, "licenses": []}
+    for annotation in ("captions_val2014.json", "coco/annotations/captions_val2014.json"):
+        (root / annotation).parent.mkdir(parents=True, exist_ok=True)
+        (root / annotation).write_text(json.dumps(coco))
+
+
+def substitute(body: str, tiny: dict[str, str]) -> str:
+    for model, path in tiny.items():
+        body = body.replace(model, path)
+    return body.replace("--images DIR", "--images images")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_clip) -> dict[str, str]:
+    return {model: tiny_clip for model in TINY}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Python: one namespace per page, seeded with what the prose defines
+
+
+class _LightningLog:
+    """``self`` of a LightningModule's step, for the examples written inside one."""
+
+    def __init__(self) -> None:
+        self.logged: dict = {}
+
+    def log(self, name, value, **kwargs) -> None:
+        self.logged[name] = value.compute() if hasattr(value, "compute") else value
+
+
+def _namespace(sandbox: Path) -> dict:
+    from pycocotools.coco import COCO
+
+    rows = [json.loads(line) for line in (sandbox / "captions.jsonl").read_text().splitlines()]
+    images = [str(sandbox / "images" / r["image"]) for r in rows]
+    candidates = [r["caption"] for r in rows]
+    references = [r["references"] for r in rows]
+    coco = COCO(str(sandbox / "captions_val2014.json"))
+    ids = coco.getImgIds()
+    coco_res = coco.loadRes([{"image_id": i, "caption": f"a thing number {i}"} for i in ids])
+    gts = {i: [a["caption"] for a in coco.imgToAnns[i]] for i in ids}
+    res = {i: [f"a thing number {i}"] for i in ids}
+    g = torch.Generator().manual_seed(0)
+    n, d, r, k = N, 8, 6, 10  # samples, feature size, references = tokens per reference, labels
+    mask = torch.ones(n, r, dtype=torch.bool)
+    mask[::3, 4:] = False
+    features = {
+        "image_feats": torch.randn(n, d, generator=g), "caption_feats": torch.randn(n, d, generator=g),
+        "cand_feats": torch.randn(n, d, generator=g), "ref_feats": torch.randn(n, r, d, generator=g),
+        "ref_mask": mask, "cand_ids": torch.randint(5, 50, (n, r), generator=g), "cand_mask": mask.clone(),
+        "ref_ids": torch.randint(5, 50, (n, r), generator=g),
+        "cand_emb": torch.randn(n, r, d, generator=g), "ref_emb": torch.randn(n, r, d, generator=g),
+        "first_decimal_logprobs": torch.log_softmax(torch.randn(n, k, generator=g), -1),
+        "patches": torch.randn(4, 9, d, generator=g), "tokens": torch.randn(n, 7, d, generator=g),
+        "patch_mask": torch.ones(4, 9, dtype=torch.bool), "token_mask": torch.ones(n, 7, dtype=torch.bool),
+        "image_index": torch.arange(n) % 4, "cosine": torch.rand(n, generator=g),
+    }
+    features.update(image_features=features["image_feats"], text_features=features["caption_feats"],
+                    reference_features=features["ref_feats"][:, 0], candidate_features=features["cand_feats"])
+    return {"images": images, "candidates": candidates, "captions": candidates, "references": references,
+            "batch_indices": list(range(N)), "self": _LightningLog(), "coco": coco, "coco_res": coco_res,
+            "gts": gts, "res": res, "image_id": ids[0], **features}
+
+
+@pytest.fixture(scope="module")
+def namespaces(sandbox):
+    return {}
+
+
+def _run_python(body: str, namespace: dict) -> None:
+    exec(compile(body, "<docs example>", "exec"), namespace)
+
+
+def _run_bash(body: str, sandbox: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, module in (("capeval", "capeval_plugins.cli"),):
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
+        script.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(["bash", "-e", "-c", body], cwd=sandbox, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page,line,language,body", RUN, ids=[f"{b[0]}:{b[1]}" for b in RUN])
+def test_example_runs_as_written(page, line, language, body, sandbox, tiny, namespaces, tmp_path, monkeypatch):
+    reason = not_run(page, body)
+    if reason:
+        pytest.skip(f"not run here: {reason}")
+    if not has_java() and re.search(r"\b(cider|bleu\d|meteor|rouge_l|spice|Bleu\()", body):
+        pytest.skip("the classic metrics need Java")
+    code = substitute(body, tiny)
+    if language == "bash":
+        proc = _run_bash(code, sandbox, tmp_path)
+        assert proc.returncode == 0, f"{page}:{line} failed ({proc.returncode}):\n{code}\n{proc.stderr[-3000:]}"
+        return
+    monkeypatch.chdir(sandbox)
+    namespace = namespaces.setdefault(page, _namespace(sandbox))
+    try:
+        _run_python(code, namespace)
+    except Exception as err:
+        raise AssertionError(f"{page}:{line} failed:\n{code}") from err
