@@ -43,15 +43,19 @@ NOT_RUN = {
     ("docs/vilbert.md", 'model="vilbert-12in1"'): "the converted 12-in-1 checkpoint and its region features",
     ("docs/ecosystems/cli.md", "torchrun --nproc_per_node"): "several processes (DDP is tested in tests/test_cli.py)",
     ("docs/index.md", "pip install"): "installs the package",
-    ("docs/models.md", "pip install 'capeval-plugins[accelerate]'\n"): "installs an extra",
-    ("docs/models.md", "pip install 'capeval-plugins[accelerate]'\ncapeval"): "installs an extra, then a 72B judge",
-    ("docs/models.md", "pip install 'capeval-plugins[qwen]'"): "installs an extra",
+    ("docs/models.md", "pip install -e '.[accelerate]'\n"): "installs an extra",
+    ("docs/models.md", "pip install -e '.[accelerate]'\ncapeval"): "installs an extra, then a 72B judge",
+    ("docs/models.md", "pip install -e '.[qwen]'"): "installs an extra",
     ("docs/models.md", "max_memory='{"): "DISCODE's 72B judge over several GPUs (tests/test_device_map.py)",
     ("docs/models.md", 'device_map="auto", batch_size=16'): "DISCODE's 72B judge over several GPUs",
     ("docs/training.md", "capeval train rigel"): "human-judgment training data (tests/test_rigel_training.py)",
     ("docs/training.md", "train_phase1"): "human-judgment training data (tests/test_rigel_training.py)",
     ("docs/training.md", "capeval train msd-aligner"): "CC3M-595K (tests/test_msd_aligner.py)",
     ("docs/training.md", "train_aligner"): "CC3M-595K (tests/test_msd_aligner.py)",
+    ("README.md", "lmms-eval --model llava_onevision"): "lmms-eval with a real LVLM (a task runs end to end in "
+                                                       "tests/test_lmms_eval_adapter.py, in .venv-lmms)",
+    ("docs/ecosystems/lmms-eval.md", "lmms-eval --model llava_onevision"): "lmms-eval with a real LVLM",
+    ("docs/ecosystems/lmms-eval.md", "pip install -e"): "installs an extra",
 }
 
 # Model ids of the examples -> the tiny checkpoint of the same architecture.
