@@ -404,6 +404,8 @@ def run(
     bar = _ProgressBar(tasks, progress and rank == 0)
     interrupted, scored = False, 0
     try:
+        for task in tasks:
+            _prepare_corpus(task)
         for n, (_, i, k) in enumerate(events, 1):
             _score_batch(tasks[i], k, cache, corpus.describe, store)
             scored += 1
@@ -413,6 +415,8 @@ def run(
                 break
     finally:
         bar.close()
+        for task in tasks:
+            task.metric.release_corpus()
     counts = _gather((interrupted, scored, resumed), size, None)  # every rank learns whether any stopped
     scored, resumed = sum(c[1] for c in counts), sum(c[2] for c in counts)
     if any(c[0] for c in counts):
@@ -433,6 +437,14 @@ def run(
         results[task.name] = finalize(task.metric, merge_ranks(task.spec, [p for p, _ in parts]), skipped)
     n = len(corpus.candidates) if corpus.candidates is not None else 0
     return RunOutcome(results, scored, resumed, n)
+
+
+def _prepare_corpus(task: _Task) -> None:
+    """The metric's whole-corpus hook, with the text of every sample this pass still has to map."""
+    todo = task.samples.subset(range(min(task.progress.batches * task.batch_size, len(task.samples)),
+                                     len(task.samples)))
+    if len(todo):
+        task.metric.prepare_corpus(to_batch(dataclasses.replace(todo, images=None)))
 
 
 def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | None, store: RunStore | None) -> None:
