@@ -42,6 +42,36 @@ def minilm_folder() -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
+@pytest.fixture(scope="module", autouse=True)
+def embeddings_computed_once():
+    """Test time: both packages' model forwards are memoised for the module (pure functions of the model and
+    the padded ids), so each distinct text batch runs once however many options are compared; everything
+    downstream (bert_score's padding, matching, idf; ours) runs as is."""
+    from capeval_plugins.core.encoders.text import TextEncoder
+
+    their_forward, our_pack = bert_score.utils.bert_encode, TextEncoder.embed_packed
+    seen: dict = {}
+
+    def bert_encode(model, x, attention_mask, all_layers=False):
+        key = ("theirs", model.config._name_or_path, len(model.encoder.layer), all_layers,
+               x.cpu().numpy().tobytes(), tuple(x.shape), attention_mask.cpu().numpy().tobytes())
+        if key not in seen:
+            seen[key] = their_forward(model, x, attention_mask, all_layers)
+        return seen[key].clone()  # bert_score normalises in place
+
+    def embed_packed(self, texts, batch_size=64):
+        key = ("ours", id(self), tuple(texts), batch_size)
+        if key not in seen:
+            seen[key] = our_pack(self, texts, batch_size)
+        return seen[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bert_score.utils, "bert_encode", bert_encode)
+        patch.setattr(TextEncoder, "embed_packed", embed_packed)
+        yield
+    seen.clear()
+
+
 @pytest.fixture(scope="session")
 def minilm() -> str:
     folder = minilm_folder()
