@@ -317,3 +317,37 @@ def test_roberta_texts_get_the_leading_space(tiny_roberta):
     text = "  A dog runs on the grass. "
     assert enc.prefix_space and enc.tokenize([text]) == [spaced.encode(text.strip())]
     assert spaced.encode(text.strip()) != bare.encode(text.strip())
+
+
+def test_the_runner_embeds_each_distinct_text_of_the_corpus_once(tiny_deberta, monkeypatch):
+    """The runner's prepare_corpus hook: one length-sorted pass over the corpus's distinct texts, then batches
+    only gather; the cache is dropped after the pass. Same result as batches embedding their own texts."""
+    from capeval_plugins.core.encoders.text import TextEncoder
+
+    calls = {"packed": [], "batch": 0}
+    packed, per_batch = TextEncoder.embed_packed, TextEncoder.embed
+
+    def counting_packed(self, texts, batch_size=64):
+        calls["packed"].append(list(texts))
+        return packed(self, texts, batch_size)
+
+    def counting_batch(self, texts, batch_size=64):
+        calls["batch"] += 1
+        return per_batch(self, texts, batch_size)
+
+    monkeypatch.setattr(TextEncoder, "embed_packed", counting_packed)
+    monkeypatch.setattr(TextEncoder, "embed", counting_batch)
+    metric = capeval_plugins.load("bertscore", model=tiny_deberta, batch_size=2, matching="per_pair")
+    result = metric(None, CANDIDATES, REFERENCES)
+    assert len(calls["packed"]) == 1 and calls["batch"] == 0
+    assert set(calls["packed"][0]) == set(CANDIDATES) | {r for refs in REFERENCES for r in refs}
+    assert metric._corpus is None  # released after the pass
+    from capeval_plugins.adapters.torchmetrics import CapevalMetric
+
+    tm = CapevalMetric(metric=metric)
+    for start in range(0, len(CANDIDATES), 2):  # no hook: each update embeds its own distinct texts
+        tm.update(None, CANDIDATES[start:start + 2], REFERENCES[start:start + 2])
+    streamed = tm.compute_all()
+    assert calls["batch"] == 3 and len(calls["packed"]) == 1
+    close(streamed.scores, result.scores, 1e-6)
+    close(streamed.extras["precision"], result.extras["precision"], 1e-6)
