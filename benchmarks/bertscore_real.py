@@ -108,11 +108,12 @@ def check(model: str, n: int | None, layers: list[int], matchings: list[str]) ->
                       f"| rows flagged opposite-sign {flagged}, bert_score F > max(P, R) {over}", flush=True)
 
 
-def speed(model: str, rounds: int) -> None:
+def speed(model: str, rounds: int, n: int | None) -> None:
     import bert_score
     import capeval_plugins
 
     cands, refs = flickr8k_rows()
+    cands, refs = cands[:n], refs[:n]
     print(f"{len(cands)} rows, model {model}, torch threads {torch.get_num_threads()}")
     for idf in (False, True):
         ours_metric = capeval_plugins.load("bertscore", model=model, num_layers=6, idf=idf, device="cpu")
@@ -135,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--speed", action="store_true")
-    parser.add_argument("--rows", type=int, default=None, help="first N rows only (check)")
+    parser.add_argument("--rows", type=int, default=None, help="first N rows only")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, nargs="+", default=[6, 4])
     parser.add_argument("--matchings", nargs="+", default=["bert_score_batched", "per_pair"])
@@ -146,7 +147,7 @@ def main() -> None:
     if args.check:
         check(model, args.rows, args.layers, args.matchings)
     if args.speed:
-        speed(model, args.rounds)
+        speed(model, args.rounds, args.rows)
 
 
 if __name__ == "__main__":
