@@ -9,6 +9,11 @@ finalize: ``map`` keeps, per sample and reference, each token's id and its best 
 on the weights); ``finalize`` counts document frequencies over every reference of the corpus (or over
 ``idf_references``) and averages. The state is a few numbers per token and merges across batches and DDP
 ranks like any ragged row.
+
+bert_score's batched output (the default, ``matching="bert_score_batched"``) is also a finalize-time step: its
+padding floor depends only on the pairs' order and its batch size, both known once the rows are in input order.
+In a runner pass, ``prepare_corpus`` embeds each distinct text of the corpus once (longest first); ``map`` then
+only gathers rows, and a streamed batch without that cache embeds its own texts.
 """
 from __future__ import annotations
 
