@@ -226,11 +226,11 @@ EDGE_REFERENCES = [
 ]
 
 
-@pytest.mark.parametrize("matching,batch_size", [("bert_score_batched", 64), ("bert_score_batched", 3),
-                                                 ("per_pair", 1)])
-@pytest.mark.parametrize("idf", [False, True], ids=["no-idf", "idf"])
-@pytest.mark.parametrize("layer", [LAST, 3])
-def test_edge_cases_equal_bert_score(minilm, matching, batch_size, idf, layer):
+@pytest.mark.parametrize("layer,idf,matching,batch_size", [
+    (LAST, False, "bert_score_batched", 64), (LAST, True, "bert_score_batched", 64),
+    (LAST, False, "bert_score_batched", 3), (LAST, False, "per_pair", 1), (LAST, True, "per_pair", 1),
+    (3, True, "bert_score_batched", 64)])
+def test_edge_cases_equal_bert_score(minilm, layer, idf, matching, batch_size):
     flat = theirs_flat(minilm, tuple(EDGE_CANDIDATES), tuple(map(tuple, EDGE_REFERENCES)), layer, idf, batch_size)
     options = {"pair_batch_size": batch_size} if matching == "bert_score_batched" else {"matching": matching}
     got, _ = ours(minilm, EDGE_CANDIDATES, EDGE_REFERENCES, num_layers=layer, idf=idf, **options)
