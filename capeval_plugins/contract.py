@@ -306,6 +306,15 @@ class Metric(abc.ABC):
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
         """Merged state (rows sorted by sample index, repeats removed) -> result."""
 
+    def prepare_corpus(self, corpus: Batch) -> None:
+        """Optional whole-corpus preparation: the runner calls it once before its pass, with every sample the
+        pass will map (text only: ``images`` is None), and :meth:`release_corpus` after it. A metric may cache
+        work shared across batches here (e.g. embed each distinct text once); ``map`` must give the same result
+        with or without it, since adapters that stream batches never call it. Default: nothing."""
+
+    def release_corpus(self) -> None:
+        """Drop what :meth:`prepare_corpus` kept. Default: nothing."""
+
     def image_reader(self) -> Any:
         """How this metric reads its images: ``None`` for pixel images (paths, PIL, arrays, videos), or an
         :class:`~capeval_plugins.inputs.ImageReader` for another form (e.g. ids of precomputed features)."""
@@ -552,6 +561,14 @@ class CompositeMetric(Metric):
             if problem is not None:
                 return problem
         return None
+
+    def prepare_corpus(self, corpus: Batch) -> None:
+        for metric in self.components().values():
+            metric.prepare_corpus(corpus)
+
+    def release_corpus(self) -> None:
+        for metric in self.components().values():
+            metric.release_corpus()
 
     def component_state(self, name: str, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The part of a (canonical) composite state that belongs to one component, with index and groups."""

@@ -588,6 +588,8 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
     bar = _ProgressBar(tasks, progress and rank == 0)
     interrupted, scored = False, 0
     try:
+        for task in tasks:
+            _prepare_corpus(task)
         for n, (_, i, k) in enumerate(events, 1):
             _score_batch(tasks[i], k, cache, corpus.describe, store)
             scored += 1
@@ -597,6 +599,8 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
                 break
     finally:
         bar.close()
+        for task in tasks:
+            task.metric.release_corpus()
     counts = _gather((interrupted, scored, resumed), size, None)  # every rank learns whether any stopped
     scored, resumed = sum(c[1] for c in counts), sum(c[2] for c in counts)
     if any(c[0] for c in counts):
@@ -620,6 +624,14 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
     stage.close()
     n = len(corpus.candidates) if corpus.candidates is not None else 0
     return RunOutcome(results, scored, resumed, n, store.run_id if store is not None else None)
+
+
+def _prepare_corpus(task: _Task) -> None:
+    """The metric's whole-corpus hook, with the text of every sample this pass still has to map."""
+    todo = task.samples.subset(range(min(task.progress.batches * task.batch_size, len(task.samples)),
+                                     len(task.samples)))
+    if len(todo):
+        task.metric.prepare_corpus(to_batch(dataclasses.replace(todo, images=None)))
 
 
 def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | None, store: RunStore | None) -> None:

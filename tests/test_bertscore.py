@@ -1,7 +1,9 @@
 """BERTScore against the bert_score package (0.3.13) run side by side on the same tiny DeBERTa-v3 checkpoint.
 
 bert_score runs unchanged on transformers 5 for DeBERTa-v2/v3 checkpoints (no shim needed). It is given
-num_layers explicitly because its layer table only knows hub ids, not a local path."""
+num_layers explicitly because its layer table only knows hub ids, not a local path. bert_score runs batched (its
+default batch_size=64) against our default ``matching="bert_score_batched"``, and one pair per batch against
+``matching="per_pair"``; the real-model comparisons are in test_real_weights.py."""
 from __future__ import annotations
 
 import importlib
@@ -47,7 +49,7 @@ def close(got, expected, atol):
 
 def theirs(path, cands, refs, num_layers=LAST_LAYER, **kwargs):
     kwargs.setdefault("nthreads", 0)
-    kwargs.setdefault("batch_size", 1)
+    kwargs.setdefault("batch_size", 64)
     p, r, f = bert_score.score(cands, refs, model_type=path, num_layers=num_layers, **kwargs)
     return torch.stack([p, r, f], -1).double()
 
@@ -68,11 +70,24 @@ def test_equals_bert_score(tiny_deberta, idf, several):
     assert result.score == pytest.approx(expected[:, 2].mean().item(), abs=1e-5)
 
 
+@pytest.mark.parametrize("idf", [False, True])
+@pytest.mark.parametrize("pair_batch", [64, 3, 1])
+def test_both_matchings_equal_bert_score_at_its_batch_size(tiny_deberta, idf, pair_batch):
+    """bert_score_batched equals bert_score at the same batch_size (set here through pair_batch_size, so the
+    runner's own batching differs); per_pair equals bert_score one pair per batch, whatever our batch size."""
+    batched = theirs(tiny_deberta, CANDIDATES, REFERENCES, idf=idf, batch_size=pair_batch)
+    got, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=idf, pair_batch_size=pair_batch, batch_size=2)
+    close(got, batched, 1e-5)
+    single = theirs(tiny_deberta, CANDIDATES, REFERENCES, idf=idf, batch_size=1)
+    got, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=idf, matching="per_pair", batch_size=pair_batch)
+    close(got, single, 1e-5)
+
+
 def test_bert_score_in_batches_differs_only_by_its_zero_padding(tiny_deberta):
     """bert_score pads a batch of pairs and multiplies the similarities by the padding mask, so padding has
     cosine 0: a token whose cosines are all negative gets 0 when the other side is padded in that batch, and
-    the result depends on the batch. That is why the comparisons above run it one pair per batch. Here its
-    batched output is reproduced from our best similarities with exactly that floor, and no other change."""
+    the result depends on the batch. Here its batched output is reproduced from per-pair best similarities
+    with exactly that floor, and no other change (an independent computation of what the option does)."""
     from capeval_plugins.core.encoders.common import EncoderSpec
     from capeval_plugins.core.encoders.text import TextEncoder
     from capeval_plugins.core.matching import best_similarities, f_measure, weighted_mean
@@ -80,7 +95,7 @@ def test_bert_score_in_batches_differs_only_by_its_zero_padding(tiny_deberta):
     cands = [c for c, refs in zip(CANDIDATES, REFERENCES) for _ in refs]
     refs = [r for rs in REFERENCES for r in rs]
     batched = theirs(tiny_deberta, cands, refs, batch_size=64)
-    assert not torch.allclose(batched, theirs(tiny_deberta, cands, refs), atol=1e-4)  # the artefact shows here
+    assert not torch.allclose(batched, theirs(tiny_deberta, cands, refs, batch_size=1), atol=1e-4)  # it shows here
     enc = TextEncoder.shared(EncoderSpec(tiny_deberta))
     c, r = enc.embed(cands), enc.embed(refs)
     cand_best, ref_best = best_similarities(c.embeddings, c.attention_mask, r.embeddings, r.attention_mask)
@@ -124,36 +139,61 @@ def test_mean_over_references_equals_the_mean_of_single_reference_scores(tiny_de
     flat_cands = [c for c, refs in zip(CANDIDATES, REFERENCES) for _ in refs]
     flat_refs = [r for refs in REFERENCES for r in refs]
     single = theirs(tiny_deberta, flat_cands, flat_refs)
-    got, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, multi_reference="mean")
-    start = 0
-    for i, refs in enumerate(REFERENCES):
-        close(got[i], single[start : start + len(refs)].mean(0), 1e-5)
+    got, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, multi_reference="mean")  # bert_score_batched: same pairs
+    close(got, _mean_by_sample(single), 1e-5)
+    single = theirs(tiny_deberta, flat_cands, flat_refs, batch_size=1)
+    got, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, multi_reference="mean", matching="per_pair")
+    close(got, _mean_by_sample(single), 1e-5)
+
+
+def _mean_by_sample(flat):
+    rows, start = [], 0
+    for refs in REFERENCES:
+        rows.append(flat[start : start + len(refs)].mean(0))
         start += len(refs)
+    return torch.stack(rows)
 
 
-def test_independent_of_batch_size_and_order(tiny_deberta):
+def test_per_pair_is_independent_of_batch_size_and_order(tiny_deberta):
     idf = True  # the harder case: the weights come from every batch's references
-    base, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=idf)
+    base, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=idf, matching="per_pair")
     for batch_size in (1, 3):
         # idf is counted over the whole corpus at finalize, whatever the batching.
-        other, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=idf, batch_size=batch_size)
+        other, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=idf, batch_size=batch_size, matching="per_pair")
         close(other, base, 1e-6)
     order = list(range(len(CANDIDATES)))
     random.Random(0).shuffle(order)
     shuffled, _ = ours(tiny_deberta, [CANDIDATES[i] for i in order], [REFERENCES[i] for i in order], idf=idf,
-                       batch_size=2)
+                       batch_size=2, matching="per_pair")
     close(shuffled, base[order], 1e-6)
+
+
+def test_bert_score_batched_depends_only_on_the_pair_batches(tiny_deberta):
+    """The runner's batching, a streaming adapter's updates and the corpus cache change nothing: only the
+    pairs' order and pair_batch_size do (as in bert_score)."""
+    from capeval_plugins.adapters.torchmetrics import CapevalMetric
+
+    base, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=True, pair_batch_size=3)
+    for batch_size in (1, 2, 64):
+        other, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, idf=True, pair_batch_size=3, batch_size=batch_size)
+        close(other, base, 1e-6)
+    streamed = CapevalMetric(metric=capeval_plugins.load("bertscore", model=tiny_deberta, idf=True, pair_batch_size=3))
+    for start, stop in ((0, 2), (2, 3), (3, 5)):  # updates that embed their own texts (no corpus hook)
+        streamed.update(None, CANDIDATES[start:stop], REFERENCES[start:stop])
+    out = streamed.compute_all()
+    close(torch.stack([out.extras["precision"], out.extras["recall"], out.scores], -1), base, 1e-6)
 
 
 def test_long_text_truncated_like_bert_score_and_warned_once(tiny_deberta):
     long = "a dog runs on the grass near a tree " * 80  # far beyond 512 tokens
     cands, refs = [long, "a dog"], [["a dog on grass"], [long]]
-    expected = theirs(tiny_deberta, cands, refs)
+    expected = theirs(tiny_deberta, cands, refs, batch_size=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         metric = capeval_plugins.load("bertscore", model=tiny_deberta)
         result = metric(None, cands, refs)
         metric(None, cands, refs)
+    result = capeval_plugins.load("bertscore", model=tiny_deberta, matching="per_pair")(None, cands, refs)
     messages = [str(w.message) for w in caught if "truncated" in str(w.message)]
     assert len(messages) <= 1  # said once per process (earlier tests may already have said it)
     got = torch.stack([result.extras["precision"], result.extras["recall"], result.scores], -1)
@@ -277,3 +317,37 @@ def test_roberta_texts_get_the_leading_space(tiny_roberta):
     text = "  A dog runs on the grass. "
     assert enc.prefix_space and enc.tokenize([text]) == [spaced.encode(text.strip())]
     assert spaced.encode(text.strip()) != bare.encode(text.strip())
+
+
+def test_the_runner_embeds_each_distinct_text_of_the_corpus_once(tiny_deberta, monkeypatch):
+    """The runner's prepare_corpus hook: one length-sorted pass over the corpus's distinct texts, then batches
+    only gather; the cache is dropped after the pass. Same result as batches embedding their own texts."""
+    from capeval_plugins.core.encoders.text import TextEncoder
+
+    calls = {"packed": [], "batch": 0}
+    packed, per_batch = TextEncoder.embed_packed, TextEncoder.embed
+
+    def counting_packed(self, texts, batch_size=64):
+        calls["packed"].append(list(texts))
+        return packed(self, texts, batch_size)
+
+    def counting_batch(self, texts, batch_size=64):
+        calls["batch"] += 1
+        return per_batch(self, texts, batch_size)
+
+    monkeypatch.setattr(TextEncoder, "embed_packed", counting_packed)
+    monkeypatch.setattr(TextEncoder, "embed", counting_batch)
+    metric = capeval_plugins.load("bertscore", model=tiny_deberta, batch_size=2, matching="per_pair")
+    result = metric(None, CANDIDATES, REFERENCES)
+    assert len(calls["packed"]) == 1 and calls["batch"] == 0
+    assert set(calls["packed"][0]) == set(CANDIDATES) | {r for refs in REFERENCES for r in refs}
+    assert metric._corpus is None  # released after the pass
+    from capeval_plugins.adapters.torchmetrics import CapevalMetric
+
+    tm = CapevalMetric(metric=metric)
+    for start in range(0, len(CANDIDATES), 2):  # no hook: each update embeds its own distinct texts
+        tm.update(None, CANDIDATES[start:start + 2], REFERENCES[start:start + 2])
+    streamed = tm.compute_all()
+    assert calls["batch"] == 3 and len(calls["packed"]) == 1
+    close(streamed.scores, result.scores, 1e-6)
+    close(streamed.extras["precision"], result.extras["precision"], 1e-6)

@@ -9,12 +9,18 @@ finalize: ``map`` keeps, per sample and reference, each token's id and its best 
 on the weights); ``finalize`` counts document frequencies over every reference of the corpus (or over
 ``idf_references``) and averages. The state is a few numbers per token and merges across batches and DDP
 ranks like any ragged row.
+
+bert_score's batched output (the default, ``matching="bert_score_batched"``) is also a finalize-time step: its
+padding floor depends only on the pairs' order and its batch size, both known once the rows are in input order.
+In a runner pass, ``prepare_corpus`` embeds each distinct text of the corpus once (longest first); ``map`` then
+only gathers rows, and a streamed batch without that cache embeds its own texts.
 """
 from __future__ import annotations
 
 import csv
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
@@ -23,7 +29,7 @@ from torch import Tensor
 
 from capeval_plugins.contract import INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec, nanmean
 from capeval_plugins.core.encoders.common import EncoderSpec
-from capeval_plugins.core.encoders.text import TextEncoder
+from capeval_plugins.core.encoders.text import PackedEmbeddings, TextEncoder, TokenEmbeddings
 from capeval_plugins.core.matching import (best_similarities, f_measure, idf_table, reduce_references, token_idf,
                                            weighted_mean)
 
@@ -49,6 +55,16 @@ class BERTScoreConfig(ModelConfig):
     baseline_path: str | None = None
     # "max": bert_score's rule (P, R and F each the best over references); "mean": averaged over references.
     multi_reference: str = "max"
+    # "bert_score_batched": bert_score's own (batched) output, which published numbers come from: pairs matched
+    # in input order in batches of ``batch_size`` pairs, where a padded position counts as cosine 0 (a token whose
+    # cosines are all negative gets 0 when the other side of its pair is shorter than the longest in the batch).
+    # "per_pair": each pair matched alone, independent of batching (bert_score run with batch_size=1).
+    matching: str = "bert_score_batched"
+    # Pairs per bert_score batch for "bert_score_batched" (bert_score's ``batch_size``); None: ``batch_size``.
+    pair_batch_size: int | None = None
+    # F where P and R have opposite signs (2PR / (P + R) is then no mean of P and R and explodes as P + R -> 0):
+    # "keep" (bert_score's F, flagged) or "zero" (F = 0 there).
+    opposite_sign: str = "keep"
     input_paths: ClassVar[tuple[str, ...]] = ("model", "baseline_path")
 
 
@@ -76,16 +92,43 @@ class BERTScore(Metric):
         cfg = self.config
         if cfg.multi_reference not in ("max", "mean"):
             raise ValueError(f"bertscore: multi_reference must be 'max' or 'mean', got {cfg.multi_reference!r}")
+        if cfg.matching not in MATCHING:
+            raise ValueError(f"bertscore: matching must be one of {MATCHING}, got {cfg.matching!r}")
+        if cfg.opposite_sign not in OPPOSITE_SIGN:
+            raise ValueError(f"bertscore: opposite_sign must be one of {OPPOSITE_SIGN}, got {cfg.opposite_sign!r}")
+        if cfg.pair_batch_size is not None and (isinstance(cfg.pair_batch_size, bool) or cfg.pair_batch_size < 1):
+            raise ValueError(f"bertscore: pair_batch_size must be a positive integer, got {cfg.pair_batch_size!r}")
         if cfg.idf_references is not None and not cfg.idf:
             raise ValueError("bertscore: idf_references is given but idf=False; set idf=True to use them")
         if cfg.idf_references is not None and (isinstance(cfg.idf_references, str) or not cfg.idf_references):
             raise ValueError("bertscore: idf_references must be a non-empty list of sentences")
         self._baseline: Tensor | None = None
         self._idf_table: tuple[Tensor, int] | None = None
+        self._corpus: PackedEmbeddings | None = None
 
     @property
     def encoder(self) -> TextEncoder:
         return TextEncoder.shared(EncoderSpec.from_config(self.config), self.config.num_layers)
+
+    @property
+    def pair_batch_size(self) -> int:
+        return self.config.pair_batch_size or self.config.batch_size
+
+    def prepare_corpus(self, corpus: Batch) -> None:
+        """Embed each distinct text of the whole pass once, longest first (as bert_score does); ``map`` then
+        only gathers. A batch with a text outside this set (e.g. an adapter's update) embeds its own texts."""
+        refs = [r for sample_refs in corpus.references or () for r in sample_refs]
+        texts = [*corpus.candidates, *refs]
+        self._corpus = self.encoder.embed_packed(texts, batch_size=self.config.batch_size) if texts else None
+
+    def release_corpus(self) -> None:
+        self._corpus = None
+
+    def embeddings(self, texts: list[str]) -> TokenEmbeddings:
+        corpus = self._corpus
+        if corpus is not None and corpus.covers(texts):
+            return corpus.gather(texts)
+        return self.encoder.embed(texts, batch_size=self.config.batch_size)
 
     def states(self) -> dict[str, StateSpec]:
         return {
@@ -97,7 +140,7 @@ class BERTScore(Metric):
         }
 
     def map(self, batch: Batch) -> dict[str, Tensor]:
-        enc, n = self.encoder, len(batch)
+        n = len(batch)
         owner, slot, refs = [], [], []
         for i, sample_refs in enumerate(batch.references or ()):
             owner += [i] * len(sample_refs)
@@ -106,7 +149,7 @@ class BERTScore(Metric):
         # Every distinct text of the batch once (the candidates of one image share their references).
         texts = list(dict.fromkeys([*batch.candidates, *refs]))
         row = {t: i for i, t in enumerate(texts)}
-        emb = enc.embed(texts, batch_size=self.config.batch_size)
+        emb = self.embeddings(texts)
         cand = emb.rows(torch.tensor([row[t] for t in batch.candidates]))
         ref = emb.rows(torch.tensor([row[t] for t in refs]))
         owner_t, slot_t = torch.tensor(owner), torch.tensor(slot)
@@ -126,9 +169,18 @@ class BERTScore(Metric):
         cand_ids, ref_ids = state["cand_ids"], state["ref_ids"]
         valid_ref = (ref_ids > 0).any(dim=-1)
         cand_w, ref_w = self.token_weights(cand_ids, ref_ids, valid_ref)
-        precision = weighted_mean(state["cand_best"], cand_w[:, None, :].expand_as(state["cand_best"]))
-        recall = weighted_mean(state["ref_best"], ref_w)
+        cand_best, ref_best = state["cand_best"], state["ref_best"]
+        if self.config.matching == "bert_score_batched":
+            cand_best, ref_best = bert_score_padding_floor(cand_best, ref_best, (cand_ids > 0).sum(-1),
+                                                           (ref_ids > 0).sum(-1), valid_ref, self.pair_batch_size)
+        precision = weighted_mean(cand_best, cand_w[:, None, :].expand_as(cand_best))
+        recall = weighted_mean(ref_best, ref_w)
         f1 = f_measure(precision, recall)
+        opposite = (precision * recall < 0) & valid_ref
+        if self.config.opposite_sign == "zero":
+            f1 = torch.where(opposite, torch.zeros_like(f1), f1)
+        flagged = opposite.sum(-1).to(torch.float64)
+        warn_opposite_signs(int((flagged > 0).sum()), self.config.opposite_sign)
         how = self.config.multi_reference
         prf = torch.stack([reduce_references(x, valid_ref, how) for x in (precision, recall, f1)], dim=-1)
         if self.config.rescale_with_baseline:
@@ -140,8 +192,9 @@ class BERTScore(Metric):
             score=nanmean(f),
             scores=f,
             indices=state[INDEX],
-            extras={"precision": p, "recall": r, "f1": f.clone()},
-            corpus_extras={"mean_precision": nanmean(p), "mean_recall": nanmean(r)},
+            extras={"precision": p, "recall": r, "f1": f.clone(), "opposite_sign_refs": flagged},
+            corpus_extras={"mean_precision": nanmean(p), "mean_recall": nanmean(r),
+                           "n_opposite_sign": float((flagged > 0).sum())},
         )
 
     # --- weights -------------------------------------------------------------------------------------------
@@ -170,6 +223,45 @@ class BERTScore(Metric):
             path = self.config.baseline_path or bundled_baseline(self.config.model)
             self._baseline = read_baseline(path, self.encoder.layer)
         return self._baseline
+
+
+MATCHING = ("bert_score_batched", "per_pair")
+OPPOSITE_SIGN = ("keep", "zero")
+
+
+def bert_score_padding_floor(cand_best: Tensor, ref_best: Tensor, cand_len: Tensor, ref_len: Tensor,
+                             valid_ref: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:
+    """bert_score's batched output from per-pair best cosines: it flattens the (candidate, reference) pairs in
+    input order, matches them ``batch_size`` at a time with both sides padded to the longest of the batch, and
+    multiplies the similarities by the padding mask, so padding competes as cosine 0. A candidate token's best
+    is thus floored at 0 when its reference is shorter than the batch's longest reference, a reference token's
+    when its candidate is shorter than the batch's longest candidate. Shapes: bests (N, J, L), ``cand_len``
+    (N,), ``ref_len`` and ``valid_ref`` (N, J), rows in input order."""
+    valid = valid_ref.reshape(-1)
+    batch = (torch.cumsum(valid.long(), 0) - 1).div(batch_size, rounding_mode="floor").clamp_min(0)
+    pair_cand_len = cand_len[:, None].expand_as(valid_ref).reshape(-1)
+    pair_ref_len = ref_len.reshape(-1)
+    n_batches = int(batch.max()) + 1 if len(batch) else 0
+
+    def longest(lengths: Tensor) -> Tensor:
+        top = torch.zeros(n_batches, dtype=lengths.dtype, device=lengths.device)
+        return top.scatter_reduce(0, batch[valid], lengths[valid], reduce="amax")[batch]
+
+    ref_short = ((pair_ref_len < longest(pair_ref_len)) & valid).reshape(valid_ref.shape)
+    cand_short = ((pair_cand_len < longest(pair_cand_len)) & valid).reshape(valid_ref.shape)
+    cand_best = torch.where(ref_short[..., None], cand_best.clamp_min(0), cand_best)
+    ref_best = torch.where(cand_short[..., None], ref_best.clamp_min(0), ref_best)
+    return cand_best, ref_best
+
+
+def warn_opposite_signs(count: int, policy: str) -> None:
+    if not count:
+        return
+    what = "F is set to 0 there (opposite_sign='zero')" if policy == "zero" else (
+        "F = 2PR/(P+R) is then not a mean of P and R and can lie far outside [min(P, R), max(P, R)]; "
+        "opposite_sign='zero' sets it to 0")
+    warnings.warn(f"bertscore: {count} sample(s) have a reference where precision and recall have opposite signs "
+                  f"(extra 'opposite_sign_refs' counts them per sample); {what}", stacklevel=3)
 
 
 def shifted_ids(ids: Tensor, mask: Tensor) -> Tensor:

@@ -243,9 +243,80 @@ class TextEncoder:
     def embed(self, texts: Sequence[str], batch_size: int = 64) -> TokenEmbeddings:
         return self.embed_ids(self.tokenize(texts), batch_size)
 
+    @torch.inference_mode()
+    def embed_packed(self, texts: Sequence[str], batch_size: int = 64) -> "PackedEmbeddings":
+        """Each distinct text of ``texts`` embedded once, longest first in chunks of ``batch_size`` (little
+        padding), kept unpadded: what a whole corpus needs in memory (as bert_score keeps it)."""
+        distinct = list(dict.fromkeys(texts))
+        ids = self.tokenize(distinct)
+        order = length_order([len(r) for r in ids])
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        pieces: list[Tensor | None] = [None] * len(ids)
+        for start in range(0, len(order), max(1, batch_size)):
+            rows = order[start : start + batch_size]
+            input_ids, mask = pad_rows([ids[i] for i in rows], pad_id)
+            hidden = hidden_state_at(self.model, self.blocks, self.layer, input_ids=input_ids.to(self.device),
+                                     attention_mask=mask.long().to(self.device)).float()
+            for k, i in enumerate(rows):
+                pieces[i] = hidden[k, : len(ids[i])]
+        return PackedEmbeddings.pack(distinct, ids, pieces, self.special_ids)
+
+
+@dataclass
+class PackedEmbeddings:
+    """Token embeddings of distinct texts, concatenated without padding (``flat`` (T, D), ``ids`` (T,),
+    ``special`` (T,)) with each text's ``start`` and ``length``; :meth:`gather` pads any selection back."""
+
+    row: dict[str, int]
+    flat: Tensor
+    ids: Tensor
+    special: Tensor
+    start: Tensor
+    length: Tensor
+
+    @classmethod
+    def pack(cls, texts: Sequence[str], ids: Sequence[Sequence[int]], pieces: Sequence[Tensor],
+             special_ids: frozenset[int]) -> "PackedEmbeddings":
+        length = torch.tensor([len(r) for r in ids], dtype=torch.long)
+        start = torch.cumsum(length, 0) - length
+        flat_ids = torch.tensor([t for r in ids for t in r], dtype=torch.long)
+        special = torch.isin(flat_ids, torch.tensor(sorted(special_ids), dtype=torch.long))
+        flat = torch.cat(list(pieces)) if pieces else torch.zeros(0, 0)
+        return cls({t: i for i, t in enumerate(texts)}, flat, flat_ids.to(flat.device), special.to(flat.device),
+                   start, length)
+
+    def covers(self, texts: Sequence[str]) -> bool:
+        return all(t in self.row for t in texts)
+
+    def gather(self, texts: Sequence[str]) -> TokenEmbeddings:
+        """The texts' embeddings, right-padded to the longest of them (no model call)."""
+        rows = torch.tensor([self.row[t] for t in texts], dtype=torch.long)
+        length = self.length[rows]
+        width = int(length.max()) if len(rows) else 0
+        pos = torch.arange(width)
+        mask = pos[None, :] < length[:, None]
+        index = torch.where(mask, self.start[rows][:, None] + pos[None, :], torch.zeros_like(mask, dtype=torch.long))
+        mask, index = mask.to(self.flat.device), index.to(self.flat.device)
+        emb = self.flat[index] * mask[..., None]
+        return TokenEmbeddings(emb, torch.where(mask, self.ids[index], 0), mask, self.special[index] & mask)
+
 
 def _byte_level_bpe(tokenizer: Any) -> bool:
-    # bert_score passes add_prefix_space=True for these two classes (and their subclasses) only.
-    from transformers import GPT2Tokenizer, RobertaTokenizer
+    """Whether texts need a leading space so that their first word is tokenised like any later word.
 
-    return isinstance(tokenizer, (GPT2Tokenizer, RobertaTokenizer))
+    bert_score asks byte-level BPE tokenizers (GPT-2, RoBERTa) for ``add_prefix_space=True``. Which class that
+    is, and whether the per-call request is honoured, changed across transformers versions (4.57 loads
+    ``RobertaTokenizerFast``, not a ``RobertaTokenizer``; 5.x ignores the per-call request), so the rule is
+    decided by behaviour, once per tokenizer: if a word alone is tokenised like the same word after a space,
+    nothing is added (WordPiece, SentencePiece, or a byte-level tokenizer saved with the space setting);
+    if only " word" is, the caller adds the space itself."""
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    head, word = "a", "dog"
+    after = encode(f"{head} {word}")
+    prefix = encode(head)
+    in_context = after[len(prefix):] if after[: len(prefix)] == prefix else None
+    if in_context is None or encode(word) == in_context:
+        return False
+    return encode(" " + word) == in_context
