@@ -91,14 +91,14 @@ def as_list(value: Any, where: str) -> list[str]:
     return refs
 
 
-def as_score(value: Any, where: str) -> float:
+def as_score(value: Any, where: str, what: str = "human score") -> float:
     """A number, or a number written as text (CSV cells); ``true`` / ``false`` are refused, not read as 1 / 0."""
     if isinstance(value, bool):
-        raise InputError(f"{where}: human score {value!r} is not a number")
+        raise InputError(f"{where}: {what} {value!r} is not a number")
     try:
         return float(value)
     except (TypeError, ValueError) as err:
-        raise InputError(f"{where}: human score {value!r} is not a number") from err
+        raise InputError(f"{where}: {what} {value!r} is not a number") from err
 
 
 def text(value: Any, what: str, where: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from capeval_plugins.bench.data import Pairs, Ratings, clean, image_name
+from capeval_plugins.bench.readers import as_score
 from capeval_plugins.inputs import InputError
 
 RESERVED = ("image", "caption", "score", "category", "row")
@@ -40,12 +41,7 @@ def _number(value: Any, where: str) -> float:
     """A score: a number or numeric text; empty / null is NaN (no score); a boolean is refused."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return math.nan
-    if isinstance(value, bool):
-        raise InputError(f"{where}: score {value!r} is not a number")
-    try:
-        return float(value)
-    except (TypeError, ValueError) as err:
-        raise InputError(f"{where}: score {value!r} is not a number") from err
+    return as_score(value, where, "score")
 
 
 def _text(value: Any, what: str, where: str) -> str:
