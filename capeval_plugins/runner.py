@@ -693,6 +693,7 @@ class _FinalizeBar:
 
     def __init__(self, tasks: list[_Task], enabled: bool) -> None:
         self.bar = None
+        self.started = False  # ours, not tqdm's postfix: a bar disabled by TQDM_DISABLE has none
         if enabled and tasks:
             from tqdm.auto import tqdm
 
@@ -700,8 +701,9 @@ class _FinalizeBar:
 
     def start(self, name: str) -> None:
         if self.bar is not None:
-            if self.bar.postfix:  # the previous metric is done
+            if self.started:  # the previous metric is done
                 self.bar.update(1)
+            self.started = True
             self.bar.set_postfix_str(name, refresh=True)
 
     def close(self) -> None:

@@ -56,6 +56,7 @@ NOT_RUN = {
                                                        "tests/test_lmms_eval_adapter.py, in .venv-lmms)",
     ("docs/ecosystems/lmms-eval.md", "lmms-eval --model llava_onevision"): "lmms-eval with a real LVLM",
     ("docs/ecosystems/lmms-eval.md", "pip install -e"): "installs an extra",
+    ("docs/testing.md", "venv-tf457"): "builds a venv with another transformers (an opt-in check, see the page)",
 }
 
 # Model ids of the examples -> the tiny checkpoint of the same architecture.

@@ -41,6 +41,10 @@ CITATION = """@inproceedings{zhang2020bertscore,
 }"""
 
 
+# bert_score's default batch_size: its batched output (and so every published number) depends on it.
+BERT_SCORE_BATCH_SIZE = 64
+
+
 @dataclass
 class BERTScoreConfig(ModelConfig):
     # bert_score's default English model (lang="en").
@@ -56,12 +60,13 @@ class BERTScoreConfig(ModelConfig):
     # "max": bert_score's rule (P, R and F each the best over references); "mean": averaged over references.
     multi_reference: str = "max"
     # "bert_score_batched": bert_score's own (batched) output, which published numbers come from: pairs matched
-    # in input order in batches of ``batch_size`` pairs, where a padded position counts as cosine 0 (a token whose
+    # in input order in batches of ``pair_batch_size`` pairs, where a padded position counts as cosine 0 (a token whose
     # cosines are all negative gets 0 when the other side of its pair is shorter than the longest in the batch).
     # "per_pair": each pair matched alone, independent of batching (bert_score run with batch_size=1).
     matching: str = "bert_score_batched"
-    # Pairs per bert_score batch for "bert_score_batched" (bert_score's ``batch_size``); None: ``batch_size``.
-    pair_batch_size: int | None = None
+    # Pairs per bert_score batch for "bert_score_batched": bert_score's ``batch_size``, 64 by default there. Kept
+    # apart from ``batch_size`` (ours, a speed setting), so that changing how we batch never changes a score.
+    pair_batch_size: int = BERT_SCORE_BATCH_SIZE
     # F where P and R have opposite signs (2PR / (P + R) is then no mean of P and R and explodes as P + R -> 0):
     # "keep" (bert_score's F, flagged) or "zero" (F = 0 there).
     opposite_sign: str = "keep"
@@ -96,7 +101,7 @@ class BERTScore(Metric):
             raise ValueError(f"bertscore: matching must be one of {MATCHING}, got {cfg.matching!r}")
         if cfg.opposite_sign not in OPPOSITE_SIGN:
             raise ValueError(f"bertscore: opposite_sign must be one of {OPPOSITE_SIGN}, got {cfg.opposite_sign!r}")
-        if cfg.pair_batch_size is not None and (isinstance(cfg.pair_batch_size, bool) or cfg.pair_batch_size < 1):
+        if isinstance(cfg.pair_batch_size, bool) or not isinstance(cfg.pair_batch_size, int) or cfg.pair_batch_size < 1:
             raise ValueError(f"bertscore: pair_batch_size must be a positive integer, got {cfg.pair_batch_size!r}")
         if cfg.idf_references is not None and not cfg.idf:
             raise ValueError("bertscore: idf_references is given but idf=False; set idf=True to use them")
@@ -112,7 +117,7 @@ class BERTScore(Metric):
 
     @property
     def pair_batch_size(self) -> int:
-        return self.config.pair_batch_size or self.config.batch_size
+        return self.config.pair_batch_size
 
     def prepare_corpus(self, corpus: Batch) -> None:
         """Embed each distinct text of the whole pass once, longest first (as bert_score does); ``map`` then

@@ -51,10 +51,6 @@ NORMALIZATIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-# The paper scores with bert_score at its default batch_size, which its batched output depends on (see bertscore).
-BERT_SCORE_BATCH_SIZE = 64
-
-
 @dataclass
 class RedemptionConfig(MetricConfig):
     # Fusion (paper Eq. 10); a component with weight 0 is not computed at all.
@@ -195,7 +191,7 @@ class RedemptionScore(CompositeMetric):
         options = dict(model=cfg.bertscore_model, num_layers=cfg.bertscore_num_layers, idf=cfg.bertscore_idf,
                        rescale_with_baseline=cfg.bertscore_rescale_with_baseline,
                        baseline_path=cfg.bertscore_baseline_path, multi_reference="max",
-                       pair_batch_size=BERT_SCORE_BATCH_SIZE, **self._common())
+                       **self._common())
         return registry.load(self.PARTS["bertscore"], **options)
 
     def combine(self, results: Mapping[str, MetricResult], state: Mapping[str, Tensor]) -> MetricResult:
