@@ -7,10 +7,11 @@ states are merged through the same reduce step as the torchmetrics adapter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 
 class UsageError(Exception):
@@ -58,14 +59,37 @@ def _init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+             "CAPEVAL_QUIET": "1"}  # the last: the Java tools of the classic metrics too (metrics/coco.py)
+
+
 def quiet_libraries() -> None:
-    """No progress bars from the model libraries either (weights loading, downloads), no Java lines."""
-    os.environ["TQDM_DISABLE"] = "1"
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    os.environ["CAPEVAL_QUIET"] = "1"  # the Java tools of the classic metrics too (metrics/coco.py)
+    """No progress bars from the model libraries either (weights loading, downloads), no Java lines. Undone
+    when ``main`` returns, so a caller that runs the CLI in its own process keeps its environment."""
+    os.environ.update(QUIET_ENV)
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def restored_environment() -> Iterator[None]:
+    """What ``quiet_libraries`` changes, put back as it was (variables and transformers' progress bars)."""
+    saved = {key: os.environ.get(key) for key in QUIET_ENV}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if "transformers" in sys.modules and saved["TQDM_DISABLE"] is None:
+            import warnings
+
+            with warnings.catch_warnings():  # huggingface_hub read the variable at import and says so
+                warnings.simplefilter("ignore")
+                sys.modules["transformers"].utils.logging.enable_progress_bar()
 
 
 def build_metrics(names: Sequence[str], pairs: Sequence[str], shared: dict[str, str]) -> dict[str, Any]:
@@ -277,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from capeval_plugins.inputs import InputError
 
     try:
-        return args.func(args)
+        with restored_environment():
+            return args.func(args)
     except (UsageError, InputError, DataError, KeyError, ModelLoadError, ImportError) as err:
         # ImportError: an optional dependency a chosen option needs (accelerate, torchvision, pyarrow, ...)
         message = getattr(err, "cli_message", None) or (err.args[0] if err.args else str(err))

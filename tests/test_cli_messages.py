@@ -55,3 +55,18 @@ def test_under_torchrun_only_rank_0_draws_progress_bars(tiny_clip, tmp_path):
     # rank 0's bars only (its model loading, the pass, the corpus step): each once, never one per rank
     assert finished.count("clipscore") == 1, proc.stderr[-3000:]
     assert len(finished) == len(set(finished)), finished
+
+
+def test_quiet_in_process_leaves_the_callers_environment_as_it_was(tiny_clip, monkeypatch, capsys):
+    """`main([... "--quiet"])` called in a process (a notebook, a test) silences the libraries for that call only:
+    afterwards no TQDM_DISABLE / CAPEVAL_QUIET is left to silence the caller or the programs it starts."""
+    for key in cli.QUIET_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # a caller's own setting is put back as it was
+    assert cli.main(["score", "-m", "clipscore", "--model", tiny_clip, "--quiet",
+                     "--captions", str(EXAMPLES / "captions.jsonl"), "--images", str(EXAMPLES / "images")]) == 0
+    capsys.readouterr()
+    import os
+
+    assert "TQDM_DISABLE" not in os.environ and "CAPEVAL_QUIET" not in os.environ
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
