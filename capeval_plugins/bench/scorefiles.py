@@ -12,7 +12,6 @@ shows one.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -147,20 +146,21 @@ def write_scores(path: str | os.PathLike, data: Ratings | Pairs, scores: np.ndar
                  extras: Mapping[str, np.ndarray] | None = None) -> Path:
     """One JSON line per benchmark row: ``row``, ``image``, ``caption``, ``category`` (where the benchmark has
     categories), ``score`` and the per-sample extras; NaN is written as null."""
+    from capeval_plugins.caption_files import write_table
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     categories = row_categories(data)
     columns = {k: np.asarray(v, dtype=np.float64) for k, v in (extras or {}).items()}
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for i, (image, caption) in enumerate(zip(data.captions.images, data.captions.candidates)):
-            record: dict[str, Any] = {"row": i, "image": image_name(image), "caption": caption}
-            if categories is not None:
-                record["category"] = categories[i]
-            record["score"] = _finite(scores[i])
-            record.update({k: _finite(v[i]) for k, v in columns.items()})
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)  # never a half-written score file under the final name
+    rows = []
+    for i, (image, caption) in enumerate(zip(data.captions.images, data.captions.candidates)):
+        record: dict[str, Any] = {"row": i, "image": image_name(image), "caption": caption}
+        if categories is not None:
+            record["category"] = categories[i]
+        record["score"] = _finite(scores[i])
+        record.update({k: _finite(v[i]) for k, v in columns.items()})
+        rows.append(record)
+    write_table(path, rows)  # atomic, under a temporary name no other writer uses
     return path
 
 
