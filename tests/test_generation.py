@@ -106,7 +106,7 @@ def test_folder_of_pregenerated_images(tmp_path, index_name):
 def test_missing_diffusers_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "diffusers", None)  # makes `import diffusers` fail
     generator = generation.StableDiffusion3(str(tmp_path / "nowhere"), steps=1, height=32, width=32)
-    with pytest.raises(ImportError, match=r"optional extra: pip install 'capeval-plugins\[diffusion\]'"):
+    with pytest.raises(ImportError, match=r"optional extra: pip install -e '\.\[diffusion\]'"):
         generator.generate(["a dog"], [0])
 
 

@@ -1,7 +1,7 @@
 """lmms-eval: capeval metrics added to a task through lmms-eval's own ``class:`` hook, run end to end offline on
 a tiny LLaVA (lmms-eval's ``llava_hf`` model) captioning a handful of local images.
 
-lmms-eval is an optional extra (``pip install capeval-plugins[lmms]``): everything here skips without it."""
+lmms-eval is an optional extra (``pip install -e '.[lmms]'``): everything here skips without it."""
 from __future__ import annotations
 
 import json

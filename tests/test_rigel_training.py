@@ -265,7 +265,7 @@ def test_a_resumed_phase2_run_ends_where_an_uninterrupted_one_does(splits, short
 
 def test_missing_peft_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)
-    with pytest.raises(ImportError, match=r"pip install 'capeval-plugins\[lora\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[lora\]'"):
         require_peft()
 
 

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from capeval_plugins.core import loading
+from capeval_plugins.core.messages import install_extra
 
 SD3_MODEL = "stabilityai/stable-diffusion-3-medium-diffusers"
 _PNG_KEY = "capeval-generation"
@@ -58,8 +59,8 @@ def _require_diffusers():
         import diffusers
     except ImportError as err:
         raise ImportError(
-            "Stable Diffusion 3 generation needs diffusers, an optional extra: pip install "
-            "'capeval-plugins[diffusion]' (or point generated_images at a folder of images made earlier)"
+            f"Stable Diffusion 3 generation needs diffusers, an optional extra: {install_extra('diffusion')} "
+            "(or point generated_images at a folder of images made earlier)"
         ) from err
     return diffusers
 

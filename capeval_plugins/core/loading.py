@@ -20,6 +20,8 @@ from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
+from capeval_plugins.core.messages import install_extra
+
 _cache: dict[Hashable, Any] = {}
 _lock = threading.RLock()
 
@@ -35,7 +37,7 @@ _DTYPES = {
 }
 
 
-ACCELERATE_EXTRA = "pip install 'capeval-plugins[accelerate]'"
+ACCELERATE_EXTRA = install_extra("accelerate")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.core import loading
-from capeval_plugins.core.messages import warn_once
+from capeval_plugins.core.messages import install_extra, warn_once
 
 # Token-level processor outputs (one value per token): padded with the ids, sliced with the prefix.
 TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
@@ -280,7 +280,7 @@ def _cat_outputs(parts: list[JudgeOutput], label_table: Tensor) -> JudgeOutput:
 JudgeSpec = loading.ModelSpec  # which LVLM to load and how; one spec, one shared judge
 
 
-QWEN_EXTRA = "pip install 'capeval-plugins[qwen]'"
+QWEN_EXTRA = install_extra("qwen")
 
 
 def load_lvlm_processor(spec: JudgeSpec) -> Any:

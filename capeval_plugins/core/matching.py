@@ -21,15 +21,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def best_similarities(cand: Tensor, cand_mask: Tensor, ref: Tensor, ref_mask: Tensor) -> tuple[Tensor, Tensor]:
+def best_similarities(cand: Tensor, cand_mask: Tensor, ref: Tensor, ref_mask: Tensor,
+                      normalized: bool = False) -> tuple[Tensor, Tensor]:
     """For every candidate token the highest cosine to a reference token of the same pair, and vice versa.
 
     ``cand`` (B, Lc, D) and ``ref`` (B, Lr, D) are token embeddings of B candidate/reference pairs; the masks
     (B, Lc) and (B, Lr) say which tokens exist and may be matched. Returns ``(cand_best (B, Lc),
     ref_best (B, Lr))`` in float32; a position that is masked out, or has no counterpart to match, gets 0.
+    ``normalized=True``: the embeddings are float32 unit vectors already (normalised once per text, not once
+    per pair; normalising twice could move a cosine by an ulp).
     """
-    cand = F.normalize(cand.float(), dim=-1)
-    ref = F.normalize(ref.float(), dim=-1)
+    if not normalized:
+        cand = F.normalize(cand.float(), dim=-1)
+        ref = F.normalize(ref.float(), dim=-1)
     sim = torch.bmm(cand, ref.transpose(1, 2))
     pair = cand_mask.bool()[:, :, None] & ref_mask.bool()[:, None, :]
     sim = sim.masked_fill(~pair, float("-inf"))

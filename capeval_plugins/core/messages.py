@@ -14,6 +14,12 @@ class DataError(ValueError):
 _warn_lock = threading.Lock()
 
 
+def install_extra(extra: str) -> str:
+    """How to install one of the package's optional extras. The package is installed from a clone (it is not
+    on PyPI), so the hint names the editable install the docs use."""
+    return f"pip install -e '.[{extra}]' in your capeval-plugins clone"
+
+
 def warn_once(key: tuple, message: str) -> None:
     """Warn the first time ``key`` is seen in this process (e.g. one truncation warning per model)."""
     with _warn_lock:

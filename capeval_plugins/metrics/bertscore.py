@@ -120,20 +120,29 @@ class BERTScore(Metric):
         return self.config.pair_batch_size
 
     def prepare_corpus(self, corpus: Batch) -> None:
-        """Embed each distinct text of the whole pass once, longest first (as bert_score does); ``map`` then
-        only gathers. A batch with a text outside this set (e.g. an adapter's update) embeds its own texts."""
+        """Embed each distinct text of the whole pass once, longest first (as bert_score does), and normalise
+        it once; ``map`` then only gathers. A batch with a text outside this set (e.g. an adapter's update)
+        embeds its own texts."""
         refs = [r for sample_refs in corpus.references or () for r in sample_refs]
         texts = [*corpus.candidates, *refs]
-        self._corpus = self.encoder.embed_packed(texts, batch_size=self.config.batch_size) if texts else None
+        self._corpus = self.encoder.embed_packed(texts, batch_size=self.config.batch_size).unit() if texts else None
 
     def release_corpus(self) -> None:
         self._corpus = None
 
-    def embeddings(self, texts: list[str]) -> TokenEmbeddings:
+    def unit_embeddings(self, candidates: list[str], pair_candidates: list[str],
+                        refs: list[str]) -> tuple[TokenEmbeddings, TokenEmbeddings, TokenEmbeddings]:
+        """Unit-norm token embeddings of the candidates, of each pair's candidate (same width) and of each
+        reference: gathered from the corpus cache, or from one model pass over the batch's distinct texts (the
+        candidates of one image share their references)."""
         corpus = self._corpus
-        if corpus is not None and corpus.covers(texts):
-            return corpus.gather(texts)
-        return self.encoder.embed(texts, batch_size=self.config.batch_size)
+        if corpus is not None and corpus.covers(candidates) and corpus.covers(refs):
+            cand = corpus.gather(candidates)
+            return cand, corpus.gather(pair_candidates, width=cand.embeddings.shape[1]), corpus.gather(refs)
+        texts = list(dict.fromkeys([*candidates, *refs]))
+        row = {t: i for i, t in enumerate(texts)}
+        emb = self.encoder.embed(texts, batch_size=self.config.batch_size).unit()
+        return tuple(emb.rows(torch.tensor([row[t] for t in group])) for group in (candidates, pair_candidates, refs))
 
     def states(self) -> dict[str, StateSpec]:
         return {
@@ -151,17 +160,11 @@ class BERTScore(Metric):
             owner += [i] * len(sample_refs)
             slot += list(range(len(sample_refs)))
             refs += sample_refs
-        # Every distinct text of the batch once (the candidates of one image share their references).
-        texts = list(dict.fromkeys([*batch.candidates, *refs]))
-        row = {t: i for i, t in enumerate(texts)}
-        emb = self.embeddings(texts)
-        cand = emb.rows(torch.tensor([row[t] for t in batch.candidates]))
-        ref = emb.rows(torch.tensor([row[t] for t in refs]))
+        cand, pairs, ref = self.unit_embeddings(batch.candidates, [batch.candidates[i] for i in owner], refs)
         owner_t, slot_t = torch.tensor(owner), torch.tensor(slot)
-        pairs = cand.rows(owner_t)
         # bert_score matches against every token, [CLS] and [SEP] included (they only get no weight).
         cand_best, ref_best = best_similarities(pairs.embeddings, pairs.attention_mask, ref.embeddings,
-                                                ref.attention_mask)
+                                                ref.attention_mask, normalized=True)
         width = int(slot_t.max()) + 1
         return {
             "cand_ids": shifted_ids(cand.input_ids, cand.attention_mask).cpu(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from capeval_plugins.core.messages import install_extra
 from capeval_plugins.testing import builder
 from capeval_plugins.testing.clip import clip_image_processor
 from capeval_plugins.testing.corpus import caption_corpus, train_byte_level_bpe, train_metaspace_bpe
@@ -268,8 +269,8 @@ def _build_qwen(kind: str, path: Path, seed: int) -> None:
     image_processor.save_pretrained(path)
     if not is_torchvision_available():
         raise RuntimeError(
-            f"{kind}: the processor needs a video processor, which requires torchvision (not installed: pip install "
-            f"'capeval-plugins[qwen]'); saved the model, tokenizer (with chat template) and image processor to "
+            f"{kind}: the processor needs a video processor, which requires torchvision (not installed: "
+            f"{install_extra('qwen')}); saved the model, tokenizer (with chat template) and image processor to "
             f"{path}, but no processor"
         )
     import transformers

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from capeval_plugins.core import heads, loading
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, PromptEnd, VisualInput, is_video, load_lvlm_processor
+from capeval_plugins.core.messages import install_extra
 from capeval_plugins.training.checkpoint import atomic_write, json_safe, read_checkpoint_config
 
 DEFAULT_BASE_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
@@ -219,7 +220,7 @@ def require_peft() -> Any:
         import peft
     except ImportError as err:
         raise ImportError("Rigel's LoRA (phase 2, and scoring with a phase-2 checkpoint) needs peft: "
-                          "pip install 'capeval-plugins[lora]'") from err
+                          + install_extra("lora")) from err
     return peft
 
 

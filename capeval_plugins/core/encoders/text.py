@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.core import loading
@@ -81,6 +82,11 @@ class TokenEmbeddings:
         index = index.to(self.embeddings.device)
         return TokenEmbeddings(self.embeddings[index], self.input_ids[index], self.attention_mask[index],
                                self.special[index])
+
+    def unit(self) -> "TokenEmbeddings":
+        """The same with every token embedding L2-normalised (padding stays 0)."""
+        return TokenEmbeddings(F.normalize(self.embeddings.float(), dim=-1), self.input_ids, self.attention_mask,
+                               self.special)
 
 
 class _Stop(Exception):
@@ -264,8 +270,9 @@ class TextEncoder:
 
 @dataclass
 class PackedEmbeddings:
-    """Token embeddings of distinct texts, concatenated without padding (``flat`` (T, D), ``ids`` (T,),
-    ``special`` (T,)) with each text's ``start`` and ``length``; :meth:`gather` pads any selection back."""
+    """Token embeddings of distinct texts, concatenated without padding (``flat`` (T + 1, D), ``ids`` (T + 1,),
+    ``special`` (T + 1,); the last row is a zero padding row) with each text's ``start`` and ``length``;
+    :meth:`gather` pads any selection back with one ``index_select`` per tensor."""
 
     row: dict[str, int]
     flat: Tensor
@@ -279,26 +286,37 @@ class PackedEmbeddings:
              special_ids: frozenset[int]) -> "PackedEmbeddings":
         length = torch.tensor([len(r) for r in ids], dtype=torch.long)
         start = torch.cumsum(length, 0) - length
-        flat_ids = torch.tensor([t for r in ids for t in r], dtype=torch.long)
+        flat_ids = torch.tensor([t for r in ids for t in r] + [0], dtype=torch.long)
         special = torch.isin(flat_ids, torch.tensor(sorted(special_ids), dtype=torch.long))
-        flat = torch.cat(list(pieces)) if pieces else torch.zeros(0, 0)
+        special[-1] = False
+        width = pieces[0].shape[-1] if pieces else 0
+        device = pieces[0].device if pieces else None
+        flat = torch.cat([*pieces, torch.zeros(1, width, device=device)])
         return cls({t: i for i, t in enumerate(texts)}, flat, flat_ids.to(flat.device), special.to(flat.device),
                    start, length)
 
     def covers(self, texts: Sequence[str]) -> bool:
         return all(t in self.row for t in texts)
 
-    def gather(self, texts: Sequence[str]) -> TokenEmbeddings:
-        """The texts' embeddings, right-padded to the longest of them (no model call)."""
+    def unit(self) -> "PackedEmbeddings":
+        """The same with every token embedding L2-normalised: done once for the corpus, not once per pair."""
+        return PackedEmbeddings(self.row, F.normalize(self.flat.float(), dim=-1), self.ids, self.special,
+                                self.start, self.length)
+
+    def gather(self, texts: Sequence[str], width: int | None = None) -> TokenEmbeddings:
+        """The texts' embeddings, right-padded to the longest of them or to ``width`` (no model call)."""
         rows = torch.tensor([self.row[t] for t in texts], dtype=torch.long)
         length = self.length[rows]
-        width = int(length.max()) if len(rows) else 0
+        longest = int(length.max()) if len(rows) else 0
+        width = longest if width is None else max(width, longest)
         pos = torch.arange(width)
         mask = pos[None, :] < length[:, None]
-        index = torch.where(mask, self.start[rows][:, None] + pos[None, :], torch.zeros_like(mask, dtype=torch.long))
-        mask, index = mask.to(self.flat.device), index.to(self.flat.device)
-        emb = self.flat[index] * mask[..., None]
-        return TokenEmbeddings(emb, torch.where(mask, self.ids[index], 0), mask, self.special[index] & mask)
+        index = torch.where(mask, self.start[rows][:, None] + pos[None, :], len(self.flat) - 1)
+        mask, index = mask.to(self.flat.device), index.flatten().to(self.flat.device)
+        shape = mask.shape
+        emb = self.flat.index_select(0, index).view(*shape, -1)
+        return TokenEmbeddings(emb, self.ids.index_select(0, index).view(shape), mask,
+                               self.special.index_select(0, index).view(shape))
 
 
 def _byte_level_bpe(tokenizer: Any) -> bool:
