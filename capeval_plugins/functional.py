@@ -197,14 +197,17 @@ def discode_head(digit_logits: Tensor, raw_digit: Tensor | None = None, sigma2: 
 
 def vmf_mixture(x: Tensor, mask: Tensor | None = None, k: int = 3, kappa: float = 20.0, iterations: int = 20,
                 seeds: Tensor | None = None, reinit_threshold: float = 1e-6,
-                dtype: torch.dtype = torch.float64) -> vmf.VMFMixture:
+                dtype: torch.dtype = torch.float64,
+                product_dtype: torch.dtype | None = None) -> vmf.VMFMixture:
     """A fixed-kappa von Mises-Fisher mixture of k components fitted by EM to every row of ``x`` (B, N, D) at once
     (``mask`` (B, N): the real points; default all), as MSD-Score fits its image patches (k = 3) and caption
     tokens (k = 2). Points are L2-normalised; k is capped at each row's number of points. ``seeds`` (B,) drive
-    the initial means and re-initialisations (default: from the points' bits). Returns a
+    the initial means and re-initialisations (default: from the points' bits). The products of the points with
+    the means run in ``product_dtype`` (default ``dtype``; MSD-Score's default multiplies its patches in
+    ``torch.float32``), the rest in ``dtype``. Returns a
     :class:`~capeval_plugins.core.vmf.VMFMixture` (means (B, k, D), log_weights (B, k), ``log_density``)."""
     return vmf.fit_vmf_mixture(x, mask, n_components=k, kappa=kappa, iterations=iterations, seeds=seeds,
-                               reinit_threshold=reinit_threshold, dtype=dtype)
+                               reinit_threshold=reinit_threshold, dtype=dtype, product_dtype=product_dtype)
 
 
 class MSDDivergence(NamedTuple):
@@ -222,7 +225,8 @@ def msd_divergence(image_patches: Tensor, text_tokens: Tensor, patch_mask: Tenso
                    token_mask: Tensor | None = None, image_index: Tensor | None = None, *, k_image: int = 3,
                    k_text: int = 2, kappa: float = 20.0, iterations: int = 20, length_l0: float = 20.0,
                    length_tau: float = 3.0, image_seeds: Tensor | None = None, text_seeds: Tensor | None = None,
-                   reinit_threshold: float = 1e-6, dtype: torch.dtype = torch.float64) -> MSDDivergence:
+                   reinit_threshold: float = 1e-6, dtype: torch.dtype = torch.float64,
+                   product_dtype: torch.dtype = torch.float32) -> MSDDivergence:
     """MSD-Score's local term: vMF mixtures on an image's patch embeddings and a caption's token embeddings,
     Monte Carlo KL both ways, weighted by caption length.
 
@@ -231,13 +235,17 @@ def msd_divergence(image_patches: Tensor, text_tokens: Tensor, patch_mask: Tenso
     masks (I, N) and (B, T) mark real points (default all); ``image_index`` (B,): the image of each caption
     (default: caption b with image b). Defaults are the paper's short-caption setting. To reproduce the metric
     exactly, pass its seeds (``pixel_seeds`` of the pixels, ``content_seeds`` of the token ids,
-    :mod:`capeval_plugins.metrics.msd`); by default they come from the embeddings' bits."""
+    :mod:`capeval_plugins.metrics.msd`); by default they come from the embeddings' bits. ``dtype``: the
+    precision of the fits and the KL; ``product_dtype``: the one the patches are multiplied with the means in
+    (the defaults are the metric's ``em_dtype="mixed"``; ``product_dtype=torch.float64`` for float64
+    throughout)."""
     from capeval_plugins.metrics.msd import length_weighted_divergence
 
     local = length_weighted_divergence(
         image_patches, patch_mask, text_tokens, token_mask, image_index, image_seeds=image_seeds,
         text_seeds=text_seeds, k_image=k_image, k_text=k_text, kappa=kappa, iterations=iterations,
-        reinit_threshold=reinit_threshold, length_l0=length_l0, length_tau=length_tau, dtype=dtype)
+        reinit_threshold=reinit_threshold, length_l0=length_l0, length_tau=length_tau, dtype=dtype,
+        product_dtype=product_dtype)
     return MSDDivergence(local.bi_kl, local.kl.image_to_text, local.kl.text_to_image, local.beta, local.n_tokens)
 
 

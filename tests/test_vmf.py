@@ -250,3 +250,81 @@ def test_fitting_in_chunks_of_rows_changes_nothing():
         np.testing.assert_allclose(chunked.log_weights.numpy(), whole.log_weights.numpy(), atol=1e-12)
         np.testing.assert_allclose(chunked.log_likelihood.numpy(), whole.log_likelihood.numpy(), atol=1e-12)
         assert torch.equal(chunked.reinitialised, whole.reinitialised)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MSD-Score's precisions side by side with the plain float64 per-pair EM above, on realistic inputs: ViT-L/14
+# shapes (256 patches of 768 dimensions, captions of 8-40 tokens), the metric's K, kappa and iterations, and a
+# CLIP-like geometry (a common direction per modality, patch-token cosines ~0.1-0.3, a few concepts per image that
+# most caption tokens are about), so the mixtures and the KLs (about 5-10 here) are of a real size.
+
+
+def clip_like_pairs(rng: np.random.Generator, pairs: int, patches: int = 256, dim: int = 768):
+    def unit(*shape):
+        v = rng.normal(size=(*shape, dim))
+        return v / np.linalg.norm(v, axis=-1, keepdims=True)
+
+    image_axis = unit()
+    text_axis = unit() + 0.4 * image_axis
+    out = []
+    for _ in range(pairs):
+        concepts = unit(6)
+        local = 0.6 * image_axis + 0.6 * concepts[rng.integers(0, 6, patches)] + 0.55 * unit(patches)
+        n = int(rng.integers(8, 41))
+        said = np.where(rng.random((n, 1)) < 0.8, concepts[rng.integers(0, 6, n)], unit(n))
+        out.append((local.astype(np.float32), (0.6 * text_axis + 0.45 * said + 0.6 * unit(n)).astype(np.float32)))
+    return out
+
+
+def plain_kls(patches: np.ndarray, tokens: np.ndarray, image_seed: int, text_seed: int) -> tuple[float, float]:
+    patches, tokens = patches.astype(np.float64), tokens.astype(np.float64)
+    p = plain_fit(patches, 3, 20.0, 20, image_seed)[:2]
+    q = plain_fit(tokens, 2, 20.0, 20, text_seed)[:2]
+    kl_it = np.mean(plain_log_density(patches, *p, 20.0) - plain_log_density(patches, *q, 20.0))
+    kl_ti = np.mean(plain_log_density(tokens, *q, 20.0) - plain_log_density(tokens, *p, 20.0))
+    return float(kl_it), float(kl_ti)
+
+
+def msd_kls(pairs: list, image_seeds: torch.Tensor, text_seeds: torch.Tensor, em_dtype: str) -> np.ndarray:
+    """(B, 2): KL_img->txt and KL_txt->img of every pair in one batch, at MSD-Score's ``em_dtype``."""
+    from capeval_plugins.metrics.msd import msd_components
+
+    patches = torch.tensor(np.stack([p for p, _ in pairs]))
+    tokens, token_mask = padded([t for _, t in pairs], fill=0.0)
+    unit = torch.nn.functional.normalize(torch.ones(len(pairs), patches.shape[-1]), dim=-1)
+    dtype, product_dtype = vmf.PRECISIONS[em_dtype]
+    out = msd_components(unit, patches, torch.ones(patches.shape[:2], dtype=torch.bool), unit, tokens.float(),
+                         token_mask, torch.arange(len(pairs)), image_seeds=image_seeds, text_seeds=text_seeds,
+                         dtype=dtype, product_dtype=product_dtype)
+    return torch.stack([out["kl_image_text"], out["kl_text_image"]], 1).double().numpy()
+
+
+def test_msd_precisions_against_a_plain_float64_per_pair_computation():
+    rng = np.random.default_rng(9)
+    pairs = clip_like_pairs(rng, 12)
+    image_seeds, text_seeds = torch.arange(100, 112), torch.arange(200, 212)
+    plain = np.array([plain_kls(p, t, int(a), int(b)) for (p, t), a, b in zip(pairs, image_seeds, text_seeds)])
+    error = {name: np.abs(msd_kls(pairs, image_seeds, text_seeds, name) - plain)
+             for name in ("float64", "mixed", "float32")}
+    assert error["float64"].max() < 1e-11
+    # float32 keeps ~7 digits of a dot product of unit vectors (|<x, mu>| <= 1), so a logit kappa <x, mu> moves by
+    # ~kappa x 1e-7 = 2e-6; a KL is a mean of differences of log-sum-exps of such logits, each 1-Lipschitz in
+    # them: within ~4e-6, under 1e-6 of KLs this size. The float64 sums and normalisation of "mixed" keep it
+    # well inside that; float32 throughout adds its own roundings of the log-weights, sums and means.
+    assert plain.min() > 1.0
+    assert error["mixed"].max() < 4e-6 and error["float32"].max() < 4e-5
+    assert error["mixed"].mean() <= error["float32"].mean()
+    assert error["mixed"].max() <= error["float32"].max()
+
+
+@pytest.mark.parametrize("em_dtype", ["mixed", "float64"])
+def test_msd_precisions_leave_a_pair_independent_of_its_batch(em_dtype):
+    """The tokens, padded to the batch's longest caption, are multiplied in float64 at every precision but
+    "float32", so one pair alone and in a batch agree to float64 rounding."""
+    rng = np.random.default_rng(10)
+    pairs = clip_like_pairs(rng, 6, patches=64, dim=96)
+    image_seeds, text_seeds = torch.arange(6), torch.arange(6, 12)
+    together = msd_kls(pairs, image_seeds, text_seeds, em_dtype)
+    for b in range(6):
+        alone = msd_kls(pairs[b:b + 1], image_seeds[b:b + 1], text_seeds[b:b + 1], em_dtype)
+        np.testing.assert_allclose(alone[0], together[b], rtol=0, atol=1e-12)

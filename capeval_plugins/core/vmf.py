@@ -19,7 +19,9 @@ per-sample Python loop runs.
   a fixed sequence of tensor operations per step with no host synchronisation; rows are fitted in chunks whose
   points stay in cache across the 2 x iterations passes over them (:data:`CHUNK_BYTES`); the KL takes both
   mixtures' densities at the patches from one pass. The E- and M-steps are products of the points with 2-5
-  vectors, bound by reading the points, which in float64 is the floor; ``dtype=torch.float32`` halves it.
+  vectors, bound by reading the points: ``product_dtype=torch.float32`` halves the bytes while the rest stays in
+  ``dtype`` (:data:`PRECISIONS`), and the points are never normalised in place (:class:`Points`), so they are
+  not copied either when they come in that dtype.
 """
 from __future__ import annotations
 
@@ -131,42 +133,79 @@ class VMFMixture:
 
 @dataclass
 class Points:
-    """Rows of points ready for fitting and scoring: unit vectors ``x`` (B, N, D) in the working dtype, zero
-    at padding, ``mask`` (B, N) and ``counts`` (B,) valid points per row. Made once by :func:`points` and
-    shared by the fit and the KL, so the (large) patch tensor is copied and normalised once."""
+    """Rows of points ready for fitting and scoring: ``x`` (B, N, D) as given, zero at padding, in the dtype the
+    products with the means run in; ``scale`` (B, N) the reciprocal of each point's norm in the fit's dtype, 0 at
+    padding; ``mask`` (B, N); ``counts`` (B,) valid points per row. The unit vectors ``x * scale`` are never
+    formed: every product with the points is scaled afterwards, on its (B, K, N) result or on the (B, K, N)
+    responsibilities. So the (large) patch tensor is neither copied nor rewritten when it comes in the product
+    dtype, and the normalisation itself is done in the fit's dtype. Made once by :func:`points`, shared by the fit
+    and the KL."""
 
     x: Tensor
     mask: Tensor
     counts: Tensor
+    scale: Tensor
 
     def __getitem__(self, rows: Tensor) -> "Points":
-        return Points(self.x[rows], self.mask[rows], self.counts[rows])
+        return Points(self.x[rows], self.mask[rows], self.counts[rows], self.scale[rows])
+
+    def unit(self) -> Tensor:
+        """The unit vectors, in the fit's dtype (a copy: for small uses)."""
+        return self.x.to(self.scale.dtype) * self.scale[..., None]
 
 
-def points(x: Tensor | Points, mask: Tensor | None = None, dtype: torch.dtype = torch.float64) -> Points:
-    """Validate, cast and L2-normalise ``x`` (B, N, D); padding (``mask`` False) never reaches the arithmetic,
-    even if it holds NaN. A :class:`Points` in the right dtype is returned as it is."""
+def points(x: Tensor | Points, mask: Tensor | None = None, dtype: torch.dtype = torch.float64,
+           product_dtype: torch.dtype | None = None) -> Points:
+    """Validate ``x`` (B, N, D), keep it in ``product_dtype`` (default ``dtype``) and take each point's reciprocal
+    norm in ``dtype``; padding (``mask`` False) never reaches the arithmetic, even if it holds NaN. A
+    :class:`Points` is returned as it is if its norms are in ``dtype`` and its points in ``product_dtype`` (or
+    any dtype, when that is None)."""
     if isinstance(x, Points):
-        return x if x.x.dtype == dtype else Points(x.x.to(dtype), x.mask, x.counts)
+        kept = x.scale.dtype == dtype and product_dtype in (None, x.x.dtype)
+        return x if kept else points(x.x, x.mask, dtype, product_dtype)
+    store = product_dtype or dtype
     if x.ndim != 3:
         raise ValueError(f"points must be (B, N, D), got shape {tuple(x.shape)}")
     mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.bool()
     if mask.shape != x.shape[:2]:
         raise ValueError(f"mask shape {tuple(mask.shape)} does not match points {tuple(x.shape[:2])}")
-    # One copy in ``dtype``, then in place (this is the largest tensor of a batch); padding (which may hold NaN)
-    # is cleared only where there is some.
-    unit = x.to(dtype, copy=True)
+    values = x.to(store)  # no copy when x already comes in the product dtype (the patches, mostly)
     if not bool(mask.all()):
-        unit.masked_fill_(~mask[..., None], 0.0)
-    unit.div_(torch.linalg.vector_norm(unit, dim=-1, keepdim=True).clamp_min_(1e-12))
-    return Points(unit, mask, mask.sum(1))
+        values = values.masked_fill(~mask[..., None], 0.0)  # NaN at padding would reach every product
+    norm = _norm(values).to(dtype).clamp_min_(1e-12)
+    return Points(values, mask, mask.sum(1), torch.where(mask, 1.0 / norm, 0.0))
+
+
+def _norm(x: Tensor) -> Tensor:
+    """Norms of the last axis. A float32 norm over 768 values is off by up to ~2e-7 (relative); taken over groups
+    of 32 values in float32 and across the groups in float64 it is within ~3e-8, at no extra cost. float64 (or a
+    width with no such grouping) is taken as it is."""
+    width = x.shape[-1]
+    if x.dtype == torch.float64 or width % 32:
+        return torch.linalg.vector_norm(x, dim=-1)
+    parts = torch.linalg.vector_norm(x.reshape(*x.shape[:-1], width // 32, 32), dim=-1)
+    return torch.linalg.vector_norm(parts.double(), dim=-1)
 
 
 # The points of the rows fitted together in one chunk: small enough to stay in cache over the 2 x iterations
 # passes the EM makes over them (at batch 256 the whole patch tensor is 400 MB in float64), large enough to
-# spread the fixed cost of each tensor operation over several rows. 12 MiB is 8 rows of 256 ViT-L/14 patches in
-# float64, 16 in float32, the fastest on the CPUs measured (benchmarks/msd_em.py --chunk-mib).
-CHUNK_BYTES = 12 << 20
+# spread the fixed cost of each tensor operation over several rows. 6 MiB is 4 rows of 256 ViT-L/14 patches in
+# float64, 8 in float32. On the 2-core development machine 12 MiB was the fastest when it was quiet; with other
+# jobs sharing its cache, 6 MiB was 1.1-1.4x faster than 12 and no slower in the quietest repeats
+# (benchmarks/msd_em.py --chunk-mib).
+CHUNK_BYTES = 6 << 20
+
+# MSD-Score's precisions of the fits and the KL: (dtype of the means, weights, responsibilities, log-densities and
+# KL; dtype the image patches are kept in and multiplied with the means in). The caption tokens are multiplied in
+# the first: they are few, and padded to a width that depends on the batch, which float32 sums over them would
+# round differently from batch to batch. "mixed" does the two large products of each EM step, the patches'
+# (most of the time, bound by reading the patches), in float32, half the bytes, and the rest, where the
+# cancellation and the small probabilities are, in float64.
+PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "float64": (torch.float64, torch.float64),
+    "float32": (torch.float32, torch.float32),
+    "mixed": (torch.float64, torch.float32),
+}
 
 
 def _chunk_size(x: Tensor, chunk_bytes: int | None) -> int:
@@ -175,7 +214,16 @@ def _chunk_size(x: Tensor, chunk_bytes: int | None) -> int:
     return len(x) if budget <= 0 else max(1, min(len(x), budget // per_row))
 
 
-def _restart_positions(seeds: Tensor, mask: Tensor, counts: Tensor, iterations: int, n_components: int) -> Tensor:
+def initial_positions(seeds: Tensor, mask: Tensor, n_components: int) -> Tensor:
+    """(B, K): where each component's mean starts, the first K points of a random permutation of the row's valid
+    points (positions beyond a row's valid points point at position 0: those components are inactive)."""
+    ranks = mask.long().cumsum(1) - 1
+    keys = random_keys(seeds[:, None], INIT_STREAM, ranks).masked_fill(~mask, _NO_KEY)
+    first = keys.topk(min(n_components, mask.shape[1]), dim=1, largest=False).indices
+    return F.pad(first, (0, n_components - first.shape[1]))
+
+
+def restart_positions(seeds: Tensor, mask: Tensor, counts: Tensor, iterations: int, n_components: int) -> Tensor:
     """(B, iterations, K): where component k restarts if it collapses after step t (a random valid point of its
     row), drawn for every (t, k) before the EM starts, so the loop itself draws nothing."""
     device = mask.device
@@ -186,7 +234,7 @@ def _restart_positions(seeds: Tensor, mask: Tensor, counts: Tensor, iterations: 
     return torch.gather(by_rank, 1, rank.reshape(len(mask), -1)).reshape(rank.shape)
 
 
-def _em(x: Tensor, mask: Tensor, floor: Tensor, means: Tensor, log_w: Tensor, restart_at: Tensor, kappa: float,
+def _em(at: Points, floor: Tensor, means: Tensor, log_w: Tensor, restart_at: Tensor, kappa: float,
         iterations: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``iterations`` EM steps on one chunk of rows. ``floor`` (B, K) is the mass below which a component
     collapses (-inf for inactive components), ``restart_at`` (B, iterations, K) where it then restarts. Returns
@@ -195,31 +243,35 @@ def _em(x: Tensor, mask: Tensor, floor: Tensor, means: Tensor, log_w: Tensor, re
 
     A step is a fixed sequence of tensor operations with no host synchronisation and no data-dependent branch:
     one log-sum-exp over the components gives both ``log p(x_n)`` and the responsibilities from a single
-    exponential; padding (zero vectors) is kept out of the masses by a masked sum and adds nothing to the
-    resultants; a collapsed component's restart point (gathered for every step before the loop) is selected
-    with ``where``, whether or not anything collapsed. Both matrix products read the points in their (N, D)
-    layout (the E-step through a transposed view), so one copy of them is what stays in cache."""
-    B, N, _ = x.shape
+    exponential; padding (zero vectors, scale 0) is kept out of the masses by a masked sum and adds nothing to
+    the resultants; a collapsed component's responsibilities are replaced, with ``where`` whether or not anything
+    collapsed, by the indicator of its restart point (all made before the loop). Both matrix products read the
+    points in their (N, D) layout (the E-step through a transposed view), so one copy of them is what stays in
+    cache; they run in the points' dtype, everything else in the means' dtype."""
+    x, dtype = at.x, means.dtype
+    N = x.shape[1]
     columns = x.transpose(1, 2)
-    rows = torch.arange(B, device=x.device)[:, None, None] * N
-    restart = x.reshape(B * N, -1).index_select(0, (rows + restart_at).flatten()).reshape(*restart_at.shape, -1)
-    valid = mask.to(x.dtype)[:, :, None]
-    log_norms = x.new_empty(iterations, B, N)
-    collapsed = torch.zeros(iterations, B, floor.shape[1], dtype=torch.bool, device=x.device)
+    scale = at.scale[:, None, :]
+    kappa_scale = kappa * scale
+    restart = (torch.arange(N, device=x.device) == restart_at[..., None]).to(dtype)  # (B, iterations, K, N)
+    valid = at.mask.to(dtype)[:, :, None]
+    log_norms = means.new_empty(iterations, *at.mask.shape)
+    collapsed = torch.zeros(iterations, *floor.shape, dtype=torch.bool, device=x.device)
     for step in range(iterations):
-        logits = torch.bmm(means, columns).mul_(kappa).add_(log_w[:, :, None])  # (B, K, N)
-        top = logits.amax(1, keepdim=True)
+        logits = torch.bmm(means.to(x.dtype), columns).to(dtype).mul_(kappa_scale).add_(log_w[:, :, None])
+        top = logits.amax(1, keepdim=True)  # logits, resp: (B, K, N)
         resp = logits.sub_(top).exp_()
         total = resp.sum(1, keepdim=True)
         torch.add(top, total.log(), out=log_norms[step, :, None, :])
         resp.div_(total)
         mass = torch.bmm(resp, valid)[..., 0]
         dead = torch.lt(mass, floor, out=collapsed[step])
-        # A collapsed component restarts at a random valid point of its row, with weight 1/N (mass 1).
-        sums = torch.where(dead[..., None], restart[:, step], torch.bmm(resp, x))
+        # A collapsed component restarts at a random valid point of its row, with weight 1/N (mass 1): as the
+        # point's indicator, the M-step's product below makes that point its mean.
+        resp = torch.where(dead[..., None], restart[:, step], resp)
         kept = torch.where(dead, 1.0, mass)
         log_w = torch.log(kept / kept.sum(-1, keepdim=True))
-        means = F.normalize(sums, dim=-1)
+        means = F.normalize(torch.bmm(resp.mul_(scale).to(x.dtype), x).to(dtype), dim=-1)
     return means, log_w, log_norms, collapsed
 
 
@@ -233,6 +285,7 @@ def fit_vmf_mixture(
     seeds: Tensor | None = None,
     reinit_threshold: float = 1e-6,
     dtype: torch.dtype = torch.float64,
+    product_dtype: torch.dtype | None = None,
     chunk_bytes: int | None = None,
 ) -> VMFMixture:
     """Fit a fixed-kappa vMF mixture to every row of ``x`` (B, N, D, or :class:`Points`) at once.
@@ -242,36 +295,32 @@ def fit_vmf_mixture(
     pass seeds derived from discrete content (token ids, pixels) when features may carry float noise.
     Rows are fitted in chunks of about ``chunk_bytes`` of points (default :data:`CHUNK_BYTES`; 0: all at once),
     which changes the speed, not the result.
+
+    ``dtype`` is the precision of the fit (means, weights, responsibilities, log-likelihoods); ``product_dtype``
+    the one the points are kept in and multiplied with the means in (default ``dtype``, or for :class:`Points`
+    the dtype they hold; see :data:`PRECISIONS`).
     """
     if n_components < 1 or iterations < 0:
         raise ValueError("n_components must be >= 1 and iterations >= 0")
-    prepared = points(x, mask, dtype)
+    prepared = points(x, mask, dtype, product_dtype)
     x, mask, counts = prepared.x, prepared.mask, prepared.counts
     empty = (counts == 0).nonzero().flatten()
     if len(empty):
         raise ValueError(f"rows {empty.tolist()} have no valid points to fit a mixture to")
-    B, N, _ = x.shape
-    K = n_components
-    device = x.device
+    B, K, device = len(x), n_components, x.device
     if seeds is None:
         seeds = content_seeds(x, mask[..., None].expand_as(x))
     seeds = seeds.to(device=device, dtype=torch.int64)
-    ranks = mask.long().cumsum(1) - 1
     k_eff = counts.clamp(max=K)
     active = torch.arange(K, device=device)[None, :] < k_eff[:, None]
-
-    # Initial means: the first K points of a random permutation of the row's valid points.
-    keys = random_keys(seeds[:, None], INIT_STREAM, ranks).masked_fill(~mask, _NO_KEY)
-    first = keys.topk(min(K, N), dim=1, largest=False).indices
-    first = F.pad(first, (0, K - first.shape[1]))  # components beyond N are inactive anyway
-    means = x[torch.arange(B, device=device)[:, None], first]
+    row, first = torch.arange(B, device=device)[:, None], initial_positions(seeds, mask, K)
+    means = x[row, first].to(dtype) * prepared.scale[row, first][..., None]
     minus_inf = torch.tensor(-math.inf, dtype=dtype, device=device)
     log_w = torch.where(active, -torch.log(k_eff.to(dtype))[:, None], minus_inf)
     floor = torch.where(active, reinit_threshold * counts.to(dtype)[:, None], minus_inf)
-    restart_at = _restart_positions(seeds, mask, counts, iterations, K)
+    restart_at = restart_positions(seeds, mask, counts, iterations, K)
 
-    parts = [_em(x[rows], mask[rows], floor[rows], means[rows], log_w[rows], restart_at[rows], float(kappa),
-                 iterations)
+    parts = [_em(prepared[rows], floor[rows], means[rows], log_w[rows], restart_at[rows], float(kappa), iterations)
              for rows in _row_chunks(B, _chunk_size(x, chunk_bytes))]
     means = torch.cat([p[0] for p in parts])
     log_w = torch.cat([p[1] for p in parts])
@@ -300,7 +349,8 @@ def _log_densities(at: Points, first: VMFMixture, second: VMFMixture) -> tuple[T
     """``log p(x)`` of every point under two mixtures (row ``b`` of each for row ``b`` of the points), from one
     pass over the points: the two sets of means are stacked into one matrix product."""
     k = first.means.shape[1]
-    dots = torch.bmm(at.x, torch.cat([first.means, second.means], 1).transpose(1, 2))
+    means = torch.cat([first.means, second.means], 1)
+    dots = torch.bmm(at.x, means.to(at.x.dtype).transpose(1, 2)).to(means.dtype).mul_(at.scale[..., None])
     out = []
     for mixture, part in ((first, dots[..., :k]), (second, dots[..., k:])):
         density = torch.logsumexp(mixture.kappa * part + mixture.log_weights[:, None, :], dim=-1)
@@ -331,7 +381,8 @@ def bi_kl(
 ) -> BiKL:
     """Monte Carlo bi-directional KL for B pairs. ``patches`` and ``image_mixture`` have one row per distinct
     image; pair ``b`` uses image ``image_index[b]`` (default: ``b``), so an image's own log-density is computed
-    once for all of its captions. Masks are ignored for :class:`Points`."""
+    once for all of its captions. Masks are ignored for :class:`Points`, which are multiplied with the means in
+    the dtype they hold; tensors in the mixtures' dtype, which the log-densities and the KL are in."""
     dtype = image_mixture.means.dtype
     patches, tokens = points(patches, patch_mask, dtype), points(tokens, token_mask, dtype)
     if image_index is None:
