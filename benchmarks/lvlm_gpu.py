@@ -23,7 +23,7 @@ On a COCO-like workload (``--captions-per-image`` captions per image, 640x480 im
 * the share of the score heads (``FLEUR.head`` + ``DISCODE.head`` on the judge's output) in the time;
 * Rigel (the paper's scorer: one forward pass per sample, a scoring head on the final hidden state) on the
   Qwen3-VL-2B-shaped model, samples/s batched against a per-sample loop. Qwen-VL processors need torchvision
-  (``pip install 'capeval-plugins[qwen]'``); without it this part says so and is left out.
+  (``pip install -e '.[qwen]'``); without it this part says so and is left out.
 """
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ def rigel(args, device: torch.device, dtype: torch.dtype) -> None:
     from rigel_throughput import one_sample_loop
 
     if not is_torchvision_available():
-        print("Rigel on Qwen3-VL: left out, its processor needs torchvision (pip install 'capeval-plugins[qwen]')")
+        print("Rigel on Qwen3-VL: left out, its processor needs torchvision (pip install -e '.[qwen]')")
         return
     judge = qwen3_vl_judge(QWEN3_VL_TINY if args.tiny else QWEN3_VL_2B, device, dtype)
     hidden = int(judge.head.weight.shape[1])

@@ -111,3 +111,31 @@ def torchvision_works() -> bool:
 
 needs_torchvision = pytest.mark.skipif(not torchvision_works(), reason="Qwen-VL processors need torchvision "
                                        "(pip install -e '.[qwen]')")
+
+
+# Real captions and photos for side-by-side tests against peer packages. CAPEVAL_BENCHDATA points a checkout
+# that is not next to ../shared (e.g. a git worktree) at the data.
+FLICKR8K_EXPERT = Path(os.environ.get("CAPEVAL_BENCHDATA", BENCHDATA)) / "flickr8k_expert" / "flickr8k.json"
+
+
+def flickr8k_pairs(n_images: int):
+    """The distinct (image, caption) pairs of the first ``n_images`` Flickr8k-Expert images with their image's
+    references (:func:`capeval_plugins.testing.realistic.flickr8k_expert_pairs`); skips without the data."""
+    if not FLICKR8K_EXPERT.is_file():
+        pytest.skip(f"Flickr8k-Expert is not at {FLICKR8K_EXPERT} (set CAPEVAL_BENCHDATA)")
+    from capeval_plugins.testing.realistic import flickr8k_expert_pairs
+
+    return flickr8k_expert_pairs(FLICKR8K_EXPERT, n_images)
+
+
+def flickr8k_rows(n_images: int, long_side: int = 255):
+    """:func:`flickr8k_pairs` and one image per row: a crop of a real photo per Flickr image, the same object
+    for that image's rows. ``long_side`` 255 px keeps the shorter side under 256, below which the runner does
+    not reduce images for the tiny CLIP's 32 px processor, so a peer resizing the photo itself sees the same
+    pixels. Skips without the data or scikit-image."""
+    pairs = flickr8k_pairs(n_images)
+    pytest.importorskip("skimage")
+    from capeval_plugins.testing.realistic import photo_crops
+
+    crops = photo_crops(pairs.n_images, long_side=long_side)
+    return pairs, [crops[k] for k in pairs.image]

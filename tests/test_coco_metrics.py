@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import free_port, has_java
+from conftest import flickr8k_pairs, free_port, has_java
 
 import capeval_plugins
 from capeval_plugins.inputs import InputError
@@ -75,6 +75,46 @@ def test_meteor_equals_pycocoevalcap_and_its_corpus_score_is_its_own_aggregate()
     ours = capeval_plugins.load("meteor", batch_size=5)(None, cands, refs)
     # pycocoevalcap's own scorer object (the one JVM of this process: starting another costs seconds)
     score, items = direct(shared_meteor(), cands, refs)
+    assert ours.score == pytest.approx(score, abs=1e-12)
+    assert ours.scores.tolist() == pytest.approx(items, abs=1e-12)
+
+
+@needs_java
+def test_bleu_rouge_cider_equal_pycocoevalcap_on_flickr8k_expert():
+    """Real captions (the 375 distinct pairs of 60 Flickr8k-Expert images, 5 references each: mixed case,
+    punctuation, hyphens, a vocabulary of over 600 words): the same pycocoevalcap code on the same PTB tokens
+    in the same order, so equal (benchmarks/peers.py finds every score bit-equal on all 5,664 pairs)."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
+
+    from capeval_plugins import runner
+
+    pairs = flickr8k_pairs(60)
+    cands, refs = pairs.candidates, pairs.references
+    assert len(cands) == 375 and len({w for r in refs for t in r for w in t.lower().split()}) > 600
+    bleu, bleu_items = direct(Bleu(4), cands, refs)
+    results = runner.score_many({n: capeval_plugins.load(n) for n in ("bleu1", "bleu4", "rouge_l", "cider")},
+                                None, cands, refs)
+    for name, n in (("bleu1", 1), ("bleu4", 4)):
+        assert results[name].score == pytest.approx(bleu[n - 1], rel=1e-12)
+        assert results[name].scores.tolist() == pytest.approx(bleu_items[n - 1], rel=1e-12, abs=1e-15)
+    for name, scorer in (("rouge_l", Rouge()), ("cider", Cider())):
+        score, items = direct(scorer, cands, refs)
+        assert results[name].score == pytest.approx(score, rel=1e-12), name
+        assert results[name].scores.tolist() == pytest.approx(list(items), rel=1e-12, abs=1e-15), name
+    assert 0 < results["bleu4"].score < results["bleu1"].score < 1 and results["cider"].scores.std() > 0.1
+
+
+@pytest.mark.slow  # METEOR's JVM takes seconds to start
+@needs_java
+def test_meteor_equals_pycocoevalcap_on_flickr8k_expert():
+    from capeval_plugins.metrics.coco import shared_meteor
+
+    pairs = flickr8k_pairs(20)
+    ours = capeval_plugins.load("meteor")(None, pairs.candidates, pairs.references)
+    score, items = direct(shared_meteor(), pairs.candidates, pairs.references)
+    assert len(items) == len(pairs.candidates) > 100
     assert ours.score == pytest.approx(score, abs=1e-12)
     assert ours.scores.tolist() == pytest.approx(items, abs=1e-12)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import free_port, random_image
+from conftest import flickr8k_rows, free_port, random_image
 from scipy.stats import multivariate_normal
 from test_gaussian import numpy_trace_mid
 
@@ -55,7 +55,11 @@ def plain_pairs(path: str, images, candidates, references):
 def plain_mid(path: str, images, candidates, references, eps: float = 0.0) -> np.ndarray:
     """Per-sample PMI: features of every (image, reference) pair concatenated, mean and covariance by numpy,
     PMI = log N(z) - log N(x) - log N(y) by scipy."""
-    x, y, x0, y0 = plain_pairs(path, images, candidates, references)
+    return scipy_pmi(*plain_pairs(path, images, candidates, references), eps)
+
+
+def scipy_pmi(x, y, x0, y0, eps: float = 0.0) -> np.ndarray:
+    """PMI of the pairs (x0, y0) under Gaussians fitted to the pairs (x, y)."""
     z = np.concatenate([x, y], axis=1)
     d = x.shape[1]
     mean, cov = z.mean(axis=0), np.cov(z, rowvar=False) + eps * np.eye(2 * d)
@@ -86,6 +90,27 @@ def test_mid_equals_an_independent_computation_on_concatenated_features(tiny_cli
     normalized = (expected / (1 + np.abs(expected)) + 1) / 2
     assert result.extras["pmi_normalized"].tolist() == pytest.approx(normalized.tolist(), abs=1e-6)
     assert result.corpus_extras["fit_pairs"] == sum(len(r) for r in corpus()[2])
+
+
+def test_mid_equals_the_official_form_on_flickr8k_expert_and_real_photos(tiny_clip):
+    """243 Flickr8k-Expert captions of 40 crops of real photos (1,215 (image, reference) pairs fitted, several
+    captions per image, many of them written for other images): the corpus MID against the official trace form
+    and the per-sample PMI against scipy, both on plain transformers features. The features agree to ~1e-7
+    (float32, other padding) and the fit has 1,215 pairs for 32 dimensions, so the same TOL holds."""
+    pairs, images = flickr8k_rows(40)
+    texts = sorted(set(pairs.candidates).union(*pairs.references))
+    firsts = [images[pairs.image.index(k)] for k in range(pairs.n_images)]
+    image_feats, text_feats = plain_features(tiny_clip, firsts, texts)  # each distinct image and text once
+    text_row = {t: i for i, t in enumerate(texts)}
+    fit_image = [k for k, refs in zip(pairs.image, pairs.references) for _ in refs]
+    plain = (image_feats[fit_image], text_feats[[text_row[r] for refs in pairs.references for r in refs]],
+             image_feats[pairs.image], text_feats[[text_row[c] for c in pairs.candidates]])
+    result = capeval_plugins.load("mid", model=tiny_clip, batch_size=64)(images, pairs.candidates, pairs.references)
+    assert result.corpus_extras["fit_pairs"] == 1215
+    assert result.score == pytest.approx(numpy_trace_mid(*plain), **TOL)
+    expected = scipy_pmi(*plain)
+    assert result.scores.tolist() == pytest.approx(expected.tolist(), **TOL)
+    assert expected.std() > 0.1  # real spread: matched and mismatched captions
 
 
 def test_independent_of_batch_size_and_order(tiny_clip, expected):
