@@ -141,23 +141,15 @@ def chunks(n: int, size: int) -> list[slice]:
 
 # ---------------------------------------------------------------------------------------------- clipscore
 
-class TensorFeatures(torch.nn.Module):
-    """torchmetrics 1.9 expects transformers 4's tensors from get_*_features; transformers 5 returns output
-    objects. Unwraps them and changes nothing else."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.config = model, model.config
-
-    def get_image_features(self, *args, **kwargs):
-        return pooled(self.model.get_image_features(*args, **kwargs))
-
-    def get_text_features(self, *args, **kwargs):
-        return pooled(self.model.get_text_features(*args, **kwargs))
-
-
 def pooled(output):
     return output if isinstance(output, torch.Tensor) else output.pooler_output
+
+
+def torchmetrics_clip(clip, processor):
+    """The loader torchmetrics' CLIPScore calls, with transformers 5's outputs unwrapped."""
+    from capeval_plugins.testing.peers import TensorFeatures
+
+    return TensorFeatures(clip), processor
 
 
 def recorded_torchmetrics_scores() -> list:
@@ -189,7 +181,7 @@ def clipscore_part(args, models: "Models") -> None:
     model = models.main()
     clip, processor = CLIPModel.from_pretrained(model).eval(), CLIPProcessor.from_pretrained(model)
     images, captions = row_images(pairs, photo_side(processor), as_tensor=True), pairs.candidates
-    theirs = TMCLIPScore(model_name_or_path=lambda: (TensorFeatures(clip), processor))
+    theirs = TMCLIPScore(model_name_or_path=lambda: torchmetrics_clip(clip, processor))
     seen = recorded_torchmetrics_scores()
     ours = capeval_plugins.load("clipscore", model=model, w=100.0, prefix="", batch_size=args.batch_size)
 

@@ -10,6 +10,7 @@ import torch
 from conftest import CAPTIONS, REFERENCES, flickr8k_rows, random_image
 
 import capeval_plugins
+from capeval_plugins.testing.peers import TensorFeatures
 
 
 def plain_clip(path: str):
@@ -74,21 +75,6 @@ def test_reference_options_follow_their_definition(tiny_clip, images):
         cand = plain_embed_text(model, processor, "A photo depicts " + cap)
         best = max(float(cand @ plain_embed_text(model, processor, r)) for r in refs)
         assert result.extras["reference_similarity"][i].item() == pytest.approx(best, abs=1e-5)
-
-
-class TensorFeatures(torch.nn.Module):
-    """torchmetrics 1.9 expects transformers 4's tensors from get_*_features; transformers 5 returns output
-    objects. Unwrap them and change nothing else."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model, self.config = model, model.config
-
-    def get_image_features(self, *args, **kwargs):
-        return self.model.get_image_features(*args, **kwargs).pooler_output
-
-    def get_text_features(self, *args, **kwargs):
-        return self.model.get_text_features(*args, **kwargs).pooler_output
 
 
 def torchmetrics_loader(path: str):
