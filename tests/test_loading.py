@@ -119,5 +119,5 @@ def test_placement_errors_are_clear(monkeypatch, tiny_clip):
     real = loading.importlib.util.find_spec
     monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name, *a: None if name == "accelerate"
                         else real(name, *a))
-    with pytest.raises(ImportError, match=r"needs accelerate.*capeval-plugins\[accelerate\]"):
+    with pytest.raises(ImportError, match=r"needs accelerate.*-e '\.\[accelerate\]"):
         loading.load_model(AutoModel, tiny_clip, device_map="auto", share=False)

@@ -436,7 +436,7 @@ def test_missing_torchvision_is_a_clear_error():
 
     if torchvision_works():
         pytest.skip("torchvision is installed")
-    with pytest.raises(ImportError, match=r"needs torchvision.*capeval-plugins\[qwen\]") as error:
+    with pytest.raises(ImportError, match=r"needs torchvision.*-e '\.\[qwen\]") as error:
         LVLMJudge.shared(JudgeSpec(qwen_checkpoint("qwen2_vl")))
     assert "\n" not in str(error.value)
 
