@@ -21,12 +21,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # One pass, four metrics, one backbone: CLIPScore, RefCLIPScore and two seed methods (MSD-Score and Soft-MSD)
-# on a tiny random CLIP built on the spot (no downloads): its scores are meaningless. With a real model the
-# command is the same: --model openai/clip-vit-base-patch32
+# on real photographs (scikit-image's and matplotlib's sample photos, written to .cache/photos) with a right
+# and a wrong caption each, scored by a tiny random CLIP built on the spot (no downloads): its scores are
+# meaningless. With a real model the command is the same: --model openai/clip-vit-base-patch32
 demo: $(STAMP)
 	$(BIN)/capeval tiny clip .cache/tiny-clip
+	$(BIN)/python -m capeval_plugins.testing.realistic .cache/photos
 	$(BIN)/capeval score -m clipscore -m refclipscore -m msd_score -m soft_msd --model .cache/tiny-clip \
-		--images examples/images --captions examples/captions.jsonl --out scores.jsonl
+		--images .cache/photos --captions examples/photos.jsonl --out scores.jsonl
 	@echo "per-sample scores of every metric: scores.jsonl (random weights: the numbers mean nothing)"
 
 $(LMMS_STAMP): pyproject.toml

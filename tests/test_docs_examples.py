@@ -10,6 +10,7 @@ fails, so the list stays true. A new block runs by default: the next drift betwe
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -115,6 +116,10 @@ def sandbox(tmp_path_factory, tiny_clip) -> Path:
     for name in ("dog.jpg", "cat.jpg"):
         random_image(len(name), size=(40, 32)).save(root / name, format="PNG")
     _coco_files(root, names)
+    if importlib.util.find_spec("skimage") is not None:  # the README's photos (make demo writes them there)
+        from capeval_plugins.testing.realistic import write_photos
+
+        write_photos(root / ".cache" / "photos")
     return root
 
 

@@ -92,3 +92,24 @@ def flickr8k_expert_pairs(path: str | Path, images: int | None = None) -> Captio
             pairs.candidates.append(caption)
             pairs.references.append(refs)
     return pairs
+
+
+def write_photos(folder: str | Path) -> list[Path]:
+    """Write :data:`PHOTOS` into ``folder`` as ``<name>.jpg`` (JPEG quality 95), the images of
+    ``examples/photos.jsonl`` (``make demo``). Returns the paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, image in zip(PHOTOS, photos()):
+        path = folder / f"{name}.jpg"
+        image.save(path, quality=95)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m capeval_plugins.testing.realistic FOLDER  (writes the sample photographs there)")
+    print(f"{len(write_photos(sys.argv[1]))} photographs written to {sys.argv[1]}")
