@@ -96,14 +96,14 @@ def flickr8k_expert_pairs(path: str | Path, images: int | None = None) -> Captio
 
 def write_photos(folder: str | Path) -> list[Path]:
     """Write :data:`PHOTOS` into ``folder`` as ``<name>.jpg`` (JPEG quality 95), the images of
-    ``examples/photos.jsonl`` (``make demo``). Returns the paths."""
+    ``examples/photos.jsonl`` (``make demo``). A file already there is kept, never overwritten (the folder may
+    be the user's; a second ``make demo`` finds its photos in place). Returns the paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, image in zip(PHOTOS, photos()):
-        path = folder / f"{name}.jpg"
-        image.save(path, quality=95)
-        paths.append(path)
+    paths = [folder / f"{name}.jpg" for name in PHOTOS]
+    for path, name in zip(paths, PHOTOS):
+        if not path.exists():
+            photo(name).save(path, quality=95)
     return paths
 
 
@@ -112,4 +112,4 @@ if __name__ == "__main__":
 
     if len(sys.argv) != 2:
         sys.exit("usage: python -m capeval_plugins.testing.realistic FOLDER  (writes the sample photographs there)")
-    print(f"{len(write_photos(sys.argv[1]))} photographs written to {sys.argv[1]}")
+    print(f"{len(write_photos(sys.argv[1]))} photographs in {sys.argv[1]} (files already there kept)")
