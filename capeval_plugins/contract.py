@@ -320,12 +320,6 @@ class Metric(abc.ABC):
         :class:`~capeval_plugins.inputs.ImageReader` for another form (e.g. ids of precomputed features)."""
         return None
 
-    def image_side(self) -> int | None:
-        """The largest side this metric's image processor resizes to, or None when it needs images at full
-        size (the default). The runner then reduces images as they are read, keeping at least twice this
-        side, so large photos are never held at full size (the processor's own resize still decides)."""
-        return None
-
     def check_corpus(self, size: CorpusSize) -> FitProblem | None:
         """Why this configured metric cannot be fitted on a corpus of ``size`` (None when it can): a corpus
         statistic that needs more samples than it will get (a covariance needing more pairs than dimensions).

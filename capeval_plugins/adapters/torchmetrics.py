@@ -89,7 +89,7 @@ class CapevalMetric(torchmetrics.Metric):
         self._check_new_ids(corpus.ids)
         self._seen += n
         self._skip(skipped)
-        cache, how = runner.ImageCache(2 * metric.config.batch_size), runner.policy(metric)
+        cache, how = runner.image_cache([metric]), runner.policy(metric)
         for part in runner.iter_parts(metric, samples):
             outs, dropped = runner.map_part(metric, part, cache, how)  # a sample failing here: per the policy
             self._skip(dropped)

@@ -273,9 +273,6 @@ class MSDScore(Metric):
             return LocalAligner.shared(self.config.aligner, spec)
         return ClipEncoder.shared(spec)
 
-    def image_side(self) -> int | None:
-        return self.encoder.image_side() if isinstance(self.encoder, ClipEncoder) else None
-
     @property
     def mixture_sizes(self) -> tuple[int, int]:
         cfg = self.config
