@@ -284,3 +284,41 @@ def test_every_registered_metric_can_be_named_either_way():
     ours, others = split_metric_list(entries)
     assert [e.name for e in ours] == [*names, names[0]] and [o["metric"] for o in others] == ["coco_CIDEr"]
     assert all(e.options == {"batch_size": 4} for e in ours[:-1])
+
+
+def test_large_photos_score_as_the_reference_computation_on_the_full_image(tiny_clip, tmp_path):
+    """The task's aggregation hands CLIP's processor each document's image exactly as the task decoded it:
+    photos far above the processor's side and of odd aspect ratios score what the model's own processor and
+    forward pass give on the full image (tests/test_one_input.py: the other entry points)."""
+    import datasets
+    from conftest import LARGE_PHOTO_CAPTIONS, large_photos, reference_clip_cosines
+
+    pytest.importorskip("skimage")
+    photos = [str(p) for p in large_photos(tmp_path / "photos")]
+    features = datasets.Features({"image": datasets.Image(), "name": datasets.Value("string"),
+                                  "sentences": datasets.Sequence(datasets.Value("string"))})
+    ds = datasets.Dataset.from_dict({"image": photos, "name": [Path(p).name for p in photos],
+                                     "sentences": [["a reference"]] * len(photos)}, features=features)
+    ds.to_parquet(tmp_path / "test.parquet")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "tiny.yaml").write_text(f"""
+task: {TASK}
+class: !function capeval_plugins.adapters.lmms_eval.CaptionTask
+dataset_path: parquet
+dataset_kwargs:
+  data_files:
+    test: {tmp_path / 'test.parquet'}
+test_split: test
+output_type: generate_until
+doc_to_visual: !function capeval_plugins.lmms_eval_tasks.utils.doc_to_image
+doc_to_text: "Describe the image briefly."
+doc_to_target: sentences
+metric_list:
+  - metric: clipscore
+    model: {tiny_clip}
+""")
+    task = _loaded_task(tmp_path / "tasks")
+    items = [d["clipscore"] for d in _items(task, LARGE_PHOTO_CAPTIONS)]
+    got = task.aggregation()["clipscore"](items)
+    expected = 2.5 * reference_clip_cosines(tiny_clip, photos, LARGE_PHOTO_CAPTIONS).clip(min=0)
+    assert got == pytest.approx(float(expected.mean()), abs=2.5e-6)
