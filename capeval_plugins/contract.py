@@ -307,10 +307,12 @@ class Metric(abc.ABC):
         """Merged state (rows sorted by sample index, repeats removed) -> result."""
 
     def prepare_corpus(self, corpus: Batch) -> None:
-        """Optional whole-corpus preparation: the runner calls it once before its pass, with every sample the
-        pass will map (text only: ``images`` is None), and :meth:`release_corpus` after it. A metric may cache
-        work shared across batches here (e.g. embed each distinct text once); ``map`` must give the same result
-        with or without it, since adapters that stream batches never call it. Default: nothing."""
+        """Optional whole-corpus preparation: the runner calls it once before its pass, with every sample of
+        the pass (text only: ``images`` is None; on a resumed run the samples already mapped too, so that what
+        is prepared, and every score, does not depend on where the run was interrupted), and
+        :meth:`release_corpus` after it. A metric may cache work shared across batches here (e.g. embed each
+        distinct text once); ``map`` must give the same result with or without it, since adapters that stream
+        batches never call it. Default: nothing."""
 
     def release_corpus(self) -> None:
         """Drop what :meth:`prepare_corpus` kept. Default: nothing."""

@@ -634,11 +634,12 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
 
 
 def _prepare_corpus(task: _Task) -> None:
-    """The metric's whole-corpus hook, with the text of every sample this pass still has to map."""
-    todo = task.samples.subset(range(min(task.progress.batches * task.batch_size, len(task.samples)),
-                                     len(task.samples)))
-    if len(todo):
-        task.metric.prepare_corpus(to_batch(dataclasses.replace(todo, images=None)))
+    """The metric's whole-corpus hook, with the text of every sample of the pass (this rank's share), the
+    batches already done included: what it prepares (e.g. BERTScore's texts embedded in chunks, longest first)
+    must not depend on how far a resumed run had got, so that a resumed run ends with the same bits as an
+    uninterrupted one. Skipped when every batch is done."""
+    if task.progress.batches < task.n_batches:
+        task.metric.prepare_corpus(to_batch(dataclasses.replace(task.samples, images=None)))
 
 
 def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | None, store: RunStore | None) -> None:

@@ -152,6 +152,24 @@ def test_an_interrupted_run_resumes_to_the_same_bits_and_scores_only_the_rest(ti
         assert result.corpus_extras == whole[name].corpus_extras
 
 
+def test_a_resumed_run_prepares_the_whole_corpus_as_an_uninterrupted_one(corpus, tmp_path, monkeypatch):
+    """What a metric prepares for the pass (BERTScore: every text embedded in chunks, longest first) must not
+    depend on how far an interrupted run got: the resumed run's ``prepare_corpus`` sees the same samples."""
+    from capeval_plugins.metrics.coco import CocoMetric
+
+    images, captions, references = corpus
+    prepared = []
+    monkeypatch.setattr(CocoMetric, "prepare_corpus", lambda self, batch: prepared.append(list(batch.candidates)),
+                        raising=False)
+    metric = lambda: {"bleu1": capeval_plugins.load("bleu1", batch_size=8, tokenize=False)}  # noqa: E731
+    data = runner.Corpus(captions, None, references)
+    runner.run(metric(), data)
+    with pytest.raises(runner.Interrupted):
+        runner.run(metric(), data, run_dir=tmp_path / "run", stop=StopAfter(2))
+    runner.run(metric(), data, run_dir=tmp_path / "run")
+    assert len(prepared) == 3 and prepared[0] == prepared[1] == prepared[2]
+
+
 def test_a_run_folder_of_another_run_is_refused(tiny_clip, corpus, tmp_path):
     images, captions, references = corpus
     data = runner.Corpus(captions, images, references)
