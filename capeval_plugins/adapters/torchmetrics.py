@@ -5,7 +5,8 @@ come from the contract: ``"sum"`` statistics and ``"cat"`` rows, plus the sample
 metric carries, so under DDP the repeats a ``DistributedSampler`` adds are dropped and input order is
 restored (pass ``ids=`` with dataset indices). ``compute()`` returns the corpus score as a scalar tensor
 (Lightning's ``self.log(name, metric)`` works); ``compute_all()`` returns the full
-:class:`~capeval_plugins.contract.MetricResult` with per-sample scores and extras. The backbone is not part
+:class:`~capeval_plugins.contract.MetricResult` with per-sample scores and extras, and ``last_result`` keeps
+the latest one through ``reset()`` (Lightning resets a logged metric as soon as it has computed it). The backbone is not part
 of the module tree (not in ``state_dict``, not copied by ``clone()``) and is shared between instances.
 """
 from __future__ import annotations
@@ -60,6 +61,10 @@ class CapevalMetric(torchmetrics.Metric):
         self._ids: set[int] = set()  # ids updated on this rank: a repeat here is a user error
         self._guessed_ids = False  # ids made up under DDP: per-sample rows cannot be trusted
         self._result: MetricResult | None = None
+        # The full result of the latest compute(), kept through reset(): Lightning computes a logged metric at
+        # the end of an epoch and resets it at once, so this is how the epoch's per-sample scores get out.
+        self.last_result: MetricResult | None = None
+        self._last_guessed = False
 
     def update(
         self,
@@ -131,20 +136,28 @@ class CapevalMetric(torchmetrics.Metric):
     def compute(self) -> torch.Tensor:
         state = self._merged_state()
         skipped = dict(zip(state.pop("_skipped_index").tolist(), decode_texts(state.pop("_skipped_reason"))))
-        self._result = runner.finalize(self.capeval_metric, state, skipped)
+        self._result = self.last_result = runner.finalize(self.capeval_metric, state, skipped)
+        self._last_guessed = self._guessed_ids
         return torch.tensor(self._result.score, dtype=torch.float64, device=self.device)
 
     def compute_all(self) -> MetricResult:
         """Corpus score, per-sample scores (in sample-id order, repeats dropped) and extras.
 
+        With nothing updated since the last ``reset()`` (after ``Trainer.validate``, which computes a logged
+        metric at the end of the epoch and resets it), the result of that last computation
+        (:attr:`last_result`): the epoch's per-sample scores.
+
         Under DDP the per-sample rows are filed by the ids given to ``update``; without ids they would follow
         a guess (a non-shuffled sampler's interleaving), wrong for a shuffled one, so they are refused: pass
         ``ids=`` (``compute()``'s corpus score does not depend on them)."""
-        if self._guessed_ids:
+        kept = self._update_count == 0 and self.last_result is not None
+        if self._last_guessed if kept else self._guessed_ids:
             raise ValueError(
                 f"{self.capeval_metric.info.name}: per-sample results under torch.distributed need ids=<dataset "
                 "indices> in every update(): without them a shuffled sampler's samples are filed under wrong "
                 "indices; compute() gives the corpus score")
+        if kept:
+            return self.last_result
         self.compute()
         assert self._result is not None
         return self._result
