@@ -19,7 +19,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -351,11 +351,27 @@ class Metric(abc.ABC):
         """Score a whole corpus in this process through :func:`capeval_plugins.runner.score`: validate
         everything first (errors name ``ids[i]``, else the position), batch (candidates of one image together),
         map, merge, finalize; checkpoint in ``run_dir``. It does not shard over torch.distributed ranks (a call
-        made on one rank only must not wait for the others): ``runner.score(..., shard=True)`` does."""
-        from capeval_plugins import runner
+        made on one rank only must not wait for the others): ``runner.score(..., shard=True)`` does.
 
-        return runner.score(self, images, candidates, references, group_ids=group_ids, ids=ids,
-                            on_error=on_error, run_dir=run_dir, restart=restart, progress=progress)
+        The contract does not import the runner (it stands on the contract): the runner installs itself as
+        the corpus scorer (:func:`set_corpus_scorer`) when it is imported, which the registry, and so
+        ``capeval_plugins.load`` and every registered metric's module, does."""
+        if _corpus_scorer is None:
+            raise RuntimeError(f"{type(self).__name__}: scoring a corpus needs capeval_plugins.runner, which is not "
+                               "imported yet: import capeval_plugins.runner (capeval_plugins.load does)")
+        return _corpus_scorer(self, images, candidates, references, group_ids=group_ids, ids=ids,
+                              on_error=on_error, run_dir=run_dir, restart=restart, progress=progress)
+
+
+CorpusScorer = Callable[..., MetricResult]
+_corpus_scorer: CorpusScorer | None = None
+
+
+def set_corpus_scorer(scorer: CorpusScorer) -> None:
+    """How :meth:`Metric.__call__` scores a corpus: ``scorer(metric, images, candidates, references, **options)``
+    (the runner's :func:`~capeval_plugins.runner.score`, installed by the runner itself)."""
+    global _corpus_scorer
+    _corpus_scorer = scorer
 
 
 def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name: str) -> MetricConfig:

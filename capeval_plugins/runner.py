@@ -36,7 +36,7 @@ from torch import Tensor
 
 from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch_digest
 from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, finalize_state,
-                                      full_spec, map_batch, merge_states)
+                                      full_spec, map_batch, merge_states, set_corpus_scorer)
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
                                     to_batch, validate_samples)
@@ -741,6 +741,9 @@ def score(metric: Metric, images: Sequence[Any] | None = None, candidates: Seque
           references: Sequence[Any] | None = None, **kwargs: Any) -> MetricResult:
     """Score one corpus with one metric (see :func:`score_many` for the options)."""
     return score_many({metric.info.name: metric}, images, candidates, references, **kwargs)[metric.info.name]
+
+
+set_corpus_scorer(score)  # Metric.__call__ scores through here (the contract does not import the runner)
 
 
 def finish(run_dir: str | os.PathLike, shard: bool = False, run_id: str | None = None) -> None:
