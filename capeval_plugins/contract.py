@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from capeval_plugins.core.messages import install_extra
+
 INDEX = "index"
 GROUP = "group"
 Usage = Literal["never", "optional", "always"]
@@ -153,6 +155,28 @@ class FitProblem:
         return f"{metric}: {self.need}" + (f"; {', or '.join(fixes)}" if fixes else "")
 
 
+@dataclass(frozen=True)
+class Requirement:
+    """Something a configured metric needs from the machine before it can score (see
+    :meth:`Metric.requirements`), checked for every metric of a run by :func:`capeval_plugins.preflight.check`
+    before the first sample is scored (or, in a harness, generated), so that a missing piece costs no work:
+
+    * ``"model"``: a checkpoint, ``target`` a hub id or local path (``revision``, ``local_files_only`` as the
+      loader will use them): a local folder, or in the Hugging Face cache, or on a reachable hub;
+    * ``"java"``: a ``java`` on PATH, for ``target`` (what runs it: ``"METEOR"``);
+    * ``"module"``: an importable module ``target`` (an optional extra);
+    * ``"file"``: an existing file ``target``.
+
+    ``why`` names what needs it (``"option model"``); ``remedy`` says what to do when it is missing."""
+
+    kind: Literal["model", "java", "module", "file"]
+    target: str
+    why: str = ""
+    remedy: str = ""
+    revision: str | None = None
+    local_files_only: bool | None = None
+
+
 @dataclass
 class MetricResult:
     """Corpus score, per-sample scores in input order, and named extras.
@@ -273,6 +297,9 @@ class ModelConfig(MetricConfig):
     offload_folder: str | None = None
 
     input_paths: ClassVar[tuple[str, ...]] = ("model",)
+    # Options that name a checkpoint (hub id or local path) loaded with ``revision`` and ``local_files_only``:
+    # each is a ``"model"`` requirement (see Metric.requirements).
+    model_options: ClassVar[tuple[str, ...]] = ("model",)
 
 
 class Metric(abc.ABC):
@@ -321,6 +348,18 @@ class Metric(abc.ABC):
         """How this metric reads its images: ``None`` for pixel images (paths, PIL, arrays, videos), or an
         :class:`~capeval_plugins.inputs.ImageReader` for another form (e.g. ids of precomputed features)."""
         return None
+
+    def requirements(self) -> list[Requirement]:
+        """What this configured metric needs from the machine (models, Java, optional modules, files), checked
+        before any work by every entry point (:mod:`capeval_plugins.preflight`); it must not load anything.
+        Default: each option of ``Config.model_options`` that is set, and accelerate for a ``device_map``."""
+        cfg = self.config
+        needs = [Requirement("model", value, f"option {key}", revision=getattr(cfg, "revision", None),
+                             local_files_only=getattr(cfg, "local_files_only", None))
+                 for key in getattr(cfg, "model_options", ()) if isinstance(value := getattr(cfg, key, None), str) and value]
+        if getattr(cfg, "device_map", None) is not None:
+            needs.append(Requirement("module", "accelerate", "option device_map", install_extra("accelerate")))
+        return needs
 
     def check_corpus(self, size: CorpusSize) -> FitProblem | None:
         """Why this configured metric cannot be fitted on a corpus of ``size`` (None when it can): a corpus
@@ -566,6 +605,9 @@ class CompositeMetric(Metric):
                 if key not in (INDEX, GROUP):
                     out[f"{name}{COMPONENT_SEP}{key}"] = value
         return out
+
+    def requirements(self) -> list[Requirement]:
+        return list(dict.fromkeys(r for metric in self.components().values() for r in metric.requirements()))
 
     def check_corpus(self, size: CorpusSize) -> FitProblem | None:
         for metric in self.components().values():

@@ -2,7 +2,8 @@
 
 ``capeval score``, ``capeval bench``, ``Metric.__call__`` and the adapters all score through here:
 
-1. **validate** everything before any model is loaded: every caption, image (file header, array layout),
+1. **validate** everything before any model is loaded: what every metric needs from the machine (its models,
+   Java, extras: :mod:`capeval_plugins.preflight`), every caption, image (file header, array layout),
    reference list and list length, for every metric of the run. Problems are reported together, each naming
    the sample's own index (the ``ids`` given, a caption file's row, else the position in the user's
    lists), never a position inside a batch or a shard. ``on_error="skip"`` scores the rest instead and
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from capeval_plugins import preflight
 from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch_digest
 from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, finalize_state,
                                       full_spec, map_batch, merge_states, set_corpus_scorer)
@@ -563,6 +565,7 @@ def run(
         raise ValueError("no metric to run")
     for metric in metrics.values():
         check_paths(metric)
+    preflight.check(metrics)  # models, Java, extras: before any work
     valid = _validate_all(metrics, corpus, on_error)
     check_fits(valid, metrics)
     rank, size = world(shard)

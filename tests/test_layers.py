@@ -18,6 +18,7 @@ FORBIDDEN = {
                              *ABOVE_THE_RUNNER),
     "capeval_plugins.contract": ("capeval_plugins.inputs", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
     "capeval_plugins.inputs": ("capeval_plugins.runner", *ABOVE_THE_RUNNER),
+    "capeval_plugins.preflight": ("capeval_plugins.runner", *ABOVE_THE_RUNNER),
     "capeval_plugins.runner": ABOVE_THE_RUNNER,
     "capeval_plugins.commands": ("capeval_plugins.cli",),
     "capeval_plugins.bench": ("capeval_plugins.cli",),

@@ -322,3 +322,16 @@ metric_list:
     got = task.aggregation()["clipscore"](items)
     expected = 2.5 * reference_clip_cosines(tiny_clip, photos, LARGE_PHOTO_CAPTIONS).clip(min=0)
     assert got == pytest.approx(float(expected.mean()), abs=2.5e-6)
+
+
+def test_a_metric_model_that_cannot_be_loaded_stops_the_task_before_any_generation(caption_task, tmp_path):
+    """The task checks its metrics' needs when it is built, before lmms-eval generates a single caption."""
+    from capeval_plugins.preflight import RequirementError
+
+    (tmp_path / "tasks").mkdir()
+    yaml = (caption_task / "tiny.yaml").read_text()
+    start = yaml.index("metric_list:")
+    (tmp_path / "tasks" / "tiny.yaml").write_text(yaml[:start] + "metric_list:\n  - metric: clipscore\n"
+                                                   "    model: org/not-cached\n")
+    with pytest.raises(RequirementError, match="clipscore: option model: 'org/not-cached' is not a local folder"):
+        _loaded_task(tmp_path / "tasks")

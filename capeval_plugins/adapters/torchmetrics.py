@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 import torchmetrics
 
-from capeval_plugins import registry, runner
+from capeval_plugins import preflight, registry, runner
 from capeval_plugins.adapters.naming import GeneratedClasses, identifier
 from capeval_plugins.contract import Metric, MetricResult, StateSpec, decode_texts, encode_texts, full_spec
 from capeval_plugins.core.messages import warn_once
@@ -50,6 +50,7 @@ class CapevalMetric(torchmetrics.Metric):
         if metric is not None and kwargs:
             raise TypeError("pass either a built metric or its options, not both")
         self.capeval_metric = metric if metric is not None else registry.load(self._capeval_name, **kwargs)
+        preflight.check({self.capeval_metric.info.name: self.capeval_metric})  # before the first batch is generated
         self._spec = {**full_spec(self.capeval_metric), **SKIPPED_SPEC}
         for name, spec in self._spec.items():
             if spec.reduce == "cat":
