@@ -527,8 +527,10 @@ class PointwiseMetric(Metric):
     e.g. an LVLM that wrote no number) are left out of the mean and counted in ``n_invalid``.
     ``optional_extras`` may be NaN where an input was not given (e.g. a reference-based extra without
     references) and are dropped when NaN for every sample; ``mean_extras`` also get their corpus mean as
-    ``mean_<name>``."""
+    ``mean_<name>``. ``reports_invalid``: a metric whose samples can be invalid by its own policy (an LVLM
+    judge) always reports ``n_invalid`` (0 when none), so its result keys do not depend on the data."""
 
+    reports_invalid: ClassVar[bool] = False
     extra_names: ClassVar[tuple[str, ...]] = ()
     extra_shapes: ClassVar[Mapping[str, tuple[int, ...]]] = {}
     optional_extras: ClassVar[tuple[str, ...]] = ()
@@ -559,7 +561,7 @@ class PointwiseMetric(Metric):
         }
         corpus = {f"mean_{k}": nanmean(extras[k]) for k in self.mean_extras if k in extras}
         corpus.update(self.corpus_extras(state))
-        if n_invalid:
+        if n_invalid or self.reports_invalid:
             corpus["n_invalid"] = float(n_invalid)
         return MetricResult(
             name=self.info.name,

@@ -232,6 +232,8 @@ def _caption_list(candidates: Any) -> list[Any]:
 
 def caption_problem(caption: Any) -> str | None:
     """What is wrong with one candidate caption, or None."""
+    if caption is None:
+        return "caption missing"
     if not isinstance(caption, str):
         return f"caption must be a string, got {type(caption).__name__}"
     if not caption.strip():
