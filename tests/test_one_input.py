@@ -103,3 +103,23 @@ def test_a_score_does_not_depend_on_the_other_metrics_of_the_run(tiny_clip, phot
     fleur = capeval_plugins.load("fleur", model=llava)
     together = runner.score_many({"clipscore": clip, "fleur": fleur}, photos, LARGE_PHOTO_CAPTIONS)
     assert torch.equal(together["clipscore"].extras["cosine"], alone.extras["cosine"])
+
+
+def test_evaluate_stores_in_memory_images_without_changing_a_pixel(tiny_clip, photos):
+    """Arrow keeps what evaluate is given until compute(): a PIL image decoded from JPEG bytes must not be
+    re-encoded as a JPEG, nor an opened image changed in memory be read again from its file."""
+    import io
+
+    import evaluate
+
+    with open(photos[2], "rb") as f:
+        from_bytes = Image.open(io.BytesIO(f.read()))  # format JPEG, no file name
+    edited = Image.open(photos[3])  # a file name; its pixels changed in memory
+    edited.load()
+    edited.paste((255, 0, 0), (0, 0, 200, 200))
+    images, captions = [from_bytes, edited], LARGE_PHOTO_CAPTIONS[2:4]
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, captions).extras["cosine"].numpy()
+    assert direct == pytest.approx(reference_clip_cosines(tiny_clip, [from_bytes.convert("RGB"), edited.convert("RGB")],
+                                                          captions), abs=TOL)
+    got = evaluate.load("clipscore", model=tiny_clip).compute(images=images, predictions=captions)["cosine"]
+    assert np.asarray(got) == pytest.approx(direct, abs=TOL)
