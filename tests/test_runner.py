@@ -56,14 +56,14 @@ def test_two_metrics_in_one_pass_equal_single_runs_and_load_the_backbone_once(ti
         assert together[name].score == alone.score
 
 
-def test_validation_reports_every_problem_before_any_model_loads(corpus, monkeypatch):
+def test_validation_reports_every_problem_before_any_model_loads(tiny_clip, corpus, monkeypatch):
     images, captions, references = corpus
     images = list(images)
     images[7] = "/no/such/image.png"
     captions = list(captions)
     captions[30] = " "
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    metric = capeval_plugins.load("clipscore", model="org/never-loaded")
+    metric = capeval_plugins.load("clipscore", model=tiny_clip)
     with pytest.raises(InputError) as err:
         runner.run({"clipscore": metric}, runner.Corpus(captions, images, references, ids=list(range(1000, 1000 + N))))
     assert "sample 1007: image file not found" in str(err.value) and "sample 1030: caption is empty" in str(err.value)
