@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Sequence
 
+from capeval_plugins.core.messages import install_extra
+
 EPILOG = """examples:
   capeval bench flickr8k-expert --data flickr8k.json --metric bleu4 --metric cider --json out.json
   capeval bench pascal50s --data pascal_50s.json --images VOC2012/JPEGImages --metric clipscore \\
@@ -120,7 +122,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("capeval: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        print(f"capeval: error: --plot needs matplotlib: {install_extra('bench')}", file=sys.stderr)
         return 2
     if not args.metric and not args.scores:
         print("capeval: error: give --metric NAME or --scores NAME=FILE (or both)", file=sys.stderr)
