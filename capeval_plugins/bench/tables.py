@@ -78,7 +78,8 @@ def report_markdown(report) -> str:
             rows.append(row + [f"{r['n_ties']:,}", _time(r)])
         models = {name: r["system"] for name, r in results.items() if "system" in r}
         if models:
-            lines += table(header, rows) + ["", "Model level (bootstrap-Elo ranking from the metric's decisions "
+            elo = "one-pass Elo" if protocol.elo == "single" else "bootstrap-Elo"
+            lines += table(header, rows) + ["", f"Model level ({elo} ranking from the metric's decisions "
                                             "against the human ranking):", ""]
             header = ["metric", "models", "Spearman", "Kendall τb"]
             rows = [[name, str(m["n"]), number(m.get("spearman")), number(m.get("kendall_tau_b"))]
