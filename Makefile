@@ -13,6 +13,11 @@ LOCK := requirements/main.txt
 LMMS_VENV ?= .venv-lmms
 LMMS_STAMP := $(LMMS_VENV)/.installed
 LMMS_LOCK := requirements/lmms.txt
+# Real tokenizers of the LVLM judges that packages ship (Qwen's BPE in dashscope, Mistral's SentencePiece in
+# mistral-common): their wheels are downloaded at pinned versions, never installed; the tests read the files.
+TOKENIZER_WHEELS := .cache/tokenizer-wheels
+TOKENIZER_STAMP := $(TOKENIZER_WHEELS)/.downloaded
+TOKENIZER_PINS := requirements/tokenizer-files.txt
 
 .PHONY: demo test docs lock clean
 
@@ -43,8 +48,12 @@ $(LMMS_STAMP): pyproject.toml $(LMMS_LOCK)
 	$(LMMS_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(LMMS_STAMP)
 
+$(TOKENIZER_STAMP): $(TOKENIZER_PINS) $(STAMP)
+	$(BIN)/python -m pip download -q --no-deps -d $(TOKENIZER_WHEELS) -r $(TOKENIZER_PINS)
+	touch $(TOKENIZER_STAMP)
+
 # The suite, then the lmms-eval tests in their own venv (they skip in the main one).
-test: $(STAMP) $(LMMS_STAMP)
+test: $(STAMP) $(LMMS_STAMP) $(TOKENIZER_STAMP)
 	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/pytest -q
 	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(LMMS_VENV)/bin/pytest -q tests/test_lmms_eval_adapter.py
 

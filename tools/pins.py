@@ -40,6 +40,8 @@ ENVIRONMENTS = {
     "lmms": ([".[test,lmms]", LMMS_TORCHVISION, "decord"], ["torchvision"]),
 }
 HEADER = "# pinned:"
+# Packages whose wheels are downloaded for files they ship (real tokenizers), never installed.
+FILE_PACKAGES = ["dashscope", "mistral-common"]
 
 
 def _pip(venv: Path, *args: str) -> str:
@@ -63,6 +65,27 @@ def resolve(name: str) -> list[str]:
         _pip(venv, "uninstall", "-q", "-y", *removals)
     frozen = _pip(venv, "freeze", "--all", "--exclude-editable").splitlines()
     return sorted((line for line in frozen if line and not line.startswith("#")), key=str.lower)
+
+
+def resolve_files() -> list[str]:
+    """The newest wheel of each of :data:`FILE_PACKAGES`, by name and version (downloaded, not installed)."""
+    folder = SCRATCH / "files"
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"[files] downloading {', '.join(FILE_PACKAGES)} ...", flush=True)
+    out = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                          "-d", str(folder), *FILE_PACKAGES], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"pip download failed:\n{out.stderr[-3000:]}")
+    pins = []
+    for package in FILE_PACKAGES:
+        stem = package.replace("-", "_")
+        versions = sorted((w.name.split("-")[1] for w in folder.glob(f"{stem}-*.whl")), key=_version_key)
+        pins.append(f"{package}=={versions[-1]}")
+    return pins
+
+
+def _version_key(version: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+]", version))
 
 
 def _versions(lines: list[str]) -> dict[str, str]:
@@ -92,17 +115,22 @@ def changes(old: list[str], new: list[str]) -> list[str]:
 def write_lock(name: str, pins: list[str]) -> None:
     LOCKS.mkdir(exist_ok=True)
     stamp = datetime.date.today().isoformat()
+    what = ("# Wheels `make test` downloads (--no-deps, never installed) for the real tokenizers they ship."
+            if name == FILES else
+            "# Every package of the test environment at one version: `make test` installs it with --no-deps.")
     header = [
-        f"{HEADER} python {platform.python_version()} {sys.platform} {platform.machine()} on {stamp}",
-        "# Every package of the test environment at one version: `make test` installs it with --no-deps.",
+        f"{HEADER} python {platform.python_version()} {sys.platform} {platform.machine()} on {stamp}", what,
         "# Do not edit: `make lock` resolves pyproject.toml's ranges anew and rewrites this file (tools/pins.py).",
     ]
     (LOCKS / f"{name}.txt").write_text("\n".join(header + pins) + "\n")
 
 
+FILES = "tokenizer-files"
+
+
 def refresh(names: list[str]) -> None:
     for name in names:
-        old, new = read_lock(name), resolve(name)
+        old, new = read_lock(name), resolve_files() if name == FILES else resolve(name)
         write_lock(name, new)
         rows = changes(old, new)
         print(f"[{name}] requirements/{name}.txt: {len(new)} packages, {len(rows)} changed")
@@ -126,15 +154,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("refresh", help="resolve the environments anew, write requirements/*.txt, show changes")
-    r.add_argument("names", nargs="*", metavar="ENV", help=f"{' / '.join(ENVIRONMENTS)} (default: all)")
+    r.add_argument("names", nargs="*", metavar="ENV", help=f"{' / '.join([*ENVIRONMENTS, FILES])} (default: all)")
     c = sub.add_parser("check-python", help="exit 1 unless this Python is the one the lock was resolved on")
     c.add_argument("name", choices=list(ENVIRONMENTS))
     args = parser.parse_args(argv)
     if args.command == "refresh":
-        unknown = set(args.names) - set(ENVIRONMENTS)
+        known = [*ENVIRONMENTS, FILES]
+        unknown = set(args.names) - set(known)
         if unknown:
-            parser.error(f"unknown environment {sorted(unknown)}: choose from {list(ENVIRONMENTS)}")
-        refresh(args.names or list(ENVIRONMENTS))
+            parser.error(f"unknown environment {sorted(unknown)}: choose from {known}")
+        refresh(args.names or known)
     else:
         check_python(args.name)
 
