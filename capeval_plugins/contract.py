@@ -354,9 +354,10 @@ class Metric(abc.ABC):
         before any work by every entry point (:mod:`capeval_plugins.preflight`); it must not load anything.
         Default: each option of ``Config.model_options`` that is set, and accelerate for a ``device_map``."""
         cfg = self.config
+        named = {key: getattr(cfg, key, None) for key in getattr(cfg, "model_options", ())}
         needs = [Requirement("model", value, f"option {key}", revision=getattr(cfg, "revision", None),
                              local_files_only=getattr(cfg, "local_files_only", None))
-                 for key in getattr(cfg, "model_options", ()) if isinstance(value := getattr(cfg, key, None), str) and value]
+                 for key, value in named.items() if isinstance(value, str) and value]
         if getattr(cfg, "device_map", None) is not None:
             needs.append(Requirement("module", "accelerate", "option device_map", install_extra("accelerate")))
         return needs

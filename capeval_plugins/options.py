@@ -110,7 +110,8 @@ def _valid(classes: Mapping[str, type]) -> str:
     return "; ".join(f"{name} takes {', '.join(sorted(fields(cls.Config)))}" for name, cls in classes.items())
 
 
-def build_metrics(names: Sequence[str], pairs: Sequence[str], shared: Mapping[str, str] | None = None) -> dict[str, Any]:
+def build_metrics(names: Sequence[str], pairs: Sequence[str],
+                  shared: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The selected metrics (registered names), each with its options: ``key=value`` to every selected metric
     that takes it, ``metric.key=value`` to one; ``shared`` are more bare options (``--model``, ...). A metric
     named twice, an option no metric takes or a value a metric refuses raises :class:`OptionError`."""

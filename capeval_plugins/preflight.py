@@ -71,7 +71,9 @@ def problem(need: Requirement) -> str | None:
             return None
         return f"{need.why or 'this metric'} needs {need.target}, which is not installed{remedy}"
     if need.kind == "file":
-        return None if os.path.isfile(need.target) else f"{need.why or 'this metric'} needs {need.target}, which does not exist{remedy}"
+        if os.path.isfile(need.target):
+            return None
+        return f"{need.why or 'this metric'} needs {need.target}, which does not exist{remedy}"
     if need.kind == "model":
         found = model_problem(need.target, need.revision, need.local_files_only)
         return f"{need.why + ': ' if need.why else ''}{found}{remedy}" if found else None

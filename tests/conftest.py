@@ -166,7 +166,8 @@ LARGE_PHOTO_CAPTIONS = ["a portrait of a woman in a naval uniform", "a strip of 
                         "a motorcycle parked in a room"]
 
 
-def reference_clip_cosines(model: str, images: list, captions: list[str], prefix: str = "A photo depicts ") -> np.ndarray:
+def reference_clip_cosines(model: str, images: list, captions: list[str],
+                           prefix: str = "A photo depicts ") -> np.ndarray:
     """CLIPScore's cosine computed without capeval: the model's own processor on each image exactly as given
     (a path is opened and converted to RGB, nothing else), one forward pass per image and per text."""
     import torch

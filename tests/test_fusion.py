@@ -166,15 +166,18 @@ def test_score_then_calibrate_then_score_again_from_the_cli_s_own_files(models, 
     names = [f"redemption_score.{k}_normalized" for k in ("mid", "dino", "bertscore")]
     comps = np.array([[row[k] for k in names] for row in first])
     human = fuse(comps, [0.3, 0.2, 0.5]) + np.random.default_rng(0).normal(0, 1e-3, len(first))  # near this fusion
-    _write_jsonl(tmp_path / "ratings.jsonl", [{"index": row["index"], "human": float(h)} for row, h in zip(first, human)])
+    ratings = [{"index": row["index"], "human": float(h)} for row, h in zip(first, human)]
+    _write_jsonl(tmp_path / "ratings.jsonl", ratings)
 
-    code = cli.main(["calibrate", "--scores", str(tmp_path / "scores.jsonl"), "--ratings", str(tmp_path / "ratings.jsonl")])
+    code = cli.main(["calibrate", "--scores", str(tmp_path / "scores.jsonl"), "--ratings",
+                     str(tmp_path / "ratings.jsonl")])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and list(report["weights"]) == names
     weights = [report["weights"][k] for k in names]
     assert report["correlation"] == pytest.approx(kendalltau(fuse(comps, weights), human, variant="c").statistic,
                                                   abs=1e-12)
-    assert report["options"] == [f"redemption_score.{k}_weight={w:g}" for k, w in zip(("mid", "dino", "bertscore"), weights)]
+    parts = ("mid", "dino", "bertscore")
+    assert report["options"] == [f"redemption_score.{k}_weight={w:g}" for k, w in zip(parts, weights)]
 
     again = score(tmp_path / "again.jsonl", *report["options"])
     assert [row["redemption_score"] for row in again] == pytest.approx(fuse(comps, weights).tolist(), abs=1e-9)

@@ -26,7 +26,8 @@ def test_a_batch_of_large_images_is_mapped_in_pieces_of_whole_images():
     assert sorted(i for piece in pieces for i in piece.indices) == list(range(len(owner)))
     for piece in pieces:
         keys = {s.key for s in piece.images}
-        assert all(sum(owner[k] == o for k in piece.indices) == owner.count(o) for o in {owner[k] for k in piece.indices})
+        images_here = {owner[k] for k in piece.indices}
+        assert all(sum(owner[k] == o for k in piece.indices) == owner.count(o) for o in images_here)  # whole
         held = sum(s.decoded_bytes() for s in {s.key: s for s in piece.images}.values())
         assert held <= budget or len(keys) == 1
     assert [sorted({owner[k] for k in p.indices}) for p in pieces] == [[0, 1], [2], [3, 4]]

@@ -42,7 +42,8 @@ def imported(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
             out.update(f"{base}.{alias.name}" for alias in node.names)
             out.add(base)
     return {m for m in out if m.startswith("capeval_plugins")}

@@ -67,7 +67,8 @@ def test_every_metric_resumes_to_the_same_bytes(tiny_root, tmp_path):
         "mid": {"model": models["clip"]}, "msd_score": {"model": models["clip"]}, "soft_msd": {"model": models["clip"]},
         "bertscore": {"model": models["roberta"], "batch_size": 4},  # texts embedded in chunks of 4
         "bleu4": {}, "rouge_l": {}, "cider": {},
-        "fleur": {"model": judge}, "discode": {"model": judge}, "rigel": {"checkpoint": rigel_checkpoint(sharp_llava())},
+        "fleur": {"model": judge}, "discode": {"model": judge},
+        "rigel": {"checkpoint": rigel_checkpoint(sharp_llava())},
         "vilbertscore": {"model": models["vilt"]},
         "dino_cycle": {"model": models["dino"], "generated_images": str(drawn)},
         "redemption_score": {"clip_model": models["clip"], "dino_model": models["dino"], "generated_images": str(drawn),
@@ -78,7 +79,8 @@ def test_every_metric_resumes_to_the_same_bytes(tiny_root, tmp_path):
     else:
         options = {k: {**v, "tokenize": False} if k in ("bleu4", "rouge_l", "cider") else v for k, v in options.items()}
     args = [a for name in options for a in ("-m", name)]
-    args += [a for name, opts in options.items() for key, value in opts.items() for a in ("-o", f"{name}.{key}={value}")]
+    args += [a for name, opts in options.items() for key, value in opts.items()
+             for a in ("-o", f"{name}.{key}={value}")]
 
     def command(out: Path) -> list[str]:
         return [PYTHON, INTERRUPT, "score", *args, "--batch-size", "8", "--captions", str(captions),

@@ -6,8 +6,9 @@ metric carries, so under DDP the repeats a ``DistributedSampler`` adds are dropp
 restored (pass ``ids=`` with dataset indices). ``compute()`` returns the corpus score as a scalar tensor
 (Lightning's ``self.log(name, metric)`` works); ``compute_all()`` returns the full
 :class:`~capeval_plugins.contract.MetricResult` with per-sample scores and extras, and ``last_result`` keeps
-the latest one through ``reset()`` (Lightning resets a logged metric as soon as it has computed it). The backbone is not part
-of the module tree (not in ``state_dict``, not copied by ``clone()``) and is shared between instances.
+the latest one through ``reset()`` (Lightning resets a logged metric as soon as it has computed it). The
+backbone is not part of the module tree (not in ``state_dict``, not copied by ``clone()``) and is shared
+between instances.
 """
 from __future__ import annotations
 

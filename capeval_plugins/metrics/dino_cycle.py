@@ -120,8 +120,9 @@ class DinoCycle(PointwiseMetric):
         cfg = self.config
         needs = super().requirements()
         if not cfg.generated_images:
-            needs += [Requirement("model", cfg.generator, "option generator", "alternatively, pass generated_images=<a folder of "
-                                  "images drawn earlier>", cfg.generator_revision, cfg.local_files_only),
+            needs += [Requirement("model", cfg.generator, "option generator",
+                                  "alternatively, pass generated_images=<a folder of images drawn earlier>",
+                                  cfg.generator_revision, cfg.local_files_only),
                       Requirement("module", "diffusers", "option generator (Stable Diffusion 3)",
                                   install_extra("diffusion"))]
         return needs
