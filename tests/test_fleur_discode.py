@@ -399,3 +399,22 @@ def test_table10_ablations_equal_their_closed_forms(answers, ablation):
         capeval_plugins.load("discode", model=path, ablation="no_prior")
     with pytest.raises(ValueError, match="weighted_kl"):
         capeval_plugins.load("discode", model=path, ablation=ablation, divergence="js")
+
+
+@pytest.mark.parametrize("name", ["fleur", "discode"])
+def test_the_card_lists_the_keys_of_a_result(name):
+    """The keys a card's example shows are those evaluate returns, ``n_invalid`` among them even when every
+    answer had a valid score (a judge's results have the same keys whatever it answered)."""
+    import ast
+    import re
+
+    import evaluate
+
+    from capeval_plugins.cards import card_path
+
+    listed = ast.literal_eval(re.search(r">>> sorted\(out\)\n(\[.*?\])", card_path(name).read_text()).group(1))
+    path = scripted_llava(("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = evaluate.load(name, model=path).compute(images=sample_images()[:2], predictions=CAPTIONS[:2])
+    assert out["n_invalid"] == 0 and sorted(out) == listed

@@ -346,6 +346,26 @@ def test_bad_or_incompatible_aligners_are_refused(backbones, trained, tiny_root,
         load_aligner(wide, EncoderSpec(backbones[0]))
 
 
+def test_an_aligner_brings_its_own_vision_backbone(backbones, trained, tmp_path, capsys):
+    """Without ``model``, an aligner's metric loads the CLIP the aligner was trained on (not the paper's default
+    CLIP-L), in Python and on the command line; a given ``model`` (e.g. a local copy) is used as given."""
+    from capeval_plugins.cli import main
+
+    images, captions = scored_pairs()
+    own = capeval_plugins.load("soft_msd", aligner=str(trained))
+    assert own.config.model == backbones[0]
+    given = capeval_plugins.load("soft_msd", aligner=str(trained), model=backbones[0])(images, captions)
+    assert torch.equal(own(images, captions).scores, given.scores)
+    data = write_pairs(tmp_path / "images", 3)
+    rows = tmp_path / "captions.jsonl"
+    rows.write_text("\n".join(json.dumps({"image": f"GCC_train_{i:09d}.jpg", "caption": c})
+                              for i, c in enumerate(data.captions)))
+    assert main(["score", "-m", "soft_msd", "-m", "msd_score", "-o", f"aligner={trained}", "--captions", str(rows),
+                 "--images", str(tmp_path / "images"), "--quiet"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["metrics"]["soft_msd"]["features"] == "aligner" == summary["metrics"]["msd_score"]["features"]
+
+
 # --- data and the command line --------------------------------------------------------------------------------------
 
 

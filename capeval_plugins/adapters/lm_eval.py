@@ -24,7 +24,7 @@ import lm_eval.api.metrics  # noqa: F401  (fills lm-eval's registries first, so 
 import lm_eval.api.registry as lm_registry
 from lm_eval.api.task import ConfigurableTask
 
-from capeval_plugins import registry
+from capeval_plugins import preflight, registry
 from capeval_plugins.adapters.harness import score_documents, split_metric_list, warn_skipped, with_default_policy
 from capeval_plugins.core.messages import install_extra
 
@@ -117,10 +117,13 @@ class CaptionTask(ConfigurableTask):
             ]
         super().__init__(config=config, **kwargs)
         self._capeval_metrics: dict[str, str] = {}
+        built = {}
         for lm_name, name, options in split_metric_list(self.config.metric_list)[0]:
             self._capeval_metrics[lm_name] = name
             self._aggregation_list[lm_name] = functools.partial(aggregate, name, **options)
             self._higher_is_better[lm_name] = registry.get(name).info.higher_is_better
+            built[lm_name] = registry.load(name, **with_default_policy(options))
+        preflight.check(built)  # the metrics' models, Java and extras: before anything is generated
 
     def process_results(self, doc: dict, results: list) -> dict:
         out = super().process_results(doc, results) if self._other_metrics() else {}
@@ -185,7 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     TaskManager.__init__ = init_with_capeval_tasks
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except preflight.RequirementError as err:  # found when the task is built, before any generation
+        print(f"capeval-lm-eval: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 register()

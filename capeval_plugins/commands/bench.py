@@ -86,7 +86,7 @@ def build_metrics(names: Sequence[str], options: Sequence[str], benchmark: str |
     """The metrics, with ``metric.key=value`` options (and bare ``key=value`` for every metric that takes
     it), exactly as ``capeval score`` builds them, after the benchmark's own defaults for its metrics."""
     from capeval_plugins.bench.benchmarks import metric_options
-    from capeval_plugins.cli import build_metrics as build
+    from capeval_plugins.options import build_metrics as build
 
     if benchmark is not None:
         given = list(options)
