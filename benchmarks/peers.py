@@ -34,7 +34,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -227,78 +229,107 @@ def warnings_off():
 
 COCO_METRICS = ("bleu4", "meteor", "rouge_l", "cider")
 
+# pycocoevalcap's own loop as COCOEvalCap.evaluate runs it (PTB-tokenise references, then candidates, then each
+# scorer), in a process of its own: argv = captions JSONL (caption, references), output JSON. Its METEOR JVM is
+# stopped and waited for at the end, so that its CPU time is counted with the process's.
+PEER_SCRIPT = """
+import json, sys
+from pycocoevalcap.bleu.bleu import Bleu
+from pycocoevalcap.cider.cider import Cider
+from pycocoevalcap.meteor.meteor import Meteor
+from pycocoevalcap.rouge.rouge import Rouge
+from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
-@contextlib.contextmanager
-def stderr_silenced():
-    """The Java tools' progress lines on file descriptor 2, for both sides alike."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def coco_direct(candidates, references, meteor) -> dict[str, tuple[float, np.ndarray]]:
-    """pycocoevalcap as COCOEvalCap.evaluate runs it: PTB-tokenise references, then candidates, then each
-    scorer on the tokenised dicts; (corpus score, per-item scores) per metric."""
-    from pycocoevalcap.bleu.bleu import Bleu
-    from pycocoevalcap.cider.cider import Cider
-    from pycocoevalcap.rouge.rouge import Rouge
-    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
-
-    tokenizer = PTBTokenizer()
-    gts = tokenizer.tokenize({i: [{"caption": r} for r in refs] for i, refs in enumerate(references)})
-    res = tokenizer.tokenize({i: [{"caption": c}] for i, c in enumerate(candidates)})
-    bleu, bleu_items = Bleu(4).compute_score(gts, res, verbose=0)
-    out = {"bleu4": (bleu[3], bleu_items[3])}
-    for name, scorer in (("meteor", meteor), ("rouge_l", Rouge()), ("cider", Cider())):
+rows = [json.loads(line) for line in open(sys.argv[1], encoding="utf-8")]
+gts = {i: [{"caption": r} for r in row["references"]] for i, row in enumerate(rows)}
+res = {i: [{"caption": row["caption"]}] for i, row in enumerate(rows)}
+tokenizer = PTBTokenizer()
+gts, res = tokenizer.tokenize(gts), tokenizer.tokenize(res)
+out = {}
+for scorer, name in ((Bleu(4), "bleu4"), (Meteor(), "meteor"), (Rouge(), "rouge_l"), (Cider(), "cider")):
+    if name == "bleu4":
+        score, items = scorer.compute_score(gts, res, verbose=0)
+        score, items = score[3], items[3]
+    else:
         score, items = scorer.compute_score(gts, res)
-        out[name] = (score, items)
-    return {k: (float(s), np.asarray(items, dtype=np.float64)) for k, (s, items) in out.items()}
+    out[name] = [float(score), [float(x) for x in items]]
+    if name == "meteor":
+        scorer.__del__()
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def flickr_rows(images: int | None, distinct: bool) -> tuple[list[str], list[list[str]]]:
+    """Flickr8k-Expert's rows as the benchmark scores them: one per expert rating (16,992: each caption three
+    times), or the distinct (image, caption) pairs (5,664) with ``distinct``; the first ``images`` images."""
+    if distinct:
+        pairs = flickr_pairs(images)
+        return pairs.candidates, pairs.references
+    import json
+
+    if not FLICKR.is_file():
+        raise Skip(f"no Flickr8k-Expert at {FLICKR} (set CAPEVAL_BENCHDATA)")
+    records = list(json.loads(FLICKR.read_text()).values())[:images]
+    rows = [(j["caption"], list(r["ground_truth"])) for r in records for j in r["human_judgement"]]
+    return [c for c, _ in rows], [refs for _, refs in rows]
+
+
+def run_process(command: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """(wall, CPU) seconds of a child process and of every descendant it waited for (its JVMs), from the kernel,
+    and what it printed on stdout."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(command, env=env, capture_output=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise RuntimeError(f"{command[:4]} failed ({proc.returncode}): {proc.stderr.decode(errors='replace')[-2000:]}")
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return wall, cpu, proc.stdout.decode()
 
 
 def coco_part(args) -> None:
+    import json
     import shutil
 
     if shutil.which("java") is None:
         raise Skip("pycocoevalcap's PTB tokenizer and METEOR need Java")
     try:
-        from pycocoevalcap.meteor.meteor import Meteor
+        import pycocoevalcap  # noqa: F401
     except ImportError as err:
         raise Skip(f"pycocoevalcap is not installed ({err})") from None
-    import capeval_plugins
-    from capeval_plugins import runner
-    from capeval_plugins.metrics import coco
 
-    pairs = flickr_pairs(args.coco_images)
-    cands, refs = pairs.candidates, pairs.references
-    metrics = {name: capeval_plugins.load(name) for name in COCO_METRICS}
-
-    def capeval():
-        coco._ptb_cache.clear()  # tokenise inside the timing, as a fresh run does
-        results = runner.score_many(metrics, None, cands, refs)
-        return {k: (r.score, r.scores.numpy()) for k, r in results.items()}
-
-    with stderr_silenced():
-        start = time.perf_counter()
-        meteor = Meteor()  # the peer's own JVM, started once; COCOEvalCap starts one per evaluate()
-        meteor.compute_score({0: ["a dog runs"]}, {0: ["a dog"]})
-        jvm = time.perf_counter() - start
-        runner.score_many(metrics, None, cands[:3], refs[:3])  # starts capeval's shared METEOR JVM
-        print(f"[coco] {len(cands)} pairs of {pairs.n_images} images x 5 references, {', '.join(COCO_METRICS)}, "
-              f"{args.rounds} rounds")
-        sides = {"pycocoevalcap (COCOEvalCap)": lambda: coco_direct(cands, refs, meteor), "capeval, one pass": capeval}
-        times, results = interleaved(sides, args.rounds)
-    report(times, "pycocoevalcap (COCOEvalCap)", "capeval, one pass")
-    print(f"  (not in the ratio: COCOEvalCap starts a METEOR JVM per evaluate(), {jvm:.1f} s wall here)")
-    theirs, ours = results["pycocoevalcap (COCOEvalCap)"], results["capeval, one pass"]
+    cands, refs = flickr_rows(args.coco_images, args.coco_distinct)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    with tempfile.TemporaryDirectory(prefix="capeval-coco-") as folder:
+        folder = Path(folder)
+        captions = folder / "captions.jsonl"
+        captions.write_text("".join(json.dumps({"caption": c, "references": r}) + "\n" for c, r in zip(cands, refs)),
+                            encoding="utf-8")
+        capeval = [sys.executable, "-m", "capeval_plugins.cli", "score", *[a for m in COCO_METRICS for a in ("-m", m)],
+                   "--captions", str(captions)]
+        sides = {"pycocoevalcap loop": lambda k: [sys.executable, "-c", PEER_SCRIPT, str(captions), str(folder / f"peer{k}.json")],
+                 "capeval score": lambda k: capeval + ["--out", str(folder / f"ours{k}.jsonl")]}
+        print(f"[coco] {len(cands)} rows ({len(set(zip(cands, map(tuple, refs))))} distinct) of Flickr8k-Expert, "
+              f"{', '.join(COCO_METRICS)}, each side a whole process (Python + its JVMs), {args.rounds} rounds")
+        times: dict[str, list] = {name: [] for name in sides}
+        for r in range(args.rounds):
+            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                wall, cpu, printed = run_process(sides[name](r), env)
+                times[name].append((wall, cpu))
+                if name == "capeval score" and r == 0:
+                    summary = json.loads(printed.strip().splitlines()[-1])["metrics"]
+        print(f"  load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        report(times, "pycocoevalcap loop", "capeval score")
+        theirs = json.loads((folder / "peer0.json").read_text())
+        rows = [json.loads(line) for line in (folder / "ours0.jsonl").read_text().splitlines()]
     for name in COCO_METRICS:
-        print(f"  {name:8s} corpus {ours[name][0]:.6f}  |difference| corpus {abs(ours[name][0] - theirs[name][0]):.1e}, "
-              f"max per item {np.abs(ours[name][1] - theirs[name][1]).max():.1e}")
+        mine = np.array([row[name] for row in rows], dtype=np.float64)
+        peer = np.array(theirs[name][1], dtype=np.float64)
+        rel = np.abs(mine - peer) / np.maximum(np.abs(peer), np.finfo(float).tiny)
+        print(f"  {name:8s} corpus {summary[name]['score']:.12f} (pycocoevalcap {theirs[name][0]:.12f}, "
+              f"{'bit-equal' if summary[name]['score'] == theirs[name][0] else 'differs'}); per item: "
+              f"{int((mine != peer).sum())} of {len(peer)} differ, max relative difference {rel.max():.1e}")
 
 
 # ---------------------------------------------------------------------------------------------- mid
@@ -548,6 +579,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mid-model", metavar="PATH", help="CLIP for the mid part (default: the tiny random CLIP)")
     parser.add_argument("--clip-images", type=int, metavar="N", help="Flickr8k images for clipscore (default 40, quick 8)")
     parser.add_argument("--coco-images", type=int, metavar="N", help="Flickr8k images for coco (default all 1000, quick 30)")
+    parser.add_argument("--coco-distinct", action="store_true",
+                        help="coco on the 5,664 distinct pairs instead of all 16,992 rows (one per expert rating)")
     parser.add_argument("--mid-images", type=int, metavar="N", help="Flickr8k images for mid (default 200, quick 40)")
     parser.add_argument("--rounds", type=int, metavar="N", help="interleaved rounds per part (default 3, quick 1)")
     parser.add_argument("--threads", type=int, metavar="N", default=1, help="torch threads, fixed for both sides (default 1)")
