@@ -12,8 +12,13 @@ missing):
 
   clipscore  capeval `clipscore` with w=100 and no prompt (torchmetrics' definition, 100 cos) against
              torchmetrics' CLIPScore (updates of --batch-size rows), same model and image tensors.
-  coco       BLEU-4, METEOR, ROUGE-L and CIDEr through capeval in one pass against pycocoevalcap run as
-             COCOEvalCap.evaluate runs it (PTB-tokenise references, then candidates, then each scorer).
+  coco       `capeval score -m bleu4 -m meteor -m rouge_l -m cider` against pycocoevalcap's own loop as
+             COCOEvalCap.evaluate runs it (PTB-tokenise references, then candidates, then each scorer), each side
+             a whole process of its own (Python, its JVMs) on a captions file of every Flickr8k-Expert row
+             (16,992: one per expert rating; --coco-distinct: the 5,664 distinct pairs); every per-item and
+             corpus value compared.
+  coco-math  BLEU-1..4, ROUGE-L and CIDEr-D alone, in this process, on the same PTB tokens: pycocoevalcap's
+             scorers against capeval's core/coco_text.py.
   mid        capeval `mid` end to end against the official MID computation (naver-ai/mid.metric, not on PyPI:
              re-implemented here) on features from plain transformers, one image encoded per row as the
              official evaluation loop does. Uses --mid-model (default: the tiny CLIP): a fit at ViT-B/32's size
@@ -25,7 +30,8 @@ missing):
 
 Timing: --rounds interleaved rounds (the order alternates), one process, torch threads fixed (--threads).
 CPU time is this process's plus its Java children's (the PTB tokenizer, METEOR's JVM), read from the kernel,
-so load from other jobs on a shared machine disturbs it less than wall time. Printed per side: median CPU
+so load from other jobs on a shared machine disturbs it less than wall time; for coco, the CPU time of each
+side's process and every descendant it waited for (wait4). Printed per side: median CPU
 time with its min-max over rounds, median wall time, and the ratio peer / capeval of the medians (> 1: capeval
 is faster) with its min-max over rounds; then the largest |difference| of the scores, which must be small.
 """
@@ -51,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BENCHDATA = Path(os.environ.get("CAPEVAL_BENCHDATA", ROOT.parent / "shared" / "benchdata"))
 FLICKR = BENCHDATA / "flickr8k_expert" / "flickr8k.json"
-PARTS = ("clipscore", "coco", "mid", "mid-math")
+PARTS = ("clipscore", "coco", "coco-math", "mid", "mid-math")
 
 
 class Skip(Exception):
@@ -307,11 +313,12 @@ def coco_part(args) -> None:
         captions.write_text("".join(json.dumps({"caption": c, "references": r}) + "\n" for c, r in zip(cands, refs)),
                             encoding="utf-8")
         capeval = [sys.executable, "-m", "capeval_plugins.cli", "score", *[a for m in COCO_METRICS for a in ("-m", m)],
-                   "--captions", str(captions)]
+                   "--captions", str(captions), *[a for o in args.coco_option or () for a in ("-o", o)]]
         sides = {"pycocoevalcap loop": lambda k: [sys.executable, "-c", PEER_SCRIPT, str(captions), str(folder / f"peer{k}.json")],
                  "capeval score": lambda k: capeval + ["--out", str(folder / f"ours{k}.jsonl")]}
         print(f"[coco] {len(cands)} rows ({len(set(zip(cands, map(tuple, refs))))} distinct) of Flickr8k-Expert, "
-              f"{', '.join(COCO_METRICS)}, each side a whole process (Python + its JVMs), {args.rounds} rounds")
+              f"{', '.join(COCO_METRICS)}, each side a whole process (Python + its JVMs), {args.rounds} rounds"
+              + (f", capeval with -o {' -o '.join(args.coco_option)}" if args.coco_option else ""))
         times: dict[str, list] = {name: [] for name in sides}
         for r in range(args.rounds):
             for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
@@ -330,6 +337,66 @@ def coco_part(args) -> None:
         print(f"  {name:8s} corpus {summary[name]['score']:.12f} (pycocoevalcap {theirs[name][0]:.12f}, "
               f"{'bit-equal' if summary[name]['score'] == theirs[name][0] else 'differs'}); per item: "
               f"{int((mine != peer).sum())} of {len(peer)} differ, max relative difference {rel.max():.1e}")
+
+
+@contextlib.contextmanager
+def stderr_silenced():
+    """The Java tools' progress lines on file descriptor 2."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def coco_math_part(args) -> None:
+    """BLEU-1..4, ROUGE-L and CIDEr-D alone, in this process, on the same PTB tokens: pycocoevalcap's scorers
+    against capeval's implementation (core/coco_text.py, the corpus prepared inside the timing)."""
+    import shutil
+
+    if shutil.which("java") is None:
+        raise Skip("the PTB tokenizer needs Java")
+    try:
+        from pycocoevalcap.bleu.bleu import Bleu
+        from pycocoevalcap.cider.cider import Cider
+        from pycocoevalcap.rouge.rouge import Rouge
+    except ImportError as err:
+        raise Skip(f"pycocoevalcap is not installed ({err})") from None
+    from capeval_plugins.core.coco_text import CocoCorpus
+    from capeval_plugins.metrics.coco import ptb_tokenize
+
+    cands, refs = flickr_rows(args.coco_images, args.coco_distinct)
+    with stderr_silenced():
+        gts = ptb_tokenize({i: r for i, r in enumerate(refs)})
+        res = ptb_tokenize({i: [c] for i, c in enumerate(cands)})
+
+    def peer():
+        bleu, bleu_items = Bleu(4).compute_score(gts, res, verbose=0)
+        return {"bleu": (bleu, bleu_items), "rouge_l": Rouge().compute_score(gts, res),
+                "cider": Cider().compute_score(gts, res)}
+
+    def capeval():
+        corpus = CocoCorpus.from_texts([res[i][0] for i in res], [gts[i] for i in res])
+        bleu, bleu_items = corpus.bleu(4)
+        return {"bleu": (bleu, [bleu_items[:, k] for k in range(4)]), "rouge_l": corpus.rouge_l(),
+                "cider": corpus.cider()}
+
+    print(f"[coco-math] {len(cands)} rows, PTB-tokenised once beforehand; BLEU-1..4, ROUGE-L, CIDEr-D, "
+          f"{args.rounds} rounds")
+    times, results = interleaved({"pycocoevalcap scorers": peer, "capeval core.coco_text": capeval}, args.rounds)
+    report(times, "pycocoevalcap scorers", "capeval core.coco_text")
+    theirs, ours = results["pycocoevalcap scorers"], results["capeval core.coco_text"]
+    pairs = [(f"bleu{k + 1}", ours["bleu"][0][k], theirs["bleu"][0][k], ours["bleu"][1][k], theirs["bleu"][1][k])
+             for k in range(4)]
+    pairs += [(name, ours[name][0], theirs[name][0], ours[name][1], theirs[name][1]) for name in ("rouge_l", "cider")]
+    for name, corpus, peer_corpus, items, peer_items in pairs:
+        items, peer_items = np.asarray(items, dtype=np.float64), np.asarray(peer_items, dtype=np.float64)
+        print(f"  {name:8s} corpus {'bit-equal' if corpus == peer_corpus else f'differs by {abs(corpus - peer_corpus):.1e}'}; "
+              f"per item: {int((items != peer_items).sum())} of {len(items)} differ")
 
 
 # ---------------------------------------------------------------------------------------------- mid
@@ -579,6 +646,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mid-model", metavar="PATH", help="CLIP for the mid part (default: the tiny random CLIP)")
     parser.add_argument("--clip-images", type=int, metavar="N", help="Flickr8k images for clipscore (default 40, quick 8)")
     parser.add_argument("--coco-images", type=int, metavar="N", help="Flickr8k images for coco (default all 1000, quick 30)")
+    parser.add_argument("--coco-option", action="append", metavar="KEY=VALUE",
+                        help="an option for capeval's side of coco, as `capeval score -o` (e.g. meteor.jvms=2)")
     parser.add_argument("--coco-distinct", action="store_true",
                         help="coco on the 5,664 distinct pairs instead of all 16,992 rows (one per expert rating)")
     parser.add_argument("--mid-images", type=int, metavar="N", help="Flickr8k images for mid (default 200, quick 40)")
@@ -604,7 +673,8 @@ def main() -> None:
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="capeval-peers-") as workdir:
         models = Models(args, Path(workdir))
-        runs = {"clipscore": clipscore_part, "coco": lambda args, _: coco_part(args), "mid": mid_part,
+        runs = {"clipscore": clipscore_part, "coco": lambda args, _: coco_part(args),
+                "coco-math": lambda args, _: coco_math_part(args), "mid": mid_part,
                 "mid-math": mid_math_part}
         for part in args.parts:
             try:

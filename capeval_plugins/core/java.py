@@ -69,7 +69,6 @@ class JavaProcess:
         self.stderr: deque[bytes] = deque()
         self._stderr_size = 0
         self._echo = os.environ.get(QUIET_ENV) != "1"
-        self.write_error: BaseException | None = None
         try:
             self.proc = subprocess.Popen(list(command), cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE)
@@ -96,16 +95,11 @@ class JavaProcess:
                 while self._stderr_size > STDERR_KEPT and len(self.stderr) > 1:
                     self._stderr_size -= len(self.stderr.popleft())
                 if self._echo:
-                    try:
-                        sys.stderr.buffer.write(chunk) if hasattr(sys.stderr, "buffer") else \
-                            sys.stderr.write(chunk.decode(errors="replace"))
-                        sys.stderr.flush()
-                    except (OSError, ValueError):
-                        pass
+                    _echo(chunk)
         except (OSError, ValueError):
             pass
 
-    def send(self, text: str, close: bool = False) -> threading.Thread:
+    def send(self, text: str, close: bool = False) -> None:
         """Write ``text`` (UTF-8) to the child from a writer thread; ``close``: then close its stdin."""
 
         def write() -> None:
@@ -114,12 +108,10 @@ class JavaProcess:
                 self.proc.stdin.flush()
                 if close:
                     self.proc.stdin.close()
-            except (OSError, ValueError) as err:  # the child died: the reader sees its output end
-                self.write_error = err
+            except (OSError, ValueError):  # the child died or was stopped: its reader sees the output end
+                pass
 
-        thread = threading.Thread(target=write, daemon=True, name=f"{self.name} stdin")
-        thread.start()
-        return thread
+        threading.Thread(target=write, daemon=True, name=f"{self.name} stdin").start()
 
     def read_line(self, wait: float) -> str:
         """The next line of output; at most ``wait`` seconds, and at once if the child has ended."""
@@ -172,6 +164,18 @@ class JavaProcess:
                 pipe.close()
             except (OSError, ValueError):
                 pass
+
+
+def _echo(chunk: bytes) -> None:
+    """A child's stderr passed on to ours (where the user sees the tools' own progress lines)."""
+    try:
+        if hasattr(sys.stderr, "buffer"):
+            sys.stderr.buffer.write(chunk)
+        else:
+            sys.stderr.write(chunk.decode(errors="replace"))
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def _telling_line(said: str) -> str:
