@@ -379,7 +379,7 @@ class MeteorPool:
         try:
             return self._score(jar, segments, rows, max(1, int(jvms)))
         except BaseException:
-            self.stop()  # a JVM that failed or was interrupted mid-protocol is not reused
+            self.stop(kill=True)  # a JVM that failed or was interrupted mid-protocol is not reused
             raise
         finally:
             self.lock.release()
@@ -439,9 +439,12 @@ class MeteorPool:
             atexit.register(self.stop)
             self._registered = True
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """End every JVM: at end of input (they exit when their queue is done), or at once with ``kill``."""
         jvms, self.jvms = self.jvms, []
         for jvm in jvms:
+            if kill:
+                jvm.child.kill()
             jvm.close()
 
 

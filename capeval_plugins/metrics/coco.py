@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -372,7 +373,10 @@ class Spice(CocoMetric):
         every = [unique[r] for r in corpus.rows.inverse.tolist()]
         gts, res = {i: refs for i, (_, refs) in enumerate(every)}, {i: [c] for i, (c, _) in enumerate(every)}
         with java_output():
-            _, items = CocoSpice().compute_score(gts, res)
+            try:
+                _, items = CocoSpice().compute_score(gts, res)
+            except subprocess.CalledProcessError as err:  # its jar failed: say so in one line, exit 2
+                raise java.ExternalToolError(f"SPICE (Java) failed (exit status {err.returncode})") from err
         scores = np.array([float(item["All"]["f"]) for item in items], dtype=np.float64)
         invalid = int(np.isnan(scores).sum())
         valid = scores[~np.isnan(scores)]
