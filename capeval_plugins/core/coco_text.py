@@ -100,6 +100,7 @@ class TextRows:
 
 
 def text_rows(candidates: Sequence[str], references: Sequence[Sequence[str]]) -> TextRows:
+    """The rows ``(candidates[i], references[i])`` over their distinct texts (see :class:`TextRows`)."""
     if len(candidates) != len(references):
         raise ValueError(f"{len(candidates)} candidates but {len(references)} reference lists")
     ids: dict[str, int] = {}
@@ -388,7 +389,7 @@ def lcs_pairs(tokens: Sequence[Sequence[str]], a: np.ndarray, b: np.ndarray) -> 
     pair costs a few word operations per token of the longer list, all pairs at once. Pairs whose shorter
     list exceeds a machine word, or whose longer one is very long, are walked one at a time with Python
     integers as bit rows (same recurrence, any width)."""
-    flat, lengths = _vocabulary([list(t) for t in tokens])
+    flat, lengths = _vocabulary(list(tokens))
     start = _offsets(lengths)
     la, lb = lengths[a], lengths[b]
     swap = la > lb
