@@ -12,8 +12,13 @@ missing):
 
   clipscore  capeval `clipscore` with w=100 and no prompt (torchmetrics' definition, 100 cos) against
              torchmetrics' CLIPScore (updates of --batch-size rows), same model and image tensors.
-  coco       BLEU-4, METEOR, ROUGE-L and CIDEr through capeval in one pass against pycocoevalcap run as
-             COCOEvalCap.evaluate runs it (PTB-tokenise references, then candidates, then each scorer).
+  coco       `capeval score -m bleu4 -m meteor -m rouge_l -m cider` against pycocoevalcap's own loop as
+             COCOEvalCap.evaluate runs it (PTB-tokenise references, then candidates, then each scorer), each side
+             a whole process of its own (Python, its JVMs) on a captions file of every Flickr8k-Expert row
+             (16,992: one per expert rating; --coco-distinct: the 5,664 distinct pairs); every per-item and
+             corpus value compared.
+  coco-math  BLEU-1..4, ROUGE-L and CIDEr-D alone, in this process, on the same PTB tokens: pycocoevalcap's
+             scorers against capeval's core/coco_text.py.
   mid        capeval `mid` end to end against the official MID computation (naver-ai/mid.metric, not on PyPI:
              re-implemented here) on features from plain transformers, one image encoded per row as the
              official evaluation loop does. Uses --mid-model (default: the tiny CLIP): a fit at ViT-B/32's size
@@ -25,7 +30,8 @@ missing):
 
 Timing: --rounds interleaved rounds (the order alternates), one process, torch threads fixed (--threads).
 CPU time is this process's plus its Java children's (the PTB tokenizer, METEOR's JVM), read from the kernel,
-so load from other jobs on a shared machine disturbs it less than wall time. Printed per side: median CPU
+so load from other jobs on a shared machine disturbs it less than wall time; for coco, the CPU time of each
+side's process and every descendant it waited for (wait4). Printed per side: median CPU
 time with its min-max over rounds, median wall time, and the ratio peer / capeval of the medians (> 1: capeval
 is faster) with its min-max over rounds; then the largest |difference| of the scores, which must be small.
 """
@@ -34,7 +40,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BENCHDATA = Path(os.environ.get("CAPEVAL_BENCHDATA", ROOT.parent / "shared" / "benchdata"))
 FLICKR = BENCHDATA / "flickr8k_expert" / "flickr8k.json"
-PARTS = ("clipscore", "coco", "mid", "mid-math")
+PARTS = ("clipscore", "coco", "coco-math", "mid", "mid-math")
 
 
 class Skip(Exception):
@@ -220,10 +228,113 @@ def warnings_off():
 
 COCO_METRICS = ("bleu4", "meteor", "rouge_l", "cider")
 
+# pycocoevalcap's own loop as COCOEvalCap.evaluate runs it (PTB-tokenise references, then candidates, then each
+# scorer), in a process of its own: argv = captions JSONL (caption, references), output JSON. Its METEOR JVM is
+# stopped and waited for at the end, so that its CPU time is counted with the process's.
+PEER_SCRIPT = """
+import json, sys
+from pycocoevalcap.bleu.bleu import Bleu
+from pycocoevalcap.cider.cider import Cider
+from pycocoevalcap.meteor.meteor import Meteor
+from pycocoevalcap.rouge.rouge import Rouge
+from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+rows = [json.loads(line) for line in open(sys.argv[1], encoding="utf-8")]
+gts = {i: [{"caption": r} for r in row["references"]] for i, row in enumerate(rows)}
+res = {i: [{"caption": row["caption"]}] for i, row in enumerate(rows)}
+tokenizer = PTBTokenizer()
+gts, res = tokenizer.tokenize(gts), tokenizer.tokenize(res)
+out = {}
+for scorer, name in ((Bleu(4), "bleu4"), (Meteor(), "meteor"), (Rouge(), "rouge_l"), (Cider(), "cider")):
+    if name == "bleu4":
+        score, items = scorer.compute_score(gts, res, verbose=0)
+        score, items = score[3], items[3]
+    else:
+        score, items = scorer.compute_score(gts, res)
+    out[name] = [float(score), [float(x) for x in items]]
+    if name == "meteor":
+        scorer.__del__()
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def flickr_rows(images: int | None, distinct: bool) -> tuple[list[str], list[list[str]]]:
+    """Flickr8k-Expert's rows as the benchmark scores them: one per expert rating (16,992: each caption three
+    times), or the distinct (image, caption) pairs (5,664) with ``distinct``; the first ``images`` images."""
+    if distinct:
+        pairs = flickr_pairs(images)
+        return pairs.candidates, pairs.references
+    import json
+
+    if not FLICKR.is_file():
+        raise Skip(f"no Flickr8k-Expert at {FLICKR} (set CAPEVAL_BENCHDATA)")
+    records = list(json.loads(FLICKR.read_text()).values())[:images]
+    rows = [(j["caption"], list(r["ground_truth"])) for r in records for j in r["human_judgement"]]
+    return [c for c, _ in rows], [refs for _, refs in rows]
+
+
+def run_process(command: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """(wall, CPU) seconds of a child process and of every descendant it waited for (its JVMs), from the kernel,
+    and what it printed on stdout."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run(command, env=env, capture_output=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise RuntimeError(f"{command[:4]} failed ({proc.returncode}): {proc.stderr.decode(errors='replace')[-2000:]}")
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return wall, cpu, proc.stdout.decode()
+
+
+def coco_part(args) -> None:
+    import json
+    import shutil
+
+    if shutil.which("java") is None:
+        raise Skip("pycocoevalcap's PTB tokenizer and METEOR need Java")
+    try:
+        import pycocoevalcap  # noqa: F401
+    except ImportError as err:
+        raise Skip(f"pycocoevalcap is not installed ({err})") from None
+
+    cands, refs = flickr_rows(args.coco_images, args.coco_distinct)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    with tempfile.TemporaryDirectory(prefix="capeval-coco-") as folder:
+        folder = Path(folder)
+        captions = folder / "captions.jsonl"
+        captions.write_text("".join(json.dumps({"caption": c, "references": r}) + "\n" for c, r in zip(cands, refs)),
+                            encoding="utf-8")
+        capeval = [sys.executable, "-m", "capeval_plugins.cli", "score", *[a for m in COCO_METRICS for a in ("-m", m)],
+                   "--captions", str(captions), *[a for o in args.coco_option or () for a in ("-o", o)]]
+        sides = {"pycocoevalcap loop": lambda k: [sys.executable, "-c", PEER_SCRIPT, str(captions), str(folder / f"peer{k}.json")],
+                 "capeval score": lambda k: capeval + ["--out", str(folder / f"ours{k}.jsonl")]}
+        print(f"[coco] {len(cands)} rows ({len(set(zip(cands, map(tuple, refs))))} distinct) of Flickr8k-Expert, "
+              f"{', '.join(COCO_METRICS)}, each side a whole process (Python + its JVMs), {args.rounds} rounds"
+              + (f", capeval with -o {' -o '.join(args.coco_option)}" if args.coco_option else ""))
+        times: dict[str, list] = {name: [] for name in sides}
+        for r in range(args.rounds):
+            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                wall, cpu, printed = run_process(sides[name](r), env)
+                times[name].append((wall, cpu))
+                if name == "capeval score" and r == 0:
+                    summary = json.loads(printed.strip().splitlines()[-1])["metrics"]
+        print(f"  load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        report(times, "pycocoevalcap loop", "capeval score")
+        theirs = json.loads((folder / "peer0.json").read_text())
+        rows = [json.loads(line) for line in (folder / "ours0.jsonl").read_text().splitlines()]
+    for name in COCO_METRICS:
+        mine = np.array([row[name] for row in rows], dtype=np.float64)
+        peer = np.array(theirs[name][1], dtype=np.float64)
+        rel = np.abs(mine - peer) / np.maximum(np.abs(peer), np.finfo(float).tiny)
+        print(f"  {name:8s} corpus {summary[name]['score']:.12f} (pycocoevalcap {theirs[name][0]:.12f}, "
+              f"{'bit-equal' if summary[name]['score'] == theirs[name][0] else 'differs'}); per item: "
+              f"{int((mine != peer).sum())} of {len(peer)} differ, max relative difference {rel.max():.1e}")
+
 
 @contextlib.contextmanager
 def stderr_silenced():
-    """The Java tools' progress lines on file descriptor 2, for both sides alike."""
+    """The Java tools' progress lines on file descriptor 2."""
     sys.stderr.flush()
     saved = os.dup(2)
     with open(os.devnull, "w") as sink:
@@ -235,63 +346,50 @@ def stderr_silenced():
             os.close(saved)
 
 
-def coco_direct(candidates, references, meteor) -> dict[str, tuple[float, np.ndarray]]:
-    """pycocoevalcap as COCOEvalCap.evaluate runs it: PTB-tokenise references, then candidates, then each
-    scorer on the tokenised dicts; (corpus score, per-item scores) per metric."""
-    from pycocoevalcap.bleu.bleu import Bleu
-    from pycocoevalcap.cider.cider import Cider
-    from pycocoevalcap.rouge.rouge import Rouge
-    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
-
-    tokenizer = PTBTokenizer()
-    gts = tokenizer.tokenize({i: [{"caption": r} for r in refs] for i, refs in enumerate(references)})
-    res = tokenizer.tokenize({i: [{"caption": c}] for i, c in enumerate(candidates)})
-    bleu, bleu_items = Bleu(4).compute_score(gts, res, verbose=0)
-    out = {"bleu4": (bleu[3], bleu_items[3])}
-    for name, scorer in (("meteor", meteor), ("rouge_l", Rouge()), ("cider", Cider())):
-        score, items = scorer.compute_score(gts, res)
-        out[name] = (score, items)
-    return {k: (float(s), np.asarray(items, dtype=np.float64)) for k, (s, items) in out.items()}
-
-
-def coco_part(args) -> None:
+def coco_math_part(args) -> None:
+    """BLEU-1..4, ROUGE-L and CIDEr-D alone, in this process, on the same PTB tokens: pycocoevalcap's scorers
+    against capeval's implementation (core/coco_text.py, the corpus prepared inside the timing)."""
     import shutil
 
     if shutil.which("java") is None:
-        raise Skip("pycocoevalcap's PTB tokenizer and METEOR need Java")
+        raise Skip("the PTB tokenizer needs Java")
     try:
-        from pycocoevalcap.meteor.meteor import Meteor
+        from pycocoevalcap.bleu.bleu import Bleu
+        from pycocoevalcap.cider.cider import Cider
+        from pycocoevalcap.rouge.rouge import Rouge
     except ImportError as err:
         raise Skip(f"pycocoevalcap is not installed ({err})") from None
-    import capeval_plugins
-    from capeval_plugins import runner
-    from capeval_plugins.metrics import coco
+    from capeval_plugins.core.coco_text import CocoCorpus
+    from capeval_plugins.metrics.coco import ptb_tokenize
 
-    pairs = flickr_pairs(args.coco_images)
-    cands, refs = pairs.candidates, pairs.references
-    metrics = {name: capeval_plugins.load(name) for name in COCO_METRICS}
+    cands, refs = flickr_rows(args.coco_images, args.coco_distinct)
+    with stderr_silenced():
+        gts = ptb_tokenize({i: r for i, r in enumerate(refs)})
+        res = ptb_tokenize({i: [c] for i, c in enumerate(cands)})
+
+    def peer():
+        bleu, bleu_items = Bleu(4).compute_score(gts, res, verbose=0)
+        return {"bleu": (bleu, bleu_items), "rouge_l": Rouge().compute_score(gts, res),
+                "cider": Cider().compute_score(gts, res)}
 
     def capeval():
-        coco._ptb_cache.clear()  # tokenise inside the timing, as a fresh run does
-        results = runner.score_many(metrics, None, cands, refs)
-        return {k: (r.score, r.scores.numpy()) for k, r in results.items()}
+        corpus = CocoCorpus.from_texts([res[i][0] for i in res], [gts[i] for i in res])
+        bleu, bleu_items = corpus.bleu(4)
+        return {"bleu": (bleu, [bleu_items[:, k] for k in range(4)]), "rouge_l": corpus.rouge_l(),
+                "cider": corpus.cider()}
 
-    with stderr_silenced():
-        start = time.perf_counter()
-        meteor = Meteor()  # the peer's own JVM, started once; COCOEvalCap starts one per evaluate()
-        meteor.compute_score({0: ["a dog runs"]}, {0: ["a dog"]})
-        jvm = time.perf_counter() - start
-        runner.score_many(metrics, None, cands[:3], refs[:3])  # starts capeval's shared METEOR JVM
-        print(f"[coco] {len(cands)} pairs of {pairs.n_images} images x 5 references, {', '.join(COCO_METRICS)}, "
-              f"{args.rounds} rounds")
-        sides = {"pycocoevalcap (COCOEvalCap)": lambda: coco_direct(cands, refs, meteor), "capeval, one pass": capeval}
-        times, results = interleaved(sides, args.rounds)
-    report(times, "pycocoevalcap (COCOEvalCap)", "capeval, one pass")
-    print(f"  (not in the ratio: COCOEvalCap starts a METEOR JVM per evaluate(), {jvm:.1f} s wall here)")
-    theirs, ours = results["pycocoevalcap (COCOEvalCap)"], results["capeval, one pass"]
-    for name in COCO_METRICS:
-        print(f"  {name:8s} corpus {ours[name][0]:.6f}  |difference| corpus {abs(ours[name][0] - theirs[name][0]):.1e}, "
-              f"max per item {np.abs(ours[name][1] - theirs[name][1]).max():.1e}")
+    print(f"[coco-math] {len(cands)} rows, PTB-tokenised once beforehand; BLEU-1..4, ROUGE-L, CIDEr-D, "
+          f"{args.rounds} rounds")
+    times, results = interleaved({"pycocoevalcap scorers": peer, "capeval core.coco_text": capeval}, args.rounds)
+    report(times, "pycocoevalcap scorers", "capeval core.coco_text")
+    theirs, ours = results["pycocoevalcap scorers"], results["capeval core.coco_text"]
+    pairs = [(f"bleu{k + 1}", ours["bleu"][0][k], theirs["bleu"][0][k], ours["bleu"][1][k], theirs["bleu"][1][k])
+             for k in range(4)]
+    pairs += [(name, ours[name][0], theirs[name][0], ours[name][1], theirs[name][1]) for name in ("rouge_l", "cider")]
+    for name, corpus, peer_corpus, items, peer_items in pairs:
+        items, peer_items = np.asarray(items, dtype=np.float64), np.asarray(peer_items, dtype=np.float64)
+        print(f"  {name:8s} corpus {'bit-equal' if corpus == peer_corpus else f'differs by {abs(corpus - peer_corpus):.1e}'}; "
+              f"per item: {int((items != peer_items).sum())} of {len(items)} differ")
 
 
 # ---------------------------------------------------------------------------------------------- mid
@@ -541,6 +639,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mid-model", metavar="PATH", help="CLIP for the mid part (default: the tiny random CLIP)")
     parser.add_argument("--clip-images", type=int, metavar="N", help="Flickr8k images for clipscore (default 40, quick 8)")
     parser.add_argument("--coco-images", type=int, metavar="N", help="Flickr8k images for coco (default all 1000, quick 30)")
+    parser.add_argument("--coco-option", action="append", metavar="KEY=VALUE",
+                        help="an option for capeval's side of coco, as `capeval score -o` (e.g. meteor.jvms=2)")
+    parser.add_argument("--coco-distinct", action="store_true",
+                        help="coco on the 5,664 distinct pairs instead of all 16,992 rows (one per expert rating)")
     parser.add_argument("--mid-images", type=int, metavar="N", help="Flickr8k images for mid (default 200, quick 40)")
     parser.add_argument("--rounds", type=int, metavar="N", help="interleaved rounds per part (default 3, quick 1)")
     parser.add_argument("--threads", type=int, metavar="N", default=1, help="torch threads, fixed for both sides (default 1)")
@@ -564,7 +666,8 @@ def main() -> None:
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}, {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="capeval-peers-") as workdir:
         models = Models(args, Path(workdir))
-        runs = {"clipscore": clipscore_part, "coco": lambda args, _: coco_part(args), "mid": mid_part,
+        runs = {"clipscore": clipscore_part, "coco": lambda args, _: coco_part(args),
+                "coco-math": lambda args, _: coco_math_part(args), "mid": mid_part,
                 "mid-math": mid_math_part}
         for part in args.parts:
             try:

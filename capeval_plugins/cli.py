@@ -274,14 +274,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     (one line on stderr, before any work), 130 interrupted, 1 a bug."""
     args = build_parser().parse_args(argv)
     from capeval_plugins.core.loading import ModelLoadError
-    from capeval_plugins.core.messages import DataError
+    from capeval_plugins.core.messages import DataError, ExternalToolError
     from capeval_plugins.inputs import InputError
     from capeval_plugins.preflight import RequirementError
 
     try:
         with restored_environment():
             return args.func(args)
-    except (UsageError, InputError, DataError, KeyError, ModelLoadError, ImportError, RequirementError) as err:
+    except (UsageError, InputError, DataError, ExternalToolError, KeyError, ModelLoadError, ImportError,
+            RequirementError) as err:
         # ImportError: an optional dependency a chosen option needs (accelerate, torchvision, pyarrow, ...)
         message = getattr(err, "cli_message", None) or (err.args[0] if err.args else str(err))
         # every rank validates the same input: rank 0 reports that; a rank reports what only it found

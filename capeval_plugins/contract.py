@@ -21,8 +21,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Sequence
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.core.messages import install_extra
@@ -63,14 +63,21 @@ class StateSpec:
         """Concatenate row blocks, zero-padding ragged axes to the widest block."""
         if not rows:
             return self.empty()
-        rows = [r if self.ragged else r.reshape(-1, *self.shape) for r in rows]
-        if self.ragged:
-            width = [max(r.shape[1 + i] for r in rows) for i in range(len(self.shape))]
-            rows = [
-                F.pad(r, [p for i in reversed(range(len(width))) for p in (0, width[i] - r.shape[1 + i])])
-                for r in rows
-            ]
-        return torch.cat(list(rows), dim=0)
+        if not self.ragged:
+            return torch.cat([r.reshape(-1, *self.shape) for r in rows], dim=0)
+        # one zero-filled block the size of the result, each part copied into its corner (padding every part
+        # first and then concatenating copies everything twice)
+        width = [max(r.shape[1 + i] for r in rows) for i in range(len(self.shape))]
+        on_cpu = all(r.device.type == "cpu" for r in rows) and rows[0].dtype not in (torch.bfloat16,)
+        shape = (sum(len(r) for r in rows), *width)
+        out = np.zeros(shape, dtype=rows[0].numpy().dtype) if on_cpu else \
+            torch.zeros(shape, dtype=rows[0].dtype, device=rows[0].device)
+        start = 0
+        for r in rows:  # numpy copies into a strided corner several times faster than torch does on a CPU
+            corner = (slice(start, start + len(r)), *(slice(0, d) for d in r.shape[1:]))
+            out[corner] = r.detach().numpy() if on_cpu else r
+            start += len(r)
+        return torch.from_numpy(out) if on_cpu else out
 
 
 @dataclass(frozen=True)
@@ -649,16 +656,65 @@ def encode_texts(texts: Sequence[str]) -> Tensor:
     data = [t.encode("utf-8") for t in texts]
     if any(b"\x00" in d for d in data):
         raise ValueError("texts must not contain NUL characters")
-    out = torch.zeros((len(data), max((len(d) for d in data), default=0)), dtype=torch.uint8)
-    for i, d in enumerate(data):
-        out[i, : len(d)] = torch.frombuffer(bytearray(d), dtype=torch.uint8) if d else out[i, :0]
-    return out
+    return _pack(data)
 
 
 def decode_texts(rows: Tensor) -> list[str]:
     """Inverse of :func:`encode_texts`."""
+    parts = _unpack(rows)
+    return b"\x00".join(parts).decode("utf-8").split("\x00") if parts else []
+
+
+# Ends every text of a list in :func:`encode_text_lists`: a byte that never occurs in UTF-8.
+_ITEM_END = b"\xff"
+
+
+def encode_text_lists(lists: Sequence[Sequence[str]]) -> Tensor:
+    """Lists of strings (e.g. each sample's references) as a ``(B, max_bytes)`` uint8 tensor: every string of a
+    row in UTF-8 followed by the byte 0xFF (never part of UTF-8), rows zero-padded; no JSON to write or parse,
+    and an empty string or an empty list survive the round trip."""
+    data = [b"".join(t.encode("utf-8") + _ITEM_END for t in texts) for texts in lists]
+    if any(b"\x00" in d for d in data):
+        raise ValueError("texts must not contain NUL characters")
+    return _pack(data)
+
+
+def decode_text_lists(rows: Tensor) -> list[list[str]]:
+    """Inverse of :func:`encode_text_lists`. A row not in that form (e.g. a state saved by an older version)
+    raises ``ValueError``."""
+    items, counts = [], []
+    for row in _unpack(rows):
+        if row and not row.endswith(_ITEM_END):
+            raise ValueError("a text-list state row does not end its last text with 0xFF (saved in another format?)")
+        parts = row.split(_ITEM_END)[:-1]
+        items += parts
+        counts.append(len(parts))
+    texts = b"\x00".join(items).decode("utf-8").split("\x00") if items else []
+    out, at = [], 0
+    for n in counts:
+        out.append(texts[at:at + n])
+        at += n
+    return out
+
+
+def _pack(data: list[bytes]) -> Tensor:
+    """Byte strings (none holding a NUL) as the rows of a zero-padded uint8 tensor, filled in one assignment."""
+    lengths = np.fromiter(map(len, data), dtype=np.int64, count=len(data))
+    out = np.zeros((len(data), int(lengths.max(initial=0))), dtype=np.uint8)
+    if out.size:
+        out[np.arange(out.shape[1]) < lengths[:, None]] = np.frombuffer(b"".join(data), dtype=np.uint8)
+    return torch.from_numpy(out)
+
+
+def _unpack(rows: Tensor) -> list[bytes]:
+    """The bytes of each row of a :func:`_pack` tensor, padding dropped."""
     raw = rows.to(torch.uint8).cpu().numpy()
-    return [bytes(r).rstrip(b"\x00").decode("utf-8") for r in raw]
+    if raw.ndim != 2 or not len(raw):
+        return [b""] * len(raw)
+    filled = raw != 0
+    ends = np.cumsum(filled.sum(axis=1))
+    blob = raw[filled].tobytes()
+    return [blob[a:b] for a, b in zip([0, *ends[:-1].tolist()], ends.tolist())]
 
 
 def nanmean(values: Tensor) -> float:

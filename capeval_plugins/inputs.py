@@ -200,12 +200,12 @@ def validate_samples(
     n = len(cands)
     ids = check_indices(indices, n)
     problems = ProblemReport()
-    for i, caption in zip(ids, cands):
-        message = caption_problem(caption)
-        if message:
-            problems.add(i, message)
+    found = _once(checked, "captions", (candidates, indices),
+                  lambda: [(i, m) for i, c in zip(ids, cands) if (m := caption_problem(c))])
+    for i, message in found:
+        problems.add(i, message)
     sources = _image_sources(info, images, ids, reader, problems, {} if checked is None else checked)
-    refs = _reference_lists(info, references, ids, problems, references_required)
+    refs = _reference_lists(info, references, ids, problems, references_required, checked, indices)
     groups = check_group_ids(group_ids, n)
     if groups is None and info.groups and sources is not None:
         groups = image_group_ids([s if s is not None else ImageSource("none", None, ("none", i), i)
@@ -215,6 +215,19 @@ def validate_samples(
         bad = problems.by_index
         samples = samples.subset([p for p, i in enumerate(ids) if i not in bad])
     return samples, problems
+
+
+def _once(checked: dict | None, what: str, inputs: tuple, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once for the metrics of a pass: ``checked`` (shared by them) remembers the result for these
+    very ``inputs`` objects, so every caption and reference list is checked once per pass, not once per metric."""
+    if checked is None:
+        return compute()
+    entry = checked.get(("once", what))
+    if entry is not None and all(a is b for a, b in zip(entry[0], inputs)):
+        return entry[1]
+    value = compute()
+    checked[("once", what)] = (inputs, value)
+    return value
 
 
 def _caption_list(candidates: Any) -> list[Any]:
@@ -341,7 +354,8 @@ def check_references(info: MetricInfo, references: Sequence[Any] | None, n: int)
 
 
 def _reference_lists(info: MetricInfo, references: Sequence[Any] | None, ids: list[int], problems: ProblemReport,
-                     required: bool | None) -> list[list[str]] | None:
+                     required: bool | None, checked: dict | None = None,
+                     indices: Any = None) -> list[list[str]] | None:
     n = len(ids)
     required = info.references == "always" if required is None else required
     if references is None:
@@ -353,15 +367,24 @@ def _reference_lists(info: MetricInfo, references: Sequence[Any] | None, ids: li
         return None
     if isinstance(references, (str, bytes)):
         raise InputError("references must be a sequence with one entry (a list of strings) per sample")
+    given = references
     references = list(references)
     if len(references) != n:
         raise InputError(f"got references for {len(references)} samples but {n} captions")
-    out: list[list[str]] = []
-    for i, refs in zip(ids, references):
-        message = reference_problem(refs)
-        if message:
-            problems.add(i, message)
-        out.append([] if message else [refs] if isinstance(refs, str) else [str(r) for r in refs])
+
+    def check() -> tuple[list[list[str]], list[tuple[int, str]]]:
+        out: list[list[str]] = []
+        found = []
+        for i, refs in zip(ids, references):
+            message = reference_problem(refs)
+            if message:
+                found.append((i, message))
+            out.append([] if message else [refs] if isinstance(refs, str) else [str(r) for r in refs])
+        return out, found
+
+    out, found = _once(checked, "references", (given, indices), check)
+    for i, message in found:
+        problems.add(i, message)
     return out
 
 

@@ -177,6 +177,28 @@ def test_text_states_round_trip_and_merge_ragged():
         StateSpec("sum", torch.float64, (-1,))
 
 
+def test_text_list_states_round_trip_without_json_and_refuse_another_format():
+    from capeval_plugins.contract import decode_text_lists, encode_text_lists, encode_texts
+
+    lists = [["a dog", "ünï ||| cödé"], [], [""], ["", "x"], ["\\u2028 \" [ ] {", "y" * 50]]
+    assert decode_text_lists(encode_text_lists(lists)) == lists
+    spec = StateSpec("cat", torch.uint8, (-1,))
+    assert decode_text_lists(spec.cat([encode_text_lists(lists[:2]), encode_text_lists(lists[2:])])) == lists
+    with pytest.raises(ValueError, match="NUL"):
+        encode_text_lists([["a\x00b"]])
+    with pytest.raises(ValueError, match="another format"):  # e.g. a run folder saved by an older version
+        decode_text_lists(encode_texts(['["a dog", "a cat"]']))
+
+
+def test_ragged_merge_pads_every_ragged_axis_with_zeros():
+    spec = StateSpec("cat", torch.float64, (-1, -1))
+    a, b = torch.ones(2, 3, 1, dtype=torch.float64), torch.full((1, 1, 4), 2.0, dtype=torch.float64)
+    merged = spec.cat([a, b])
+    assert merged.shape == (3, 3, 4)
+    assert torch.equal(merged[:2, :, :1], a) and merged[:2, :, 1:].abs().sum() == 0
+    assert torch.equal(merged[2, :1], b[0]) and merged[2, 1:].abs().sum() == 0
+
+
 class CorpusText(Metric):
     """Keeps the raw captions (ragged bytes) and scores at finalize: the shape of corpus-level metrics."""
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import random
 
+import numpy as np
 import pytest
 from conftest import EXAMPLES, has_java
 
@@ -100,10 +102,11 @@ def test_cocoevalcap_dropin_keeps_stock_results_and_feeds_raw_text(tiny_clip, tm
     resolver = ImageResolver.from_coco(EXAMPLES / "images", coco)
     ours = COCOEvalCap(coco, coco_res, scorers=[ClipScore(resolver, model=tiny_clip)], spice=False)
     ours.evaluate()
-    for key in ("Bleu_1", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"):
-        assert ours.eval[key] == stock.eval[key], key
+    for key in ("Bleu_1", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"):  # capeval's stock scorers: same numbers, types
+        assert ours.eval[key] == pytest.approx(stock.eval[key], rel=1e-12, abs=0), key
+        assert type(ours.eval[key]) is type(stock.eval[key]), key
         for img_id in stock.imgToEval:
-            assert ours.imgToEval[img_id][key] == stock.imgToEval[img_id][key]
+            assert ours.imgToEval[img_id][key] == pytest.approx(stock.imgToEval[img_id][key], rel=1e-12, abs=0)
     # CLIPScore saw the raw captions (case and punctuation intact), not PTB tokens
     ids = list(coco.getImgIds())
     direct = capeval_plugins.load("clipscore", model=tiny_clip)(
@@ -112,6 +115,41 @@ def test_cocoevalcap_dropin_keeps_stock_results_and_feeds_raw_text(tiny_clip, tm
     assert [ours.imgToEval[i]["CLIPScore"] for i in ids] == pytest.approx(direct.scores.tolist(), abs=1e-6)
     assert ours.eval["CLIPScore"] == pytest.approx(direct.score, abs=1e-6)
     assert {e["image_id"] for e in ours.evalImgs} == set(ids)
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="METEOR needs Java")
+def test_stock_scorers_return_what_pycocoevalcaps_return():
+    """COCOEvalCap's stock scorers, capeval's implementation: pycocoevalcap's return shapes and types, its
+    values to 1e-12 (bit for bit in practice), on tokenised text as COCOEvalCap hands it over."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.meteor.meteor import Meteor
+    from pycocoevalcap.rouge.rouge import Rouge
+
+    from capeval_plugins.adapters.pycocoevalcap import _stock_scorers
+
+    words = "a dog man woman red ball runs on the grass two kids play".split()
+    rng = random.Random(0)
+    text = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(2, 9)))  # noqa: E731
+    gts = {f"img{i}": [text() for _ in range(rng.randint(1, 5))] for i in range(30)}
+    res = {i: [text()] for i in gts}
+    res["img3"], gts["img4"] = gts["img3"][:1], list(gts["img5"])  # an exact match, a shared reference list
+    meteor = Meteor()
+    try:
+        theirs = [Bleu(4).compute_score(gts, res, verbose=0), meteor.compute_score(gts, res),
+                  Rouge().compute_score(gts, res), Cider().compute_score(gts, res)]
+    finally:
+        meteor.__del__()
+    stock = _stock_scorers(spice=False)
+    ours = [stock[0][0].compute_score(gts, res, verbose=0)] + [s.compute_score(gts, res) for s, _ in stock[1:]]
+    assert [s.method() for s, _ in stock] == ["Bleu", "METEOR", "Rouge", "CIDEr"]
+    for mine, peer in zip(ours, theirs):
+        for a, b in zip(mine, peer):  # (corpus, per item)
+            assert type(a) is type(b)
+            if isinstance(b, list) and b and isinstance(b[0], list):  # BLEU's per-item: one list per order
+                assert all(type(x) is type(y) and len(x) == len(y) for x, y in zip(a, b))
+            assert np.asarray(a) == pytest.approx(np.asarray(b), rel=1e-12, abs=0)
 
 
 def test_resolver_matches_an_id_however_its_number_was_read(tmp_path):

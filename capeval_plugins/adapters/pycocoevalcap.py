@@ -3,8 +3,9 @@
 A scorer per registered metric (``ClipScore``, ...) with ``compute_score(gts, res)`` and ``method()``, so it
 drops into the usual ``for scorer, method in scorers`` loop; image metrics are built with an
 :class:`ImageResolver` (a metric that finds its images by id itself, such as ViLBERTScore on region features,
-takes the ids when no resolver is given). :class:`COCOEvalCap` runs the stock scorers exactly as pycocoevalcap does and adds
-ours, feeding raw (untokenised) captions to scorers that want them.
+takes the ids when no resolver is given). :class:`COCOEvalCap` runs the stock scorers (by default capeval's
+implementation of them, :class:`StockBleu` ... :class:`StockCider`: pycocoevalcap's numbers and types, faster)
+and adds ours, feeding raw (untokenised) captions to scorers that want them.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from capeval_plugins import registry, runner
 from capeval_plugins.core.messages import warn_once
 from capeval_plugins.adapters.naming import GeneratedClasses, coco_identifier
 from capeval_plugins.contract import Metric, MetricResult
+from capeval_plugins.core.coco_text import CocoCorpus
 
 
 class ImageResolver:
@@ -147,11 +149,104 @@ def spice_available() -> bool:
     return any(lib.glob("stanford-corenlp-*-models.jar"))
 
 
-def _stock_scorers(spice: bool) -> list[tuple[Any, Any]]:
+class _StockCorpus:
+    """The tokenised corpus the fast stock scorers of one ``evaluate()`` share: prepared once for the dicts
+    they are all given (recognised by content, so dicts changed between calls are prepared again)."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.corpus: CocoCorpus | None = None
+
+    def get(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]) -> tuple[list[Any], CocoCorpus]:
+        if gts.keys() != res.keys():
+            raise ValueError("gts and res must have the same image ids")
+        ids = list(gts)
+        key = (ids, [list(gts[i]) for i in ids], [list(res[i]) for i in ids])
+        if self.key != key:
+            for i in ids:
+                if not isinstance(res[i], list) or len(res[i]) != 1:
+                    raise ValueError(f"res[{i!r}] must be a list holding exactly one caption")
+                if not isinstance(gts[i], list) or not gts[i]:
+                    raise ValueError(f"gts[{i!r}] must be a non-empty list of captions")
+            self.corpus = CocoCorpus.from_texts([r[0] for r in key[2]], key[1])
+            self.key = key
+        return ids, self.corpus
+
+
+class StockBleu:
+    """pycocoevalcap's ``Bleu(4)`` (same arguments, same return values and types), computed by capeval's
+    implementation (:mod:`capeval_plugins.core.coco_text`)."""
+
+    def __init__(self, n: int = 4, shared: _StockCorpus | None = None) -> None:
+        self._n, self.shared = n, shared or _StockCorpus()
+
+    def compute_score(self, gts, res, verbose=0):
+        _, corpus = self.shared.get(gts, res)
+        score, items = corpus.bleu(self._n)
+        return list(score), [items[:, k].tolist() for k in range(self._n)]
+
+    def method(self) -> str:
+        return "Bleu"
+
+
+class StockMeteor:
+    """pycocoevalcap's ``Meteor()``: the same jar and command line, on the process's shared JVM, streamed,
+    every wait bounded (:mod:`capeval_plugins.core.java`); ``(corpus float, [per-item floats])``."""
+
+    def __init__(self, shared: _StockCorpus | None = None) -> None:
+        self.shared = shared or _StockCorpus()
+
+    def compute_score(self, gts, res):
+        from capeval_plugins.core import java
+        from capeval_plugins.metrics.coco import meteor_jar
+
+        _, corpus = self.shared.get(gts, res)
+        rows = corpus.rows
+        return corpus.remember(("meteor",), lambda: java.METEOR.score(meteor_jar(), rows.segments(),
+                                                                        rows.inverse.tolist()))
+
+    def method(self) -> str:
+        return "METEOR"
+
+
+class StockRouge:
+    """pycocoevalcap's ``Rouge()``: ``(numpy float mean, numpy array of per-item ROUGE-L)``."""
+
+    def __init__(self, shared: _StockCorpus | None = None) -> None:
+        self.shared = shared or _StockCorpus()
+
+    def compute_score(self, gts, res):
+        return self.shared.get(gts, res)[1].rouge_l()
+
+    def method(self) -> str:
+        return "Rouge"
+
+
+class StockCider:
+    """pycocoevalcap's ``Cider()`` (CIDEr-D, n = 4, sigma = 6): ``(numpy float mean, numpy array)``."""
+
+    def __init__(self, n: int = 4, sigma: float = 6.0, shared: _StockCorpus | None = None) -> None:
+        self._n, self._sigma, self.shared = n, sigma, shared or _StockCorpus()
+
+    def compute_score(self, gts, res):
+        return self.shared.get(gts, res)[1].cider(self._n, self._sigma)
+
+    def method(self) -> str:
+        return "CIDEr"
+
+
+def _stock_scorers(spice: bool, fast: bool = True) -> list[tuple[Any, Any]]:
+    """COCOEvalCap's scorers: capeval's implementation of them (``fast``: same numbers, bit for bit, and types),
+    or pycocoevalcap's own classes."""
     from pycocoevalcap.eval import Bleu, Cider, Meteor, Rouge, Spice
 
-    scorers = [(Bleu(4), ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4"]), (Meteor(), "METEOR"),
-               (Rouge(), "ROUGE_L"), (Cider(), "CIDEr")]
+    if fast:
+        shared = _StockCorpus()
+        scorers = [(StockBleu(4, shared), ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4"]), (StockMeteor(shared), "METEOR"),
+                   (StockRouge(shared), "ROUGE_L"), (StockCider(shared=shared), "CIDEr")]
+    else:
+        scorers = [(Bleu(4), ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4"]), (Meteor(), "METEOR"),
+                   (Rouge(), "ROUGE_L"), (Cider(), "CIDEr")]
     if spice:
         scorers.append((Spice(), "SPICE"))
     return scorers
@@ -162,7 +257,7 @@ SPICE_MISSING = ("SPICE was not run: it needs Stanford CoreNLP jars that pycocoe
 
 
 class COCOEvalCap(StockCOCOEvalCap):
-    """Drop-in for ``pycocoevalcap.eval.COCOEvalCap`` that adds capeval scorers.
+    """Drop-in for ``pycocoevalcap.eval.COCOEvalCap`` that adds capeval scorers, and runs the stock ones faster.
 
     ``COCOEvalCap(coco, cocoRes, scorers=[ClipScore(resolver)])``, or ``metrics=`` with ``resolver=``: a list
     of names, or a mapping from name to that metric's options (``{"clipscore": {"model": ...}, "bleu4":
@@ -171,6 +266,9 @@ class COCOEvalCap(StockCOCOEvalCap):
     with ``wants_raw_text`` sees the captions as written. ``spice=None`` runs SPICE only where its CoreNLP
     jars are present; when they are not, it warns once, ``eval["SPICE"]`` is NaN and ``unavailable``
     says why. ``eval``, ``imgToEval`` and ``evalImgs`` are filled as the stock class fills them.
+    ``fast`` (default): the stock BLEU, METEOR, ROUGE-L and CIDEr and the PTB tokenisation are capeval's
+    implementation of them (the same numbers bit for bit, the same types; METEOR's jar streamed, in one JVM
+    per process); ``fast=False`` runs pycocoevalcap's own classes.
     """
 
     def __init__(
@@ -182,6 +280,7 @@ class COCOEvalCap(StockCOCOEvalCap):
         resolver: ImageResolver | None = None,
         stock: bool = True,
         spice: bool | None = None,
+        fast: bool = True,
         **options: Any,
     ) -> None:
         super().__init__(coco, cocoRes)
@@ -198,6 +297,7 @@ class COCOEvalCap(StockCOCOEvalCap):
         self.extra_scorers = extra
         self.stock = stock
         self.spice = spice
+        self.fast = fast
         self.unavailable: dict[str, str] = {}
 
     def evaluate(self) -> None:
@@ -209,15 +309,22 @@ class COCOEvalCap(StockCOCOEvalCap):
         raw_gts = {i: [a["caption"] for a in anns] for i, anns in gts.items()}
         raw_res = {i: [a["caption"] for a in anns] for i, anns in res.items()}
         print("tokenization...")
-        tokenizer = PTBTokenizer()
-        tok_gts, tok_res = tokenizer.tokenize(gts), tokenizer.tokenize(res)
+        if self.fast:  # the same tokens, one Java call for both
+            from capeval_plugins.metrics.coco import ptb_tokenize
+
+            tokens = ptb_tokenize({**{("gts", i): c for i, c in raw_gts.items()},
+                                   **{("res", i): c for i, c in raw_res.items()}})
+            tok_gts, tok_res = {i: tokens[("gts", i)] for i in ids}, {i: tokens[("res", i)] for i in ids}
+        else:
+            tokenizer = PTBTokenizer()
+            tok_gts, tok_res = tokenizer.tokenize(gts), tokenizer.tokenize(res)
         print("setting up scorers...")
         spice = spice_available() if self.spice is None else self.spice
         if self.stock and self.spice is None and not spice:
             warn_once(("coco", "spice"), SPICE_MISSING)
             self.unavailable["SPICE"] = SPICE_MISSING
             self.setEval(float("nan"), "SPICE")
-        scorers = (_stock_scorers(spice) if self.stock else []) + self.extra_scorers
+        scorers = (_stock_scorers(spice, self.fast) if self.stock else []) + self.extra_scorers
         for scorer, method in scorers:
             print("computing %s score..." % scorer.method())
             raw = getattr(scorer, "wants_raw_text", False)

@@ -11,6 +11,13 @@ class DataError(ValueError):
     """The data cannot be scored as configured (e.g. too few distinct images for a Gaussian fit): a problem
     of the input, not a bug, so the command line reports it in one line (exit code 2)."""
 
+
+class ExternalToolError(RuntimeError):
+    """A tool run as a child process (Java: the PTB tokenizer, METEOR, SPICE) is missing, failed, died or stopped
+    answering: a problem of the environment or of an input the tool cannot take, not a bug, so the command line
+    reports it in one line (exit code 2). The message says which tool and what it printed."""
+
+
 _warn_lock = threading.Lock()
 
 

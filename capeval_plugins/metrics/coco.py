@@ -1,22 +1,25 @@
-"""The classic COCO caption metrics: BLEU-1..4, METEOR, ROUGE-L, CIDEr and SPICE, computed by pycocoevalcap.
+"""The classic COCO caption metrics: BLEU-1..4, METEOR, ROUGE-L, CIDEr and SPICE, with pycocoevalcap's numbers.
 
 They are corpus metrics: CIDEr's idf runs over the references of every row and corpus BLEU pools n-gram
 counts over the corpus (it is not the mean of sentence BLEU). So ``map`` keeps only the raw candidate and
-reference texts, as ragged byte states (:func:`~capeval_plugins.contract.encode_texts`) that merge across
-batches and DDP ranks like any tensor, and ``finalize`` scores the whole corpus at once: pycocoevalcap's PTB
-tokenisation (Stanford PTBTokenizer, lowercased, punctuation dropped), then its scorer, exactly as
-``COCOEvalCap.evaluate`` runs them. Per-sample scores are the per-item scores pycocoevalcap returns.
-pycocoevalcap is imported lazily, inside ``finalize``.
+reference texts, as ragged byte states (:func:`~capeval_plugins.contract.encode_texts`,
+:func:`~capeval_plugins.contract.encode_text_lists`) that merge across batches and DDP ranks like any
+tensor, and ``finalize`` scores the whole corpus at once, as ``COCOEvalCap.evaluate`` does: pycocoevalcap's
+PTB tokenisation (Stanford PTBTokenizer, lowercased, punctuation dropped), then the scorer.
+
+The work is done once per pass, not once per metric: the corpus is prepared (decoded, PTB-tokenised as
+distinct texts in one Java call, identical rows merged, n-grams numbered) once and remembered by the content
+of its states (:func:`prepared`), so the classic metrics of one pass share it. BLEU, ROUGE-L and CIDEr-D are
+computed by :mod:`capeval_plugins.core.coco_text` (pycocoevalcap's arithmetic, bit for bit, vectorised);
+METEOR and SPICE are the jars pycocoevalcap ships, METEOR through :mod:`capeval_plugins.core.java`
+(streamed requests, bounded waits). pycocoevalcap provides the jars; it is imported lazily.
 """
 from __future__ import annotations
 
 import abc
-import atexit
-import hashlib
-import json
 import math
 import os
-import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,14 +27,18 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
+import xxhash
 from torch import Tensor
 
 from capeval_plugins.contract import (INDEX, Batch, Metric, MetricConfig, MetricInfo, MetricResult, Requirement,
-                                      StateSpec, decode_texts, encode_texts)
+                                      StateSpec, decode_text_lists, decode_texts, encode_text_lists, encode_texts)
+from capeval_plugins.core import java
+from capeval_plugins.core.coco_text import CocoCorpus
+from capeval_plugins.core.java import QUIET_ENV, require_java
 
 PYCOCOEVALCAP = "https://github.com/salaniz/pycocoevalcap"
 TEXT = StateSpec("cat", torch.uint8, (-1,))
@@ -83,20 +90,18 @@ class CiderConfig(CocoConfig):
     sigma: float = 6.0  # standard deviation of the Gaussian length penalty (CIDEr-D)
 
 
-def require_java(what: str, hint: str = "") -> None:
-    if shutil.which("java") is None:
-        raise RuntimeError(f"{what} needs a Java runtime (pycocoevalcap runs jars): install Java 8 or later and "
-                           f"put `java` on PATH{hint}")
-
-
-QUIET_ENV = "CAPEVAL_QUIET"  # set by `capeval ... --quiet`: the Java tools' own lines are not shown
+@dataclass
+class MeteorConfig(CocoConfig):
+    # METEOR JVMs the distinct segments are spread over (each loads the paraphrase tables: seconds of CPU),
+    # then one EVAL over every segment's statistics.
+    jvms: int = 1
 
 
 @contextmanager
 def java_output() -> Iterator[None]:
-    """Around a pycocoevalcap call that starts Java: under ``CAPEVAL_QUIET=1`` the process's stderr (which
-    the JVM inherits) goes to a temporary file for the call, and what Java said there is attached to an error
-    raised meanwhile, so nothing is lost when it matters."""
+    """Around a pycocoevalcap call that starts Java itself (SPICE): under ``CAPEVAL_QUIET=1`` the process's
+    stderr (which the JVM inherits) goes to a temporary file for the call, and what Java said there is
+    attached to an error raised meanwhile, so nothing is lost when it matters."""
     if os.environ.get(QUIET_ENV) != "1":
         yield
         return
@@ -118,49 +123,90 @@ def java_output() -> Iterator[None]:
             os.close(saved)
 
 
-_ptb_cache: OrderedDict[str, dict] = OrderedDict()
-_ptb_lock = threading.Lock()
-PTB_CACHE_SIZE = 4
+def _pycocoevalcap_file(*parts: str) -> str:
+    """A file shipped inside pycocoevalcap (its jars), found without importing its modules."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("pycocoevalcap")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the classic COCO metrics need pycocoevalcap (pip install pycocoevalcap)")
+    return str(Path(next(iter(spec.submodule_search_locations)), *parts))
 
 
-def ptb_tokenize_pair(gts: dict[int, list[str]], res: dict[int, list[str]]) -> tuple[dict, dict]:
-    """References and candidates PTB-tokenised in one Java call, remembered by content: every classic metric
-    of one pass finalises the same corpus, so the tokenizer runs once per pass, not once (twice) per metric."""
-    joint = {**{("ref", k): v for k, v in gts.items()}, **{("cand", k): v for k, v in res.items()}}
-    key = hashlib.sha256(json.dumps([[list(k), v] for k, v in joint.items()], ensure_ascii=False).encode()).hexdigest()
-    with _ptb_lock:
-        out = _ptb_cache.get(key)
-        if out is None:
-            out = ptb_tokenize(joint)
-            _ptb_cache[key] = out
-            while len(_ptb_cache) > PTB_CACHE_SIZE:
-                _ptb_cache.popitem(last=False)
-        _ptb_cache.move_to_end(key)
-    return ({k: list(out[("ref", k)]) for k in gts}, {k: list(out[("cand", k)]) for k in res})
+def ptb_texts(texts: Sequence[str]) -> list[str]:
+    """pycocoevalcap's PTB tokenisation of each text: Stanford PTBTokenizer (lowercased) in one Java call
+    over the distinct texts, then pycocoevalcap's punctuation tokens dropped. Line breaks inside a text
+    become spaces (as pycocoevalcap does for "\\n"; the others would shift every later text onto the
+    wrong row)."""
+    from pycocoevalcap.tokenizer.ptbtokenizer import PUNCTUATIONS
+
+    distinct = list(dict.fromkeys(texts))
+    lines = java.ptb_lines(distinct, _pycocoevalcap_file("tokenizer", "stanford-corenlp-3.4.1.jar"))
+    punctuation = frozenset(PUNCTUATIONS)
+    tokens = {text: " ".join(w for w in line.rstrip().split(" ") if w not in punctuation)
+              for text, line in zip(distinct, lines)}
+    return [tokens[t] for t in texts]
 
 
 def ptb_tokenize(texts: dict[Any, list[str]]) -> dict[Any, list[str]]:
-    """pycocoevalcap's PTB tokenisation of ``{id: [captions]}``. Whitespace is collapsed first (the tokenizer
-    reads one caption per line; a carriage return or other line break inside a caption would shift every
-    later caption onto the wrong id), and the output is checked to hold every caption."""
-    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
-
-    require_java("PTB tokenisation", ", or pass tokenize=False for text that is already tokenised")
-    wrapped = {k: [{"caption": " ".join(c.split())} for c in caps] for k, caps in texts.items()}
-    with java_output():
-        out = PTBTokenizer().tokenize(wrapped)
-    for k, caps in texts.items():
-        if len(out.get(k, ())) != len(caps):
-            got = len(out.get(k, ()))
-            raise RuntimeError(f"PTB tokenizer returned {got} captions for item {k}, expected {len(caps)}")
+    """:func:`ptb_texts` of ``{id: [captions]}`` (pycocoevalcap's ``PTBTokenizer().tokenize`` of the same
+    captions, without its temporary file)."""
+    flat = [c for caps in texts.values() for c in caps]
+    out, tokens = {}, iter(ptb_texts(flat))
+    for key, caps in texts.items():
+        out[key] = [next(tokens) for _ in caps]
     return out
 
 
+# ---------------------------------------------------------------------------------------------- the corpus
+
+_prepared: OrderedDict[str, CocoCorpus] = OrderedDict()
+_prepared_lock = threading.Lock()
+PREPARED_KEPT = 2  # corpora remembered: the metrics of one pass finalise the same one
+
+
+def prepared(candidates: Tensor, references: Tensor, tokenize: bool) -> CocoCorpus:
+    """The corpus of a COCO metric's state (decoded, PTB-tokenised if asked, rows merged, ready for every
+    classic metric), built once and remembered by the content of the state: every classic metric of a pass
+    finalises the same texts, so the tokenizer and the n-gram counts run once per pass, not once per
+    metric. (A digest of the state's bytes is cheap; the texts themselves are not re-encoded.)"""
+    digest = xxhash.xxh3_128()
+    for tensor in (candidates, references):
+        array = np.ascontiguousarray(tensor.to(torch.uint8).cpu().numpy())
+        digest.update(repr(array.shape).encode())
+        digest.update(memoryview(array).cast("B"))
+    key = f"{digest.hexdigest()}:{bool(tokenize)}"
+    with _prepared_lock:
+        corpus = _prepared.get(key)
+        if corpus is None:
+            cands, refs = decode_texts(candidates), decode_text_lists(references)
+            if tokenize:
+                flat = ptb_texts(cands + [r for group in refs for r in group])
+                cands, at = flat[:len(cands)], len(cands)
+                tokenized = []
+                for group in refs:
+                    tokenized.append(flat[at:at + len(group)])
+                    at += len(group)
+                refs = tokenized
+            corpus = CocoCorpus.from_texts(cands, refs)
+            _prepared[key] = corpus
+            while len(_prepared) > PREPARED_KEPT:
+                _prepared.popitem(last=False)
+        _prepared.move_to_end(key)
+    return corpus
+
+
+def forget_prepared() -> None:
+    """Drop the remembered corpora (a fresh run's cost, e.g. in benchmarks)."""
+    with _prepared_lock:
+        _prepared.clear()
+
+
 class CocoMetric(Metric):
-    """A pycocoevalcap scorer over the whole corpus; subclasses implement ``score_corpus``."""
+    """A classic COCO metric over the whole corpus; subclasses implement ``score_corpus``."""
 
     Config = CocoConfig
-    java_name: ClassVar[str] = ""  # set where the scorer itself runs Java
+    java_name: ClassVar[str] = ""  # set where the metric itself runs a jar (the preflight checks for Java)
 
     def requirements(self) -> list[Requirement]:
         needs = super().requirements()
@@ -175,23 +221,13 @@ class CocoMetric(Metric):
         return {"candidate": TEXT, "references": TEXT}
 
     def map(self, batch: Batch) -> dict[str, Tensor]:
-        # JSON escapes control characters, so a list of references is one NUL-free string.
-        refs = [json.dumps(list(r), ensure_ascii=False) for r in batch.references]
-        return {"candidate": encode_texts(batch.candidates), "references": encode_texts(refs)}
+        return {"candidate": encode_texts(batch.candidates), "references": encode_text_lists(batch.references)}
 
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
-        candidates = decode_texts(state["candidate"])
-        references = [json.loads(r) for r in decode_texts(state["references"])]
-        if not candidates:
+        if not len(state[INDEX]):
             return MetricResult(self.info.name, math.nan, torch.zeros(0, dtype=torch.float64), state[INDEX])
-        gts = {i: refs for i, refs in enumerate(references)}
-        res = {i: [c] for i, c in enumerate(candidates)}
-        if self.config.tokenize:
-            gts, res = ptb_tokenize_pair(gts, res)
-        if self.java_name:
-            require_java(self.java_name)
-        with java_output():
-            score, scores, corpus_extras = self.score_corpus(gts, res)
+        corpus = prepared(state["candidate"], state["references"], self.config.tokenize)
+        score, scores, corpus_extras = self.score_corpus(corpus, state)
         return MetricResult(
             name=self.info.name,
             score=float(score),
@@ -201,8 +237,8 @@ class CocoMetric(Metric):
         )
 
     @abc.abstractmethod
-    def score_corpus(self, gts: dict[int, list[str]], res: dict[int, list[str]]) -> tuple[float, Any, dict]:
-        """``(corpus score, per-item scores in id order, corpus extras)`` from pycocoevalcap."""
+    def score_corpus(self, corpus: CocoCorpus, state: dict[str, Tensor]) -> tuple[float, Any, dict]:
+        """``(corpus score, per-row scores in row order, corpus extras)``."""
 
 
 def _info(name: str, display: str, description: str, citation: str, paper: str, config: dict,
@@ -225,11 +261,9 @@ def _info(name: str, display: str, description: str, citation: str, paper: str, 
 class _Bleu(CocoMetric):
     order: ClassVar[int] = 4
 
-    def score_corpus(self, gts, res):
-        from pycocoevalcap.bleu.bleu import Bleu
-
-        scores, per_item = Bleu(4).compute_score(gts, res, verbose=0)
-        return scores[self.order - 1], per_item[self.order - 1], {}
+    def score_corpus(self, corpus, state):
+        scores, per_item = corpus.bleu(4)  # pycocoevalcap's Bleu(4): BLEU-n is its n-th order
+        return scores[self.order - 1], per_item[:, self.order - 1], {}
 
 
 def _bleu_info(n: int) -> MetricInfo:
@@ -263,43 +297,32 @@ class Bleu4(_Bleu):
 class Meteor(CocoMetric):
     info = _info(
         "meteor", "METEOR",
-        "METEOR 1.5 (English, normalised) through pycocoevalcap's Java wrapper; the corpus score is METEOR's own "
-        "aggregate over all segments, not the mean of the per-sample scores.",
+        "METEOR 1.5 (English, normalised), the jar pycocoevalcap ships, with its command line; the corpus score "
+        "is METEOR's own aggregate over all segments, not the mean of the per-sample scores.",
         METEOR_CITATION, "https://aclanthology.org/W14-3348/", {"version": "1.5", "language": "en", "norm": True})
+    Config = MeteorConfig
     java_name = "METEOR"
 
-    def score_corpus(self, gts, res):
-        score, scores = shared_meteor().compute_score(gts, res)
+    def score_corpus(self, corpus, state):
+        rows = corpus.rows
+
+        def compute():
+            try:
+                return java.METEOR.score(meteor_jar(), rows.segments(), rows.inverse.tolist(), jvms=self.config.jvms)
+            except java.ExternalToolError as err:
+                if getattr(err, "segment", None) is not None:  # the unique row it failed on: name a sample of it
+                    row = int(np.nonzero(rows.inverse == err.segment)[0][0])
+                    where = f"while scoring sample {int(state[INDEX][row])}"
+                    err.add_note(f"({where})")
+                    err.cli_message = f"{getattr(err, 'cli_message', err.args[0])} ({where})"
+                raise
+
+        score, scores = corpus.remember(("meteor",), compute)
         return score, scores, {}
 
 
-_meteor = None
-_meteor_lock = threading.Lock()
-
-
-def shared_meteor():
-    """One pycocoevalcap METEOR scorer per process: its JVM takes seconds to load the paraphrase tables, so
-    it is started once and reused (pycocoevalcap serialises calls with its own lock), and stopped at exit."""
-    global _meteor
-    from pycocoevalcap.meteor.meteor import Meteor as CocoMeteor
-
-    with _meteor_lock:
-        if _meteor is None or _meteor.meteor_p.poll() is not None:
-            _meteor = CocoMeteor()
-            atexit.register(_stop, _meteor.meteor_p)
-        return _meteor
-
-
-def _stop(process) -> None:
-    # Closing stdin ends the JVM; pycocoevalcap itself would leave it to garbage collection.
-    try:
-        process.stdin.close()
-        process.wait(timeout=30)
-    except Exception:  # a JVM that does not exit on EOF
-        process.kill()
-        process.wait()
-    for pipe in (process.stdout, process.stderr):
-        pipe.close()
+def meteor_jar() -> str:
+    return _pycocoevalcap_file("meteor", "meteor-1.5.jar")
 
 
 class RougeL(CocoMetric):
@@ -309,10 +332,8 @@ class RougeL(CocoMetric):
         "references) as pycocoevalcap computes it; the corpus score is the mean.",
         ROUGE_CITATION, "https://aclanthology.org/W04-1013/", {"beta": 1.2})
 
-    def score_corpus(self, gts, res):
-        from pycocoevalcap.rouge.rouge import Rouge
-
-        score, scores = Rouge().compute_score(gts, res)
+    def score_corpus(self, corpus, state):
+        score, scores = corpus.rouge_l()
         return score, scores, {}
 
 
@@ -325,10 +346,8 @@ class Cider(CocoMetric):
         score_range=(0.0, 10.0))
     Config = CiderConfig
 
-    def score_corpus(self, gts, res):
-        from pycocoevalcap.cider.cider import Cider as CocoCider
-
-        score, scores = CocoCider(n=self.config.n, sigma=self.config.sigma).compute_score(gts, res)
+    def score_corpus(self, corpus, state):
+        score, scores = corpus.cider(self.config.n, self.config.sigma)
         return score, scores, {}
 
 
@@ -355,10 +374,18 @@ class Spice(CocoMetric):
         return super().requirements() + [Requirement("file", str(jar), "SPICE (Stanford CoreNLP 3.6.0)", remedy)
                                          for jar in spice_jars()]
 
-    def score_corpus(self, gts, res):
+    def score_corpus(self, corpus, state):
         from pycocoevalcap.spice.spice import Spice as CocoSpice
 
-        _, items = CocoSpice().compute_score(gts, res)
+        require_java("SPICE")
+        unique = corpus.rows.segments()
+        every = [unique[r] for r in corpus.rows.inverse.tolist()]
+        gts, res = {i: refs for i, (_, refs) in enumerate(every)}, {i: [c] for i, (c, _) in enumerate(every)}
+        with java_output():
+            try:
+                _, items = CocoSpice().compute_score(gts, res)
+            except subprocess.CalledProcessError as err:  # its jar failed: say so in one line, exit 2
+                raise java.ExternalToolError(f"SPICE (Java) failed (exit status {err.returncode})") from err
         scores = np.array([float(item["All"]["f"]) for item in items], dtype=np.float64)
         invalid = int(np.isnan(scores).sum())
         valid = scores[~np.isnan(scores)]
