@@ -22,11 +22,11 @@ import io
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from capeval_plugins import files
 from capeval_plugins.contract import MetricResult
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.inputs import InputError
@@ -266,81 +266,55 @@ def score_table(results: Mapping[str, MetricResult]) -> list[dict[str, Any]]:
     return table
 
 
-def check_writable(path: str | os.PathLike, inputs: Sequence[str | os.PathLike | None] = ()) -> None:
-    """Fail now, not after hours of scoring, if ``path`` cannot be written (or its format not produced), or if
-    it is one of the ``inputs`` (the caption file: writing the scores would destroy it)."""
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(f"--out {path} is a folder; give a file name (.jsonl, .json, .csv or .parquet)")
-    for given in inputs:
-        if given is not None and _same_file(path, Path(given)):
-            raise InputError(f"--out {path} is an input of this run ({given}); give another file name")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise InputError(f"cannot write {path}: folder {folder} does not exist")
+def check_writable(path: str | os.PathLike, inputs: Sequence[Any] = (), what: str = "--out") -> str:
+    """Fail now, not after hours of scoring, if ``path`` cannot or must not be written (see
+    :func:`capeval_plugins.files.check_output`: a folder, a link, one of the ``inputs`` or inside an input
+    folder such as a model's), or if its format cannot be produced. Returns ``"file"`` or ``"stream"``."""
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".capeval-", delete=True):
-            pass
-        if path.exists() and not os.access(path, os.W_OK):
-            raise PermissionError(path)
-    except OSError:
-        raise InputError(f"cannot write {path}: permission denied") from None
+        kind = files.check_output(path, inputs, what)
+    except files.FileError as err:
+        raise InputError(str(err)) from None
     if output_format(path) == ".parquet":
         try:
             import pyarrow  # noqa: F401  (checked now, used when writing)
         except ImportError:
             raise InputError(f"writing .parquet needs pyarrow: {install_extra('parquet')}") from None
+    return kind
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    if a.exists() and b.exists():
-        return os.path.samefile(a, b)
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def write_table(path: str | os.PathLike, table: list[dict[str, Any]]) -> None:
+def write_table(path: str | os.PathLike, table: list[dict[str, Any]], inputs: Sequence[Any] = (),
+                what: str = "--out") -> None:
     """Write rows (from :func:`score_table`) as JSON Lines, a JSON array (``.json``), CSV or Parquet by
-    suffix, atomically: into a temporary file of a name no other writer uses, then renamed over ``path``, so
-    two runs writing one path leave one whole output, never a mix."""
-    path = Path(path)
+    suffix, through :func:`capeval_plugins.files.write_output`: a file is replaced whole (two runs writing one
+    path leave one whole output, never a mix), a stream (``/dev/stdout``) written through."""
     columns: list[str] = []
     for row in table:
         columns += [k for k in row if k not in columns]
-    fd, name = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(name)
-    try:
-        os.close(fd)
-        _write_rows(tmp, output_format(path), table, columns)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary new file (mkstemp makes it private)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    fmt = output_format(path)
+    files.write_output(path, lambda f: _write_rows(f, fmt, table, columns), inputs, what)
 
 
-def _write_rows(tmp: Path, fmt: str, table: list[dict[str, Any]], columns: list[str]) -> None:
+def _write_rows(f: Any, fmt: str, table: list[dict[str, Any]], columns: list[str]) -> None:
     if fmt == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         # every column of every row (``error`` may first appear in a later row)
-        pq.write_table(pa.Table.from_pydict({c: [row.get(c) for row in table] for c in columns}), tmp)
+        pq.write_table(pa.Table.from_pydict({c: [row.get(c) for row in table] for c in columns}), f)
         return
-    with open(tmp, "w", newline="" if fmt == ".csv" else None, encoding="utf-8") as f:
-        if fmt == ".csv":
-            writer = csv.DictWriter(f, fieldnames=columns or ["index"])
-            writer.writeheader()
-            for row in table:
-                writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
-        elif fmt == ".json":
-            f.write("[\n" + ",\n".join(json.dumps(row, allow_nan=False) for row in table) + "\n]\n")
-        else:
-            for row in table:
-                f.write(json.dumps(row, allow_nan=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    text = io.TextIOWrapper(f, encoding="utf-8", newline="" if fmt == ".csv" else None, write_through=True)
+    if fmt == ".csv":
+        writer = csv.DictWriter(text, fieldnames=columns or ["index"])
+        writer.writeheader()
+        for row in table:
+            writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
+    elif fmt == ".json":
+        text.write("[\n" + ",\n".join(json.dumps(row, allow_nan=False) for row in table) + "\n]\n")
+    else:
+        for row in table:
+            text.write(json.dumps(row, allow_nan=False) + "\n")
+    text.flush()
+    text.detach()  # the caller closes the file
 
 
 def write_scores(path: str | os.PathLike, result: MetricResult) -> None:

@@ -28,7 +28,7 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch
 from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, finalize_state,
                                       full_spec, map_batch, merge_states)
 from capeval_plugins.digests import ContentDigests
+from capeval_plugins.files import FileError
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
                                     to_batch, validate_samples)
 
@@ -454,6 +455,18 @@ def _shard(samples: Samples, rank: int, size: int) -> Samples:
     return samples.subset(order[rank * len(order) // size : (rank + 1) * len(order) // size])
 
 
+def local_inputs(metrics: Iterable[Metric]) -> list[str]:
+    """The local files and folders the metrics' options name (``Config.input_paths``: models, saved fits,
+    feature folders): an output must not be one of them or lie inside one."""
+    found = []
+    for metric in metrics:
+        for key in getattr(metric.config, "input_paths", ()):
+            value = getattr(metric.config, key, None)
+            if isinstance(value, str) and value and os.path.exists(os.path.expanduser(value)):
+                found.append(os.path.expanduser(value))
+    return found
+
+
 def fingerprint(metrics: Mapping[str, Metric], corpus: Corpus, world_size: int, on_error: str | None) -> dict:
     """What a run folder is a run of: every metric with its options, the models and data files they name (by
     content: a local folder's files are hashed, a hub id resolves to its cached commit), the inputs (by
@@ -488,20 +501,20 @@ def _open_store(run_dir: str | os.PathLike, fp: dict, restart: bool, rank: int, 
     """Rank 0 locks and checks (or clears) the folder first; every rank then learns the verdict and the run
     id. Rank 0 holds the lock until the run ends."""
     store = RunStore(run_dir, rank, size)
-    verdict: tuple[str, str] | str | None = None
+    verdict: tuple[str, str] | tuple[str, bytes] | None = None
     error: Exception | None = None
     if rank == 0:
         try:
             store.open(fp, restart)
-            verdict = store.run_id
-        except InputError as err:
+            verdict = (store.run_id, store.key)
+        except (InputError, FileError) as err:
             error, verdict = err, (str(err), getattr(err, "cli_message", str(err)))
     verdict = _gather(verdict, size, None)[0]
     if error is not None:
         raise error
-    if isinstance(verdict, tuple):
+    if isinstance(verdict[1], str):
         raise _RankError(*verdict)
-    store.attach(verdict)
+    store.attach(*verdict)  # the run's key too: ranks on other machines need not share the user's secret
     return store
 
 
@@ -525,8 +538,8 @@ def _load_progress(tasks: list[_Task], store: RunStore, size: int) -> None:
     try:
         for task in tasks:
             task.progress = store.load(task.name, any(s.reduce == "sum" for s in task.spec.values()), task.plan())
-    except RunFolderError as err:
-        error, mine = err, (str(err), err.cli_message)
+    except (RunFolderError, FileError) as err:
+        error, mine = err, (str(err), getattr(err, "cli_message", str(err)))
     errors = [e for e in _gather(mine, size, None) if e is not None]
     if error is not None:
         raise error

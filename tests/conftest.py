@@ -139,3 +139,12 @@ def flickr8k_rows(n_images: int, long_side: int = 255):
 
     crops = photo_crops(pairs.n_images, long_side=long_side)
     return pairs, [crops[k] for k in pairs.image]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_key_folder(tmp_path_factory):
+    """The user's secret (capeval_plugins.files.secret) in a folder of the session, not the real ~/.config;
+    subprocesses inherit it."""
+    folder = tmp_path_factory.mktemp("capeval-config")
+    os.environ["CAPEVAL_CONFIG_DIR"] = str(folder / "capeval_plugins")
+    yield folder
