@@ -81,8 +81,10 @@ def read_records(path: str | os.PathLike, with_lines: bool = False) -> list[dict
 
 def _read_text(path: str) -> str:
     """The file as text (UTF-8, a leading byte-order mark dropped); invalid UTF-8 is refused by its line."""
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        data = files.read_input(path, "caption file")
+    except files.FileError as err:
+        raise InputError(str(err)) from None
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
@@ -107,28 +109,40 @@ def _json_lines(path: str) -> list[tuple[int, dict[str, Any]]]:
 
 
 def _table_rows(path: str, text: str, delimiter: str) -> list[tuple[int, dict[str, Any]]]:
-    """CSV/TSV rows keyed by the header, each with the line it starts on (cells are strings)."""
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
-    try:
-        header = next(reader)
-    except StopIteration:
-        return []
-    except csv.Error as err:
-        raise InputError(f"{path}:1: {err}") from None
-    if len(set(header)) != len(header):
-        raise InputError(f"{path}:1: a column name appears twice in the header: {header}")
-    rows, start = [], reader.line_num + 1
+    """CSV/TSV rows keyed by the header, each with the line it starts on (cells are strings). Parsed
+    strictly: a quote left open, text after a closing quote, or a record that runs over several lines (a
+    newline inside a quoted cell: with a quote left open it would swallow the rows after it) is an error
+    naming the line, never rows silently merged into one."""
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    kind = "tab" if delimiter == "\t" else "comma"
+    rows, header, start = [], None, 1
     try:
         for cells in reader:
-            if any(cell.strip() for cell in cells):
+            if reader.line_num != start:
+                raise InputError(
+                    f"{path}:{start}: a quoted cell runs from line {start} to line {reader.line_num} (a quote left "
+                    "open, or a line break inside a cell); close the quote, or write captions with line breaks "
+                    "as JSON Lines")
+            if header is None:
+                header = cells
+                if len(set(header)) != len(header):
+                    raise InputError(f"{path}:1: a column name appears twice in the header: {header}")
+            elif any(cell.strip() for cell in cells):
                 if len(cells) > len(header):
                     raise InputError(f"{path}:{start}: {len(cells)} cells but {len(header)} columns in the header "
-                                     f"(a {'tab' if delimiter == chr(9) else 'comma'} inside an unquoted cell?)")
+                                     f"(a {kind} inside an unquoted cell?)")
                 rows.append((start, dict(zip(header, cells))))
             start = reader.line_num + 1
     except csv.Error as err:
-        raise InputError(f"{path}:{start}: {err}") from None
+        raise InputError(f"{path}:{start}: {err} (a quote left open?)") from None
     return rows
+
+
+def read_table(path: str | os.PathLike, delimiter: str = ",") -> list[dict[str, Any]]:
+    """The rows of a CSV (or, with ``delimiter="\\t"``, TSV) file, parsed strictly (see :func:`_table_rows`):
+    every reader of a table in the package goes through here."""
+    path = os.fspath(path)
+    return [row for _, row in _table_rows(path, _read_text(path), delimiter)]
 
 
 def _parquet_rows(path: str) -> list[tuple[int, dict[str, Any]]]:
@@ -137,7 +151,7 @@ def _parquet_rows(path: str) -> list[tuple[int, dict[str, Any]]]:
     except ImportError:
         raise InputError(f"reading .parquet needs pyarrow: {install_extra('parquet')}") from None
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(io.BytesIO(files.read_input(path, "caption file")))
     except Exception as err:  # pyarrow raises several types for a damaged file
         raise InputError(f"{path}: cannot read Parquet: {err}") from None
     return [(k, {key: value for key, value in row.items() if value is not None})

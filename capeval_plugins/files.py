@@ -651,6 +651,9 @@ class Claim:
         new = [n for n in dict.fromkeys(names) if n not in self.files]
         for name in new:
             relative_name(name)
+            if not name.endswith("/") and self._exists(name):  # never claim what someone else put there
+                raise UnsafePath(f"{self.path / name} is not capeval's (it was there before); capeval does not "
+                                 "overwrite it: move it away or give another folder")
         if new or not self.found:
             self.files += new
             self._write_marker()
@@ -671,12 +674,9 @@ class Claim:
 
     def write(self, name: str, data: Data, mode: int = 0o666) -> None:
         """Write the file ``name`` (a relative path) whole; refused when it exists and is not listed."""
+        self.own([name])  # refused when it exists and is not listed
         folder, leaf, opened = self._parent(name, create=True)
         try:
-            if folder.kind(leaf) is not None and not self.owns(name):
-                raise UnsafePath(f"{self.path / name} is not capeval's (it was there before); capeval does not "
-                                 "overwrite it: move it away or give another folder")
-            self.own([name])
             folder.write(leaf, data, mode=mode)
         finally:
             for f in opened:
@@ -746,17 +746,23 @@ class Claim:
                 f.close()
 
     @contextlib.contextmanager
-    def staging(self) -> Iterator[Path]:
+    def staging(self, keep_partial: bool = False) -> Iterator[Path]:
         """A new private folder inside the claim for code that writes files by path (``save_pretrained``);
         on success everything written there is moved into the claim (:meth:`publish`), then the staging
-        folder goes. Nothing is moved when the block fails."""
+        folder goes. Nothing is moved when the block fails, unless ``keep_partial`` (a build whose error
+        says what it did save)."""
         assert self.folder is not None
         name = f".capeval-staging-{_secrets.token_hex(6)}"
         self.own([name + "/"])
         with _reported(self.path / name, "create the folder"):
             os.mkdir(name, 0o700, dir_fd=self.folder.fd)
         try:
-            yield self.path / name
+            try:
+                yield self.path / name
+            except Exception:
+                if keep_partial:
+                    self.publish(name)
+                raise
             self.publish(name)
         finally:
             self.folder.remove_tree(name)
@@ -790,8 +796,11 @@ class Claim:
 
 
 def _walk(folder: Folder, prefix: str) -> Iterator[str]:
-    """Relative names of the regular files under ``folder`` (a link or a special file is refused)."""
+    """Relative names of the regular files under ``folder`` (a link or a special file is refused). A marker
+    or staging folder of a claim made inside the staging folder (``.capeval-*``) stays behind."""
     for name in folder.names():
+        if not prefix and name.startswith(".capeval-"):
+            continue
         kind = folder.kind(name)
         if kind == "dir":
             with folder.sub(name) as sub:

@@ -435,9 +435,13 @@ def merge_ranks(spec: Mapping[str, StateSpec], states: Sequence[Mapping[str, Ten
     return merged
 
 
-def finalize(metric: Metric, state: Mapping[str, Tensor], skipped: Mapping[int, str] | None = None) -> MetricResult:
-    """Finalize a merged state and put the skipped samples back (NaN, with their reasons)."""
-    return finalize_state(metric, state).with_skipped(dict(skipped or {}))
+def finalize(metric: Metric, state: Mapping[str, Tensor], skipped: Mapping[int, str] | None = None,
+             allowed_repeats: int | None = 0) -> MetricResult:
+    """Finalize a merged state and put the skipped samples back (NaN, with their reasons). ``allowed_repeats``:
+    how many sample ids may come twice (the same sample: a padding sampler's repeats, at most world size - 1;
+    the runner shards without repeats: 0); more, or an id repeated with other content, is an error naming
+    the ids (see :func:`~capeval_plugins.contract.canonical_state`)."""
+    return finalize_state(metric, state, allowed_repeats).with_skipped(dict(skipped or {}))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -474,10 +478,7 @@ def fingerprint(metrics: Mapping[str, Metric], corpus: Corpus, world_size: int, 
     contents = ContentDigests()  # each file hashed once in this run
     described = {}
     for name, metric in metrics.items():
-        options = dataclasses.asdict(metric.config)
-        for key in getattr(metric.config, "input_paths", ()):
-            if isinstance(options.get(key), str) and options[key]:
-                options[key] = contents.source(options[key])
+        options = {**dataclasses.asdict(metric.config), **contents.options(metric.config)}
         options["on_error"] = policy(metric, on_error)
         described[name] = {"metric": f"{type(metric).__module__}.{type(metric).__qualname__}", **options}
     return {"metrics": described, "inputs": corpus.digest(contents), "world_size": world_size}
@@ -600,6 +601,8 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
     events = sorted(((k + 1) / t.n_batches, i, k) for i, t in enumerate(tasks) for k in range(t.progress.batches, t.n_batches))
     bar = _ProgressBar(tasks, progress and rank == 0)
     interrupted, scored = False, 0
+    if isinstance(stop, StopFlag):
+        stop.scoring = True  # a signal now stops after the batch at work
     try:
         for task in tasks:
             _prepare_corpus(task)
@@ -611,6 +614,8 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
                 interrupted = True
                 break
     finally:
+        if isinstance(stop, StopFlag):
+            stop.scoring = False
         bar.close()
         for task in tasks:
             task.metric.release_corpus()
@@ -759,25 +764,39 @@ def finish(run_dir: str | os.PathLike, shard: bool = False, run_id: str | None =
         RunStore(run_dir).remove(run_id)
 
 
+class StopFlag:
+    """What :func:`stop_on_signals` yields (pass it as ``run(stop=...)``): true once a stop was asked for.
+    While the runner scores batches (``scoring``) a signal asks for a stop after the current batch; anywhere
+    else (validation, digesting inputs, loading models, the corpus step) nothing would poll it, so a signal
+    stops the process at once (KeyboardInterrupt), as does a second one."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.scoring = False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
 @contextmanager
-def stop_on_signals() -> Iterator[Callable[[], bool]]:
-    """SIGINT and SIGTERM ask the run to stop after the current batch (a second Ctrl-C stops at once).
-    Yields the flag to pass as ``run(stop=...)``. Outside the main thread, signals are left alone."""
-    flag = threading.Event()
+def stop_on_signals() -> Iterator[StopFlag]:
+    """SIGINT and SIGTERM ask the run to stop after the current batch, or at once outside the batches or
+    when sent twice (see :class:`StopFlag`). Outside the main thread, signals are left alone."""
+    flag = StopFlag()
     if threading.current_thread() is not threading.main_thread():
-        yield flag.is_set
+        yield flag
         return
 
     def handler(signum: int, frame: Any) -> None:
-        if flag.is_set() and signum == signal.SIGINT:
+        if flag.requested or not flag.scoring:
             raise KeyboardInterrupt
-        flag.set()
+        flag.requested = True
         print(f"capeval: {signal.Signals(signum).name}: stopping after the current batch", file=sys.stderr,
               flush=True)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield flag.is_set
+        yield flag
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)

@@ -293,13 +293,19 @@ def test_tiny_builds_a_loadable_checkpoint(tmp_path):
     assert (Path(path) / "model.safetensors").is_file() and (Path(path) / "config.json").is_file()
 
 
-def test_signals_finish_the_batch_then_stop():
+def test_signals_finish_the_batch_then_stop_and_stop_at_once_outside_the_batches():
     import os
 
     from capeval_plugins import runner
 
     with runner.stop_on_signals() as stop:
+        stop.scoring = True  # as the runner sets it while it scores batches
         assert not stop()
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop()
+        with pytest.raises(KeyboardInterrupt):  # a second one: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+    with runner.stop_on_signals() as stop:  # loading, digesting, validating: nothing would poll the flag
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
