@@ -411,12 +411,15 @@ class RunStore:
 
     def _folder(self) -> files.Folder:
         if self._part is None:
-            if self.claim is not None and self.claim.folder is not None and self.claim.folder.fd >= 0:
-                self._part = self.claim.folder.sub(self.part_name, create=True)
-            else:
-                root, _ = files.Folder.open(self.root, mine=True)
-                with root:
-                    self._part = root.sub(self.part_name, create=True)
+            try:
+                if self.claim is not None and self.claim.folder is not None and self.claim.folder.fd >= 0:
+                    self._part = self.claim.folder.sub(self.part_name, create=True)
+                else:
+                    root, _ = files.Folder.open(self.root, mine=True)
+                    with root:
+                        self._part = root.sub(self.part_name, create=True)
+            except files.UnsafePath as err:
+                raise DamagedRun(self.root, str(err)) from None
         return self._part
 
     def _belongs(self, header: Mapping[str, Any], metric: str, batch: int, plan: Sequence[str] | None) -> bool:

@@ -499,6 +499,11 @@ def _check_repeats(state: Mapping[str, Tensor], order: Tensor, sorted_index: Ten
         ids = torch.unique(ids).tolist()
         return ", ".join(map(str, ids[:10])) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
 
+    if allowed is not None and repeats > allowed:
+        raise RepeatedSamples(
+            f"{repeats} samples were given more than once (ids {shown(sorted_index[~keep])}), but a padding "
+            f"DistributedSampler repeats at most world_size - 1 = {allowed}: ids must be unique across processes "
+            "(pass each sample's dataset index, not its position in the shard)")
     if DIGEST in state:
         digest = state[DIGEST].reshape(-1).to(order.device)[order]
         first = digest[keep][torch.cumsum(keep.to(torch.int64), 0) - 1]  # the kept row's digest, for every row
@@ -508,11 +513,6 @@ def _check_repeats(state: Mapping[str, Tensor], order: Tensor, sorted_index: Ten
                 f"sample id(s) {shown(sorted_index[differ])} were given for different samples (other caption, "
                 "references or image): ids must name one sample each, e.g. its dataset index (a "
                 "DistributedSampler's padding repeats the same sample)")
-    if allowed is not None and repeats > allowed:
-        raise RepeatedSamples(
-            f"{repeats} samples were given more than once (ids {shown(sorted_index[~keep])}), but a padding "
-            f"DistributedSampler repeats at most world_size - 1 = {allowed}: ids must be unique across processes "
-            "(pass each sample's dataset index, not its position in the shard)")
 
 
 def finalize_state(metric: Metric, state: Mapping[str, Tensor], allowed_repeats: int | None = None) -> MetricResult:

@@ -608,20 +608,20 @@ class Claim:
             for name in content["files"]:
                 relative_name(name)  # defence in depth: an authentic list still names only plain paths
             return content
-        if self._only_scratch(ignore=(self.marker,)):
-            return None  # a crash before the run started, or a planted file: the folder is empty for us
+        # never a crash of ours (a marker is renamed in whole): someone else's file, left as it is
         raise UnsafePath(
             f"{self.path}: its {self.marker} is damaged, of another kind, or was not written by capeval for this "
             "user, so what in the folder capeval wrote is unknown; capeval leaves it alone: remove the folder "
             "yourself, or give another one")
 
-    def _only_scratch(self, ignore: tuple[str, ...] = ()) -> bool:
-        path = self.path
+    def _only_scratch(self) -> bool:
+        """Whether the folder holds nothing but the regular files a crash of the package can leave before its
+        marker exists (named by the package's convention: ``scratch``)."""
         try:
-            entries = sorted(os.listdir(path))
+            entries = sorted(os.listdir(self.path))
         except OSError:
             return False
-        return all((e in self.scratch or e in ignore) and file_kind(path / e, follow=False) == "file" for e in entries)
+        return all(e in self.scratch and file_kind(self.path / e, follow=False) == "file" for e in entries)
 
     def _refuse_foreign(self) -> None:
         if self.folder is not None and self.found:
@@ -767,6 +767,8 @@ class Claim:
         finally:
             self.folder.remove_tree(name)
             self.remove([name + "/"])
+            if not self.files:  # nothing was published (a refused build): leave no marker behind
+                self.remove()
 
     def publish(self, staged: str) -> None:
         """Move every file of the staging folder ``staged`` to the same place in the claim. Every name it
