@@ -12,7 +12,9 @@ only by reference-based metrics; ``group`` (optional) names the group of a candi
 In CSV and TSV files (first line: the column names) the ``references`` cell holds a JSON list
 (``["a dog on grass", "a brown dog"]``); a cell that does not start with ``[`` is one reference, and an
 empty cell none. In Parquet, ``references`` is a list column (a string column is read like a CSV cell).
-Every form gives the same records as the JSON Lines file; a cell that is neither is refused by its line.
+Every form gives the same records as the JSON Lines file; a cell that is neither is refused by its line. CSV
+and TSV are parsed strictly, one record per line (a quote left open, or a line break inside a cell, is
+refused by its line: captions with line breaks go in JSON Lines or Parquet).
 """
 
 from __future__ import annotations

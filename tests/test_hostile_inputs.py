@@ -719,3 +719,89 @@ def test_a_write_the_kernel_refuses_mid_run_is_one_line_exit_2_and_the_run_resum
     assert code == 0, err
     assert json.loads(stdout.strip().splitlines()[-1])["batches_resumed"] > 0
     assert out.read_text() == whole.read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Neighbours: other outputs, caches, links in parent folders, a link planted between the check and the write
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a link to another user")
+def test_an_output_through_a_link_of_another_user_is_refused(files, tmp_path, capsys):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shared = tmp_path / "shared"
+    shared.symlink_to(elsewhere)
+    os.lchown(shared, 54321, 54321)  # another user's link in a shared folder steers where we would write
+    code, _, err = cli(text_cmd(files, "--out", shared / "s.jsonl"), capsys)
+    assert code == 2 and "owned by another user" in err and list(elsewhere.iterdir()) == []
+
+
+def test_a_link_planted_between_the_check_and_the_write_is_replaced_not_followed(tmp_path, monkeypatch):
+    from capeval_plugins import files as layer
+
+    target = tmp_path / "target.txt"
+    target.write_text("the user's file")
+    out = tmp_path / "out.json"
+    real = layer.check_output
+
+    def racing(path, *args, **kwargs):
+        kind = real(path, *args, **kwargs)
+        out.symlink_to(target)  # the attacker wins the race after the last check
+        return kind
+
+    monkeypatch.setattr(layer, "check_output", racing)
+    layer.write_output(out, b"scores")
+    assert target.read_text() == "the user's file"
+    assert not out.is_symlink() and out.read_bytes() == b"scores"
+
+
+def test_caches_never_read_or_write_through_planted_links(tmp_path):
+    from PIL import Image
+
+    from capeval_plugins.bench.cache import ScoreCache
+    from capeval_plugins.core.generation import CachedGenerator, TextToImage
+    from capeval_plugins.training.features import cached_shards
+
+    target = tmp_path / "target.bin"
+    target.write_bytes(b"the user's file")
+    link = tmp_path / "scores.sqlite"
+    link.symlink_to(target)
+    with pytest.raises(Exception, match="symbolic link"):
+        ScoreCache(link)
+
+    class Solid(TextToImage):
+        def identity(self):
+            return {"generator": "solid"}
+
+        def generate(self, captions, seeds):
+            return [Image.new("RGB", (4, 4), (len(c), 0, 0)) for c in captions]
+
+    cache = CachedGenerator(Solid(), tmp_path / "generated")
+    entry = cache.path("a caption", 0)
+    entry.parent.mkdir(parents=True)
+    entry.symlink_to(target)
+    assert cache.generate(["a caption"], [0])[0].getpixel((0, 0)) == (9, 0, 0)
+    assert cache.generated == 1 and target.read_bytes() == b"the user's file" and not entry.is_symlink()
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "shard-00000-2.safetensors").symlink_to(target)
+    parts = cached_shards(shards, 2, lambda a, b: {"x": torch.arange(a, b, dtype=torch.float32)}, shard_size=2,
+                          progress=False)
+    assert torch.equal(parts[0]["x"], torch.tensor([0.0, 1.0])) and target.read_bytes() == b"the user's file"
+
+
+def test_evaluate_module_and_a_diagnostics_png_refuse_links(tmp_path):
+    from capeval_plugins.adapters.hf_evaluate import module_file
+    from capeval_plugins.diagnostics import render_patch_map
+
+    target = tmp_path / "target.txt"
+    target.write_text("the user's file")
+    (tmp_path / "clipscore").mkdir()
+    (tmp_path / "clipscore" / "README.md").symlink_to(target)
+    with pytest.raises(Exception, match="symbolic link"):
+        module_file("clipscore", tmp_path)
+    (tmp_path / "map.png").symlink_to(target)
+    with pytest.raises(Exception, match="symbolic link"):
+        render_patch_map(random_image(0), [0.1, 0.5, 0.2, 0.9], path=tmp_path / "map.png", grid=(2, 2))
+    assert target.read_text() == "the user's file"
