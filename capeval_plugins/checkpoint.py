@@ -414,8 +414,8 @@ class RunStore:
             try:
                 if self.claim is not None and self.claim.folder is not None and self.claim.folder.fd >= 0:
                     self._part = self.claim.folder.sub(self.part_name, create=True)
-                else:
-                    root, _ = files.Folder.open(self.root, mine=True)
+                else:  # a rank other than 0 (rank 0 made the folder), or a store used on its own
+                    root, _ = files.Folder.open(self.root, create=True, mine=True)
                     with root:
                         self._part = root.sub(self.part_name, create=True)
             except files.UnsafePath as err:

@@ -403,10 +403,15 @@ class Folder:
         (a hard link planted at our name would have us write into someone's file)."""
         try:
             fd = os.open(plain_name(name), flags | _NOFOLLOW | _CLOEXEC | _NONBLOCK, mode, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise
         except OSError as err:
-            if err.errno == errno.ELOOP:
+            kind = self.kind(name)
+            if err.errno == errno.ELOOP or kind == "symlink":
                 raise UnsafePath(f"{self.path / name} is a symbolic link; capeval does not follow links it did "
                                  "not make") from None
+            if kind not in (None, "file"):  # a folder (EISDIR), a FIFO without a reader (ENXIO), ...
+                raise UnsafePath(f"{self.path / name} is a {kind}, not a regular file") from None
             raise
         st = os.fstat(fd)
         problem = None
@@ -441,7 +446,10 @@ class Folder:
             raise UnsafePath(f"{self.path / name} is a folder")
         tmp = scratch if scratch is not None else f".{name[:80]}.{_secrets.token_hex(6)}.tmp"
         if scratch is not None:
-            self.unlink(scratch)
+            self.unlink(scratch)  # a crash's leftover (a regular file of the package's name)
+            if self.kind(scratch) is not None:
+                raise UnsafePath(f"{self.path / scratch} is a {self.kind(scratch)}; capeval does not remove what it "
+                                 "did not make")
         with _reported(self.path / name):
             fd = os.open(plain_name(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode,
                          dir_fd=self.fd)
@@ -781,7 +789,8 @@ class Claim:
                 shown = ", ".join(conflicts[:5]) + (f" and {len(conflicts) - 5} more" if len(conflicts) > 5 else "")
                 raise UnsafePath(f"{self.path} already has {shown}, not written by capeval; capeval does not "
                                  "overwrite them: move them away or give another folder")
-            self.own(found)
+            folders = {"/".join(n.split("/")[: k + 1]) + "/" for n in found for k in range(n.count("/"))}
+            self.own([*sorted(folders), *found])
             for name in found:
                 parts = name.split("/")
                 src, dst = source, self.folder
