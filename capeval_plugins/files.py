@@ -227,20 +227,15 @@ def secret() -> bytes:
     with _reported(folder, "create the key folder"):
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = folder / SECRET_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
-    except FileExistsError:
-        fd = None
-    except OSError as err:
-        raise StorageError(f"cannot create the key file {path}: {err.strerror}; set CAPEVAL_CONFIG_DIR to a "
-                           "private folder you can write", err.errno) from None
-    if fd is not None:
-        with _reported(path):
-            try:
-                os.write(fd, _secrets.token_bytes(32))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+    if not os.path.lexists(path):  # made whole under a private name, then linked in: a racing process
+        try:                         # sees no key or the whole key, and the first one made wins
+            with Folder.open(folder, mine=True)[0] as where:
+                where.write(SECRET_FILE, _secrets.token_bytes(32), replace=False, mode=0o600)
+        except FileExistsError:
+            pass
+        except (OSError, UnsafePath) as err:
+            raise StorageError(f"cannot create the key file {path}: {getattr(err, 'strerror', None) or err}; set "
+                               "CAPEVAL_CONFIG_DIR to a private folder you can write") from None
     try:
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
     except OSError as err:

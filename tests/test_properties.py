@@ -202,10 +202,10 @@ def _plant(run: Path, name: str, kind: str, victims: Path) -> None:
     target = run / name
     if not target.parent.is_dir():
         return
-    if target.is_symlink() or target.is_file():
-        target.unlink()
-    elif target.is_dir():
+    if target.is_dir() and not target.is_symlink():
         shutil.move(str(target), str(victims / f"moved-{len(list(victims.iterdir()))}"))
+    elif os.path.lexists(target):  # a file, a link, a FIFO planted before
+        target.unlink()
     if kind == "link-file":
         target.symlink_to(victims / "victim.txt")
     elif kind == "link-dir":
@@ -220,8 +220,8 @@ def _plant(run: Path, name: str, kind: str, victims: Path) -> None:
 
 def _damage(run: Path, name: str, where: float, flip: bool) -> None:
     path = run / name
-    if path.is_symlink() or not path.is_file() or not path.stat().st_size:
-        return
+    if path.is_symlink() or not path.is_file() or not path.stat().st_size or path.stat().st_nlink > 1:
+        return  # damage to the package's own files only (a planted hard link is the victim's)
     data = bytearray(path.read_bytes())
     at = min(int(where * len(data)), len(data) - 1)
     if flip:
