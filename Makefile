@@ -1,23 +1,33 @@
 # Everything a fresh machine needs. `make demo` scores the shipped example; `make test` runs the suite.
+# Both venvs install from pinned versions of every package (requirements/*.txt, --no-deps), so a commit builds the
+# same environments on any day; `make lock` resolves pyproject.toml's ranges anew, rewrites the pins, shows what
+# changed and runs the suite on them (tools/pins.py).
 PYTHON ?= python3
 VENV ?= .venv
-TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LOCK := requirements/main.txt
 # lmms-eval gets its own venv: its dependencies (timm, opencv, sentencepiece, ...) would change what
-# transformers imports in the main suite. torchvision is pinned to the build of TORCH so pip keeps that torch,
-# then removed: PyPI's torchvision does not load beside the CPU torch, and lmms-eval's core does not need it.
+# transformers imports in the main suite. Its pins leave torchvision out: PyPI's torchvision does not load beside
+# the CPU torch, and lmms-eval's core does not need it (see tools/pins.py).
 LMMS_VENV ?= .venv-lmms
-LMMS_TORCHVISION ?= torchvision==0.28.*
 LMMS_STAMP := $(LMMS_VENV)/.installed
+LMMS_LOCK := requirements/lmms.txt
+# Real tokenizers of the LVLM judges that packages ship (Qwen's BPE in dashscope, Mistral's SentencePiece in
+# mistral-common): their wheels are downloaded at pinned versions, never installed; the tests read the files.
+TOKENIZER_WHEELS := .cache/tokenizer-wheels
+TOKENIZER_STAMP := $(TOKENIZER_WHEELS)/.downloaded
+TOKENIZER_PINS := requirements/tokenizer-files.txt
 
-.PHONY: demo test docs clean
+.PHONY: demo test docs lock clean
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+# pip installs exactly the pinned set (hatchling among it, for the editable build without isolation).
+$(STAMP): pyproject.toml $(LOCK)
+	$(PYTHON) tools/pins.py check-python main
+	$(PYTHON) -m venv --clear $(VENV)
+	$(BIN)/python -m pip install -q --no-deps -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip check
 	touch $(STAMP)
 
 # One pass, four metrics, one backbone: CLIPScore, RefCLIPScore and two seed methods (MSD-Score and Soft-MSD)
@@ -31,18 +41,27 @@ demo: $(STAMP)
 		--images .cache/photos --captions examples/photos.jsonl --out scores.jsonl
 	@echo "per-sample scores of every metric: scores.jsonl (random weights: the numbers mean nothing)"
 
-$(LMMS_STAMP): pyproject.toml
-	$(PYTHON) -m venv $(LMMS_VENV)
-	$(LMMS_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LMMS_VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(LMMS_VENV)/bin/python -m pip install -q -e ".[test,lmms]" "$(LMMS_TORCHVISION)" decord
-	$(LMMS_VENV)/bin/python -m pip uninstall -q -y torchvision
+$(LMMS_STAMP): pyproject.toml $(LMMS_LOCK)
+	$(PYTHON) tools/pins.py check-python lmms
+	$(PYTHON) -m venv --clear $(LMMS_VENV)
+	$(LMMS_VENV)/bin/python -m pip install -q --no-deps -r $(LMMS_LOCK)
+	$(LMMS_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(LMMS_STAMP)
 
+$(TOKENIZER_STAMP): $(TOKENIZER_PINS) $(STAMP)
+	$(BIN)/python -m pip download -q --no-deps -d $(TOKENIZER_WHEELS) -r $(TOKENIZER_PINS)
+	touch $(TOKENIZER_STAMP)
+
 # The suite, then the lmms-eval tests in their own venv (they skip in the main one).
-test: $(STAMP) $(LMMS_STAMP)
+test: $(STAMP) $(LMMS_STAMP) $(TOKENIZER_STAMP)
 	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/pytest -q
 	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(LMMS_VENV)/bin/pytest -q tests/test_lmms_eval_adapter.py
+
+# Resolve both environments anew (today's newest within pyproject.toml's ranges), rewrite requirements/*.txt,
+# print every version that changed, then rebuild the venvs from the new pins and run the suite on them.
+lock:
+	$(PYTHON) tools/pins.py refresh
+	$(MAKE) test
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict

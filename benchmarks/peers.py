@@ -112,14 +112,7 @@ def flickr_pairs(images: int | None):
     return flickr8k_expert_pairs(FLICKR, images)
 
 
-def photo_side(processor) -> int:
-    """The longer side of the photos: Flickr8k's 500 px, or less where capeval would reduce them before its
-    processor (shorter side at least 2 x KEEP_FACTOR x the processor's side, e.g. 256 px for a 32 px tiny
-    CLIP), so that both sides resize the same pixels once and agree to rounding."""
-    from capeval_plugins.core.encoders.clip import processor_side
-    from capeval_plugins.runner import KEEP_FACTOR
-
-    return min(500, 2 * KEEP_FACTOR * processor_side(processor.image_processor) - 1)
+PHOTO_SIDE = 500  # Flickr8k's photos: 500 px on the longer side, scored as they are on both sides
 
 
 def row_images(pairs, long_side: int, as_tensor: bool = False) -> list:
@@ -180,7 +173,7 @@ def clipscore_part(args, models: "Models") -> None:
     pairs = flickr_pairs(args.clip_images)
     model = models.main()
     clip, processor = CLIPModel.from_pretrained(model).eval(), CLIPProcessor.from_pretrained(model)
-    images, captions = row_images(pairs, photo_side(processor), as_tensor=True), pairs.candidates
+    images, captions = row_images(pairs, PHOTO_SIDE, as_tensor=True), pairs.candidates
     theirs = TMCLIPScore(model_name_or_path=lambda: torchmetrics_clip(clip, processor))
     seen = recorded_torchmetrics_scores()
     ours = capeval_plugins.load("clipscore", model=model, w=100.0, prefix="", batch_size=args.batch_size)
@@ -199,7 +192,7 @@ def clipscore_part(args, models: "Models") -> None:
     with torch.inference_mode(), warnings_off():
         ours(images[:2], captions[:2])  # loads the shared model outside the timing
         theirs.update(images[:2], captions[:2])
-        print(f"[clipscore] {len(captions)} pairs of {pairs.n_images} images ({photo_side(processor)} px), model {model}, "
+        print(f"[clipscore] {len(captions)} pairs of {pairs.n_images} images ({PHOTO_SIDE} px), model {model}, "
               f"torch threads {torch.get_num_threads()}, batch {args.batch_size}, {args.rounds} rounds")
         times, results = interleaved({"torchmetrics CLIPScore": peer, "capeval clipscore": capeval}, args.rounds)
     report(times, "torchmetrics CLIPScore", "capeval clipscore")
@@ -406,7 +399,7 @@ def mid_part(args, models: "Models") -> None:
     pairs = flickr_pairs(args.mid_images)
     mid_model = models.mid()
     clip, processor = CLIPModel.from_pretrained(mid_model).eval(), CLIPProcessor.from_pretrained(mid_model)
-    images = row_images(pairs, photo_side(processor))
+    images = row_images(pairs, PHOTO_SIDE)
     ours = capeval_plugins.load("mid", model=mid_model, batch_size=args.batch_size)
     dim = clip.config.projection_dim
     if pairs.n_images <= dim:
@@ -421,7 +414,7 @@ def mid_part(args, models: "Models") -> None:
         ours.fit_reference(images[:2], pairs.references[:2])  # loads the shared model outside the timing
         plain_image_features(clip, processor, images[:2], args.batch_size)
         plain_text_features(clip, processor, pairs.candidates[:2], args.batch_size)
-        print(f"[mid] {len(pairs.candidates)} pairs of {pairs.n_images} images ({photo_side(processor)} px), "
+        print(f"[mid] {len(pairs.candidates)} pairs of {pairs.n_images} images ({PHOTO_SIDE} px), "
               f"{sum(map(len, pairs.references))} (image, reference) pairs fitted, model {mid_model} "
               f"(D = {dim}), torch threads {torch.get_num_threads()}, batch {args.batch_size}, {args.rounds} rounds")
         sides = {"official MID computation": lambda: official_pipeline(pairs, images, clip, processor,

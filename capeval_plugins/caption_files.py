@@ -20,10 +20,12 @@ refused by its line: captions with line breaks go in JSON Lines or Parquet).
 from __future__ import annotations
 
 import csv
+import difflib
 import io
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -186,9 +188,45 @@ def _clip(text: str, width: int = 60) -> str:
     return repr(text if len(text) <= width else text[:width] + "...")
 
 
-def read_captions(path: str | os.PathLike, images_dir: str | os.PathLike | None = None) -> CaptionRecords:
+CAPTION_KEYS = ("image", "caption", "references", "group")
+# Names other tools give our keys: such a key is not read, and saying so beats a silent miss.
+KEY_ALIASES = {"img": "image", "image_path": "image", "image_file": "image", "file_name": "image", "filename": "image",
+               "path": "image", "images": "image", "text": "caption", "candidate": "caption", "captions": "caption",
+               "prediction": "caption", "hypothesis": "caption", "sentence": "caption", "refs": "references",
+               "reference": "references", "gts": "references", "ground_truth": "references", "groups": "group"}
+
+
+def key_guess(key: str) -> str | None:
+    """The caption-file key that ``key`` probably means (``refs`` -> ``references``, ``Caption`` ->
+    ``caption``, ``refrences`` -> ``references``), or None."""
+    norm = str(key).strip().lower().replace("-", "_").replace(" ", "_")
+    if norm in CAPTION_KEYS:
+        return norm
+    if norm in KEY_ALIASES:
+        return KEY_ALIASES[norm]
+    close = difflib.get_close_matches(norm, CAPTION_KEYS, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def check_keys(path: str | os.PathLike, keys: Sequence[str], need_caption: bool = True) -> None:
+    """A file none of whose records has a ``caption`` (when captions are needed) is refused, naming the keys it
+    has and the ones expected; keys that are not read but look like ours are warned about."""
+    guesses = {k: g for k in keys if k not in CAPTION_KEYS and (g := key_guess(k)) and g not in keys}
+    expected = "a caption file's keys are " + ", ".join(repr(k) for k in CAPTION_KEYS)
+    renames = ", ".join(f"{k!r} -> {g!r}" for k, g in guesses.items())
+    if need_caption and keys and "caption" not in keys:
+        raise InputError(f"{path}: no record has a 'caption' (keys: {', '.join(map(repr, keys))}); {expected}"
+                         + (f"; rename {renames}" if renames else ""))
+    if guesses:
+        warnings.warn(f"{path}: {'key' if len(guesses) == 1 else 'keys'} {', '.join(map(repr, guesses))} not read "
+                      f"({expected}): rename {renames}", stacklevel=3)
+
+
+def read_captions(path: str | os.PathLike, images_dir: str | os.PathLike | None = None,
+                  need_caption: bool = True) -> CaptionRecords:
     """Read a caption file (JSON Lines, CSV, TSV or Parquet: see the module docstring); errors name the
-    line. A given ``images_dir`` must be a folder."""
+    line. A given ``images_dir`` must be a folder. Keys are checked (:func:`check_keys`): no record with a
+    ``caption`` (when ``need_caption``) is an error, a key that looks like one of ours a warning."""
     if images_dir is not None and not os.path.isdir(images_dir):
         raise InputError(f"images folder not found: {images_dir}" if not os.path.exists(images_dir)
                          else f"--images {images_dir} is not a folder")
@@ -198,7 +236,9 @@ def read_captions(path: str | os.PathLike, images_dir: str | os.PathLike | None 
         records.unit = "row"
     table = fmt != ".jsonl"
     root = Path(images_dir) if images_dir is not None else Path(path).parent
-    for lineno, row in read_records(path, with_lines=True):
+    rows = read_records(path, with_lines=True)
+    check_keys(path, list(dict.fromkeys(k for _, row in rows for k in row)), need_caption)
+    for lineno, row in rows:
         at = f"{path}:{lineno}" if records.unit == "line" else f"{path}: row {lineno}"
         image = row.get("image")
         records.images.append(str(root / image) if isinstance(image, str) and image else image)
@@ -214,7 +254,7 @@ def load_caption_docs(path: str | os.PathLike, images_dir: str | os.PathLike | N
     """Documents for the lm-eval caption task: ``image_path`` and ``references`` per line. ``limit``: the
     first ``limit`` documents (a positive integer; None for all)."""
     limit = _limit(limit)
-    records = read_captions(path, images_dir)
+    records = read_captions(path, images_dir, need_caption=False)  # the task generates the captions
     docs = []
     for i, (image, refs) in enumerate(zip(records.images, records.references)):
         if not isinstance(image, str) or not os.path.isfile(image):

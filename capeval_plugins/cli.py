@@ -92,38 +92,15 @@ def restored_environment() -> Iterator[None]:
                 sys.modules["transformers"].utils.logging.enable_progress_bar()
 
 
-def build_metrics(names: Sequence[str], pairs: Sequence[str], shared: dict[str, str]) -> dict[str, Any]:
-    """The selected metrics, each with its options (``-o key=value`` to every metric that takes it,
-    ``-o metric.key=value`` to one)."""
-    from capeval_plugins import options, registry
-
-    entries = {}
-    for name in names:
-        entry = registry.get(name)
-        entries[entry.info.name] = entry.cls
-    if len(entries) != len(names):
-        raise UsageError("a metric is selected twice")
-    bare, own = options.parse_pairs(pairs, list(entries))
-    bare.update(shared)
-    routed = options.route(entries, bare, own, parse=True)
-    metrics = {}
-    for name, cls in entries.items():
-        try:
-            metrics[name] = cls(**routed[name])
-        except (TypeError, ValueError) as err:
-            raise UsageError(f"{err}" if name in str(err) else f"{name}: {err}") from None
-    return metrics
-
-
 def cmd_score(args: argparse.Namespace) -> int:
     if args.quiet or _rank() != 0:  # under torchrun only rank 0 draws progress bars
         quiet_libraries()
-    from capeval_plugins import runner
+    from capeval_plugins import options, runner
     from capeval_plugins.caption_files import check_writable, read_captions, score_table, write_table
 
     shared = {key: str(value) for key in ("model", "batch_size", "device", "dtype", "on_error")
               if (value := getattr(args, key)) is not None}
-    metrics = build_metrics(args.metric, args.option or [], shared)
+    metrics = options.build_metrics(args.metric, args.option or [], shared)
     inputs = [args.captions, *runner.local_inputs(metrics.values())]
     kind = check_writable(args.out, inputs) if args.out else None
     # a stream (/dev/stdout, a FIFO) has no folder beside it to keep a run in: resumable with --run-dir only
@@ -303,17 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit codes: 0 done, 2 a usage or input error or a missing optional dependency (one line on stderr),
-    130 interrupted, 1 a bug."""
+    """Exit codes: 0 done, 2 a usage or input error, or a missing model, runtime (Java) or optional dependency
+    (one line on stderr, before any work), 130 interrupted, 1 a bug."""
     args = build_parser().parse_args(argv)
     from capeval_plugins.core.loading import ModelLoadError
     from capeval_plugins.core.messages import DataError
     from capeval_plugins.inputs import InputError
+    from capeval_plugins.preflight import RequirementError
 
     try:
         with restored_environment():
             return args.func(args)
-    except (UsageError, InputError, DataError, KeyError, ModelLoadError, ImportError) as err:
+    except (UsageError, InputError, DataError, KeyError, ModelLoadError, ImportError, RequirementError) as err:
         # ImportError: an optional dependency a chosen option needs (accelerate, torchvision, pyarrow, ...)
         message = getattr(err, "cli_message", None) or (err.args[0] if err.args else str(err))
         # every rank validates the same input: rank 0 reports that; a rank reports what only it found

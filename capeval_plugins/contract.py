@@ -21,13 +21,13 @@ import hashlib
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core.messages import DataError
+from capeval_plugins.core.messages import DataError, install_extra
 
 INDEX = "index"
 GROUP = "group"
@@ -160,6 +160,28 @@ class FitProblem:
         return f"{metric}: {self.need}" + (f"; {', or '.join(fixes)}" if fixes else "")
 
 
+@dataclass(frozen=True)
+class Requirement:
+    """Something a configured metric needs from the machine before it can score (see
+    :meth:`Metric.requirements`), checked for every metric of a run by :func:`capeval_plugins.preflight.check`
+    before the first sample is scored (or, in a harness, generated), so that a missing piece costs no work:
+
+    * ``"model"``: a checkpoint, ``target`` a hub id or local path (``revision``, ``local_files_only`` as the
+      loader will use them): a local folder, or in the Hugging Face cache, or on a reachable hub;
+    * ``"java"``: a ``java`` on PATH, for ``target`` (what runs it: ``"METEOR"``);
+    * ``"module"``: an importable module ``target`` (an optional extra);
+    * ``"file"``: an existing file ``target``.
+
+    ``why`` names what needs it (``"option model"``); ``remedy`` says what to do when it is missing."""
+
+    kind: Literal["model", "java", "module", "file"]
+    target: str
+    why: str = ""
+    remedy: str = ""
+    revision: str | None = None
+    local_files_only: bool | None = None
+
+
 @dataclass
 class MetricResult:
     """Corpus score, per-sample scores in input order, and named extras.
@@ -280,6 +302,9 @@ class ModelConfig(MetricConfig):
     offload_folder: str | None = None
 
     input_paths: ClassVar[tuple[str, ...]] = ("model",)
+    # Options that name a checkpoint (hub id or local path) loaded with ``revision`` and ``local_files_only``:
+    # each is a ``"model"`` requirement (see Metric.requirements).
+    model_options: ClassVar[tuple[str, ...]] = ("model",)
 
 
 class Metric(abc.ABC):
@@ -314,10 +339,12 @@ class Metric(abc.ABC):
         """Merged state (rows sorted by sample index, repeats removed) -> result."""
 
     def prepare_corpus(self, corpus: Batch) -> None:
-        """Optional whole-corpus preparation: the runner calls it once before its pass, with every sample the
-        pass will map (text only: ``images`` is None), and :meth:`release_corpus` after it. A metric may cache
-        work shared across batches here (e.g. embed each distinct text once); ``map`` must give the same result
-        with or without it, since adapters that stream batches never call it. Default: nothing."""
+        """Optional whole-corpus preparation: the runner calls it once before its pass, with every sample of
+        the pass (text only: ``images`` is None; on a resumed run the samples already mapped too, so that what
+        is prepared, and every score, does not depend on where the run was interrupted), and
+        :meth:`release_corpus` after it. A metric may cache work shared across batches here (e.g. embed each
+        distinct text once); ``map`` must give the same result with or without it, since adapters that stream
+        batches never call it. Default: nothing."""
 
     def release_corpus(self) -> None:
         """Drop what :meth:`prepare_corpus` kept. Default: nothing."""
@@ -327,11 +354,18 @@ class Metric(abc.ABC):
         :class:`~capeval_plugins.inputs.ImageReader` for another form (e.g. ids of precomputed features)."""
         return None
 
-    def image_side(self) -> int | None:
-        """The largest side this metric's image processor resizes to, or None when it needs images at full
-        size (the default). The runner then reduces images as they are read, keeping at least twice this
-        side, so large photos are never held at full size (the processor's own resize still decides)."""
-        return None
+    def requirements(self) -> list[Requirement]:
+        """What this configured metric needs from the machine (models, Java, optional modules, files), checked
+        before any work by every entry point (:mod:`capeval_plugins.preflight`); it must not load anything.
+        Default: each option of ``Config.model_options`` that is set, and accelerate for a ``device_map``."""
+        cfg = self.config
+        named = {key: getattr(cfg, key, None) for key in getattr(cfg, "model_options", ())}
+        needs = [Requirement("model", value, f"option {key}", revision=getattr(cfg, "revision", None),
+                             local_files_only=getattr(cfg, "local_files_only", None))
+                 for key, value in named.items() if isinstance(value, str) and value]
+        if getattr(cfg, "device_map", None) is not None:
+            needs.append(Requirement("module", "accelerate", "option device_map", install_extra("accelerate")))
+        return needs
 
     def check_corpus(self, size: CorpusSize) -> FitProblem | None:
         """Why this configured metric cannot be fitted on a corpus of ``size`` (None when it can): a corpus
@@ -362,11 +396,27 @@ class Metric(abc.ABC):
         """Score a whole corpus in this process through :func:`capeval_plugins.runner.score`: validate
         everything first (errors name ``ids[i]``, else the position), batch (candidates of one image together),
         map, merge, finalize; checkpoint in ``run_dir``. It does not shard over torch.distributed ranks (a call
-        made on one rank only must not wait for the others): ``runner.score(..., shard=True)`` does."""
-        from capeval_plugins import runner
+        made on one rank only must not wait for the others): ``runner.score(..., shard=True)`` does.
 
-        return runner.score(self, images, candidates, references, group_ids=group_ids, ids=ids,
-                            on_error=on_error, run_dir=run_dir, restart=restart, progress=progress)
+        The contract does not import the runner (it stands on the contract): the runner installs itself as
+        the corpus scorer (:func:`set_corpus_scorer`) when it is imported, which the registry, and so
+        ``capeval_plugins.load`` and every registered metric's module, does."""
+        if _corpus_scorer is None:
+            raise RuntimeError(f"{type(self).__name__}: scoring a corpus needs capeval_plugins.runner, which is not "
+                               "imported yet: import capeval_plugins.runner (capeval_plugins.load does)")
+        return _corpus_scorer(self, images, candidates, references, group_ids=group_ids, ids=ids,
+                              on_error=on_error, run_dir=run_dir, restart=restart, progress=progress)
+
+
+CorpusScorer = Callable[..., MetricResult]
+_corpus_scorer: CorpusScorer | None = None
+
+
+def set_corpus_scorer(scorer: CorpusScorer) -> None:
+    """How :meth:`Metric.__call__` scores a corpus: ``scorer(metric, images, candidates, references, **options)``
+    (the runner's :func:`~capeval_plugins.runner.score`, installed by the runner itself)."""
+    global _corpus_scorer
+    _corpus_scorer = scorer
 
 
 def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name: str) -> MetricConfig:
@@ -539,8 +589,10 @@ class PointwiseMetric(Metric):
     e.g. an LVLM that wrote no number) are left out of the mean and counted in ``n_invalid``.
     ``optional_extras`` may be NaN where an input was not given (e.g. a reference-based extra without
     references) and are dropped when NaN for every sample; ``mean_extras`` also get their corpus mean as
-    ``mean_<name>``."""
+    ``mean_<name>``. ``reports_invalid``: a metric whose samples can be invalid by its own policy (an LVLM
+    judge) always reports ``n_invalid`` (0 when none), so its result keys do not depend on the data."""
 
+    reports_invalid: ClassVar[bool] = False
     extra_names: ClassVar[tuple[str, ...]] = ()
     extra_shapes: ClassVar[Mapping[str, tuple[int, ...]]] = {}
     optional_extras: ClassVar[tuple[str, ...]] = ()
@@ -571,7 +623,7 @@ class PointwiseMetric(Metric):
         }
         corpus = {f"mean_{k}": nanmean(extras[k]) for k in self.mean_extras if k in extras}
         corpus.update(self.corpus_extras(state))
-        if n_invalid:
+        if n_invalid or self.reports_invalid:
             corpus["n_invalid"] = float(n_invalid)
         return MetricResult(
             name=self.info.name,
@@ -617,6 +669,9 @@ class CompositeMetric(Metric):
                 if key not in CONTRACT_STATES:
                     out[f"{name}{COMPONENT_SEP}{key}"] = value
         return out
+
+    def requirements(self) -> list[Requirement]:
+        return list(dict.fromkeys(r for metric in self.components().values() for r in metric.requirements()))
 
     def check_corpus(self, size: CorpusSize) -> FitProblem | None:
         for metric in self.components().values():

@@ -170,16 +170,17 @@ class DiscodeHead(NamedTuple):
 
 def discode_head(digit_logits: Tensor, raw_digit: Tensor | None = None, sigma2: float = 0.1,
                  alpha_scale: str = "unit", values: Sequence[float] | Tensor | None = None,
-                 divergence: str = "weighted_kl") -> DiscodeHead:
+                 divergence: str = "weighted_kl", alpha_clip: bool = True, alpha_form: str = "density") -> DiscodeHead:
     """DISCODE's ATT head in closed form (Inoue et al., 2026, Eq. 6): psi = softmax((z + (1 - alpha) log q) /
     alpha), q a unit-variance Gaussian around the raw score, alpha = N(s_raw; mu, sigma2) (Eq. 4).
 
     ``digit_logits`` (N, K): the label logits z at the target position (any per-row shift, e.g. full-vocabulary
     log-probabilities). ``raw_digit`` (N,) label indices: the raw score (default: argmax z, the paper's).
     ``values`` (K,): the labels' values (default 0..K-1). ``alpha_scale``: ``"unit"`` (label k of K read as k / K,
-    DISCODE's default: the reading consistent with the paper's tables) or ``"label"`` (Eq. 4 on the values, the
-    literal reading). ``divergence``: ``"weighted_kl"``, or
-    ``"kl"`` (alpha fixed at 0.5). float64; alpha -> 0 is taken as its limit."""
+    DISCODE's default) or ``"label"`` (Eq. 4 on the values, the literal reading). ``alpha_clip`` caps alpha at 1
+    (default, the paper's alpha in [0, 1]); ``alpha_form="kernel"`` drops Eq. 4's normalising constant.
+    ``divergence``: ``"weighted_kl"``, or ``"kl"`` (alpha fixed at 0.5). float64; alpha -> 0 is taken as its
+    limit."""
     if divergence not in heads.CLOSED_FORM:
         raise ValueError(f"divergence must be one of {heads.CLOSED_FORM} (the others have no closed form)")
     z = digit_logits.double()
@@ -187,7 +188,7 @@ def discode_head(digit_logits: Tensor, raw_digit: Tensor | None = None, sigma2: 
     label_values = torch.arange(k, dtype=torch.float64) if values is None else torch.as_tensor(values, dtype=torch.float64)
     label_values = label_values.to(z.device)
     raw = z.argmax(-1) if raw_digit is None else raw_digit.long().to(z.device)
-    log_q, alpha = heads.att_prior(raw, label_values, sigma2, alpha_scale, divergence)
+    log_q, alpha = heads.att_prior(raw, label_values, sigma2, alpha_scale, divergence, clip=alpha_clip, form=alpha_form)
     psi = heads.att_closed_form(z, log_q, alpha)
     return DiscodeHead(heads.expected_value(psi, label_values), psi, alpha)
 

@@ -41,18 +41,42 @@ class ImageSource:
     index: int
     reader: "ImageReader | None" = field(default=None, compare=False, repr=False)
 
-    def load(self, keep_side: int | None = None) -> Any:
-        """The decoded RGB image (or frames). ``keep_side``: an image whose shorter side is at least twice this
-        is resized to it as it is read (see :func:`reduce_to`); None: full size."""
+    def load(self) -> Any:
+        """The decoded RGB image (or frames), pixel for pixel as given: every metric's processor takes the
+        image the user gave, whichever entry point called it."""
         if self.reader is not None:
             return self.reader.load(self)
         if self.kind == "video":
-            return [frame.load(keep_side) for frame in self.value]
+            return [frame.load() for frame in self.value]
         try:
-            return _decode(self.kind, self.value, keep_side)
+            return _decode(self.kind, self.value)
         except Exception as err:  # a corrupt file or buffer, or pixels out of range: name the sample, keep the cause
             where = f" {self.value}" if self.kind == "path" else ""
             raise InputError(f"sample {self.index}: cannot read image{where}: {err}") from err
+
+    def decoded_bytes(self) -> int:
+        """Memory the decoded RGB image (or all frames) will take, from its size alone (a file's header, an
+        array's shape), without decoding it; 0 when unknown (a metric's own reader, a header that does not
+        decode: that image fails when it is loaded)."""
+        if self.reader is not None:
+            return 0
+        if self.kind == "video":
+            return sum(frame.decoded_bytes() for frame in self.value)
+        if self.kind == "pil":
+            width, height = self.value.size
+        elif self.kind == "array":
+            shape = tuple(self.value.shape)
+            channels_first = _channels_first(shape, isinstance(self.value, torch.Tensor))
+            height, width = shape[1:] if channels_first else shape[:2]
+        elif self.kind in ("path", "bytes"):
+            try:
+                with Image.open(self.value if self.kind == "path" else io.BytesIO(self.value)) as img:
+                    width, height = img.size
+            except Exception:  # noqa: BLE001  (the load reports it, for its sample)
+                return 0
+        else:
+            return 0
+        return 3 * int(width) * int(height)
 
 
 class ImageReader:
@@ -209,6 +233,8 @@ def _caption_list(candidates: Any) -> list[Any]:
 
 def caption_problem(caption: Any) -> str | None:
     """What is wrong with one candidate caption, or None."""
+    if caption is None:
+        return "caption missing"
     if not isinstance(caption, str):
         return f"caption must be a string, got {type(caption).__name__}"
     if not caption.strip():
@@ -514,28 +540,16 @@ def check_array(image: np.ndarray | torch.Tensor, index: int) -> None:
             )
 
 
-def _decode(kind: str, value: Any, keep_side: int | None = None) -> Image.Image:
+def _decode(kind: str, value: Any) -> Image.Image:
     if kind == "pil":
-        return reduce_to(value if value.mode == "RGB" else to_rgb(value), keep_side)
+        return value if value.mode == "RGB" else to_rgb(value)
     if kind == "path":
         with files.open_input(value, "image file") as f, Image.open(f) as img:
-            return reduce_to(to_rgb(img), keep_side)
+            return to_rgb(img)
     if kind == "bytes":
         with Image.open(io.BytesIO(value)) as img:
-            return reduce_to(to_rgb(img), keep_side)
-    return reduce_to(_array_to_pil(value), keep_side)
-
-
-def reduce_to(img: Image.Image, keep_side: int | None) -> Image.Image:
-    """``img`` resized (bicubic, antialiased: the filter CLIP-style processors use) so that its shorter side
-    is ``keep_side``, when it is at least twice that; else as it is. The aspect ratio is kept to the pixel and
-    the resize maps the whole extent, so a processor's later resize and centre crop see the same picture."""
-    width, height = img.size
-    if not keep_side or min(width, height) < 2 * keep_side:
-        return img
-    scale = keep_side / min(width, height)
-    size = (max(keep_side, round(width * scale)), max(keep_side, round(height * scale)))
-    return img.resize(size, Image.BICUBIC)
+            return to_rgb(img)
+    return _array_to_pil(value)
 
 
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
@@ -575,12 +589,17 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return Image.fromarray(np.round(pixels).astype(np.uint8), "L").convert("RGB")
 
 
+def _channels_first(shape: Sequence[int], is_torch: bool) -> bool:
+    """Whether a 3-d image array is CHW (a tensor whose both end axes could be channels is CHW, torch's
+    convention; an array, HWC)."""
+    return len(shape) == 3 and shape[0] in _CHANNELS and (shape[-1] not in _CHANNELS or is_torch)
+
+
 def _array_to_pil(image: np.ndarray | torch.Tensor) -> Image.Image:
     is_torch = isinstance(image, torch.Tensor)
     arr = image.detach().cpu().numpy() if is_torch else np.asarray(image)
     if arr.ndim == 3:
-        channels_first = arr.shape[0] in _CHANNELS and (arr.shape[-1] not in _CHANNELS or is_torch)
-        if channels_first:
+        if _channels_first(arr.shape, is_torch):
             arr = np.moveaxis(arr, 0, -1)
         if arr.shape[-1] == 1:
             arr = arr[..., 0]

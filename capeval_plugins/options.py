@@ -1,5 +1,6 @@
-"""Metric options from the outside world: typed parsing of ``key=value`` strings and routing of options to
-the metrics of a run, shared by the command line and the pycocoevalcap drop-in.
+"""Metric options from the outside world: typed parsing of ``key=value`` strings, routing of options to
+the metrics of a run, and building those metrics (:func:`build_metrics`), shared by the command line, its
+subcommands (``capeval bench``) and the pycocoevalcap drop-in.
 
 Routing: an option addressed to one metric (``clipscore.model=...`` on the command line, or a per-metric
 mapping) goes to that metric and must be one of its options; a bare option goes to every selected metric
@@ -107,3 +108,28 @@ def route(classes: Mapping[str, type], bare: Mapping[str, Any], own: Mapping[str
 
 def _valid(classes: Mapping[str, type]) -> str:
     return "; ".join(f"{name} takes {', '.join(sorted(fields(cls.Config)))}" for name, cls in classes.items())
+
+
+def build_metrics(names: Sequence[str], pairs: Sequence[str],
+                  shared: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The selected metrics (registered names), each with its options: ``key=value`` to every selected metric
+    that takes it, ``metric.key=value`` to one; ``shared`` are more bare options (``--model``, ...). A metric
+    named twice, an option no metric takes or a value a metric refuses raises :class:`OptionError`."""
+    from capeval_plugins import registry
+
+    entries = {}
+    for name in names:
+        entry = registry.get(name)
+        entries[entry.info.name] = entry.cls
+    if len(entries) != len(names):
+        raise OptionError("a metric is selected twice")
+    bare, own = parse_pairs(pairs, list(entries))
+    bare.update(shared or {})
+    routed = route(entries, bare, own, parse=True)
+    metrics = {}
+    for name, cls in entries.items():
+        try:
+            metrics[name] = cls(**routed[name])
+        except (TypeError, ValueError) as err:
+            raise OptionError(f"{err}" if name in str(err) else f"{name}: {err}") from None
+    return metrics

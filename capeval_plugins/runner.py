@@ -2,7 +2,8 @@
 
 ``capeval score``, ``capeval bench``, ``Metric.__call__`` and the adapters all score through here:
 
-1. **validate** everything before any model is loaded: every caption, image (file header, array layout),
+1. **validate** everything before any model is loaded: what every metric needs from the machine (its models,
+   Java, extras: :mod:`capeval_plugins.preflight`), every caption, image (file header, array layout),
    reference list and list length, for every metric of the run. Problems are reported together, each naming
    the sample's own index (the ``ids`` given, a caption file's row, else the position in the user's
    lists), never a position inside a batch or a shard. ``on_error="skip"`` scores the rest instead and
@@ -34,9 +35,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from capeval_plugins import preflight
 from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch_digest
 from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, finalize_state,
-                                      full_spec, map_batch, merge_states)
+                                      full_spec, map_batch, merge_states, set_corpus_scorer)
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.files import FileError
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
@@ -225,18 +227,18 @@ def check_paths(metric: Metric) -> None:
 # Batching
 
 
-IMAGE_CACHE_BYTES = 1 << 30  # decoded images kept for later batches and metrics of a pass
+IMAGE_CACHE_BYTES = 256 << 20  # decoded images kept for the other metrics of a pass
+BATCH_IMAGE_BYTES = 128 << 20  # decoded pixels one map call holds at most (see image_pieces)
 
 
 class ImageCache:
     """Decoded images shared by the batches and metrics of one pass, least recently used out first once they
-    hold more than ``max_bytes``; an image that fails to decode fails once, for every metric. ``keep_side``:
-    images at least twice that are resized to it as they are read (see :func:`pass_keep_side`), so a
-    12-megapixel photo is never held at full size."""
+    hold more than ``max_bytes`` (the latest image is always kept); an image that fails to decode fails once,
+    for every metric. Images are kept as given, at full size: memory is bounded by the budgets, never by
+    changing pixels."""
 
-    def __init__(self, max_bytes: int = IMAGE_CACHE_BYTES, keep_side: int | None = None) -> None:
+    def __init__(self, max_bytes: int = IMAGE_CACHE_BYTES) -> None:
         self.max_bytes = max(0, int(max_bytes))
-        self.keep_side = keep_side
         self.items: OrderedDict[Any, Any] = OrderedDict()
         self.sizes: dict[Any, int] = {}
         self.bytes = 0
@@ -247,7 +249,7 @@ class ImageCache:
             self.items.move_to_end(key)
         else:
             try:
-                value = source.load(self.keep_side)
+                value = source.load()
             except InputError as err:
                 value = err
             self.items[key] = value
@@ -273,20 +275,32 @@ def image_bytes(value: Any) -> int:
     return 64
 
 
-# Images keep four times the side a metric's processor resizes to: resized there first, a photo reaches the
-# processor's output within 2 of 255 levels (0.13 on average) of the direct resize, as much as re-saving it as
-# JPEG at quality 95 changes it; at twice the side the difference reaches 6 levels (tests/test_image_memory.py).
-KEEP_FACTOR = 4
+def image_cache(metrics: Sequence[Metric]) -> ImageCache:
+    """The cache of a pass: an image is decoded once for all the pass's metrics that read pixels; with one
+    such metric there is nothing to share, and only the latest image is kept."""
+    readers = [m for m in metrics if m.info.images != "never" and m.image_reader() is None]
+    return ImageCache(IMAGE_CACHE_BYTES if len(readers) > 1 else 0)
 
 
-def pass_keep_side(metrics: Sequence[Metric]) -> int | None:
-    """The shorter side images of a pass are reduced to as they are read: :data:`KEEP_FACTOR` times the
-    largest side any metric's processor needs, or None (full size) when a metric takes full-size images."""
-    sides = [metric.image_side() for metric in metrics  # metrics with their own reader take no pixels
-             if metric.info.images != "never" and metric.image_reader() is None]
-    if not sides or any(side is None for side in sides):
-        return None
-    return KEEP_FACTOR * max(sides)
+def image_pieces(part: Samples, max_bytes: int | None = None) -> list[Samples]:
+    """``part`` as one piece, or, when its distinct images would take more than ``max_bytes`` decoded (sizes
+    read from the headers), as consecutive pieces of whole images (all captions of an image in one piece)
+    that each fit (an image larger than that alone): a batch of 12-megapixel photos is mapped a few photos at
+    a time, at full size. A piece's scores are its samples' scores, whatever the other samples of the batch."""
+    max_bytes = BATCH_IMAGE_BYTES if max_bytes is None else max_bytes
+    if part.images is None:
+        return [part]
+    size = {s.key: s.decoded_bytes() for s in part.images}
+    if sum(size.values()) <= max_bytes:
+        return [part]
+    piece_of: dict[Any, int] = {}
+    pieces, held = 0, max_bytes + 1
+    for key, nbytes in size.items():  # distinct images in order of first appearance
+        if held + nbytes > max_bytes:
+            pieces, held = pieces + 1, 0
+        piece_of[key] = pieces - 1
+        held += nbytes
+    return [part.subset([p for p, s in enumerate(part.images) if piece_of[s.key] == k]) for k in range(pieces)]
 
 
 def build_batch(part: Samples, cache: ImageCache, on_error: str,
@@ -315,18 +329,6 @@ def build_batch(part: Samples, cache: ImageCache, on_error: str,
     return (to_batch(part, lambda source: loaded[source.key]) if len(part) else None), skipped
 
 
-def iter_batches(metric: Metric, samples: Samples, on_error: str | None = None,
-                 describe: Describe | None = None) -> Iterator[tuple[Batch | None, dict[int, str]]]:
-    """``samples`` in batches of the metric's size (an image's captions together), each with the samples
-    skipped from it."""
-    ordered = samples.subset(group_by_image(samples))
-    size = metric.config.batch_size
-    cache = ImageCache(keep_side=pass_keep_side([metric]))
-    how = policy(metric, on_error)
-    for start in range(0, len(ordered), size):
-        yield build_batch(ordered.subset(range(start, min(start + size, len(ordered)))), cache, how, describe)
-
-
 def iter_parts(metric: Metric, samples: Samples) -> Iterator[Samples]:
     """``samples`` in batches of the metric's size (an image's captions together), not yet decoded."""
     ordered = samples.subset(group_by_image(samples))
@@ -346,8 +348,15 @@ def map_part(metric: Metric, part: Samples, cache: ImageCache, on_error: str,
     failure while the metric scores the batch is isolated to its samples by scoring each half again
     (bisection: about log2(batch) extra calls per bad sample): under ``"skip"`` they are left out with the
     error as their reason, under ``"raise"`` the error names the first one by the user's own index. When no
-    sample of a batch of several scores alone, the metric fails, not a sample: that error is raised."""
-    return _map_piece(metric, part, cache, on_error, describe, top=True)
+    sample of a batch of several scores alone, the metric fails, not a sample: that error is raised. A batch
+    whose images are too large to hold decoded at once is mapped in pieces of whole images
+    (:func:`image_pieces`)."""
+    outs, skipped = [], {}
+    for piece in image_pieces(part):
+        o, s = _map_piece(metric, piece, cache, on_error, describe, top=True)
+        outs += o
+        skipped.update(s)
+    return outs, skipped
 
 
 def _map_piece(metric: Metric, part: Samples, cache: ImageCache, on_error: str, describe: Describe | None,
@@ -570,6 +579,7 @@ def run(
         raise ValueError("no metric to run")
     for metric in metrics.values():
         check_paths(metric)
+    preflight.check(metrics)  # models, Java, extras: before any work
     valid = _validate_all(metrics, corpus, on_error)
     check_fits(valid, metrics)
     rank, size = world(shard)
@@ -597,7 +607,7 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
     if store is not None:
         _load_progress(tasks, store, size)
     resumed = sum(t.progress.batches for t in tasks)
-    cache = ImageCache(keep_side=pass_keep_side([t.metric for t in tasks]))  # after full_spec: processors loaded
+    cache = image_cache([t.metric for t in tasks])
     events = sorted(((k + 1) / t.n_batches, i, k) for i, t in enumerate(tasks) for k in range(t.progress.batches, t.n_batches))
     bar = _ProgressBar(tasks, progress and rank == 0)
     interrupted, scored = False, 0
@@ -645,11 +655,12 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
 
 
 def _prepare_corpus(task: _Task) -> None:
-    """The metric's whole-corpus hook, with the text of every sample this pass still has to map."""
-    todo = task.samples.subset(range(min(task.progress.batches * task.batch_size, len(task.samples)),
-                                     len(task.samples)))
-    if len(todo):
-        task.metric.prepare_corpus(to_batch(dataclasses.replace(todo, images=None)))
+    """The metric's whole-corpus hook, with the text of every sample of the pass (this rank's share), the
+    batches already done included: what it prepares (e.g. BERTScore's texts embedded in chunks, longest first)
+    must not depend on how far a resumed run had got, so that a resumed run ends with the same bits as an
+    uninterrupted one. Skipped when every batch is done."""
+    if task.progress.batches < task.n_batches:
+        task.metric.prepare_corpus(to_batch(dataclasses.replace(task.samples, images=None)))
 
 
 def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | None, store: RunStore | None) -> None:
@@ -751,6 +762,9 @@ def score(metric: Metric, images: Sequence[Any] | None = None, candidates: Seque
           references: Sequence[Any] | None = None, **kwargs: Any) -> MetricResult:
     """Score one corpus with one metric (see :func:`score_many` for the options)."""
     return score_many({metric.info.name: metric}, images, candidates, references, **kwargs)[metric.info.name]
+
+
+set_corpus_scorer(score)  # Metric.__call__ scores through here (the contract does not import the runner)
 
 
 def finish(run_dir: str | os.PathLike, shard: bool = False, run_id: str | None = None) -> None:

@@ -141,6 +141,53 @@ def flickr8k_rows(n_images: int, long_side: int = 255):
     return pairs, [crops[k] for k in pairs.image]
 
 
+def large_photos(folder: Path) -> list[Path]:
+    """Real photographs larger than 4x a tiny CLIP's 32 px side, several of odd aspect ratios, as JPEG files:
+    Grace Hopper at 4000x2667 (12 megapixels; its width does not divide evenly into a processor's resize) and
+    a 4000x700 strip of it, scikit-image's coffee (600x400) and rocket (427x640, portrait), and a 263x1201
+    strip of the motorcycle pair. Needs scikit-image and matplotlib."""
+    from capeval_plugins.testing.realistic import photo
+
+    hopper = photo("grace_hopper").resize((4000, 2667), Image.LANCZOS)
+    motorcycle = photo("motorcycle_left")
+    images = {"hopper_12mp": hopper, "hopper_strip": hopper.crop((0, 900, 4000, 1600)),
+              "coffee": photo("coffee"), "rocket": photo("rocket"),
+              "motorcycle_strip": motorcycle.crop((200, 0, 463, 500)).resize((263, 1201), Image.BICUBIC)}
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, img in images.items():
+        paths.append(folder / f"{name}.jpg")
+        img.save(paths[-1], quality=95)
+    return paths
+
+
+LARGE_PHOTO_CAPTIONS = ["a portrait of a woman in a naval uniform", "a strip of a portrait",
+                        "a cup of coffee on a saucer", "a rocket standing on its launch pad",
+                        "a motorcycle parked in a room"]
+
+
+def reference_clip_cosines(model: str, images: list, captions: list[str],
+                           prefix: str = "A photo depicts ") -> np.ndarray:
+    """CLIPScore's cosine computed without capeval: the model's own processor on each image exactly as given
+    (a path is opened and converted to RGB, nothing else), one forward pass per image and per text."""
+    import torch
+    from transformers import CLIPModel, CLIPProcessor
+
+    clip, processor = CLIPModel.from_pretrained(model).eval(), CLIPProcessor.from_pretrained(model)
+    out = []
+    with torch.inference_mode():
+        for image, caption in zip(images, captions):
+            if not isinstance(image, Image.Image):
+                with Image.open(image) as opened:
+                    image = opened.convert("RGB")
+            pixels = processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+            image_feats = clip.get_image_features(pixel_values=pixels)
+            text_feats = clip.get_text_features(**processor.tokenizer([prefix + caption], return_tensors="pt"))
+            image_feats, text_feats = (getattr(f, "pooler_output", f) for f in (image_feats, text_feats))
+            out.append(float(torch.nn.functional.cosine_similarity(image_feats, text_feats)[0]))
+    return np.asarray(out)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_key_folder(tmp_path_factory):
     """The user's secret (capeval_plugins.files.secret) in a folder of the session, not the real ~/.config;

@@ -215,3 +215,44 @@ def test_lm_eval_metadata_paths_must_be_strings(tmp_path):
         load_captions(str(write_jsonl(tmp_path / "caps.jsonl")), images=["a", "b"])
     docs = load_captions(str(write_table(tmp_path / "caps.csv")), images=str(EXAMPLES / "images"), limit="2")
     assert len(docs["test"]) == 2 and docs["test"][1]["references"] == ["a dog on grass", "a brown dog"]
+
+
+def test_keys_of_other_tools_are_named_not_silently_ignored(tmp_path, capsys):
+    """``img``/``text``/``refs`` (another tool's names): no caption is found, so the file is refused naming the
+    expected keys and the renames; with a caption present, a key that looks like ours and is not read is a
+    warning (references silently missing would change what reference-based metrics score)."""
+    ours = [{"img": r["image"], "text": r["caption"], "refs": r["references"]} for r in ROWS]
+    path = write_jsonl(tmp_path / "theirs.jsonl", ours)
+    with pytest.raises(InputError) as err:
+        read_captions(path)
+    message = str(err.value)
+    assert "no record has a 'caption' (keys: 'img', 'text', 'refs')" in message
+    assert "a caption file's keys are 'image', 'caption', 'references', 'group'" in message
+    assert "rename 'img' -> 'image', 'text' -> 'caption', 'refs' -> 'references'" in message
+    assert cli.main(["score", "-m", "bleu4", "--captions", str(path), "--quiet"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+    mixed = [{"image": r["image"], "caption": r["caption"], "refs": r["references"], "human": 3} for r in ONE_LINE]
+    csv_path = tmp_path / "mixed.csv"
+    with open(csv_path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(mixed[0]))
+        writer.writeheader()
+        writer.writerows({**r, "refs": json.dumps(r["refs"])} for r in mixed)
+    for path in (write_jsonl(tmp_path / "mixed.jsonl", mixed), csv_path):
+        with pytest.warns(UserWarning, match="key 'refs' not read .* rename 'refs' -> 'references'"):
+            records = read_captions(path)
+        assert records.references == [None] * len(ONE_LINE) and records.captions == [r["caption"] for r in ONE_LINE]
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # our keys, a key of the user's own and a rating: nothing to say
+        read_captions(write_jsonl(tmp_path / "fine.jsonl", [{**r, "human": 3, "id": 1} for r in ROWS]))
+        (tmp_path / "x.png").write_bytes(b"")  # the lm-eval task's documents: no caption (it generates them)
+        load_caption_docs(write_jsonl(tmp_path / "docs.jsonl", [{"image": "x.png", "references": ["a"]}]), tmp_path)
+
+
+def test_a_row_without_a_caption_says_so():
+    from capeval_plugins.inputs import caption_problem
+
+    assert caption_problem(None) == "caption missing"

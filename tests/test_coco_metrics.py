@@ -186,7 +186,7 @@ def test_missing_java_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(coco.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="Java runtime.*tokenize=False"):
         capeval_plugins.load("bleu4")(None, ["a dog"], [["a dog runs"]])
-    with pytest.raises(RuntimeError, match="METEOR needs a Java runtime"):
+    with pytest.raises(RuntimeError, match=r"meteor \(METEOR\) need a Java runtime"):  # before anything is scored
         capeval_plugins.load("meteor", tokenize=False)(None, ["a dog"], [["a dog runs"]])
 
 
@@ -195,8 +195,8 @@ def test_spice_without_its_jars_is_a_clear_error():
 
     if all(p.is_file() for p in spice_jars()):
         pytest.skip("SPICE's Stanford CoreNLP jars are installed here")
-    with pytest.raises(RuntimeError, match="Stanford CoreNLP 3.6.0"):
-        capeval_plugins.load("spice")
+    with pytest.raises(RuntimeError, match="Stanford CoreNLP 3.6.0"):  # checked before anything is scored
+        capeval_plugins.load("spice")(None, ["a dog"], [["a dog runs"]])
 
 
 def test_registered_with_the_names_scripts_rely_on():

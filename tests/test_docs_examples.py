@@ -58,6 +58,7 @@ NOT_RUN = {
     ("docs/ecosystems/lmms-eval.md", "lmms-eval --model llava_onevision"): "lmms-eval with a real LVLM",
     ("docs/ecosystems/lmms-eval.md", "pip install -e"): "installs an extra",
     ("docs/testing.md", "venv-tf457"): "builds a venv with another transformers (an opt-in check, see the page)",
+    ("docs/testing.md", "make lock"): "resolves both environments anew and runs the suite (tests/test_pins.py)",
 }
 
 # Model ids of the examples -> the tiny checkpoint of the same architecture.

@@ -98,7 +98,7 @@ def plain_fleur(probs, pieces, digit_ids) -> float:
     return score
 
 
-def plain_discode(probs, pieces, digit_ids, unit: bool) -> tuple[float, float, np.ndarray]:
+def plain_discode(probs, pieces, digit_ids, unit: bool, clip: bool = False) -> tuple[float, float, np.ndarray]:
     step = digit_steps(pieces)[1]
     z = np.log(probs[step, digit_ids])
     x = np.arange(10.0)
@@ -107,6 +107,7 @@ def plain_discode(probs, pieces, digit_ids, unit: bool) -> tuple[float, float, n
     log_q -= np.log(np.exp(log_q).sum())
     on = x / 10 if unit else x
     alpha = stats.norm.pdf(on[s], on.mean(), np.sqrt(0.1))
+    alpha = min(alpha, 1.0) if clip else alpha
     if alpha < 1e-30:
         psi = (np.arange(10) == np.argmax(z + log_q)).astype(float)
     else:
@@ -133,16 +134,17 @@ def test_fleur_equals_a_plain_teacher_forced_computation(answers, with_reference
     assert result.extras["raw_score"].tolist() == [0.85, 1.0, 0.3, 0.0, 0.07, 0.5]
 
 
-@pytest.mark.parametrize("alpha_scale", ["label", "unit"])
-def test_discode_equals_a_plain_closed_form(answers, alpha_scale):
+@pytest.mark.parametrize("alpha_scale,alpha_clip", [("label", False), ("unit", True), ("unit", False)])
+def test_discode_equals_a_plain_closed_form(answers, alpha_scale, alpha_clip):
     answers.update(zip(CAPTIONS, ANSWERS))
     path = sharp_llava()
-    result = capeval_plugins.load("discode", model=path, alpha_scale=alpha_scale)(sample_images(), CAPTIONS)
+    result = capeval_plugins.load("discode", model=path, alpha_scale=alpha_scale, alpha_clip=alpha_clip)(
+        sample_images(), CAPTIONS)
     fleur = capeval_plugins.load("fleur", model=path)(sample_images(), CAPTIONS)
     for i, (caption, answer) in enumerate(zip(CAPTIONS, ANSWERS)):
         probs, pieces, digit_ids = plain_answer_distributions(path, sample_images()[i], fleur_instruction(caption),
                                                               answer)
-        score, alpha, psi = plain_discode(probs, pieces, digit_ids, unit=alpha_scale == "unit")
+        score, alpha, psi = plain_discode(probs, pieces, digit_ids, unit=alpha_scale == "unit", clip=alpha_clip)
         assert result.scores[i].item() == pytest.approx(score, abs=1e-6)
         assert result.extras["alpha"][i].item() == pytest.approx(alpha, rel=1e-9, abs=1e-300)
         assert result.extras["distribution"][i].numpy() == pytest.approx(psi, abs=1e-5)
@@ -327,12 +329,24 @@ def test_default_adapts_typical_answers_and_the_literal_reading_returns_the_writ
     default = capeval_plugins.load("discode", model=path)(sample_images(), CAPTIONS)
     literal = capeval_plugins.load("discode", model=path, alpha_scale="label")(sample_images(), CAPTIONS)
     for psi, alpha in zip(default.extras["distribution"], default.extras["alpha"]):
-        assert 0.4 < alpha.item() < 1.3
+        assert 0.4 < alpha.item() <= 1.0
         assert psi.max().item() < 0.99 and int((psi > 1e-3).sum()) >= 2  # spread over several digits
     # The literal reading: every row here has its raw digit outside {4, 5}, alpha < 2e-5 and psi one-hot.
     for psi, alpha in zip(literal.extras["distribution"], literal.extras["alpha"]):
         assert alpha.item() < 2e-5
         assert psi.max().item() == 1.0 and int((psi > 0).sum()) == 1
+
+
+@pytest.mark.parametrize("scale", ["0.0-1.0", "1-5", "0-9", "A-E"])
+def test_default_alpha_of_every_label_is_in_the_papers_range(scale):
+    """Every written label of every scale, at every sigma^2 of Table 11: alpha in [0, 1], largest near mu."""
+    for sigma2 in (1.0, 0.5, 0.1, 0.05, 0.01):
+        alphas = capeval_plugins.load("discode", model="unused", scale=scale, sigma2=sigma2).alphas.numpy()
+        k = len(alphas)
+        on = np.arange(k) / k
+        np.testing.assert_allclose(alphas, np.minimum(1.0, stats.norm.pdf(on, on.mean(), np.sqrt(sigma2))),
+                                   rtol=1e-12)
+        assert np.all((0 <= alphas) & (alphas <= 1)) and np.all(np.diff(alphas[: (k + 1) // 2]) >= -1e-15)
 
 
 @pytest.mark.parametrize("raw_digit", range(10))
@@ -385,3 +399,22 @@ def test_table10_ablations_equal_their_closed_forms(answers, ablation):
         capeval_plugins.load("discode", model=path, ablation="no_prior")
     with pytest.raises(ValueError, match="weighted_kl"):
         capeval_plugins.load("discode", model=path, ablation=ablation, divergence="js")
+
+
+@pytest.mark.parametrize("name", ["fleur", "discode"])
+def test_the_card_lists_the_keys_of_a_result(name):
+    """The keys a card's example shows are those evaluate returns, ``n_invalid`` among them even when every
+    answer had a valid score (a judge's results have the same keys whatever it answered)."""
+    import ast
+    import re
+
+    import evaluate
+
+    from capeval_plugins.cards import card_path
+
+    listed = ast.literal_eval(re.search(r">>> sorted\(out\)\n(\[.*?\])", card_path(name).read_text()).group(1))
+    path = scripted_llava(("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = evaluate.load(name, model=path).compute(images=sample_images()[:2], predictions=CAPTIONS[:2])
+    assert out["n_invalid"] == 0 and sorted(out) == listed

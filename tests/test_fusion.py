@@ -5,10 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy.stats import kendalltau
+
+from test_redemption import folder, models  # noqa: F401  (tiny models and pre-generated images)
 
 from capeval_plugins import cli
 from capeval_plugins.core.fusion import calibrate, fuse, simplex_grid
@@ -120,9 +123,61 @@ def test_calibrate_command_recovers_weights_from_score_and_rating_files(tmp_path
 def test_calibrate_command_errors_are_one_line(tmp_path, capsys):
     _write_jsonl(tmp_path / "scores.jsonl", [{"index": 0, "mid_normalized": 0.5}])
     code = cli.main(["calibrate", "--scores", str(tmp_path / "scores.jsonl")])
-    assert code == 2 and "row 1 has no 'dino_normalized'" in capsys.readouterr().err
+    assert code == 2 and "no column 'dino_normalized'" in capsys.readouterr().err
+    _write_jsonl(tmp_path / "scores.jsonl", [{"index": 0, "x": 0.5, "human": 1.0}, {"index": 1, "human": 2.0}])
+    code = cli.main(["calibrate", "--scores", str(tmp_path / "scores.jsonl"), "--components", "x"])
+    assert code == 2 and "row 2 has no 'x'" in capsys.readouterr().err
+    _write_jsonl(tmp_path / "scores.jsonl", [{"a.x": 0.5, "b.x": 0.1, "human": 1.0}])
+    code = cli.main(["calibrate", "--scores", str(tmp_path / "scores.jsonl"), "--components", "x"])
+    assert code == 2 and "several columns end in 'x' (a.x, b.x)" in capsys.readouterr().err
     _write_jsonl(tmp_path / "a.jsonl", [{"x": 1.0, "human": 1.0}, {"x": 2.0, "human": 2.0}])
     _write_jsonl(tmp_path / "r.jsonl", [{"human": 1.0}])
     code = cli.main(["calibrate", "--scores", str(tmp_path / "a.jsonl"), "--ratings", str(tmp_path / "r.jsonl"),
                      "--components", "x"])
     assert code == 2 and "has 2 rows but" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_score_then_calibrate_then_score_again_from_the_cli_s_own_files(models, folder, tmp_path, capsys):
+    """The documented pipeline on tiny models: ``capeval score -m redemption_score`` writes its components,
+    ``capeval calibrate`` reads that very file and returns options, and those options given back to
+    ``capeval score`` fuse the components with the calibrated weights."""
+    from conftest import PYTHON, run
+    from test_redemption import corpus
+
+    images, candidates, references = corpus()
+    (tmp_path / "images").mkdir()
+    rows = []
+    for i, (image, caption, refs) in enumerate(zip(images, candidates, references)):
+        image.save(tmp_path / "images" / f"{i}.png")
+        rows.append({"image": f"images/{i}.png", "caption": caption, "references": refs})
+    _write_jsonl(tmp_path / "captions.jsonl", rows)
+    capeval = str(Path(PYTHON).parent / "capeval")
+
+    def score(out, *options):
+        args = ["-o", f"clip_model={models['clip']}", "-o", f"dino_model={models['dino']}", "-o",
+                f"generated_images={folder}", "-o", f"bertscore_model={models['deberta_v3']}", "-o",
+                "bertscore_num_layers=2", *[a for o in options for a in ("-o", o)]]
+        run([capeval, "score", "-m", "redemption_score", *args, "--captions", str(tmp_path / "captions.jsonl"),
+             "--out", str(out), "--quiet"])
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    first = score(tmp_path / "scores.jsonl")
+    names = [f"redemption_score.{k}_normalized" for k in ("mid", "dino", "bertscore")]
+    comps = np.array([[row[k] for k in names] for row in first])
+    human = fuse(comps, [0.3, 0.2, 0.5]) + np.random.default_rng(0).normal(0, 1e-3, len(first))  # near this fusion
+    ratings = [{"index": row["index"], "human": float(h)} for row, h in zip(first, human)]
+    _write_jsonl(tmp_path / "ratings.jsonl", ratings)
+
+    code = cli.main(["calibrate", "--scores", str(tmp_path / "scores.jsonl"), "--ratings",
+                     str(tmp_path / "ratings.jsonl")])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and list(report["weights"]) == names
+    weights = [report["weights"][k] for k in names]
+    assert report["correlation"] == pytest.approx(kendalltau(fuse(comps, weights), human, variant="c").statistic,
+                                                  abs=1e-12)
+    parts = ("mid", "dino", "bertscore")
+    assert report["options"] == [f"redemption_score.{k}_weight={w:g}" for k, w in zip(parts, weights)]
+
+    again = score(tmp_path / "again.jsonl", *report["options"])
+    assert [row["redemption_score"] for row in again] == pytest.approx(fuse(comps, weights).tolist(), abs=1e-9)

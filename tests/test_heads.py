@@ -295,3 +295,59 @@ def test_rigel_kl_objective_is_tau_times_scipy_kl(temperature):
         assert loss[row].item() == pytest.approx(temperature * stats.entropy(teacher, student), rel=1e-10)
     with pytest.raises(ValueError, match="objective"):
         heads.distillation_loss(head_logits, teacher_logits, objective="js")
+
+
+# --- issue 30: DISCODE's default alpha lies in the paper's [0, 1] -------------------------------------------------
+
+
+def random_digit_logits(rng: np.random.Generator, argmax: int) -> np.ndarray:
+    """Logits of a random digit distribution whose argmax is ``argmax``: sharp or flat, unimodal or not."""
+    z = rng.normal(0.0, rng.uniform(0.05, 6.0), 10)
+    z[argmax] = z.max() + rng.exponential(rng.uniform(0.01, 3.0))
+    return z
+
+
+@pytest.mark.parametrize("sigma2", [1.0, 0.5, 0.1, 0.05, 0.01])
+def test_default_alpha_is_in_0_1_largest_near_mu_and_the_head_is_the_closed_form(sigma2):
+    """Over random distributions with every digit written: the default reading (Eq. 4 on the digits as tenths,
+    capped at 1) gives alpha in [0, 1], symmetric and non-increasing away from mu; psi and the score equal an
+    independent numpy closed form with scipy's density."""
+    from capeval_plugins import functional as F
+
+    rng = np.random.default_rng(int(sigma2 * 1e4))
+    for trial in range(300):
+        d = trial % 10
+        z = random_digit_logits(rng, d)
+        head = F.discode_head(torch.tensor(z)[None], sigma2=sigma2)
+        alpha = float(head.alpha[0])
+        expected = min(1.0, stats.norm.pdf(d / 10, 0.45, math.sqrt(sigma2)))
+        assert 0.0 <= alpha <= 1.0
+        assert alpha == pytest.approx(expected, rel=1e-12, abs=1e-300)
+        log_q = -0.5 * (np.arange(10) - d) ** 2
+        log_q -= special.logsumexp(log_q)
+        psi = numpy_closed_form(z, log_q, expected) if expected > 0 else np.eye(10)[d]
+        np.testing.assert_allclose(head.distribution[0].numpy(), psi, rtol=0, atol=1e-12)
+        assert float(head.expected[0]) == pytest.approx(float(psi @ np.arange(10)), abs=1e-10)
+    alphas = F.discode_head(torch.eye(10) * 50, sigma2=sigma2).alpha.numpy()  # one row per written digit
+    np.testing.assert_allclose(alphas, alphas[::-1], rtol=1e-12)
+    assert np.all(np.diff(alphas[:5]) >= -1e-15) and alphas.min() == alphas[0] and alphas.max() <= 1.0
+    # at alpha = 1 the prior has no weight: psi is the LVLM's distribution itself
+    if np.isclose(alphas.max(), 1.0):
+        z = random_digit_logits(rng, int(np.argmax(alphas)))
+        np.testing.assert_allclose(F.discode_head(torch.tensor(z)[None], sigma2=sigma2).distribution[0].numpy(),
+                                   special.softmax(z), rtol=0, atol=1e-12)
+
+
+def test_other_readings_of_eq4_stay_available():
+    from capeval_plugins import functional as F
+
+    rows = torch.eye(10, dtype=torch.float64) * 50
+    uncapped = F.discode_head(rows, alpha_clip=False).alpha.numpy()
+    np.testing.assert_allclose(uncapped, stats.norm.pdf(np.arange(10) / 10, 0.45, math.sqrt(0.1)), rtol=1e-12)
+    assert uncapped.max() > 1.2  # Eq. 4 as printed exceeds the stated range at 4 and 5
+    kernel = F.discode_head(rows, alpha_form="kernel", alpha_clip=False).alpha.numpy()
+    np.testing.assert_allclose(kernel, np.exp(-(np.arange(10) / 10 - 0.45) ** 2 / 0.2), rtol=1e-12)
+    literal = F.discode_head(rows, alpha_scale="label", alpha_clip=False).alpha.numpy()
+    np.testing.assert_allclose(literal, stats.norm.pdf(np.arange(10), 4.5, math.sqrt(0.1)), rtol=1e-12)
+    with pytest.raises(ValueError, match="alpha form"):
+        heads.att_alpha(DIGITS, DIGITS, 0.1, "peak")

@@ -1,109 +1,89 @@
-"""Memory follows the batch, not the photos: decoded images are cached up to a byte budget and reduced, as
-they are read, to what the metrics' processors need, without changing what the processor outputs beyond the
-noise of re-saving the photo as a high-quality JPEG."""
+"""Memory follows the batch, not the photos, and never by changing pixels: decoded images are cached up to a
+byte budget for the other metrics of a pass, and a batch of large photos is mapped in pieces of whole images
+(peak memory: benchmarks/image_memory.py)."""
 from __future__ import annotations
-
-import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import capeval_plugins
 from capeval_plugins import runner
 from capeval_plugins.inputs import InputError, ImageSource, Samples, image_source
-from capeval_plugins.testing.clip import clip_image_processor
 
 
-def large_photo(width=4000, height=3000, seed=0) -> Image.Image:
-    """Grace Hopper at 12 megapixels, with sensor-like noise so the fine detail a resize must filter is there."""
-    from matplotlib import cbook
-
-    with Image.open(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)) as img:
-        big = img.convert("RGB").resize((width, height), Image.LANCZOS)
-    noise = np.random.default_rng(seed).integers(-20, 21, (height, width, 3))
-    return Image.fromarray(np.clip(np.asarray(big).astype(int) + noise, 0, 255).astype(np.uint8))
-
-
-def encoded(img: Image.Image, fmt: str, **kwargs) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, fmt, **kwargs)
-    return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def photo_files():
-    big = large_photo()
-    return {"jpeg": encoded(big, "JPEG", quality=92), "png": encoded(big, "PNG", compress_level=1)}
-
-
-@pytest.mark.parametrize("fmt", ["jpeg", "png"])
-def test_shrinking_as_read_keeps_the_processor_output_within_jpeg_noise(photo_files, fmt):
-    """CLIP's processor (shortest edge 224, centre crop 224) on the photo decoded at full size and on the photo
-    reduced as it is read. The yardstick is an imperceptible change of the same photo: re-saving it as a JPEG
-    at quality 95 (measured: up to 2 of 255 levels, 0.14-0.16 on average); the reduction must change the
-    processor's output no more."""
-    processor = clip_image_processor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
-    scale = np.asarray(processor.image_std)[:, None, None] * 255  # normalised units -> 8-bit levels
-
-    def pixels(image):
-        return processor(images=[image], return_tensors="np")["pixel_values"][0]
-
-    source = image_source(photo_files[fmt], 0)
-    full = source.load()
-    reduced = source.load(keep_side=runner.KEEP_FACTOR * 224)
-    assert full.size == (4000, 3000) and min(reduced.size) == runner.KEEP_FACTOR * 224
-    resaved = Image.open(io.BytesIO(encoded(full, "JPEG", quality=95))).convert("RGB")
-    shrink_error = np.abs(pixels(full) - pixels(reduced)) * scale
-    jpeg_error = np.abs(pixels(full) - pixels(resaved)) * scale
-    assert shrink_error.max() <= max(2.0, jpeg_error.max()) + 1e-3
-    assert shrink_error.mean() <= 1.25 * jpeg_error.mean()
+def test_a_batch_of_large_images_is_mapped_in_pieces_of_whole_images():
+    """Pieces hold every sample once, all captions of an image together, and no more decoded pixels than the
+    budget unless one image alone is larger."""
+    sizes = [(400, 300), (300, 400), (1000, 1000), (200, 100), (400, 300)]
+    sources = [ImageSource("pil", Image.new("RGB", size), ("obj", i), i) for i, size in enumerate(sizes)]
+    owner = [0, 0, 1, 2, 2, 2, 3, 4, 1]  # image of each caption (image 1's captions not adjacent)
+    part = Samples(candidates=[f"c{k}" for k in range(len(owner))], indices=list(range(len(owner))),
+                   images=[sources[i] for i in owner])
+    budget = 3 * 400 * 300 * 2  # two of the small images
+    pieces = runner.image_pieces(part, budget)
+    assert sorted(i for piece in pieces for i in piece.indices) == list(range(len(owner)))
+    for piece in pieces:
+        keys = {s.key for s in piece.images}
+        images_here = {owner[k] for k in piece.indices}
+        assert all(sum(owner[k] == o for k in piece.indices) == owner.count(o) for o in images_here)  # whole
+        held = sum(s.decoded_bytes() for s in {s.key: s for s in piece.images}.values())
+        assert held <= budget or len(keys) == 1
+    assert [sorted({owner[k] for k in p.indices}) for p in pieces] == [[0, 1], [2], [3, 4]]
+    assert runner.image_pieces(part, 10**9) == [part]
 
 
-def test_scores_of_large_photos_with_and_without_early_shrinking(tiny_clip, monkeypatch):
-    """Through the runner (tiny CLIP: processor side 32, so images keep 128): the shrink moves scores by
-    less than re-saving the photos as JPEG at quality 95 does (each score is a smooth function of the pixels
-    the processor outputs, and those move less; see the test above)."""
-    photos = [large_photo(2400, 1800, seed) for seed in range(3)]
-    resaved = [Image.open(io.BytesIO(encoded(p, "JPEG", quality=95))).convert("RGB") for p in photos]
-    captions = ["a woman in a uniform", "a portrait of an officer", "a photo"]
+def test_scores_of_a_batch_mapped_in_pieces_equal_the_batch_at_once(tiny_clip, monkeypatch):
+    """The pieces change where the batch is cut, never what a sample scores (to float32 rounding)."""
+    rng = np.random.default_rng(0)
+    photos = [Image.fromarray(rng.integers(0, 256, (300 + 20 * k, 260, 3), dtype=np.uint8)) for k in range(6)]
+    captions = [f"a photo number {k}" for k in range(12)]
+    images = [photos[k // 2] for k in range(12)]
     clip = capeval_plugins.load("clipscore", model=tiny_clip)
-    shrunk = clip(photos, captions).scores.double()
-    assert runner.pass_keep_side([clip]) == runner.KEEP_FACTOR * 32
-    monkeypatch.setattr(runner, "pass_keep_side", lambda metrics: None)
-    full = clip(photos, captions).scores.double()
-    jpeg = clip(resaved, captions).scores.double()
-    assert (shrunk - full).abs().mean() <= (jpeg - full).abs().mean() + 1e-6
+    whole = clip(images, captions)
+    calls = []
+    real = runner._map_piece
+
+    def counted(metric, part, *args, **kwargs):
+        calls.append(len(part))
+        return real(metric, part, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_map_piece", counted)
+    monkeypatch.setattr(runner, "BATCH_IMAGE_BYTES", 3 * 300 * 340)  # one or two photos per piece
+    pieces = clip(images, captions)
+    assert len(calls) > 1 and sum(calls) == 12
+    assert torch.equal(pieces.indices, whole.indices)
+    assert pieces.scores.tolist() == pytest.approx(whole.scores.tolist(), abs=1e-6)
 
 
-def test_a_metric_that_needs_full_size_images_turns_shrinking_off(tiny_clip):
-    class FullSize:
-        info = capeval_plugins.load("clipscore", model=tiny_clip).info
-
-        def image_side(self):
-            return None
-
-        def image_reader(self):
-            return None
-
+def test_the_cache_keeps_images_for_the_other_metrics_of_a_pass_only(tiny_clip):
     clip = capeval_plugins.load("clipscore", model=tiny_clip)
-    assert runner.pass_keep_side([clip]) == runner.KEEP_FACTOR * clip.image_side()
-    assert runner.pass_keep_side([clip, FullSize()]) is None
+    mid = capeval_plugins.load("mid", model=tiny_clip)
+    bleu = capeval_plugins.load("bleu4")
+    assert runner.image_cache([clip]).max_bytes == 0
+    assert runner.image_cache([clip, bleu]).max_bytes == 0  # BLEU reads no pixels
+    assert runner.image_cache([clip, mid]).max_bytes == runner.IMAGE_CACHE_BYTES
 
-    class ReadsFeatures(FullSize):  # takes ids of precomputed features, not pixels: no say in the pixel size
-        def image_reader(self):
-            return object()
 
-    assert runner.pass_keep_side([clip, ReadsFeatures()]) == runner.KEEP_FACTOR * clip.image_side()
+def test_decoded_size_is_read_from_the_header(tmp_path):
+    img = Image.new("RGB", (123, 45))
+    path = tmp_path / "x.png"
+    img.save(path)
+    data = path.read_bytes()
+    for given in (str(path), data, img, np.zeros((45, 123, 3), np.uint8), torch.zeros(3, 45, 123, dtype=torch.uint8),
+                  np.zeros((45, 123), np.uint8)):
+        assert image_source(given, 0).decoded_bytes() == 3 * 123 * 45
+    assert image_source([img, img], 0, video_ok=True).decoded_bytes() == 2 * 3 * 123 * 45
 
 
 def counting_sources(n, size=(200, 100)):
     loads = []
 
     class Counted(ImageSource):
-        def load(self, keep_side=None):
+        def load(self):
             loads.append(self.index)
-            return super().load(keep_side)
+            return super().load()
 
     sources = [Counted("pil", Image.new("RGB", size, (i, 0, 0)), ("obj", i), i) for i in range(n)]
     return sources, loads

@@ -30,22 +30,14 @@ def tiny_llava(tiny_root) -> str:
     return str(tiny_checkpoint("llava", root=tiny_root))
 
 
-@pytest.fixture(scope="module")
-def caption_task(tmp_path_factory, tiny_clip) -> Path:
-    """A local dataset (one row per example image, its references) and a task YAML scoring it with two
-    pointwise capeval metrics and a corpus one (MID), all on one CLIP; returns the include folder."""
+def write_task(root: Path, images: list, names: list[str], references: list[list[str]], metric_list: str) -> Path:
+    """A local dataset (one row per image: the image, its name, its references) and a task YAML scoring it with
+    the capeval metrics of ``metric_list`` (YAML); returns the include folder."""
     import datasets
-    from PIL import Image
 
-    root = tmp_path_factory.mktemp("lmms")
-    refs: dict[str, list[str]] = {}
-    for line in (EXAMPLES / "captions.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        refs.setdefault(row["image"], row["references"])
     features = datasets.Features({"image": datasets.Image(), "name": datasets.Value("string"),
                                   "sentences": datasets.Sequence(datasets.Value("string"))})
-    ds = datasets.Dataset.from_dict({"image": [Image.open(EXAMPLES / "images" / k).convert("RGB") for k in refs],
-                                     "name": list(refs), "sentences": list(refs.values())}, features=features)
+    ds = datasets.Dataset.from_dict({"image": images, "name": names, "sentences": references}, features=features)
     ds.to_parquet(root / "test.parquet")
     (root / "tasks").mkdir()
     (root / "tasks" / "tiny.yaml").write_text(f"""
@@ -65,6 +57,22 @@ generation_kwargs:
   do_sample: false
 capeval_references: sentences
 metric_list:
+{metric_list}""")
+    return root / "tasks"
+
+
+@pytest.fixture(scope="module")
+def caption_task(tmp_path_factory, tiny_clip) -> Path:
+    """The example images (one row each, with their references), scored with two pointwise capeval metrics and
+    a corpus one (MID), all on one CLIP; returns the include folder."""
+    from PIL import Image
+
+    refs: dict[str, list[str]] = {}
+    for line in (EXAMPLES / "captions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        refs.setdefault(row["image"], row["references"])
+    images = [Image.open(EXAMPLES / "images" / k).convert("RGB") for k in refs]
+    return write_task(tmp_path_factory.mktemp("lmms"), images, list(refs), list(refs.values()), f"""\
   - metric: clipscore
     model: {tiny_clip}
   - metric: capeval/refclipscore
@@ -74,7 +82,6 @@ metric_list:
     model: {tiny_clip}
     covariance_eps: 1.0e-3
 """)
-    return root / "tasks"
 
 
 def _dataset(include: Path):
@@ -284,3 +291,33 @@ def test_every_registered_metric_can_be_named_either_way():
     ours, others = split_metric_list(entries)
     assert [e.name for e in ours] == [*names, names[0]] and [o["metric"] for o in others] == ["coco_CIDEr"]
     assert all(e.options == {"batch_size": 4} for e in ours[:-1])
+
+
+def test_large_photos_score_as_the_reference_computation_on_the_full_image(tiny_clip, tmp_path):
+    """The task's aggregation hands CLIP's processor each document's image exactly as the task decoded it:
+    photos far above the processor's side and of odd aspect ratios score what the model's own processor and
+    forward pass give on the full image (tests/test_one_input.py: the other entry points)."""
+    from conftest import LARGE_PHOTO_CAPTIONS, large_photos, reference_clip_cosines
+
+    pytest.importorskip("skimage")
+    photos = [str(p) for p in large_photos(tmp_path / "photos")]
+    write_task(tmp_path, photos, [Path(p).name for p in photos], [["a reference"]] * len(photos),
+               f"  - metric: clipscore\n    model: {tiny_clip}\n")
+    task = _loaded_task(tmp_path / "tasks")
+    items = [d["clipscore"] for d in _items(task, LARGE_PHOTO_CAPTIONS)]
+    got = task.aggregation()["clipscore"](items)
+    expected = 2.5 * reference_clip_cosines(tiny_clip, photos, LARGE_PHOTO_CAPTIONS).clip(min=0)
+    assert got == pytest.approx(float(expected.mean()), abs=2.5e-6)
+
+
+def test_a_metric_model_that_cannot_be_loaded_stops_the_task_before_any_generation(caption_task, tmp_path):
+    """The task checks its metrics' needs when it is built, before lmms-eval generates a single caption."""
+    from capeval_plugins.preflight import RequirementError
+
+    (tmp_path / "tasks").mkdir()
+    yaml = (caption_task / "tiny.yaml").read_text()
+    start = yaml.index("metric_list:")
+    (tmp_path / "tasks" / "tiny.yaml").write_text(yaml[:start] + "metric_list:\n  - metric: clipscore\n"
+                                                   "    model: org/not-cached\n")
+    with pytest.raises(RequirementError, match="clipscore: option model: 'org/not-cached' is not a local folder"):
+        _loaded_task(tmp_path / "tasks")

@@ -41,6 +41,9 @@ def backbones(tiny_root) -> tuple[str, str]:
 
 
 def settings_for(backbones, **extra) -> AlignerSettings:
+    """The training mechanics are checked on the token-table features (no LLM at scoring); the default, the
+    official scripts' last hidden states, has its own tests."""
+    extra.setdefault("text_features", "input_embeddings")
     return AlignerSettings(vision_model=backbones[0], llm=backbones[1], **extra)
 
 
@@ -280,6 +283,38 @@ def test_last_hidden_text_features_read_the_llm(backbones, tmp_path):
     assert torch.isfinite(result.scores).all()
 
 
+def test_default_text_features_are_the_official_scripts_and_raw_pooling_is_theirs(backbones):
+    """The default text side is the frozen LLM's last hidden states of the caption alone (BOS, EOS, padding
+    dropped), as MSD-Score's caparena.py / docent.py take them; text_pooling="raw" is their global embedding, the
+    normalised mean of the raw hidden states over every non-padding position with BOS kept."""
+    import dataclasses
+
+    settings = AlignerSettings(vision_model=backbones[0], llm=backbones[1])
+    assert (settings.text_features, settings.text_pooling) == ("last_hidden", "content")
+    assert AlignerSettings.from_dict({"text_features": "input_embeddings"}).text_pooling == "content"  # old files
+    with pytest.raises(ValueError, match="text_pooling"):
+        AlignerSettings(text_pooling="mean")
+    spec = frozen_spec(backbones[0], None, None, None, None, False)
+    aligner, llm = build_aligner(settings, spec, frozen_spec(backbones[1], None, None, None, None, False), seed=0)
+    captions = ["a green triangle next to a red circle", "a blue square"]  # the second is padded in the batch
+    content = aligner.encode_text_tokens(captions)
+    aligner.settings = dataclasses.replace(aligner.settings, text_pooling="raw")
+    raw = aligner.encode_text_tokens(captions)
+    special = {aligner.tokenizer.bos_token_id, aligner.tokenizer.eos_token_id}
+    for i, caption in enumerate(captions):
+        ids = aligner.tokenizer(caption, return_tensors="pt")["input_ids"]
+        assert ids[0, 0] == aligner.tokenizer.bos_token_id
+        with torch.no_grad():
+            hidden = llm.model(input_ids=ids).last_hidden_state[0].float()
+        keep = torch.tensor([t not in special for t in ids[0].tolist()])
+        tokens = F.normalize(hidden[keep], dim=-1)
+        assert torch.allclose(content.local[i][content.mask[i]], tokens, atol=1e-5)
+        assert torch.allclose(content.pooled[i], F.normalize(tokens.mean(0), dim=0), atol=1e-5)
+        assert torch.allclose(raw.pooled[i], F.normalize(hidden.mean(0), dim=0), atol=1e-5)  # BOS included
+        assert torch.allclose(raw.local[i][raw.mask[i]], tokens, atol=1e-5)  # the mixtures' tokens are the same
+        assert not torch.allclose(raw.pooled[i], content.pooled[i], atol=1e-3)
+
+
 def test_bad_or_incompatible_aligners_are_refused(backbones, trained, tiny_root, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -309,6 +344,26 @@ def test_bad_or_incompatible_aligners_are_refused(backbones, trained, tiny_root,
     (wide / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(ValueError, match="LLM hidden size 32, the config says 64"):
         load_aligner(wide, EncoderSpec(backbones[0]))
+
+
+def test_an_aligner_brings_its_own_vision_backbone(backbones, trained, tmp_path, capsys):
+    """Without ``model``, an aligner's metric loads the CLIP the aligner was trained on (not the paper's default
+    CLIP-L), in Python and on the command line; a given ``model`` (e.g. a local copy) is used as given."""
+    from capeval_plugins.cli import main
+
+    images, captions = scored_pairs()
+    own = capeval_plugins.load("soft_msd", aligner=str(trained))
+    assert own.config.model == backbones[0]
+    given = capeval_plugins.load("soft_msd", aligner=str(trained), model=backbones[0])(images, captions)
+    assert torch.equal(own(images, captions).scores, given.scores)
+    data = write_pairs(tmp_path / "images", 3)
+    rows = tmp_path / "captions.jsonl"
+    rows.write_text("\n".join(json.dumps({"image": f"GCC_train_{i:09d}.jpg", "caption": c})
+                              for i, c in enumerate(data.captions)))
+    assert main(["score", "-m", "soft_msd", "-m", "msd_score", "-o", f"aligner={trained}", "--captions", str(rows),
+                 "--images", str(tmp_path / "images"), "--quiet"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["metrics"]["soft_msd"]["features"] == "aligner" == summary["metrics"]["msd_score"]["features"]
 
 
 # --- data and the command line --------------------------------------------------------------------------------------
@@ -358,7 +413,8 @@ def test_command_line_trains_and_scores(backbones, tmp_path, capsys):
             "--epochs", "2", "--batch-size", "4", "--micro-batch-size", "2", "--quiet"]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["steps"] == 4 and summary["train_samples"] == 8 and summary["text_features"] == "input_embeddings"
+    assert summary["steps"] == 4 and summary["train_samples"] == 8 and summary["text_features"] == "last_hidden"
+    assert summary["text_pooling"] == "content"
     assert len(summary["history"]) == 2
     assert main([*args[:-1], "--lr", "0.1", "--quiet"]) == 2
     assert "different training run" in capsys.readouterr().err

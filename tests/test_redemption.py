@@ -121,9 +121,9 @@ def options(models, folder, **extra):
                 bertscore_model=models["deberta_v3"], bertscore_num_layers=2, batch_size=6, **extra)
 
 
-def parts(models, folder, data, **bert):
-    """The three registered metrics run on their own."""
-    mid = registry.load("mid", model=models["clip"])(*data)
+def parts(models, folder, data, covariance_eps=5e-4, **bert):
+    """The three registered metrics run on their own (MID with Redemption's regulariser, its default)."""
+    mid = registry.load("mid", model=models["clip"], covariance_eps=covariance_eps)(*data)
     dino = registry.load("dino_cycle", model=models["dino"], generated_images=folder)(*data)
     bertscore = registry.load("bertscore", model=models["deberta_v3"], num_layers=2, multi_reference="max",
                               **bert)(None, data[1], data[2])
@@ -225,7 +225,8 @@ def test_end_to_end_with_a_tiny_stable_diffusion_3(models, tmp_path, tiny_sd3): 
 
 def test_flat_options_keep_their_components_defaults():
     """Redemption's options repeat its components' (flat, so `-o steps=20` works): their defaults must agree,
-    except where Redemption's configuration is the paper's (the models and BERTScore's layer)."""
+    except where Redemption's configuration is the paper's or its code's (the models, BERTScore's layer, MID's
+    covariance regulariser: 5e-4 in Redemption's code, 0 in MID's)."""
     import dataclasses
 
     from capeval_plugins.metrics.dino_cycle import DinoCycleConfig
@@ -235,9 +236,10 @@ def test_flat_options_keep_their_components_defaults():
     ours = {f.name: f.default for f in dataclasses.fields(RedemptionConfig)}
     for component in (MIDConfig, DinoCycleConfig):
         for field in dataclasses.fields(component):
-            if field.name in ours and field.name not in ("model", "batch_size"):
+            if field.name in ours and field.name not in ("model", "batch_size", "covariance_eps"):
                 assert ours[field.name] == field.default, (component.__name__, field.name)
     assert ours["clip_model"] == MIDConfig.model and ours["dino_model"] == DinoCycleConfig.model
+    assert (ours["covariance_eps"], MIDConfig.covariance_eps) == (5e-4, 0.0)
 
 
 # --- the paper's fusion ablations (Tables 5 and 6) -----------------------------------------------------------

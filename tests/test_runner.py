@@ -56,14 +56,14 @@ def test_two_metrics_in_one_pass_equal_single_runs_and_load_the_backbone_once(ti
         assert together[name].score == alone.score
 
 
-def test_validation_reports_every_problem_before_any_model_loads(corpus, monkeypatch):
+def test_validation_reports_every_problem_before_any_model_loads(tiny_clip, corpus, monkeypatch):
     images, captions, references = corpus
     images = list(images)
     images[7] = "/no/such/image.png"
     captions = list(captions)
     captions[30] = " "
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
-    metric = capeval_plugins.load("clipscore", model="org/never-loaded")
+    metric = capeval_plugins.load("clipscore", model=tiny_clip)
     with pytest.raises(InputError) as err:
         runner.run({"clipscore": metric}, runner.Corpus(captions, images, references, ids=list(range(1000, 1000 + N))))
     assert "sample 1007: image file not found" in str(err.value) and "sample 1030: caption is empty" in str(err.value)
@@ -158,6 +158,24 @@ def test_an_interrupted_run_resumes_to_the_same_bits_and_scores_only_the_rest(ti
         assert result.corpus_extras == whole[name].corpus_extras
 
 
+def test_a_resumed_run_prepares_the_whole_corpus_as_an_uninterrupted_one(corpus, tmp_path, monkeypatch):
+    """What a metric prepares for the pass (BERTScore: every text embedded in chunks, longest first) must not
+    depend on how far an interrupted run got: the resumed run's ``prepare_corpus`` sees the same samples."""
+    from capeval_plugins.metrics.coco import CocoMetric
+
+    images, captions, references = corpus
+    prepared = []
+    monkeypatch.setattr(CocoMetric, "prepare_corpus", lambda self, batch: prepared.append(list(batch.candidates)),
+                        raising=False)
+    metric = lambda: {"bleu1": capeval_plugins.load("bleu1", batch_size=8, tokenize=False)}  # noqa: E731
+    data = runner.Corpus(captions, None, references)
+    runner.run(metric(), data)
+    with pytest.raises(runner.Interrupted):
+        runner.run(metric(), data, run_dir=tmp_path / "run", stop=StopAfter(2))
+    runner.run(metric(), data, run_dir=tmp_path / "run")
+    assert len(prepared) == 3 and prepared[0] == prepared[1] == prepared[2]
+
+
 def test_a_run_folder_of_another_run_is_refused(tiny_clip, corpus, tmp_path):
     images, captions, references = corpus
     data = runner.Corpus(captions, images, references)
@@ -249,7 +267,7 @@ def test_evaluate_names_a_non_string_prediction(tiny_clip, images):
     with pytest.raises(InputError, match="sample 2: caption must be a string, got int"):
         metric.compute(images=images[:3], predictions=["a", "b", 7])
     metric.add_batch(images=images[:2], predictions=["a", "b"])
-    with pytest.raises(InputError, match="sample 3: caption must be a string, got NoneType"):
+    with pytest.raises(InputError, match="sample 3: caption missing"):
         metric.add_batch(images=images[2:], predictions=["c", None])
 
 

@@ -133,7 +133,9 @@ def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path):
 
 
 @pytest.mark.slow
-def test_lightning_validation_logs_the_corpus_score(tiny_clip, tmp_path):
+def _lightning_validate(tiny_clip, tmp_path, epochs=1):
+    """A real ``Trainer.validate`` over a shuffled loader, ``epochs`` times; the module logs CLIPScore and keeps
+    ``compute_all()`` at each epoch end. Returns the module, what was logged, and the direct result."""
     lightning = pytest.importorskip("lightning")
 
     images, captions, references = _corpus()
@@ -155,17 +157,44 @@ def test_lightning_validation_logs_the_corpus_score(tiny_clip, tmp_path):
             super().__init__()
             self.layer = torch.nn.Linear(1, 1)
             self.clip_s = CLIPScore(model=tiny_clip, batch_size=4)
+            self.epoch_results = []
 
         def validation_step(self, batch, batch_idx):
             self.clip_s.update(batch["images"], batch["captions"], ids=batch["ids"])
             self.log("val/clipscore", self.clip_s, on_epoch=True, batch_size=len(batch["ids"]))
 
+        def on_validation_epoch_end(self):
+            self.epoch_results.append(self.clip_s.compute_all())
+
     trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                                 enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
-    loader = torch.utils.data.DataLoader(Data(), batch_size=3, collate_fn=collate)
-    logged = trainer.validate(Captioner(), dataloaders=loader, verbose=False)[0]
+    loader = torch.utils.data.DataLoader(Data(), batch_size=3, collate_fn=collate, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    module = Captioner()
+    logged = [trainer.validate(module, dataloaders=loader, verbose=False)[0] for _ in range(epochs)]
     direct = capeval_plugins.load("clipscore", model=tiny_clip)(tensors, captions)
-    assert logged["val/clipscore"] == pytest.approx(direct.score, abs=1e-5)
+    return module, logged, direct
+
+
+def test_lightning_validation_logs_the_corpus_score(tiny_clip, tmp_path):
+    _, logged, direct = _lightning_validate(tiny_clip, tmp_path)
+    assert logged[0]["val/clipscore"] == pytest.approx(direct.score, abs=1e-5)
+
+
+def test_per_sample_scores_of_a_lightning_validation_are_kept_after_it(tiny_clip, tmp_path):
+    """Lightning computes a logged metric at the epoch's end and resets it at once: the result computed then is
+    what ``compute_all()`` (and ``last_result``) give after ``Trainer.validate``, per sample in id order, and
+    what ``compute_all()`` gives in ``on_validation_epoch_end``; a new epoch's replaces it."""
+    module, logged, direct = _lightning_validate(tiny_clip, tmp_path, epochs=2)
+    metric = module.clip_s
+    assert metric._update_count == 0  # reset by Lightning
+    for result in (metric.compute_all(), metric.last_result, *module.epoch_results):
+        assert result.indices.tolist() == list(range(N))
+        assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-5)
+        assert result.score == pytest.approx(logged[-1]["val/clipscore"], abs=1e-6)  # logged as float32
+    assert metric.compute_all() is module.epoch_results[-1] is not module.epoch_results[0]
+    metric.update(_corpus()[0][:2], _corpus()[1][:2], ids=[0, 1])  # a new update: the state, not the kept result
+    assert len(metric.compute_all()) == 2
 
 
 TEXTS = ["one", "two words", "three words here", "a much longer caption with many words", "x", "y z", "w"]

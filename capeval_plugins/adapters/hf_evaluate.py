@@ -195,18 +195,23 @@ class CapevalEvaluationModule(evaluate.Metric):
 
 
 def _arrow_image(image_source, image: Any, index: int) -> Any:
-    """Paths, PIL images, dicts and bytes go to Arrow as they are; integer ids as strings (Arrow stores them as
-    ``{"path": id}``, for metrics that find their images by id); arrays and tensors become PIL images (validated
-    here, so a bad array is reported with its sample index)."""
+    """Paths, dicts and bytes go to Arrow as they are (a file or its bytes, decoded at compute time as every
+    entry point decodes them); integer ids as strings (Arrow stores them as ``{"path": id}``, for metrics that
+    find their images by id). PIL images, arrays and tensors become the RGB image every other entry point
+    decodes (validated here, so a bad one is reported with its sample index), as a new image without a file
+    or a format: Arrow would store an opened image by its file name (the file's pixels, not the object's) and
+    re-encode a JPEG-decoded one as a JPEG (other pixels); a new image it stores losslessly (PNG)."""
     import numpy as np
     import torch
+    from PIL import Image
 
     if isinstance(image, (list, tuple)):
         return [_arrow_image(image_source, frame, index) for frame in image]
     if isinstance(image, (int, np.integer)) and not isinstance(image, bool):
         return str(image)
-    if isinstance(image, (np.ndarray, torch.Tensor)):
-        return image_source(image, index).load()
+    if isinstance(image, (np.ndarray, torch.Tensor, Image.Image)):
+        decoded = image_source(image, index).load()
+        return decoded.copy() if decoded is image else decoded
     return image
 
 

@@ -24,8 +24,9 @@ import lm_eval.api.metrics  # noqa: F401  (fills lm-eval's registries first, so 
 import lm_eval.api.registry as lm_registry
 from lm_eval.api.task import ConfigurableTask
 
-from capeval_plugins import registry
+from capeval_plugins import preflight, registry
 from capeval_plugins.adapters.harness import score_documents, split_metric_list, warn_skipped, with_default_policy
+from capeval_plugins.core.messages import install_extra
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lm_eval_tasks"
 
@@ -116,10 +117,13 @@ class CaptionTask(ConfigurableTask):
             ]
         super().__init__(config=config, **kwargs)
         self._capeval_metrics: dict[str, str] = {}
+        built = {}
         for lm_name, name, options in split_metric_list(self.config.metric_list)[0]:
             self._capeval_metrics[lm_name] = name
             self._aggregation_list[lm_name] = functools.partial(aggregate, name, **options)
             self._higher_is_better[lm_name] = registry.get(name).info.higher_is_better
+            built[lm_name] = registry.load(name, **with_default_policy(options))
+        preflight.check(built)  # the metrics' models, Java and extras: before anything is generated
 
     def process_results(self, doc: dict, results: list) -> dict:
         out = super().process_results(doc, results) if self._other_metrics() else {}
@@ -140,12 +144,39 @@ def tasks_dir() -> Path:
     return TASKS_DIR
 
 
+def _option(args: list[str], name: str, default: str) -> str:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def check_model_backend(args: list[str]) -> None:
+    """Import the lm-eval model class ``--model`` names before any work: a backend whose packages are missing
+    (``hf`` and ``hf-multimodal`` need accelerate, lm-eval's own ``hf`` extra) ends in one line, exit 2."""
+    name = _option(args, "--model", "hf")
+    try:
+        lm_registry.get_model(name)
+    except ModuleNotFoundError as err:
+        missing = err.name or str(err)
+        hint = install_extra("accelerate") if missing == "accelerate" else f"pip install {missing}"
+        print(f"capeval-lm-eval: lm-eval's --model {name} needs {missing}, which is not installed: {hint}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError:
+        pass  # an unknown model name: lm-eval's own message follows
+
+
 def main(argv: list[str] | None = None) -> None:
     """``capeval-lm-eval``: lm-eval's command line with capeval metrics registered and the shipped caption
     tasks on the include path (in addition to any ``--include_path`` given)."""
     from lm_eval.__main__ import cli_evaluate
     from lm_eval.tasks.manager import TaskManager
 
+    args = sys.argv[1:] if argv is None else list(argv)
+    check_model_backend(args)
     register()
     original_init = TaskManager.__init__
 
@@ -157,7 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     TaskManager.__init__ = init_with_capeval_tasks
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except preflight.RequirementError as err:  # found when the task is built, before any generation
+        print(f"capeval-lm-eval: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 register()

@@ -31,7 +31,7 @@ from typing import Any, Mapping, NamedTuple
 
 from lmms_eval.api.task import ConfigurableMessagesTask, ConfigurableTask
 
-from capeval_plugins import registry
+from capeval_plugins import preflight, registry
 from capeval_plugins.adapters.harness import (MetricEntry, score_documents, split_metric_list, warn_skipped,
                                               with_default_policy)
 
@@ -108,6 +108,7 @@ class _CapevalMixin:
         for entry in ours:
             self._aggregation_list[entry.harness_name] = functools.partial(self._capeval_aggregate, entry.harness_name)
             self._higher_is_better[entry.harness_name] = registry.get(entry.name).info.higher_is_better
+        preflight.check(self._metrics())  # the metrics' models, Java and extras: before anything is generated
         self._number_documents()
 
     # -- documents ---------------------------------------------------------------------------------------

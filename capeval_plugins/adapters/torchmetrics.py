@@ -3,11 +3,13 @@
 ``capeval_plugins.torchmetrics.<Class>`` exists for every registered metric (``CLIPScore``, ...). States
 come from the contract: ``"sum"`` statistics and ``"cat"`` rows, plus the sample ids and group ids every
 metric carries, so under DDP the repeats a ``DistributedSampler`` adds are dropped and input order is
-restored (pass ``ids=`` with dataset indices). Ids repeated beyond what a padding sampler adds (``world_size -
-1``), or one id given for two different samples, are an error naming them, never silently dropped samples. ``compute()`` returns the corpus score as a scalar tensor
-(Lightning's ``self.log(name, metric)`` works); ``compute_all()`` returns the full
-:class:`~capeval_plugins.contract.MetricResult` with per-sample scores and extras. The backbone is not part
-of the module tree (not in ``state_dict``, not copied by ``clone()``) and is shared between instances.
+restored (pass ``ids=`` with dataset indices). Ids repeated beyond what a padding sampler adds
+(``world_size - 1``), or one id given for two different samples, are an error naming them, never silently
+dropped samples. ``compute()`` returns the corpus score as a scalar tensor (Lightning's ``self.log(name,
+metric)`` works); ``compute_all()`` returns the full :class:`~capeval_plugins.contract.MetricResult` with
+per-sample scores and extras, and ``last_result`` keeps the latest one through ``reset()`` (Lightning resets a
+logged metric as soon as it has computed it). The backbone is not part of the module tree (not in
+``state_dict``, not copied by ``clone()``) and is shared between instances.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any, Sequence
 import torch
 import torchmetrics
 
-from capeval_plugins import registry, runner
+from capeval_plugins import preflight, registry, runner
 from capeval_plugins.adapters.naming import GeneratedClasses, identifier
 from capeval_plugins.contract import Metric, MetricResult, StateSpec, decode_texts, encode_texts, full_spec
 from capeval_plugins.core.messages import warn_once
@@ -50,6 +52,7 @@ class CapevalMetric(torchmetrics.Metric):
         if metric is not None and kwargs:
             raise TypeError("pass either a built metric or its options, not both")
         self.capeval_metric = metric if metric is not None else registry.load(self._capeval_name, **kwargs)
+        preflight.check({self.capeval_metric.info.name: self.capeval_metric})  # before the first batch is generated
         self._spec = {**full_spec(self.capeval_metric), **SKIPPED_SPEC}
         for name, spec in self._spec.items():
             if spec.reduce == "cat":
@@ -61,6 +64,10 @@ class CapevalMetric(torchmetrics.Metric):
         self._ids: set[int] = set()  # ids updated on this rank: a repeat here is a user error
         self._guessed_ids = False  # ids made up under DDP: per-sample rows cannot be trusted
         self._result: MetricResult | None = None
+        # The full result of the latest compute(), kept through reset(): Lightning computes a logged metric at
+        # the end of an epoch and resets it at once, so this is how the epoch's per-sample scores get out.
+        self.last_result: MetricResult | None = None
+        self._last_guessed = False
 
     def update(
         self,
@@ -90,7 +97,7 @@ class CapevalMetric(torchmetrics.Metric):
         self._check_new_ids(corpus.ids)
         self._seen += n
         self._skip(skipped)
-        cache, how = runner.ImageCache(2 * metric.config.batch_size), runner.policy(metric)
+        cache, how = runner.image_cache([metric]), runner.policy(metric)
         for part in runner.iter_parts(metric, samples):
             outs, dropped = runner.map_part(metric, part, cache, how)  # a sample failing here: per the policy
             self._skip(dropped)
@@ -134,20 +141,29 @@ class CapevalMetric(torchmetrics.Metric):
         skipped = dict(zip(state.pop("_skipped_index").tolist(), decode_texts(state.pop("_skipped_reason"))))
         # a padding DistributedSampler repeats at most world_size - 1 samples, each the same sample: more (ids
         # that are positions in a shard, not dataset indices) or another sample under one id is an error
-        self._result = runner.finalize(self.capeval_metric, state, skipped, allowed_repeats=_world()[1] - 1)
+        self._result = self.last_result = runner.finalize(self.capeval_metric, state, skipped,
+                                                          allowed_repeats=_world()[1] - 1)
+        self._last_guessed = self._guessed_ids
         return torch.tensor(self._result.score, dtype=torch.float64, device=self.device)
 
     def compute_all(self) -> MetricResult:
         """Corpus score, per-sample scores (in sample-id order, repeats dropped) and extras.
 
+        With nothing updated since the last ``reset()`` (after ``Trainer.validate``, which computes a logged
+        metric at the end of the epoch and resets it), the result of that last computation
+        (:attr:`last_result`): the epoch's per-sample scores.
+
         Under DDP the per-sample rows are filed by the ids given to ``update``; without ids they would follow
         a guess (a non-shuffled sampler's interleaving), wrong for a shuffled one, so they are refused: pass
         ``ids=`` (``compute()``'s corpus score does not depend on them)."""
-        if self._guessed_ids:
+        kept = self._update_count == 0 and self.last_result is not None
+        if self._last_guessed if kept else self._guessed_ids:
             raise ValueError(
                 f"{self.capeval_metric.info.name}: per-sample results under torch.distributed need ids=<dataset "
                 "indices> in every update(): without them a shuffled sampler's samples are filed under wrong "
                 "indices; compute() gives the corpus score")
+        if kept:
+            return self.last_result
         self.compute()
         assert self._result is not None
         return self._result

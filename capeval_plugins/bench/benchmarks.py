@@ -1,7 +1,7 @@
 """The benchmarks ``capeval bench`` knows, by the names scripts rely on, with the protocol each expects."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -16,7 +16,12 @@ class Protocol:
     ``primary`` the one papers report. ``kind="pairwise"``: share of pairs where the metric prefers the caption
     humans preferred, per category, per ``category_groups`` (mean of their categories) and the mean of all
     categories when ``mean`` is set. ``ties`` is the official script's convention for a tied metric score
-    (``--ties`` overrides); ``round_scores`` rounds metric scores first, as an official script does."""
+    (``--ties`` overrides) and ``tie_margin`` the score difference up to which two scores are a metric tie
+    (``--tie-margin`` overrides); ``human_ties``: pairs humans judged a tie are ``"count"``-ed (right only where the
+    metric predicts a tie) or ``"skip"``-ped; ``round_scores`` rounds metric scores first, as an official script
+    does. ``graded_rule`` judges graded preferences (DOCENT): ``"posh"`` (three classes, PoSh's script) or
+    ``"binary"`` (MSD-Score's script). ``elo`` is the model-level procedure (see :mod:`.ranking`) and
+    ``unranked`` the systems left out of both rankings."""
 
     kind: str
     primary: str
@@ -32,12 +37,30 @@ class Protocol:
     # model-level ranking: human ranking of the systems, best first (CapArena's official list), or () to rank
     # them by the human votes; None: no model-level figure
     model_ranking: tuple[str, ...] | None = None
+    tie_margin: float | str = 0.0
+    human_ties: str = "count"
+    graded_rule: str = "posh"
+    elo: str = "bootstrap"
+    unranked: tuple[str, ...] = ()
 
     def headline(self) -> tuple[str, ...]:
         """The statistics compared between metrics (significance tests)."""
         if self.kind == "correlation" or self.primary != "accuracy":
             return (self.primary,)
         return ("accuracy",) if self.mean else tuple(f"category:{c}" for c in self.categories)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Another protocol for a benchmark (a paper's own evaluation script), chosen by name (``--protocol``):
+    its :class:`Protocol` and, where it reads the file differently, its reader."""
+
+    protocol: Protocol
+    reader: Callable[[Path], "Ratings | Pairs"] | None = None
+    source: str = ""
+
+
+OFFICIAL = "official"
 
 
 @dataclass(frozen=True)
@@ -52,9 +75,28 @@ class Benchmark:
     # :func:`metric_options`; a metric whose Config lacks the key is left as it is.
     metric_defaults: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     source: str = ""
+    # Other protocols by name; the benchmark's own official protocol is "official" (the default).
+    variants: Mapping[str, Variant] = field(default_factory=dict)
+    variant: str = OFFICIAL
 
     def read(self, path: str | Path) -> "Ratings | Pairs":
         return self.reader(Path(path))
+
+    def protocols(self) -> list[str]:
+        return [OFFICIAL, *self.variants]
+
+    def with_protocol(self, name: str | None) -> "Benchmark":
+        """This benchmark judged by the protocol ``name`` ("official": its own; None: as it is)."""
+        if name is None or name == self.variant:
+            return self
+        official = self if self.variant == OFFICIAL else BENCHMARKS[self.name]
+        if name == OFFICIAL:
+            return official
+        if name not in official.variants:
+            raise KeyError(f"{self.name} has no protocol {name!r}; known: {official.protocols()}")
+        v = official.variants[name]
+        return replace(official, protocol=v.protocol, reader=v.reader or official.reader,
+                       source=v.source or official.source, variant=name)
 
 
 def _reader(name: str, *args: Any) -> Callable[[Path], "Ratings | Pairs"]:
@@ -78,6 +120,34 @@ CAPARENA_HUMAN_RANKING = (
 # MSD-Score's official settings for short captions (SugarCrepe, COCO-CF: few mixture components), applied
 # where the metric's Config has the option and the user did not set it.
 SHORT_CAPTION_MSD = {"msd_score": {"preset": "sugarcrepe"}, "soft_msd": {"preset": "sugarcrepe"}}
+# Its settings for long captions: the CapArena and DOCENT scripts fit 5 image and 3 text components (the paper's
+# "long" regime), whichever protocol judges the scores.
+LONG_CAPTION_MSD = {"msd_score": {"setting": "long"}, "soft_msd": {"setting": "long"}}
+MSD_SCRIPTS = "SteinsGateSg/MSDScore metrics/vMF_MSD_Score/"
+CAPARENA_LEVELS = ("level 1", "level 2", "level 3", "level 4")
+
+# MSD-Score's own protocols (its official scripts), for its Tables III (CapArena) and IV (DOCENT).
+MSD_CAPARENA = Variant(
+    Protocol("pairwise", "accuracy",
+             "MSD-Score's protocol (its caparena.py; the paper's Table III): caption-level agreement (x100) over the "
+             "battles humans did not tie, the human source included (battles whose winner is neither a source nor "
+             "'tie' left out, as the script skips them); the metric's decision is a tie when the two "
+             "scores are within 1e-4 (then wrong); share over those battles and per level; model level: Spearman / "
+             "Kendall tau-b between the models' positions in the Elo ranking from the metric's decisions and in the "
+             "Elo ranking from the human votes (a tie half a win each), one pass over every battle in the order "
+             "Python's random.Random(1234) shuffles them, K = 32, the human source left out of both rankings",
+             categories=CAPARENA_LEVELS, ties="wrong", pooled=True, model_ranking=(), tie_margin=1e-4,
+             human_ties="skip", elo="single", unranked=("human",)),
+    reader=_reader("read_caparena", True, ("tie",)), source="MSD-Score (Table III); " + MSD_SCRIPTS + "caparena.py")
+MSD_DOCENT = Variant(
+    Protocol("pairwise", "accuracy:overall_quality",
+             "MSD-Score's protocol (its docent.py; the paper's Table IV): per judgment type, binary accuracy (x100) "
+             "over the pairs humans did not judge equal, right when the score difference (first minus second) is "
+             "> 0 exactly where humans preferred the first caption (a zero difference counts as preferring the "
+             "second, as the script's test does); Kendall tau-b, Spearman and Pearson (x100) between the 5-level "
+             "label (+2 .. -2) and the score difference over all pairs (the script reports overall quality; the same "
+             "rule is applied to mistakes and omissions)", mean=False, graded_rule="binary"),
+    source="MSD-Score (Table IV); " + MSD_SCRIPTS + "docent.py")
 
 _CORRELATION = ("Kendall tau between metric scores and human scores over all rows (scipy's definition; "
                 "x100), corpus-level metrics scored on all rows in one call")
@@ -176,9 +246,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        "(--tie-margin D: scores within D, MSD-Score's reading); share over all battles and per "
                        "level; model level: Spearman / Kendall tau-b between the models' bootstrap-Elo ranking "
                        "from the metric's decisions and the official human ranking; battles with the human "
-                       "source left out", categories=("level 1", "level 2", "level 3", "level 4"),
+                       "source left out", categories=CAPARENA_LEVELS,
                        ties="tie", pooled=True, model_ranking=CAPARENA_HUMAN_RANKING),
               _reader("read_caparena"), "CapArena caparena_annots_eval.json (list of battles)",
+              metric_defaults=LONG_CAPTION_MSD, variants={"msd-score": MSD_CAPARENA},
               source="Cheng et al., 2025 (CapArena); njucckevin/CapArena caparena_metrics.py, cal_ranking.py"),
     Benchmark("docent", "DOCENT",
               Protocol("pairwise", "accuracy:overall_quality",
@@ -188,6 +259,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        "the 5-level human preference and the score difference (PoSh's official script)",
                        mean=False),
               _reader("read_docent"), "Hugging Face amitha/docent-eval-coarse (test split) as Parquet / JSON",
+              metric_defaults=LONG_CAPTION_MSD, variants={"msd-score": MSD_DOCENT},
               source="Ananthram et al., 2025 (PoSh, DOCENT); amith-ananthram/posh evaluate_posh_coarse.py"),
     Benchmark("mceval", "MCEval",
               Protocol("pairwise", "accuracy",

@@ -216,17 +216,19 @@ def category_order(data: Pairs, protocol: Protocol) -> list[str]:
 def evaluate_pairs(scores: np.ndarray, data: Pairs, protocol: Protocol, ties: str, margin: float | str = 0.0):
     scores = data.unit_scores(np.asarray(scores, dtype=np.float64))
     credit, valid, tied = pair_outcomes(scores, data, ties, margin)
+    # the pairs the accuracy counts: every scored pair, or (human_ties="skip") those humans did not tie
+    counted = valid & ~data.human_tie if protocol.human_ties == "skip" and data.human_tie is not None else valid
     names = category_order(data, protocol)
     index = np.array([names.index(c) for c in data.categories], dtype=np.int64)
-    stats = accuracy_stats(credit[valid], index[valid], names, protocol.mean, np.ones(int(valid.sum())),
+    stats = accuracy_stats(credit[counted], index[counted], names, protocol.mean, np.ones(int(counted.sum())),
                            protocol.category_groups, protocol.pooled)
-    sizes = {c: int((valid & (index == i)).sum()) for i, c in enumerate(names)}
-    evaluation = Evaluation(stats, int(valid.sum()), int((~valid).sum()), int(tied.sum()), sizes)
+    sizes = {c: int((counted & (index == i)).sum()) for i, c in enumerate(names)}
+    evaluation = Evaluation(stats, int(counted.sum()), int((~valid).sum()), int((tied & counted).sum()), sizes)
     if data.pair_systems is not None and protocol.model_ranking is not None:
         from capeval_plugins.bench.ranking import model_level_agreement
 
         evaluation.system_stats, evaluation.n_systems = model_level_agreement(scores, data, valid, tied, protocol)
-    return evaluation, (credit, valid, index, names)
+    return evaluation, (credit, counted, index, names)
 
 
 # -------------------------------------------------------------------------------------------- bootstrap
@@ -278,12 +280,13 @@ def p_value(differences: np.ndarray) -> float:
 
 def evaluate(data: Ratings | Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], *,
              replicates: int = 1000, seed: int = 0, unit: str = "image", ties: str | None = None,
-             compare_only: Sequence[str] | None = None, tie_margin: float | str = 0.0
+             compare_only: Sequence[str] | None = None, tie_margin: float | str | None = None
              ) -> tuple[dict[str, Evaluation], list[dict]]:
     """Every metric's figures (with bootstrap intervals when ``replicates > 0``) and the paired comparisons
-    of every two metrics on the benchmark's headline statistics. ``ties``: the protocol's convention unless
-    given. Scores are rounded first where the protocol says so (VATEX-EVAL: 4 decimals)."""
+    of every two metrics on the benchmark's headline statistics. ``ties`` and ``tie_margin``: the protocol's
+    unless given. Scores are rounded first where the protocol says so (VATEX-EVAL: 4 decimals)."""
     ties = ties or protocol.ties
+    tie_margin = protocol.tie_margin if tie_margin is None else tie_margin
     scores = {name: np.asarray(s, dtype=np.float64) for name, s in scores.items()}
     if protocol.round_scores is not None:
         scores = {name: np.round(s, protocol.round_scores) for name, s in scores.items()}
@@ -323,46 +326,67 @@ def _ratings(data: Ratings, protocol: Protocol, scores: Mapping[str, np.ndarray]
 
 GRADE_DIFFERENCE = np.array([2.0, 1.0, 0.0, -1.0, -2.0])  # label -> how much better the first caption is
 GRADE_CLASS = np.array([0, 0, 1, 2, 2])                   # label -> first better, equal, second better
+GRADED_RULES = ("posh", "binary")
 
 
 class GradedPlans:
-    """One metric on a graded pairwise benchmark (DOCENT), as PoSh's official script judges it, for each
-    judgment type: accuracy over three classes (first better, equal, second better), the metric predicting
-    "equal" when the score difference is below a threshold calibrated so that the metric predicts at most as
-    many ties as humans gave (the ``k``-th smallest absolute difference, ``k`` the number of human ties);
-    Spearman and Kendall tau-b between the 5-level human label (as +2 .. -2) and the score difference."""
+    """One metric on a graded pairwise benchmark (DOCENT), for each judgment type, by the protocol's
+    ``graded_rule``:
 
-    def __init__(self, scores: np.ndarray, data: Pairs) -> None:
+    * ``"posh"`` (PoSh's official script): accuracy over three classes (first better, equal, second better), the
+      metric predicting "equal" when the score difference is below a threshold calibrated so that the metric
+      predicts at most as many ties as humans gave (the ``k``-th smallest absolute difference, ``k`` the number
+      of human ties); Spearman and Kendall tau-b between the 5-level human label (as +2 .. -2) and the score
+      difference.
+    * ``"binary"`` (MSD-Score's script): accuracy over the pairs humans did not judge equal, right when
+      ``difference > 0`` exactly where humans preferred the first caption; Spearman, Kendall tau-b and Pearson
+      between the label (+2 .. -2) and the difference over all pairs."""
+
+    def __init__(self, scores: np.ndarray, data: Pairs, rule: str = "posh") -> None:
+        if rule not in GRADED_RULES:
+            raise ValueError(f"graded rule must be one of {GRADED_RULES}, got {rule!r}")
         a, b = scores[data.first], scores[data.second]
         self.valid = np.isfinite(a) & np.isfinite(b)
+        self.rule = rule
         diff = (a - b)[self.valid]
+        self.diff = diff
         self.columns = {}
         for kind, labels in data.graded.items():
             labels = np.asarray(labels)[self.valid]
-            ties = int((labels == 2).sum())
-            gaps = np.sort(np.abs(diff))
-            threshold = gaps[ties] if ties < len(gaps) else np.inf
-            predicted = np.where(diff >= threshold, 0, np.where(-diff >= threshold, 2, 1))
-            credit = (predicted == GRADE_CLASS[labels]).astype(np.float64)
             human = GRADE_DIFFERENCE[labels]
-            self.columns[kind] = (credit, KendallPlan(human, diff), RankPlan(human, diff), int((predicted == 1).sum()))
+            if rule == "binary":
+                counted = human != 0
+                credit = ((human > 0) == (diff > 0)).astype(np.float64)
+                metric_ties = int((diff == 0).sum())
+            else:
+                ties = int((labels == 2).sum())
+                gaps = np.sort(np.abs(diff))
+                threshold = gaps[ties] if ties < len(gaps) else np.inf
+                predicted = np.where(diff >= threshold, 0, np.where(-diff >= threshold, 2, 1))
+                counted = np.ones(len(diff), dtype=bool)
+                credit = (predicted == GRADE_CLASS[labels]).astype(np.float64)
+                metric_ties = int((predicted == 1).sum())
+            self.columns[kind] = (credit, counted, human, KendallPlan(human, diff), RankPlan(human, diff), metric_ties)
 
     def stats(self, weights: np.ndarray | None = None) -> dict[str, float]:
         w = np.ones(int(self.valid.sum())) if weights is None else np.asarray(weights, np.float64)[self.valid]
         out = {}
-        for kind, (credit, plan, ranks, _) in self.columns.items():
+        for kind, (credit, counted, human, plan, ranks, _) in self.columns.items():
+            wc = w * counted
             with np.errstate(invalid="ignore", divide="ignore"):
-                out[f"accuracy:{kind}"] = float(SCALE * (w * credit).sum() / w.sum())
+                out[f"accuracy:{kind}"] = float(SCALE * (wc * credit).sum() / wc.sum())
             out[f"spearman:{kind}"] = SCALE * ranks.rho(w)
             out[f"kendall_tau_b:{kind}"] = SCALE * plan.statistics(w.astype(np.int64))["b"]
+            if self.rule == "binary":
+                out[f"pearson:{kind}"] = SCALE * pearson(human, self.diff, w)
         return out
 
 
-def _graded(data: Pairs, scores: Mapping[str, np.ndarray]):
+def _graded(data: Pairs, scores: Mapping[str, np.ndarray], rule: str = "posh"):
     evaluations, plans = {}, {}
     for name, s in scores.items():
-        plan = GradedPlans(np.asarray(s, dtype=np.float64), data)
-        ties = sum(col[3] for col in plan.columns.values())
+        plan = GradedPlans(np.asarray(s, dtype=np.float64), data, rule)
+        ties = sum(col[-1] for col in plan.columns.values())
         evaluations[name] = Evaluation(plan.stats(), int(plan.valid.sum()), int((~plan.valid).sum()), ties)
         plans[name] = plan
 
@@ -374,7 +398,7 @@ def _graded(data: Pairs, scores: Mapping[str, np.ndarray]):
 
 def _pairs(data: Pairs, protocol: Protocol, scores: Mapping[str, np.ndarray], ties: str, margin: float | str):
     if data.graded is not None:
-        return _graded(data, scores)
+        return _graded(data, scores, protocol.graded_rule)
     evaluations, outcomes = {}, {}
     for name, s in scores.items():
         evaluations[name], outcomes[name] = evaluate_pairs(s, data, protocol, ties, margin)

@@ -8,9 +8,15 @@ in file order, a battle won by the caption the metric scores higher (a metric ti
 ranked by their median rating. Spearman's rho and Kendall's tau-b (x100) compare the positions of the models in
 that ranking with their positions in the human ranking (the official script's fixed list, where it names every
 model, else the same Elo procedure over the human votes).
+
+MSD-Score's script (``elo="single"``): one online Elo pass (K=32, scale 400, base 10, initial 1000) over every
+scored battle, in the order Python's ``random.Random(1234)`` shuffles them; the humans' ranking from the same pass
+over their votes (a tie half a win each); models ranked by rating, the ``unranked`` systems (its "human") left
+out of both rankings before positions are compared.
 """
 from __future__ import annotations
 
+import random
 import warnings
 
 import numpy as np
@@ -19,6 +25,8 @@ from capeval_plugins.bench.data import Pairs
 
 K, SCALE, BASE, INITIAL = 4.0, 400.0, 10.0, 1000.0
 ROUNDS, SEED = 1000, 42
+SINGLE_K, SINGLE_SEED = 32.0, 1234  # MSD-Score's caparena.py
+ELO = ("bootstrap", "single")
 
 
 def bootstrap_elo(first: np.ndarray, second: np.ndarray, outcome: np.ndarray, n_models: int,
@@ -47,6 +55,33 @@ def bootstrap_elo(first: np.ndarray, second: np.ndarray, outcome: np.ndarray, n_
         return np.nanmedian(ratings, axis=0)
 
 
+def single_pass_elo(first: np.ndarray, second: np.ndarray, outcome: np.ndarray, n_models: int,
+                    k: float = SINGLE_K, seed: int = SINGLE_SEED) -> np.ndarray:
+    """Elo ratings after one pass over the battles in the order ``random.Random(seed)`` shuffles them (NaN for a
+    model in no battle). ``outcome`` as in :func:`bootstrap_elo`."""
+    order = list(range(len(first)))
+    random.Random(seed).shuffle(order)
+    ratings = np.full(n_models, INITIAL)
+    seen = np.zeros(n_models, dtype=bool)
+    for i in order:
+        a, b = first[i], second[i]
+        expect_a = 1.0 / (1.0 + BASE ** ((ratings[b] - ratings[a]) / SCALE))
+        change = k * (outcome[i] - expect_a)
+        ratings[a] += change
+        ratings[b] -= change
+        seen[a] = seen[b] = True
+    ratings[~seen] = np.nan
+    return ratings
+
+
+def elo_ratings(first: np.ndarray, second: np.ndarray, outcome: np.ndarray, n_models: int, method: str
+                ) -> np.ndarray:
+    if method not in ELO:
+        raise ValueError(f"elo must be one of {ELO}, got {method!r}")
+    elo = single_pass_elo if method == "single" else bootstrap_elo
+    return elo(first, second, outcome, n_models)
+
+
 def rank_by(ratings: np.ndarray, names: list[str]) -> list[str]:
     """Models best first by rating (models never rated are left out)."""
     rated = [i for i in np.argsort(-ratings, kind="stable") if np.isfinite(ratings[i])]
@@ -66,9 +101,11 @@ def model_level_agreement(scores: np.ndarray, data: Pairs, valid: np.ndarray, ti
     second = np.array([index[b] for _, b in systems], dtype=np.int64)
     a, b = scores[data.first[pairs]], scores[data.second[pairs]]
     outcome = np.where(tied[pairs], 0.5, (a > b).astype(np.float64))
-    metric_order = rank_by(bootstrap_elo(first, second, outcome, len(names)), names)
+    metric_order = rank_by(elo_ratings(first, second, outcome, len(names), protocol.elo), names)
     human_order = human_ranking(data, protocol, pairs, first, second, names)
-    position = {name: k + 1 for k, name in enumerate(human_order)}
+    unranked = set(protocol.unranked)
+    metric_order = [m for m in metric_order if m not in unranked]
+    position = {name: k + 1 for k, name in enumerate(m for m in human_order if m not in unranked)}
     ranked = [m for m in metric_order if m in position]
     if len(ranked) < 3:
         return {}, len(ranked)
@@ -87,4 +124,4 @@ def human_ranking(data: Pairs, protocol, pairs: np.ndarray, first: np.ndarray, s
         return fixed
     tie = data.human_tie[pairs] if data.human_tie is not None else np.zeros(len(pairs), dtype=bool)
     outcome = np.where(tie, 0.5, (data.label[pairs] == 0).astype(np.float64))
-    return rank_by(bootstrap_elo(first, second, outcome, len(names)), names)
+    return rank_by(elo_ratings(first, second, outcome, len(names), protocol.elo), names)

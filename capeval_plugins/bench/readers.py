@@ -627,13 +627,15 @@ def read_vatex_eval(path: str | Path) -> Ratings:
 
 # -------------------------------------------------------------------------------------- CapArena (MSD-Score)
 
-def read_caparena(path: str | Path) -> Pairs:
+def read_caparena(path: str | Path, keep_human: bool = False, tie_winners: Sequence[str] | None = None) -> Pairs:
     """CapArena's human annotations (Cheng et al., 2025; github.com/njucckevin/CapArena), the file its
     evaluation scripts read (``caparena_annots_eval.json``): a JSON list of battles ``{"img", "source1",
     "source2", "caption1", "caption2", "ref", "winner", "cluster"}``, ``winner`` the winning source (anything
     else a tie), ``cluster`` the difficulty level ("level 1" .. "level 4"). As the official scripts do, battles
-    involving the ``human`` source are left out (counted in ``excluded``). ``ref`` (the DOCCI description) is
-    the pair's reference."""
+    involving the ``human`` source are left out (counted in ``excluded``), unless ``keep_human``. ``tie_winners``
+    (default: any) names the winners that are a tie; battles with any other non-source winner are left out
+    (MSD-Score's script keeps the human source and only ``"tie"``). ``ref`` (the DOCCI description) is the
+    pair's reference."""
     data = load_records(path)
     if not isinstance(data, list):
         raise InputError(f"{path}: expected a JSON list of battles (CapArena)")
@@ -645,11 +647,14 @@ def read_caparena(path: str | Path) -> Pairs:
         if not isinstance(item, dict):
             raise InputError(f"{at}: expected an object")
         sources = [text(pick(item, (key,), key, at), key, at) for key in ("source1", "source2")]
-        if "human" in sources:
+        if "human" in sources and not keep_human:
             excluded += 1
             continue
         captions = [clean(text(pick(item, (key,), key, at), key, at)) for key in ("caption1", "caption2")]
         winner = text(pick(item, ("winner",), "winner", at), "winner", at)
+        if tie_winners is not None and winner not in sources and winner not in tie_winners:
+            excluded += 1
+            continue
         ref = item.get("ref")
         refs = as_list(ref, at) if ref is not None else None
         image = text(pick(item, ("img", "image"), "img", at), "img", at)

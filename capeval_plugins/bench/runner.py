@@ -59,14 +59,16 @@ class BenchReport:
         """``{"benchmark", "protocol", "data", "results": {metric: {...}}, "comparisons", "wall_time_s"}``,
         every correlation and accuracy on the 0-100 scale."""
         protocol = self.benchmark.protocol
-        proto = {"name": self.benchmark.name, "kind": protocol.kind, "statistic": protocol.primary,
-                 "description": protocol.description, "scale": 100,
+        proto = {"name": self.benchmark.name, "variant": self.benchmark.variant, "kind": protocol.kind,
+                 "statistic": protocol.primary, "description": protocol.description, "scale": 100,
                  "bootstrap": {"replicates": self.settings["bootstrap"], "unit": self.settings["unit"],
                                "seed": self.settings["seed"], "level": 0.95}}
         if self.kind == "pairwise":
             proto["ties"] = self.settings["ties"]
             if self.settings.get("tie_margin"):
                 proto["tie_margin"] = self.settings["tie_margin"]
+            if protocol.human_ties != "count":
+                proto["human_ties"] = protocol.human_ties
             if protocol.category_groups:
                 proto["groups"] = {k: list(v) for k, v in protocol.category_groups.items()}
         if protocol.round_scores is not None:
@@ -310,7 +312,8 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
                   ties: str | None = None, with_references: bool = False, progress: bool = True,
                   scores: Mapping[str, str | os.PathLike] | None = None, extras: bool = False,
                   save_scores: str | os.PathLike | None = None, num_references: int | None = None,
-                  tie_margin: float | str = 0.0, frames: int | Mapping[str, int] | None = None) -> BenchReport:
+                  tie_margin: float | str | None = None, frames: int | Mapping[str, int] | None = None,
+                  protocol: str | None = None, labels: str | os.PathLike | None = None) -> BenchReport:
     """Read the benchmark (unless ``data`` is already read), score it with every metric and evaluate them.
 
     ``metrics`` maps a label to a built metric; ``scores`` maps a label to a per-sample score file computed
@@ -321,16 +324,25 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     convention). ``with_references`` also gives references to metrics for which they are optional;
     ``num_references`` keeps the first n references of every row (0: none). ``frames``: a video given as a
     folder of frames is sampled to that many, uniformly (default: all); a mapping gives each metric its own
-    count (as each metric's paper samples frames). ``tie_margin``: pairwise scores
-    within it are a metric tie (0: only equal scores; ``"calibrated"``: as many ties as humans gave at most). ``extras``: a metric's
+    count (as each metric's paper samples frames). ``tie_margin``: pairwise scores within it are a metric tie
+    (default: the protocol's; 0: only equal scores; ``"calibrated"``: as many ties as humans gave at most).
+    ``protocol`` names one of the benchmark's protocols (default: its official one; e.g. ``"msd-score"`` on
+    CapArena and DOCENT). ``labels``: a label set (:mod:`capeval_plugins.bench.labels`) whose judgments replace
+    the benchmark file's where it names the same rows. ``extras``: a metric's
     one-value-per-sample extras are evaluated as rows of their own (``metric:extra``). ``save_scores``: a
     folder that gets ``<label>.jsonl`` with every row's score and extras, readable back with ``scores``."""
     from capeval_plugins.bench.scorefiles import match_scores, write_scores
 
     started = time.perf_counter()
     bench = benchmark if isinstance(benchmark, Benchmark) else get_benchmark(benchmark)
+    bench = bench.with_protocol(protocol)
     source = "" if isinstance(data, (Ratings, Pairs)) else str(Path(data))
     data = data if isinstance(data, (Ratings, Pairs)) else bench.read(data)
+    if labels is not None:
+        from capeval_plugins.bench.labels import apply_labels, read_labels
+
+        data, summary = apply_labels(data, read_labels(labels))
+        data = replace(data, notes={**data.notes, "labels": summary})
     data = keep_references(data, num_references)
     metrics, scores = dict(metrics or {}), dict(scores or {})
     if not metrics and not scores:
@@ -370,6 +382,7 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
             table[label] = values
             runs[label] = MetricRun(values, 0.0, run.from_cache, run.computed, source=run.source)
     ties = ties or bench.protocol.ties
+    tie_margin = bench.protocol.tie_margin if tie_margin is None else tie_margin
     evaluations, comparisons = evaluate(data, bench.protocol, table, replicates=bootstrap, seed=seed, unit=unit,
                                         ties=ties, compare_only=[n for n in table if n in metrics or n in scores],
                                         tie_margin=tie_margin)

@@ -35,6 +35,10 @@ def report_markdown(report) -> str:
     bench, protocol = report.benchmark, report.benchmark.protocol
     size = f"{doc['data']['rows']:,} rows" + (f", {doc['data']['pairs']:,} pairs" if "pairs" in doc["data"] else "")
     lines = [f"**{bench.title}** (`{bench.name}`), {size}; {protocol.description}.", ""]
+    if "labels" in doc["data"]:
+        lab = doc["data"]["labels"]
+        lines[-1:-1] = ["", f"Human judgments from `{lab['path']}` where it names the row: {lab['matched']:,} matched, "
+                        f"{lab['changed']:,} changed, {lab['unmatched']:,} as in the benchmark file."]
     results = doc["results"]
     if protocol.kind == "correlation":
         stat = protocol.primary
@@ -54,8 +58,8 @@ def report_markdown(report) -> str:
                 [name, *(number(s.get(c)) for c in sys_cols)] for name, s in systems.items()]
     elif report.data.__class__.__name__ == "Pairs" and report.data.graded is not None:
         stat = protocol.primary
-        columns = [k for k in next(iter(results.values()), {}) if k.split(":")[0] in ("accuracy", "spearman",
-                                                                                        "kendall_tau_b") and ":" in k]
+        columns = [k for k in next(iter(results.values()), {})
+                   if k.split(":")[0] in ("accuracy", "spearman", "kendall_tau_b", "pearson") and ":" in k]
         header = ["metric", "n", *(label(c) for c in columns), f"95% CI ({label(stat)})", "time (s)"]
         rows = [[name, f"{r['n']:,}", *(number(r.get(c)) for c in columns), ci(r.get("ci95", {}).get(stat)), _time(r)]
                 for name, r in results.items()]
@@ -74,7 +78,8 @@ def report_markdown(report) -> str:
             rows.append(row + [f"{r['n_ties']:,}", _time(r)])
         models = {name: r["system"] for name, r in results.items() if "system" in r}
         if models:
-            lines += table(header, rows) + ["", "Model level (bootstrap-Elo ranking from the metric's decisions "
+            elo = "one-pass Elo" if protocol.elo == "single" else "bootstrap-Elo"
+            lines += table(header, rows) + ["", f"Model level ({elo} ranking from the metric's decisions "
                                             "against the human ranking):", ""]
             header = ["metric", "models", "Spearman", "Kendall τb"]
             rows = [[name, str(m["n"]), number(m.get("spearman")), number(m.get("kendall_tau_b"))]

@@ -14,13 +14,17 @@ import time
 from typing import Sequence
 
 from capeval_plugins import files
+from capeval_plugins.core.messages import install_extra
 
 EPILOG = """examples:
   capeval bench flickr8k-expert --data flickr8k.json --metric bleu4 --metric cider --json out.json
   capeval bench pascal50s --data pascal_50s.json --images VOC2012/JPEGImages --metric clipscore \\
       --option clipscore.model=openai/clip-vit-base-patch32 --plot plots/
   capeval bench sugarcrepe --data sugar-crepe/data --images val2017 --metric clipscore --save-scores scores/
-  capeval bench youcook2-fact --data FactVC/data/youcook2 --scores theirs=their_scores.jsonl --metric cider"""
+  capeval bench youcook2-fact --data FactVC/data/youcook2 --scores theirs=their_scores.jsonl --metric cider
+  capeval bench caparena --data caparena_annots_eval.json --images caparena/images --metric soft_msd \
+      --protocol msd-score --option soft_msd.aligner=ALIGNER_DIR
+  capeval bench pascal50s --data pascal_50s.json --scores fleur=fleur_pascal.jsonl --labels FLEUR/results"""
 
 
 def add_parser(subparsers) -> None:
@@ -61,10 +65,18 @@ def add_parser(subparsers) -> None:
                    help="pairwise benchmarks: a tied pair counts as wrong, half right, or as a predicted tie "
                         "(right where humans judged a tie: CapArena) (default: the benchmark's official "
                         "script's convention, see docs/bench.md)")
-    p.add_argument("--tie-margin", type=tie_margin, default=0.0, metavar="D|calibrated",
-                   help="pairwise benchmarks: scores within D of each other are a metric tie (default 0: equal "
-                        "scores only; MSD-Score's CapArena reading uses a margin); 'calibrated': below the k-th "
-                        "smallest score difference, k = the human ties (PoSh's CapArena reading)")
+    p.add_argument("--tie-margin", type=tie_margin, default=None, metavar="D|calibrated",
+                   help="pairwise benchmarks: scores within D of each other are a metric tie (default: the "
+                        "protocol's, 0 = equal scores only for the official ones, 1e-4 for MSD-Score's CapArena "
+                        "protocol); 'calibrated': below the k-th smallest score difference, k = the human ties "
+                        "(PoSh's CapArena reading)")
+    p.add_argument("--protocol", default=None, metavar="NAME",
+                   help="judge by another protocol of this benchmark: 'msd-score' on caparena and docent "
+                        "(MSD-Score's own scripts, its Tables III and IV); default: the benchmark's official one")
+    p.add_argument("--labels", metavar="FILE|DIR",
+                   help="human judgments that replace the benchmark file's where they name the same rows: pair "
+                        "labels (JSON / JSON Lines / CSV, or FLEUR's released result texts, e.g. its Pascal-50S "
+                        "run) or per-row scores (averaged per image and caption); see docs/bench.md")
     p.add_argument("--with-references", action="store_true",
                    help="also give references to metrics for which they are optional")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -75,7 +87,7 @@ def build_metrics(names: Sequence[str], options: Sequence[str], benchmark: str |
     """The metrics, with ``metric.key=value`` options (and bare ``key=value`` for every metric that takes
     it), exactly as ``capeval score`` builds them, after the benchmark's own defaults for its metrics."""
     from capeval_plugins.bench.benchmarks import metric_options
-    from capeval_plugins.cli import build_metrics as build
+    from capeval_plugins.options import build_metrics as build
 
     if benchmark is not None:
         given = list(options)
@@ -139,10 +151,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("capeval: error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        print(f"capeval: error: --plot needs matplotlib: {install_extra('bench')}", file=sys.stderr)
         return 2
     if not args.metric and not args.scores:
         print("capeval: error: give --metric NAME or --scores NAME=FILE (or both)", file=sys.stderr)
+        return 2
+    from capeval_plugins.bench.benchmarks import get_benchmark
+
+    known = get_benchmark(args.benchmark).protocols()
+    if args.protocol is not None and args.protocol not in known:
+        print(f"capeval: error: {args.benchmark} has no protocol {args.protocol!r}; known: {', '.join(known)}",
+              file=sys.stderr)
         return 2
     try:
         from capeval_plugins.bench.scorefiles import parse_score_args
@@ -155,7 +174,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             cache=False if args.no_cache else args.cache, bootstrap=args.bootstrap, seed=args.seed,
             unit=args.bootstrap_unit, ties=args.ties, with_references=args.with_references, progress=not args.quiet,
             scores=score_files, extras=args.extras, save_scores=args.save_scores,
-            num_references=args.num_references, tie_margin=args.tie_margin, frames=parse_frames(args.frames))
+            num_references=args.num_references, tie_margin=args.tie_margin, frames=parse_frames(args.frames),
+            protocol=args.protocol, labels=args.labels)
     except RuntimeError as err:  # a missing runtime (Java, SPICE's jars): one line, not a traceback
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2

@@ -1,12 +1,14 @@
 """``capeval calibrate``: fusion weights that maximise Kendall tau with human ratings, from a score file.
 
 The score file is what ``capeval score --metric redemption_score --out scores.jsonl`` writes (one row per
-sample with ``index`` and the per-sample components), or any JSON Lines / CSV file with one column per
-component. Human ratings are a column of the same file or of a second file (``--ratings``), matched by
-``index`` when both files have it, else by line order::
+sample with ``index`` and the per-sample components, named ``redemption_score.mid_normalized``, ...), or any
+JSON Lines / CSV file with one column per component. A component is found by its column name, or as the one
+column ``<metric>.<name>``. Human ratings are a column of the same file or of a second file (``--ratings``),
+matched by ``index`` when both files have it, else by line order::
 
     capeval calibrate --scores scores.jsonl --ratings flickr8k_expert.jsonl --rating-key human
-    {"weights": {"mid_normalized": 0.84, ...}, "correlation": 0.5643, ..., "options": ["mid_weight=0.84", ...]}
+    {"weights": {"redemption_score.mid_normalized": 0.84, ...}, "correlation": 0.5643, ...,
+     "options": ["redemption_score.mid_weight=0.84", ...]}
 
 ``options`` (when the components are Redemption Score's) can be passed straight back to
 ``capeval score --metric redemption_score -o ...``.
@@ -62,17 +64,40 @@ def align(scores: list[dict], ratings: list[dict], scores_path: str, ratings_pat
     return ratings
 
 
+def component_column(rows: list[dict], name: str, path: str) -> str:
+    """The column of component ``name``: ``name`` itself, else the one column named ``<metric>.<name>`` (what
+    ``capeval score`` writes: ``redemption_score.mid_normalized``)."""
+    from capeval_plugins.inputs import InputError
+
+    columns = dict.fromkeys(key for row in rows for key in row)
+    if name in columns:
+        return name
+    prefixed = [key for key in columns if key.endswith(f".{name}")]
+    if len(prefixed) == 1:
+        return prefixed[0]
+    if prefixed:
+        raise InputError(f"{path}: several columns end in {name!r} ({', '.join(prefixed)}); name one in --components")
+    raise InputError(f"{path}: no column {name!r} (columns: {sorted(columns)})")
+
+
 def weight_options(weights: dict[str, float]) -> list[str]:
-    """``redemption_score`` options for weights of its components (``mid_normalized`` -> ``mid_weight``)."""
+    """Options of the metric whose components were fused, one per weight: ``mid_normalized`` ->
+    ``mid_weight=...`` (Redemption Score's), ``redemption_score.mid_normalized`` ->
+    ``redemption_score.mid_weight=...`` (``-o`` takes both); none unless every component has a weight option."""
+    from capeval_plugins import registry
     from capeval_plugins.metrics.redemption import RedemptionConfig
 
-    fields = {f.name for f in dataclasses.fields(RedemptionConfig)}
     options = []
-    for name, weight in weights.items():
-        base = name.removesuffix("_normalized").removesuffix("_raw")
-        if f"{base}_weight" not in fields:
+    for column, weight in weights.items():
+        metric, _, name = column.rpartition(".")
+        try:
+            config = registry.get(metric).cls.Config if metric else RedemptionConfig
+        except KeyError:
             return []
-        options.append(f"{base}_weight={weight:g}")
+        base = name.removesuffix("_normalized").removesuffix("_raw")
+        if f"{base}_weight" not in {f.name for f in dataclasses.fields(config)}:
+            return []
+        options.append(f"{metric + '.' if metric else ''}{base}_weight={weight:g}")
     return options
 
 
@@ -88,7 +113,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not rows:
         raise InputError(f"{args.scores}: no rows")
     rating_rows = align(rows, read_rows(args.ratings), args.scores, args.ratings) if args.ratings else rows
-    names = [c.strip() for c in args.components.split(",") if c.strip()]
+    names = [component_column(rows, c.strip(), args.scores) for c in args.components.split(",") if c.strip()]
     components = {name: column(rows, name, args.scores) for name in names}
     ratings = column(rating_rows, args.rating_key, args.ratings or args.scores)
     try:

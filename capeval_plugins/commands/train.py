@@ -117,7 +117,7 @@ def add_rigel(methods) -> None:
 
 def add_msd_aligner(methods) -> None:
     from capeval_plugins.training.msd_aligner import (DEFAULT_LLM, DEFAULT_VISION, SCHEDULES, TEXT_FEATURES,
-                                                      VISION_FEATURES)
+                                                      TEXT_POOLINGS, VISION_FEATURES)
 
     p = methods.add_parser("msd-aligner", help="MSD-Score's local vision-language aligner", epilog=ALIGNER_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -140,9 +140,13 @@ def add_msd_aligner(methods) -> None:
                        help="patch: drop the class token (default); cls_patch: keep it")
     model.add_argument("--llm", default=DEFAULT_LLM, help=f"causal language model (default {DEFAULT_LLM})")
     model.add_argument("--llm-revision")
-    model.add_argument("--text-features", choices=TEXT_FEATURES, default="input_embeddings",
-                       help="caption token embeddings: the LLM's input embeddings (default; no LLM at scoring) "
-                            "or its last hidden states (the official scripts; the LLM is loaded at scoring)")
+    model.add_argument("--text-features", choices=TEXT_FEATURES, default="last_hidden",
+                       help="caption token embeddings: the LLM's last hidden states (default, as the official "
+                            "scripts; the LLM is loaded at scoring) or its input embeddings (no LLM at scoring)")
+    model.add_argument("--text-pooling", choices=TEXT_POOLINGS, default="content",
+                       help="the caption's global embedding: the normalised mean of its normalised content tokens "
+                            "(default, as the image side) or 'raw': the mean of the raw features over every "
+                            "non-padding position, BOS kept (the official scripts)")
     model.add_argument("--max-length", type=int, default=2048, help="LLM context: patches + caption (2048)")
     model.add_argument("--caption-suffix", default="\\n",
                        help="appended to each caption for reconstruction (default \\n, a newline: LLaVA's plain "
@@ -237,7 +241,7 @@ def run_aligner_training(args: argparse.Namespace) -> int:
     settings = AlignerSettings(
         vision_model=args.vision_model, vision_revision=args.vision_revision, vision_layer=args.vision_layer,
         vision_feature=args.vision_feature, llm=args.llm, llm_revision=args.llm_revision,
-        text_features=args.text_features, max_length=args.max_length,
+        text_features=args.text_features, text_pooling=args.text_pooling, max_length=args.max_length,
         caption_suffix=args.caption_suffix.replace("\\n", "\n").replace("\\t", "\t"))
     config = AlignerConfig(
         epochs=args.epochs, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, lr=args.lr,
@@ -259,7 +263,7 @@ def aligner_summary(checkpoint) -> dict:
     settings, record = read_settings(checkpoint), read_record(checkpoint)
     losses = record.get("losses", [])
     return {"checkpoint": str(checkpoint), "vision_model": settings.vision_model, "llm": settings.llm,
-            "text_features": settings.text_features, "train_samples": record.get("train_samples"),
+            "text_features": settings.text_features, "text_pooling": settings.text_pooling, "train_samples": record.get("train_samples"),
             "epochs": record.get("epoch"), "steps": record.get("global_step"),
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
             "history": record.get("history", []), "logit_scale": record.get("logit_scale")}

@@ -50,32 +50,38 @@ def gaussian_log_prior(center: Tensor, values: Tensor) -> Tensor:
     return energy - torch.logsumexp(energy, dim=-1, keepdim=True)
 
 
-def att_alpha(center: Tensor, values: Tensor, sigma2: float = 0.1) -> Tensor:
+def att_alpha(center: Tensor, values: Tensor, sigma2: float = 0.1, form: str = "density") -> Tensor:
     """DISCODE Eq. 4: alpha = N(center; mu, sigma2), mu the mean of ``values`` (the label values on the scale
-    alpha is read on). A density: it may exceed 1 and it underflows towards 0 far from mu."""
+    alpha is read on). ``form="density"`` is the equation as printed (a density: it exceeds 1 near mu when
+    2 pi sigma2 < 1, and underflows towards 0 far from mu); ``"kernel"`` drops the normalising constant
+    (exp(-(center - mu)^2 / (2 sigma2)): 1 at mu, in (0, 1] everywhere)."""
     if sigma2 <= 0:
         raise ValueError(f"sigma2 must be positive, got {sigma2}")
+    if form not in ALPHA_FORMS:
+        raise ValueError(f"alpha form must be one of {ALPHA_FORMS}, got {form!r}")
     mu = values.to(torch.float64).mean()
-    return torch.exp(-((center.double() - mu) ** 2) / (2 * sigma2)) / math.sqrt(2 * math.pi * sigma2)
+    kernel = torch.exp(-((center.double() - mu) ** 2) / (2 * sigma2))
+    return kernel if form == "kernel" else kernel / math.sqrt(2 * math.pi * sigma2)
 
 
 ALPHA_SCALES: tuple[str, ...] = ("label", "unit")
+ALPHA_FORMS: tuple[str, ...] = ("density", "kernel")
 
 
 def att_prior(raw: Tensor, values: Tensor, sigma2: float = 0.1, alpha_scale: str = "label",
-              divergence: str = "weighted_kl", clip: bool = False) -> tuple[Tensor, Tensor]:
+              divergence: str = "weighted_kl", clip: bool = False, form: str = "density") -> tuple[Tensor, Tensor]:
     """DISCODE's prior for raw scores given as label indices ``raw`` (B,) on a scale whose K labels have
     ``values``: ``(log q (B, K), alpha (B,))``, q a unit-variance Gaussian around the raw label's value and
-    alpha Eq. 4, read on the label values (``alpha_scale="label"``, the paper's literal reading: mu = 4.5 for
-    the digits) or with label k of K read as k / K (``"unit"``: mu = 0.45). ``clip`` caps alpha at 1 (the
-    paper's "alpha in [0, 1]"). The ``"kl"`` divergence fixes alpha at 0.5."""
+    alpha Eq. 4 (:func:`att_alpha`, ``form``), read on the label values (``alpha_scale="label"``, the paper's
+    literal reading: mu = 4.5 for the digits) or with label k of K read as k / K (``"unit"``: mu = 0.45).
+    ``clip`` caps alpha at 1 (the paper's "alpha in [0, 1]"). The ``"kl"`` divergence fixes alpha at 0.5."""
     if alpha_scale not in ALPHA_SCALES:
         raise ValueError(f"alpha_scale must be one of {ALPHA_SCALES}, got {alpha_scale!r}")
     values = values.to(torch.float64)
     raw = raw.to(values.device)
     log_q = gaussian_log_prior(values[raw], values)
     on = values if alpha_scale == "label" else torch.arange(len(values), dtype=torch.float64, device=values.device) / len(values)
-    alpha = att_alpha(on[raw], on, sigma2)
+    alpha = att_alpha(on[raw], on, sigma2, form)
     if clip:
         alpha = alpha.clamp(max=1.0)
     if divergence == "kl":

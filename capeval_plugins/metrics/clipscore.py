@@ -66,9 +66,6 @@ class CLIPScore(PointwiseMetric):
     def encoder(self) -> ClipEncoder:
         return ClipEncoder.shared(EncoderSpec.from_config(self.config))
 
-    def image_side(self) -> int | None:
-        return self.encoder.image_side()
-
     def score(self, batch: Batch) -> dict[str, Tensor]:
         cfg, enc = self.config, self.encoder
         image_feats = enc.encode_images(batch.images)[batch.image_index.to(enc.device)]

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from capeval_plugins.contract import (INDEX, Batch, Metric, MetricConfig, MetricInfo, MetricResult, StateSpec,
-                                      decode_texts, encode_texts)
+from capeval_plugins.contract import (INDEX, Batch, Metric, MetricConfig, MetricInfo, MetricResult, Requirement,
+                                      StateSpec, decode_texts, encode_texts)
 
 PYCOCOEVALCAP = "https://github.com/salaniz/pycocoevalcap"
 TEXT = StateSpec("cat", torch.uint8, (-1,))
@@ -161,6 +161,15 @@ class CocoMetric(Metric):
 
     Config = CocoConfig
     java_name: ClassVar[str] = ""  # set where the scorer itself runs Java
+
+    def requirements(self) -> list[Requirement]:
+        needs = super().requirements()
+        if self.config.tokenize:
+            needs.append(Requirement("java", "PTB tokenisation", remedy="pass tokenize=False for text that is "
+                                     "already tokenised"))
+        if self.java_name:
+            needs.append(Requirement("java", self.java_name))
+        return needs
 
     def states(self) -> dict[str, StateSpec]:
         return {"candidate": TEXT, "references": TEXT}
@@ -339,15 +348,12 @@ class Spice(CocoMetric):
         SPICE_CITATION, "https://arxiv.org/abs/1607.08822", {"version": "1.0"})
     java_name = "SPICE"
 
-    def __init__(self, **config: Any) -> None:
-        super().__init__(**config)
-        missing = [str(p) for p in spice_jars() if not p.is_file()]
-        if missing:
-            raise RuntimeError(
-                "spice: SPICE needs Stanford CoreNLP 3.6.0, which is not installed: missing " + ", ".join(missing)
-                + ". pycocoevalcap downloads it on first use (needs network): run "
-                "`python -c \"from pycocoevalcap.spice.spice import Spice; Spice()\"` once online, or copy the two "
-                "jars from stanford-corenlp-full-2015-12-09.zip into that folder.")
+    def requirements(self) -> list[Requirement]:
+        remedy = ("pycocoevalcap downloads Stanford CoreNLP 3.6.0 on first use (needs network): run "
+                  "`python -c \"from pycocoevalcap.spice.spice import Spice; Spice()\"` once online, or copy the "
+                  "jar from stanford-corenlp-full-2015-12-09.zip into that folder")
+        return super().requirements() + [Requirement("file", str(jar), "SPICE (Stanford CoreNLP 3.6.0)", remedy)
+                                         for jar in spice_jars()]
 
     def score_corpus(self, gts, res):
         from pycocoevalcap.spice.spice import Spice as CocoSpice

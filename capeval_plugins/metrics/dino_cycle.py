@@ -14,8 +14,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric
+from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, Requirement
 from capeval_plugins.core import loading
+from capeval_plugins.core.messages import install_extra
 from capeval_plugins.core.encoders import EncoderSpec
 from capeval_plugins.core.encoders.dino import DinoEncoder
 from capeval_plugins.core.generation import (
@@ -113,6 +114,18 @@ class DinoCycle(PointwiseMetric):
     @property
     def encoder(self) -> DinoEncoder:
         return DinoEncoder.shared(EncoderSpec.from_config(self.config))
+
+    def requirements(self) -> list[Requirement]:
+        """DINO, and the generator (with diffusers) unless images drawn earlier replace it."""
+        cfg = self.config
+        needs = super().requirements()
+        if not cfg.generated_images:
+            needs += [Requirement("model", cfg.generator, "option generator",
+                                  "alternatively, pass generated_images=<a folder of images drawn earlier>",
+                                  cfg.generator_revision, cfg.local_files_only),
+                      Requirement("module", "diffusers", "option generator (Stable Diffusion 3)",
+                                  install_extra("diffusion"))]
+        return needs
 
     @property
     def generator(self) -> TextToImage:

@@ -3,9 +3,9 @@ that balances the LVLM's distribution at the score digit against a Gaussian prio
 
 At the target position T (the first decimal of "0.x" on the default 0.0-1.0 scale, the label itself on the
 1-5, 0-9 and A-E scales) with label logits z: s_raw = argmax z, q(x) proportional to exp(-(x - s_raw)^2 / 2),
-alpha = N(s_raw; mean of the labels, sigma^2) (label k of K read as k / K: the reading consistent with the
-paper's tables, see the card) and psi = softmax((z + (1 - alpha) log q) / alpha) (Eq. 6,
-float64, alpha -> 0 taken explicitly). s_hat = E_psi[x]; on the 0.0-1.0 scale the decimal part of the
+alpha = min(1, N(s_raw; mean of the labels, sigma^2)) (label k of K read as k / K, capped at 1: the reading
+that keeps alpha in the paper's [0, 1] without discarding the head, see the card) and
+psi = softmax((z + (1 - alpha) log q) / alpha) (Eq. 6, float64, alpha -> 0 taken explicitly). s_hat = E_psi[x]; on the 0.0-1.0 scale the decimal part of the
 written score is replaced by 0.1 * s_hat.
 
 An answer "1.0" has its target (the paper's T, the first decimal) at the "0" after "1.": ``alpha`` and
@@ -42,11 +42,13 @@ class DISCODEConfig(LVLMJudgeConfig):
     model: str = "llava-hf/llava-next-72b-hf"
     scale: str = "0.0-1.0"
     sigma2: float = 0.1
-    # Eq. 4 with label k of K read as k / K (mu = 0.45 for the digits): the reading consistent with the paper's
-    # Tables 6 and 11 (card). "label", the literal reading on the digits (mu = 4.5), returns the written digit.
+    # Eq. 4 with label k of K read as k / K (mu = 0.45 for the digits), capped at 1: the text's alpha in [0, 1],
+    # largest near mu and smallest at the ends (card). "label", the literal reading on the digits (mu = 4.5),
+    # returns the written digit for all digits but 4 and 5; alpha_clip=False is Eq. 4 uncapped (up to 1.26).
     alpha_scale: str = "unit"
-    # Cap alpha at 1 (the text's "alpha in [0, 1]"); Eq. 4 itself is a density (up to 1.26 at sigma2 = 0.1).
-    alpha_clip: bool = False
+    alpha_clip: bool = True
+    # "density": Eq. 4 as printed; "kernel": without its normalising constant (1 at mu), a guess (card).
+    alpha_form: str = "density"
     # Table 10's ablations: "no_cross_entropy", "no_divergence", "fixed_alpha" (alpha = 0.5); "none" the method.
     ablation: str = "none"
     divergence: str = "weighted_kl"
@@ -74,7 +76,7 @@ class DISCODE(LVLMJudgeMetric):
         score_range=(0.0, 1.0),
         paper="https://arxiv.org/abs/2512.14420",
         paper_config={"model": "LLaVA-NeXT-72B", "scale": "0.0-1.0", "sigma2": 0.1, "divergence": "weighted KL",
-                      "alpha": "Eq. 4 on the digits read as tenths (mu = 0.45); see the card",
+                      "alpha": "Eq. 4 on the digits read as tenths (mu = 0.45), capped at 1; see the card",
                       "solver": "closed form (Eq. 6)", "conversation": "FLEUR's official script (llava_v1, pad)"},
     )
     Config = DISCODEConfig
@@ -90,6 +92,7 @@ class DISCODE(LVLMJudgeMetric):
         self.extra_shapes = {"distribution": (len(self.scale.labels),)}
         checks = [
             (cfg.alpha_scale in heads.ALPHA_SCALES, f"alpha_scale must be 'label' or 'unit', got {cfg.alpha_scale!r}"),
+            (cfg.alpha_form in heads.ALPHA_FORMS, f"alpha_form must be 'density' or 'kernel', got {cfg.alpha_form!r}"),
             (cfg.ablation in heads.ABLATIONS, f"ablation must be one of {heads.ABLATIONS}, got {cfg.ablation!r}"),
             (cfg.ablation == "none" or cfg.divergence == "weighted_kl",
              "the ablations (Table 10) are of the weighted-KL loss: use divergence='weighted_kl'"),
@@ -110,7 +113,8 @@ class DISCODE(LVLMJudgeMetric):
         # The prior and alpha depend on the raw label only: one row per label, computed once.
         labels = torch.arange(len(self.scale.labels))
         self.log_priors, self.alphas = heads.att_prior(labels, self.values, cfg.sigma2, cfg.alpha_scale,
-                                                       cfg.divergence, clip=cfg.alpha_clip)  # (K, K), (K,)
+                                                       cfg.divergence, clip=cfg.alpha_clip,
+                                                       form=cfg.alpha_form)  # (K, K), (K,)
         if cfg.ablation == "fixed_alpha":
             self.alphas = torch.full_like(self.alphas, 0.5)
 

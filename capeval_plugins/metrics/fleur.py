@@ -54,6 +54,7 @@ class LVLMJudgeMetric(PointwiseMetric):
     given (float32 on CPU)."""
 
     accelerator_dtype: ClassVar[str] = "bfloat16"
+    reports_invalid: ClassVar[bool] = True  # n_invalid in every result: answers without a valid score counted
 
     def __init__(self, **config):
         super().__init__(**config)

@@ -96,9 +96,6 @@ class MID(Metric):
     def encoder(self) -> ClipEncoder:
         return ClipEncoder.shared(EncoderSpec.from_config(self.config))
 
-    def image_side(self) -> int | None:
-        return self.encoder.image_side()
-
     def references_required(self) -> bool:
         return self._saved is None  # the Gaussian is fitted on the corpus's references
 

@@ -18,6 +18,7 @@ g from their mean-pooled directions. The result's corpus extra ``features`` says
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.contract import (GROUP, INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec,
-                                     nanmean)
+from capeval_plugins.contract import (GROUP, INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig,
+                                     Requirement, StateSpec, nanmean)
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, mean_pooled
 from capeval_plugins.core.vmf import PRECISIONS, BiKL, Points, bi_kl, content_seeds, fit_vmf_mixture, points
-from capeval_plugins.training.msd_aligner.model import LocalAligner
+from capeval_plugins.training.msd_aligner.model import LocalAligner, read_settings as read_aligner_settings
 
 CITATION = """@misc{msdscore,
   title  = {{MSD-Score}: Multi-Scale Distributional Scoring for Reference-Free Image Caption Evaluation},
@@ -51,7 +52,8 @@ PRESETS: dict[str, dict[str, object]] = {
 @dataclass
 class MSDConfig(ModelConfig):
     model: str = "openai/clip-vit-large-patch14"
-    # A trained local aligner (``capeval train msd-aligner``); its vision backbone must be ``model``.
+    # A trained local aligner (``capeval train msd-aligner``): its own vision backbone is then the default
+    # model (give ``model`` for a local copy of it).
     aligner: str | None = None
     input_paths: ClassVar[tuple[str, ...]] = ("model", "aligner")
     setting: str = "short"
@@ -265,6 +267,25 @@ class MSDScore(Metric):
     def __init__(self, **config) -> None:
         super().__init__(**config)
         check_config(self.config)
+        cfg = self.config
+        if cfg.aligner and "model" not in config and os.path.isdir(cfg.aligner):
+            # The aligner's own vision backbone (and its revision), unless a model (e.g. a local copy) is given.
+            settings = read_aligner_settings(cfg.aligner)
+            cfg.model = settings.vision_model
+            if "revision" not in config:
+                cfg.revision = settings.vision_revision
+
+    def requirements(self) -> list[Requirement]:
+        """CLIP (the aligner's backbone with an aligner), and the aligner's language model where it reads text
+        features from the model rather than from its saved embedding table."""
+        needs = super().requirements()
+        cfg = self.config
+        if cfg.aligner and os.path.isdir(cfg.aligner):
+            settings = read_aligner_settings(cfg.aligner)
+            if settings.text_features != "input_embeddings":
+                needs.append(Requirement("model", settings.llm, f"the language model of aligner {cfg.aligner}",
+                                         revision=settings.llm_revision, local_files_only=cfg.local_files_only))
+        return needs
 
     @property
     def encoder(self) -> ClipEncoder | LocalAligner:
@@ -272,9 +293,6 @@ class MSDScore(Metric):
         if self.config.aligner:
             return LocalAligner.shared(self.config.aligner, spec)
         return ClipEncoder.shared(spec)
-
-    def image_side(self) -> int | None:
-        return self.encoder.image_side() if isinstance(self.encoder, ClipEncoder) else None
 
     @property
     def mixture_sizes(self) -> tuple[int, int]:

@@ -67,7 +67,9 @@ class RedemptionConfig(MetricConfig):
     bertscore_normalization: str = "none"
     # MID
     clip_model: str = "openai/clip-vit-large-patch14"
-    covariance_eps: float = 0.0
+    # Added to the diagonal of MID's fitted covariance: Redemption Score's code adds 5e-4 (its
+    # scripts/get_gaussian.py, GaussianEstimator(reg=5e-4)); 0 is the official MID's.
+    covariance_eps: float = 5e-4
     reference_gaussian: str | None = None
     fit_pairs: str = "all_references"
     # Only the reported corpus MID (the "mid" extra); RS fuses the per-sample PMI either way.
@@ -145,7 +147,7 @@ class RedemptionScore(CompositeMetric):
         paper_config={"mid_weight": 0.84, "dino_weight": 0.08, "bertscore_weight": 0.08,
                       "clip_model": "openai/clip-vit-large-patch14", "dino_model": "facebook/dino-vitb8",
                       "generator": SD3_MODEL, "steps": 40, "bertscore_model": "microsoft/deberta-v3-large",
-                      "bertscore_num_layers": 12},
+                      "bertscore_num_layers": 12, "covariance_eps": "5e-4 (the authors' code)"},
     )
     Config = RedemptionConfig
     # Component name (prefix of its options and extras) -> registered metric.

@@ -9,14 +9,17 @@ No Rigel weights are public: scores need a checkpoint trained with ``capeval tra
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric
+from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, Requirement
 from capeval_plugins.core import heads
-from capeval_plugins.training.model import RigelModel, load_rigel, read_settings, scores_from_probabilities
+from capeval_plugins.core.messages import install_extra
+from capeval_plugins.training.model import (ADAPTER_DIR, RigelModel, load_rigel, read_settings,
+                                            scores_from_probabilities)
 
 CITATION = """@article{koyama2026rigel,
   title   = {Rigel: Self-Distilled Score Adaptation for Image and Video Captioning Evaluation},
@@ -81,6 +84,18 @@ class Rigel(PointwiseMetric):
             raise ValueError(f"rigel: head must be one of {HEADS}, got {self.config.head!r}")
         # The label count of this checkpoint (the paper's 1..5 unless trained otherwise), read without the model.
         self.extra_shapes = {"distribution": (len(read_settings(self.config.checkpoint).labels),)}
+
+    def requirements(self) -> list[Requirement]:
+        """The base LVLM (``model``, else the one the checkpoint names) and, for a LoRA adapter, peft."""
+        cfg, settings = self.config, read_settings(self.config.checkpoint)
+        needs = super().requirements()
+        if not cfg.model:
+            needs.append(Requirement("model", settings.base_model, f"the base model of checkpoint {cfg.checkpoint}",
+                                     revision=cfg.revision or settings.revision, local_files_only=cfg.local_files_only))
+        if (Path(cfg.checkpoint) / ADAPTER_DIR).is_dir():
+            needs.append(Requirement("module", "peft", f"the LoRA adapter of checkpoint {cfg.checkpoint}",
+                                     install_extra("lora")))
+        return needs
 
     @property
     def model(self) -> RigelModel:

@@ -52,7 +52,8 @@ def train_bpe(
     alphabet = sorted(set(ALPHABET.lower() if lowercase else ALPHABET))
     pinned = alphabet + ([c + end_of_word_suffix for c in alphabet] if end_of_word_suffix else [])
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special_tokens + pinned, initial_alphabet=alphabet, **kwargs
+        vocab_size=vocab_size, special_tokens=special_tokens + pinned, initial_alphabet=alphabet,
+        show_progress=False, **kwargs
     )
     tok.train_from_iterator([c.lower() if lowercase else c for c in corpus], trainer)
     import json
@@ -70,7 +71,7 @@ def train_wordpiece(corpus: list[str], vocab_size: int, special_tokens: list[str
     tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=list(ALPHABET)
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=list(ALPHABET), show_progress=False
     )
     tok.train_from_iterator(corpus, trainer)
     vocab = tok.get_vocab()
@@ -85,7 +86,7 @@ def _train_bpe_model(corpus, vocab_size, special_tokens, pre_tokenizer, initial_
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizer
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=initial_alphabet
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=initial_alphabet, show_progress=False
     )
     tok.train_from_iterator(corpus, trainer)
     model = json.loads(tok.to_str())["model"]

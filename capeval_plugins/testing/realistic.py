@@ -12,6 +12,7 @@ several captions per image). These helpers give both without shipping any data:
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,12 @@ from PIL import Image
 # scikit-image's sample photographs (bundled with the package, no download) and matplotlib's Grace Hopper.
 SKIMAGE_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "motorcycle_left", "camera")
 PHOTOS = SKIMAGE_PHOTOS + ("grace_hopper",)
+
+
+def missing_photo_packages() -> list[str]:
+    """The packages that ship the photos (the ``photos`` extra) that are not installed."""
+    return [pkg for pkg, module in (("scikit-image", "skimage"), ("matplotlib", "matplotlib"))
+            if importlib.util.find_spec(module) is None]
 
 
 def photo(name: str) -> Image.Image:
@@ -119,6 +126,12 @@ def write_photos(folder: str | Path) -> list[Path]:
 if __name__ == "__main__":
     import sys
 
+    from capeval_plugins.core.messages import install_extra
+
     if len(sys.argv) != 2:
         sys.exit("usage: python -m capeval_plugins.testing.realistic FOLDER  (writes the sample photographs there)")
+    if missing_photo_packages():
+        print(f"the sample photographs ship with {' and '.join(missing_photo_packages())}, not installed: "
+              f"{install_extra('photos')}", file=sys.stderr)
+        sys.exit(2)
     print(f"{len(write_photos(sys.argv[1]))} photographs in {sys.argv[1]} (files already there kept)")

@@ -47,10 +47,6 @@ class ClipEncoder:
     def shared(cls, spec: EncoderSpec) -> "ClipEncoder":
         return loading.shared(("ClipEncoder", spec), lambda: cls(spec))
 
-    def image_side(self) -> int | None:
-        """The shorter side the image processor resizes to (see :func:`processor_side`)."""
-        return processor_side(self.processor.image_processor)
-
     @torch.inference_mode()
     def encode_images(self, images: Sequence) -> Tensor:
         pixels = self.processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
@@ -207,25 +203,6 @@ def model_class(spec: EncoderSpec):
 
         return BlipForImageTextRetrieval
     return AutoModel
-
-
-def processor_side(image_processor: Any) -> int | None:
-    """The largest side an image processor resizes or crops to (``shortest_edge``, ``height``/``width`` of its
-    ``size`` and ``crop_size``), or None when it does not resize to a fixed size (e.g. a pixel budget)."""
-    if not getattr(image_processor, "do_resize", False):
-        return None
-    sides = []
-    for name in ("size", "crop_size"):
-        value = getattr(image_processor, name, None)
-        if isinstance(value, int):
-            sides.append(value)
-            continue
-        get = value.get if isinstance(value, dict) else lambda k, v=value: getattr(v, k, None)
-        fixed = [get(k) for k in ("shortest_edge", "height", "width")]
-        if name == "size" and not any(fixed):
-            return None  # longest_edge, max_pixels, ...: not a fixed size
-        sides += [int(v) for v in fixed if v]
-    return max(sides) if sides else None
 
 
 def attention_head_per_token(head: torch.nn.Module, hidden: Tensor) -> Tensor:

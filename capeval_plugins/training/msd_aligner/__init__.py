@@ -13,6 +13,7 @@ The command line is ``capeval train msd-aligner ...``; see docs/training.md.
 # Names the command line needs before anything heavy is imported.
 DEFAULT_VISION = "openai/clip-vit-large-patch14"
 DEFAULT_LLM = "lmsys/vicuna-7b-v1.3"
-TEXT_FEATURES = ("input_embeddings", "last_hidden")
+TEXT_FEATURES = ("last_hidden", "input_embeddings")
+TEXT_POOLINGS = ("content", "raw")
 VISION_FEATURES = ("patch", "cls_patch")
 SCHEDULES = ("cosine", "constant")

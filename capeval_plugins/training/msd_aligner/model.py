@@ -5,14 +5,16 @@ model side, shared by training and the ``msd_score`` / ``soft_msd`` metrics.
   class token dropped (``vision_feature="patch"``); one trained linear layer (the projector) into the language
   model's input-embedding space: patch embeddings (B, N, d).
 * Text (``text_features``):
+  ``"last_hidden"`` (default): the frozen LLM's last hidden states of the caption alone, what the official
+  evaluation scripts (``caparena.py``, ``docent.py``) do; scoring then loads the LLM.
   ``"input_embeddings"``: the language model's input-embedding rows of the caption's tokens. The paper's
-  reading: the LLM is discarded at inference, and its input-embedding space is the space the patches are
+  wording: the LLM is discarded at inference, and its input-embedding space is the space the patches are
   projected into (the visual prefix). The table and the tokenizer are saved with the aligner, so scoring
   needs no LLM weights.
-  ``"last_hidden"``: the frozen LLM's last hidden states of the caption alone (what the official evaluation
-  scripts do); scoring then loads the LLM.
 * Global embeddings (Eq. 4 in training, Eq. 17 in scoring): the normalised mean of the normalised patch (or
-  content-token) embeddings; content tokens exclude BOS, EOS and padding.
+  content-token) embeddings; content tokens exclude BOS, EOS and padding. ``text_pooling="raw"`` pools the
+  text as the official scripts do: the normalised mean of the raw token features over every non-padding
+  position, BOS included.
 
 A trained aligner is a directory::
 
@@ -40,7 +42,8 @@ from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, LocalFeature
 from capeval_plugins.core.messages import warn_once
 from capeval_plugins.training.checkpoint import (json_bytes, output_folder, read_checkpoint_config,
                                                  tensor_bytes)
-from capeval_plugins.training.msd_aligner import DEFAULT_LLM, DEFAULT_VISION, TEXT_FEATURES, VISION_FEATURES
+from capeval_plugins.training.msd_aligner import (DEFAULT_LLM, DEFAULT_VISION, TEXT_FEATURES, TEXT_POOLINGS,
+                                                  VISION_FEATURES)
 
 CONFIG_FILE = "msd_aligner.json"
 PROJECTOR_FILE = "projector.safetensors"
@@ -62,7 +65,11 @@ class AlignerSettings:
     vision_feature: str = "patch"
     llm: str = DEFAULT_LLM
     llm_revision: str | None = None
-    text_features: str = "input_embeddings"
+    text_features: str = "last_hidden"
+    # "content": like the image side (normalised mean of the normalised content tokens); "raw": the official
+    # scripts' text global (mean of the raw features over every non-padding position, BOS kept). Checkpoints
+    # written before this field existed pooled "content".
+    text_pooling: str = "content"
     max_length: int = 2048
     caption_suffix: str = "\n"
     vision_hidden_size: int | None = None
@@ -74,6 +81,8 @@ class AlignerSettings:
     def __post_init__(self) -> None:
         if self.text_features not in TEXT_FEATURES:
             raise ValueError(f"text_features must be one of {TEXT_FEATURES}, got {self.text_features!r}")
+        if self.text_pooling not in TEXT_POOLINGS:
+            raise ValueError(f"text_pooling must be one of {TEXT_POOLINGS}, got {self.text_pooling!r}")
         if self.vision_feature not in VISION_FEATURES:
             raise ValueError(f"vision_feature must be one of {VISION_FEATURES}, got {self.vision_feature!r}")
         if self.max_length < 2:
@@ -234,12 +243,18 @@ class LocalAligner:
             return out.last_hidden_state.float().to(self.device)
 
     def encode_text_tokens(self, texts: Sequence[str]) -> LocalFeatures:
-        """Normalised content-token embeddings, their pooled global embedding and the token ids."""
+        """Normalised content-token embeddings, their pooled global embedding (``text_pooling``) and the ids."""
         tokens = self.tokenize(texts)
         ids, attention = tokens["input_ids"], tokens["attention_mask"]
-        local = F.normalize(self.token_features(ids, attention), dim=-1)
+        features = self.token_features(ids, attention)
+        local = F.normalize(features, dim=-1)
         mask = self.content_mask(ids, attention).to(local.device)
-        return LocalFeatures(mean_pooled(local, mask), local, mask, ids.to(local.device))
+        if self.settings.text_pooling == "raw":
+            kept = attention.to(features.device, features.dtype)[..., None]
+            pooled = F.normalize((features * kept).sum(1) / kept.sum(1).clamp(min=1), dim=-1)
+        else:
+            pooled = mean_pooled(local, mask)
+        return LocalFeatures(pooled, local, mask, ids.to(local.device))
 
     # loading
 

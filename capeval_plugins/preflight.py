@@ -1,0 +1,133 @@
+"""Checking what the metrics of a run need before any work: one check, used by every entry point.
+
+Each metric declares its needs (:meth:`capeval_plugins.contract.Metric.requirements`: its models, Java, optional
+modules, files); :func:`check` looks for all of them, for every metric of a run, and raises one
+:class:`RequirementError` naming each missing piece and what to do, before the first sample is scored (the
+runner), or generated (the lm-eval and lmms-eval tasks check when they are built). Nothing is loaded: a model
+is found as a local folder, in the Hugging Face cache, or on the hub by one request with a short timeout and
+no retries (a typo in a hub id, or a model that is not cached on a machine without network, fails in a
+second instead of after a minute of retries and a traceback).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+from capeval_plugins.contract import Metric, Requirement
+from capeval_plugins.core.loading import local_path_problem
+
+HUB_TIMEOUT = 10.0  # seconds for the one hub request of a model that is neither local nor cached
+
+
+class RequirementError(RuntimeError):
+    """A metric's model, runtime or extra is missing: what, for which metric, and what to do (the command line
+    prints it in one line and exits with 2)."""
+
+
+def problems(metrics: Mapping[str, Metric]) -> list[str]:
+    """One line per missing requirement of ``metrics`` (name -> metric), each need checked once; a missing Java
+    is one line naming every metric and tool that needs it."""
+    found: dict[Requirement, str | None] = {}
+    out, java = [], {}
+    for name, metric in metrics.items():
+        for need in metric.requirements():
+            if need not in found:
+                found[need] = problem(need)
+            if found[need] is None:
+                continue
+            if need.kind == "java":
+                java.setdefault(name, []).append(need)
+            else:
+                out.append(f"{name}: {found[need]}")
+    if java:
+        users = ", ".join(f"{name} ({', '.join(n.target for n in needs)})" for name, needs in java.items())
+        remedies = dict.fromkeys(n.remedy for needs in java.values() for n in needs if n.remedy)
+        out.insert(0, f"{users} need a Java runtime and there is no `java` on PATH: install Java 8 or later "
+                      "(e.g. apt-get install default-jre-headless)" + "".join(f", or {r}" for r in remedies))
+    return list(dict.fromkeys(out))
+
+
+def check(metrics: Mapping[str, Metric]) -> None:
+    """Raise :class:`RequirementError` naming every missing requirement of ``metrics``."""
+    missing = problems(metrics)
+    if missing:
+        raise RequirementError("; ".join(missing))
+
+
+def problem(need: Requirement) -> str | None:
+    """What is missing for ``need`` and what to do, or None."""
+    if need.kind == "java":
+        if shutil.which("java") is not None:
+            return None
+        return (f"{need.target} needs a Java runtime and there is no `java` on PATH: install Java 8 or later"
+                + (f", or {need.remedy}" if need.remedy else ""))
+    remedy = f": {need.remedy}" if need.remedy else ""
+    if need.kind == "module":
+        if importlib.util.find_spec(need.target) is not None:
+            return None
+        return f"{need.why or 'this metric'} needs {need.target}, which is not installed{remedy}"
+    if need.kind == "file":
+        if os.path.isfile(need.target):
+            return None
+        return f"{need.why or 'this metric'} needs {need.target}, which does not exist{remedy}"
+    if need.kind == "model":
+        found = model_problem(need.target, need.revision, need.local_files_only)
+        return f"{need.why + ': ' if need.why else ''}{found}{remedy}" if found else None
+    raise ValueError(f"unknown requirement kind {need.kind!r}")
+
+
+def model_problem(model: str, revision: str | None = None, local_files_only: bool | None = None) -> str | None:
+    """Why checkpoint ``model`` cannot be loaded here, or None: a local path must exist; a hub id must be in
+    the Hugging Face cache, or (downloads allowed) exist on a hub that answers one request."""
+    if os.path.exists(os.path.expanduser(model)):
+        return None
+    local = local_path_problem(model)
+    if local:
+        return local
+    if in_hub_cache(model):
+        return None
+    from huggingface_hub import constants
+
+    where = f"{model!r} is not a local folder and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if local_files_only or constants.HF_HUB_OFFLINE:
+        switch = "local_files_only=True" if local_files_only else "HF_HUB_OFFLINE=1"
+        return (f"{where}, and downloads are off ({switch}): give the path of a local copy (./{model} for a folder "
+                f"here), or download it first (`huggingface-cli download {model}` where the hub is reachable)")
+    return _hub_problem(model, revision, where)
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_problem(model: str, revision: str | None, where: str) -> str | None:
+    """One request to the hub, short timeout, no retries (remembered per process)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        HfApi().model_info(model, revision=revision, timeout=HUB_TIMEOUT)
+    except GatedRepoError:
+        return None  # it exists; the loader says what access it needs
+    except RevisionNotFoundError:
+        return f"{model!r} has no revision {revision!r} on the Hugging Face Hub"
+    except RepositoryNotFoundError:
+        return (f"{where}, and the Hugging Face Hub has no model {model!r} (a typo? a local folder here is "
+                f"written ./{model})")
+    except Exception as err:  # noqa: BLE001  (no network, DNS, proxy, timeout, server error)
+        reason = " ".join(str(err).split()) or type(err).__name__
+        return (f"{where}, and the Hugging Face Hub cannot be reached ({reason[:160]}): give the path of a local "
+                f"copy (./{model} for a folder here), or download it first (`huggingface-cli download {model}` "
+                "where the hub is reachable)")
+    return None
+
+
+def in_hub_cache(model: str) -> bool:
+    """Whether the Hugging Face cache holds a snapshot of hub repository ``model``."""
+    from huggingface_hub import constants
+
+    if model.count("/") > 1 or not model.strip("/"):
+        return False
+    snapshots = Path(constants.HF_HUB_CACHE) / f"models--{model.replace('/', '--')}" / "snapshots"
+    return snapshots.is_dir() and any(snapshots.iterdir())

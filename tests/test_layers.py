@@ -1,0 +1,73 @@
+"""Floors only look down: ``core/`` <- ``contract`` / ``inputs`` <- ``runner`` <- adapters, CLI, bench. Every
+import of the package's own modules (at module level or inside a function) is read from the source."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "capeval_plugins"
+ABOVE_THE_RUNNER = ("capeval_plugins.adapters", "capeval_plugins.cli", "capeval_plugins.commands",
+                    "capeval_plugins.bench", "capeval_plugins.registry", "capeval_plugins.metrics",
+                    "capeval_plugins.torchmetrics", "capeval_plugins.pycocoevalcap", "capeval_plugins.lm_eval",
+                    "capeval_plugins.training")
+# module (or package prefix) -> the modules it must not import
+FORBIDDEN = {
+    "capeval_plugins.core": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.runner",
+                             *ABOVE_THE_RUNNER),
+    "capeval_plugins.contract": ("capeval_plugins.inputs", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
+    "capeval_plugins.inputs": ("capeval_plugins.runner", *ABOVE_THE_RUNNER),
+    "capeval_plugins.preflight": ("capeval_plugins.runner", *ABOVE_THE_RUNNER),
+    "capeval_plugins.runner": ABOVE_THE_RUNNER,
+    "capeval_plugins.commands": ("capeval_plugins.cli",),
+    "capeval_plugins.bench": ("capeval_plugins.cli",),
+    "capeval_plugins.adapters": ("capeval_plugins.cli",),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path) -> set[str]:
+    """Every capeval_plugins module ``path`` imports, anywhere in the file."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+            out.add(base)
+    return {m for m in out if m.startswith("capeval_plugins")}
+
+
+def within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_a_floor_above_its_own(path):
+    name = module_name(path)
+    for floor, forbidden in FORBIDDEN.items():
+        if within(name, floor):
+            bad = sorted(m for m in imported(path) if any(within(m, f) for f in forbidden))
+            assert not bad, f"{name} imports {bad}: floors only look down"
+
+
+def test_the_contract_scores_through_the_runner_without_importing_it():
+    import subprocess
+    import sys
+
+    code = ("import sys; from capeval_plugins.metrics.coco import Bleu1; "
+            "assert Bleu1(tokenize=False)(None, ['a dog'], [['a dog runs']]).score > 0; "
+            "import capeval_plugins.contract as c; print(c.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

@@ -1,0 +1,172 @@
+"""The pinned test environments: resolve them anew, or check that a Python can use them.
+
+``make test`` builds ``.venv`` and ``.venv-lmms`` from ``requirements/main.txt`` and ``requirements/lmms.txt``
+(every package, direct and transitive, at one version, installed with ``--no-deps``), so one commit builds the
+same environments on any day. Upgrading is a deliberate step:
+
+    make lock        # = python3 tools/pins.py refresh, then make test on the new pins
+
+``refresh`` resolves each environment afresh from pyproject.toml's ranges in a scratch venv under
+``.cache/pins/``, writes the lock files and prints what changed; review the diff, run the suite, commit both.
+``check-python`` (run by the Makefile before it builds a venv) refuses a Python other than the one the pins
+were resolved on, since a pin may have no wheel for another.
+
+Standard library only: it runs before any venv exists.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCKS = ROOT / "requirements"
+SCRATCH = ROOT / ".cache" / "pins"
+
+# The CPU build of torch the machines carry, and the torchvision built for it (installed only so pip keeps
+# that torch while it resolves lmms-eval, then removed: PyPI's torchvision does not load beside the CPU torch,
+# and lmms-eval's core does not need it).
+TORCH = os.environ.get("TORCH", "torch==2.13.0")
+LMMS_TORCHVISION = os.environ.get("LMMS_TORCHVISION", "torchvision==0.28.*")
+
+# environment -> (pip install arguments after torch, packages removed afterwards)
+ENVIRONMENTS = {
+    "main": ([".[test]"], []),
+    "lmms": ([".[test,lmms]", LMMS_TORCHVISION, "decord"], ["torchvision"]),
+}
+HEADER = "# pinned:"
+# Packages whose wheels are downloaded for files they ship (real tokenizers), never installed.
+FILE_PACKAGES = ["dashscope", "mistral-common"]
+
+
+def _pip(venv: Path, *args: str) -> str:
+    cmd = [str(venv / "bin" / "python"), "-m", "pip", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def resolve(name: str) -> list[str]:
+    """Build a scratch venv from pyproject.toml's ranges (today's newest that fit) and freeze it."""
+    installs, removals = ENVIRONMENTS[name]
+    venv = SCRATCH / name
+    print(f"[{name}] resolving in {venv.relative_to(ROOT)} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    _pip(venv, "install", "-q", "--upgrade", "pip", "hatchling", "editables")  # the editable build, no isolation
+    _pip(venv, "install", "-q", TORCH)
+    _pip(venv, "install", "-q", "--no-build-isolation", "-e", *installs)
+    if removals:
+        _pip(venv, "uninstall", "-q", "-y", *removals)
+    frozen = _pip(venv, "freeze", "--all", "--exclude-editable").splitlines()
+    return sorted((line for line in frozen if line and not line.startswith("#")), key=str.lower)
+
+
+def resolve_files() -> list[str]:
+    """The newest wheel of each of :data:`FILE_PACKAGES`, by name and version (downloaded, not installed)."""
+    folder = SCRATCH / "files"
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"[files] downloading {', '.join(FILE_PACKAGES)} ...", flush=True)
+    out = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                          "-d", str(folder), *FILE_PACKAGES], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"pip download failed:\n{out.stderr[-3000:]}")
+    pins = []
+    for package in FILE_PACKAGES:
+        stem = package.replace("-", "_")
+        versions = sorted((w.name.split("-")[1] for w in folder.glob(f"{stem}-*.whl")), key=_version_key)
+        pins.append(f"{package}=={versions[-1]}")
+    return pins
+
+
+def _version_key(version: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+]", version))
+
+
+def _versions(lines: list[str]) -> dict[str, str]:
+    out = {}
+    for line in lines:
+        if "==" in line and not line.startswith("#"):
+            pkg, version = line.split("==", 1)
+            out[re.sub(r"[-_.]+", "-", pkg).lower()] = version.strip()
+    return out
+
+
+def read_lock(name: str) -> list[str]:
+    path = LOCKS / f"{name}.txt"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def changes(old: list[str], new: list[str]) -> list[str]:
+    before, after = _versions(old), _versions(new)
+    rows = []
+    for pkg in sorted(before.keys() | after.keys()):
+        a, b = before.get(pkg), after.get(pkg)
+        if a != b:
+            rows.append(f"  {pkg}: {a or '(new)'} -> {b or '(removed)'}")
+    return rows
+
+
+def write_lock(name: str, pins: list[str]) -> None:
+    LOCKS.mkdir(exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    what = ("# Wheels `make test` downloads (--no-deps, never installed) for the real tokenizers they ship."
+            if name == FILES else
+            "# Every package of the test environment at one version: `make test` installs it with --no-deps.")
+    header = [
+        f"{HEADER} python {platform.python_version()} {sys.platform} {platform.machine()} on {stamp}", what,
+        "# Do not edit: `make lock` resolves pyproject.toml's ranges anew and rewrites this file (tools/pins.py).",
+    ]
+    (LOCKS / f"{name}.txt").write_text("\n".join(header + pins) + "\n")
+
+
+FILES = "tokenizer-files"
+
+
+def refresh(names: list[str]) -> None:
+    for name in names:
+        old, new = read_lock(name), resolve_files() if name == FILES else resolve(name)
+        write_lock(name, new)
+        rows = changes(old, new)
+        print(f"[{name}] requirements/{name}.txt: {len(new)} packages, {len(rows)} changed")
+        print("\n".join(rows) if rows else "  (no change)")
+
+
+def check_python(name: str) -> None:
+    """Refuse a Python whose major.minor differs from the one the lock was resolved on."""
+    lines = read_lock(name)
+    if not lines:
+        sys.exit(f"requirements/{name}.txt is missing: run `make lock`")
+    match = re.match(rf"{re.escape(HEADER)} python (\d+\.\d+)", lines[0])
+    wanted = match.group(1) if match else None
+    have = "{}.{}".format(*sys.version_info[:2])
+    if wanted and wanted != have:
+        sys.exit(f"requirements/{name}.txt was resolved on Python {wanted}; this is Python {have}. "
+                 f"Use PYTHON=python{wanted} make ..., or resolve for this Python with `make lock`.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("refresh", help="resolve the environments anew, write requirements/*.txt, show changes")
+    r.add_argument("names", nargs="*", metavar="ENV", help=f"{' / '.join([*ENVIRONMENTS, FILES])} (default: all)")
+    c = sub.add_parser("check-python", help="exit 1 unless this Python is the one the lock was resolved on")
+    c.add_argument("name", choices=list(ENVIRONMENTS))
+    args = parser.parse_args(argv)
+    if args.command == "refresh":
+        known = [*ENVIRONMENTS, FILES]
+        unknown = set(args.names) - set(known)
+        if unknown:
+            parser.error(f"unknown environment {sorted(unknown)}: choose from {known}")
+        refresh(args.names or known)
+    else:
+        check_python(args.name)
+
+
+if __name__ == "__main__":
+    main()
