@@ -29,6 +29,7 @@ import json
 import os
 import secrets as _secrets
 import stat
+import sys
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
@@ -643,11 +644,6 @@ class Claim:
         self.folder.write(self.marker, signed_json(content, "marker"), scratch=self.marker + ".tmp")
         self.found = True
 
-    def set(self, **extra: Any) -> None:
-        """Keep ``extra`` (JSON) in the marker."""
-        self.extra.update(extra)
-        self._write_marker()
-
     def own(self, names: Iterable[str]) -> None:
         """Add ``names`` (relative paths; a trailing ``/`` for a folder) to the list, before they are
         written, so a crash never leaves a file of the package's that the list does not name."""
@@ -696,16 +692,9 @@ class Claim:
             for f in opened:
                 f.close()
 
-    def folder_of(self, name: str, create: bool = True) -> Folder:
-        """The subfolder ``name`` (a relative path), listed and made when missing; close it after use."""
-        folder, leaf, opened = self._parent(name + "/x", create=create)
-        for f in opened[:-1]:
-            f.close()
-        return opened[-1] if opened else self.folder  # type: ignore[return-value]
-
-    def remove(self, names: Iterable[str] | None = None, *, keep_marker: bool = False) -> None:
+    def remove(self, names: Iterable[str] | None = None) -> None:
         """Remove the listed files (regular files only) and then the listed folders that are empty; with
-        ``names``, only those of them. Without ``names`` (and not ``keep_marker``) the marker goes too, and
+        ``names``, only those of them. Without ``names`` the scratch files and the marker go too, and
         the folder itself when the package made it and nothing else is in it."""
         assert self.folder is not None
         chosen = self.files if names is None else [n for n in names if n in self.files]
@@ -722,7 +711,7 @@ class Claim:
             finally:
                 for f in opened:
                     f.close()
-        if names is not None or keep_marker:
+        if names is not None:
             left = [n for n in self.files if n not in chosen or self._exists(n)]
             if left != self.files:
                 self.files = left
@@ -907,8 +896,8 @@ def _write_stream(path: str | os.PathLike, data: Data) -> None:
             if not stat.S_ISFIFO(os.fstat(fd).st_mode) and not stat.S_ISCHR(os.fstat(fd).st_mode):
                 os.close(fd)
                 raise UnsafePath(f"{path} changed into a regular file; run again")
-        else:
-            for stream in (__import__("sys").stdout, __import__("sys").stderr):
+        else:  # what was printed before goes first
+            for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
         try:
