@@ -73,6 +73,7 @@ def checkpoint_write_seconds(metric, images, captions, folder, repeats: int = 20
     rows = {k: v for k, v in map_batch(metric, next(iter_batches(samples, size))).items()
             if full_spec(metric)[k].reduce == "cat"}
     store = RunStore(folder)
+    store.attach("overhead")  # the run key of a run id, as every rank gets it from rank 0
     times = []
     for k in range(repeats):
         start = time.perf_counter()

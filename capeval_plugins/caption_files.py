@@ -12,7 +12,9 @@ only by reference-based metrics; ``group`` (optional) names the group of a candi
 In CSV and TSV files (first line: the column names) the ``references`` cell holds a JSON list
 (``["a dog on grass", "a brown dog"]``); a cell that does not start with ``[`` is one reference, and an
 empty cell none. In Parquet, ``references`` is a list column (a string column is read like a CSV cell).
-Every form gives the same records as the JSON Lines file; a cell that is neither is refused by its line.
+Every form gives the same records as the JSON Lines file; a cell that is neither is refused by its line. CSV
+and TSV are parsed strictly, one record per line (a quote left open, or a line break inside a cell, is
+refused by its line: captions with line breaks go in JSON Lines or Parquet).
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import io
 import json
 import math
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from capeval_plugins import files
 from capeval_plugins.contract import MetricResult
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.inputs import InputError
@@ -83,8 +85,10 @@ def read_records(path: str | os.PathLike, with_lines: bool = False) -> list[dict
 
 def _read_text(path: str) -> str:
     """The file as text (UTF-8, a leading byte-order mark dropped); invalid UTF-8 is refused by its line."""
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        data = files.read_input(path, "caption file")
+    except files.FileError as err:
+        raise InputError(str(err)) from None
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
@@ -109,28 +113,40 @@ def _json_lines(path: str) -> list[tuple[int, dict[str, Any]]]:
 
 
 def _table_rows(path: str, text: str, delimiter: str) -> list[tuple[int, dict[str, Any]]]:
-    """CSV/TSV rows keyed by the header, each with the line it starts on (cells are strings)."""
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
-    try:
-        header = next(reader)
-    except StopIteration:
-        return []
-    except csv.Error as err:
-        raise InputError(f"{path}:1: {err}") from None
-    if len(set(header)) != len(header):
-        raise InputError(f"{path}:1: a column name appears twice in the header: {header}")
-    rows, start = [], reader.line_num + 1
+    """CSV/TSV rows keyed by the header, each with the line it starts on (cells are strings). Parsed
+    strictly: a quote left open, text after a closing quote, or a record that runs over several lines (a
+    newline inside a quoted cell: with a quote left open it would swallow the rows after it) is an error
+    naming the line, never rows silently merged into one."""
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
+    kind = "tab" if delimiter == "\t" else "comma"
+    rows, header, start = [], None, 1
     try:
         for cells in reader:
-            if any(cell.strip() for cell in cells):
+            if reader.line_num != start:
+                raise InputError(
+                    f"{path}:{start}: a quoted cell runs from line {start} to line {reader.line_num} (a quote left "
+                    "open, or a line break inside a cell); close the quote, or write captions with line breaks "
+                    "as JSON Lines")
+            if header is None:
+                header = cells
+                if len(set(header)) != len(header):
+                    raise InputError(f"{path}:1: a column name appears twice in the header: {header}")
+            elif any(cell.strip() for cell in cells):
                 if len(cells) > len(header):
                     raise InputError(f"{path}:{start}: {len(cells)} cells but {len(header)} columns in the header "
-                                     f"(a {'tab' if delimiter == chr(9) else 'comma'} inside an unquoted cell?)")
+                                     f"(a {kind} inside an unquoted cell?)")
                 rows.append((start, dict(zip(header, cells))))
             start = reader.line_num + 1
     except csv.Error as err:
-        raise InputError(f"{path}:{start}: {err}") from None
+        raise InputError(f"{path}:{start}: {err} (a quote left open?)") from None
     return rows
+
+
+def read_table(path: str | os.PathLike, delimiter: str = ",") -> list[dict[str, Any]]:
+    """The rows of a CSV (or, with ``delimiter="\\t"``, TSV) file, parsed strictly (see :func:`_table_rows`):
+    every reader of a table in the package goes through here."""
+    path = os.fspath(path)
+    return [row for _, row in _table_rows(path, _read_text(path), delimiter)]
 
 
 def _parquet_rows(path: str) -> list[tuple[int, dict[str, Any]]]:
@@ -139,7 +155,7 @@ def _parquet_rows(path: str) -> list[tuple[int, dict[str, Any]]]:
     except ImportError:
         raise InputError(f"reading .parquet needs pyarrow: {install_extra('parquet')}") from None
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(io.BytesIO(files.read_input(path, "caption file")))
     except Exception as err:  # pyarrow raises several types for a damaged file
         raise InputError(f"{path}: cannot read Parquet: {err}") from None
     return [(k, {key: value for key, value in row.items() if value is not None})
@@ -306,81 +322,55 @@ def score_table(results: Mapping[str, MetricResult]) -> list[dict[str, Any]]:
     return table
 
 
-def check_writable(path: str | os.PathLike, inputs: Sequence[str | os.PathLike | None] = ()) -> None:
-    """Fail now, not after hours of scoring, if ``path`` cannot be written (or its format not produced), or if
-    it is one of the ``inputs`` (the caption file: writing the scores would destroy it)."""
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(f"--out {path} is a folder; give a file name (.jsonl, .json, .csv or .parquet)")
-    for given in inputs:
-        if given is not None and _same_file(path, Path(given)):
-            raise InputError(f"--out {path} is an input of this run ({given}); give another file name")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise InputError(f"cannot write {path}: folder {folder} does not exist")
+def check_writable(path: str | os.PathLike, inputs: Sequence[Any] = (), what: str = "--out") -> str:
+    """Fail now, not after hours of scoring, if ``path`` cannot or must not be written (see
+    :func:`capeval_plugins.files.check_output`: a folder, a link, one of the ``inputs`` or inside an input
+    folder such as a model's), or if its format cannot be produced. Returns ``"file"`` or ``"stream"``."""
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".capeval-", delete=True):
-            pass
-        if path.exists() and not os.access(path, os.W_OK):
-            raise PermissionError(path)
-    except OSError:
-        raise InputError(f"cannot write {path}: permission denied") from None
+        kind = files.check_output(path, inputs, what)
+    except files.FileError as err:
+        raise InputError(str(err)) from None
     if output_format(path) == ".parquet":
         try:
             import pyarrow  # noqa: F401  (checked now, used when writing)
         except ImportError:
             raise InputError(f"writing .parquet needs pyarrow: {install_extra('parquet')}") from None
+    return kind
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    if a.exists() and b.exists():
-        return os.path.samefile(a, b)
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def write_table(path: str | os.PathLike, table: list[dict[str, Any]]) -> None:
+def write_table(path: str | os.PathLike, table: list[dict[str, Any]], inputs: Sequence[Any] = (),
+                what: str = "--out") -> None:
     """Write rows (from :func:`score_table`) as JSON Lines, a JSON array (``.json``), CSV or Parquet by
-    suffix, atomically: into a temporary file of a name no other writer uses, then renamed over ``path``, so
-    two runs writing one path leave one whole output, never a mix."""
-    path = Path(path)
+    suffix, through :func:`capeval_plugins.files.write_output`: a file is replaced whole (two runs writing one
+    path leave one whole output, never a mix), a stream (``/dev/stdout``) written through."""
     columns: list[str] = []
     for row in table:
         columns += [k for k in row if k not in columns]
-    fd, name = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(name)
-    try:
-        os.close(fd)
-        _write_rows(tmp, output_format(path), table, columns)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as an ordinary new file (mkstemp makes it private)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    fmt = output_format(path)
+    files.write_output(path, lambda f: _write_rows(f, fmt, table, columns), inputs, what)
 
 
-def _write_rows(tmp: Path, fmt: str, table: list[dict[str, Any]], columns: list[str]) -> None:
+def _write_rows(f: Any, fmt: str, table: list[dict[str, Any]], columns: list[str]) -> None:
     if fmt == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         # every column of every row (``error`` may first appear in a later row)
-        pq.write_table(pa.Table.from_pydict({c: [row.get(c) for row in table] for c in columns}), tmp)
+        pq.write_table(pa.Table.from_pydict({c: [row.get(c) for row in table] for c in columns}), f)
         return
-    with open(tmp, "w", newline="" if fmt == ".csv" else None, encoding="utf-8") as f:
-        if fmt == ".csv":
-            writer = csv.DictWriter(f, fieldnames=columns or ["index"])
-            writer.writeheader()
-            for row in table:
-                writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
-        elif fmt == ".json":
-            f.write("[\n" + ",\n".join(json.dumps(row, allow_nan=False) for row in table) + "\n]\n")
-        else:
-            for row in table:
-                f.write(json.dumps(row, allow_nan=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    text = io.TextIOWrapper(f, encoding="utf-8", newline="" if fmt == ".csv" else None, write_through=True)
+    if fmt == ".csv":
+        writer = csv.DictWriter(text, fieldnames=columns or ["index"])
+        writer.writeheader()
+        for row in table:
+            writer.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in row.items()})
+    elif fmt == ".json":
+        text.write("[\n" + ",\n".join(json.dumps(row, allow_nan=False) for row in table) + "\n]\n")
+    else:
+        for row in table:
+            text.write(json.dumps(row, allow_nan=False) + "\n")
+    text.flush()
+    text.detach()  # the caller closes the file
 
 
 def write_scores(path: str | os.PathLike, result: MetricResult) -> None:

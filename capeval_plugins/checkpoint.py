@@ -1,27 +1,31 @@
 """Checkpoints of a scoring run, so an interrupted run resumes where it stopped.
 
-A run folder is the package's own only as far as the package wrote it. It holds:
+A run folder is the package's own only as far as the package wrote it (every file goes through
+:mod:`capeval_plugins.files`). It holds:
 
 - ``capeval-run.manifest``: the marker that says the folder is a run folder, and the list of every file and
-  folder the package may write in it (checksummed). Only these are ever deleted; a non-empty folder without
-  the marker is refused, never cleared;
+  folder the package may write in it, authenticated with an HMAC keyed by the user's secret (kept outside the
+  folder, see :func:`capeval_plugins.files.secret`): a manifest copied, forged or edited does not verify.
+  Only listed files are ever deleted; a non-empty folder without a valid manifest is refused, never cleared;
 - ``capeval-run.lock``: held (``flock``) by the process that runs in the folder, so a second run in it is
   refused; the kernel drops the lock when that process dies, however it dies;
 - ``run.json``: the fingerprint of what is being scored (metrics, options, models and inputs by content, world
-  size) and a random run id, checksummed;
+  size) and a random run id, authenticated;
 - one folder per rank with, per metric, an append-only log with one record per finished batch (its
   per-sample ``"cat"`` rows and the samples it had to skip) and, for metrics with summed statistics, the
-  running sums after the last finished batch (replaced atomically).
+  running sums after the last finished batch (replaced whole).
 
-Every record and the sums carry a checksum, the run id, the metric, the batch number and a digest of the
-batch's samples: on resume each is checked against the run and its batch plan. A record torn by a crash (the
-last one) is dropped and its batch scored again; anything else that does not check out is a damaged run
-folder, refused with a message naming ``restart``.
+Every record and the sums carry an HMAC keyed by the run's key (derived from the secret and the run id), the
+run id, the metric, the batch number and a digest of the batch's samples: on resume each is checked against
+the run and its batch plan. A record cut short by a crash (the last one) is dropped and its batch scored
+again; anything else that does not check out, anywhere in a log, is a damaged run folder, refused with a
+message naming ``restart``, before anything in the folder is changed.
 """
 from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -36,12 +40,13 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
+from capeval_plugins import files
 from capeval_plugins.inputs import InputError
 
-FORMAT = 2
-MAGIC = b"CPV2"
-_HEAD = struct.Struct("<4sIQ")  # magic, header bytes, body bytes
-_CRC = struct.Struct("<I")
+FORMAT = 3
+MAGIC = b"CPV3"
+_HEAD = struct.Struct("<4sIQI")  # magic, header bytes, body bytes, CRC-32 of the three
+_TAG = 32  # HMAC-SHA256 of the record
 
 MANIFEST = "capeval-run.manifest"
 LOCK = "capeval-run.lock"
@@ -79,105 +84,65 @@ class RunFolderBusy(RunFolderError):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Records: a JSON header and a safetensors body, checksummed
+# Records: a JSON header and a safetensors body, authenticated
+
+
+class DamagedRecords(ValueError):
+    """Bytes in a log that are neither an authentic record nor the torn end of the last one."""
+
+    def __init__(self, offset: int, count: int) -> None:
+        super().__init__(f"record {count} (byte {offset}) is damaged or not of this run")
+        self.offset, self.count = offset, count
 
 
 def _bytes(tensors: Mapping[str, Tensor]) -> bytes:
     return save_tensors({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()})
 
 
-def encode_record(header: Mapping[str, Any], tensors: Mapping[str, Tensor]) -> bytes:
+def run_key(run_id: str) -> bytes:
+    """The key of one run's records: the user's secret and the run id (rank 0 hands it to the other ranks)."""
+    return bytes.fromhex(files.mac(files.secret(), "run-key", run_id))
+
+
+def encode_record(header: Mapping[str, Any], tensors: Mapping[str, Tensor], key: bytes) -> bytes:
     head = json.dumps(header, sort_keys=True).encode()
     body = _bytes(tensors) if tensors else b""
-    return _HEAD.pack(MAGIC, len(head), len(body)) + head + body + _CRC.pack(zlib.crc32(head + body))
+    fixed = struct.pack("<4sIQ", MAGIC, len(head), len(body))
+    start = fixed + struct.pack("<I", zlib.crc32(fixed)) + head + body
+    return start + hmac.new(key, start, hashlib.sha256).digest()
 
 
-def decode_records(data: bytes) -> tuple[list[tuple[dict, dict[str, Tensor]]], int]:
-    """Every intact record from the start of ``data``, and where the intact part ends."""
-    records, offset = [], 0
-    while offset + _HEAD.size <= len(data):
-        magic, head_len, body_len = _HEAD.unpack_from(data, offset)
-        end = offset + _HEAD.size + head_len + body_len + _CRC.size
-        if magic != MAGIC or end > len(data):
-            break
-        payload = data[offset + _HEAD.size : end - _CRC.size]
-        if _CRC.unpack_from(data, end - _CRC.size)[0] != zlib.crc32(payload):
-            break
+def decode_records(data: bytes, key: bytes) -> tuple[list[tuple[dict, dict[str, Tensor]]], list[int]]:
+    """Every record of ``data`` and the offset where each ends. Only the end of the data may be torn (a
+    crash while appending: a record cut short, or a last record whose bytes did not all reach the disk); it
+    is left out. Anything else that does not verify raises :class:`DamagedRecords`."""
+    records, ends, offset = [], [], 0
+    while offset < len(data):
+        if offset + _HEAD.size > len(data):
+            break  # a header cut short
+        magic, head_len, body_len, crc = _HEAD.unpack_from(data, offset)
+        if magic != MAGIC or crc != zlib.crc32(data[offset : offset + _HEAD.size - 4]):
+            if not data[offset:].strip(b"\0"):
+                break  # the file grew but its last bytes never reached the disk
+            raise DamagedRecords(offset, len(records))
+        end = offset + _HEAD.size + head_len + body_len + _TAG
+        if end > len(data):
+            break  # cut short
+        tag = hmac.new(key, data[offset : end - _TAG], hashlib.sha256).digest()
+        if not hmac.compare_digest(tag, data[end - _TAG : end]):
+            if end == len(data):
+                break  # the last record, not all of it written
+            raise DamagedRecords(offset, len(records))
+        start = offset + _HEAD.size
         try:
-            header = json.loads(payload[:head_len])
-            tensors = load_tensors(payload[head_len:]) if body_len else {}
-        except Exception:  # a checksummed record that does not parse: written by something else
-            break
+            header = json.loads(data[start : start + head_len])
+            tensors = load_tensors(data[start + head_len : end - _TAG]) if body_len else {}
+        except Exception:  # authentic but unreadable: not ours to guess at
+            raise DamagedRecords(offset, len(records)) from None
         records.append((header, tensors))
+        ends.append(end)
         offset = end
-    return records, offset
-
-
-def _fsync_write(path: Path, data: bytes, mode: str = "wb") -> None:
-    with open(path, mode) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` whole (a fixed scratch name: one writer per file, the folder's lock)."""
-    tmp = path.with_name(path.name + ".tmp")
-    _fsync_write(tmp, data)
-    os.replace(tmp, path)
-
-
-class RecordLog:
-    """Append-only records."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def read(self) -> list[tuple[dict, dict[str, Tensor]]]:
-        """Every intact record, in order; a torn or corrupt one and anything after it is cut off (those
-        batches are scored again)."""
-        if not self.path.exists():
-            return []
-        data = self.path.read_bytes()
-        records, offset = decode_records(data)
-        if offset != len(data):
-            self.truncate(offset)
-        return records
-
-    def truncate(self, size: int) -> None:
-        with open(self.path, "r+b") as f:
-            f.truncate(size)
-
-    def keep(self, count: int) -> None:
-        """Keep only the first ``count`` records."""
-        if not self.path.exists():
-            return
-        data, offset = self.path.read_bytes(), 0
-        for _ in range(count):
-            _, head_len, body_len = _HEAD.unpack_from(data, offset)
-            offset += _HEAD.size + head_len + body_len + _CRC.size
-        self.truncate(offset)
-
-    def append(self, header: Mapping[str, Any], tensors: Mapping[str, Tensor]) -> None:
-        _fsync_write(self.path, encode_record(header, tensors), "ab")
-
-
-def _checksummed(content: Mapping[str, Any]) -> bytes:
-    body = json.dumps(content, sort_keys=True, default=str)
-    digest = hashlib.sha256(body.encode()).hexdigest()
-    return json.dumps({"sha256": digest, "content": json.loads(body)}, indent=1, sort_keys=True).encode()
-
-
-def _read_checksummed(path: Path) -> dict | None:
-    """The content of a checksummed JSON file; None when it is damaged."""
-    try:
-        outer = json.loads(path.read_bytes())
-        body = json.dumps(outer["content"], sort_keys=True, default=str)
-        if hashlib.sha256(body.encode()).hexdigest() != outer["sha256"]:
-            return None
-        return outer["content"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return None
+    return records, ends
 
 
 def batch_digest(indices: Sequence[int]) -> str:
@@ -204,8 +169,9 @@ class _Lock:
     """An exclusive ``flock`` on the folder's lock file, held by this process until :meth:`release` (or its
     death). The pid and host written in the file only name the holder in the message to a second run."""
 
-    def __init__(self, root: Path) -> None:
-        self.path = root / LOCK
+    def __init__(self, folder: files.Folder) -> None:
+        self.folder = folder
+        self.path = folder.path / LOCK
         self.fd: int | None = None
         self.created = False
 
@@ -214,13 +180,10 @@ class _Lock:
 
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-                self.created = True
-            except FileExistsError:
-                try:
-                    fd = os.open(self.path, os.O_RDWR)
-                except FileNotFoundError:  # removed by its holder in between: try again
-                    continue
+                fd, created = self.folder.lock(LOCK)
+            except files.UnsafePath as err:
+                raise RunFolderError(str(err)) from None
+            self.created = self.created or created
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -231,7 +194,7 @@ class _Lock:
                                         "it to end, or write elsewhere") from None
                 raise
             try:  # the holder before us may have removed the file after we opened it: lock the live one
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                same = os.path.samestat(os.fstat(fd), os.stat(LOCK, dir_fd=self.folder.fd, follow_symlinks=False))
             except FileNotFoundError:
                 same = False
             if same:
@@ -245,10 +208,7 @@ class _Lock:
         if self.fd is None:
             return
         if unlink:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self.folder.unlink(LOCK)
         os.close(self.fd)  # closing drops the flock
         self.fd = None
 
@@ -256,63 +216,84 @@ class _Lock:
 def planned_files(metrics: Sequence[str], world: int) -> list[str]:
     """Every file and folder a run of ``metrics`` on ``world`` ranks may write, relative to its folder,
     folders after their files (the order they are removed in)."""
-    files = []
+    names = []
     for rank in range(world):
         part = f"rank-{rank}-of-{world}"
         for metric in metrics:
-            files += [f"{part}/{metric}.log", f"{part}/{metric}.sums", f"{part}/{metric}.sums.tmp"]
-        files.append(part + "/")
-    return files + [RUN + ".tmp", RUN]
+            names += [f"{part}/{metric}.log", f"{part}/{metric}.sums", f"{part}/{metric}.sums.tmp"]
+        names.append(part + "/")
+    return names + [RUN + ".tmp", RUN]
 
 
-def _is_empty_but_scratch(root: Path) -> bool:
-    return all(entry.name in _SCRATCH for entry in root.iterdir())
+def _refused(err: files.UnsafePath) -> RunFolderError:
+    return RunFolderError(str(err.args[0]) if err.args else str(err))
 
 
 class RunStore:
     """One rank's view of a run folder. Rank 0 :meth:`open` s it (lock, marker, checks); every rank then
-    :meth:`attach` es to the run id rank 0 found or wrote."""
+    :meth:`attach` es to the run id (and key) rank 0 found or wrote."""
 
     def __init__(self, root: str | os.PathLike, rank: int = 0, world: int = 1) -> None:
         self.root = Path(root)
         self.rank, self.world = rank, world
-        self.part = self.root / f"rank-{rank}-of-{world}"
+        self.part_name = f"rank-{rank}-of-{world}"
+        self.part = self.root / self.part_name
         self.run_id: str | None = None
+        self.key: bytes | None = None
+        self.claim: files.Claim | None = None
         self.lock: _Lock | None = None
+        self._part: files.Folder | None = None
 
     # -- the folder as a whole (rank 0) --
+
+    def _claim(self) -> files.Claim:
+        return files.Claim(self.root, "run", MANIFEST, scratch=_SCRATCH)
 
     def open(self, fingerprint: Mapping[str, Any], restart: bool = False) -> bool:
         """Lock the folder and make it hold this run; True when an earlier part of it is there to resume.
         The lock is held until :meth:`close` or :meth:`remove`."""
-        self._refuse_foreign()
-        created_root = not self.root.exists()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.lock = _Lock(self.root)
-        self.lock.acquire()
+        claim = self._claim()
         try:
-            return self._prepare(fingerprint, restart, created_root)
+            claim.open(new_or_empty=True)
+        except files.UnsafePath as err:
+            raise _refused(err) from None
+        self.claim = claim
+        self.lock = _Lock(claim.folder)
+        try:
+            self.lock.acquire()
         except BaseException:
-            self.close(unlink=self.lock.created and not (self.root / MANIFEST).exists())
-            if created_root:
-                _rmdir(self.root)
+            self._abandon(claim, created_lock=False)
+            raise
+        try:
+            try:
+                claim.reload(new_or_empty=True)  # again, now that the folder is ours: nothing may have moved in
+            except files.UnsafePath as err:
+                raise _refused(err) from None
+            return self._prepare(fingerprint, restart)
+        except BaseException:
+            self._abandon(claim, created_lock=self.lock.created)
             raise
 
-    def _refuse_foreign(self) -> None:
-        if self.root.exists() and not self.root.is_dir():
-            raise RunFolderError(f"run folder {self.root} is a file; give a folder")
-        if self.root.is_dir() and not (self.root / MANIFEST).exists() and not _is_empty_but_scratch(self.root):
-            raise RunFolderError(
-                f"{self.root} is not empty and is not a capeval run folder (it has no {MANIFEST}); capeval "
-                "only writes a run folder into a new or empty folder and never deletes what it did not write: "
-                "give another folder (if this is a run folder of an older capeval-plugins, remove it yourself)")
+    def _abandon(self, claim: files.Claim, created_lock: bool) -> None:
+        """Leave a folder this process could not start a run in as it found it."""
+        self.close(unlink=created_lock and not claim.found)
+        if claim.created_root and not claim.found:
+            claim.folder.close()
+            try:
+                os.rmdir(self.root)
+            except OSError:
+                pass
 
-    def _prepare(self, fingerprint: Mapping[str, Any], restart: bool, created_root: bool) -> bool:
-        self._refuse_foreign()  # again, now that the folder is ours: nothing may have moved in
+    def _prepare(self, fingerprint: Mapping[str, Any], restart: bool) -> bool:
+        claim = self.claim
+        assert claim is not None
         metrics = sorted(fingerprint.get("metrics", {})) if isinstance(fingerprint.get("metrics"), dict) else []
         wanted = {"format": FORMAT, "fingerprint": json.loads(json.dumps(fingerprint, sort_keys=True, default=str))}
-        manifest = self._read_manifest()
-        if manifest is not None:
+        if claim.found:
+            if claim.extra.get("format") != FORMAT:
+                raise RunFolderError(
+                    f"{self.root} is a run folder of another version of capeval-plugins, so what in it capeval "
+                    "wrote is unknown; remove the folder yourself")
             found, damaged = None, None
             if not restart:
                 try:
@@ -320,9 +301,9 @@ class RunStore:
                 except DamagedRun as err:
                     damaged = err
             if found is not None and found.get("format") == FORMAT and found["fingerprint"] == wanted["fingerprint"]:
-                self.run_id = found["run"]
-                return self._has_progress(manifest["files"])
-            if not restart and self._has_progress(manifest["files"]):
+                self._start(found["run"])
+                return self._has_progress(claim.files)
+            if not restart and self._has_progress(claim.files):
                 if damaged is not None:
                     raise damaged
                 if found is None:
@@ -331,102 +312,115 @@ class RunStore:
                     f"{self.root} holds an unfinished run of something else ({describe_difference(found, wanted)}); "
                     "use {restart} to discard it, or write elsewhere")
             # restart, or an earlier run that finished no batch: nothing to keep
-            self._remove_files(manifest["files"])
-            created_root = manifest["created_root"]
-        self.run_id = secrets.token_hex(8)
-        self._write_manifest(metrics, created_root)
-        _atomic_write(self.root / RUN, _checksummed({**wanted, "run": self.run_id}))
+            claim.remove(list(claim.files))
+        self._start(secrets.token_hex(8))
+        claim.extra.update(format=FORMAT, package="capeval-plugins")
+        claim.own(planned_files(metrics, self.world))
+        claim.folder.write(RUN, files.signed_json({**wanted, "run": self.run_id}, "run"), scratch=RUN + ".tmp")
         return False
 
-    def _read_manifest(self) -> dict | None:
-        path = self.root / MANIFEST
-        if not path.exists():
-            return None
-        manifest = _read_checksummed(path)
-        if manifest is None or manifest.get("format") != FORMAT:
-            raise RunFolderError(
-                f"{self.root}: its {MANIFEST} is damaged or from another version of capeval-plugins, so what in "
-                "it capeval wrote is unknown; remove the folder yourself")
-        return manifest
+    def _start(self, run_id: str) -> None:
+        self.run_id, self.key = run_id, run_key(run_id)
 
     def _read_run(self) -> dict | None:
-        path = self.root / RUN
-        if not path.exists():
+        try:
+            if self.claim is not None and self.claim.folder is not None and self.claim.folder.fd >= 0:
+                data = self.claim.folder.read(RUN)
+            else:
+                root, _ = files.Folder.open(self.root)
+                with root:
+                    data = root.read(RUN)
+        except files.UnsafePath as err:
+            raise DamagedRun(self.root, str(err)) from None
+        if data is None:
             return None
-        found = _read_checksummed(path)
-        if found is None or not isinstance(found.get("run"), str) or "fingerprint" not in found:
+        found = files.read_signed_json(data, "run")
+        if not isinstance(found, dict) or not isinstance(found.get("run"), str) or "fingerprint" not in found:
             raise DamagedRun(self.root, f"{RUN} does not match its checksum")
         return found
 
-    def _write_manifest(self, metrics: Sequence[str], created_root: bool, keep: Sequence[str] = ()) -> None:
-        files = list(dict.fromkeys([*keep, *planned_files(metrics, self.world)]))
-        files.sort(key=lambda f: (not f.startswith("rank-"), f.endswith("/"), f))  # files, then folders, run.json
-        content = {"format": FORMAT, "package": "capeval-plugins", "created_root": created_root, "files": files}
-        _atomic_write(self.root / MANIFEST, _checksummed(content))
-
-    def _has_progress(self, files: Sequence[str]) -> bool:
-        return any(f.endswith((".log", ".sums")) and (self.root / f).is_file() and (self.root / f).stat().st_size
-                   for f in files)
-
-    def _remove_files(self, files: Sequence[str]) -> None:
-        for name in files:
-            path = self.root / name
-            if name.endswith("/"):
-                _rmdir(path)
-            elif path.is_file() and not path.is_symlink():
-                path.unlink()
+    def _has_progress(self, names: Sequence[str]) -> bool:
+        assert self.claim is not None and self.claim.folder is not None
+        for name in names:
+            if not name.endswith((".log", ".sums")) or "/" not in name:
+                continue
+            part, leaf = name.split("/", 1)
+            try:
+                with self.claim.folder.sub(part) as folder:
+                    if folder.size(leaf):
+                        return True
+            except (FileNotFoundError, files.UnsafePath):
+                continue
+        return False
 
     def close(self, unlink: bool = False) -> None:
         """Release the lock (the folder stays)."""
         if self.lock is not None:
             self.lock.release(unlink)
             self.lock = None
+        if self._part is not None:
+            self._part.close()
+            self._part = None
 
     def remove(self, run_id: str | None = None) -> None:
         """Delete what the package wrote (per the manifest) and nothing else; the folder itself only when the
         package made it and it is empty. Needs the lock (held, or taken now; a busy folder is left alone).
         ``run_id``: only if the folder still holds that run."""
         if self.lock is None:
-            if not (self.root / MANIFEST).exists():
+            if not (self.root / MANIFEST).is_file():
                 return
-            self.lock = _Lock(self.root)
+            self.claim = self._claim()
+            try:
+                self.claim.open(create=False)
+            except files.UnsafePath as err:
+                raise _refused(err) from None
+            if not self.claim.found:
+                return
+            self.lock = _Lock(self.claim.folder)
             try:
                 self.lock.acquire()
             except RunFolderBusy:
                 self.lock = None
                 return
+        claim = self.claim
+        assert claim is not None
         try:
-            manifest = self._read_manifest()
-        except RunFolderError:
+            claim.reload()
+        except files.UnsafePath as err:
             self.close()
-            raise
-        if manifest is None or (run_id is not None and self.current_run() != run_id):
+            raise _refused(err) from None
+        if not claim.found or (run_id is not None and self.current_run() != run_id):
             self.close()
             return
-        self._remove_files([*manifest["files"], MANIFEST + ".tmp"])
-        (self.root / MANIFEST).unlink()
-        self.close(unlink=True)
-        if manifest["created_root"]:
-            _rmdir(self.root)
+        claim.remove()  # the listed files, the scratch, the manifest, the folder if the run made it
+        self.close()
 
     def current_run(self) -> str | None:
         """The run id in the folder now (None without a readable one)."""
         try:
-            found = _read_checksummed(self.root / RUN) if (self.root / RUN).exists() else None
-        except OSError:
+            found = self._read_run()
+        except (DamagedRun, files.FileError, OSError):
             return None
         return found.get("run") if found else None
 
     # -- one metric's part on this rank --
 
-    def attach(self, run_id: str) -> None:
+    def attach(self, run_id: str, key: bytes | None = None) -> None:
         self.run_id = run_id
+        self.key = key if key is not None else run_key(run_id)
 
-    def _log(self, metric: str) -> RecordLog:
-        return RecordLog(self.part / f"{metric}.log")
-
-    def _sums_path(self, metric: str) -> Path:
-        return self.part / f"{metric}.sums"
+    def _folder(self) -> files.Folder:
+        if self._part is None:
+            try:
+                if self.claim is not None and self.claim.folder is not None and self.claim.folder.fd >= 0:
+                    self._part = self.claim.folder.sub(self.part_name, create=True)
+                else:  # a rank other than 0 (rank 0 made the folder), or a store used on its own
+                    root, _ = files.Folder.open(self.root, create=True, mine=True)
+                    with root:
+                        self._part = root.sub(self.part_name, create=True)
+            except files.UnsafePath as err:
+                raise DamagedRun(self.root, str(err)) from None
+        return self._part
 
     def _belongs(self, header: Mapping[str, Any], metric: str, batch: int, plan: Sequence[str] | None) -> bool:
         return (header.get("run") == self.run_id and header.get("metric") == metric and header.get("batch") == batch
@@ -434,56 +428,72 @@ class RunStore:
 
     def load(self, metric: str, has_sums: bool, plan: Sequence[str] | None = None) -> Progress:
         """What this rank finished of ``metric``, every record checked against the run and ``plan`` (the
-        digest of each planned batch, see :func:`batch_digest`)."""
-        log = self._log(metric)
-        records = log.read()
+        digest of each planned batch, see :func:`batch_digest`). Nothing is changed in the folder unless
+        everything checks out; then a torn last record (and rows a crash left ahead of the sums) is cut."""
+        assert self.key is not None
+        name = f"{metric}.log"
+        folder = self._folder()
+        data = self._read(folder, name) or b""
+        try:
+            records, ends = decode_records(data, self.key)
+        except DamagedRecords as err:
+            raise DamagedRun(self.root, f"{self.part_name}/{name} {err}") from None
         for k, (header, _) in enumerate(records):
             if not self._belongs(header, metric, k, plan):
-                raise DamagedRun(self.root, f"{log.path.name} record {k} is not batch {k} of this run")
+                raise DamagedRun(self.root, f"{name} record {k} is not batch {k} of this run")
         sums, done = None, len(records)
         if has_sums:
-            sums, done_sums = self._load_sums(metric, plan)
+            sums, done_sums = self._load_sums(folder, metric, plan)
             if done_sums > done:
                 raise DamagedRun(self.root, f"the saved sums of {metric} are ahead of its rows")
             done = done_sums
-        if done < len(records):  # a batch whose rows were written but not its sums: score it again
-            log.keep(done)
-            records = records[:done]
+        keep = ends[done - 1] if done else 0
+        if keep != len(data):  # a torn record, or a batch whose rows were written but not its sums
+            folder.truncate(name, keep)
         progress = Progress(batches=done, sums=sums)
-        for header, tensors in records:
+        for header, tensors in records[:done]:
             progress.rows.append(tensors)
             progress.skipped.update({int(i): r for i, r in header.get("skipped", {}).items()})
         return progress
 
-    def _load_sums(self, metric: str, plan: Sequence[str] | None) -> tuple[dict[str, Tensor] | None, int]:
-        path = self._sums_path(metric)
-        if not path.exists():
+    def _read(self, folder: files.Folder, name: str) -> bytes | None:
+        try:
+            return folder.read(name)
+        except files.UnsafePath as err:
+            raise DamagedRun(self.root, str(err)) from None
+
+    def _load_sums(self, folder: files.Folder, metric: str,
+                   plan: Sequence[str] | None) -> tuple[dict[str, Tensor] | None, int]:
+        name = f"{metric}.sums"
+        data = self._read(folder, name)
+        if data is None:
             return None, 0
-        data = path.read_bytes()
-        records, end = decode_records(data)
-        if len(records) != 1 or end != len(data):
-            raise DamagedRun(self.root, f"{path.name} does not match its checksum")
+        try:
+            records, ends = decode_records(data, self.key)
+        except DamagedRecords:
+            records, ends = [], []
+        if len(records) != 1 or ends[0] != len(data):
+            raise DamagedRun(self.root, f"{name} does not match its checksum")
         header, sums = records[0]
         batches = header.get("batches")
         if not isinstance(batches, int) or batches < 1 or not self._belongs(header, metric, batches - 1, plan):
-            raise DamagedRun(self.root, f"{path.name} is not from this run")
+            raise DamagedRun(self.root, f"{name} is not from this run")
         return sums, batches
 
     def save(self, metric: str, batch: int, rows: Mapping[str, Tensor], sums: Mapping[str, Tensor] | None,
              skipped: Mapping[int, str], plan: str | None = None) -> None:
         """Record a finished batch: its rows first, then the sums that include it."""
-        self.part.mkdir(parents=True, exist_ok=True)
+        assert self.key is not None
+        folder = self._folder()
         header = {"run": self.run_id, "metric": metric, "batch": batch, "plan": plan}
-        self._log(metric).append({**header, "skipped": {str(i): r for i, r in skipped.items()}}, rows)
-        if sums is not None:
-            _atomic_write(self._sums_path(metric), encode_record({**header, "batches": batch + 1}, sums))
-
-
-def _rmdir(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:  # not empty (the user's files), or gone
-        pass
+        try:
+            folder.append(f"{metric}.log", encode_record({**header, "skipped": {str(i): r for i, r in skipped.items()}},
+                                                         rows, self.key))
+            if sums is not None:
+                folder.write(f"{metric}.sums", encode_record({**header, "batches": batch + 1}, sums, self.key),
+                             scratch=f"{metric}.sums.tmp")
+        except files.UnsafePath as err:
+            raise DamagedRun(self.root, str(err)) from None
 
 
 def describe_difference(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:

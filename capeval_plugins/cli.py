@@ -101,9 +101,11 @@ def cmd_score(args: argparse.Namespace) -> int:
     shared = {key: str(value) for key in ("model", "batch_size", "device", "dtype", "on_error")
               if (value := getattr(args, key)) is not None}
     metrics = options.build_metrics(args.metric, args.option or [], shared)
-    run_dir = args.run_dir or (f"{args.out}.capeval-run" if args.out else None)
+    inputs = [args.captions, *runner.local_inputs(metrics.values())]
+    kind = check_writable(args.out, inputs) if args.out else None
+    # a stream (/dev/stdout, a FIFO) has no folder beside it to keep a run in: resumable with --run-dir only
+    run_dir = args.run_dir or (f"{args.out}.capeval-run" if kind == "file" else None)
     if args.out:
-        check_writable(args.out, [args.captions])
         check_out_and_run_dir(args.out, run_dir)
     records = read_captions(args.captions, args.images)
     if args.out:
@@ -130,7 +132,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         if rank == 0:
             table = score_table(outcome.results)
             if args.out:
-                write_table(args.out, table)
+                write_table(args.out, table, inputs)
             print(json.dumps(summary(outcome, table), allow_nan=False))
         if run_dir:
             runner.finish(run_dir, shard=True, run_id=outcome.run_id)
@@ -176,11 +178,19 @@ def check_out_and_run_dir(out: str, run_dir: str | None) -> None:
 
 
 def check_not_an_image(out: str, images: Sequence[Any]) -> None:
-    if not os.path.exists(out):
+    """``--out`` is none of the images (by path, or the same file under another name: a link)."""
+    try:
+        st = os.stat(out)
+    except OSError:
         return
-    target = os.path.realpath(out)
-    if any(isinstance(i, str) and os.path.realpath(i) == target for i in images):
-        raise UsageError(f"--out {out} is an image of the caption file; give another file name")
+    for image in images:
+        if isinstance(image, str):
+            try:
+                other = os.stat(image)
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                raise UsageError(f"--out {out} is an image of the caption file ({image}); give another file name")
 
 
 def summary(outcome: Any, table: list[dict]) -> dict[str, Any]:
@@ -292,6 +302,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside a run (loading, reading): one line, not a traceback
         print("capeval: interrupted", file=sys.stderr)
         return 130
+    except OSError as err:  # the machine's, not a bug: a full disk, a read-only folder, a file left unreadable
+        from capeval_plugins.files import is_environment_error
+
+        if not is_environment_error(err):
+            raise
+        where = f": {err.filename}" if err.filename else ""
+        print(f"capeval: error: {err.strerror or err}{where}", file=sys.stderr)
+        return 2
 
 
 def _rank() -> int:

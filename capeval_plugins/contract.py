@@ -8,14 +8,16 @@ A metric is written once against this contract and every ecosystem adapter is ge
   adapter does the same through ``add_state(dist_reduce_fx=...)``);
 * ``finalize(state)`` turns the merged state into a :class:`MetricResult`.
 
-The contract itself adds two ``"cat"`` states to every metric: the global sample index (so repeated samples
-are dropped and input order is restored whatever the batching or sharding) and the group id (for metrics that
-look at all candidates of one image).
+The contract itself adds three ``"cat"`` states to every metric: the global sample index (so repeated samples
+are dropped and input order is restored whatever the batching or sharding), the group id (for metrics that
+look at all candidates of one image) and a digest of each sample's content (so an index given twice for two
+different samples is an error, never a silently dropped sample).
 """
 from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -25,10 +27,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from capeval_plugins.core.messages import install_extra
+from capeval_plugins.core.messages import DataError, install_extra
 
 INDEX = "index"
 GROUP = "group"
+DIGEST = "sample_digest"
+CONTRACT_STATES = (INDEX, GROUP, DIGEST)  # added to every metric's own states (full_spec, map_batch)
 Usage = Literal["never", "optional", "always"]
 
 
@@ -118,6 +122,7 @@ class Batch:
     image_index: Tensor | None = None
     references: list[list[str]] | None = None
     group_ids: Tensor | None = None
+    digests: Tensor | None = None  # (B,) int64 content digest per sample (see inputs.to_batch); None: by text
 
     def __len__(self) -> int:
         return len(self.candidates)
@@ -438,11 +443,12 @@ def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name
 def full_spec(metric: Metric) -> dict[str, StateSpec]:
     """The metric's states plus the contract's own index and group rows."""
     spec = dict(metric.states())
-    for reserved in (INDEX, GROUP):
+    for reserved in CONTRACT_STATES:
         if reserved in spec:
             raise ValueError(f"{metric.info.name}: state name {reserved!r} is reserved")
     spec[INDEX] = StateSpec("cat", torch.int64)
     spec[GROUP] = StateSpec("cat", torch.int64)
+    spec[DIGEST] = StateSpec("cat", torch.int64)
     return spec
 
 
@@ -467,7 +473,29 @@ def map_batch(metric: Metric, batch: Batch) -> dict[str, Tensor]:
     checked[INDEX] = batch.indices.to(torch.int64)
     groups = batch.group_ids if batch.group_ids is not None else torch.full((n,), -1, dtype=torch.int64)
     checked[GROUP] = groups.to(torch.int64)
+    digests = batch.digests if batch.digests is not None and len(batch.digests) == n else text_digests(batch)
+    checked[DIGEST] = digests.to(torch.int64)
     return checked
+
+
+def content_digest(*parts: Any) -> int:
+    """A non-negative 63-bit digest of ``parts`` (text, or bytes): the same sample gives the same digest in
+    every batch, process and machine."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        data = part if isinstance(part, bytes) else repr(part).encode()
+        h.update(len(data).to_bytes(8, "big") + data)
+    return int.from_bytes(h.digest(), "big") >> 1
+
+
+def text_digests(batch: Batch, images: Sequence[bytes] | None = None) -> Tensor:
+    """Per sample: the digest of its caption, references and (``images``, one identity per distinct image of
+    the batch) its image."""
+    index = batch.image_index.tolist() if batch.image_index is not None else None
+    refs = batch.references
+    return torch.tensor([content_digest(c, refs[i] if refs is not None else None,
+                                        images[index[i]] if images is not None and index is not None else b"")
+                         for i, c in enumerate(batch.candidates)], dtype=torch.int64)
 
 
 def merge_states(spec: Mapping[str, StateSpec], parts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
@@ -489,10 +517,14 @@ def merge_states(spec: Mapping[str, StateSpec], parts: Iterable[Mapping[str, Ten
     return merged
 
 
-def canonical_state(spec: Mapping[str, StateSpec], state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], int]:
+def canonical_state(spec: Mapping[str, StateSpec], state: Mapping[str, Tensor],
+                    allowed_repeats: int | None = None) -> tuple[dict[str, Tensor], int]:
     """Sort ``"cat"`` rows by sample index and drop repeated indices (keeping the first).
 
-    Returns the state and the number of dropped repeats. ``"sum"`` states cannot be de-duplicated; a caller
+    Returns the state and the number of dropped repeats. A repeat must be the same sample (its content
+    digest, :data:`DIGEST`, equal to the first's), and with ``allowed_repeats`` there may be at most that many
+    (a padding ``DistributedSampler`` adds at most ``world_size - 1``); otherwise the ids name different
+    samples, and :class:`RepeatedSamples` names them. ``"sum"`` states cannot be de-duplicated; a caller
     that dropped repeats warns when the metric has any.
     """
     index = state[INDEX].reshape(-1)
@@ -500,6 +532,9 @@ def canonical_state(spec: Mapping[str, StateSpec], state: Mapping[str, Tensor]) 
     sorted_index = index[order]
     keep = torch.ones_like(sorted_index, dtype=torch.bool)
     keep[1:] = sorted_index[1:] != sorted_index[:-1]
+    repeats = int((~keep).sum())
+    if repeats:
+        _check_repeats(state, order, sorted_index, keep, repeats, allowed_repeats)
     rows = order[keep]
     out = {}
     for key, want in spec.items():
@@ -508,12 +543,38 @@ def canonical_state(spec: Mapping[str, StateSpec], state: Mapping[str, Tensor]) 
             value = value if want.ragged else value.reshape(-1, *want.shape)
             value = value[rows.to(value.device)]
         out[key] = value
-    return out, int((~keep).sum())
+    return out, repeats
 
 
-def finalize_state(metric: Metric, state: Mapping[str, Tensor]) -> MetricResult:
+class RepeatedSamples(DataError):
+    """One sample id given for different samples, or more repeats than a padding sampler makes."""
+
+
+def _check_repeats(state: Mapping[str, Tensor], order: Tensor, sorted_index: Tensor, keep: Tensor, repeats: int,
+                   allowed: int | None) -> None:
+    def shown(ids: Tensor) -> str:
+        ids = torch.unique(ids).tolist()
+        return ", ".join(map(str, ids[:10])) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+
+    if allowed is not None and repeats > allowed:
+        raise RepeatedSamples(
+            f"{repeats} samples were given more than once (ids {shown(sorted_index[~keep])}), but a padding "
+            f"DistributedSampler repeats at most world_size - 1 = {allowed}: ids must be unique across processes "
+            "(pass each sample's dataset index, not its position in the shard)")
+    if DIGEST in state:
+        digest = state[DIGEST].reshape(-1).to(order.device)[order]
+        first = digest[keep][torch.cumsum(keep.to(torch.int64), 0) - 1]  # the kept row's digest, for every row
+        differ = digest != first
+        if bool(differ.any()):
+            raise RepeatedSamples(
+                f"sample id(s) {shown(sorted_index[differ])} were given for different samples (other caption, "
+                "references or image): ids must name one sample each, e.g. its dataset index (a "
+                "DistributedSampler's padding repeats the same sample)")
+
+
+def finalize_state(metric: Metric, state: Mapping[str, Tensor], allowed_repeats: int | None = None) -> MetricResult:
     spec = full_spec(metric)
-    ordered, repeats = canonical_state(spec, state)
+    ordered, repeats = canonical_state(spec, state, allowed_repeats)
     if repeats and any(s.reduce == "sum" for s in metric.states().values()):
         warnings.warn(
             f"{metric.info.name}: {repeats} repeated sample index(es) were dropped from per-sample rows, but "
@@ -612,7 +673,7 @@ class CompositeMetric(Metric):
         out = {}
         for name, metric in self.components().items():
             for key, value in map_batch(metric, batch).items():
-                if key not in (INDEX, GROUP):
+                if key not in CONTRACT_STATES:
                     out[f"{name}{COMPONENT_SEP}{key}"] = value
         return out
 
@@ -638,7 +699,7 @@ class CompositeMetric(Metric):
         """The part of a (canonical) composite state that belongs to one component, with index and groups."""
         keys = self.components()[name].states()
         own = {key: state[f"{name}{COMPONENT_SEP}{key}"] for key in keys}
-        return {**own, INDEX: state[INDEX], GROUP: state[GROUP]}
+        return {**own, **{key: state[key] for key in CONTRACT_STATES if key in state}}
 
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
         results = {name: metric.finalize(self.component_state(name, state))

@@ -101,5 +101,7 @@ def render_patch_map(
     blended = (1 - weight) * np.asarray(base, dtype=float) + weight * layer[..., :3]
     out = Image.fromarray(blended.round().clip(0, 255).astype(np.uint8))
     if path is not None:
-        out.save(path, format="PNG")
+        from capeval_plugins import files
+
+        files.write_output(path, lambda f: out.save(f, format="PNG"), what="path")
     return out

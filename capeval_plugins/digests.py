@@ -13,13 +13,16 @@ from typing import Any
 
 import xxhash
 
+from capeval_plugins import files
+
 _BLOCK = 8 * 2**20
 
 
 def file_hash(path: str) -> str:
-    """XXH3-128 of a file's bytes (several GB/s on one core: a change detector, not a signature)."""
+    """XXH3-128 of a regular file's bytes (several GB/s on one core: a change detector, not a signature). A
+    FIFO or a device is refused unopened (:func:`capeval_plugins.files.open_input`): it would never end."""
     h = xxhash.xxh3_128()
-    with open(path, "rb", buffering=0) as f:
+    with files.open_input(path) as f:
         buffer = bytearray(_BLOCK)
         view = memoryview(buffer)
         while n := f.readinto(buffer):
@@ -41,11 +44,14 @@ class ContentDigests:
             stat = os.stat(real)
         except OSError:
             return ["file", real, None, None]
+        kind = files.file_kind(real)
+        if kind != "file":  # a FIFO or a device: never opened (validation says what it is)
+            return ["file", real, kind, None]
         key = (real, stat.st_size, stat.st_mtime_ns)
         if key not in self._files:
             try:
                 self._files[key] = file_hash(real)
-            except OSError:
+            except (OSError, files.FileError):
                 return ["file", real, stat.st_size, None]
         return ["file", real, stat.st_size, self._files[key]]
 
@@ -61,19 +67,40 @@ class ContentDigests:
                 h.update(f"{os.path.relpath(full, root)}\0{self.file(full)[3]}\n".encode())
         return ["folder", root, h.hexdigest()]
 
-    def source(self, value: str) -> Any:
+    def source(self, value: str, revision: str | None = None) -> Any:
         """A model or data option: a local file or folder by content; a hub id by the commit its cached
-        snapshot resolves to (None when it is not cached yet)."""
+        snapshot of ``revision`` (default ``main``) resolves to (None when it is not cached yet)."""
         expanded = os.path.expanduser(value)
         if os.path.isdir(expanded):
             return self.folder(expanded)
-        if os.path.isfile(expanded):
+        if os.path.exists(expanded):
             return self.file(expanded)
-        return ["hub", value, cached_commit(value)]
+        return ["hub", value, cached_commit(value, revision or "main")]
+
+    def options(self, config: Any, keys: Any = None) -> dict[str, Any]:
+        """The identity of every option of ``config`` (a metric's dataclass) that names a file, a folder or a
+        hub model (``Config.input_paths``, or ``keys``): by content or resolved commit (see :meth:`source`).
+        What ``capeval score``'s resume and ``capeval bench``'s score cache key on."""
+        found = {}
+        revision = getattr(config, "revision", None)
+        for key in keys if keys is not None else getattr(config, "input_paths", ()):
+            value = getattr(config, key, None)
+            if isinstance(value, str) and value:
+                found[key] = self.source(value, revision if isinstance(revision, str) else None)
+        return found
+
+
+def unresolved(identity: Any) -> bool:
+    """Whether an identity from :meth:`ContentDigests.source` could not be pinned (a hub id not cached yet,
+    a file that could not be read): it must not key anything that is reused later."""
+    return isinstance(identity, list) and identity[-1] is None
 
 
 def cached_commit(repo_id: str, revision: str = "main") -> str | None:
-    """The commit of ``repo_id`` at ``revision`` in the local Hugging Face cache (no network)."""
+    """The commit of ``repo_id`` at ``revision`` in the local Hugging Face cache (no network); a revision that
+    is itself a commit hash is that commit."""
+    if len(revision) == 40 and all(c in "0123456789abcdef" for c in revision):
+        return revision
     try:
         from huggingface_hub import constants
     except ImportError:

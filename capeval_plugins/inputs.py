@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from capeval_plugins.contract import Batch, MetricInfo
+from capeval_plugins import files
+from capeval_plugins.contract import Batch, MetricInfo, text_digests
 
 _CHANNELS = (1, 3, 4)
 
@@ -510,11 +511,16 @@ def image_source(image: Any, index: int, video_ok: bool = False, checked: dict |
 
 
 def _file_problem(path: str) -> str | None:
-    if not os.path.isfile(path):
+    kind = files.file_kind(path)
+    if kind is None:
         return f"image file not found: {path}"
+    if kind != "file":  # a FIFO would block the read, a device stream forever: refused unopened
+        return f"{path} is a {kind}, not an image file"
     try:
-        with open(path, "rb") as f:
+        with files.open_input(path) as f:
             problem = _header_problem(f)
+    except files.FileError as err:
+        return str(err)
     except OSError as err:
         return f"cannot open image {path}: {err.strerror or err}"
     return f"cannot read image {path}: {problem}" if problem else None
@@ -560,8 +566,11 @@ def check_array(image: np.ndarray | torch.Tensor, index: int) -> None:
 def _decode(kind: str, value: Any) -> Image.Image:
     if kind == "pil":
         return value if value.mode == "RGB" else to_rgb(value)
-    if kind in ("path", "bytes"):
-        with Image.open(value if kind == "path" else io.BytesIO(value)) as img:
+    if kind == "path":
+        with files.open_input(value, "image file") as f, Image.open(f) as img:
+            return to_rgb(img)
+    if kind == "bytes":
+        with Image.open(io.BytesIO(value)) as img:
             return to_rgb(img)
     return _array_to_pil(value)
 
@@ -650,7 +659,7 @@ def to_batch(samples: Samples, load: Callable[[ImageSource], Any] | None = None)
         images = [src.load() if load is None else load(src) for src in unique]
         image_index = torch.tensor(index, dtype=torch.int64)
     groups = None if samples.group_ids is None else torch.tensor(samples.group_ids, dtype=torch.int64)
-    return Batch(
+    batch = Batch(
         candidates=list(samples.candidates),
         indices=torch.tensor(samples.indices, dtype=torch.int64),
         images=images,
@@ -658,6 +667,34 @@ def to_batch(samples: Samples, load: Callable[[ImageSource], Any] | None = None)
         references=samples.references,
         group_ids=groups,
     )
+    identities = None if images is None else [image_identity(s.key, img) for s, img in zip(unique, images)]
+    batch.digests = text_digests(batch, identities)
+    return batch
+
+
+def image_identity(key: Any, image: Any) -> bytes:
+    """What makes two images the same one in any process: a file's resolved path, encoded bytes' hash, or
+    for an image given in memory (known here only by object identity) its decoded pixels."""
+    if _in_memory(key):
+        return b"pixels:" + _pixels(image)
+    return repr(key).encode()
+
+
+def _pixels(image: Any) -> bytes:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for frame in image if isinstance(image, (list, tuple)) else [image]:
+        if isinstance(frame, Image.Image):
+            h.update(f"{frame.mode}{frame.size}".encode())
+            h.update(frame.tobytes())
+        elif isinstance(frame, (torch.Tensor, np.ndarray)):
+            arr = frame.detach().cpu().numpy() if isinstance(frame, torch.Tensor) else frame
+            h.update(f"{arr.dtype}{arr.shape}".encode())
+            h.update(np.ascontiguousarray(arr).tobytes())
+        else:
+            h.update(repr(frame).encode())
+    return h.digest()
 
 
 def iter_batches(

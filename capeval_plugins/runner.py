@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch
 from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, finalize_state,
                                       full_spec, map_batch, merge_states, set_corpus_scorer)
 from capeval_plugins.digests import ContentDigests
+from capeval_plugins.files import FileError
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
                                     to_batch, validate_samples)
 
@@ -443,9 +444,13 @@ def merge_ranks(spec: Mapping[str, StateSpec], states: Sequence[Mapping[str, Ten
     return merged
 
 
-def finalize(metric: Metric, state: Mapping[str, Tensor], skipped: Mapping[int, str] | None = None) -> MetricResult:
-    """Finalize a merged state and put the skipped samples back (NaN, with their reasons)."""
-    return finalize_state(metric, state).with_skipped(dict(skipped or {}))
+def finalize(metric: Metric, state: Mapping[str, Tensor], skipped: Mapping[int, str] | None = None,
+             allowed_repeats: int | None = 0) -> MetricResult:
+    """Finalize a merged state and put the skipped samples back (NaN, with their reasons). ``allowed_repeats``:
+    how many sample ids may come twice (the same sample: a padding sampler's repeats, at most world size - 1;
+    the runner shards without repeats: 0); more, or an id repeated with other content, is an error naming
+    the ids (see :func:`~capeval_plugins.contract.canonical_state`)."""
+    return finalize_state(metric, state, allowed_repeats).with_skipped(dict(skipped or {}))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -463,6 +468,18 @@ def _shard(samples: Samples, rank: int, size: int) -> Samples:
     return samples.subset(order[rank * len(order) // size : (rank + 1) * len(order) // size])
 
 
+def local_inputs(metrics: Iterable[Metric]) -> list[str]:
+    """The local files and folders the metrics' options name (``Config.input_paths``: models, saved fits,
+    feature folders): an output must not be one of them or lie inside one."""
+    found = []
+    for metric in metrics:
+        for key in getattr(metric.config, "input_paths", ()):
+            value = getattr(metric.config, key, None)
+            if isinstance(value, str) and value and os.path.exists(os.path.expanduser(value)):
+                found.append(os.path.expanduser(value))
+    return found
+
+
 def fingerprint(metrics: Mapping[str, Metric], corpus: Corpus, world_size: int, on_error: str | None) -> dict:
     """What a run folder is a run of: every metric with its options, the models and data files they name (by
     content: a local folder's files are hashed, a hub id resolves to its cached commit), the inputs (by
@@ -470,10 +487,7 @@ def fingerprint(metrics: Mapping[str, Metric], corpus: Corpus, world_size: int, 
     contents = ContentDigests()  # each file hashed once in this run
     described = {}
     for name, metric in metrics.items():
-        options = dataclasses.asdict(metric.config)
-        for key in getattr(metric.config, "input_paths", ()):
-            if isinstance(options.get(key), str) and options[key]:
-                options[key] = contents.source(options[key])
+        options = {**dataclasses.asdict(metric.config), **contents.options(metric.config)}
         options["on_error"] = policy(metric, on_error)
         described[name] = {"metric": f"{type(metric).__module__}.{type(metric).__qualname__}", **options}
     return {"metrics": described, "inputs": corpus.digest(contents), "world_size": world_size}
@@ -497,20 +511,20 @@ def _open_store(run_dir: str | os.PathLike, fp: dict, restart: bool, rank: int, 
     """Rank 0 locks and checks (or clears) the folder first; every rank then learns the verdict and the run
     id. Rank 0 holds the lock until the run ends."""
     store = RunStore(run_dir, rank, size)
-    verdict: tuple[str, str] | str | None = None
+    verdict: tuple[str, str] | tuple[str, bytes] | None = None
     error: Exception | None = None
     if rank == 0:
         try:
             store.open(fp, restart)
-            verdict = store.run_id
-        except InputError as err:
+            verdict = (store.run_id, store.key)
+        except (InputError, FileError) as err:
             error, verdict = err, (str(err), getattr(err, "cli_message", str(err)))
     verdict = _gather(verdict, size, None)[0]
     if error is not None:
         raise error
-    if isinstance(verdict, tuple):
+    if isinstance(verdict[1], str):
         raise _RankError(*verdict)
-    store.attach(verdict)
+    store.attach(*verdict)  # the run's key too: ranks on other machines need not share the user's secret
     return store
 
 
@@ -534,8 +548,8 @@ def _load_progress(tasks: list[_Task], store: RunStore, size: int) -> None:
     try:
         for task in tasks:
             task.progress = store.load(task.name, any(s.reduce == "sum" for s in task.spec.values()), task.plan())
-    except RunFolderError as err:
-        error, mine = err, (str(err), err.cli_message)
+    except (RunFolderError, FileError) as err:
+        error, mine = err, (str(err), getattr(err, "cli_message", str(err)))
     errors = [e for e in _gather(mine, size, None) if e is not None]
     if error is not None:
         raise error
@@ -597,6 +611,8 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
     events = sorted(((k + 1) / t.n_batches, i, k) for i, t in enumerate(tasks) for k in range(t.progress.batches, t.n_batches))
     bar = _ProgressBar(tasks, progress and rank == 0)
     interrupted, scored = False, 0
+    if isinstance(stop, StopFlag):
+        stop.scoring = True  # a signal now stops after the batch at work
     try:
         for task in tasks:
             _prepare_corpus(task)
@@ -608,6 +624,8 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
                 interrupted = True
                 break
     finally:
+        if isinstance(stop, StopFlag):
+            stop.scoring = False
         bar.close()
         for task in tasks:
             task.metric.release_corpus()
@@ -760,25 +778,39 @@ def finish(run_dir: str | os.PathLike, shard: bool = False, run_id: str | None =
         RunStore(run_dir).remove(run_id)
 
 
+class StopFlag:
+    """What :func:`stop_on_signals` yields (pass it as ``run(stop=...)``): true once a stop was asked for.
+    While the runner scores batches (``scoring``) a signal asks for a stop after the current batch; anywhere
+    else (validation, digesting inputs, loading models, the corpus step) nothing would poll it, so a signal
+    stops the process at once (KeyboardInterrupt), as does a second one."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.scoring = False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+
 @contextmanager
-def stop_on_signals() -> Iterator[Callable[[], bool]]:
-    """SIGINT and SIGTERM ask the run to stop after the current batch (a second Ctrl-C stops at once).
-    Yields the flag to pass as ``run(stop=...)``. Outside the main thread, signals are left alone."""
-    flag = threading.Event()
+def stop_on_signals() -> Iterator[StopFlag]:
+    """SIGINT and SIGTERM ask the run to stop after the current batch, or at once outside the batches or
+    when sent twice (see :class:`StopFlag`). Outside the main thread, signals are left alone."""
+    flag = StopFlag()
     if threading.current_thread() is not threading.main_thread():
-        yield flag.is_set
+        yield flag
         return
 
     def handler(signum: int, frame: Any) -> None:
-        if flag.is_set() and signum == signal.SIGINT:
+        if flag.requested or not flag.scoring:
             raise KeyboardInterrupt
-        flag.set()
+        flag.requested = True
         print(f"capeval: {signal.Signals(signum).name}: stopping after the current batch", file=sys.stderr,
               flush=True)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield flag.is_set
+        yield flag
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)

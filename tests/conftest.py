@@ -186,3 +186,12 @@ def reference_clip_cosines(model: str, images: list, captions: list[str],
             image_feats, text_feats = (getattr(f, "pooler_output", f) for f in (image_feats, text_feats))
             out.append(float(torch.nn.functional.cosine_similarity(image_feats, text_feats)[0]))
     return np.asarray(out)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_key_folder(tmp_path_factory):
+    """The user's secret (capeval_plugins.files.secret) in a folder of the session, not the real ~/.config;
+    subprocesses inherit it."""
+    folder = tmp_path_factory.mktemp("capeval-config")
+    os.environ["CAPEVAL_CONFIG_DIR"] = str(folder / "capeval_plugins")
+    yield folder

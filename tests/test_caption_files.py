@@ -24,12 +24,15 @@ ROWS = [
 ]
 
 
+ONE_LINE = [r for r in ROWS if "\n" not in r["caption"]]  # a line break in a CSV/TSV cell is refused
+
+
 def write_jsonl(path, rows=ROWS):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
 
 
-def write_table(path, rows=ROWS, delimiter=","):
+def write_table(path, rows=ONE_LINE, delimiter=","):
     """The documented CSV/TSV form: a JSON list in the references cell (one string stays a plain cell)."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=["image", "caption", "references"], delimiter=delimiter)
@@ -54,15 +57,24 @@ def write_parquet(path, rows=ROWS, as_text=False):
 
 
 def every_format(tmp_path):
-    files = {"jsonl": write_jsonl(tmp_path / "caps.jsonl"), "csv": write_table(tmp_path / "caps.csv"),
-             "tsv": write_table(tmp_path / "caps.tsv", delimiter="\t")}
+    files = {"jsonl": write_jsonl(tmp_path / "caps.jsonl", ONE_LINE),
+             "csv": write_table(tmp_path / "caps.csv", ONE_LINE),
+             "tsv": write_table(tmp_path / "caps.tsv", ONE_LINE, delimiter="\t")}
     try:
         import pyarrow  # noqa: F401
     except ImportError:
         return files
-    files["parquet"] = write_parquet(tmp_path / "caps.parquet")
-    files["parquet_text"] = write_parquet(tmp_path / "caps_text.parquet", as_text=True)
+    files["parquet"] = write_parquet(tmp_path / "caps.parquet", ONE_LINE)
+    files["parquet_text"] = write_parquet(tmp_path / "caps_text.parquet", ONE_LINE, as_text=True)
     return files
+
+
+def test_a_line_break_in_a_csv_cell_is_refused_naming_its_line_and_json_lines_keeps_it(tmp_path):
+    for delimiter, name in ((",", "caps.csv"), ("\t", "caps.tsv")):
+        path = write_table(tmp_path / name, ROWS, delimiter=delimiter)
+        with pytest.raises(InputError, match=f"{name}:7: a quoted cell runs from line 7 to line 8.*JSON Lines"):
+            read_captions(path, EXAMPLES / "images")
+    assert read_captions(write_jsonl(tmp_path / "caps.jsonl"), EXAMPLES / "images").captions[5] == "A sun\nover two lines."
 
 
 def test_every_format_reads_the_same_records(tmp_path):
@@ -122,15 +134,14 @@ def test_a_references_cell_that_is_not_a_json_list_is_refused_by_its_line(tmp_pa
     assert code == 2 and len(err.strip().splitlines()) == 1 and "caps.csv:3" in err
 
 
-def test_csv_line_numbers_count_multi_line_cells(tmp_path):
-    path = write_table(tmp_path / "caps.csv")
+def test_csv_line_numbers_name_the_file_line_and_a_multi_line_cell_is_refused_by_its_first(tmp_path):
+    path = write_table(tmp_path / "caps.csv", ONE_LINE)
     records = read_captions(path, EXAMPLES / "images")
-    # header on line 1; row 5's caption spans two lines, so nothing follows it to shift
-    assert records.lines == [2, 3, 4, 5, 6, 7]
+    assert records.lines == [2, 3, 4, 5, 6]  # the header on line 1
+    assert records.describe(4) == "sample 4 (caps.csv line 6)"
     rows = ROWS[:5] + [{**ROWS[0], "caption": "x\ny"}, ROWS[1]]
-    records = read_captions(write_table(tmp_path / "multi.csv", rows), EXAMPLES / "images")
-    assert records.lines == [2, 3, 4, 5, 6, 7, 9]
-    assert records.describe(6) == "sample 6 (multi.csv line 9)"
+    with pytest.raises(InputError, match="multi.csv:7: a quoted cell runs from line 7 to line 8"):
+        read_captions(write_table(tmp_path / "multi.csv", rows), EXAMPLES / "images")
 
 
 def test_parquet_rows_are_named_by_row(tmp_path):
@@ -177,7 +188,7 @@ def test_a_missing_images_folder_is_one_line(tmp_path, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "images folder not found" in err
 
 
-@pytest.mark.parametrize("limit, expected", [(None, 6), (2, 2), ("3", 3)])
+@pytest.mark.parametrize("limit, expected", [(None, 5), (2, 2), ("3", 3)])
 def test_lm_eval_docs_limit(tmp_path, limit, expected):
     docs = load_caption_docs(write_table(tmp_path / "caps.csv"), EXAMPLES / "images", limit)
     assert len(docs) == expected
@@ -221,7 +232,7 @@ def test_keys_of_other_tools_are_named_not_silently_ignored(tmp_path, capsys):
     assert cli.main(["score", "-m", "bleu4", "--captions", str(path), "--quiet"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
-    mixed = [{"image": r["image"], "caption": r["caption"], "refs": r["references"], "human": 3} for r in ROWS]
+    mixed = [{"image": r["image"], "caption": r["caption"], "refs": r["references"], "human": 3} for r in ONE_LINE]
     csv_path = tmp_path / "mixed.csv"
     with open(csv_path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(mixed[0]))
@@ -230,7 +241,7 @@ def test_keys_of_other_tools_are_named_not_silently_ignored(tmp_path, capsys):
     for path in (write_jsonl(tmp_path / "mixed.jsonl", mixed), csv_path):
         with pytest.warns(UserWarning, match="key 'refs' not read .* rename 'refs' -> 'references'"):
             records = read_captions(path)
-        assert records.references == [None] * len(ROWS) and records.captions == [r["caption"] for r in ROWS]
+        assert records.references == [None] * len(ONE_LINE) and records.captions == [r["caption"] for r in ONE_LINE]
 
     import warnings
 

@@ -96,7 +96,8 @@ def test_every_mistake_exits_2_with_one_line_naming_it(tiny_clip, tmp_path):
         "no selected metric takes option 'model'": base + ["-m", "bleu4", "--model", "x"],
         "option model: no such file or folder: /nonexistent": base + ["-m", "clipscore", "--model", "/nonexistent"],
         "cannot write": base + ["-m", "clipscore", "--model", tiny_clip, "--out", str(tmp_path / "no" / "dir.jsonl")],
-        "permission denied": base + ["-m", "clipscore", "--model", tiny_clip, "--out", "/proc/capeval.jsonl"],
+        "cannot write /proc/capeval.jsonl": base + ["-m", "clipscore", "--model", tiny_clip, "--out",
+                                                    "/proc/capeval.jsonl"],
         "holds no captions": [CAPEVAL, "score", "-m", "clipscore", "--model", tiny_clip, "--captions", str(empty)],
         "did you mean": base + ["-m", "clipscor"],
         "clipscore takes no option 'nope'": base + ["-m", "clipscore", "--model", tiny_clip, "-o", "clipscore.nope=1"],
@@ -294,13 +295,19 @@ def test_tiny_builds_a_loadable_checkpoint_and_prints_only_its_path(tmp_path, ki
     assert (tmp_path / kind / "model.safetensors").is_file() and (tmp_path / kind / "config.json").is_file()
 
 
-def test_signals_finish_the_batch_then_stop():
+def test_signals_finish_the_batch_then_stop_and_stop_at_once_outside_the_batches():
     import os
 
     from capeval_plugins import runner
 
     with runner.stop_on_signals() as stop:
+        stop.scoring = True  # as the runner sets it while it scores batches
         assert not stop()
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop()
+        with pytest.raises(KeyboardInterrupt):  # a second one: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+    with runner.stop_on_signals() as stop:  # loading, digesting, validating: nothing would poll the flag
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

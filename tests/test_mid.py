@@ -163,7 +163,7 @@ def test_without_per_sample_scores_only_sums_are_kept(tiny_clip, expected, expec
     metric = capeval_plugins.load("mid", model=tiny_clip, per_sample=False, corpus_reduction=reduction)
     own = metric.states()
     assert all(spec.reduce == "sum" for spec in own.values())  # nothing per sample but the contract's index
-    assert {k for k, s in full_spec(metric).items() if s.reduce == "cat"} == {"index", "group"}
+    assert {k for k, s in full_spec(metric).items() if s.reduce == "cat"} == {"index", "group", "sample_digest"}
     result = metric(images, candidates, references)
     assert result.score == pytest.approx(expected_trace if reduction == "trace" else expected.mean(), **TOL)
     assert len(result.scores) == 0 and "mean_pmi_normalized" not in result.corpus_extras

@@ -13,6 +13,7 @@ from test_generation import tiny_sd3  # noqa: F401  (the tiny Stable Diffusion 3
 import capeval_plugins
 from capeval_plugins import registry
 from capeval_plugins.contract import (
+    DIGEST,
     GROUP,
     INDEX,
     CompositeMetric,
@@ -82,7 +83,7 @@ def test_a_composite_metric_keeps_each_part_s_state_and_result():
         result = Both(batch_size=batch_size)(None, texts)
         assert result.scores.tolist() == pytest.approx([w + len(t) - mean_length for w, t in zip(expected_words, texts)])
         assert result.extras["chars"].tolist() == [float(len(t)) for t in texts]
-    assert set(full_spec(Both())) == {"words__score", "words__chars", "centred__total", "centred__length", INDEX, GROUP}
+    assert set(full_spec(Both())) == {"words__score", "words__chars", "centred__total", "centred__length", INDEX, GROUP, DIGEST}
     assert full_spec(Both())["centred__total"].reduce == "sum"
 
 

@@ -172,8 +172,11 @@ class CapevalEvaluationModule(evaluate.Metric):
                 pass
         self.buf_writer = None
         path, lock = getattr(self, "cache_file_name", None), getattr(self, "filelock", None)
-        if path and os.path.exists(path):
-            os.remove(path)
+        if path and os.path.exists(path):  # evaluate's own cache file of this module: a regular file, no link
+            from capeval_plugins import files
+
+            with files.Folder.open(os.path.dirname(os.path.abspath(path)))[0] as folder:
+                folder.unlink(os.path.basename(path))
         if lock is not None:
             lock.release()
         self.cache_file_name, self.filelock, self.selected_feature_format = None, None, None
@@ -251,15 +254,15 @@ def module_file(name: str, directory: str | Path | None = None) -> Path:
     name = registry.canonical_name(name)
     entry = registry.get(name)
     root = Path(directory) if directory else Path.home() / ".cache" / "capeval_plugins" / "evaluate_modules"
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    script = folder / f"{name}.py"
-    script.write_text(
-        f'"""capeval-plugins metric {name!r} for Hugging Face evaluate."""\n'
-        "from capeval_plugins.adapters.hf_evaluate import evaluation_class\n\n"
-        f"{class_name(name)} = evaluation_class({name!r})\n"
-    )
+    from capeval_plugins import files
     from capeval_plugins.cards import card_text
 
-    (folder / "README.md").write_text(card_text(entry.cls))
+    folder = root / name
+    files.Folder.open(folder, create=True)[0].close()
+    script = folder / f"{name}.py"
+    files.write_output(script, (
+        f'"""capeval-plugins metric {name!r} for Hugging Face evaluate."""\n'
+        "from capeval_plugins.adapters.hf_evaluate import evaluation_class\n\n"
+        f"{class_name(name)} = evaluation_class({name!r})\n").encode(), what="evaluate module")
+    files.write_output(folder / "README.md", card_text(entry.cls).encode(), what="metric card")
     return script

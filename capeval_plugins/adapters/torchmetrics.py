@@ -3,12 +3,13 @@
 ``capeval_plugins.torchmetrics.<Class>`` exists for every registered metric (``CLIPScore``, ...). States
 come from the contract: ``"sum"`` statistics and ``"cat"`` rows, plus the sample ids and group ids every
 metric carries, so under DDP the repeats a ``DistributedSampler`` adds are dropped and input order is
-restored (pass ``ids=`` with dataset indices). ``compute()`` returns the corpus score as a scalar tensor
-(Lightning's ``self.log(name, metric)`` works); ``compute_all()`` returns the full
-:class:`~capeval_plugins.contract.MetricResult` with per-sample scores and extras, and ``last_result`` keeps
-the latest one through ``reset()`` (Lightning resets a logged metric as soon as it has computed it). The
-backbone is not part of the module tree (not in ``state_dict``, not copied by ``clone()``) and is shared
-between instances.
+restored (pass ``ids=`` with dataset indices). Ids repeated beyond what a padding sampler adds
+(``world_size - 1``), or one id given for two different samples, are an error naming them, never silently
+dropped samples. ``compute()`` returns the corpus score as a scalar tensor (Lightning's ``self.log(name,
+metric)`` works); ``compute_all()`` returns the full :class:`~capeval_plugins.contract.MetricResult` with
+per-sample scores and extras, and ``last_result`` keeps the latest one through ``reset()`` (Lightning resets a
+logged metric as soon as it has computed it). The backbone is not part of the module tree (not in
+``state_dict``, not copied by ``clone()``) and is shared between instances.
 """
 from __future__ import annotations
 
@@ -138,7 +139,10 @@ class CapevalMetric(torchmetrics.Metric):
     def compute(self) -> torch.Tensor:
         state = self._merged_state()
         skipped = dict(zip(state.pop("_skipped_index").tolist(), decode_texts(state.pop("_skipped_reason"))))
-        self._result = self.last_result = runner.finalize(self.capeval_metric, state, skipped)
+        # a padding DistributedSampler repeats at most world_size - 1 samples, each the same sample: more (ids
+        # that are positions in a shard, not dataset indices) or another sample under one id is an error
+        self._result = self.last_result = runner.finalize(self.capeval_metric, state, skipped,
+                                                          allowed_repeats=_world()[1] - 1)
         self._last_guessed = self._guessed_ids
         return torch.tensor(self._result.score, dtype=torch.float64, device=self.device)
 

@@ -4,11 +4,13 @@ recompute what it already has.
 Scores are keyed by a *metric key* and a *sample key*. The metric key hashes everything that can change a
 score: the metric's class and registry name, the package version, every option of its configuration except
 ``batch_size`` (the contract makes scores independent of batching), whether images and references are passed,
-and, for options naming a local file or folder (a model checkpoint), the names, sizes and modification times
-of its files. The sample key hashes the candidate, the references when the metric sees them, and the image
-when it does (its resolved path, size and modification time; embedded images by content). Corpus-level
-metrics, whose per-sample scores depend on the whole corpus, are cached per corpus: the key hashes every
-sample key in order.
+and every option that names a model or a file by what it is, exactly as ``capeval score``'s resume does
+(:meth:`capeval_plugins.digests.ContentDigests.options`): a local file or folder by the content of its files,
+a hub id by the commit its cached snapshot resolves to (new weights under the same id or the same folder are a
+new key). A hub model not in the local cache yet cannot be pinned: its scores are neither read from nor
+written to the cache. The sample key hashes the candidate, the references when the metric sees them, and the
+image when it does (a file by its content; embedded images by content). Corpus-level metrics, whose
+per-sample scores depend on the whole corpus, are cached per corpus: the key hashes every sample key in order.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from capeval_plugins import files
 from capeval_plugins.contract import Metric
+from capeval_plugins.digests import ContentDigests, unresolved
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sample_scores (metric TEXT, sample TEXT, score REAL, PRIMARY KEY (metric, sample));
@@ -42,46 +46,44 @@ def digest(payload: Any) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def path_fingerprint(path: str) -> list:
-    """Names, sizes and modification times of a file, or of the files under a folder."""
-    root = Path(path)
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())[:_MAX_FILES]
-    out = []
-    for f in files:
-        stat = f.stat()
-        out.append([str(f.relative_to(root)) if f != root else f.name, stat.st_size, stat.st_mtime_ns])
-    return out
-
-
-def metric_key(metric: Metric, images: bool, references: bool) -> str:
+def metric_key(metric: Metric, images: bool, references: bool, contents: ContentDigests | None = None) -> str | None:
+    """The key of a configured metric's scores, or None when one of its models cannot be pinned now (a hub
+    id not in the local cache yet)."""
     from capeval_plugins import __version__
 
     config = dataclasses.asdict(metric.config)
     config.pop("batch_size", None)
-    files = {k: path_fingerprint(v) for k, v in config.items() if isinstance(v, str) and v and os.path.exists(v)}
+    contents = contents if contents is not None else ContentDigests()
+    local = [k for k, v in config.items() if isinstance(v, str) and v and os.path.exists(os.path.expanduser(v))]
+    sources = contents.options(metric.config, sorted({*getattr(metric.config, "input_paths", ()), *local}))
+    if any(unresolved(v) for v in sources.values()):
+        return None
     return digest({
         "metric": metric.info.name,
         "class": f"{type(metric).__module__}.{type(metric).__qualname__}",
         "version": __version__,
         "config": config,
-        "files": files,
+        "sources": sources,
         "images": images,
         "references": references,
     })
 
 
-def image_fingerprint(image: Any) -> Any:
+def image_fingerprint(image: Any, contents: ContentDigests | None = None) -> Any:
+    """An image's identity by content: a file by its bytes' digest, embedded bytes by their hash, a video by
+    its frames'."""
+    contents = contents if contents is not None else ContentDigests()
     if isinstance(image, (list, tuple)):  # a video as frames
-        return [image_fingerprint(frame) for frame in image]
+        return [image_fingerprint(frame, contents) for frame in image]
     if isinstance(image, dict) and image.get("bytes"):
         return "sha1:" + hashlib.sha1(image["bytes"]).hexdigest()
-    path = os.fspath(image)
-    stat = os.stat(path)
-    return [os.path.realpath(path), stat.st_size, stat.st_mtime_ns]
+    _, _, size, content = contents.file(os.fspath(image))
+    return [size, content]
 
 
 def sample_keys(candidates: Sequence[str], references: Sequence[Sequence[str]] | None,
-                images: Sequence[Any] | None) -> list[str]:
+                images: Sequence[Any] | None, contents: ContentDigests | None = None) -> list[str]:
+    contents = contents if contents is not None else ContentDigests()
     prints: dict[int, Any] = {}
     keys = []
     for i, cand in enumerate(candidates):
@@ -90,7 +92,7 @@ def sample_keys(candidates: Sequence[str], references: Sequence[Sequence[str]] |
             ident = id(images[i]) if isinstance(images[i], dict) else (
                 tuple(images[i]) if isinstance(images[i], list) else images[i])
             if ident not in prints:
-                prints[ident] = image_fingerprint(images[i])
+                prints[ident] = image_fingerprint(images[i], contents)
             image = prints[ident]
         keys.append(digest([cand, list(references[i]) if references is not None else None, image]))
     return keys
@@ -101,7 +103,8 @@ class ScoreCache:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        files.Folder.open(self.path.parent, create=True)[0].close()
+        files.check_output(self.path, what="--cache")  # a regular file or a new name: no link, no device
         self.db = sqlite3.connect(str(self.path), timeout=60)
         self.db.executescript(SCHEMA)
 

@@ -9,20 +9,27 @@ from pathlib import Path
 import numpy as np
 
 
-def plot_report(report, out_dir: str | Path) -> Path:
-    """Write ``<benchmark>.png`` into ``out_dir`` and return its path."""
+def plot_path(report_or_name, out_dir: str | Path) -> Path:
+    name = report_or_name if isinstance(report_or_name, str) else report_or_name.benchmark.name
+    return Path(out_dir) / f"{name}.png"
+
+
+def plot_report(report, out_dir: str | Path, inputs=()) -> Path:
+    """Write ``<benchmark>.png`` into ``out_dir`` (made if missing) and return its path; written through
+    :func:`capeval_plugins.files.write_output` (``inputs``: files it must not replace)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{report.benchmark.name}.png"
+    from capeval_plugins import files
+
+    files.Folder.open(out_dir, create=True)[0].close()
+    path = plot_path(report, out_dir)
     if report.kind == "correlation":
         fig = _scatter(report, Figure)
     else:
         fig = _bars(report, Figure)
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=110)
+    files.write_output(path, lambda f: fig.savefig(f, dpi=110, format="png"), inputs, "--plot")
     return path
 
 

@@ -4,7 +4,7 @@ the record."""
 from __future__ import annotations
 
 import ast
-import csv
+import io
 import json
 import math
 from collections import defaultdict
@@ -26,20 +26,29 @@ IMAGE_KEYS = ("imgid", "img", "image", "image_path", "image_id")
 
 def load_records(path: str | Path) -> Any:
     """A JSON document, JSON Lines (a list of objects), CSV (a list of dicts) or Parquet (a list of dicts)."""
+    from capeval_plugins import files
+    from capeval_plugins.caption_files import read_table
+
     path = Path(path)
     if not path.is_file():
         raise InputError(f"benchmark file not found: {path}")
     suffix = path.suffix.lower()
     if suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f))
+        return read_table(path)  # strict: a quote left open is an error naming its line, never merged rows
+    try:
+        data = files.read_input(path, "benchmark file")
+    except files.FileError as err:
+        raise InputError(str(err)) from None
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as err:
             raise InputError(f"{path}: reading Parquet needs pyarrow") from err
-        return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
+        return pq.read_table(io.BytesIO(data)).to_pylist()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{path}: not valid UTF-8 ({err})") from None
     if suffix == ".jsonl":
         return _json_lines(text, path)
     try:

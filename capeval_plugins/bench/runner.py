@@ -21,7 +21,9 @@ from capeval_plugins.bench.benchmarks import Benchmark, get_benchmark
 from capeval_plugins.bench.cache import NoCache, ScoreCache, default_cache_path, digest, metric_key, sample_keys
 from capeval_plugins.bench.data import Captions, Pairs, Ratings, resolve_images
 from capeval_plugins.bench.protocols import CORRELATION_STATS, Evaluation, evaluate
+from capeval_plugins import files
 from capeval_plugins.contract import Metric, PointwiseMetric
+from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import InputError
 
 
@@ -166,8 +168,11 @@ def score_metric(name: str, metric: Metric, captions: Captions, *, images: str |
     use_images = info.images == "always" or (info.images == "optional" and images is not None)
     image_files = resolve_images(captions.images, images, benchmark, captions.segments, frames) if use_images else None
     refs = captions.references if use_refs else None
-    key = metric_key(metric, use_images, use_refs)
-    keys = sample_keys(captions.candidates, refs, image_files)
+    contents = ContentDigests()  # each file hashed once
+    key = metric_key(metric, use_images, use_refs, contents)
+    if key is None:  # a hub model not cached yet: its scores cannot be tied to the weights they came from
+        cache, key = NoCache(), ""
+    keys = sample_keys(captions.candidates, refs, image_files, contents)
     start = time.perf_counter()
     inputs = (image_files, captions.candidates, refs)
     if is_pointwise(metric):
@@ -290,6 +295,17 @@ def open_cache(cache: str | os.PathLike | ScoreCache | NoCache | None | bool) ->
     return ScoreCache(default_cache_path() if cache in (None, True) else cache)
 
 
+def run_inputs(source: Any, images: Any, scores: Mapping[str, Any], metrics: Mapping[str, Metric],
+               cache: Any = None) -> list[str]:
+    """What a benchmark run reads that an output must not replace: the benchmark and score files, the
+    score cache, and the folders of local models (an output there would change the model's content digest).
+    A data or image folder is only read by the file names it holds, so an output may sit in it."""
+    from capeval_plugins.runner import local_inputs
+
+    found = [p for p in (source, images, cache) if isinstance(p, (str, os.PathLike)) and os.path.isfile(p)]
+    return found + [str(p) for p in scores.values()] + local_inputs(metrics.values())
+
+
 def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings | Pairs,
                   metrics: Mapping[str, Metric] | None = None, *, images: str | os.PathLike | None = None,
                   cache: Any = None, bootstrap: int = 1000, seed: int = 0, unit: str = "image",
@@ -334,6 +350,15 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     clash = sorted(set(metrics) & set(scores))
     if clash:
         raise InputError(f"{clash} named both as a metric and as a score file")
+    inputs = run_inputs(source, images, scores, metrics, cache)
+    saved = {}
+    if save_scores is not None:  # refused now, not after the metrics ran: a link, an input (a --scores file)
+        from capeval_plugins.caption_files import check_writable
+
+        files.Folder.open(save_scores, create=True)[0].close()
+        for name in [*scores, *metrics]:
+            saved[name] = Path(save_scores) / f"{_file_name(name)}.jsonl"
+            check_writable(saved[name], inputs, "--save-scores")
     runs: dict[str, MetricRun] = {}
     for name, path in scores.items():
         begin = time.perf_counter()
@@ -348,9 +373,8 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     finally:
         if metrics and not isinstance(cache, (ScoreCache, NoCache)):
             store.close()
-    if save_scores is not None:
-        for name, run in runs.items():
-            write_scores(Path(save_scores) / f"{_file_name(name)}.jsonl", data, run.scores, run.extras)
+    for name, path in saved.items():
+        write_scores(path, data, runs[name].scores, runs[name].extras, inputs)
     table = {n: r.scores for n, r in runs.items()}
     for name, run in list(runs.items()):
         for extra, values in run.extras.items():

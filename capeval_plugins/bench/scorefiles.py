@@ -36,11 +36,21 @@ def row_categories(data: Ratings | Pairs) -> list[str] | None:
     return None if data.categories is None else [str(c) for c in data.categories]
 
 
-def _number(value: Any, where: str) -> float:
-    """A score: a number or numeric text; empty / null is NaN (no score); a boolean is refused."""
+def _number(value: Any, where: str, what: str = "score") -> float:
+    """A score: a number or numeric text; empty / null is NaN (no score: the row is left out and counted, as
+    a metric's invalid sample); a boolean is refused, and so are NaN and infinities written as numbers, which
+    would be dropped like missing scores without a word: write null for no score."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return math.nan
-    return as_score(value, where, "score")
+    number = as_score(value, where, what)
+    if not math.isfinite(number):
+        raise NonFinite(f"{where}: {what} {value!r} is not a finite number; write null (or leave the cell empty) "
+                        "for a row without a score")
+    return number
+
+
+class NonFinite(InputError):
+    """A score written as NaN or an infinity."""
 
 
 def _text(value: Any, what: str, where: str) -> str:
@@ -89,7 +99,9 @@ def match_scores(path: str | os.PathLike, data: Ratings | Pairs) -> tuple[np.nda
         if column in RESERVED:
             continue
         try:
-            extras[column] = np.array([_number(rows[k].get(column), f"{path}: row {k}") for k in found])
+            extras[column] = np.array([_number(rows[k].get(column), f"{path}: row {k}", column) for k in found])
+        except NonFinite:
+            raise
         except InputError:
             continue  # a text column (an id, a model name) is no extra
     return scores, extras
@@ -106,6 +118,9 @@ def _by_row(path, rows: Sequence[dict], images: list[str], cands: list[str]) -> 
         if (image, caption) != (images[index], cands[index]):
             raise InputError(f"{where}: benchmark row {index} is image {images[index]!r}, caption "
                              f"{cands[index]!r}, not {image!r}, {caption!r} (a file for another benchmark?)")
+        if found[index] is not None:  # the later one would silently win
+            raise InputError(f"{where}: benchmark row {index} is given twice (also in row {found[index]}); a score "
+                             "file holds one score per benchmark row")
         found[index] = k
     return found
 
@@ -143,13 +158,15 @@ def _by_key(path, rows: Sequence[dict], images: list[str], cands: list[str],
 
 
 def write_scores(path: str | os.PathLike, data: Ratings | Pairs, scores: np.ndarray,
-                 extras: Mapping[str, np.ndarray] | None = None) -> Path:
+                 extras: Mapping[str, np.ndarray] | None = None, inputs: Sequence[Any] = ()) -> Path:
     """One JSON line per benchmark row: ``row``, ``image``, ``caption``, ``category`` (where the benchmark has
-    categories), ``score`` and the per-sample extras; NaN is written as null."""
+    categories), ``score`` and the per-sample extras; NaN is written as null. ``inputs``: files of the run
+    it must not replace (see :func:`capeval_plugins.files.check_output`)."""
+    from capeval_plugins import files
     from capeval_plugins.caption_files import write_table
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    files.Folder.open(path.parent, create=True)[0].close()
     categories = row_categories(data)
     columns = {k: np.asarray(v, dtype=np.float64) for k, v in (extras or {}).items()}
     rows = []
@@ -160,7 +177,7 @@ def write_scores(path: str | os.PathLike, data: Ratings | Pairs, scores: np.ndar
         record["score"] = _finite(scores[i])
         record.update({k: _finite(v[i]) for k, v in columns.items()})
         rows.append(record)
-    write_table(path, rows)  # atomic, under a temporary name no other writer uses
+    write_table(path, rows, inputs, "--save-scores")  # whole, under a temporary name no other writer uses
     return path
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Sequence
 
+from capeval_plugins import files
 from capeval_plugins.core.messages import install_extra
 
 EPILOG = """examples:
@@ -127,6 +128,23 @@ def parse_frames(values: Sequence[str]) -> int | dict[str, int] | None:
     return {**({} if every is None else {"*": every}), **per}
 
 
+def check_outputs(args: argparse.Namespace, score_files: dict, metrics: dict) -> list[str]:
+    """``--json`` and ``--plot``, refused before any metric runs (a link, a folder, an input of the run); the
+    inputs, for the writes at the end."""
+    from capeval_plugins.bench.plots import plot_path
+    from capeval_plugins.bench.runner import run_inputs
+    from capeval_plugins.caption_files import check_writable
+
+    cache = None if args.no_cache else args.cache
+    inputs = run_inputs(args.data, args.images, score_files, metrics, cache)
+    if args.json_out:
+        check_writable(args.json_out, inputs, "--json")
+    if args.plot:
+        files.Folder.open(args.plot, create=True)[0].close()
+        check_writable(plot_path(args.benchmark, args.plot), inputs, "--plot")
+    return inputs
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from capeval_plugins.bench.plots import plot_report
     from capeval_plugins.bench.runner import run_benchmark
@@ -150,6 +168,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         score_files = parse_score_args(args.scores)
         metrics = build_metrics(args.metric, args.option, args.benchmark) if args.metric else {}
+        inputs = check_outputs(args, score_files, metrics)
         report = run_benchmark(
             args.benchmark, args.data, metrics, images=args.images,
             cache=False if args.no_cache else args.cache, bootstrap=args.bootstrap, seed=args.seed,
@@ -163,10 +182,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     report.wall_time = time.perf_counter() - started
     print(report.markdown())
     if args.plot:
-        print(f"\nplot: {plot_report(report, args.plot)}")
+        print(f"\nplot: {plot_report(report, args.plot, inputs)}")
     if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2)
+        files.write_output(args.json_out, (json.dumps(report.to_dict(), indent=2) + "\n").encode(), inputs, "--json")
         print(f"json: {args.json_out}")
     if args.save_scores:
         print(f"scores: {args.save_scores}/")

@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 DEFAULT_COMPONENTS = ("mid_normalized", "dino_normalized", "bertscore_normalized")
@@ -103,9 +102,13 @@ def weight_options(weights: dict[str, float]) -> list[str]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from capeval_plugins import files
     from capeval_plugins.core.fusion import calibrate
     from capeval_plugins.inputs import InputError
 
+    inputs = [args.scores, args.ratings]
+    if args.out:  # before the grid search: not a link, not the score or ratings file
+        files.check_output(args.out, inputs)
     rows = read_rows(args.scores)
     if not rows:
         raise InputError(f"{args.scores}: no rows")
@@ -120,7 +123,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     report = {**result.as_dict(), "options": weight_options(result.weights)}
     text = json.dumps(report, indent=None if args.compact else 2)
     if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
+        files.write_output(args.out, (text + "\n").encode(), inputs)
     print(text)
     return 0
 

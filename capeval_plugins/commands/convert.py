@@ -21,11 +21,12 @@ import hashlib
 import json
 import os
 import pickle
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+
+from capeval_plugins import files
 
 DEFAULT_TOKENIZER = "bert-base-uncased"
 
@@ -62,7 +63,7 @@ class ConversionReport:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with files.open_input(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -126,7 +127,8 @@ def _save_tokenizer(source: str | None, destination: Path, vocab_size: int) -> t
     local = path.exists() or source.startswith((".", "/", "~"))
     if path.is_file():  # a bare vocab.txt: load it as a folder holding it (the one form every version reads)
         with tempfile.TemporaryDirectory() as folder:
-            shutil.copyfile(path, Path(folder) / "vocab.txt")
+            with files.Folder.open(folder)[0] as private:
+                private.write("vocab.txt", files.read_input(path, "--tokenizer"), replace=False)
             tokenizer = BertTokenizerFast.from_pretrained(folder, do_lower_case=True)
     elif _has_tokenizer_files(source):
         tokenizer = BertTokenizerFast.from_pretrained(source)
@@ -158,7 +160,7 @@ def convert_vilbert(
                                                        released_config)
 
     source, destination = Path(source), Path(destination)
-    if destination.exists() and any(destination.iterdir()) and not overwrite:
+    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
         raise ConversionError(f"{destination} exists and is not empty (use --overwrite)")
     released = read_checkpoint(source)
     values = json.loads(Path(config).read_text()) if isinstance(config, (str, os.PathLike)) else config
@@ -180,18 +182,25 @@ def convert_vilbert(
     if problems:
         raise ConversionError(f"{source}: " + "; ".join(problems))
 
-    destination.mkdir(parents=True, exist_ok=True)
-    saved, recorded = _save_tokenizer(tokenizer, destination, model_config.vocab_size)
-    model_config.tokenizer_source = recorded
+    try:  # only files an earlier conversion wrote are ever replaced (--overwrite); the user's are refused
+        out = files.Claim(destination, "converted-checkpoint").open()
+    except files.UnsafePath as err:
+        raise ConversionError(str(err)) from None
     model.load_state_dict({k: v.detach().clone().contiguous() for k, v in mapping.state.items()}, strict=True,
                           assign=True)
-    model.save_pretrained(destination)
+    try:
+        with out.staging() as staged:  # transformers writes by path: into a private folder, then moved in
+            saved, recorded = _save_tokenizer(tokenizer, staged, model_config.vocab_size)
+            model_config.tokenizer_source = recorded
+            model.save_pretrained(staged)
+    except files.UnsafePath as err:
+        raise ConversionError(str(err)) from None
     report = ConversionReport(
         source=str(source), sha256=_sha256(source), destination=str(destination), kept=len(mapping.state),
         ignored=mapping.ignored, unknown_dropped=mapping.unknown, config_keys_ignored=config_ignored,
         task_tokens=model_config.num_task_tokens, tokenizer=saved,
     )
-    (destination / "conversion.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    out.write("conversion.json", (json.dumps(asdict(report), indent=2) + "\n").encode())
     return report
 
 

@@ -29,6 +29,7 @@ expectation under the fit, D_x, instead of the scored pairs' own.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -249,29 +250,40 @@ class SavedSums:
 
 
 def save_sums(path: str | os.PathLike, sums: Mapping[str, Tensor], dim_x: int, **metadata: Any) -> None:
-    """Write the statistics of a fit (``.npz``, no pickle) so later runs can score against it or add to it.
-    ``metadata`` (e.g. the feature model) must be JSON-serialisable."""
+    """Write the statistics of a fit (``.npz``, no pickle) so later runs can score against it or add to it,
+    as an output through :func:`capeval_plugins.files.write_output` (replaced whole; never a link or a
+    device). ``metadata`` (e.g. the feature model) must be JSON-serialisable."""
+    from capeval_plugins import files
+
     header = json.dumps({"format": _FORMAT, "dim_x": int(dim_x), **metadata}, sort_keys=True)
     arrays = {k: sums[k].detach().to("cpu", torch.float64).numpy() for k in SUM_KEYS}
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}.npz"
-    np.savez(tmp, header=np.array(header), **arrays)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    np.savez(buffer, header=np.array(header), **arrays)
+    files.write_output(path, buffer.getvalue(), what="saved fit")
 
 
 def load_sums(path: str | os.PathLike) -> SavedSums:
-    """Read statistics written by :func:`save_sums`."""
+    """Read statistics written by :func:`save_sums`; a file that is not one (damaged, truncated, another
+    format) is a :class:`DataError` naming it."""
+    from capeval_plugins import files
+
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no saved reference Gaussian at {path}")
-    with np.load(path, allow_pickle=False) as data:
-        try:
-            header = json.loads(str(data["header"]))
-            sums = {k: torch.from_numpy(np.array(data[k], dtype=np.float64)) for k in SUM_KEYS}
-        except KeyError as err:
-            raise ValueError(f"{path} is not a saved reference Gaussian (missing {err})") from None
-    if header.pop("format", None) != _FORMAT:
-        raise ValueError(f"{path} is not a saved reference Gaussian")
-    dim_x = int(header.pop("dim_x"))
+    data = files.read_input(path, "saved reference Gaussian")
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            header = json.loads(str(npz["header"]))
+            sums = {k: torch.from_numpy(np.array(npz[k], dtype=np.float64)) for k in SUM_KEYS}
+    except KeyError as err:
+        raise DataError(f"{path} is not a saved reference Gaussian (missing {err})") from None
+    except Exception as err:  # zipfile.BadZipFile, a damaged member (zlib, CRC), not an .npz at all
+        raise DataError(f"{path} is not a saved reference Gaussian, or it is damaged ({type(err).__name__}: "
+                        f"{err}); fit it again") from None
+    if not isinstance(header, dict) or header.pop("format", None) != _FORMAT:
+        raise DataError(f"{path} is not a saved reference Gaussian")
+    dim_x = header.pop("dim_x", None)
     dim = len(sums["sum"])
-    if sums["outer"].shape != (dim, dim) or not 0 < dim_x < dim or not math.isfinite(float(sums["count"])):
-        raise ValueError(f"{path}: inconsistent saved statistics")
+    if (not isinstance(dim_x, int) or sums["outer"].shape != (dim, dim) or not 0 < dim_x < dim
+            or not math.isfinite(float(sums["count"]))):
+        raise DataError(f"{path}: inconsistent saved statistics")
     return SavedSums(sums, dim_x, header)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import io
 import json
 import os
 import threading
@@ -187,21 +188,28 @@ class CachedGenerator(TextToImage):
             return None
         from PIL import Image
 
-        try:
-            with Image.open(path) as img:
+        from capeval_plugins import files
+
+        try:  # by descriptor, no link followed: a cache entry is a file the package wrote
+            with files.Folder.open(path.parent)[0] as folder:
+                data = folder.read(path.name)
+            with Image.open(io.BytesIO(data)) as img:
                 return img.convert("RGB")
-        except OSError:  # a truncated file from a killed run: generate it again
+        except (OSError, files.FileError, TypeError):  # a link, a truncated file from a killed run: generate again
             return None
 
     def _write(self, path: Path, image, caption: str, seed: int) -> None:
         from PIL.PngImagePlugin import PngInfo
 
-        path.parent.mkdir(parents=True, exist_ok=True)
+        from capeval_plugins import files
+
         info = PngInfo()
         info.add_itxt(_PNG_KEY, json.dumps({"identity": self.identity(), "caption": caption, "seed": seed}))
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp.png")
-        image.save(tmp, format="PNG", pnginfo=info)
-        os.replace(tmp, path)
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG", pnginfo=info)
+        root, _ = files.Folder.open(self.cache_dir, create=True, mine=True)
+        with root, root.sub(path.parent.name, create=True) as folder:
+            folder.write(path.name, buffer.getvalue())  # a new file renamed over: concurrent ranks are safe
 
 
 def read_index(path: str | os.PathLike) -> dict[str, str]:
@@ -212,7 +220,7 @@ def read_index(path: str | os.PathLike) -> dict[str, str]:
     if path.suffix == ".csv":
         import csv
 
-        rows = list(csv.DictReader(text.splitlines()))
+        rows = list(csv.DictReader(io.StringIO(text, newline=""), strict=True))
     elif path.suffix == ".json":
         data = json.loads(text)
         rows = [{"caption": c, "image": i} for c, i in data.items()] if isinstance(data, dict) else data

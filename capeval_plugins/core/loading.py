@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping
@@ -313,10 +314,16 @@ def source_key(name_or_path: str) -> str:
 
 
 def local_path_problem(value: str) -> str | None:
-    """Why ``value``, written as a local path, does not exist; None when it exists or reads as a hub id
-    (``org/name``, ``name``), which only the loader can check."""
-    if os.path.exists(os.path.expanduser(value)):
-        return None
+    """Why ``value``, written as a local path, does not exist or is neither a file nor a folder (a FIFO or a
+    device would block or stream forever when read); None when it is one, or reads as a hub id (``org/name``,
+    ``name``), which only the loader can check."""
+    path = os.path.expanduser(value)
+    if os.path.exists(path):
+        if os.path.isfile(path) or os.path.isdir(path):
+            return None
+        mode = os.stat(path).st_mode
+        kind = "FIFO" if stat.S_ISFIFO(mode) else "device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "socket"
+        return f"{value} is a {kind}, not a file or a folder"
     local = os.path.isabs(value) or value.startswith(("./", "../", "~", ".\\")) or value.count("/") > 1 or "\\" in value
     return f"no such file or folder: {value}" if local else None
 

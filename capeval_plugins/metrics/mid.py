@@ -10,6 +10,7 @@ only the candidate pairs' sums are, so the whole state and a DDP sync are O(D^2)
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
@@ -243,6 +244,10 @@ class MID(Metric):
         Returns the summed statistics."""
         from capeval_plugins.inputs import InputError, check_references, iter_batches, prepare_samples
 
+        if save_to is not None:  # refused now, not after the fit: a link, a folder, the model's own files
+            from capeval_plugins import files
+
+            files.check_output(save_to, [self.config.model] if os.path.exists(self.config.model) else [], "save_to")
         refs = check_references(self.info, references, len(references) if references is not None else 0)
         if refs is None:
             raise InputError("fit_reference needs references")

@@ -54,13 +54,20 @@ def kinds() -> list[str]:
 
 
 def build_tiny(kind: str, path: str | Path, seed: int = 0) -> Path:
-    """Build a tiny random checkpoint of ``kind`` into ``path`` (created); deterministic for a seed."""
+    """Build a tiny random checkpoint of ``kind`` into ``path`` (created); deterministic for a seed. It is
+    built in a private staging folder and then moved in: a file of the user's already in ``path`` is never
+    overwritten (the build is refused, naming it); files of an earlier tiny build there are replaced."""
+    from capeval_plugins import files
+
     _load_builders()
     if kind not in _BUILDERS:
         raise KeyError(f"unknown tiny checkpoint {kind!r}; available: {sorted(_BUILDERS)}")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    _BUILDERS[kind](path, seed)
+    with files.Claim(path, "tiny-checkpoint").open().staging(keep_partial=True) as staged:
+        try:
+            _BUILDERS[kind](staged, seed)
+        except RuntimeError as err:  # a partial build (a missing optional package) names where it saved
+            raise RuntimeError(str(err).replace(str(staged), str(path))) from err
     return path
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 from pathlib import Path
+
+from capeval_plugins import files
 
 from capeval_plugins.testing.clip import clip_image_processor
 from capeval_plugins.testing.vision_language import LLAVA_15_TEMPLATE, MISTRAL_LLAVA_TEMPLATE  # noqa: F401 (re-exported)
@@ -51,6 +52,12 @@ QWEN_VOCAB = 152064   # Qwen1.5-72B (llava-hf/llava-next-72b-hf), Qwen2-VL-7B
 # --- tokenizers ------------------------------------------------------------------------------------------------
 
 
+def _into(path: str | Path):
+    """A private staging folder whose files are moved into ``path`` (made if missing) when the block ends: a
+    file of the user's already there is never overwritten (see :meth:`capeval_plugins.files.Claim.staging`)."""
+    return files.Claim(path, "tiny-checkpoint").open().staging()
+
+
 def sentencepiece_tokenizer(model_file: str | Path, path: str | Path, chat_template: str | None = None,
                             image_token: str | None = "<image>", pad_token: str | None = "<pad>"):
     """A SentencePiece ``tokenizer.model`` (Llama 2, Mistral 7B) as a transformers ``LlamaTokenizer`` saved in
@@ -59,20 +66,20 @@ def sentencepiece_tokenizer(model_file: str | Path, path: str | Path, chat_templ
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(model_file, path / "tokenizer.model")
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "add_eos_token": False, "padding_side": "left"}))
-    tok = AutoTokenizer.from_pretrained(str(path))
-    if image_token:
-        tok.add_tokens([AddedToken(image_token, special=True, normalized=False)], special_tokens=True)
-    if pad_token:
-        tok.add_special_tokens({"pad_token": pad_token})
-    if chat_template:
-        tok.chat_template = chat_template
-    tok.save_pretrained(str(path))
+    with _into(path) as staged:
+        with files.Folder.open(staged)[0] as folder:
+            folder.write("tokenizer.model", files.read_input(model_file, "tokenizer.model"))
+            folder.write("tokenizer_config.json", json.dumps({
+                "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                "add_bos_token": True, "add_eos_token": False, "padding_side": "left"}).encode())
+        tok = AutoTokenizer.from_pretrained(str(staged))
+        if image_token:
+            tok.add_tokens([AddedToken(image_token, special=True, normalized=False)], special_tokens=True)
+        if pad_token:
+            tok.add_special_tokens({"pad_token": pad_token})
+        if chat_template:
+            tok.chat_template = chat_template
+        tok.save_pretrained(str(staged))
     return tok
 
 
@@ -139,9 +146,8 @@ def qwen_tokenizer(tiktoken_file: str | Path, path: str | Path, special_tokens: 
             raise RuntimeError(f"{t} got id {tok.convert_tokens_to_ids(t)}, expected {len(ranks) + i}")
     if chat_template:
         tok.chat_template = chat_template
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(path))
+    with _into(path) as staged:
+        tok.save_pretrained(str(staged))
     return tok
 
 
@@ -165,18 +171,18 @@ def build_llava(path: str | Path, tokenizer, seed: int = 0) -> Path:
     import torch
     from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
-    path = Path(path)
     tokenizer.chat_template = LLAVA_15_TEMPLATE
     config = LlavaConfig(text_config=_tiny_text("llama", LLAVA_VOCAB, tokenizer), vision_config=_VISION,
                          image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
                          vision_feature_select_strategy="default", vision_feature_layer=-2, image_seq_length=16)
     torch.manual_seed(seed)
-    LlavaForConditionalGeneration(config).save_pretrained(path)
-    image_processor = clip_image_processor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
-                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                   chat_template=LLAVA_15_TEMPLATE).save_pretrained(path)
-    return path
+    with _into(path) as staged:
+        LlavaForConditionalGeneration(config).save_pretrained(staged)
+        image_processor = clip_image_processor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                       chat_template=LLAVA_15_TEMPLATE).save_pretrained(staged)
+    return Path(path)
 
 
 def build_llava_next(path: str | Path, tokenizer, text_model: str, vocab_size: int, chat_template: str,
@@ -187,7 +193,6 @@ def build_llava_next(path: str | Path, tokenizer, text_model: str, vocab_size: i
     from transformers import (LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor,
                               LlavaNextProcessor)
 
-    path = Path(path)
     tokenizer.chat_template = chat_template
     pinpoints = [[32 * h, 32 * w] for h, w in [(1, 2), (2, 1), (2, 2), (3, 1), (1, 3)]]
     extra = dict(sliding_window=None, rope_theta=1e6) if text_model == "mistral" else {}
@@ -196,12 +201,13 @@ def build_llava_next(path: str | Path, tokenizer, text_model: str, vocab_size: i
                              vision_feature_select_strategy="default", vision_feature_layer=-2,
                              image_grid_pinpoints=pinpoints, image_seq_length=16)
     torch.manual_seed(seed)
-    LlavaNextForConditionalGeneration(config).save_pretrained(path)
-    image_processor = LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-                                              image_grid_pinpoints=pinpoints)
-    LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
-                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                       chat_template=chat_template).save_pretrained(path)
-    return path
+    with _into(path) as staged:
+        LlavaNextForConditionalGeneration(config).save_pretrained(staged)
+        image_processor = LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                                  image_grid_pinpoints=pinpoints)
+        LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                           vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                           chat_template=chat_template).save_pretrained(staged)
+    return Path(path)
 
 

@@ -105,12 +105,21 @@ def write_photos(folder: str | Path) -> list[Path]:
     """Write :data:`PHOTOS` into ``folder`` as ``<name>.jpg`` (JPEG quality 95), the images of
     ``examples/photos.jsonl`` (``make demo``). A file already there is kept, never overwritten (the folder may
     be the user's; a second ``make demo`` finds its photos in place). Returns the paths."""
+    import io
+
+    from capeval_plugins import files
+
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{name}.jpg" for name in PHOTOS]
-    for path, name in zip(paths, PHOTOS):
-        if not path.exists():
-            photo(name).save(path, quality=95)
+    with files.Folder.open(folder, create=True)[0] as where:
+        for path, name in zip(paths, PHOTOS):
+            if where.kind(path.name) is None:
+                buffer = io.BytesIO()
+                photo(name).save(buffer, format="JPEG", quality=95)
+                try:  # linked in, never renamed over: whatever appeared meanwhile (a file, a link) stays
+                    where.write(path.name, buffer.getvalue(), replace=False)
+                except FileExistsError:
+                    pass
     return paths
 
 

@@ -140,13 +140,15 @@ def fake_region_dict(rng: np.random.Generator, n_boxes: int, feature_dim: int = 
 
 def save_region_dict(path: str | Path, data: Mapping[str, Any]) -> Path:
     """``data`` as ``.npy`` (``np.save`` of the dict, as the extraction script) or ``.npz`` (by suffix)."""
+    from capeval_plugins import files
+
     path = Path(path)
+    buffer = io.BytesIO()
     if path.suffix == ".npz":
-        np.savez(path, **{k: np.asarray(v) for k, v in data.items()})
+        np.savez(buffer, **{k: np.asarray(v) for k, v in data.items()})
     else:
-        buffer = io.BytesIO()
         np.save(buffer, dict(data), allow_pickle=True)
-        path.write_bytes(buffer.getvalue())
+    files.write_output(path, buffer.getvalue(), what="region features")
     return path
 
 
@@ -155,8 +157,10 @@ def write_region_features(folder: str | Path, names: Iterable[str], boxes: int |
     """One fake feature file per image name (``<name up to the first dot><suffix>``), with a number of boxes
     drawn from ``boxes`` (a count, or an inclusive range). Each image's values depend only on its name and
     ``seed``."""
+    from capeval_plugins import files
+
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    files.Folder.open(folder, create=True)[0].close()
     out = []
     for name in names:
         stem = Path(str(name)).name.split(".")[0]

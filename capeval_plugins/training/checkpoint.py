@@ -1,5 +1,5 @@
-"""Pieces every trained checkpoint directory shares (Rigel's, the MSD aligner's): strict JSON, atomic writes, and
-reading a config whose format and version are checked."""
+"""Pieces every trained checkpoint directory shares (Rigel's, the MSD aligner's): strict JSON, the output folder
+(written through :mod:`capeval_plugins.files`), and reading a config whose format and version are checked."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,8 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+
+from capeval_plugins import files
 
 
 def json_safe(value: Any) -> Any:
@@ -20,11 +22,28 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def atomic_write(path: Path, write) -> None:
-    """``write(tmp)`` next to ``path``, then renamed over it: an interrupted write leaves the old file."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+OUTPUT_KIND = "training"
+
+
+def output_folder(path: str | os.PathLike) -> files.Claim:
+    """A training run's output folder (made if missing), as a :class:`~capeval_plugins.files.Claim`: the
+    checkpoint files and the resumable state are written, replaced and removed through it, so a file of the
+    user's in the folder is never overwritten or deleted (``--overwrite`` discards only the package's own)."""
+    try:
+        return files.Claim(path, OUTPUT_KIND).open()
+    except files.UnsafePath as err:
+        raise FileExistsError(str(err)) from None
+
+
+def tensor_bytes(tensors: dict) -> bytes:
+    """A safetensors file's bytes (written whole through the claim, never by path)."""
+    from safetensors.torch import save
+
+    return save({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+
+
+def json_bytes(value: Any) -> bytes:
+    return (json.dumps(json_safe(value), indent=2) + "\n").encode()
 
 
 def read_checkpoint_config(checkpoint: str | os.PathLike, file: str, format: str, version: int, what: str,

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from capeval_plugins import files
 from capeval_plugins.inputs import iter_batches
+from capeval_plugins.training.checkpoint import tensor_bytes
 from capeval_plugins.training.data import JudgmentSet
 from capeval_plugins.training.model import RigelModel
 from capeval_plugins.training.state import progress_bar, signature
@@ -71,26 +73,31 @@ def cached_shards(folder: Path | None, n: int, compute: Callable[[int, int], dic
     ``keep=False`` (a cache too large to hold in memory) the paths of their files."""
     if shard_size < 1:
         raise ValueError("shard_size must be at least 1")
-    if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "about.json").write_text(json.dumps({"samples": n, "shard_size": shard_size}) + "\n")
+    cache = None
+    if folder is not None:  # a cache folder of the user's: files written by descriptor, never through a link
+        cache, _ = files.Folder.open(folder, create=True, mine=True)
+        cache.write("about.json", (json.dumps({"samples": n, "shard_size": shard_size}) + "\n").encode())
     elif not keep:
         raise ValueError("shards can only be left on disk when there is a folder to write them to")
-    parts: list[dict[str, Tensor] | Path] = []
-    with progress_bar(n, desc, progress, "sample") as bar:
-        for start in range(0, n, shard_size):
-            stop = min(start + shard_size, n)
-            path = None if folder is None else folder / f"shard-{start // shard_size:05d}-{stop - start}.safetensors"
-            part: dict[str, Tensor] | Path | None = None
-            if path is not None and path.is_file():
-                part = _read_shard(path) if keep else (path if _valid(path) else None)
-            if part is None:
-                tensors = compute(start, stop)
-                if path is not None:
-                    _write_shard(path, tensors)
-                part = tensors if keep else path
-            parts.append(part)
-            bar.update(stop - start)
+    try:
+        parts: list[dict[str, Tensor] | Path] = []
+        with progress_bar(n, desc, progress, "sample") as bar:
+            for start in range(0, n, shard_size):
+                stop = min(start + shard_size, n)
+                path = None if folder is None else folder / f"shard-{start // shard_size:05d}-{stop - start}.safetensors"
+                part: dict[str, Tensor] | Path | None = None
+                if cache is not None and cache.kind(path.name) == "file":
+                    part = _read_shard(cache, path.name) if keep else (path if _valid(path) else None)
+                if part is None:
+                    tensors = compute(start, stop)
+                    if cache is not None:
+                        cache.write(path.name, tensor_bytes(tensors))
+                    part = tensors if keep else path
+                parts.append(part)
+                bar.update(stop - start)
+    finally:
+        if cache is not None:
+            cache.close()
     return parts
 
 
@@ -141,18 +148,10 @@ def _valid(path: Path) -> bool:
         return False
 
 
-def _read_shard(path: Path) -> dict[str, Tensor] | None:
-    from safetensors.torch import load_file
+def _read_shard(cache: files.Folder, name: str) -> dict[str, Tensor] | None:
+    from safetensors.torch import load
 
     try:
-        return load_file(str(path))
-    except Exception:  # a shard cut short by an interruption: extract it again
+        return load(cache.read(name))
+    except Exception:  # a shard cut short by an interruption, a link: extract it again
         return None
-
-
-def _write_shard(path: Path, part: dict[str, Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in part.items()}, str(tmp))
-    os.replace(tmp, path)

@@ -30,7 +30,8 @@ from torch import Tensor
 from capeval_plugins.core import heads, loading
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, PromptEnd, VisualInput, is_video, load_lvlm_processor
 from capeval_plugins.core.messages import install_extra
-from capeval_plugins.training.checkpoint import atomic_write, json_safe, read_checkpoint_config
+from capeval_plugins.training.checkpoint import (json_bytes, output_folder, read_checkpoint_config,
+                                                 tensor_bytes)
 
 DEFAULT_BASE_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 LABELS = ("1", "2", "3", "4", "5")
@@ -315,15 +316,12 @@ def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, devic
 def save_checkpoint(path: str | os.PathLike, settings: RigelSettings, head: heads.ScoringHead,
                     peft_model: Any = None, record: dict[str, Any] | None = None) -> Path:
     """Write a checkpoint directory (see the module docstring); files are replaced atomically."""
-    from safetensors.torch import save_file
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in head.state_dict().items()}
-    atomic_write(out / HEAD_FILE, lambda tmp: save_file(state, str(tmp)))
+    out = output_folder(path)
+    state = {k: v.detach().to("cpu", torch.float32) for k, v in head.state_dict().items()}
+    out.write(HEAD_FILE, tensor_bytes(state))
     if peft_model is not None:
-        peft_model.save_pretrained(str(out / ADAPTER_DIR))
-    config = json_safe({"format": FORMAT, "version": FORMAT_VERSION, "settings": settings.to_dict(),
-                        "training": record or {}})
-    atomic_write(out / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
-    return out
+        with out.staging() as staged:  # peft writes by path: into a private folder, then moved in
+            peft_model.save_pretrained(str(staged / ADAPTER_DIR))
+    out.write(CONFIG_FILE, json_bytes({"format": FORMAT, "version": FORMAT_VERSION, "settings": settings.to_dict(),
+                                       "training": record or {}}))
+    return Path(path)

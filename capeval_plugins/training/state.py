@@ -12,7 +12,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -24,62 +23,76 @@ from capeval_plugins.core import heads
 from capeval_plugins.core.correlation import kendall_tau
 from capeval_plugins.inputs import iter_batches, to_batch
 from capeval_plugins.training.data import JudgmentSet
-from capeval_plugins.training.checkpoint import json_safe
+from capeval_plugins.training.checkpoint import json_bytes, output_folder, tensor_bytes
 from capeval_plugins.training.model import CONFIG_FILE, RigelModel
 
 STATE_DIR = "training_state"
 
 
 class RunState:
-    """The resumable state of one training run in ``<out>/training_state``."""
+    """The resumable state of one training run in ``<out>/training_state``, written through the output
+    folder's :class:`~capeval_plugins.files.Claim` (only files it wrote are ever replaced or removed)."""
 
     def __init__(self, out_dir: str | os.PathLike):
+        self.claim = output_folder(out_dir)
         self.dir = Path(out_dir) / STATE_DIR
-        self._tmp = self.dir.with_name(STATE_DIR + ".tmp")
-        self._old = self.dir.with_name(STATE_DIR + ".old")
+        self._tmp, self._old = STATE_DIR + ".tmp", STATE_DIR + ".old"
 
-    def _current(self) -> Path | None:
-        if (self.dir / "record.json").is_file():
-            return self.dir
-        if (self._old / "record.json").is_file():  # interrupted between the two renames of a save
-            return self._old
+    def _current(self) -> str | None:
+        for name in (STATE_DIR, self._old):  # .old: interrupted between the two renames of a save
+            if self.claim.owns(f"{name}/record.json") and self.claim.read(f"{name}/record.json") is not None:
+                return name
         return None
 
     def exists(self) -> bool:
         return self._current() is not None
 
     def load(self) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict | None]:
-        from safetensors.torch import load_file
+        import io
+
+        from safetensors.torch import load
 
         where = self._current()
         if where is None:
             raise FileNotFoundError(f"no training state in {self.dir}")
-        record = json.loads((where / "record.json").read_text(encoding="utf-8"))
-        tensors = {p.stem: load_file(str(p)) for p in sorted(where.glob("*.safetensors"))}
-        opt = where / "optimizer.pt"
-        optimizer = torch.load(opt, map_location="cpu", weights_only=True) if opt.is_file() else None
+        record = json.loads(self.claim.read(f"{where}/record.json"))
+        tensors = {name[len(where) + 1:-len(".safetensors")]: load(self.claim.read(name))
+                   for name in sorted(self.claim.files)
+                   if name.startswith(where + "/") and name.endswith(".safetensors") and self.claim.read(name) is not None}
+        opt = self.claim.read(f"{where}/optimizer.pt")
+        optimizer = torch.load(io.BytesIO(opt), map_location="cpu", weights_only=True) if opt is not None else None
         return record, tensors, optimizer
 
     def save(self, record: dict[str, Any], tensors: dict[str, dict[str, Tensor]], optimizer: dict | None) -> None:
-        from safetensors.torch import save_file
+        """Write the state beside the current one and swap the two folders, so an interruption leaves one
+        whole state."""
+        import io
 
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        self._tmp.mkdir(parents=True)
-        for name, values in tensors.items():
-            tensors_of = {k: v.detach().cpu().contiguous() for k, v in values.items()}
-            save_file(tensors_of, str(self._tmp / f"{name}.safetensors"))
+        contents = {f"{name}.safetensors": tensor_bytes(values) for name, values in tensors.items()}
         if optimizer is not None:
-            torch.save(optimizer, self._tmp / "optimizer.pt")
-        (self._tmp / "record.json").write_text(json.dumps(json_safe(record), indent=2) + "\n", encoding="utf-8")
-        shutil.rmtree(self._old, ignore_errors=True)
-        if self.dir.exists():
-            os.replace(self.dir, self._old)
-        os.replace(self._tmp, self.dir)
-        shutil.rmtree(self._old, ignore_errors=True)
+            buffer = io.BytesIO()
+            torch.save(optimizer, buffer)
+            contents["optimizer.pt"] = buffer.getvalue()
+        contents["record.json"] = json_bytes(record)
+        self._discard(self._tmp)
+        for name, data in contents.items():
+            self.claim.write(f"{self._tmp}/{name}", data)
+        self._discard(self._old)
+        folder = self.claim.folder
+        names = {d: [n[len(self._tmp):] for n in self.claim.files if n.startswith(self._tmp + "/")]
+                 for d in (STATE_DIR, self._old)}
+        self.claim.own([d + n for d, rest in names.items() for n in rest] + [d + "/" for d in names])
+        if folder.kind(STATE_DIR) == "dir":
+            folder.rename(STATE_DIR, self._old)
+        folder.rename(self._tmp, STATE_DIR)
+        self._discard(self._old)
+
+    def _discard(self, name: str) -> None:
+        self.claim.remove([n for n in self.claim.files if n.startswith(name + "/")] + [name + "/"])
 
     def clear(self) -> None:
-        for path in (self.dir, self._tmp, self._old):
-            shutil.rmtree(path, ignore_errors=True)
+        for name in (STATE_DIR, self._tmp, self._old):
+            self._discard(name)
 
 
 def start_or_resume(out_dir: str | os.PathLike, signature: str, overwrite: bool, *, finished: str = CONFIG_FILE,
@@ -87,7 +100,7 @@ def start_or_resume(out_dir: str | os.PathLike, signature: str, overwrite: bool,
                     ) -> tuple[RunState, tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict | None] | None]:
     """The run's state, and what it holds when an earlier run of the same signature left some (to continue
     from). A different run in the same folder, or a finished ``what`` checkpoint (its ``finished`` file), is
-    refused unless ``overwrite``."""
+    refused unless ``overwrite`` (which discards only what an earlier run of the package wrote)."""
     state = RunState(out_dir)
     if overwrite:
         state.clear()

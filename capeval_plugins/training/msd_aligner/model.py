@@ -40,7 +40,8 @@ from torch import Tensor
 from capeval_plugins.core import loading
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, LocalFeatures, mean_pooled
 from capeval_plugins.core.messages import warn_once
-from capeval_plugins.training.checkpoint import atomic_write, json_safe, read_checkpoint_config
+from capeval_plugins.training.checkpoint import (json_bytes, output_folder, read_checkpoint_config,
+                                                 tensor_bytes)
 from capeval_plugins.training.msd_aligner import (DEFAULT_LLM, DEFAULT_VISION, TEXT_FEATURES, TEXT_POOLINGS,
                                                   VISION_FEATURES)
 
@@ -341,19 +342,15 @@ def load_aligner(checkpoint: str | os.PathLike, spec: EncoderSpec,
 def save_aligner(path: str | os.PathLike, settings: AlignerSettings, projector: torch.nn.Linear, tokenizer: Any,
                  token_table: Tensor | None = None, record: dict[str, Any] | None = None) -> Path:
     """Write an aligner directory (see the module docstring); files are replaced atomically."""
-    from safetensors.torch import save_file
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in projector.state_dict().items()}
-    atomic_write(out / PROJECTOR_FILE, lambda tmp: save_file(state, str(tmp)))
+    if settings.text_features == "input_embeddings" and token_table is None:
+        raise ValueError("an 'input_embeddings' aligner needs the LLM's input-embedding table")
+    out = output_folder(path)
+    state = {k: v.detach().to("cpu", torch.float32) for k, v in projector.state_dict().items()}
+    out.write(PROJECTOR_FILE, tensor_bytes(state))
     if settings.text_features == "input_embeddings":
-        if token_table is None:
-            raise ValueError("an 'input_embeddings' aligner needs the LLM's input-embedding table")
-        table = {"weight": token_table.detach().cpu().contiguous()}
-        atomic_write(out / TOKENS_FILE, lambda tmp: save_file(table, str(tmp)))
-    tokenizer.save_pretrained(str(out / TOKENIZER_DIR))
-    config = json_safe({"format": FORMAT, "version": FORMAT_VERSION, "settings": settings.to_dict(),
-                        "training": record or {}})
-    atomic_write(out / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
-    return out
+        out.write(TOKENS_FILE, tensor_bytes({"weight": token_table}))
+    with out.staging() as staged:  # the tokenizer writes by path: into a private folder, then moved in
+        tokenizer.save_pretrained(str(staged / TOKENIZER_DIR))
+    out.write(CONFIG_FILE, json_bytes({"format": FORMAT, "version": FORMAT_VERSION, "settings": settings.to_dict(),
+                                       "training": record or {}}))
+    return Path(path)
