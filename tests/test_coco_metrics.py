@@ -199,22 +199,25 @@ def test_untokenised_text_equals_pycocoevalcap_given_the_same_text(coco_meteor):
 
 
 @needs_java
-def test_meteor_takes_the_full_paraphrase_table_for_its_placeholder_word(coco_meteor):
+def test_meteor_takes_the_full_paraphrase_table_for_references_with_its_placeholder_word(coco_meteor):
     """METEOR's normaliser turns "DOTMULTI" (also written with dots inside) into dots, joining what was around
-    it ("dogDOTMULTIs" reads "dog.s"): text holding it gets the full table, and the jar's own scores."""
+    it ("dogDOTMULTIs" reads "dog.s"): references holding it get the full paraphrase table; candidates may hold
+    it (a paraphrase match needs a phrase of a reference). The jar's own scores either way."""
     from capeval_plugins.core import meteor_table
     from capeval_plugins.metrics.coco import meteor_jar
 
     cands = ["a dogDOTMULTIs run", "two D.O.T.M.U.L.T.I. cats", "a dog runs"]
     refs = [["dogs run on grass"], ["two cats sit"], ["a dog is running"]]
     for text in cands[:2]:
-        assert meteor_table.select(meteor_jar(), [text, "a dog"]).reason.endswith("placeholder DOTMULTI")
-    assert meteor_table.select(meteor_jar(), cands[2:] + refs[2]).index is not None
-    ours = capeval_plugins.load("meteor", tokenize=False)(None, cands, refs)
-    score, items = direct(coco_meteor, cands, refs, tokenize=False)
-    assert_equal_to_1e12(ours.score, score)
-    assert_equal_to_1e12(ours.scores.numpy(), items)
-    assert java.METEOR.used == "full"
+        assert meteor_table.phrases(meteor_jar(), [text], ["a dog"]).reason.endswith("placeholder DOTMULTI")
+        assert meteor_table.phrases(meteor_jar(), ["a dog"], [text]).index is not None
+    java.METEOR.reset()
+    for cands, refs, table in ((cands, refs, "corpus"), ([r[0] for r in refs], [[c] for c in cands], "full")):
+        ours = capeval_plugins.load("meteor", tokenize=False)(None, cands, refs)
+        assert java.METEOR.used == table and (table == "corpus" or "DOTMULTI" in java.METEOR.full_reason)
+        score, items = direct(coco_meteor, cands, refs, tokenize=False)
+        assert_equal_to_1e12(ours.score, score)
+        assert_equal_to_1e12(ours.scores.numpy(), items)
     # the option: the jar's own table for any corpus
     full = capeval_plugins.load("meteor", tokenize=False, paraphrases="full")(None, cands[2:], refs[2:])
     assert java.METEOR.used == "full" and java.METEOR.table is None

@@ -156,6 +156,9 @@ def test_selection_keeps_exactly_the_entries_whose_phrases_both_occur(tmp_path):
     assert got.tolist() == expected and 0 < len(expected) < len(lines) // 3
     kept = index.entry_bytes(got).decode().split("\n")[:-1]
     assert kept == [line for k in expected for line in lines[3 * k:3 * k + 3]]  # byte for byte, in file order
+    either = [k for k in range(len(lines) // 3)
+              if brute_core(lines[3 * k + 1]) in grams or brute_core(lines[3 * k + 2]) in grams]
+    assert index.select_either(mt.corpus_grams(texts, most).hashes).tolist() == either and len(either) > len(got)
 
 
 # ---------------------------------------------------------------------------------------------- the jar
@@ -182,13 +185,15 @@ def test_the_real_tables_index_holds_its_entries_core_strings(real_index):
 
     rng = np.random.default_rng(0)
     sample = np.sort(rng.choice(real_index.entries, 4000, replace=False))
-    position = np.empty(real_index.entries, dtype=np.int64)
-    position[real_index.arrays["a_entry"]] = np.arange(real_index.entries)
+    position = {}
+    for side in "ab":
+        position[side] = np.empty(real_index.entries, dtype=np.int64)
+        position[side][real_index.arrays[f"{side}_entry"]] = np.arange(real_index.entries)
+        assert np.all(np.diff(real_index.arrays[f"{side}_hash"].astype(np.float64)) >= 0)  # sorted
     for k in sample.tolist():
         _, a, b, _ = real_index.entry_bytes([k]).decode().split("\n")
-        at = position[k]
-        assert real_index.arrays["a_hash"][at] == xxhash.xxh3_64_intdigest(brute_core(a).encode())
-        assert real_index.arrays["b_hash"][at] == xxhash.xxh3_64_intdigest(brute_core(b).encode())
+        assert real_index.arrays["a_hash"][position["a"][k]] == xxhash.xxh3_64_intdigest(brute_core(a).encode())
+        assert real_index.arrays["b_hash"][position["b"][k]] == xxhash.xxh3_64_intdigest(brute_core(b).encode())
 
 
 def java_probe(tmp_path: Path, source: str, *args: str, stdin: str = "") -> str:
@@ -272,17 +277,19 @@ def test_every_normalised_phrase_has_a_core_string_among_the_texts_ngrams():
     assert joined > 500  # tokens that hold separators or joined runs were met
 
 
-def corpus_table_stats(index, segments) -> tuple[list[str], mt.FilteredTable]:
-    """The jar's statistics of ``segments`` on the table cut down to them (a JVM of its own)."""
-    lines = [java.score_line(h, refs) for h, refs in segments]
-    selection = mt.select(jar(), (f for line in lines for f in line.split("|||")[1:]))
-    assert selection.index is index
-    table = index.write(selection.entries)
+def corpus_phrases(segments) -> mt.CorpusPhrases:
+    fields = [java.score_line(h, refs).split("|||") for h, refs in segments]
+    return mt.phrases(jar(), (f for parts in fields for f in parts[1:-1]), (parts[-1] for parts in fields))
+
+
+def table_stats(table: mt.FilteredTable, segments) -> list[str]:
+    """The jar's statistics of ``segments`` with ``table`` (a JVM of its own); the table is removed."""
     jvm = java.MeteorJVM(jar(), table.path)
     try:
-        return jvm.stats(lines), table
+        return jvm.stats([java.score_line(h, refs) for h, refs in segments])
     finally:
         jvm.close()
+        table.remove()
 
 
 def full_table_stats(coco_meteor, segments) -> list[str]:
@@ -305,9 +312,16 @@ def tricky_segments(seed: int, n: int) -> list[tuple[str, list[str]]]:
 @needs_java
 def test_the_jar_answers_the_same_with_the_corpus_table_on_tricky_captions(real_index, coco_meteor):
     segments = tricky_segments(0, 300)
-    ours, table = corpus_table_stats(real_index, segments)
-    table.remove()
-    assert ours == full_table_stats(coco_meteor, segments)
+    corpus = corpus_phrases(segments)
+    assert corpus.index is real_index
+    assert table_stats(real_index.table_for(corpus), segments) == full_table_stats(coco_meteor, segments)
+    # candidates outside the argument (other scripts, the placeholder): the table for the references serves
+    rng = random.Random(1)
+    outside = ["\u4e2d\u6587", "dogDOTMULTIs", "\u0130stanbul", "x\u0301", "U.S.\U0001f600"]
+    odd = [(f"{h} {rng.choice(outside)} {h}", refs) for h, refs in segments[:150]]
+    corpus = corpus_phrases(odd)
+    assert corpus.grams() is None and corpus.references is not None
+    assert table_stats(real_index.table_for_references(corpus.references), odd) == full_table_stats(coco_meteor, odd)
     # and through the metric, per sample and corpus, against pycocoevalcap's own loop
     java.METEOR.reset()
     cands, refs = [h for h, _ in segments], [r for _, r in segments]
@@ -361,19 +375,13 @@ def test_the_jar_answers_the_same_with_the_corpus_table_on_its_own_paraphrases(r
     full = full_table_stats(coco_meteor, segments)
     paraphrased = sum(sum(float(x) for x in stats.split()[16:20]) > 0 for stats in full)  # stage 4: paraphrase
     assert paraphrased > 100
-    ours, table = corpus_table_stats(real_index, segments)
-    table.remove()
-    assert ours == full
+    corpus = corpus_phrases(segments)
+    tight, either = real_index.table_for(corpus), real_index.table_for_references(corpus.references)
+    assert len(tight.entries) < len(either.entries)
+    assert table_stats(tight, segments) == full
+    assert table_stats(either, segments) == full  # the table for these references and any candidates
     # the check has teeth: every other kept entry dropped changes some statistics
-    lines = [java.score_line(h, refs) for h, refs in segments]
-    selection = mt.select(jar(), (f for line in lines for f in line.split("|||")[1:]))
-    half = real_index.write(selection.entries[::2])
-    jvm = java.MeteorJVM(jar(), half.path)
-    try:
-        assert jvm.stats(lines) != full
-    finally:
-        jvm.close()
-        half.remove()
+    assert table_stats(real_index.write(tight.entries[::2], corpus.references), segments) != full
 
 
 # ---------------------------------------------------------------------------------------------- the JVMs
@@ -398,26 +406,36 @@ def fake_jvms(tmp_path, monkeypatch):
     java.METEOR.reset()
 
 
-def test_jvms_are_kept_while_their_table_serves_and_replaced_by_the_union_when_not(fake_jvms):
+def test_jvms_are_kept_while_their_table_serves_and_a_validation_loop_starts_one_more(fake_jvms):
     fake_jar, starts = fake_jvms
     first = [("a dog runs on the grass", ["a big dog plays"]), ("two kids", ["two kids play"])]
     java.METEOR.score(fake_jar, first)
     assert len(starts) == 1 and starts[0] is not None and java.METEOR.used == "corpus"
     table = java.METEOR.table
+    assert not table.any_hypothesis
     java.METEOR.score(fake_jar, first[:1])  # needs no entry the table lacks: the same JVM
     assert len(starts) == 1 and java.METEOR.table is table
-    java.METEOR.score(fake_jar, [("U.S. caf\u00e9", ["an e-mail from the US"])])  # new phrases: a new JVM
-    assert len(starts) == 2 and not os.path.exists(table.path)
-    assert set(table.entries) < set(java.METEOR.table.entries)  # the union: the first corpus is served too
+    # the next epoch: new captions of the same images; the table for their references and any captions
+    java.METEOR.score(fake_jar, [("U.S. caf\u00e9 e-mail", ["a big dog plays"]), ("a red car", ["two kids play"])])
+    assert len(starts) == 2 and not os.path.exists(table.path) and java.METEOR.table.any_hypothesis
+    rng = random.Random(0)
+    for epoch in range(5):  # later epochs: kept, whatever the captions
+        captions = [" ".join(rng.choices(WORDS + ["us", "1,000", "don't", "Dog"], k=5)) for _ in first]
+        java.METEOR.score(fake_jar, [(c, refs) for c, (_, refs) in zip(captions, first)])
     java.METEOR.score(fake_jar, first)
     assert len(starts) == 2
+    java.METEOR.score(fake_jar, [("a dog", ["an e-mail from the US"])])  # new references: their union
+    assert len(starts) == 3  # ... and still the first references
+    assert java.METEOR.table.serves(mt.phrases(fake_jar, ["a big dog plays", "two kids play"], ["anything at all"]))
     java.METEOR.score(fake_jar, first, paraphrases="full")  # asked for: the jar's own table
-    assert len(starts) == 3 and starts[-1] is None and java.METEOR.used == "full"
+    assert len(starts) == 4 and starts[-1] is None and java.METEOR.used == "full"
     java.METEOR.score(fake_jar, [("a red car", ["a car"])])  # the full table serves every corpus
-    assert len(starts) == 3 and java.METEOR.used == "full"
-    java.METEOR.stop()
-    java.METEOR.score(fake_jar, [("a \u4e2d\u6587 caption", ["x"])])  # outside the argument: the full table
-    assert starts[-1] is None and "character" in java.METEOR.full_reason
+    assert len(starts) == 4 and java.METEOR.used == "full"
+    java.METEOR.reset()
+    java.METEOR.score(fake_jar, [("a \u4e2d\u6587 caption", ["a dog"])])  # a candidate outside the argument:
+    assert starts[-1] is not None and java.METEOR.table.any_hypothesis  # the table for any candidates
+    java.METEOR.score(fake_jar, [("a dog", ["a \u4e2d\u6587 caption"])])  # a reference outside: the full table
+    assert starts[-1] is None and "a reference holds the character" in java.METEOR.full_reason
 
 
 def test_after_enough_corpus_tables_the_full_table_is_loaded_for_good(fake_jvms):
@@ -486,7 +504,7 @@ def test_a_new_table_replaces_only_the_packages_old_index_and_a_forged_cache_is_
     monkeypatch.setenv("CAPEVAL_CONFIG_DIR", str(tmp_path / "other-user"))
     with pytest.warns(UserWarning, match="paraphrase index is not available"):
         assert mt.index_for(second) is None
-    assert mt.select(str(tmp_path / "meteor-1.5.jar"), ["a dog"]).index is None  # no table there: full
+    assert mt.phrases(str(tmp_path / "meteor-1.5.jar"), ["a dog"], ["a cat"]).index is None  # no table there
 
 
 def test_the_cache_follows_capeval_cache_then_xdg(monkeypatch, tmp_path):

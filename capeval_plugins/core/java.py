@@ -27,8 +27,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-import numpy as np
-
 from capeval_plugins.core.messages import ExternalToolError
 
 QUIET_ENV = "CAPEVAL_QUIET"          # set by `capeval ... --quiet`: the Java tools' own lines are not shown
@@ -373,13 +371,14 @@ MAX_CORPUS_TABLES = 8  # JVMs started on a corpus's table in one process before 
 class MeteorPool:
     """The process's METEOR JVMs, started on first use and kept until exit; one scoring at a time.
 
-    Their paraphrase table (:mod:`capeval_plugins.core.meteor_table`) is, by default, the entries the corpus
-    can use (the same scores; loading it costs the JVM a fraction of a second instead of 6-7 s). JVMs are kept
-    while their table serves the next corpus: the full table always does, and a corpus's table does when it
-    holds every entry the next corpus needs. Otherwise they are replaced by JVMs on the union of both tables,
-    so a validation loop scoring new captions every epoch soon stops replacing them; after
-    :data:`MAX_CORPUS_TABLES` such starts in one process (about the CPU of one full load) the next JVM loads
-    the full table and serves everything after."""
+    Their paraphrase table (:mod:`capeval_plugins.core.meteor_table`) is, by default, the entries the first
+    corpus can use (the same scores; loading it costs the JVM half a second instead of 6-7 s). JVMs are kept
+    while their table serves the next corpus: the full table always does, a corpus's table does when it holds
+    every entry the next corpus can use. When it does not, the next JVMs load every entry with a phrase among
+    the references seen so far (a match needs one phrase in a reference): that table serves those references
+    with any candidates, so a validation loop scoring new captions of the same images every epoch starts one
+    more JVM, on its second epoch, and keeps it. After :data:`MAX_CORPUS_TABLES` starts in one process (about
+    the CPU of one full load) the next JVM loads the full table and serves everything after."""
 
     def __init__(self) -> None:
         self.jvms: list[MeteorJVM] = []
@@ -444,19 +443,22 @@ class MeteorPool:
             return
         from capeval_plugins.core import meteor_table
 
-        fields = (field for line in lines for field in line.split("|||")[1:])  # what the jar scores, as it splits
-        selection = meteor_table.select(jar, fields)
-        if selection.index is None:
-            return self._use(None, selection.reason)
-        if running and self.table.covers(selection.index.source, selection.entries):
+        fields = [line.split("|||") for line in lines]  # as the jar splits them: SCORE, references, hypothesis
+        corpus = meteor_table.phrases(jar, (f for parts in fields for f in parts[1:-1]), (p[-1] for p in fields))
+        if corpus.index is None:
+            return self._use(None, corpus.reason)
+        if running and self.table.serves(corpus):
             self.used = "corpus"
             return
         if self.corpus_tables >= MAX_CORPUS_TABLES:
             return self._use(None, f"{MAX_CORPUS_TABLES} corpus tables were loaded in this process already")
-        entries = selection.entries
-        if self.table is not None and self.table.source == selection.index.source:
-            entries = np.union1d(self.table.entries, entries)
-        self._use(selection.index.write(entries), "")
+        prior = self.table if self.table is not None and self.table.source == corpus.index.source else None
+        if prior is None and corpus.grams() is not None:
+            table = corpus.index.table_for(corpus)
+        else:  # a second corpus (a loop, maybe), or hypotheses outside the argument: any hypotheses
+            references = corpus.references if prior is None else meteor_table.union(prior.references, corpus.references)
+            table = corpus.index.table_for_references(references)
+        self._use(table, "")
         self.corpus_tables += 1
 
     def _use(self, table, reason: str) -> None:

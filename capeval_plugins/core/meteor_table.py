@@ -153,6 +153,36 @@ def _hashes(strings: Iterable[bytes], count: int = -1) -> np.ndarray:
     return np.fromiter(map(xxhash.xxh3_64_intdigest, strings), dtype=np.uint64, count=count)
 
 
+def distinct(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` by sorting (numpy 2's hashing ``unique`` is 20 times slower on 64-bit hashes)."""
+    values = np.sort(values)
+    return values[np.concatenate(([True], values[1:] != values[:-1]))] if len(values) else values
+
+
+def union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return distinct(np.concatenate((a, b)))
+
+
+EMPTY = _hashes([b""])  # the core string of a phrase of punctuation alone: in every corpus
+MEMO_TEXTS = 200_000     # texts whose hashed core strings are remembered (a validation loop's references)
+_memo: dict[tuple[str, int], np.ndarray | None] = {}
+
+
+def text_grams(text: str, max_n: int) -> np.ndarray | None:
+    """The hashes of :func:`text_ngrams` (remembered: the references of a validation loop come back every
+    epoch)."""
+    key = (text, max_n)
+    found = _memo.get(key, False)
+    if found is not False:
+        return found
+    grams = text_ngrams(text, max_n)
+    hashes = None if grams is None else _hashes((g.encode("utf-8") for g in grams), len(grams))
+    if len(_memo) >= MEMO_TEXTS:
+        _memo.clear()
+    _memo[key] = hashes
+    return hashes
+
+
 @dataclass
 class CorpusGrams:
     """The hashed core strings of a corpus (sorted, unique, the empty string among them), or why there are none."""
@@ -162,14 +192,14 @@ class CorpusGrams:
 
 
 def corpus_grams(texts: Iterable[str], max_n: int) -> CorpusGrams:
-    grams = {""}
+    parts = [EMPTY]
     for text in dict.fromkeys(texts):
-        found = text_ngrams(text, max_n)
-        if found is None:
+        hashes = text_grams(text, max_n)
+        if hashes is None:
             why = unsupported(text) or f"more than {MAX_JOINS} optional joins (or {MAX_NGRAMS} n-grams) in one text"
             return CorpusGrams(None, why)
-        grams.update(found)
-    return CorpusGrams(np.unique(_hashes((g.encode("utf-8") for g in grams), len(grams))))
+        parts.append(hashes)
+    return CorpusGrams(distinct(np.concatenate(parts)))
 
 
 # ---------------------------------------------------------------------------------------------- the table
@@ -202,9 +232,9 @@ def entry_offsets(data: bytes) -> np.ndarray:
 
 
 def build_arrays(data: bytes) -> tuple[dict[str, np.ndarray], int]:
-    """The index of a decompressed table: ``offsets`` (where each entry's three lines start, and the end), A
-    hashes sorted (``a_hash``) with their entries (``a_entry``) and B hashes in the same order (``b_hash``);
-    and the most tokens in one core string."""
+    """The index of a decompressed table: ``offsets`` (where each entry's three lines start, and the end), the
+    hashes of the A core strings sorted (``a_hash``) with their entries (``a_entry``), the same for B; and the
+    most tokens in one core string."""
     if b"\r" in data or b"\x0b" in data or not data.endswith(b"\n"):
         raise ValueError("the paraphrase table is not in the layout the index reads (\\r, \\x0b, or no final line end)")
     data.decode("utf-8")  # the JVM would read malformed bytes as U+FFFD: no index for such a table
@@ -219,21 +249,52 @@ def build_arrays(data: bytes) -> tuple[dict[str, np.ndarray], int]:
         a, b = cores[1::3], cores[2::3]
         a_hash[lo:hi], b_hash[lo:hi] = _hashes(a, hi - lo), _hashes(b, hi - lo)
         most = max(most, max(map(bytes.count, a + b, repeat(b" ")), default=-1) + 1)
-    order = np.argsort(a_hash, kind="stable")
-    return {"offsets": offsets, "a_hash": a_hash[order], "a_entry": order.astype(np.uint32),
-            "b_hash": b_hash[order]}, most
+    arrays = {"offsets": offsets}
+    for side, hashes in (("a", a_hash), ("b", b_hash)):
+        order = np.argsort(hashes, kind="stable")
+        arrays[f"{side}_hash"], arrays[f"{side}_entry"] = hashes[order], order.astype(np.uint32)
+    return arrays, most
+
+
+@dataclass
+class CorpusPhrases:
+    """The hashed core strings a corpus's requests can use: of its references, and (:meth:`grams`) of every
+    text; or (``index`` None) why the corpus gets the full table."""
+
+    index: "ParaphraseIndex | None"
+    references: np.ndarray | None = None
+    hypotheses: Sequence[str] = ()
+    reason: str = ""
+
+    def grams(self) -> np.ndarray | None:
+        """Of every text; None when a hypothesis is outside the argument."""
+        if not hasattr(self, "_grams"):
+            hyps = corpus_grams(self.hypotheses, self.index.max_n).hashes
+            self._grams = None if hyps is None else union(self.references, hyps)
+        return self._grams
 
 
 @dataclass
 class FilteredTable:
-    """A table of some of an index's entries (sorted ids), written for the JVM at ``path``."""
+    """Some entries of an index (sorted ids), written for the JVM at ``path``: those a corpus can use (both
+    phrases among its core strings), or, ``any_hypothesis``, every entry with a phrase among the core strings
+    of ``references`` (a match needs one phrase in a reference, so this table serves those references with any
+    candidates: the captions of a validation loop's next epochs)."""
 
     source: str
     entries: np.ndarray
     path: str
+    references: np.ndarray  # core-string hashes of the references it was made for
+    any_hypothesis: bool = False
 
-    def covers(self, source: str, entries: np.ndarray) -> bool:
-        return source == self.source and bool(np.isin(entries, self.entries, assume_unique=True).all())
+    def serves(self, corpus: CorpusPhrases) -> bool:
+        """Whether it holds every entry ``corpus`` can use."""
+        if corpus.index is None or corpus.index.source != self.source:
+            return False
+        if self.any_hypothesis:
+            return bool(np.isin(corpus.references, self.references, assume_unique=True).all())
+        grams = corpus.grams()
+        return grams is not None and bool(np.isin(corpus.index.select(grams), self.entries, assume_unique=True).all())
 
     def remove(self) -> None:
         from capeval_plugins import files
@@ -255,21 +316,26 @@ class ParaphraseIndex:
         self.arrays = arrays
         self.table = table
 
+    def _having(self, side: str, grams: np.ndarray) -> np.ndarray:
+        """The entries whose ``side`` ("a" or "b") core string is in ``grams`` (sorted hashes)."""
+        hashes = self.arrays[f"{side}_hash"]
+        lo, hi = np.searchsorted(hashes, grams, side="left"), np.searchsorted(hashes, grams, side="right")
+        return self.arrays[f"{side}_entry"][_ranges(lo, hi - lo)].astype(np.int64)
+
     def select(self, grams: np.ndarray) -> np.ndarray:
-        """The ids (in file order) of the entries whose A and B core strings are both in ``grams``."""
-        a_hash, b_hash = self.arrays["a_hash"], self.arrays["b_hash"]
-        lo = np.searchsorted(a_hash, grams, side="left")
-        hi = np.searchsorted(a_hash, grams, side="right")
-        at = _ranges(lo, hi - lo)
-        b = b_hash[at]
-        where = np.minimum(np.searchsorted(grams, b), len(grams) - 1)
-        return np.unique(self.arrays["a_entry"][at[grams[where] == b]].astype(np.int64))
+        """The ids (sorted: file order) of the entries whose A and B core strings are both in ``grams``."""
+        return np.intersect1d(distinct(self._having("a", grams)), distinct(self._having("b", grams)),
+                              assume_unique=True)
+
+    def select_either(self, grams: np.ndarray) -> np.ndarray:
+        """The ids (sorted) of the entries whose A or B core string is in ``grams``."""
+        return union(self._having("a", grams), self._having("b", grams))
 
     def entry_bytes(self, entries: Sequence[int]) -> bytes:
         offsets = self.arrays["offsets"]
         return b"".join(self.table[int(offsets[e]):int(offsets[e + 1])] for e in entries)
 
-    def write(self, entries: np.ndarray) -> FilteredTable:
+    def write(self, entries: np.ndarray, references: np.ndarray, any_hypothesis: bool = False) -> FilteredTable:
         """The entries, in file order and byte for byte, as a gzip table in a new private temporary folder."""
         from capeval_plugins import files
 
@@ -277,7 +343,15 @@ class ParaphraseIndex:
         folder = tempfile.mkdtemp(prefix="capeval-meteor-")
         with files.Folder.open(folder, mine=True)[0] as where:
             where.write("paraphrase.gz", data, replace=False)
-        return FilteredTable(self.source, entries, os.path.join(folder, "paraphrase.gz"))
+        return FilteredTable(self.source, entries, os.path.join(folder, "paraphrase.gz"), references, any_hypothesis)
+
+    def table_for(self, corpus: CorpusPhrases) -> FilteredTable:
+        """The entries ``corpus`` can use (its hypotheses inside the argument: :meth:`CorpusPhrases.grams`)."""
+        return self.write(self.select(corpus.grams()), corpus.references)
+
+    def table_for_references(self, references: np.ndarray) -> FilteredTable:
+        """Every entry with a phrase among ``references`` (core-string hashes): any candidates of them."""
+        return self.write(self.select_either(references), references, any_hypothesis=True)
 
 
 # ---------------------------------------------------------------------------------------------- the cache
@@ -409,29 +483,30 @@ def _build(root: Path, source: str, gz: bytes) -> ParaphraseIndex | None:
 # ---------------------------------------------------------------------------------------------- a corpus
 
 
-@dataclass
-class Selection:
-    """The entries a corpus needs, or (``index`` None) why it gets the full table."""
-
-    index: ParaphraseIndex | None
-    entries: np.ndarray | None = None
-    reason: str = ""
-
-
 def default_table(jar: str) -> Path:
     """The English table the jar loads by default (``data/paraphrase-en.gz`` beside it)."""
     return Path(os.path.dirname(os.path.abspath(jar))) / "data" / "paraphrase-en.gz"
 
 
-def select(jar: str, texts: Iterable[str]) -> Selection:
-    """The paraphrase entries the texts METEOR will read (every field of its requests) can use."""
+_references_memo: dict[str, CorpusGrams] = {}
+
+
+def phrases(jar: str, references: Iterable[str], hypotheses: Iterable[str]) -> CorpusPhrases:
+    """The core strings of the texts METEOR will read (the fields of its requests, as it splits them). Only the
+    references need be inside the argument: a match needs one of its phrases in a reference."""
     table = default_table(jar)
     if not table.is_file():
-        return Selection(None, reason=f"no paraphrase table at {table}")
+        return CorpusPhrases(None, reason=f"no paraphrase table at {table}")
     index = index_for(table)
     if index is None:
-        return Selection(None, reason="no index of the paraphrase table")
-    grams = corpus_grams(texts, index.max_n)
-    if grams.hashes is None:
-        return Selection(None, reason=f"a text holds {grams.reason}")
-    return Selection(index, index.select(grams.hashes))
+        return CorpusPhrases(None, reason="no index of the paraphrase table")
+    references = list(dict.fromkeys(references))
+    key = f"{index.max_n}:{xxhash.xxh3_128_hexdigest(chr(0).join(references).encode('utf-8', 'surrogatepass'))}"
+    refs = _references_memo.get(key)  # a validation loop's references, epoch after epoch
+    if refs is None:
+        refs = corpus_grams(references, index.max_n)
+        _references_memo.clear()
+        _references_memo[key] = refs
+    if refs.hashes is None:
+        return CorpusPhrases(None, reason=f"a reference holds {refs.reason}")
+    return CorpusPhrases(index, refs.hashes, list(hypotheses))
