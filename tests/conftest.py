@@ -3,6 +3,7 @@
 Scores from these models are meaningless; tests check properties that hold for any weights."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -57,6 +58,31 @@ REFERENCES = [
     ["A car parked by a building.", "A red car.", "A vehicle on a street."],
     ["A man sitting on a bench.", "An elderly man rests under a tree."],
 ]
+
+
+def write_corpus(root: Path, n: int = 40) -> tuple[Path, Path, list[dict]]:
+    """``n`` captions over ``n // 2`` PNG files (two captions each, references for the text metrics) and a
+    caption file naming them: the run-folder tests' corpus."""
+    folder = root / "images"
+    folder.mkdir()
+    for k in range(n // 2):
+        random_image(k, size=(30, 28)).save(folder / f"{k:02d}.png")
+    rows = [{"image": f"{i // 2:02d}.png", "caption": f"{CAPTIONS[i % 4]} ({i})",
+             "references": [f"{r} ({i // 2})" for r in REFERENCES[i % 4]]} for i in range(n)]
+    captions = root / "captions.jsonl"
+    captions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return captions, folder, rows
+
+
+class StopAfter:
+    """A ``should_stop`` that says stop on its ``n``-th call (an interruption at a chosen batch)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen = n, 0
+
+    def __call__(self) -> bool:
+        self.seen += 1
+        return self.seen >= self.n
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: int = 300, cwd: str | None = None) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CAPTIONS, PYTHON, REFERENCES, free_port, random_image
+from conftest import CAPTIONS, PYTHON, StopAfter, free_port, random_image, write_corpus
 
 import capeval_plugins
 from capeval_plugins import runner
@@ -31,16 +31,7 @@ N = 40
 
 @pytest.fixture
 def files(tmp_path):
-    """N captions over N // 2 PNG files and a caption file naming them (references for the text metrics)."""
-    folder = tmp_path / "images"
-    folder.mkdir()
-    for k in range(N // 2):
-        random_image(k, size=(30, 28)).save(folder / f"{k:02d}.png")
-    rows = [{"image": f"{i // 2:02d}.png", "caption": f"{CAPTIONS[i % 4]} ({i})",
-             "references": [f"{r} ({i // 2})" for r in REFERENCES[i % 4]]} for i in range(N)]
-    captions = tmp_path / "captions.jsonl"
-    captions.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return captions, folder, rows
+    return write_corpus(tmp_path, N)
 
 
 def cli(args, capsys):
@@ -65,14 +56,6 @@ def clip_cmd(model, files, *extra):
 def tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
-
-class StopAfter:
-    def __init__(self, n: int) -> None:
-        self.n, self.seen = n, 0
-
-    def __call__(self) -> bool:
-        self.seen += 1
-        return self.seen >= self.n
 
 
 def corpus_of(files):

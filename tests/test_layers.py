@@ -1,4 +1,4 @@
-"""Floors only look down: ``core/`` <- ``contract`` / ``inputs`` <- ``runner`` <- adapters, CLI, bench. Every
+"""Floors only look down: ``files`` <- ``core/`` <- ``contract`` / ``inputs`` <- ``runner`` <- adapters, CLI, bench. Every
 import of the package's own modules (at module level or inside a function) is read from the source."""
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ ABOVE_THE_RUNNER = ("capeval_plugins.adapters", "capeval_plugins.cli", "capeval_
                     "capeval_plugins.training")
 # module (or package prefix) -> the modules it must not import
 FORBIDDEN = {
+    # the file layer: the standard library and core.messages' error types only
+    "capeval_plugins.files": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.preflight",
+                              "capeval_plugins.checkpoint", "capeval_plugins.caption_files",
+                              "capeval_plugins.digests", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
     "capeval_plugins.core": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.runner",
                              *ABOVE_THE_RUNNER),
     "capeval_plugins.contract": ("capeval_plugins.inputs", "capeval_plugins.runner", *ABOVE_THE_RUNNER),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import StopAfter
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -171,14 +172,6 @@ ACTION = st.one_of(
     st.tuples(st.just("tear"), st.tuples(st.sampled_from(STATE), st.floats(0, 1))),
 )
 
-
-class StopAfter:
-    def __init__(self, n: int) -> None:
-        self.n, self.seen = n, 0
-
-    def __call__(self) -> bool:
-        self.seen += 1
-        return self.seen >= self.n
 
 
 def _snapshot(root: Path) -> dict[str, tuple]:

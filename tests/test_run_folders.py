@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CAPTIONS, PYTHON, REFERENCES, random_image
+from conftest import PYTHON, StopAfter, write_corpus
 
 import capeval_plugins
 from capeval_plugins import runner
@@ -27,27 +27,10 @@ INTERRUPT = str(Path(__file__).parent / "helpers" / "interrupt_after.py")
 N = 40
 
 
-class StopAfter:
-    def __init__(self, n: int) -> None:
-        self.n, self.seen = n, 0
-
-    def __call__(self) -> bool:
-        self.seen += 1
-        return self.seen >= self.n
-
 
 @pytest.fixture
 def files(tmp_path):
-    """N captions over N // 2 PNG files (two captions each) and a caption file naming them."""
-    folder = tmp_path / "images"
-    folder.mkdir()
-    for k in range(N // 2):
-        random_image(k, size=(30, 28)).save(folder / f"{k:02d}.png")
-    rows = [{"image": f"{i // 2:02d}.png", "caption": f"{CAPTIONS[i % 4]} ({i})",
-             "references": [f"{r} ({i // 2})" for r in REFERENCES[i % 4]]} for i in range(N)]
-    captions = tmp_path / "captions.jsonl"
-    captions.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return captions, folder, rows
+    return write_corpus(tmp_path, N)
 
 
 def corpus_of(files):
