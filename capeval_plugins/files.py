@@ -26,6 +26,7 @@ import errno
 import hashlib
 import hmac
 import json
+import mmap
 import os
 import secrets as _secrets
 import stat
@@ -430,6 +431,18 @@ class Folder:
         with os.fdopen(fd, "rb") as f:
             return f.read()
 
+    def map(self, name: str) -> mmap.mmap | bytes | None:
+        """The regular file ``name`` mapped read-only (``b""`` when empty), None when it is missing."""
+        try:
+            fd = self._open_file(name, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            return mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
+        finally:
+            os.close(fd)
+
     # -- writing --
 
     def write(self, name: str, data: Data, *, replace: bool = True, scratch: str | None = None,
@@ -682,12 +695,19 @@ class Claim:
                 f.close()
 
     def read(self, name: str) -> bytes | None:
+        return self._look(name, Folder.read)
+
+    def map(self, name: str) -> mmap.mmap | bytes | None:
+        """The file ``name`` mapped read-only (:meth:`Folder.map`), None when it is missing."""
+        return self._look(name, Folder.map)
+
+    def _look(self, name: str, how: Callable[[Folder, str], Any]) -> Any:
         try:
             folder, leaf, opened = self._parent(name, create=False)
         except FileNotFoundError:
             return None
         try:
-            return folder.read(leaf)
+            return how(folder, leaf)
         finally:
             for f in opened:
                 f.close()

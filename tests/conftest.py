@@ -120,6 +120,19 @@ def has_java() -> bool:
     return shutil.which("java") is not None
 
 
+@pytest.fixture(scope="session")
+def coco_meteor():
+    """pycocoevalcap's own METEOR, with the full paraphrase table (its JVM takes seconds to start: one per
+    session), stopped afterwards."""
+    if not has_java():
+        pytest.skip("METEOR needs Java")
+    from pycocoevalcap.meteor.meteor import Meteor
+
+    meteor = Meteor()
+    yield meteor
+    meteor.__del__()
+
+
 PYTHON = sys.executable
 
 
@@ -220,4 +233,13 @@ def private_key_folder(tmp_path_factory):
     subprocesses inherit it."""
     folder = tmp_path_factory.mktemp("capeval-config")
     os.environ["CAPEVAL_CONFIG_DIR"] = str(folder / "capeval_plugins")
+    yield folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_folder(tmp_path_factory):
+    """The package's caches (METEOR's paraphrase index: built once per session, on first use) in a folder of
+    the session, not the real ~/.cache; subprocesses inherit it."""
+    folder = tmp_path_factory.mktemp("capeval-cache")
+    os.environ["CAPEVAL_CACHE"] = str(folder)
     yield folder

@@ -78,18 +78,6 @@ def assert_equal_to_1e12(ours, theirs, what=""):
     assert np.all(np.abs(ours - theirs) <= 1e-12 * np.abs(theirs)), f"{what}: relative difference {worst.max():.1e}"
 
 
-@pytest.fixture(scope="module")
-def coco_meteor():
-    """pycocoevalcap's own METEOR (its JVM takes seconds to start: one per module), stopped afterwards."""
-    if not has_java():
-        pytest.skip("METEOR needs Java")
-    from pycocoevalcap.meteor.meteor import Meteor
-
-    meteor = Meteor()
-    yield meteor
-    meteor.__del__()
-
-
 def pycocoevalcap_all(cands, refs, meteor, tokenize=True) -> dict[str, tuple]:
     """Every classic metric by pycocoevalcap on the same rows: {name: (corpus, per-item)}."""
     from pycocoevalcap.bleu.bleu import Bleu
@@ -138,9 +126,12 @@ def test_bleu_rouge_cider_equal_pycocoevalcap_run_directly_through_batches():
 
 @needs_java
 def test_meteor_equals_pycocoevalcap_and_its_corpus_score_is_its_own_aggregate(coco_meteor):
+    """(pycocoevalcap's METEOR loads the jar's full paraphrase table; ours the entries the corpus can use.)"""
     cands, refs = corpus(12, seed=1)
     cands[7], refs[7] = refs[2][0], [refs[2][0]]  # a perfect one-chunk match: METEOR's sum leaves its chunk out
+    java.METEOR.reset()
     ours = capeval_plugins.load("meteor", batch_size=5)(None, cands, refs)
+    assert java.METEOR.used == "corpus"
     score, items = direct(coco_meteor, cands, refs)
     assert_equal_to_1e12(ours.score, score)
     assert_equal_to_1e12(ours.scores.numpy(), items)
@@ -165,7 +156,9 @@ def test_every_classic_metric_equals_pycocoevalcap_on_flickr8k_expert_rows(coco_
     (benchmarks/peers.py finds all 16,992 rows bit-equal)."""
     cands, refs = flickr8k_rows(40)
     assert len(cands) > 600 and len(set(cands)) < len(cands)
+    java.METEOR.reset()
     ours = assert_all_equal_pycocoevalcap(cands, refs, coco_meteor)
+    assert java.METEOR.used == "corpus"
     assert 0 < ours["bleu4"].score < ours["bleu1"].score < 1 and ours["cider"].scores.std() > 0.1
 
 
@@ -180,7 +173,9 @@ def test_every_classic_metric_equals_pycocoevalcap_on_vatex_eval_nine_references
     cands = [c for v in videos for c in v["cands"]]
     refs = [list(v["refs"][0]) for v in videos for _ in v["cands"]]
     assert {len(r) for r in refs} == {9} and len(cands) == 180
+    java.METEOR.reset()
     assert_all_equal_pycocoevalcap(cands, refs, coco_meteor)
+    assert java.METEOR.used == "corpus"
 
 
 @needs_java
@@ -190,6 +185,7 @@ def test_every_classic_metric_equals_pycocoevalcap_on_random_unicode_captions(se
     dict), and every metric its numbers, on captions of CJK, emoji, combining marks, odd spaces, quotes, pipes."""
     cands, refs = unicode_corpus(60, seed)
     assert_all_equal_pycocoevalcap(cands, refs, coco_meteor)
+    assert java.METEOR.used == "full"  # characters outside what the cut table's argument covers
 
 
 @needs_java
@@ -200,6 +196,32 @@ def test_untokenised_text_equals_pycocoevalcap_given_the_same_text(coco_meteor):
     pieces = [p for p in PIECES if "|||" not in p] + ["  ", "\t"]
     cands, refs = unicode_corpus(40, seed=3, pieces=pieces)
     assert_all_equal_pycocoevalcap(cands, refs, coco_meteor, tokenize=False)
+
+
+@needs_java
+def test_meteor_takes_the_full_paraphrase_table_for_references_with_its_placeholder_word(coco_meteor):
+    """METEOR's normaliser turns "DOTMULTI" (also written with dots inside) into dots, joining what was around
+    it ("dogDOTMULTIs" reads "dog.s"): references holding it get the full paraphrase table; candidates may hold
+    it (a paraphrase match needs a phrase of a reference). The jar's own scores either way."""
+    from capeval_plugins.core import meteor_table
+    from capeval_plugins.metrics.coco import meteor_jar
+
+    cands = ["a dogDOTMULTIs run", "two D.O.T.M.U.L.T.I. cats", "a dog runs"]
+    refs = [["dogs run on grass"], ["two cats sit"], ["a dog is running"]]
+    for text in cands[:2]:
+        assert meteor_table.phrases(meteor_jar(), [text], ["a dog"]).reason.endswith("placeholder DOTMULTI")
+        assert meteor_table.phrases(meteor_jar(), ["a dog"], [text]).index is not None
+    java.METEOR.reset()
+    for cands, refs, table in ((cands, refs, "corpus"), ([r[0] for r in refs], [[c] for c in cands], "full")):
+        ours = capeval_plugins.load("meteor", tokenize=False)(None, cands, refs)
+        assert java.METEOR.used == table and (table == "corpus" or "DOTMULTI" in java.METEOR.full_reason)
+        score, items = direct(coco_meteor, cands, refs, tokenize=False)
+        assert_equal_to_1e12(ours.score, score)
+        assert_equal_to_1e12(ours.scores.numpy(), items)
+    # the option: the jar's own table for any corpus
+    full = capeval_plugins.load("meteor", tokenize=False, paraphrases="full")(None, cands[2:], refs[2:])
+    assert java.METEOR.used == "full" and java.METEOR.table is None
+    assert_equal_to_1e12(full.scores.numpy(), items[2:])
 
 
 def closest_ref_length(refs: list[list[str]], length: int) -> int:

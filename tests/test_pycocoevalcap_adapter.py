@@ -119,12 +119,11 @@ def test_cocoevalcap_dropin_keeps_stock_results_and_feeds_raw_text(tiny_clip, tm
 
 @pytest.mark.java
 @pytest.mark.skipif(not has_java(), reason="METEOR needs Java")
-def test_stock_scorers_return_what_pycocoevalcaps_return():
+def test_stock_scorers_return_what_pycocoevalcaps_return(coco_meteor):
     """COCOEvalCap's stock scorers, capeval's implementation: pycocoevalcap's return shapes and types, its
     values to 1e-12 (bit for bit in practice), on tokenised text as COCOEvalCap hands it over."""
     from pycocoevalcap.bleu.bleu import Bleu
     from pycocoevalcap.cider.cider import Cider
-    from pycocoevalcap.meteor.meteor import Meteor
     from pycocoevalcap.rouge.rouge import Rouge
 
     from capeval_plugins.adapters.pycocoevalcap import _stock_scorers
@@ -135,12 +134,8 @@ def test_stock_scorers_return_what_pycocoevalcaps_return():
     gts = {f"img{i}": [text() for _ in range(rng.randint(1, 5))] for i in range(30)}
     res = {i: [text()] for i in gts}
     res["img3"], gts["img4"] = gts["img3"][:1], list(gts["img5"])  # an exact match, a shared reference list
-    meteor = Meteor()
-    try:
-        theirs = [Bleu(4).compute_score(gts, res, verbose=0), meteor.compute_score(gts, res),
-                  Rouge().compute_score(gts, res), Cider().compute_score(gts, res)]
-    finally:
-        meteor.__del__()
+    theirs = [Bleu(4).compute_score(gts, res, verbose=0), coco_meteor.compute_score(gts, res),
+              Rouge().compute_score(gts, res), Cider().compute_score(gts, res)]
     stock = _stock_scorers(spice=False)
     ours = [stock[0][0].compute_score(gts, res, verbose=0)] + [s.compute_score(gts, res) for s, _ in stock[1:]]
     assert [s.method() for s, _ in stock] == ["Bleu", "METEOR", "Rouge", "CIDEr"]

@@ -191,10 +191,13 @@ class StockBleu:
 
 class StockMeteor:
     """pycocoevalcap's ``Meteor()``: the same jar and command line, on the process's shared JVM, streamed,
-    every wait bounded (:mod:`capeval_plugins.core.java`); ``(corpus float, [per-item floats])``."""
+    every wait bounded (:mod:`capeval_plugins.core.java`); ``(corpus float, [per-item floats])``.
+    ``paraphrases``: the paraphrase table the JVM loads, ``"corpus"`` (the entries the corpus can use) or
+    ``"full"``; the same scores (metric_cards/meteor)."""
 
-    def __init__(self, shared: _StockCorpus | None = None) -> None:
+    def __init__(self, shared: _StockCorpus | None = None, paraphrases: str = "corpus") -> None:
         self.shared = shared or _StockCorpus()
+        self.paraphrases = paraphrases
 
     def compute_score(self, gts, res):
         from capeval_plugins.core import java
@@ -203,7 +206,8 @@ class StockMeteor:
         _, corpus = self.shared.get(gts, res)
         rows = corpus.rows
         return corpus.remember(("meteor",), lambda: java.METEOR.score(meteor_jar(), rows.segments(),
-                                                                        rows.inverse.tolist()))
+                                                                        rows.inverse.tolist(),
+                                                                        paraphrases=self.paraphrases))
 
     def method(self) -> str:
         return "METEOR"

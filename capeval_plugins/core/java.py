@@ -264,11 +264,13 @@ def score_line(hypothesis: str, references: Sequence[str]) -> str:
 
 
 class MeteorJVM:
-    """One METEOR 1.5 JVM (``java -jar meteor-1.5.jar - - -stdio -l en -norm``)."""
+    """One METEOR 1.5 JVM (``java -jar meteor-1.5.jar - - -stdio -l en -norm``, ``-a table``: another
+    paraphrase table than the jar's own)."""
 
-    def __init__(self, jar: str) -> None:
+    def __init__(self, jar: str, table: str | None = None) -> None:
         require_java("METEOR")
-        self.child = JavaProcess(meteor_command(jar), os.path.dirname(os.path.abspath(jar)), "METEOR (Java)")
+        command = meteor_command(jar, table) if table else meteor_command(jar)
+        self.child = JavaProcess(command, os.path.dirname(os.path.abspath(jar)), "METEOR (Java)")
         self.ready = False  # until its first answer: the paraphrase tables are loaded
 
     def _wait(self) -> float:
@@ -311,8 +313,9 @@ class MeteorJVM:
         self.child.close()
 
 
-def meteor_command(jar: str) -> list[str]:
-    return ["java", *METEOR_JVM_FLAGS, METEOR_HEAP, "-jar", os.path.basename(jar), *METEOR_ARGS]
+def meteor_command(jar: str, table: str | None = None) -> list[str]:
+    return ["java", *METEOR_JVM_FLAGS, METEOR_HEAP, "-jar", os.path.basename(jar), *METEOR_ARGS,
+            *(("-a", table) if table else ())]
 
 
 def _summed_stats(stats: Sequence[str], order: Sequence[int]) -> str | None:
@@ -361,34 +364,55 @@ def _is_stats(line: str) -> bool:
     return True
 
 
+PARAPHRASES = ("corpus", "full")  # METEOR's paraphrase table: the entries the corpus can use (the same scores), or all
+MAX_CORPUS_TABLES = 8  # JVMs started on a corpus's table in one process before one loads the full table for good
+
+
 class MeteorPool:
-    """The process's METEOR JVMs, started on first use and kept until exit; one scoring at a time."""
+    """The process's METEOR JVMs, started on first use and kept until exit; one scoring at a time.
+
+    Their paraphrase table (:mod:`capeval_plugins.core.meteor_table`) is, by default, the entries the first
+    corpus can use (the same scores; loading it costs the JVM half a second instead of 6-7 s). JVMs are kept
+    while their table serves the next corpus: the full table always does, a corpus's table does when it holds
+    every entry the next corpus can use. When it does not, the next JVMs load every entry with a phrase among
+    the references seen so far (a match needs one phrase in a reference): that table serves those references
+    with any candidates, so a validation loop scoring new captions of the same images every epoch starts one
+    more JVM, on its second epoch, and keeps it. After :data:`MAX_CORPUS_TABLES` starts in one process (about
+    the CPU of one full load) the next JVM loads the full table and serves everything after."""
 
     def __init__(self) -> None:
         self.jvms: list[MeteorJVM] = []
+        self.table = None  # the FilteredTable the running JVMs loaded; None: the jar's own, full table
+        self.corpus_tables = 0  # JVM starts on a corpus's table in this process
+        self.used = ""  # "corpus" or "full": the table of the last scoring, and why the full one
+        self.full_reason = ""
         self.lock = threading.Lock()
         self._registered = False
 
     def score(self, jar: str, segments: Sequence[tuple[str, Sequence[str]]], rows: Sequence[int] | None = None,
-              jvms: int = 1) -> tuple[float, list[float]]:
+              jvms: int = 1, paraphrases: str = "corpus") -> tuple[float, list[float]]:
         """METEOR of ``segments`` (hypothesis, references): the corpus score (the jar's aggregate over every
         row) and one score per row. ``rows[i]`` is the segment of row ``i`` (default: one row per segment),
-        so a segment repeated in many rows is scored once and counted as often as it occurs."""
+        so a segment repeated in many rows is scored once and counted as often as it occurs.
+        ``paraphrases``: ``"corpus"`` (the table cut down to the corpus) or ``"full"``; the same scores."""
+        if paraphrases not in PARAPHRASES:
+            raise ValueError(f"paraphrases must be one of {PARAPHRASES}, got {paraphrases!r}")
         if not self.lock.acquire(timeout=max(STARTUP_TIMEOUT, timeout())):
             raise ExternalToolError("METEOR: another scoring in this process did not finish")
         try:
-            return self._score(jar, segments, rows, max(1, int(jvms)))
+            return self._score(jar, segments, rows, max(1, int(jvms)), paraphrases)
         except BaseException:
             self.stop(kill=True)  # a JVM that failed or was interrupted mid-protocol is not reused
             raise
         finally:
             self.lock.release()
 
-    def _score(self, jar: str, segments, rows, jvms: int) -> tuple[float, list[float]]:
+    def _score(self, jar: str, segments, rows, jvms: int, paraphrases: str) -> tuple[float, list[float]]:
         lines = [score_line(h, refs) for h, refs in segments]
         index: dict[str, int] = {}
         of_segment = [index.setdefault(line, len(index)) for line in lines]
         distinct = list(index)
+        self._choose_table(jar, distinct, paraphrases)
         self._start(jar, min(jvms, max(1, len(distinct))))
         active = self.jvms[:min(jvms, max(1, len(distinct)))]
         share = -(-len(distinct) // len(active)) if distinct else 0
@@ -407,6 +431,39 @@ class MeteorPool:
         _, scores = active[0].evaluate(stats)  # each distinct segment once
         corpus, _ = active[0].evaluate([total])
         return corpus, [scores[k] for k in order]
+
+    def _choose_table(self, jar: str, lines: Sequence[str], paraphrases: str) -> None:
+        """Keep the running JVMs when their paraphrase table serves ``lines`` (``SCORE`` requests), else stop
+        them and set the table the next ones load (see the class)."""
+        running = any(jvm.alive() for jvm in self.jvms)
+        if paraphrases == "full" and not (running and self.table is None):
+            return self._use(None, "asked for")
+        if running and self.table is None:  # full_reason: why it was loaded
+            self.used = "full"
+            return
+        from capeval_plugins.core import meteor_table
+
+        fields = [line.split("|||") for line in lines]  # as the jar splits them: SCORE, references, hypothesis
+        corpus = meteor_table.phrases(jar, (f for parts in fields for f in parts[1:-1]), (p[-1] for p in fields))
+        if corpus.index is None:
+            return self._use(None, corpus.reason)
+        if running and self.table.serves(corpus):
+            self.used = "corpus"
+            return
+        if self.corpus_tables >= MAX_CORPUS_TABLES:
+            return self._use(None, f"{MAX_CORPUS_TABLES} corpus tables were loaded in this process already")
+        prior = self.table if self.table is not None and self.table.source == corpus.index.source else None
+        if prior is None and corpus.grams() is not None:
+            table = corpus.index.table_for(corpus)
+        else:  # a second corpus (a loop, maybe), or hypotheses outside the argument: any hypotheses
+            references = corpus.references if prior is None else meteor_table.union(prior.references, corpus.references)
+            table = corpus.index.table_for_references(references)
+        self._use(table, "")
+        self.corpus_tables += 1
+
+    def _use(self, table, reason: str) -> None:
+        self.stop()
+        self.table, self.used, self.full_reason = table, "full" if table is None else "corpus", reason
 
     @staticmethod
     def _stats(jvms: list["MeteorJVM"], parts: list[list[str]]) -> list[list[str]]:
@@ -434,18 +491,28 @@ class MeteorPool:
     def _start(self, jar: str, jvms: int) -> None:
         self.jvms = [jvm for jvm in self.jvms if jvm.alive()]
         while len(self.jvms) < jvms:
-            self.jvms.append(MeteorJVM(jar))
+            self.jvms.append(MeteorJVM(jar, self.table.path if self.table is not None else None))
         if not self._registered:
             atexit.register(self.stop)
             self._registered = True
 
+    def reset(self) -> None:
+        """A fresh process's pool: the JVMs stopped, the corpus tables loaded so far forgotten."""
+        with self.lock:
+            self.stop()
+            self.corpus_tables, self.used, self.full_reason = 0, "", ""
+
     def stop(self, kill: bool = False) -> None:
-        """End every JVM: at end of input (they exit when their queue is done), or at once with ``kill``."""
+        """End every JVM: at end of input (they exit when their queue is done), or at once with ``kill``; then
+        remove the paraphrase table written for them."""
         jvms, self.jvms = self.jvms, []
         for jvm in jvms:
             if kill:
                 jvm.child.kill()
             jvm.close()
+        table, self.table = self.table, None
+        if table is not None:
+            table.remove()
 
 
 METEOR = MeteorPool()

@@ -92,9 +92,15 @@ class CiderConfig(CocoConfig):
 
 @dataclass
 class MeteorConfig(CocoConfig):
-    # METEOR JVMs the distinct segments are spread over (each loads the paraphrase tables: seconds of CPU),
-    # then one EVAL over every segment's statistics.
+    # METEOR JVMs the distinct segments are spread over, then one EVAL over every segment's statistics.
     jvms: int = 1
+    # The paraphrase table METEOR's JVM loads: "corpus", the entries the corpus can use (the same scores, a
+    # fraction of a second to load; core/meteor_table.py), or "full", the jar's own (6-7 s of CPU to load).
+    paraphrases: str = "corpus"
+
+    def __post_init__(self) -> None:
+        if self.paraphrases not in java.PARAPHRASES:
+            raise ValueError(f"meteor: paraphrases must be one of {java.PARAPHRASES}, got {self.paraphrases!r}")
 
 
 @contextmanager
@@ -308,7 +314,8 @@ class Meteor(CocoMetric):
 
         def compute():
             try:
-                return java.METEOR.score(meteor_jar(), rows.segments(), rows.inverse.tolist(), jvms=self.config.jvms)
+                return java.METEOR.score(meteor_jar(), rows.segments(), rows.inverse.tolist(), jvms=self.config.jvms,
+                                         paraphrases=self.config.paraphrases)
             except java.ExternalToolError as err:
                 if getattr(err, "segment", None) is not None:  # the unique row it failed on: name a sample of it
                     row = int(np.nonzero(rows.inverse == err.segment)[0][0])

@@ -1,0 +1,515 @@
+"""METEOR's paraphrase table cut down to the corpus (capeval_plugins/core/meteor_table.py) gives the jar's own
+statistics and scores. Checked step by step: the n-gram enumeration against a brute force over every choice of
+joins; the table's core strings against a token-by-token computation; the selection against a brute-force
+filter; the argument's key step against the jar's own normaliser (and its character classes and Java's
+lower-casing, read from the JVM); and the jar's answers with the cut table against pycocoevalcap's METEOR with
+the full table, on captions dense in punctuation and on captions built from the table's own paraphrases.
+Corpora the argument does not cover get the full table; the JVMs are kept while their table serves; the index
+is built once per cache, safely."""
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import PYTHON, has_java
+
+import capeval_plugins
+from capeval_plugins import files
+from capeval_plugins.core import java
+from capeval_plugins.core import meteor_table as mt
+
+needs_java = pytest.mark.skipif(not has_java(), reason="METEOR needs Java")
+SUPPORTED = re.compile(f"[{mt.SUPPORTED}]")
+JOINABLE = set(".'`,-\u2018\u2019")
+MAX_N = 7  # the longest phrase of METEOR's English table, in tokens
+
+
+def is_alnum(ch: str) -> bool:
+    """The normaliser's alphanumerics (Normalizer.alnum: 0-9A-Za-zŠŽšžŸÀ-ÖØ-öø-ž, Latin part), written apart."""
+    o = ord(ch)
+    return ch.isascii() and ch.isalnum() or 0xC0 <= o <= 0xD6 or 0xD8 <= o <= 0xF6 or 0xF8 <= o <= 0x17E
+
+
+def brute_ngrams(text: str, max_n: int) -> set[str]:
+    """Every n-gram (n <= max_n) of the runs of ``text`` lower-cased, under every choice of joins across the
+    joinable separators: all 2 ** k segmentations, one after the other."""
+    groups = [(alnum, "".join(chars)) for alnum, chars in itertools.groupby(text.lower(), key=is_alnum)]
+    runs = [s for alnum, s in groups if alnum]
+    first = next((k for k, (alnum, _) in enumerate(groups) if alnum), len(groups))
+    gaps = [s for alnum, s in groups[first:] if not alnum][:max(0, len(runs) - 1)]
+    optional = [k for k, gap in enumerate(gaps) if set(gap) <= JOINABLE]
+    out = set()
+    for choice in itertools.product([False, True], repeat=len(optional)):
+        joined = dict(zip(optional, choice))
+        tokens = [runs[0]] if runs else []
+        for k in range(1, len(runs)):
+            if joined.get(k - 1):
+                tokens[-1] += runs[k]
+            else:
+                tokens.append(runs[k])
+        out |= {" ".join(tokens[i:i + n]) for n in range(1, max_n + 1) for i in range(len(tokens) - n + 1)}
+    return out
+
+
+def brute_core(line: str) -> str:
+    """A table phrase's core string, token by token (Java's StringTokenizer splits on space, tab, newline,
+    carriage return and form feed only)."""
+    cores = ["".join(c for c in token if is_alnum(c) or not SUPPORTED.fullmatch(c))
+             for token in re.split("[ \t\n\r\f]+", line)]
+    return " ".join(c for c in cores if c)
+
+
+TRICKY = ["U.S.", "u.s.-based", "1,000", "5'x", "don't", "1990's", "a-.b", "--", "...", "..", "a--b", "e.g.",
+          "Mr.", "''quoted''", "``x''", '"x"', "'single'", "\u2018tick\u2019", "rock\u2019n\u2019roll", "x,y,z",
+          "a.b.c.", "-x-", "(a)", "[b]", "x/y", "&", "#1", "50%", "No. 5", "3.5", "dog's", "dogs'", "O'Neil",
+          "\u201cx\u201d", "a\u2013b", "a\u2014b", "wait\u2026", "Caf\u00e9", "na\u00efve", "\u00c6r\u00f8",
+          "\u0141\u00f3d\u017a", "\u0153uvre", "2\u00d73", "\u00bd", "\xa0", "\xad", "\t", "\f", "A.B", "x.-y"]
+ALPHABET = "abcXYZ019\u00e9\u00c6\u0153\u0141" + ".'`,-\u2018\u2019" + " \t!?\"()/&\u2013\u2026\u201c\xa0\u00d7"
+WORDS = "a dog man woman red ball runs on the grass two kids play house street car big small".split()
+
+
+def tricky_text(rng: random.Random) -> str:
+    """A caption dense in the characters the normaliser joins across or wraps, in words, pieces and noise."""
+    parts = []
+    for _ in range(rng.randint(1, 9)):
+        kind = rng.random()
+        if kind < 0.4:
+            parts.append(rng.choice(TRICKY))
+        elif kind < 0.7:
+            parts.append(rng.choice(WORDS).capitalize() if rng.random() < 0.2 else rng.choice(WORDS))
+        else:
+            parts.append("".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 8))))
+    return "".join(p + rng.choice([" ", " ", " ", "", ".", "-", "'", ","]) for p in parts).strip()
+
+
+# ---------------------------------------------------------------------------------------------- pure Python
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_text_ngrams_are_every_segmentations_ngrams(seed):
+    rng = random.Random(seed)
+    texts = [tricky_text(rng) for _ in range(400)] + ["U.S.-based 1,000 dogs", "a.b.c.d.e", "", "...", "x"]
+    joined = 0
+    for text in texts:
+        got = mt.text_ngrams(text, 4)
+        if got is None:
+            assert mt.unsupported(text) is not None
+            continue
+        if sum(set(gap) <= JOINABLE for gap in re.findall(f"(?<=[{mt.ALNUM}])[^{mt.ALNUM}]+(?=[{mt.ALNUM}])",
+                                                           text.lower())) > 12:
+            continue  # 2 ** k segmentations: too many for the brute force
+        expected = brute_ngrams(text, 4)
+        assert set(got) == expected, text
+        joined += len(expected) > len(brute_ngrams(text.replace(".", " ").replace("-", " ").replace("'", " ")
+                                                   .replace(",", " ").replace("`", " "), 4))
+    assert joined > 50  # the texts do exercise the joins
+
+
+def test_texts_outside_the_argument_are_refused():
+    for text in ["a \u4e2d\u6587 caption", "\u0130stanbul", "DOTMULTI", "a DOT.MULTI. b", "D.O.T.M.U.L.T.I",
+                 "x\u0301", "emoji \U0001f600", "\x0b", "\x1c", "\u2028", "\u03a9"]:
+        assert mt.unsupported(text) is not None and mt.text_ngrams(text, 3) is None, text
+    assert mt.text_ngrams("-".join("abcdefghijklmnopqrstuvwxyz"), 3) is None  # more joins than MAX_JOINS
+    assert mt.unsupported("dotmulti DOT MULTI") is None  # case-sensitive in the jar, and not joined across spaces
+    assert mt.corpus_grams(["a dog", "\u4e2d"], 3).reason.startswith("the character")
+
+
+def test_phrase_cores_equal_a_token_by_token_computation():
+    rng = random.Random(0)
+    alphabet = ALPHABET + "ABC\u00c0\u00d7\u00f7\u00bf\u03b1\u4e2d\x1c;:_"
+    lines = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 20))) for _ in range(3000)]
+    lines += [", . !", "u.s.", " lead and trail ", "a  b", "\u2018x\u2019 \u201cy\u201d \u2013 z\u2026"]
+    lines = [line.replace("\n", " ") for line in lines]
+    assert mt.phrase_cores(("\n".join(lines) + "\n").encode()) == [brute_core(x).encode() for x in lines]
+    assert mt.phrase_cores(b"") == [] and mt.phrase_cores(b"x ,y\n") == [b"x y"]
+
+
+def synthetic_table(rng: random.Random, entries: int) -> bytes:
+    """A paraphrase table in METEOR's layout: phrases of words, punctuation tokens, case, accents."""
+    vocab = WORDS + ["u.s.", "us", "don't", "do", "n't", ",", ".", "'s", "caf\u00e9", "Dog", "1,000", "1000",
+                     "e-mail", "email", "\u03b1\u03b2", "x\u0301"]
+    phrase = lambda: " ".join(rng.choice(vocab) for _ in range(rng.randint(1, 4)))  # noqa: E731
+    return "".join(f"{rng.random()}\n{phrase()}\n{phrase()}\n" for _ in range(entries)).encode()
+
+
+def test_selection_keeps_exactly_the_entries_whose_phrases_both_occur(tmp_path):
+    rng = random.Random(1)
+    data = synthetic_table(rng, 5000)
+    arrays, most = mt.build_arrays(data)
+    index = mt.ParaphraseIndex("test", {"entries": len(arrays["offsets"]) - 1, "max_cores": most}, arrays, data)
+    lines = data.decode().split("\n")
+    texts = [" ".join(rng.choice(WORDS + ["U.S.", "don't", "1,000", "e-mail", "Caf\u00e9"])
+                      for _ in range(rng.randint(1, 6))) for _ in range(60)]
+    grams = set().union(*(brute_ngrams(t, most) for t in texts)) | {""}
+    expected = [k for k in range(len(lines) // 3)
+                if brute_core(lines[3 * k + 1]) in grams and brute_core(lines[3 * k + 2]) in grams]
+    got = index.select(mt.corpus_grams(texts, most).hashes)
+    assert got.tolist() == expected and 0 < len(expected) < len(lines) // 3
+    kept = index.entry_bytes(got).decode().split("\n")[:-1]
+    assert kept == [line for k in expected for line in lines[3 * k:3 * k + 3]]  # byte for byte, in file order
+    either = [k for k in range(len(lines) // 3)
+              if brute_core(lines[3 * k + 1]) in grams or brute_core(lines[3 * k + 2]) in grams]
+    assert index.select_either(mt.corpus_grams(texts, most).hashes).tolist() == either and len(either) > len(got)
+
+
+# ---------------------------------------------------------------------------------------------- the jar
+
+
+def jar() -> str:
+    from capeval_plugins.metrics.coco import meteor_jar
+
+    return meteor_jar()
+
+
+@pytest.fixture(scope="module")
+def real_index():
+    """The index of METEOR's own English table (built in the session's cache on first use)."""
+    if not has_java():
+        pytest.skip("METEOR needs Java")
+    index = mt.index_for(mt.default_table(jar()))
+    assert index is not None and index.entries == 5_274_084 and index.max_n == MAX_N
+    return index
+
+
+def test_the_real_tables_index_holds_its_entries_core_strings(real_index):
+    import xxhash
+
+    rng = np.random.default_rng(0)
+    sample = np.sort(rng.choice(real_index.entries, 4000, replace=False))
+    position = {}
+    for side in "ab":
+        position[side] = np.empty(real_index.entries, dtype=np.int64)
+        position[side][real_index.arrays[f"{side}_entry"]] = np.arange(real_index.entries)
+        assert np.all(np.diff(real_index.arrays[f"{side}_hash"].astype(np.float64)) >= 0)  # sorted
+    for k in sample.tolist():
+        _, a, b, _ = real_index.entry_bytes([k]).decode().split("\n")
+        assert real_index.arrays["a_hash"][position["a"][k]] == xxhash.xxh3_64_intdigest(brute_core(a).encode())
+        assert real_index.arrays["b_hash"][position["b"][k]] == xxhash.xxh3_64_intdigest(brute_core(b).encode())
+
+
+def java_probe(tmp_path: Path, source: str, *args: str, stdin: str = "") -> str:
+    """Compile and run a small Java class against METEOR's jar; its output."""
+    if shutil.which("javac") is None:
+        pytest.skip("needs a JDK (javac)")
+    name = re.search(r"class (\w+)", source).group(1)
+    (tmp_path / f"{name}.java").write_text(source, encoding="utf-8")
+    subprocess.run(["javac", "-encoding", "UTF-8", "-cp", jar(), "-d", str(tmp_path), str(tmp_path / f"{name}.java")],
+                   check=True, capture_output=True, timeout=120)
+    out = subprocess.run(["java", "-Dfile.encoding=UTF-8", "-Dsun.stdout.encoding=UTF-8", "-Duser.language=en",
+                          "-cp", f"{tmp_path}{os.pathsep}{jar()}", name, *args], input=stdin.encode(),
+                         capture_output=True, check=True, timeout=120)
+    return out.stdout.decode("utf-8")
+
+
+CLASSES = """
+import edu.cmu.meteor.util.Normalizer;
+import java.lang.reflect.Field;
+import java.util.regex.Pattern;
+public class Classes {
+  public static void main(String[] args) throws Exception {
+    Field f = Normalizer.class.getDeclaredField("alnum"); f.setAccessible(true);
+    Pattern alnum = Pattern.compile("[" + f.get(null) + "]");
+    Field g = Normalizer.class.getDeclaredField("r_sep_other"); g.setAccessible(true);
+    Pattern wrapped = (Pattern) g.get(null);
+    StringBuilder out = new StringBuilder();
+    for (int c = 0; c < 0x2100; c++) {
+      String s = String.valueOf((char) c), low = s.toLowerCase();
+      out.append(c).append(' ').append(alnum.matcher(s).matches() ? 1 : 0).append(' ')
+         .append(wrapped.matcher(s).matches() ? 1 : 0);
+      for (int i = 0; i < low.length(); i++) out.append(' ').append((int) low.charAt(i));
+      out.append('\\n');
+    }
+    System.out.print(out);
+  }
+}
+"""
+
+
+@needs_java
+def test_the_jars_character_classes_and_javas_lower_casing_are_the_arguments(tmp_path):
+    """Read from the JVM: on every supported character, the normaliser's alphanumerics are ALNUM, it wraps in
+    spaces exactly what is neither alphanumeric, whitespace nor joinable, and Java lower-cases it to the one
+    character Python does, of the same class."""
+    checked = 0
+    for line in java_probe(tmp_path, CLASSES).splitlines():
+        code, alnum, wrapped, *low = map(int, line.split())
+        ch = chr(code)
+        if not SUPPORTED.fullmatch(ch):
+            continue
+        checked += 1
+        assert bool(alnum) == is_alnum(ch) == bool(re.fullmatch(f"[{mt.ALNUM}]", ch)), hex(code)
+        assert bool(wrapped) == (not is_alnum(ch) and ch not in " \t\n\r\f" and ch not in JOINABLE), hex(code)
+        assert "".join(map(chr, low)) == ch.lower() and len(ch.lower()) == 1, hex(code)
+        assert is_alnum(ch.lower()) == is_alnum(ch) and SUPPORTED.fullmatch(ch.lower()), hex(code)
+    assert checked == 95 + 4 + 0x17F - 0xA0 - 1 + 7
+
+
+@needs_java
+def test_every_normalised_phrase_has_a_core_string_among_the_texts_ngrams():
+    """The argument's key step against the jar's own normaliser (Normalizer.normalizeLine, as -norm runs it,
+    then lower-cased): every run of at most 7 consecutive normalised tokens has its core string among
+    text_ngrams of the raw text."""
+    rng = random.Random(7)
+    texts = [t for t in (tricky_text(rng) for _ in range(4000)) if mt.text_ngrams(t, MAX_N) is not None]
+    texts += ["The U.S.-based firm's 1,000 dogs... e.g. Mr. Smith a--b a-.b 5'x 1990's ''quoted'' \u2018tick\u2019"]
+    out = subprocess.run(["java", "-Dfile.encoding=UTF-8", "-Dsun.stdout.encoding=UTF-8", "-Duser.language=en",
+                          "-cp", jar(), "edu.cmu.meteor.util.Normalizer", "en", "true"],
+                         input="".join(t + "\n" for t in texts).encode(), capture_output=True, check=True,
+                         timeout=120).stdout.decode("utf-8").split("\n")
+    assert len(out) == len(texts) + 1
+    joined = 0
+    for text, normalised in zip(texts, out):
+        tokens = [t for t in re.split("[ \t\n\r\f]+", normalised.lower()) if t]
+        cores = [c for c in ("".join(ch for ch in t if is_alnum(ch)) for t in tokens) if c]
+        phrases = {" ".join(cores[i:i + n]) for n in range(1, MAX_N + 1) for i in range(len(cores) - n + 1)}
+        assert phrases <= set(mt.text_ngrams(text, MAX_N)), (text, normalised)
+        joined += any(len(re.findall(f"[{mt.ALNUM}]+", t)) > 1 or re.search(r"[.'`,\-]", t)
+                      for t in tokens if re.search(f"[{mt.ALNUM}]", t))
+    assert joined > 500  # tokens that hold separators or joined runs were met
+
+
+def corpus_phrases(segments) -> mt.CorpusPhrases:
+    fields = [java.score_line(h, refs).split("|||") for h, refs in segments]
+    return mt.phrases(jar(), (f for parts in fields for f in parts[1:-1]), (parts[-1] for parts in fields))
+
+
+def table_stats(table: mt.FilteredTable, segments) -> list[str]:
+    """The jar's statistics of ``segments`` with ``table`` (a JVM of its own); the table is removed."""
+    jvm = java.MeteorJVM(jar(), table.path)
+    try:
+        return jvm.stats([java.score_line(h, refs) for h, refs in segments])
+    finally:
+        jvm.close()
+        table.remove()
+
+
+def full_table_stats(coco_meteor, segments) -> list[str]:
+    """pycocoevalcap's METEOR (the jar with its full table), one request at a time."""
+    return [coco_meteor._stat(h, list(refs)) for h, refs in segments]
+
+
+def tricky_segments(seed: int, n: int) -> list[tuple[str, list[str]]]:
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        refs = [tricky_text(rng) for _ in range(rng.randint(1, 4))]
+        hyp = rng.choice([tricky_text(rng), rng.choice(refs).upper(), rng.choice(refs).replace(" ", "-")])
+        segment = (hyp.replace("  ", " "), refs)
+        if all(mt.unsupported(t) is None and "|||" not in t and t.strip() for t in [hyp, *refs]):
+            out.append(segment)
+    return out
+
+
+@needs_java
+def test_the_jar_answers_the_same_with_the_corpus_table_on_tricky_captions(real_index, coco_meteor):
+    segments = tricky_segments(0, 300)
+    corpus = corpus_phrases(segments)
+    assert corpus.index is real_index
+    assert table_stats(real_index.table_for(corpus), segments) == full_table_stats(coco_meteor, segments)
+    # candidates outside the argument (other scripts, the placeholder): the table for the references serves
+    rng = random.Random(1)
+    outside = ["\u4e2d\u6587", "dogDOTMULTIs", "\u0130stanbul", "x\u0301", "U.S.\U0001f600"]
+    odd = [(f"{h} {rng.choice(outside)} {h}", refs) for h, refs in segments[:150]]
+    corpus = corpus_phrases(odd)
+    assert corpus.grams() is None and corpus.references is not None
+    assert table_stats(real_index.table_for_references(corpus.references), odd) == full_table_stats(coco_meteor, odd)
+    # and through the metric, per sample and corpus, against pycocoevalcap's own loop
+    java.METEOR.reset()
+    cands, refs = [h for h, _ in segments], [r for _, r in segments]
+    got = capeval_plugins.load("meteor", tokenize=False)(None, cands, refs)
+    assert java.METEOR.used == "corpus"
+    gts, res = {i: r for i, r in enumerate(refs)}, {i: [c] for i, c in enumerate(cands)}
+    score, items = coco_meteor.compute_score(gts, res)
+    assert got.score == pytest.approx(score, rel=1e-12, abs=0)
+    assert got.scores.numpy() == pytest.approx(np.asarray(items), rel=1e-12, abs=0)
+
+
+def table_phrases(index, rng: np.random.Generator, count: int) -> list[tuple[str, str]]:
+    """(A, B) of random entries of the real table made of lower-case ASCII words."""
+    out = []
+    for k in rng.choice(index.entries, 40 * count, replace=False).tolist():
+        _, a, b, _ = index.entry_bytes([k]).decode().split("\n")
+        if re.fullmatch("[a-z]+( [a-z]+)*", a) and re.fullmatch("[a-z]+( [a-z]+)*", b) and a != b:
+            out.append((a, b))
+    return out[:count]
+
+
+def decorate(words: str, rng: random.Random) -> str:
+    """A phrase as a caption might write it: capitals, dotted abbreviations, hyphens, trailing punctuation."""
+    out = []
+    for word in words.split():
+        r = rng.random()
+        if r < 0.15 and len(word) <= 4:
+            word = ".".join(word.upper()) + "."  # "u.s." style: the normaliser drops the dots
+        elif r < 0.3:
+            word = word.capitalize()
+        elif r < 0.4:
+            word += rng.choice([",", ".", "'s", "!"])
+        out.append(word)
+    sep = " " if rng.random() < 0.7 else "-"
+    return sep.join(out)
+
+
+@needs_java
+def test_the_jar_answers_the_same_with_the_corpus_table_on_its_own_paraphrases(real_index, coco_meteor):
+    """Property-style: captions built from random entries of the table (A in the candidate, B in a reference,
+    dressed with capitals, dots, hyphens and punctuation), so that paraphrase matches happen: the jar's
+    statistics with the cut table are the full table's, and a table missing some of the kept entries is
+    caught."""
+    rng, pick = random.Random(3), np.random.default_rng(3)
+    filler = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 4)))  # noqa: E731
+    segments = []
+    for a, b in table_phrases(real_index, pick, 250):
+        hyp = f"{filler()} {decorate(a, rng)} {filler()}".strip()
+        refs = [f"{filler()} {decorate(b, rng)} {filler()}".strip(), filler() or "a dog"]
+        segments.append((hyp.replace("  ", " "), refs))
+    full = full_table_stats(coco_meteor, segments)
+    paraphrased = sum(sum(float(x) for x in stats.split()[16:20]) > 0 for stats in full)  # stage 4: paraphrase
+    assert paraphrased > 100
+    corpus = corpus_phrases(segments)
+    tight, either = real_index.table_for(corpus), real_index.table_for_references(corpus.references)
+    assert len(tight.entries) < len(either.entries)
+    assert table_stats(tight, segments) == full
+    assert table_stats(either, segments) == full  # the table for these references and any candidates
+    # the check has teeth: every other kept entry dropped changes some statistics
+    assert table_stats(real_index.write(tight.entries[::2], corpus.references), segments) != full
+
+
+# ---------------------------------------------------------------------------------------------- the JVMs
+
+
+@pytest.fixture
+def fake_jvms(tmp_path, monkeypatch):
+    """METEOR's protocol spoken by tests/helpers/fake_meteor.py, beside a small table in METEOR's layout:
+    every JVM start recorded with the table it was given."""
+    folder = tmp_path / "meteor"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "paraphrase-en.gz").write_bytes(gzip.compress(synthetic_table(random.Random(5), 3000)))
+    starts: list[str | None] = []
+
+    def command(jar: str, table: str | None = None) -> list[str]:
+        starts.append(Path(table).read_bytes() if table else None)
+        return [PYTHON, str(Path(__file__).parent / "helpers" / "fake_meteor.py"), "ok", "never"]
+
+    java.METEOR.reset()
+    monkeypatch.setattr(java, "meteor_command", command)
+    yield str(folder / "meteor-1.5.jar"), starts
+    java.METEOR.reset()
+
+
+def test_jvms_are_kept_while_their_table_serves_and_a_validation_loop_starts_one_more(fake_jvms):
+    fake_jar, starts = fake_jvms
+    first = [("a dog runs on the grass", ["a big dog plays"]), ("two kids", ["two kids play"])]
+    java.METEOR.score(fake_jar, first)
+    assert len(starts) == 1 and starts[0] is not None and java.METEOR.used == "corpus"
+    table = java.METEOR.table
+    assert not table.any_hypothesis
+    java.METEOR.score(fake_jar, first[:1])  # needs no entry the table lacks: the same JVM
+    assert len(starts) == 1 and java.METEOR.table is table
+    # the next epoch: new captions of the same images; the table for their references and any captions
+    java.METEOR.score(fake_jar, [("U.S. caf\u00e9 e-mail", ["a big dog plays"]), ("a red car", ["two kids play"])])
+    assert len(starts) == 2 and not os.path.exists(table.path) and java.METEOR.table.any_hypothesis
+    rng = random.Random(0)
+    for epoch in range(5):  # later epochs: kept, whatever the captions
+        captions = [" ".join(rng.choices(WORDS + ["us", "1,000", "don't", "Dog"], k=5)) for _ in first]
+        java.METEOR.score(fake_jar, [(c, refs) for c, (_, refs) in zip(captions, first)])
+    java.METEOR.score(fake_jar, first)
+    assert len(starts) == 2
+    java.METEOR.score(fake_jar, [("a dog", ["an e-mail from the US"])])  # new references: their union
+    assert len(starts) == 3  # ... and still the first references
+    assert java.METEOR.table.serves(mt.phrases(fake_jar, ["a big dog plays", "two kids play"], ["anything at all"]))
+    java.METEOR.score(fake_jar, first, paraphrases="full")  # asked for: the jar's own table
+    assert len(starts) == 4 and starts[-1] is None and java.METEOR.used == "full"
+    java.METEOR.score(fake_jar, [("a red car", ["a car"])])  # the full table serves every corpus
+    assert len(starts) == 4 and java.METEOR.used == "full"
+    java.METEOR.reset()
+    java.METEOR.score(fake_jar, [("a \u4e2d\u6587 caption", ["a dog"])])  # a candidate outside the argument:
+    assert starts[-1] is not None and java.METEOR.table.any_hypothesis  # the table for any candidates
+    java.METEOR.score(fake_jar, [("a dog", ["a \u4e2d\u6587 caption"])])  # a reference outside: the full table
+    assert starts[-1] is None and "a reference holds the character" in java.METEOR.full_reason
+
+
+def test_after_enough_corpus_tables_the_full_table_is_loaded_for_good(fake_jvms):
+    fake_jar, starts = fake_jvms
+    rng = random.Random(0)
+    for k in range(java.MAX_CORPUS_TABLES + 2):
+        java.METEOR.score(fake_jar, [(f"{rng.choice(WORDS)} {k}", [" ".join(rng.sample(WORDS, 3)), str(k)])])
+    assert [s is None for s in starts] == [False] * java.MAX_CORPUS_TABLES + [True]
+    assert java.METEOR.used == "full" and str(java.MAX_CORPUS_TABLES) in java.METEOR.full_reason
+
+
+def test_paraphrases_option_is_checked():
+    with pytest.raises(ValueError, match="paraphrases must be one of"):
+        capeval_plugins.load("meteor", paraphrases="some")
+    with pytest.raises(ValueError, match="paraphrases must be one of"):
+        java.METEOR.score("meteor.jar", [("a", ["b"])], paraphrases="none")
+
+
+# ---------------------------------------------------------------------------------------------- the cache
+
+BUILD_SCRIPT = """
+import sys, warnings
+from capeval_plugins.core import meteor_table as mt
+warnings.simplefilter("error")
+index = mt.index_for(sys.argv[1])
+print(index.entries, index.max_n, index.select(mt.corpus_grams(["a dog runs on the grass"], index.max_n).hashes).tolist())
+"""
+
+
+def test_the_index_is_built_once_per_cache_even_by_processes_building_at_once(tmp_path):
+    table = tmp_path / "paraphrase-en.gz"
+    table.write_bytes(gzip.compress(synthetic_table(random.Random(2), 150_000)))
+    env = {**os.environ, "CAPEVAL_CACHE": str(tmp_path / "cache")}
+    runs = [subprocess.Popen([PYTHON, "-c", BUILD_SCRIPT, str(table)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [run.communicate(timeout=300) for run in runs]
+    assert all(run.returncode == 0 for run in runs), outs
+    assert sum("building METEOR's paraphrase index once" in err for _, err in outs) == 1
+    assert len({out for out, _ in outs}) == 1 and outs[0][0].startswith("150000 4 [")
+    again = subprocess.run([PYTHON, "-c", BUILD_SCRIPT, str(table)], env=env, capture_output=True, text=True,
+                           timeout=300, check=True)
+    assert again.stdout == outs[0][0] and "building" not in again.stderr
+    root = tmp_path / "cache" / "meteor"
+    claim = files.Claim(root, mt.INDEX_KIND).open(create=False)
+    listed = set(claim.files)
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    assert on_disk - listed == {".capeval-owned", mt.LOCK}  # every other file is listed as the package's
+
+
+def test_a_new_table_replaces_only_the_packages_old_index_and_a_forged_cache_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
+    first, second = tmp_path / "one.gz", tmp_path / "two.gz"
+    first.write_bytes(gzip.compress(synthetic_table(random.Random(3), 500)))
+    second.write_bytes(gzip.compress(synthetic_table(random.Random(4), 500)))
+    one = mt.index_for(first)
+    root = tmp_path / "cache" / "meteor"
+    (root / "mine.txt").write_text("the user's")
+    (root / one.source / "notes.txt").write_text("the user's too")
+    two = mt.index_for(second)
+    assert two.source != one.source and (root / "mine.txt").read_text() == "the user's"
+    assert {p.name for p in (root / one.source).iterdir()} == {"notes.txt"}  # only what the package listed went
+    # a marker the package did not write (here: another user's key) makes the cache unusable, not trusted
+    forged = tmp_path / "forged"
+    shutil.copytree(root, forged / "meteor")
+    monkeypatch.setenv("CAPEVAL_CACHE", str(forged))
+    monkeypatch.setenv("CAPEVAL_CONFIG_DIR", str(tmp_path / "other-user"))
+    with pytest.warns(UserWarning, match="paraphrase index is not available"):
+        assert mt.index_for(second) is None
+    assert mt.phrases(str(tmp_path / "meteor-1.5.jar"), ["a dog"], ["a cat"]).index is None  # no table there
+
+
+def test_the_cache_follows_capeval_cache_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "c"))
+    assert mt.cache_dir() == tmp_path / "c" / "meteor"
+    monkeypatch.delenv("CAPEVAL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert mt.cache_dir() == tmp_path / "x" / "capeval_plugins" / "meteor"
