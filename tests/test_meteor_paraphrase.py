@@ -485,6 +485,31 @@ def test_the_index_is_built_once_per_cache_even_by_processes_building_at_once(tm
     assert on_disk - listed == {".capeval-owned", mt.LOCK}  # every other file is listed as the package's
 
 
+def test_a_damaged_index_is_built_again_never_read(tmp_path, monkeypatch, capfd):
+    """A byte flipped anywhere in any file of the cached index (the table, a hash array, the offsets, the
+    metadata) would silently drop or change entries: each is caught when a process opens the index, and the
+    index is rebuilt to the same selection."""
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
+    table = tmp_path / "paraphrase-en.gz"
+    table.write_bytes(gzip.compress(synthetic_table(random.Random(6), 2000)))
+    corpus = mt.corpus_grams(WORDS, 4).hashes
+    mt._loaded.clear()
+    expected = mt.index_for(table).select(corpus).tolist()
+    folder = tmp_path / "cache" / "meteor" / mt.index_for(table).source
+    rng = random.Random(7)
+    for path in sorted(folder.iterdir()):
+        data = bytearray(path.read_bytes())
+        at = rng.randrange(len(data))
+        data[at] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data))
+        mt._loaded.clear()  # a new process
+        capfd.readouterr()
+        index = mt.index_for(table)
+        assert "the one in the cache is damaged" in capfd.readouterr().err, path.name
+        assert index.select(corpus).tolist() == expected, path.name
+        assert bytes(index.table) == gzip.decompress(table.read_bytes())
+
+
 def test_a_new_table_replaces_only_the_packages_old_index_and_a_forged_cache_is_not_used(tmp_path, monkeypatch):
     monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
     first, second = tmp_path / "one.gz", tmp_path / "two.gz"
