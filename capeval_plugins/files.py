@@ -31,6 +31,7 @@ import os
 import secrets as _secrets
 import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
@@ -562,6 +563,20 @@ class Folder:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry, dir_fd=sub.fd)
         self.rmdir(name)
+
+
+def private_folder(prefix: str) -> Path:
+    """A new folder in the system's temporary folder that only this user can enter (mode 0700, a name no one
+    could know before: nothing can be planted in it). Fill it through :class:`Folder`; end it with
+    :func:`remove_private`."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def remove_private(path: str | os.PathLike) -> None:
+    """Remove a :func:`private_folder` and what is in it, following no link."""
+    path = Path(path)
+    with Folder.open(path.parent)[0] as parent:
+        parent.remove_tree(path.name)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -47,7 +47,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -301,11 +300,8 @@ class FilteredTable:
     def remove(self) -> None:
         from capeval_plugins import files
 
-        folder = os.path.dirname(self.path)
         with contextlib.suppress(OSError, files.FileError):
-            with files.Folder.open(folder, mine=True)[0] as where:
-                where.unlink(os.path.basename(self.path))
-            os.rmdir(folder)
+            files.remove_private(os.path.dirname(self.path))
 
 
 class ParaphraseIndex:
@@ -342,7 +338,7 @@ class ParaphraseIndex:
         from capeval_plugins import files
 
         data = gzip.compress(self.entry_bytes(entries), compresslevel=1, mtime=0)
-        folder = tempfile.mkdtemp(prefix="capeval-meteor-")
+        folder = files.private_folder("capeval-meteor-")
         with files.Folder.open(folder, mine=True)[0] as where:
             where.write("paraphrase.gz", data, replace=False)
         return FilteredTable(self.source, entries, os.path.join(folder, "paraphrase.gz"), references, any_hypothesis)
