@@ -118,7 +118,16 @@ def test_texts_outside_the_argument_are_refused():
     for text in ["a \u4e2d\u6587 caption", "\u0130stanbul", "DOTMULTI", "a DOT.MULTI. b", "D.O.T.M.U.L.T.I",
                  "x\u0301", "emoji \U0001f600", "\x0b", "\x1c", "\u2028", "\u03a9"]:
         assert mt.unsupported(text) is not None and mt.text_ngrams(text, 3) is None, text
-    assert mt.text_ngrams("-".join("abcdefghijklmnopqrstuvwxyz"), 3) is None  # more joins than MAX_JOINS
+    assert mt.text_ngrams("-".join(f"w{k}" for k in range(40)), 3) is None  # 40 runs, each join optional: too many
+
+
+def test_a_long_text_with_many_spread_joins_is_inside_the_argument():
+    """A paragraph caption has many joins (U.S., e-mail, don't) but few in any one place: its core strings are
+    enumerated (no full table), and they hold every piece's own."""
+    pieces = [f"the U.S. man's e-mail {k} don't 1,000 dogs" for k in range(40)]  # 160 joins in all
+    got = mt.text_ngrams(" and ".join(pieces), 4)
+    assert got is not None
+    assert set(got) >= set().union(*(brute_ngrams(piece, 4) for piece in pieces))
     assert mt.unsupported("dotmulti DOT MULTI") is None  # case-sensitive in the jar, and not joined across spaces
     assert mt.corpus_grams(["a dog", "\u4e2d"], 3).reason.startswith("the character")
 
