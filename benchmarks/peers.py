@@ -295,8 +295,8 @@ def run_process(command: list[str], env: dict[str, str]) -> tuple[float, float, 
     return wall, cpu, proc.stdout.decode()
 
 
-def coco_part(args) -> None:
-    import json
+def need_pycocoevalcap_and_java() -> None:
+    """Skip a coco part without Java (the PTB tokenizer, METEOR) or pycocoevalcap."""
     import shutil
 
     if shutil.which("java") is None:
@@ -305,6 +305,12 @@ def coco_part(args) -> None:
         import pycocoevalcap  # noqa: F401
     except ImportError as err:
         raise Skip(f"pycocoevalcap is not installed ({err})") from None
+
+
+def coco_part(args) -> None:
+    import json
+
+    need_pycocoevalcap_and_java()
 
     cands, refs = flickr_rows(args.coco_images, args.coco_distinct)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -369,16 +375,10 @@ def stderr_silenced():
 def coco_math_part(args) -> None:
     """BLEU-1..4, ROUGE-L and CIDEr-D alone, in this process, on the same PTB tokens: pycocoevalcap's scorers
     against capeval's implementation (core/coco_text.py, the corpus prepared inside the timing)."""
-    import shutil
-
-    if shutil.which("java") is None:
-        raise Skip("the PTB tokenizer needs Java")
-    try:
-        from pycocoevalcap.bleu.bleu import Bleu
-        from pycocoevalcap.cider.cider import Cider
-        from pycocoevalcap.rouge.rouge import Rouge
-    except ImportError as err:
-        raise Skip(f"pycocoevalcap is not installed ({err})") from None
+    need_pycocoevalcap_and_java()
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
     from capeval_plugins.core.coco_text import CocoCorpus
     from capeval_plugins.metrics.coco import ptb_tokenize
 

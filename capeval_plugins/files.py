@@ -109,22 +109,12 @@ def relative_name(name: str) -> list[str]:
     return parts
 
 
+_KINDS = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "dir"), (stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "FIFO"),
+          (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket"))
+
+
 def _kind(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISCHR(mode):
-        return "character device"
-    if stat.S_ISBLK(mode):
-        return "block device"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    return "special file"
+    return next((name for test, name in _KINDS if test(mode)), "special file")
 
 
 def file_kind(path: str | os.PathLike, follow: bool = True) -> str | None:
