@@ -1,7 +1,6 @@
 """Helpers the benchmark scripts share (run them as ``python benchmarks/<script>.py``)."""
 from __future__ import annotations
 
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,11 +29,11 @@ def timed(fn: Callable[[], Any], repeats: int, device: str = "cpu",
 def random_llava_next(image_size: int = 32) -> str:
     """A random LLaVA-NeXT checkpoint: the tiny test one (32 px tiles) or one with larger tiles (longer
     prompts, more realistic sequence lengths)."""
-    from capeval_plugins.testing import tiny_checkpoint
+    from capeval_plugins.testing import scratch_folder, tiny_checkpoint
     from capeval_plugins.testing.vision_language import build_llava_next
 
     if image_size == 32:
         return str(tiny_checkpoint("llava_next"))
-    path = tempfile.mkdtemp(prefix="capeval-bench-llava-")
+    path = str(scratch_folder("capeval-bench-llava-"))
     build_llava_next(Path(path), 0, image_size=image_size)
     return path

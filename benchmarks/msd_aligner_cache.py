@@ -17,13 +17,12 @@ with a 7B LLM on a GPU the reconstruction dominates, and the cache mainly saves 
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from capeval_plugins.testing import tiny_checkpoint
+from capeval_plugins.testing import scratch_folder, tiny_checkpoint
 from capeval_plugins.training.msd_aligner.model import AlignerSettings
 from capeval_plugins.training.msd_aligner.synthetic import synthetic_captions
 from capeval_plugins.training.msd_aligner.train import AlignerConfig, train_aligner
@@ -55,7 +54,7 @@ def main() -> None:
     settings = AlignerSettings(vision_model=vision, llm=llm)
     data = synthetic_captions(args.pairs, seed=0, size=size)
     config = AlignerConfig(epochs=1, batch_size=args.batch_size, micro_batch_size=args.batch_size)
-    root = Path(tempfile.mkdtemp(prefix="capeval-bench-aligner-"))
+    root = scratch_folder("capeval-bench-aligner-")
     runs = iter(range(10 ** 6))
 
     def epoch(cache: Path | None) -> float:

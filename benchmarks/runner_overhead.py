@@ -19,7 +19,6 @@ import argparse
 import os
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import capeval_plugins
 from capeval_plugins import runner
 from capeval_plugins.contract import finalize_state, full_spec, map_batch, merge_states
 from capeval_plugins.inputs import ImageSource, Samples, iter_batches
+from capeval_plugins.testing import scratch_folder
 
 
 def write_corpus(folder: Path, n_images: int, per_image: int, size: int = 224) -> tuple[list[str], list[str]]:
@@ -115,7 +115,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
-    work = Path(tempfile.mkdtemp(prefix="capeval-runner-bench-"))
+    work = scratch_folder("capeval-runner-bench-")
     images, captions = write_corpus(work, args.images, args.captions_per_image)
     metric = capeval_plugins.load("clipscore", model=args.model, batch_size=args.batch_size)
     metric(images[:4], captions[:4])  # load and warm up

@@ -183,8 +183,10 @@ def flickr8k_rows(n_images: int, long_side: int = 255):
 def large_photos(folder: Path) -> list[Path]:
     """Real photographs larger than 4x a tiny CLIP's 32 px side, several of odd aspect ratios, as JPEG files:
     Grace Hopper at 4000x2667 (12 megapixels; its width does not divide evenly into a processor's resize) and
-    a 4000x700 strip of it, scikit-image's coffee (600x400) and rocket (427x640, portrait), and a 263x1201
-    strip of the motorcycle pair. Needs scikit-image and matplotlib."""
+    a 4000x700 strip of it, scikit-image's coffee (600x400) and rocket (427x640, portrait; its file carries an
+    EXIF orientation tag, 6 = rotate 90 degrees to view, which no entry point applies: the pixels as stored are
+    what Image.open and the papers' code read), and a 263x1201 strip of the motorcycle pair. Needs scikit-image
+    and matplotlib."""
     from capeval_plugins.testing.realistic import photo
 
     hopper = photo("grace_hopper").resize((4000, 2667), Image.LANCZOS)
@@ -196,7 +198,10 @@ def large_photos(folder: Path) -> list[Path]:
     paths = []
     for name, img in images.items():
         paths.append(folder / f"{name}.jpg")
-        img.save(paths[-1], quality=95)
+        exif = Image.Exif()
+        if name == "rocket":
+            exif[0x0112] = 6  # Orientation
+        img.save(paths[-1], quality=95, exif=exif.tobytes())
     return paths
 
 

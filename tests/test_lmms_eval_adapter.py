@@ -296,8 +296,11 @@ def test_every_registered_metric_can_be_named_either_way():
 def test_large_photos_score_as_the_reference_computation_on_the_full_image(tiny_clip, tmp_path):
     """The task's aggregation hands CLIP's processor each document's image exactly as the task decoded it:
     photos far above the processor's side and of odd aspect ratios score what the model's own processor and
-    forward pass give on the full image (tests/test_one_input.py: the other entry points)."""
+    forward pass give on the full image (tests/test_one_input.py: the other entry points). The dataset's
+    decoder applies a file's EXIF orientation (the rocket photo's), so the metric scores the upright image, the
+    one the captioning model is shown."""
     from conftest import LARGE_PHOTO_CAPTIONS, large_photos, reference_clip_cosines
+    from PIL import Image, ImageOps
 
     pytest.importorskip("skimage")
     photos = [str(p) for p in large_photos(tmp_path / "photos")]
@@ -306,8 +309,11 @@ def test_large_photos_score_as_the_reference_computation_on_the_full_image(tiny_
     task = _loaded_task(tmp_path / "tasks")
     items = [d["clipscore"] for d in _items(task, LARGE_PHOTO_CAPTIONS)]
     got = task.aggregation()["clipscore"](items)
-    expected = 2.5 * reference_clip_cosines(tiny_clip, photos, LARGE_PHOTO_CAPTIONS).clip(min=0)
+    upright = [ImageOps.exif_transpose(Image.open(p)).convert("RGB") for p in photos]
+    expected = 2.5 * reference_clip_cosines(tiny_clip, upright, LARGE_PHOTO_CAPTIONS).clip(min=0)
     assert got == pytest.approx(float(expected.mean()), abs=2.5e-6)
+    as_stored = 2.5 * reference_clip_cosines(tiny_clip, photos, LARGE_PHOTO_CAPTIONS).clip(min=0)
+    assert abs(float(as_stored.mean()) - float(expected.mean())) > 1e-4  # the tagged photo is a real test
 
 
 def test_a_metric_model_that_cannot_be_loaded_stops_the_task_before_any_generation(caption_task, tmp_path):

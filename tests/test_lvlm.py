@@ -5,7 +5,6 @@ sharing and the out-of-memory fallback."""
 from __future__ import annotations
 
 import re
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from conftest import needs_torchvision, random_image
 
 from capeval_plugins.core.lvlm import SCALES, JudgeSpec, LVLMJudge, fleur_instruction
+from capeval_plugins.testing import scratch_folder
 
 CAPTIONS = ["A dog runs on the grass.", "Two children play in the park!", "A red car next to a building",
             "An old man sits on a bench under a tree.", "a cat", "A very long caption about a small brown dog that "
@@ -36,7 +36,7 @@ def sharp_llava() -> str:
     from capeval_plugins.testing import tiny_checkpoint
 
     src = tiny_checkpoint("llava_next")
-    out = Path(tempfile.mkdtemp(prefix="capeval-sharp-llava-"))
+    out = scratch_folder("capeval-sharp-llava-")
     model = AutoModelForImageTextToText.from_pretrained(src)
     with torch.no_grad():
         for param in model.parameters():
@@ -57,7 +57,7 @@ def scripted_llava(chain: tuple[str, ...]) -> str:
     from capeval_plugins.testing import tiny_checkpoint
 
     src = tiny_checkpoint("llava_next")
-    out = Path(tempfile.mkdtemp(prefix="capeval-scripted-llava-"))
+    out = scratch_folder("capeval-scripted-llava-")
     model = AutoModelForImageTextToText.from_pretrained(src)
     processor = AutoProcessor.from_pretrained(src)
     ids = processor.tokenizer.convert_tokens_to_ids(list(chain))
@@ -91,7 +91,7 @@ def tiny_llava15() -> str:
                   num_attention_heads=2, image_size=32, patch_size=8, projection_dim=16)
     config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<image>"),
                          vision_feature_select_strategy="default", vision_feature_layer=-2, image_seq_length=16)
-    path = tempfile.mkdtemp(prefix="capeval-llava15-")
+    path = str(scratch_folder("capeval-llava15-"))
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config)
     with torch.no_grad():
@@ -373,7 +373,7 @@ class QwenProcessorStandIn:
 def qwen_checkpoint(kind: str) -> str:
     from capeval_plugins.testing import build_tiny
 
-    path = tempfile.mkdtemp(prefix=f"capeval-{kind}-")
+    path = str(scratch_folder(f"capeval-{kind}-"))
     try:
         build_tiny(kind, path)
     except RuntimeError:  # no torchvision: the model, tokenizer and image processor are saved, not the processor

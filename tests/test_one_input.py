@@ -123,3 +123,21 @@ def test_evaluate_stores_in_memory_images_without_changing_a_pixel(tiny_clip, ph
                                                           captions), abs=TOL)
     got = evaluate.load("clipscore", model=tiny_clip).compute(images=images, predictions=captions)["cosine"]
     assert np.asarray(got) == pytest.approx(direct, abs=TOL)
+
+
+def test_task_helpers_show_the_captioning_model_the_image_the_metrics_score(tmp_path):
+    """lm-eval's and lmms-eval's doc_to_image convert as every metric does: a 16-bit image is scaled by 65535,
+    where ``convert("RGB")`` would clip it to white."""
+    from capeval_plugins.inputs import image_source
+    from capeval_plugins.lm_eval_tasks.utils import doc_to_image as lm_eval_image
+    from capeval_plugins.lmms_eval_tasks.utils import doc_to_image as lmms_eval_image
+
+    path = tmp_path / "deep.png"
+    Image.fromarray(np.linspace(0, 65535, 64 * 48).astype(np.uint16).reshape(48, 64)).save(path)
+    with Image.open(path) as img:
+        assert img.mode.startswith("I;16")
+        via_lmms = np.asarray(lmms_eval_image({"image": img})[0])
+    via_lm_eval = np.asarray(lm_eval_image({"image_path": str(path)})[0])
+    scored = np.asarray(image_source(str(path), 0).load())
+    assert via_lmms.shape == (48, 64, 3) and 0 < via_lmms.mean() < 255
+    assert np.array_equal(via_lmms, scored) and np.array_equal(via_lm_eval, scored)

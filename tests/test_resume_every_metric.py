@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from conftest import PYTHON, has_java, random_image, run
 from test_lvlm import scripted_llava, sharp_llava
 
+from capeval_plugins.testing import scratch_folder
 from capeval_plugins.testing.corpus import caption_corpus
 
 INTERRUPT = str(Path(__file__).parent / "helpers" / "interrupt_after.py")
@@ -27,7 +27,7 @@ def rigel_checkpoint(llava_next: str) -> str:
 
     settings = RigelSettings(base_model=llava_next, hidden_size=32, head_hidden=(16,), phase=1)
     torch.manual_seed(0)
-    return str(save_checkpoint(tempfile.mkdtemp(prefix="capeval-rigel-ckpt-"), settings, settings.build_head()))
+    return str(save_checkpoint(str(scratch_folder("capeval-rigel-ckpt-")), settings, settings.build_head()))
 
 
 def write_corpus(root: Path) -> tuple[Path, Path]:

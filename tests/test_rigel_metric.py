@@ -7,7 +7,6 @@ sample (image / video, with / without references), and the clear error without a
 from __future__ import annotations
 
 import re
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from conftest import needs_torchvision, random_image
 
 import capeval_plugins
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, VisualInput
+from capeval_plugins.testing import scratch_folder
 from capeval_plugins.training.model import (LABELS, RigelSettings, load_private_backbone, paper_prompts,
                                             render_prompt, save_checkpoint)
 
@@ -51,7 +51,7 @@ def checkpoint() -> str:
     with torch.no_grad():
         for p in head.parameters():
             p.mul_(4)  # distributions that differ visibly between samples
-    return str(save_checkpoint(tempfile.mkdtemp(prefix="capeval-rigel-ckpt-"), settings, head))
+    return str(save_checkpoint(str(scratch_folder("capeval-rigel-ckpt-")), settings, head))
 
 
 def plain_forward(model, processor, chat: str, visual) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +202,7 @@ class QwenStandIn:
 def qwen(kind: str) -> str:
     from capeval_plugins.testing import build_tiny
 
-    path = tempfile.mkdtemp(prefix=f"capeval-rigel-{kind}-")
+    path = str(scratch_folder(f"capeval-rigel-{kind}-"))
     try:
         build_tiny(kind, path)
     except RuntimeError:  # no torchvision: model, tokenizer and image processor are saved, not the processor
@@ -268,7 +268,7 @@ def test_rigel_on_qwen3_vl_with_its_real_processor_equals_an_independent_computa
     with torch.no_grad():
         for p in head.parameters():
             p.mul_(4)
-    ckpt = save_checkpoint(tempfile.mkdtemp(prefix="capeval-rigel-qwen3-"), settings, head)
+    ckpt = save_checkpoint(str(scratch_folder("capeval-rigel-qwen3-")), settings, head)
     visuals = [images()[0], video(3, 4), images()[1]]
     captions = ["A dog runs.", "Two kids play.", "A red car."]
     result = capeval_plugins.load("rigel", checkpoint=str(ckpt), batch_size=2)(visuals, captions)

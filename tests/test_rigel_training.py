@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from capeval_plugins.core import heads
 from capeval_plugins.core.correlation import kendall_tau
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge
 from capeval_plugins.inputs import InputError
+from capeval_plugins.testing import scratch_folder
 from capeval_plugins.training import data as judgment_data
 from capeval_plugins.training.features import extract_features
 from capeval_plugins.training.model import (ADAPTER_DIR, HEAD_FILE, RigelModel, RigelSettings, load_head,
@@ -45,7 +45,7 @@ def sharp_head_llava() -> str:
     from capeval_plugins.testing import tiny_checkpoint
 
     src = tiny_checkpoint("llava_next")
-    out = Path(tempfile.mkdtemp(prefix="capeval-rigel-llava-"))
+    out = scratch_folder("capeval-rigel-llava-")
     model = AutoModelForImageTextToText.from_pretrained(src)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(5)

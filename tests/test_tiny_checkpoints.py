@@ -335,3 +335,25 @@ def test_qwen_processor(kind, built):
     text = processor.apply_chat_template(_messages("Rate it."), add_generation_prompt=True)
     inputs = processor(images=[_image()], text=text, return_tensors="pt")
     assert "mm_token_type_ids" in inputs and "image_grid_thw" in inputs
+
+
+def test_default_root_is_removed_when_the_process_exits_and_a_forked_child_leaves_it(tmp_path):
+    """Checkpoints built without a root live in a scratch folder of the process that made it: gone after that
+    process exits (a test run leaves nothing in /tmp), untouched when a forked child exits first."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, sys\n"
+            "from capeval_plugins.testing import tiny_checkpoint\n"
+            "path = tiny_checkpoint('clip')\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    sys.exit(0)\n"  # runs the child's exit handlers, unlike os._exit
+            "os.waitpid(pid, 0)\n"
+            "print(path, os.path.isdir(path))\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    path, alive_after_child = out.stdout.split()
+    assert path.startswith(str(tmp_path)) and alive_after_child == "True"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("capeval-")] == []  # torch keeps its own caches

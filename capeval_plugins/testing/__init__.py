@@ -11,15 +11,17 @@ use them to test plumbing, shapes, invariances and agreement with independent im
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
-import tempfile
+import os
 import threading
 from pathlib import Path
 from typing import Callable
 
 from capeval_plugins.testing.corpus import caption_corpus
 
-__all__ = ["build_tiny", "tiny_checkpoint", "kinds", "builder", "caption_corpus"]
+__all__ = ["build_tiny", "tiny_checkpoint", "scratch_folder", "kinds", "builder", "caption_corpus"]
 
 _BUILDERS: dict[str, Callable[[Path, int], None]] = {}
 _MODULES = ("clip", "vision_language", "text_encoders", "vilbert")
@@ -71,13 +73,29 @@ def build_tiny(kind: str, path: str | Path, seed: int = 0) -> Path:
     return path
 
 
+def scratch_folder(prefix: str) -> Path:
+    """A private temporary folder that this process removes when it exits (a forked child leaves it to its
+    parent): for checkpoints built on the spot, so that test runs leave nothing in the temporary folder."""
+    from capeval_plugins import files
+
+    path, owner = files.private_folder(prefix), os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:
+            with contextlib.suppress(OSError):  # already gone, or the process is ending on a full disk
+                files.remove_private(path)
+
+    atexit.register(remove)
+    return path
+
+
 def tiny_checkpoint(kind: str, root: str | Path | None = None, seed: int = 0) -> Path:
     """Build once per process (per root and seed) and return the directory."""
     global _default_root
     with _lock:
         if root is None:
             if _default_root is None:
-                _default_root = Path(tempfile.mkdtemp(prefix="capeval-tiny-"))
+                _default_root = scratch_folder("capeval-tiny-")
             root = _default_root
         key = (kind, str(root), seed)
         if key not in _built:
