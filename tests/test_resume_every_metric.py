@@ -14,6 +14,7 @@ import torch
 from conftest import PYTHON, has_java, random_image, run
 from test_lvlm import scripted_llava, sharp_llava
 
+from capeval_plugins import registry
 from capeval_plugins.testing import scratch_folder
 from capeval_plugins.testing.corpus import caption_corpus
 
@@ -105,4 +106,9 @@ def test_every_metric_resumes_to_the_same_bytes(tiny_root, tmp_path):
     rows = [json.loads(line) for line in whole.read_text().splitlines()]
     assert len(rows) == 2 * N_IMAGES and all(name in rows[0] for name in options)
     assert all(row[name] is not None for row in rows for name in options)  # a number everywhere, no NaN
+    for name in options:  # every default stays inside the range its paper states (MetricInfo.score_range)
+        bounds = registry.get(name).info.score_range
+        if bounds is not None:
+            values = [row[name] for row in rows]
+            assert bounds[0] <= min(values) and max(values) <= bounds[1], (name, bounds, min(values), max(values))
     assert json.loads(second.stdout.strip().splitlines()[-1])["batches_resumed"] == stop
