@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any, Iterator, Sequence
 
+from capeval_plugins.core.bounds import cli_number
+
 
 class UsageError(Exception):
     """A mistake in the command line or its inputs: one line on stderr, exit code 2."""
@@ -265,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tiny", help="build a tiny random checkpoint (for tests; its scores are meaningless)")
     p.add_argument("kind", help="architecture, or 'list'")
     p.add_argument("path", nargs="?", default=".cache/tiny", help="output folder")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=cli_number(int, ge=0), default=0)
     p.set_defaults(func=cmd_tiny)
 
     p = sub.add_parser("evaluate-module", help="write an evaluate module script (fallback without the hook)")

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from capeval_plugins.core.bounds import bounded, field_problem  # noqa: F401  (bounded: for metric configs)
 from capeval_plugins.core.messages import DataError, install_extra
 
 INDEX = "index"
@@ -427,7 +428,9 @@ def set_corpus_scorer(scorer: CorpusScorer) -> None:
 
 
 def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name: str) -> MetricConfig:
-    """Instantiate a metric's Config, refusing unknown keys with the list of valid ones."""
+    """Instantiate a metric's Config, refusing unknown keys with the list of valid ones, and values of the
+    wrong type, not finite or outside their :func:`~capeval_plugins.core.bounds.bounded` range with the option's
+    name."""
     known = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -437,6 +440,10 @@ def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name
         raise ValueError(f"{name}: on_error must be one of {ON_ERROR}, got {config.on_error!r}")
     if isinstance(config.batch_size, bool) or not isinstance(config.batch_size, int) or config.batch_size < 1:
         raise ValueError(f"{name}: batch_size must be a positive integer, got {config.batch_size!r}")
+    for option in known:  # types and ranges (core.bounds): the same for every entry point
+        problem = field_problem(config, option)
+        if problem:
+            raise ValueError(f"{name}: option {option} {problem}")
     return config
 
 

@@ -228,3 +228,74 @@ def test_ragged_text_state_through_batches_equals_one_batch():
     many = CorpusText(batch_size=1)(None, caps)
     assert one.score == many.score == len({w for c in caps for w in c.split()})
     assert many.scores.tolist() == one.scores.tolist()
+
+
+def _numeric_options():
+    """(metric, option, kinds, bounds) of every int and float option of every registered metric."""
+    import dataclasses
+
+    from capeval_plugins import registry
+    from capeval_plugins.core.bounds import field_kinds
+
+    for name, registered in sorted(registry.metrics().items()):
+        config = registered.cls.Config
+        for f in dataclasses.fields(config):
+            kinds = field_kinds(config)[f.name] - {"None"}
+            if kinds and kinds <= {"int", "float"} and f.name != "batch_size":
+                yield name, f.name, kinds, f.metadata.get("bounds", {})
+
+
+NUMERIC_OPTIONS = list(_numeric_options())
+
+
+@pytest.mark.parametrize("name,option,kinds,bounds", NUMERIC_OPTIONS,
+                         ids=[f"{n}.{o}" for n, o, _, _ in NUMERIC_OPTIONS])
+def test_every_numeric_option_refuses_nan_infinity_a_wrong_type_and_values_outside_its_bounds(name, option, kinds,
+                                                                                              bounds):
+    """Whatever the entry point (all build the metric through the contract), a NaN or an infinity, a string or a
+    bool, a fraction for an integer, or a value just outside the option's bounds is refused naming the option:
+    none can reach a score."""
+    import capeval_plugins
+
+    bad = [math.nan, math.inf, -math.inf, "3", True]
+    if kinds == {"int"}:
+        bad.append(2.5)
+    step = 1 if kinds == {"int"} else 1e-9
+    bad += [{"ge": lambda b: b - step, "gt": lambda b: b, "le": lambda b: b + step, "lt": lambda b: b}[key](limit)
+            for key, limit in bounds.items()]
+    for value in bad:
+        with pytest.raises((ValueError, TypeError), match=rf"\b{option}\b"):
+            capeval_plugins.load(name, **{option: value})
+
+
+def test_bool_options_refuse_strings_that_would_read_as_true():
+    import capeval_plugins
+
+    with pytest.raises(ValueError, match="tokenize expects true or false, got 'false'"):
+        capeval_plugins.load("bleu4", tokenize="false")
+    assert capeval_plugins.load("bleu4", tokenize=False).config.tokenize is False
+
+
+def test_the_bounded_options_are_the_ones_with_a_stated_range():
+    """The paper-facing numeric options each carry bounds (a new one without them fails here, deliberately)."""
+    unbounded = {f"{n}.{o}" for n, o, _, b in NUMERIC_OPTIONS if not b}
+    assert unbounded == {"vilbertscore.layer"}  # a layer index: negative counts from the last layer
+
+
+def test_training_settings_refuse_what_would_reach_the_weights():
+    """Training settings share the metric options' checks (core.bounds): an infinite learning rate, a NaN weight
+    decay (which passed a plain ``< 0`` test), a dropout of 1, a non-finite temperature are refused by name."""
+    from capeval_plugins.training.model import RigelSettings
+    from capeval_plugins.training.msd_aligner.train import AlignerConfig
+    from capeval_plugins.training.phase1 import Phase1Config
+    from capeval_plugins.training.phase2 import Phase2Config
+
+    cases = [(Phase1Config, "lr", math.inf), (Phase1Config, "weight_decay", math.nan), (Phase1Config, "epochs", 0),
+             (Phase2Config, "lora_dropout", 1.0), (Phase2Config, "lr", math.nan), (Phase2Config, "lora_r", 2.0),
+             (AlignerConfig, "temperature", math.nan), (AlignerConfig, "warmup_ratio", -0.1),
+             (AlignerConfig, "contrastive_weight", math.inf), (RigelSettings, "temperature", math.inf),
+             (RigelSettings, "video_fps", 0.0)]
+    for cls, option, value in cases:
+        with pytest.raises(ValueError, match=rf"\b{option}\b"):
+            cls(**{option: value})
+        cls()  # the defaults pass

@@ -189,7 +189,7 @@ def test_a_part_with_zero_weight_is_not_computed(models, folder):
 @pytest.mark.parametrize("bad", [dict(mid_weight=0.5), dict(dino_weight=-0.1, bertscore_weight=0.26),
                                  dict(mid_normalization="minmax")])
 def test_bad_options_are_refused(bad):
-    with pytest.raises(ValueError, match="sum to 1|must be one of"):
+    with pytest.raises(ValueError, match="sum to 1|must be one of|dino_weight must be >= 0"):
         capeval_plugins.load("redemption_score", **bad)
 
 

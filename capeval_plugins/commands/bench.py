@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Sequence
 
+from capeval_plugins.core.bounds import cli_number
 from capeval_plugins import files
 from capeval_plugins.core.messages import install_extra
 
@@ -47,7 +48,7 @@ def add_parser(subparsers) -> None:
                         "metric or for one (repeatable; EMScore's VATEX-EVAL protocol: 10; default: every frame)")
     p.add_argument("--extras", action="store_true",
                    help="also report each metric's per-sample extras as rows of their own (metric:extra)")
-    p.add_argument("--num-references", type=int, metavar="N",
+    p.add_argument("--num-references", type=cli_number(int, ge=0), metavar="N",
                    help="keep the first N references of every row (0: none; VATEX-EVAL: 1 or 9)")
     p.add_argument("--option", "-o", action="append", default=[], metavar="[METRIC.]KEY=VALUE",
                    help="an option of one metric, e.g. clipscore.model=PATH, or of every metric that takes it "
@@ -57,10 +58,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cache", metavar="FILE",
                    help="score cache (default: ~/.cache/capeval_plugins/bench/scores.sqlite)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write cached scores")
-    p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap replicates (0: none)")
+    p.add_argument("--bootstrap", type=cli_number(int, ge=0), default=1000, metavar="N",
+                   help="bootstrap replicates (0: none)")
     p.add_argument("--bootstrap-unit", choices=("image", "row"), default="image",
                    help="what the bootstrap resamples (default: images, so rows of one image stay together)")
-    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--seed", type=cli_number(int, ge=0), default=0, help="bootstrap seed")
     p.add_argument("--ties", choices=("wrong", "half", "tie"), default=None,
                    help="pairwise benchmarks: a tied pair counts as wrong, half right, or as a predicted tie "
                         "(right where humans judged a tie: CapArena) (default: the benchmark's official "

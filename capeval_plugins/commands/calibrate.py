@@ -21,6 +21,8 @@ import json
 import math
 from typing import Any
 
+from capeval_plugins.core.bounds import cli_number
+
 DEFAULT_COMPONENTS = ("mid_normalized", "dino_normalized", "bertscore_normalized")
 
 
@@ -140,7 +142,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rating-key", dest="rating_key", default="human", help="column holding the human rating")
     p.add_argument("--components", default=",".join(DEFAULT_COMPONENTS),
                    help="comma-separated component columns to fuse (default: Redemption Score's normalised parts)")
-    p.add_argument("--step", type=float, default=0.02, help="simplex grid step (default 0.02, as the paper)")
+    p.add_argument("--step", type=cli_number(float, gt=0, le=1), default=0.02,
+                   help="simplex grid step (default 0.02, as the paper)")
     p.add_argument("--variant", choices=["c", "b"], default="c", help="Kendall tau variant (default c)")
     p.add_argument("--out", help="also write the result (JSON) here")
     p.add_argument("--compact", action="store_true", help="one-line JSON")

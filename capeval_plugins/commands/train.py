@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 
+from capeval_plugins.core.bounds import cli_number
+
 RIGEL_EPILOG = """examples:
   capeval train rigel --phase 1 --train spica_train.parquet --val spica_val.parquet --images images/ \\
       --out rigel-p1
@@ -58,15 +60,16 @@ def add_rigel(methods) -> None:
     data = p.add_argument_group("data")
     data.add_argument("--train", required=True, help="human-judgment file to train on")
     data.add_argument("--val", help="validation file (phase 1: early stopping on its Kendall tau-c)")
-    data.add_argument("--val-fraction", type=float, default=None,
+    data.add_argument("--val-fraction", type=cli_number(float, ge=0, lt=1), default=None,
                       help="without --val: share of the training images held out for validation "
                            "(default 0.1 in phase 1, 0 in phase 2)")
     data.add_argument("--format", choices=FORMATS, default="rows",
                       help="file format: generic rows (default) or a rating benchmark's published format")
     data.add_argument("--images", help="folder of the images and frame folders (default: the file's folder)")
-    data.add_argument("--score-range", type=float, nargs=2, default=(0.0, 1.0), metavar=("LOW", "HIGH"),
+    data.add_argument("--score-range", type=cli_number(float), nargs=2, default=(0.0, 1.0), metavar=("LOW", "HIGH"),
                       help="scale of the file's human scores, mapped to [0, 1] (default 0 1; e.g. 1 5)")
-    data.add_argument("--num-frames", type=int, help="frames taken evenly from each frame folder (default all)")
+    data.add_argument("--num-frames", type=cli_number(int, ge=1),
+                      help="frames taken evenly from each frame folder (default all)")
     data.add_argument("--references", choices=("auto", "ignore", "both"), default="auto",
                       help="auto: reference-based prompt where a sample has references; ignore: all "
                            "reference-free; both: each sample with references twice, with and without")
@@ -85,23 +88,23 @@ def add_rigel(methods) -> None:
     model.add_argument("--reference-separator", default="\n", help="between references in the prompt")
     model.add_argument("--answer-prefix", default="", help="text after the generation prompt (default none)")
     model.add_argument("--video-input", choices=("auto", "video", "frames"), default="auto")
-    model.add_argument("--video-fps", type=float, default=2.0, help="sampling rate of the given frames")
-    model.add_argument("--temperature", type=float, default=1.0, help="distillation temperature tau")
+    model.add_argument("--video-fps", type=cli_number(float), default=2.0, help="sampling rate of the given frames")
+    model.add_argument("--temperature", type=cli_number(float), default=1.0, help="distillation temperature tau")
     model.add_argument("--head-hidden", default="1024,512", help="widths of the head's hidden layers")
     model.add_argument("--head-activation", choices=("relu", "gelu", "tanh"), default="relu")
     opt = p.add_argument_group("optimisation (defaults: the paper's, per phase)")
     opt.add_argument("--init", help="phase 2: the phase-1 checkpoint folder")
     opt.add_argument("--epochs", type=int)
     opt.add_argument("--batch-size", type=int)
-    opt.add_argument("--lr", type=float)
-    opt.add_argument("--weight-decay", type=float)
+    opt.add_argument("--lr", type=cli_number(float))
+    opt.add_argument("--weight-decay", type=cli_number(float))
     opt.add_argument("--patience", type=int, help="phase 1: epochs without a better validation tau-c (5)")
-    opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--seed", type=cli_number(int, ge=0), default=0)
     opt.add_argument("--extract-batch-size", type=int, help="phase 1: samples per backbone batch (16)")
     opt.add_argument("--cache", help="phase 1: hidden-state cache folder (default <out>/features)")
     opt.add_argument("--lora-r", type=int)
     opt.add_argument("--lora-alpha", type=int)
-    opt.add_argument("--lora-dropout", type=float)
+    opt.add_argument("--lora-dropout", type=cli_number(float))
     opt.add_argument("--lora-targets", help="regular expression over module names (default: the language "
                                             "model's q_proj and v_proj)")
     opt.add_argument("--ties", choices=("up", "down"), help="phase 2: a mean score half-way between labels")
@@ -130,7 +133,7 @@ def add_msd_aligner(methods) -> None:
                       help="image-caption pairs: LLaVA's chat.json (CC3M-595K) or {image, caption} records "
                            "(JSON, JSON Lines, CSV, Parquet)")
     data.add_argument("--images", help="folder the image paths are relative to (default: the file's folder)")
-    data.add_argument("--limit", type=int, help="train on the first N pairs only")
+    data.add_argument("--limit", type=cli_number(int, ge=1), help="train on the first N pairs only")
     model = p.add_argument_group("backbones (frozen)")
     model.add_argument("--vision-model", default=DEFAULT_VISION, help=f"CLIP checkpoint (default {DEFAULT_VISION})")
     model.add_argument("--vision-revision")
@@ -147,7 +150,8 @@ def add_msd_aligner(methods) -> None:
                        help="the caption's global embedding: the normalised mean of its normalised content tokens "
                             "(default, as the image side) or 'raw': the mean of the raw features over every "
                             "non-padding position, BOS kept (the official scripts)")
-    model.add_argument("--max-length", type=int, default=2048, help="LLM context: patches + caption (2048)")
+    model.add_argument("--max-length", type=cli_number(int, ge=1), default=2048,
+                       help="LLM context: patches + caption (2048)")
     model.add_argument("--caption-suffix", default="\\n",
                        help="appended to each caption for reconstruction (default \\n, a newline: LLaVA's plain "
                             "template; \\n and \\t are read as newline and tab)")
@@ -160,18 +164,19 @@ def add_msd_aligner(methods) -> None:
     opt.add_argument("--batch-size", type=int, default=128, help="pairs per step, the contrastive negatives (128)")
     opt.add_argument("--micro-batch-size", type=int, default=16,
                      help="pairs per LLM forward pass within a step (16; changes memory use, not the loss)")
-    opt.add_argument("--lr", type=float, default=2e-3)
-    opt.add_argument("--weight-decay", type=float, default=0.0)
-    opt.add_argument("--warmup-ratio", type=float, default=0.03)
+    opt.add_argument("--lr", type=cli_number(float), default=2e-3)
+    opt.add_argument("--weight-decay", type=cli_number(float), default=0.0)
+    opt.add_argument("--warmup-ratio", type=cli_number(float), default=0.03)
     opt.add_argument("--schedule", choices=SCHEDULES, default="cosine")
-    opt.add_argument("--contrastive-weight", type=float, default=1.0)
-    opt.add_argument("--reconstruction-weight", type=float, default=1.0)
-    opt.add_argument("--temperature", type=float, default=0.07, help="initial (or fixed) contrastive temperature")
+    opt.add_argument("--contrastive-weight", type=cli_number(float), default=1.0)
+    opt.add_argument("--reconstruction-weight", type=cli_number(float), default=1.0)
+    opt.add_argument("--temperature", type=cli_number(float), default=0.07,
+                     help="initial (or fixed) contrastive temperature")
     opt.add_argument("--fixed-temperature", action="store_true", help="do not learn the temperature")
-    opt.add_argument("--max-logit-scale", type=float, default=100.0)
+    opt.add_argument("--max-logit-scale", type=cli_number(float), default=100.0)
     opt.add_argument("--gradient-checkpointing", action="store_true",
                      help="recompute the LLM's activations in the backward pass (less memory; for 7B LLMs)")
-    opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--seed", type=cli_number(int, ge=0), default=0)
     opt.add_argument("--save-every", type=int, default=200, help="steps between saved states (200)")
     opt.add_argument("--extract-batch-size", type=int, default=64, help="images per vision pass of the cache")
     opt.add_argument("--cache", help="cache the vision features in this folder (about 0.5 MiB per image for "

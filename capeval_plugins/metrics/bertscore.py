@@ -27,7 +27,8 @@ from typing import ClassVar, Sequence
 import torch
 from torch import Tensor
 
-from capeval_plugins.contract import INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec, nanmean
+from capeval_plugins.contract import (INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec, bounded,
+                                      nanmean)
 from capeval_plugins.core.encoders.common import EncoderSpec
 from capeval_plugins.core.encoders.text import PackedEmbeddings, TextEncoder, TokenEmbeddings
 from capeval_plugins.core.matching import (best_similarities, f_measure, idf_table, reduce_references, token_idf,
@@ -50,7 +51,7 @@ class BERTScoreConfig(ModelConfig):
     # bert_score's default English model (lang="en").
     model: str = "roberta-large"
     # None: bert_score's layer for known models (roberta-large: 17; microsoft/deberta-v3-large: 12), else the last.
-    num_layers: int | None = None
+    num_layers: int | None = bounded(None, ge=1)
     idf: bool = False
     # Sentences to count idf over instead of the corpus's references (bert_score's idf dict; fixed weights).
     idf_references: Sequence[str] | None = None
@@ -66,7 +67,7 @@ class BERTScoreConfig(ModelConfig):
     matching: str = "bert_score_batched"
     # Pairs per bert_score batch for "bert_score_batched": bert_score's ``batch_size``, 64 by default there. Kept
     # apart from ``batch_size`` (ours, a speed setting), so that changing how we batch never changes a score.
-    pair_batch_size: int = BERT_SCORE_BATCH_SIZE
+    pair_batch_size: int = bounded(BERT_SCORE_BATCH_SIZE, ge=1)
     # F where P and R have opposite signs (2PR / (P + R) is then no mean of P and R and explodes as P + R -> 0):
     # "keep" (bert_score's F, flagged) or "zero" (F = 0 there).
     opposite_sign: str = "keep"
@@ -101,8 +102,6 @@ class BERTScore(Metric):
             raise ValueError(f"bertscore: matching must be one of {MATCHING}, got {cfg.matching!r}")
         if cfg.opposite_sign not in OPPOSITE_SIGN:
             raise ValueError(f"bertscore: opposite_sign must be one of {OPPOSITE_SIGN}, got {cfg.opposite_sign!r}")
-        if isinstance(cfg.pair_batch_size, bool) or not isinstance(cfg.pair_batch_size, int) or cfg.pair_batch_size < 1:
-            raise ValueError(f"bertscore: pair_batch_size must be a positive integer, got {cfg.pair_batch_size!r}")
         if cfg.idf_references is not None and not cfg.idf:
             raise ValueError("bertscore: idf_references is given but idf=False; set idf=True to use them")
         if cfg.idf_references is not None and (isinstance(cfg.idf_references, str) or not cfg.idf_references):

@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric
+from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, bounded
 from capeval_plugins.core.clip_score import best_reference_similarity, clip_s, cosine, harmonic_mean
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
 
@@ -26,7 +26,7 @@ CITATION = """@inproceedings{hessel2021clipscore,
 @dataclass
 class CLIPScoreConfig(ModelConfig):
     model: str = "openai/clip-vit-base-patch32"
-    w: float = 2.5
+    w: float = bounded(2.5, gt=0)
     prefix: str = "A photo depicts"
     # The paper does not say whether references get the prefix; the official code prefixes every text.
     prefix_references: bool = True

@@ -35,7 +35,8 @@ import xxhash
 from torch import Tensor
 
 from capeval_plugins.contract import (INDEX, Batch, Metric, MetricConfig, MetricInfo, MetricResult, Requirement,
-                                      StateSpec, decode_text_lists, decode_texts, encode_text_lists, encode_texts)
+                                      StateSpec, bounded, decode_text_lists, decode_texts, encode_text_lists,
+                                      encode_texts)
 from capeval_plugins.core import java
 from capeval_plugins.core.coco_text import CocoCorpus
 from capeval_plugins.core.java import QUIET_ENV, require_java
@@ -86,14 +87,14 @@ class CocoConfig(MetricConfig):
 
 @dataclass
 class CiderConfig(CocoConfig):
-    n: int = 4          # n-gram orders 1..n
-    sigma: float = 6.0  # standard deviation of the Gaussian length penalty (CIDEr-D)
+    n: int = bounded(4, ge=1)          # n-gram orders 1..n
+    sigma: float = bounded(6.0, gt=0)  # standard deviation of the Gaussian length penalty (CIDEr-D)
 
 
 @dataclass
 class MeteorConfig(CocoConfig):
     # METEOR JVMs the distinct segments are spread over, then one EVAL over every segment's statistics.
-    jvms: int = 1
+    jvms: int = bounded(1, ge=1)
     # The paraphrase table METEOR's JVM loads: "corpus", the entries the corpus can use (the same scores, a
     # fraction of a second to load; core/meteor_table.py), or "full", the jar's own (6-7 s of CPU to load).
     paraphrases: str = "corpus"

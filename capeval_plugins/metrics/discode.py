@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from capeval_plugins.contract import Batch, MetricInfo
+from capeval_plugins.contract import Batch, MetricInfo, bounded
 from capeval_plugins.core import heads
 from capeval_plugins.core.lvlm import JudgeOutput, RatingScale, get_scale
 from capeval_plugins.metrics.fleur import LVLMJudgeConfig, LVLMJudgeMetric, fleur_scores
@@ -41,7 +41,7 @@ SOLVERS = ("auto", "closed_form", "adam", "converge")
 class DISCODEConfig(LVLMJudgeConfig):
     model: str = "llava-hf/llava-next-72b-hf"
     scale: str = "0.0-1.0"
-    sigma2: float = 0.1
+    sigma2: float = bounded(0.1, gt=0)
     # Eq. 4 with label k of K read as k / K (mu = 0.45 for the digits), capped at 1: the text's alpha in [0, 1],
     # largest near mu and smallest at the ends (card). "label", the literal reading on the digits (mu = 4.5),
     # returns the written digit for all digits but 4 and 5; alpha_clip=False is Eq. 4 uncapped (up to 1.26).
@@ -54,9 +54,9 @@ class DISCODEConfig(LVLMJudgeConfig):
     divergence: str = "weighted_kl"
     # "auto": the closed form where there is one (weighted KL, KL), else the paper's Adam.
     solver: str = "auto"
-    solver_steps: int = 10
-    solver_lr: float = 1e-3
-    divergence_order: float = 0.5
+    solver_steps: int = bounded(10, ge=1)
+    solver_lr: float = bounded(1e-3, gt=0)
+    divergence_order: float = bounded(0.5, gt=0)
     # What "1.0" scores: FLEUR's rule (0.9 P('0') + P('1') at the '1') or 1 + 0.1 s_hat at its decimal.
     one_rule: str = "fleur"
 
@@ -103,8 +103,6 @@ class DISCODE(LVLMJudgeMetric):
             (cfg.solver != "closed_form" or cfg.divergence in heads.CLOSED_FORM,
              f"the {cfg.divergence} divergence has no closed form; use solver='adam' (paper) or 'converge'"),
             (cfg.one_rule in ("fleur", "decimal"), f"one_rule must be 'fleur' or 'decimal', got {cfg.one_rule!r}"),
-            (cfg.sigma2 > 0, "sigma2 must be positive"),
-            (cfg.solver_steps >= 1 and cfg.solver_lr > 0, "solver_steps must be >= 1 and solver_lr > 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric
+from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, bounded
 from capeval_plugins.core.heads import fleur_smooth
 from capeval_plugins.core.loading import resolve_device
 from capeval_plugins.core.lvlm import (LLAVA_V1_SYSTEM, JudgeOutput, JudgeSpec, LVLMJudge, RatingScale, SCALES,
@@ -41,7 +41,7 @@ class LVLMJudgeConfig(ModelConfig):
     defaults are the official FLEUR script's: LLaVA's "llava_v1" system sentence, images padded to a square."""
 
     batch_size: int = 16
-    max_new_tokens: int = 10
+    max_new_tokens: int = bounded(10, ge=1)
     on_invalid: str = "nan"
     system_prompt: str | None = LLAVA_V1_SYSTEM
     system_placement: str = "auto"
@@ -61,8 +61,6 @@ class LVLMJudgeMetric(PointwiseMetric):
         cfg = self.config
         if cfg.on_invalid not in INVALID_POLICIES:
             raise ValueError(f"{self.info.name}: on_invalid must be one of {INVALID_POLICIES}, got {cfg.on_invalid!r}")
-        if cfg.max_new_tokens < 1:
-            raise ValueError(f"{self.info.name}: max_new_tokens must be at least 1")
         try:
             self.visual_input = VisualInput(system_prompt=cfg.system_prompt or None,
                                             system_placement=cfg.system_placement, image_aspect=cfg.image_aspect)

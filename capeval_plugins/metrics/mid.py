@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import (INDEX, Batch, CorpusSize, FitProblem, Metric, MetricInfo, MetricResult,
-                                      ModelConfig, StateSpec)
+                                      ModelConfig, StateSpec, bounded)
 from capeval_plugins.core import gaussian
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
 from capeval_plugins.core.messages import warn_once
@@ -44,7 +44,7 @@ IMAGE, TEXT = "image_features", "candidate_features"
 class MIDConfig(ModelConfig):
     model: str = "openai/clip-vit-large-patch14"
     # Added to the diagonal of the fitted covariance (official MID: 0; Redemption Score's code: 5e-4).
-    covariance_eps: float = 0.0
+    covariance_eps: float = bounded(0.0, ge=0)
     # A reference Gaussian saved by MID.fit_reference: score against it instead of fitting on this corpus.
     reference_gaussian: str | None = None
     input_paths: ClassVar[tuple[str, ...]] = ("model", "reference_gaussian")
@@ -61,8 +61,6 @@ class MIDConfig(ModelConfig):
             raise ValueError(f"fit_pairs must be one of {FIT_PAIRS}, got {self.fit_pairs!r}")
         if self.corpus_reduction not in gaussian.REDUCTIONS:
             raise ValueError(f"corpus_reduction must be one of {gaussian.REDUCTIONS}, got {self.corpus_reduction!r}")
-        if not (self.covariance_eps >= 0 and math.isfinite(self.covariance_eps)):
-            raise ValueError(f"covariance_eps must be a finite non-negative number, got {self.covariance_eps}")
 
 
 class MID(Metric):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.contract import (GROUP, INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig,
-                                     Requirement, StateSpec, nanmean)
+                                     Requirement, StateSpec, bounded, nanmean)
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, mean_pooled
 from capeval_plugins.core.vmf import PRECISIONS, BiKL, Points, bi_kl, content_seeds, fit_vmf_mixture, points
 from capeval_plugins.training.msd_aligner.model import LocalAligner, read_settings as read_aligner_settings
@@ -59,15 +59,15 @@ class MSDConfig(ModelConfig):
     setting: str = "short"
     # A named option set of the official scripts (PRESETS): "sugarcrepe" = 4 image, 2 text components.
     preset: str = "paper"
-    k_image: int | None = None
-    k_text: int | None = None
-    kappa: float = 20.0
-    em_iterations: int = 20
+    k_image: int | None = bounded(None, ge=1)
+    k_text: int | None = bounded(None, ge=1)
+    kappa: float = bounded(20.0, gt=0)
+    em_iterations: int = bounded(20, ge=0)
     # Reference code: a component is re-initialised when N_k < reinit_threshold * N.
-    reinit_threshold: float = 1e-6
-    lam: float = 0.1
-    length_l0: float = 20.0
-    length_tau: float = 3.0
+    reinit_threshold: float = bounded(1e-6, ge=0)
+    lam: float = bounded(0.1, ge=0)
+    length_l0: float = bounded(20.0, ge=0)
+    length_tau: float = bounded(3.0, gt=0)
     # "model": the model's own pooled embeddings (methods notes, reference code); "mean": the normalised mean
     # of the patch / content-token embeddings (the paper's wording for its aligner).
     global_pooling: str = "model"
@@ -78,7 +78,7 @@ class MSDConfig(ModelConfig):
     # "head", each mapped by its tower's attention-pooling / text head.
     siglip_features: str = "hidden"
     long_captions: str = "truncate"
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     # Precision of the EM and KL (core.vmf.PRECISIONS). "mixed": the products of the image patches with the
     # means in float32, everything else (log-weights, normalisers, masses, the tokens' products, KL) in float64:
     # faster than the official float32 code and closer to a float64 computation than it (benchmarks/msd_em.py).
@@ -89,7 +89,7 @@ class MSDConfig(ModelConfig):
 
 @dataclass
 class SoftMSDConfig(MSDConfig):
-    tau: float = 0.2
+    tau: float = bounded(0.2, gt=0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -396,20 +396,11 @@ def check_config(cfg: MSDConfig) -> None:
     need(cfg.setting in SETTINGS, f"setting must be one of {sorted(SETTINGS)}, got {cfg.setting!r}")
     need(cfg.preset in PRESETS, f"preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
     need(cfg.siglip_features in ("hidden", "head"), f"siglip_features must be 'hidden' or 'head', got {cfg.siglip_features!r}")
-    for name in ("k_image", "k_text"):
-        value = getattr(cfg, name)
-        need(value is None or (isinstance(value, int) and value >= 1), f"{name} must be a positive integer or None")
-    need(cfg.kappa > 0, "kappa must be positive")
-    need(cfg.em_iterations >= 0, "em_iterations must be >= 0")
-    need(cfg.reinit_threshold >= 0, "reinit_threshold must be >= 0")
-    need(cfg.length_tau > 0, "length_tau must be positive")
     need(cfg.global_pooling in ("model", "mean"), "global_pooling must be 'model' or 'mean'")
     need(cfg.long_captions in ("truncate", "error"), "long_captions must be 'truncate' or 'error'")
     need(cfg.em_dtype in PRECISIONS, f"em_dtype must be one of {sorted(PRECISIONS)}")
     need(not (cfg.aligner and cfg.patch_layernorm),
          "patch_layernorm applies to stock CLIP patches; an aligner takes its own CLIP layer")
-    if isinstance(cfg, SoftMSDConfig):
-        need(cfg.tau > 0, "tau must be positive")
 
 
 def pixel_seeds(pixels: Tensor, seed: int = 0, stride: int = 61) -> Tensor:

@@ -13,6 +13,7 @@ registry; each keeps its own state (MID's fit stays a sum, so RS is DDP-safe lik
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import ClassVar, Mapping
 
@@ -27,6 +28,7 @@ from capeval_plugins.contract import (
     MetricConfig,
     MetricInfo,
     MetricResult,
+    bounded,
     nanmean,
 )
 from capeval_plugins.core.gaussian import normalize_pmi
@@ -54,9 +56,9 @@ NORMALIZATIONS: dict[str, tuple[str, ...]] = {
 @dataclass
 class RedemptionConfig(MetricConfig):
     # Fusion (paper Eq. 10); a component with weight 0 is not computed at all.
-    mid_weight: float = 0.84
-    dino_weight: float = 0.08
-    bertscore_weight: float = 0.08
+    mid_weight: float = bounded(0.84, ge=0, le=1)
+    dino_weight: float = bounded(0.08, ge=0, le=1)
+    bertscore_weight: float = bounded(0.08, ge=0, le=1)
     # "additive": Eq. 10, sum w_k s_k; "multiplicative": Eq. 11, prod max(s_k, 0)^w_k (Table 5's ablation).
     fusion: str = "additive"
     # A row of the paper's ablation tables by name (ABLATIONS): sets the weights and the fusion.
@@ -69,7 +71,7 @@ class RedemptionConfig(MetricConfig):
     clip_model: str = "openai/clip-vit-large-patch14"
     # Added to the diagonal of MID's fitted covariance: Redemption Score's code adds 5e-4 (its
     # scripts/get_gaussian.py, GaussianEstimator(reg=5e-4)); 0 is the official MID's.
-    covariance_eps: float = 5e-4
+    covariance_eps: float = bounded(5e-4, ge=0)
     reference_gaussian: str | None = None
     fit_pairs: str = "all_references"
     # Only the reported corpus MID (the "mid" extra); RS fuses the per-sample PMI either way.
@@ -80,17 +82,17 @@ class RedemptionConfig(MetricConfig):
     generated_images: str | None = None
     cache: bool = True
     cache_dir: str | None = None
-    steps: int = 40
-    image_size: int = 1024
-    guidance_scale: float = 7.0
-    seed: int = 0
+    steps: int = bounded(40, ge=1)
+    image_size: int = bounded(1024, ge=1)
+    guidance_scale: float = bounded(7.0, ge=0)
+    seed: int = bounded(0, ge=0)
     seed_per_caption: bool = False
-    generator_batch_size: int = 4
+    generator_batch_size: int = bounded(4, ge=1)
     generator_dtype: str | None = None
     reference_choice: str = "first"
     # BERTScore (bert_score's table puts deberta-v3-large at layer 12; no rescaling baseline ships for it)
     bertscore_model: str = "microsoft/deberta-v3-large"
-    bertscore_num_layers: int = 12
+    bertscore_num_layers: int = bounded(12, ge=1)
     bertscore_idf: bool = False
     bertscore_rescale_with_baseline: bool = False
     bertscore_baseline_path: str | None = None
@@ -114,9 +116,11 @@ class RedemptionConfig(MetricConfig):
             (self.mid_weight, self.dino_weight, self.bertscore_weight), self.fusion = ABLATIONS[self.ablation]
         if self.fusion not in FUSIONS:
             raise ValueError(f"fusion must be one of {FUSIONS}, got {self.fusion!r}")
-        weights = (self.mid_weight, self.dino_weight, self.bertscore_weight)
-        if not all(math.isfinite(w) and w >= 0 for w in weights) or not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
-            raise ValueError(f"the weights must be non-negative and sum to 1 (paper Eq. 10), got {weights}")
+        weights = (self.mid_weight, self.dino_weight, self.bertscore_weight)  # each one's type and range: bounded()
+        numbers_ = all(isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in weights)
+        if numbers_ and not math.isclose(sum(weights), 1.0, abs_tol=1e-6):
+            raise ValueError("mid_weight, dino_weight and bertscore_weight must sum to 1 (paper Eq. 10), got "
+                             f"{weights}")
         for part, allowed in NORMALIZATIONS.items():
             value = getattr(self, f"{part}_normalization")
             if value not in allowed:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric
+from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, bounded
 from capeval_plugins.core.encoders.common import EncoderSpec
 from capeval_plugins.core.encoders.conditioned import FAMILIES, ConditionedEncoder, model_family
 from capeval_plugins.core.matching import greedy_prf, reduce_references, to_grid
@@ -64,9 +64,9 @@ class ViLBERTScoreConfig(ModelConfig):
     after_text_layer: bool = False
     # ViLBERT 12-in-1 task token: None as the official script (7, COCO retrieval, when the model has task
     # tokens), -1 none, else that token.
-    task_id: int | None = None
+    task_id: int | None = bounded(None, ge=0)
     # Text limit in tokens with [CLS] and [SEP] (None: 37 for ViLBERT as the official script, else the model's).
-    max_text_tokens: int | None = None
+    max_text_tokens: int | None = bounded(None, ge=1)
     # ViLT is pre-LayerNorm: apply its final LayerNorm to the chosen layer (the last layer then equals the
     # model's output).
     final_norm: bool = True
@@ -74,8 +74,8 @@ class ViLBERTScoreConfig(ModelConfig):
     multi_reference: str = "mean"
     # ViLT's patch sampling: seed of each image's draw, and how many patches (None: the checkpoint's
     # max_image_length; -1 all patches, in a random order that does not change the result).
-    seed: int = 0
-    max_image_patches: int | None = None
+    seed: int = bounded(0, ge=0)
+    max_image_patches: int | None = bounded(None, ge=1)
 
     # Options that name local files or folders (checked before scoring by a runner that reads this).
     input_paths: ClassVar[tuple[str, ...]] = ("model", "features")

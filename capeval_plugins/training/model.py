@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.core import heads, loading
+from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, PromptEnd, VisualInput, is_video, load_lvlm_processor
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.training.checkpoint import (json_bytes, output_folder, read_checkpoint_config,
@@ -112,15 +113,15 @@ class RigelSettings:
     labels: tuple[str, ...] = LABELS
     prompts: dict[str, str] = field(default_factory=paper_prompts)
     reference_separator: str = "\n"
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
     head_hidden: tuple[int, ...] = (1024, 512)
     head_activation: str = "relu"
-    hidden_size: int | None = None
+    hidden_size: int | None = bounded(None, ge=1)
     video_input: str = "auto"
-    video_fps: float | None = 2.0
+    video_fps: float | None = bounded(2.0, gt=0)
     answer_prefix: str = ""
     lora: dict[str, Any] | None = None
-    phase: int = 0
+    phase: int = bounded(0, ge=0, le=2)
 
     def __post_init__(self) -> None:
         self.labels = tuple(str(x) for x in self.labels)
@@ -130,8 +131,7 @@ class RigelSettings:
             raise ValueError(f"Rigel settings lack the prompt(s) {missing}")
         if len(self.labels) < 2:
             raise ValueError("Rigel needs at least two labels")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        check_fields(self, "Rigel settings")
         VisualInput(self.video_input, self.video_fps, self.answer_prefix)  # raises on bad video settings
 
     @property

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from capeval_plugins.core import heads
+from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge
 from capeval_plugins.training.data import JudgmentSet
 from capeval_plugins.training.features import Features, extract_features
@@ -30,25 +31,22 @@ from capeval_plugins.training.state import (chunks, correlation, epoch_order, pr
 class Phase1Config:
     """Phase 1 hyper-parameters; defaults are the paper's (Table 4, Appendix D)."""
 
-    epochs: int = 50
-    batch_size: int = 64
-    lr: float = 5e-4
-    weight_decay: float = 0.01
+    epochs: int = bounded(50, ge=1)
+    batch_size: int = bounded(64, ge=1)
+    lr: float = bounded(5e-4, gt=0)
+    weight_decay: float = bounded(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
-    patience: int = 5
-    seed: int = 0
-    extract_batch_size: int = 16
+    patience: int = bounded(5, ge=1)
+    seed: int = bounded(0, ge=0)
+    extract_batch_size: int = bounded(16, ge=1)
     shard_size: int = 1024
     # The distillation objective: "emd" (Eq. 2) or "kl" (the paper's Table 5 ablation).
     objective: str = "emd"
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or self.patience < 1 or self.extract_batch_size < 1:
-            raise ValueError("epochs, batch_size, patience and extract_batch_size must be at least 1")
+        check_fields(self, "phase 1")
         if self.objective not in heads.RIGEL_OBJECTIVES:
             raise ValueError(f"objective must be one of {heads.RIGEL_OBJECTIVES}, got {self.objective!r}")
-        if not self.lr > 0 or self.weight_decay < 0:
-            raise ValueError("lr must be positive and weight_decay non-negative")
 
 
 def head_metrics(head: heads.ScoringHead, features: Features, temperature: float) -> dict[str, float]:

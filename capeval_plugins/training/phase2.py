@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from capeval_plugins.core import heads
+from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, load_lvlm_processor
 from capeval_plugins.training.data import JudgmentSet
 from capeval_plugins.training.model import (RigelModel, load_head, load_private_backbone, quiet_peft, read_settings,
@@ -35,28 +36,25 @@ LANGUAGE_QV = r".*language_model.*\.(q_proj|v_proj)"
 class Phase2Config:
     """Phase 2 hyper-parameters; defaults are the paper's (Table 4)."""
 
-    epochs: int = 1
-    batch_size: int = 8
-    lr: float = 1e-4
-    weight_decay: float = 0.01
+    epochs: int = bounded(1, ge=1)
+    batch_size: int = bounded(8, ge=1)
+    lr: float = bounded(1e-4, gt=0)
+    weight_decay: float = bounded(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
+    lora_r: int = bounded(8, ge=1)
+    lora_alpha: int = bounded(16, ge=1)
+    lora_dropout: float = bounded(0.0, ge=0, lt=1)
     lora_targets: str = LANGUAGE_QV
     ties: str = "up"
-    seed: int = 0
-    save_every: int = 200
-    eval_batch_size: int = 16
+    seed: int = bounded(0, ge=0)
+    save_every: int = bounded(200, ge=1)
+    eval_batch_size: int = bounded(16, ge=1)
     # The frozen head: "phase1" (init's distilled head) or "random" (freshly initialised with ``seed``: the
     # paper's Table 3 row (iii), phase 2 without phase 1).
     head_init: str = "phase1"
 
     def __post_init__(self) -> None:
-        if min(self.epochs, self.batch_size, self.lora_r, self.save_every, self.eval_batch_size) < 1:
-            raise ValueError("epochs, batch_size, lora_r, save_every and eval_batch_size must be at least 1")
-        if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.lora_dropout < 1:
-            raise ValueError("lr must be positive, weight_decay non-negative and lora_dropout in [0, 1)")
+        check_fields(self, "phase 2")
         if self.ties not in ("up", "down"):
             raise ValueError(f"ties must be 'up' or 'down', got {self.ties!r}")
         if self.head_init not in ("phase1", "random"):

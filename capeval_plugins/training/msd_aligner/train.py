@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.core import loading
+from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, mean_pooled
 from capeval_plugins.inputs import iter_batches, to_batch
 from capeval_plugins.training.features import ShardedRows, cached_shards
@@ -55,40 +56,35 @@ class AlignerConfig:
     """Optimisation settings. The paper gives none; defaults are LLaVA v1's CC3M-595K projector stage and CLIP's
     temperature."""
 
-    epochs: int = 1
-    batch_size: int = 128
-    micro_batch_size: int = 16
-    lr: float = 2e-3
-    weight_decay: float = 0.0
+    epochs: int = bounded(1, ge=1)
+    batch_size: int = bounded(128, ge=1)
+    micro_batch_size: int = bounded(16, ge=1)
+    lr: float = bounded(2e-3, gt=0)
+    weight_decay: float = bounded(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_ratio: float = 0.03
+    eps: float = bounded(1e-8, gt=0)
+    warmup_ratio: float = bounded(0.03, ge=0, lt=1)
     schedule: str = "cosine"
-    contrastive_weight: float = 1.0
-    reconstruction_weight: float = 1.0
-    temperature: float = 0.07
+    contrastive_weight: float = bounded(1.0, ge=0)
+    reconstruction_weight: float = bounded(1.0, ge=0)
+    temperature: float = bounded(0.07, gt=0)
     learn_temperature: bool = True
-    max_logit_scale: float = 100.0
+    max_logit_scale: float = bounded(100.0, gt=0)
     gradient_checkpointing: bool = False
-    seed: int = 0
-    save_every: int = 200
-    extract_batch_size: int = 64
-    shard_size: int = 1024
+    seed: int = bounded(0, ge=0)
+    save_every: int = bounded(200, ge=1)
+    extract_batch_size: int = bounded(64, ge=1)
+    shard_size: int = bounded(1024, ge=1)
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
-        if min(self.epochs, self.batch_size, self.micro_batch_size, self.save_every, self.extract_batch_size,
-               self.shard_size) < 1:
-            raise ValueError("epochs, batch sizes, save_every and shard_size must be at least 1")
-        if not self.lr > 0 or self.weight_decay < 0 or not 0 <= self.warmup_ratio < 1:
-            raise ValueError("lr must be positive, weight_decay non-negative and warmup_ratio in [0, 1)")
+        check_fields(self, "aligner training")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.contrastive_weight < 0 or self.reconstruction_weight < 0 or \
-                self.contrastive_weight + self.reconstruction_weight == 0:
-            raise ValueError("the loss weights must be non-negative and not both zero")
-        if not (self.temperature > 0 and 1 / self.temperature <= self.max_logit_scale):
-            raise ValueError("temperature must be positive, with 1 / temperature <= max_logit_scale")
+        if self.contrastive_weight + self.reconstruction_weight == 0:
+            raise ValueError("aligner training: the loss weights must not both be zero")
+        if not 1 / self.temperature <= self.max_logit_scale:
+            raise ValueError("aligner training: 1 / temperature must be <= max_logit_scale")
 
 
 # --- the two objectives ------------------------------------------------------------------------------------------
