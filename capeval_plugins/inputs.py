@@ -12,6 +12,7 @@ import hashlib
 import io
 import os
 import warnings
+from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -231,11 +232,18 @@ def _once(checked: dict | None, what: str, inputs: tuple, compute: Callable[[], 
     return value
 
 
+def refuse_unordered(value: Any, what: str) -> None:
+    """A mapping or a set has no sample order (a dict would give its keys): refuse it rather than misalign."""
+    if isinstance(value, (Mapping, AbstractSet)):
+        raise InputError(f"{what} must be a sequence in sample order (a list), got {type(value).__name__}")
+
+
 def _caption_list(candidates: Any) -> list[Any]:
     if candidates is None:
         raise InputError("no candidate captions given")
     if isinstance(candidates, (str, bytes)):
         raise InputError("candidates must be a sequence of strings, got a single string")
+    refuse_unordered(candidates, "candidates")
     if isinstance(candidates, np.ndarray):
         candidates = candidates.tolist()
     try:
@@ -368,6 +376,7 @@ def _reference_lists(info: MetricInfo, references: Sequence[Any] | None, ids: li
         return None
     if isinstance(references, (str, bytes)):
         raise InputError("references must be a sequence with one entry (a list of strings) per sample")
+    refuse_unordered(references, "references")
     given = references
     references = list(references)
     if len(references) != n:
@@ -434,6 +443,7 @@ def _image_sources(info: MetricInfo, images: Sequence[Any] | None, ids: list[int
         return None
     if isinstance(images, (str, bytes, os.PathLike, Image.Image)):
         raise InputError("images must be a sequence with one image per caption, got a single image")
+    refuse_unordered(images, "images")
     if isinstance(images, (torch.Tensor, np.ndarray)) and images.ndim == 4:
         images = list(images)  # a (N, C, H, W) or (N, H, W, C) stack
     try:

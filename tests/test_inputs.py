@@ -84,6 +84,11 @@ def test_grayscale_and_rgba(base):
         ([np.zeros((4, 4, 3))] * 2, ["a", "b"], [["r"], ["ok", " "]], "sample 1: reference 1 is empty"),
         ([np.zeros((4, 4, 3))] * 2, ["a", "b"], [["r"], None], "sample 1: references missing"),
         ([[np.zeros((4, 4, 3))]], ["ok"], None, "list of frames"),
+        # a mapping or a set has no sample order; list() of a dict gives its keys, silently misaligned
+        ([np.zeros((4, 4, 3))], {"img1": "a dog"}, None, "candidates must be a sequence in sample order.*dict"),
+        ([np.zeros((4, 4, 3))] * 2, {"a", "b"}, None, "candidates must be a sequence in sample order.*set"),
+        ([np.zeros((4, 4, 3))], ["a"], {"img1": ["r"]}, "references must be a sequence in sample order.*dict"),
+        ({"img1": np.zeros((4, 4, 3))}, ["a"], None, "images must be a sequence in sample order.*dict"),
     ],
 )
 def test_errors_name_the_sample(images, captions, refs, match):
