@@ -41,6 +41,7 @@ from safetensors.torch import save as save_tensors
 from torch import Tensor
 
 from capeval_plugins import files
+from capeval_plugins.contract import PackedTexts
 from capeval_plugins.inputs import InputError
 
 FORMAT = 3
@@ -97,6 +98,33 @@ class DamagedRecords(ValueError):
 
 def _bytes(tensors: Mapping[str, Tensor]) -> bytes:
     return save_tensors({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()})
+
+
+# A text state's rows (PackedTexts) are stored as two tensors under these suffixes (":" is in no state name).
+_PACKED = (":packed-data", ":packed-lengths")
+
+
+def flat_rows(rows: Mapping[str, Tensor | PackedTexts]) -> dict[str, Tensor]:
+    """A batch's rows as plain tensors for a record: packed texts as their bytes and lengths."""
+    flat = {}
+    for key, value in rows.items():
+        if isinstance(value, PackedTexts):
+            flat[key + _PACKED[0]], flat[key + _PACKED[1]] = value.data, value.lengths
+        else:
+            flat[key] = value
+    return flat
+
+
+def rows_back(tensors: Mapping[str, Tensor]) -> dict[str, Tensor | PackedTexts]:
+    """Inverse of :func:`flat_rows`."""
+    rows: dict[str, Tensor | PackedTexts] = {}
+    for key, value in tensors.items():
+        if key.endswith(_PACKED[0]):
+            name = key[: -len(_PACKED[0])]
+            rows[name] = PackedTexts(value, tensors[name + _PACKED[1]])
+        elif not key.endswith(_PACKED[1]):
+            rows[key] = value
+    return rows
 
 
 def run_key(run_id: str) -> bytes:
@@ -452,7 +480,7 @@ class RunStore:
             folder.truncate(name, keep)
         progress = Progress(batches=done, sums=sums)
         for header, tensors in records[:done]:
-            progress.rows.append(tensors)
+            progress.rows.append(rows_back(tensors))
             progress.skipped.update({int(i): r for i, r in header.get("skipped", {}).items()})
         return progress
 
@@ -488,7 +516,7 @@ class RunStore:
         header = {"run": self.run_id, "metric": metric, "batch": batch, "plan": plan}
         try:
             folder.append(f"{metric}.log", encode_record({**header, "skipped": {str(i): r for i, r in skipped.items()}},
-                                                         rows, self.key))
+                                                         flat_rows(rows), self.key))
             if sums is not None:
                 folder.write(f"{metric}.sums", encode_record({**header, "batches": batch + 1}, sums, self.key),
                              scratch=f"{metric}.sums.tmp")

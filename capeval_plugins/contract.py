@@ -42,18 +42,24 @@ class StateSpec:
     """How one state tensor merges: ``"cat"`` stacks per-sample rows of shape ``shape``; ``"sum"`` adds
     tensors of shape ``shape`` (sufficient statistics, float64 for anything squared).
 
-    A ``-1`` in a ``"cat"`` shape is a ragged axis (e.g. the bytes of a caption, see :func:`encode_texts`):
-    batches may differ in that width and are zero-padded to the widest when merged."""
+    A ``-1`` in a ``"cat"`` shape is a ragged axis: batches may differ in that width and are zero-padded to
+    the widest when merged. ``text``: the rows are texts (:func:`encode_texts`, :func:`encode_text_lists`, which
+    hold no zero byte; declare :data:`TEXT_STATE`): a batch is zero-padded as any ragged block, but the merged
+    state is a :class:`PackedTexts`, every row's bytes back to back, so one long caption costs its own length,
+    not its length times the number of rows."""
 
     reduce: Literal["cat", "sum"]
     dtype: torch.dtype = torch.float64
     shape: tuple[int, ...] = ()
+    text: bool = False
 
     def __post_init__(self) -> None:
         if self.reduce not in ("cat", "sum"):
             raise ValueError(f"reduce must be 'cat' or 'sum', got {self.reduce!r}")
         if self.reduce == "sum" and -1 in self.shape:
             raise ValueError("a 'sum' state cannot have a ragged axis")
+        if self.text and (self.reduce, self.dtype, self.shape) != ("cat", torch.uint8, (-1,)):
+            raise ValueError('a text state is StateSpec("cat", torch.uint8, (-1,), text=True)')
 
     @property
     def ragged(self) -> bool:
@@ -64,8 +70,15 @@ class StateSpec:
             return torch.zeros((0, *(max(d, 0) for d in self.shape)), dtype=self.dtype, device=device)
         return torch.zeros(self.shape, dtype=self.dtype, device=device)
 
-    def cat(self, rows: Sequence[Tensor]) -> Tensor:
-        """Concatenate row blocks, zero-padding ragged axes to the widest block."""
+    def cat(self, rows: Sequence[Tensor | "PackedTexts"]) -> Tensor | "PackedTexts":
+        """Concatenate row blocks, zero-padding ragged axes to the widest block (a text state: packed)."""
+        if self.text:
+            return PackedTexts.join(rows)
+        return self.cat_padded(rows)
+
+    def cat_padded(self, rows: Sequence[Tensor | "PackedTexts"]) -> Tensor:
+        """:meth:`cat` as one zero-padded tensor, whatever the state (what a collective gathers)."""
+        rows = [r.padded() if isinstance(r, PackedTexts) else r for r in rows]
         if not rows:
             return self.empty()
         if not self.ragged:
@@ -83,6 +96,10 @@ class StateSpec:
             out[corner] = r.detach().numpy() if on_cpu else r
             start += len(r)
         return torch.from_numpy(out) if on_cpu else out
+
+
+# The state of texts kept for finalize (captions, references): packed once merged (PackedTexts).
+TEXT_STATE = StateSpec("cat", torch.uint8, (-1,), text=True)
 
 
 @dataclass(frozen=True)
@@ -470,6 +487,11 @@ def map_batch(metric: Metric, batch: Batch) -> dict[str, Tensor]:
     checked: dict[str, Tensor] = {}
     for key, value in out.items():
         want = spec[key]
+        if want.text and isinstance(value, PackedTexts):
+            if len(value) != n or value.data.dtype != torch.uint8:
+                raise RuntimeError(f"{metric.info.name}.map: state {key!r} packs {len(value)} texts for {n} samples")
+            checked[key] = value
+            continue
         expected = (n, *want.shape) if want.reduce == "cat" else want.shape
         got = tuple(value.shape)
         if want.ragged and len(got) == len(expected):
@@ -546,7 +568,9 @@ def canonical_state(spec: Mapping[str, StateSpec], state: Mapping[str, Tensor],
     out = {}
     for key, want in spec.items():
         value = state[key]
-        if want.reduce == "cat":
+        if want.reduce == "cat" and isinstance(value, PackedTexts):
+            value = value.select(rows)
+        elif want.reduce == "cat":
             value = value if want.ragged else value.reshape(-1, *want.shape)
             value = value[rows.to(value.device)]
         out[key] = value
@@ -717,17 +741,87 @@ class CompositeMetric(Metric):
         return self.combine(results, state)
 
 
-def encode_texts(texts: Sequence[str]) -> Tensor:
-    """Strings as a ``(B, max_bytes)`` uint8 tensor (UTF-8, zero-padded): how a metric that needs the raw text
-    at finalize (corpus statistics such as CIDEr's idf) keeps it in a ragged ``"cat"`` state
-    (``StateSpec("cat", torch.uint8, (-1,))``), which merges across batches and DDP ranks like any tensor."""
-    data = [t.encode("utf-8") for t in texts]
+@dataclass(frozen=True)
+class PackedTexts:
+    """The merged rows of a text state: ``data``, every row's bytes back to back (uint8), and ``lengths``, each
+    row's byte count. The same rows as the zero-padded ``(N, longest)`` tensor (:meth:`padded`), in the total
+    of their lengths instead of N times the longest. Rows hold no zero byte (:func:`encode_texts`)."""
+
+    data: Tensor
+    lengths: Tensor
+
+    @classmethod
+    def join(cls, parts: Sequence[Tensor | "PackedTexts"]) -> "PackedTexts":
+        """Zero-padded row blocks and packed parts, concatenated in order."""
+        data, lengths = [], []
+        for part in parts:
+            if isinstance(part, PackedTexts):
+                data.append(part.data.cpu().numpy())
+                lengths.append(part.lengths.cpu().numpy())
+                continue
+            array = part.detach().to(torch.uint8).cpu().numpy()
+            count = array.shape[0] if array.ndim else 0
+            if not array.size:  # no rows, or rows of empty texts only
+                lengths.append(np.zeros(count, np.int64))
+                continue
+            block = array.reshape(count, -1)
+            filled = block != 0
+            data.append(block[filled])  # row-major: row by row, each row's bytes in order
+            lengths.append(filled.sum(axis=1, dtype=np.int64))
+        data_ = np.concatenate(data) if data else np.zeros(0, np.uint8)
+        lengths_ = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        return cls(torch.from_numpy(np.ascontiguousarray(data_, dtype=np.uint8)),
+                   torch.from_numpy(np.ascontiguousarray(lengths_, dtype=np.int64)))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def _starts(self) -> np.ndarray:
+        lengths = self.lengths.numpy()
+        return np.cumsum(lengths) - lengths
+
+    def select(self, rows: Tensor) -> "PackedTexts":
+        """The rows at ``rows`` (a 1-D index tensor), in that order."""
+        rows = rows.cpu().numpy().astype(np.int64)
+        lengths = self.lengths.numpy()[rows]
+        starts = self._starts()[rows]
+        # each kept byte's position: its row's start plus its offset inside the row
+        offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        picked = self.data.numpy()[np.repeat(starts, lengths) + offsets]
+        return PackedTexts(torch.from_numpy(picked), torch.from_numpy(lengths))
+
+    def rows(self) -> list[bytes]:
+        blob = self.data.numpy().tobytes()
+        ends = np.cumsum(self.lengths.numpy()).tolist()
+        return [blob[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+
+    def padded(self) -> Tensor:
+        """The ``(N, longest)`` zero-padded tensor of these rows."""
+        return _pack(self.rows())
+
+    def to(self, *args: Any, **kwargs: Any) -> "PackedTexts":
+        return self  # bytes for finalize: they stay in CPU memory
+
+    cpu = to
+
+
+def encode_texts(texts: Sequence[str], packed: bool = False) -> Tensor | PackedTexts:
+    """Strings as a ``(B, max_bytes)`` uint8 tensor (UTF-8, zero-padded), or with ``packed`` as
+    :class:`PackedTexts` (no padding): how a metric that needs the raw text at finalize (corpus statistics such as
+    CIDEr's idf) keeps it in a :data:`TEXT_STATE`, which merges across batches and DDP ranks like any state."""
+    return _encoded([t.encode("utf-8") for t in texts], packed)
+
+
+def _encoded(data: list[bytes], packed: bool) -> Tensor | PackedTexts:
     if any(b"\x00" in d for d in data):
         raise ValueError("texts must not contain NUL characters")
+    if packed:
+        lengths = torch.tensor([len(d) for d in data], dtype=torch.int64)
+        return PackedTexts(torch.from_numpy(np.frombuffer(b"".join(data), dtype=np.uint8).copy()), lengths)
     return _pack(data)
 
 
-def decode_texts(rows: Tensor) -> list[str]:
+def decode_texts(rows: Tensor | PackedTexts) -> list[str]:
     """Inverse of :func:`encode_texts`."""
     parts = _unpack(rows)
     return b"\x00".join(parts).decode("utf-8").split("\x00") if parts else []
@@ -737,17 +831,14 @@ def decode_texts(rows: Tensor) -> list[str]:
 _ITEM_END = b"\xff"
 
 
-def encode_text_lists(lists: Sequence[Sequence[str]]) -> Tensor:
-    """Lists of strings (e.g. each sample's references) as a ``(B, max_bytes)`` uint8 tensor: every string of a
-    row in UTF-8 followed by the byte 0xFF (never part of UTF-8), rows zero-padded; no JSON to write or parse,
-    and an empty string or an empty list survive the round trip."""
-    data = [b"".join(t.encode("utf-8") + _ITEM_END for t in texts) for texts in lists]
-    if any(b"\x00" in d for d in data):
-        raise ValueError("texts must not contain NUL characters")
-    return _pack(data)
+def encode_text_lists(lists: Sequence[Sequence[str]], packed: bool = False) -> Tensor | PackedTexts:
+    """Lists of strings (e.g. each sample's references) as a ``(B, max_bytes)`` uint8 tensor (or, ``packed``,
+    :class:`PackedTexts`): every string of a row in UTF-8 followed by the byte 0xFF (never part of UTF-8), rows
+    zero-padded; no JSON to write or parse, and an empty string or an empty list survive the round trip."""
+    return _encoded([b"".join(t.encode("utf-8") + _ITEM_END for t in texts) for texts in lists], packed)
 
 
-def decode_text_lists(rows: Tensor) -> list[list[str]]:
+def decode_text_lists(rows: Tensor | PackedTexts) -> list[list[str]]:
     """Inverse of :func:`encode_text_lists`. A row not in that form (e.g. a state saved by an older version)
     raises ``ValueError``."""
     items, counts = [], []
@@ -774,8 +865,10 @@ def _pack(data: list[bytes]) -> Tensor:
     return torch.from_numpy(out)
 
 
-def _unpack(rows: Tensor) -> list[bytes]:
-    """The bytes of each row of a :func:`_pack` tensor, padding dropped."""
+def _unpack(rows: Tensor | PackedTexts) -> list[bytes]:
+    """The bytes of each row of a :func:`_pack` tensor (padding dropped) or of :class:`PackedTexts`."""
+    if isinstance(rows, PackedTexts):
+        return rows.rows()
     raw = rows.to(torch.uint8).cpu().numpy()
     if raw.ndim != 2 or not len(raw):
         return [b""] * len(raw)

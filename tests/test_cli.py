@@ -288,6 +288,24 @@ def test_torchrun_two_ranks_equals_one_process(tiny_clip, tmp_path):
     assert [r["clipscore"] for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5)
 
 
+def test_torchrun_text_states_with_a_long_caption_equal_one_process(tmp_path):
+    """The classic metrics' texts go from rank to rank packed (PackedTexts): the two-rank corpus scores and rows
+    equal one process's, with one 100 kB caption among short ones."""
+    rows = [json.loads(line) for line in (EXAMPLES / "captions.jsonl").read_text().splitlines()] * 3
+    rows[4] = {**rows[4], "caption": " ".join(["a red ball on green grass"] * 4000)}
+    captions = tmp_path / "captions.jsonl"
+    captions.write_text("".join(json.dumps({k: r[k] for k in ("caption", "references")}) + "\n" for r in rows))
+    args = ["score", "-m", "bleu4", "-m", "cider", "-o", "tokenize=false", "--captions", str(captions), "--quiet"]
+    run([CAPEVAL, *args, "--out", str(tmp_path / "one.jsonl")])
+    run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "capeval_plugins.cli", *args,
+         "--out", str(tmp_path / "two.jsonl"), "--batch-size", "2"], timeout=600)
+    one, two = ([json.loads(line) for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
+                for n in ("one", "two"))
+    assert len(one) == len(two) == len(rows)
+    for a, b in zip(one, two):
+        assert a == pytest.approx(b, rel=1e-12)
+
+
 @pytest.mark.parametrize("kind", ["clip", "roberta", "deberta_v3"])  # BPE, WordPiece and Unigram tokenizers
 def test_tiny_builds_a_loadable_checkpoint_and_prints_only_its_path(tmp_path, kind):
     out = run([CAPEVAL, "tiny", kind, str(tmp_path / kind)]).stdout

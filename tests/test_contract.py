@@ -199,6 +199,46 @@ def test_ragged_merge_pads_every_ragged_axis_with_zeros():
     assert torch.equal(merged[2, :1], b[0]) and merged[2, 1:].abs().sum() == 0
 
 
+def test_text_states_merge_packed_in_their_total_bytes():
+    """A text state (TEXT_STATE) merges into PackedTexts: the rows' bytes back to back, so one long caption
+    costs its own length, not its length times the number of rows; selecting rows (the canonical order, repeats
+    dropped) and padding give what the zero-padded tensor of the same rows gives."""
+    from capeval_plugins.contract import TEXT_STATE, PackedTexts, decode_text_lists, decode_texts, encode_text_lists
+    from capeval_plugins.contract import encode_texts
+
+    texts = ["a dog", "", "ünïcödé ☕", "x" * 5000, "b", "", "the end"]
+    blocks = [encode_texts(texts[:2]), encode_texts([]), encode_texts(texts[2:5]), encode_texts(texts[5:])]
+    merged = TEXT_STATE.cat(blocks)
+    assert isinstance(merged, PackedTexts) and len(merged) == len(texts)
+    assert merged.data.numel() == sum(len(t.encode()) for t in texts)  # not 7 x 5000
+    assert decode_texts(merged) == texts
+    plain = StateSpec("cat", torch.uint8, (-1,)).cat(blocks)  # the zero-padded merge of the same rows
+    assert torch.equal(merged.padded(), plain)
+    rows = torch.tensor([6, 3, 0, 1, 3, 2])
+    assert decode_texts(merged.select(rows)) == [texts[i] for i in rows.tolist()]
+    assert decode_texts(TEXT_STATE.cat([merged.select(rows[:2]), encode_texts(["z"])])) == [texts[6], texts[3], "z"]
+    lists = [["a", "bb"], [], ["", "ccc" * 100]]
+    assert decode_text_lists(TEXT_STATE.cat([encode_text_lists(lists[:1]), encode_text_lists(lists[1:])])) == lists
+    assert decode_texts(TEXT_STATE.cat([])) == [] and decode_texts(TEXT_STATE.cat([torch.zeros(0)])) == []
+    with pytest.raises(ValueError, match="text state"):
+        StateSpec("cat", torch.int64, (-1,), text=True)
+
+
+def test_a_corpus_metric_keeps_texts_packed_through_canonical_state():
+    """Rows sorted by id and a padding sampler's repeats dropped, on packed texts as on any state."""
+    from capeval_plugins.contract import DIGEST, GROUP, TEXT_STATE, PackedTexts, decode_texts, encode_texts
+
+    spec = {"text": TEXT_STATE, INDEX: StateSpec("cat", torch.int64), GROUP: StateSpec("cat", torch.int64),
+            DIGEST: StateSpec("cat", torch.int64)}
+    parts = [{"text": encode_texts(["c", "a" * 300]), INDEX: torch.tensor([2, 0]), GROUP: torch.tensor([2, 0]),
+              DIGEST: torch.tensor([12, 10])},
+             {"text": encode_texts(["b", "c"]), INDEX: torch.tensor([1, 2]), GROUP: torch.tensor([1, 2]),
+              DIGEST: torch.tensor([11, 12])}]
+    state, repeats = canonical_state(spec, merge_states(spec, parts), allowed_repeats=1)
+    assert repeats == 1 and isinstance(state["text"], PackedTexts)
+    assert decode_texts(state["text"]) == ["a" * 300, "b", "c"] and state[INDEX].tolist() == [0, 1, 2]
+
+
 class CorpusText(Metric):
     """Keeps the raw captions (ragged bytes) and scores at finalize: the shape of corpus-level metrics."""
 
@@ -206,7 +246,9 @@ class CorpusText(Metric):
                       references="never", images="never")
 
     def states(self):
-        return {"text": StateSpec("cat", torch.uint8, (-1,))}
+        from capeval_plugins.contract import TEXT_STATE
+
+        return {"text": TEXT_STATE}
 
     def map(self, batch):
         from capeval_plugins.contract import encode_texts

@@ -20,7 +20,8 @@ import torchmetrics
 
 from capeval_plugins import preflight, registry, runner
 from capeval_plugins.adapters.naming import GeneratedClasses, identifier
-from capeval_plugins.contract import Metric, MetricResult, StateSpec, decode_texts, encode_texts, full_spec
+from capeval_plugins.contract import (TEXT_STATE, Metric, MetricResult, PackedTexts, StateSpec, decode_texts,
+                                      encode_texts, full_spec)
 from capeval_plugins.core.messages import warn_once
 
 # torchmetrics.Metric keyword arguments; everything else is a metric option.
@@ -29,7 +30,7 @@ TORCHMETRICS_ARGS = frozenset(
     "compute_with_cache".split()
 )
 # Samples skipped under on_error="skip": their ids and reasons, synced like any "cat" state.
-SKIPPED_SPEC = {"_skipped_index": StateSpec("cat", torch.int64), "_skipped_reason": StateSpec("cat", torch.uint8, (-1,))}
+SKIPPED_SPEC = {"_skipped_index": StateSpec("cat", torch.int64), "_skipped_reason": TEXT_STATE}
 
 
 def _world() -> tuple[int, int]:
@@ -103,7 +104,8 @@ class CapevalMetric(torchmetrics.Metric):
             self._skip(dropped)
             for out in outs:
                 for name, value in out.items():
-                    value = value.to(self.device)
+                    # torchmetrics moves and casts list states element-wise: tensors only (packed texts padded)
+                    value = (value.padded() if isinstance(value, PackedTexts) else value).to(self.device)
                     if self._spec[name].reduce == "cat":
                         getattr(self, name).append(value)
                     else:
@@ -183,7 +185,7 @@ class CapevalMetric(torchmetrics.Metric):
         for name, spec in self._spec.items():
             value = getattr(self, name)
             if spec.reduce == "cat" and isinstance(value, list) and (not value or spec.ragged):
-                setattr(self, name, [spec.cat(value).to(self.device)])
+                setattr(self, name, [spec.cat_padded(value).to(self.device)])  # a tensor to gather
         kwargs = {"process_group": process_group}
         if dist_sync_fn is not None:
             kwargs["dist_sync_fn"] = dist_sync_fn

@@ -34,15 +34,15 @@ import torch
 import xxhash
 from torch import Tensor
 
-from capeval_plugins.contract import (INDEX, Batch, Metric, MetricConfig, MetricInfo, MetricResult, Requirement,
-                                      StateSpec, bounded, decode_text_lists, decode_texts, encode_text_lists,
-                                      encode_texts)
+from capeval_plugins.contract import (INDEX, TEXT_STATE, Batch, Metric, MetricConfig, MetricInfo, MetricResult,
+                                      PackedTexts, Requirement, StateSpec, bounded, decode_text_lists, decode_texts,
+                                      encode_text_lists, encode_texts)
 from capeval_plugins.core import java
 from capeval_plugins.core.coco_text import CocoCorpus
 from capeval_plugins.core.java import QUIET_ENV, require_java
 
 PYCOCOEVALCAP = "https://github.com/salaniz/pycocoevalcap"
-TEXT = StateSpec("cat", torch.uint8, (-1,))
+TEXT = TEXT_STATE
 
 BLEU_CITATION = """@inproceedings{papineni2002bleu,
   title     = {{BLEU}: a Method for Automatic Evaluation of Machine Translation},
@@ -172,16 +172,17 @@ _prepared_lock = threading.Lock()
 PREPARED_KEPT = 2  # corpora remembered: the metrics of one pass finalise the same one
 
 
-def prepared(candidates: Tensor, references: Tensor, tokenize: bool) -> CocoCorpus:
+def prepared(candidates: Tensor | PackedTexts, references: Tensor | PackedTexts, tokenize: bool) -> CocoCorpus:
     """The corpus of a COCO metric's state (decoded, PTB-tokenised if asked, rows merged, ready for every
     classic metric), built once and remembered by the content of the state: every classic metric of a pass
     finalises the same texts, so the tokenizer and the n-gram counts run once per pass, not once per
     metric. (A digest of the state's bytes is cheap; the texts themselves are not re-encoded.)"""
     digest = xxhash.xxh3_128()
-    for tensor in (candidates, references):
-        array = np.ascontiguousarray(tensor.to(torch.uint8).cpu().numpy())
-        digest.update(repr(array.shape).encode())
-        digest.update(memoryview(array).cast("B"))
+    for state in (candidates, references):
+        for tensor in (state.data, state.lengths) if isinstance(state, PackedTexts) else (state,):
+            array = np.ascontiguousarray(tensor.cpu().numpy())
+            digest.update(repr((array.shape, array.dtype.str)).encode())
+            digest.update(memoryview(array).cast("B"))
     key = f"{digest.hexdigest()}:{bool(tokenize)}"
     with _prepared_lock:
         corpus = _prepared.get(key)
@@ -228,7 +229,8 @@ class CocoMetric(Metric):
         return {"candidate": TEXT, "references": TEXT}
 
     def map(self, batch: Batch) -> dict[str, Tensor]:
-        return {"candidate": encode_texts(batch.candidates), "references": encode_text_lists(batch.references)}
+        return {"candidate": encode_texts(batch.candidates, packed=True),
+                "references": encode_text_lists(batch.references, packed=True)}
 
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
         if not len(state[INDEX]):
