@@ -64,7 +64,7 @@ class ViLBERTScoreConfig(ModelConfig):
     after_text_layer: bool = False
     # ViLBERT 12-in-1 task token: None as the official script (7, COCO retrieval, when the model has task
     # tokens), -1 none, else that token.
-    task_id: int | None = bounded(None, ge=0)
+    task_id: int | None = bounded(None, ge=-1)
     # Text limit in tokens with [CLS] and [SEP] (None: 37 for ViLBERT as the official script, else the model's).
     max_text_tokens: int | None = bounded(None, ge=1)
     # ViLT is pre-LayerNorm: apply its final LayerNorm to the chosen layer (the last layer then equals the
@@ -75,7 +75,7 @@ class ViLBERTScoreConfig(ModelConfig):
     # ViLT's patch sampling: seed of each image's draw, and how many patches (None: the checkpoint's
     # max_image_length; -1 all patches, in a random order that does not change the result).
     seed: int = bounded(0, ge=0)
-    max_image_patches: int | None = bounded(None, ge=1)
+    max_image_patches: int | None = bounded(None, ge=-1)
 
     # Options that name local files or folders (checked before scoring by a runner that reads this).
     input_paths: ClassVar[tuple[str, ...]] = ("model", "features")
@@ -177,6 +177,8 @@ class ViLBERTScore(PointwiseMetric):
             raise ValueError(f"vilbertscore: multi_reference must be 'mean' or 'max', got {cfg.multi_reference!r}")
         if cfg.backbone not in (None, *FAMILIES):
             raise ValueError(f"vilbertscore: backbone must be one of {FAMILIES} (or None), got {cfg.backbone!r}")
+        if cfg.max_image_patches == 0:
+            raise ValueError("vilbertscore: option max_image_patches must be -1 (all), None or >= 1, got 0")
         if cfg.backbone is not None:
             self._check_options(cfg.backbone)
         self._reader: RegionFeatureReader | None = None
