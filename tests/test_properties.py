@@ -258,3 +258,28 @@ def test_any_interleaving_of_interruption_damage_planting_and_resume_stays_insid
                 assert (victims / "victim.txt").read_bytes() == b"the user's file"
                 assert (victims / "folder" / "inside.txt").read_bytes() == b"the user's folder"
                 assert sorted(p.name for p in (victims / "folder").iterdir()) == ["inside.txt"]
+
+
+# --- packed text states --------------------------------------------------------------------------------------
+
+TEXT = st.text(alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=12)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(texts=st.lists(TEXT, max_size=12), cuts=st.lists(st.integers(0, 12), max_size=4),
+       picks=st.lists(st.integers(0, 11), max_size=15), lists=st.booleans())
+def test_packed_text_states_equal_the_padded_ones_however_batched_and_selected(texts, cuts, picks, lists):
+    """Texts of any characters (but NUL), split into batches anywhere (some empty), some batches packed and some
+    padded, merged and then rows selected in any order with repeats: the same texts as the padded merge."""
+    from capeval_plugins.contract import TEXT_STATE, decode_text_lists, decode_texts, encode_text_lists, encode_texts
+
+    values = [[t, t[::-1]] if i % 2 else [t] for i, t in enumerate(texts)] if lists else texts
+    encode, decode = (encode_text_lists, decode_text_lists) if lists else (encode_texts, decode_texts)
+    bounds = sorted({0, len(values), *[min(c, len(values)) for c in cuts]})
+    batches = [values[a:b] for a, b in zip(bounds, bounds[1:])] + [[]]
+    blocks = [encode(batch, packed=bool(k % 2)) for k, batch in enumerate(batches)]
+    merged = TEXT_STATE.cat(blocks)
+    assert decode(merged) == values
+    assert torch.equal(merged.padded(), StateSpec("cat", torch.uint8, (-1,)).cat([encode(values)]))
+    rows = torch.tensor([p for p in picks if p < len(values)], dtype=torch.int64)
+    assert decode(merged.select(rows)) == [values[i] for i in rows.tolist()]
