@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from capeval_plugins import files
 from capeval_plugins.contract import MetricResult
+from capeval_plugins.core import jsonio
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.inputs import InputError
 
@@ -103,7 +104,7 @@ def _json_lines(path: str) -> list[tuple[int, dict[str, Any]]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = jsonio.loads(line)
         except json.JSONDecodeError as err:
             raise InputError(f"{path}:{lineno}: not valid JSON: {err}") from None
         if not isinstance(row, dict):
@@ -173,7 +174,7 @@ def references_cell(value: Any, at: str, cell: bool = True) -> list[Any] | None:
         if not cell or not value.lstrip().startswith("["):
             return [value]
         try:
-            value = json.loads(value)
+            value = jsonio.loads(value)
         except json.JSONDecodeError:
             raise InputError(f"{at}: references must be a JSON list of strings, e.g. [\"a dog\", \"a brown dog\"] "
                              f"(double quotes; write it with json.dumps), got {_clip(value)}") from None

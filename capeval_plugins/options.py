@@ -13,6 +13,7 @@ import dataclasses
 import json
 from typing import Any, Mapping, Sequence
 
+from capeval_plugins.core import jsonio
 from capeval_plugins.inputs import InputError
 
 _TRUE = ("1", "true", "yes", "on")
@@ -38,7 +39,7 @@ def parse_value(metric: str, key: str, raw: str, field: dataclasses.Field) -> An
     structured = text[:1] in "[{" and any(k not in ("str", "None") for k in kinds)
     if structured:
         try:
-            return json.loads(text)
+            return jsonio.loads(text)
         except json.JSONDecodeError:
             pass
     for kind in kinds:
@@ -58,7 +59,7 @@ def parse_value(metric: str, key: str, raw: str, field: dataclasses.Field) -> An
         wanted = " or ".join(k if k != "None" else "none" for k in kinds)
         raise OptionError(f"{metric}: option {key} expects {_article(wanted)}, got {raw!r}")
     try:
-        return json.loads(text)
+        return jsonio.loads(text)
     except json.JSONDecodeError:
         return raw
 

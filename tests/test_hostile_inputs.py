@@ -787,3 +787,49 @@ def test_evaluate_module_and_a_diagnostics_png_refuse_links(tmp_path):
     with pytest.raises(Exception, match="symbolic link"):
         render_patch_map(random_image(0), [0.1, 0.5, 0.2, 0.9], path=tmp_path / "map.png", grid=(2, 2))
     assert target.read_text() == "the user's file"
+
+
+# --- JSON nested deeper than Python's recursion limit ----------------------------------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _deep_files(tmp_path: Path) -> dict[str, tuple[object, type]]:
+    """Every reader of a user's JSON, each given a document of 100,000 nested brackets: (call, error type)."""
+    from capeval_plugins.bench.readers import as_list, load_records
+    from capeval_plugins.bench.scorefiles import read_score_rows
+    from capeval_plugins.caption_files import read_captions
+    from capeval_plugins.core.generation import read_index
+    from capeval_plugins.core.messages import DataError
+    from capeval_plugins.inputs import InputError
+    from capeval_plugins.training.data import read_judgments
+
+    ok = json.dumps({"caption": "a dog", "references": ["a dog"]})
+    files_ = {"captions.jsonl": ok + "\n" + DEEP + "\n", "refs.jsonl": ok[:-1] + ', "x": ' + DEEP + "}\n",
+              "bench.json": DEEP, "scores.jsonl": DEEP + "\n", "index.json": DEEP, "judgments.json": DEEP}
+    for name, text in files_.items():
+        (tmp_path / name).write_text(text)
+    return {
+        "caption file line": (lambda: read_captions(tmp_path / "captions.jsonl"), InputError),
+        "caption file field": (lambda: read_captions(tmp_path / "refs.jsonl"), InputError),
+        "benchmark file": (lambda: load_records(tmp_path / "bench.json"), InputError),
+        "bench --scores file": (lambda: read_score_rows(tmp_path / "scores.jsonl"), InputError),
+        "references cell": (lambda: as_list("[" * 60_000 + "]" * 60_000, "row 1"), InputError),
+        "generated-image index": (lambda: read_index(tmp_path / "index.json"), DataError),
+        "training judgments": (lambda: read_judgments(tmp_path / "judgments.json"), InputError),
+    }
+
+
+def test_json_nested_deeper_than_the_recursion_limit_is_refused_by_its_file_not_a_traceback(tmp_path):
+    """json's decoder recurses: [[[[...]]]] 100,000 deep raised RecursionError (a traceback, exit 1) in every
+    reader of a user's JSON. Each now refuses it as bad input naming its file (core.jsonio)."""
+    for what, (call, error) in _deep_files(tmp_path).items():
+        with pytest.raises(error) as caught:
+            call()
+        assert "nested too deeply" in str(caught.value) or "cannot read" in str(caught.value), what
+
+
+def test_the_command_line_reports_a_deeply_nested_caption_file_in_one_line(tmp_path, capsys):
+    (tmp_path / "c.jsonl").write_text(DEEP + "\n")
+    assert main(["score", "-m", "bleu4", "-o", "tokenize=false", "--captions", str(tmp_path / "c.jsonl")]) == 2
+    assert "c.jsonl:1: not valid JSON: nested too deeply" in capsys.readouterr().err

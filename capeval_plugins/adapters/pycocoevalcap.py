@@ -9,7 +9,6 @@ and adds ours, feeding raw (untokenised) captions to scorers that want them.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -22,6 +21,7 @@ from capeval_plugins import registry, runner
 from capeval_plugins.core.messages import warn_once
 from capeval_plugins.adapters.naming import GeneratedClasses, coco_identifier
 from capeval_plugins.contract import Metric, MetricResult
+from capeval_plugins.core import jsonio
 from capeval_plugins.core.coco_text import CocoCorpus
 
 
@@ -41,7 +41,7 @@ class ImageResolver:
         self.files: dict[str, str] = {}
         if annotation_file is not None:
             with open(annotation_file, encoding="utf-8") as f:  # JSON is UTF-8, whatever the locale
-                images = json.load(f).get("images", [])
+                images = jsonio.load(f).get("images", [])
             self._add(((img["id"], img["file_name"]) for img in images), f"{annotation_file}: images")
         if mapping is not None:
             self._add(mapping.items(), "mapping")

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from capeval_plugins.bench.data import Captions, Pairs, Ratings, clean
+from capeval_plugins.core import jsonio
 from capeval_plugins.inputs import InputError
 
 CANDIDATE_KEYS = ("mt", "cand", "candidate", "caption", "hyp")
@@ -52,7 +53,7 @@ def load_records(path: str | Path) -> Any:
     if suffix == ".jsonl":
         return _json_lines(text, path)
     try:
-        return json.loads(text)
+        return jsonio.loads(text)
     except json.JSONDecodeError:
         return _json_lines(text, path)  # JSON Lines under a .json name (THumB's references)
 
@@ -62,7 +63,7 @@ def _json_lines(text: str, path: Path) -> list:
     for lineno, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                rows.append(jsonio.loads(line))
             except json.JSONDecodeError as err:
                 raise InputError(f"{path}:{lineno}: not valid JSON: {err}") from err
     return rows
@@ -82,11 +83,11 @@ def as_list(value: Any, where: str) -> list[str]:
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
-            for parse in (json.loads, ast.literal_eval):
+            for parse in (jsonio.loads, ast.literal_eval):
                 try:
                     value = parse(text)
                     break
-                except (ValueError, SyntaxError):
+                except (ValueError, SyntaxError, RecursionError, MemoryError):
                     continue
             else:
                 raise InputError(f"{where}: cannot read the list of references {text[:60]!r}")
@@ -600,7 +601,7 @@ def read_vatex_eval(path: str | Path) -> Ratings:
         scores = pick(entry, ("scores",), "scores", at)
         if isinstance(scores, str):
             try:
-                scores = json.loads(scores)
+                scores = jsonio.loads(scores)
             except json.JSONDecodeError as err:
                 raise InputError(f"{at}: cannot read scores {scores[:60]!r}") from err
         refs = pick(entry, ("refs", "references"), "refs", at)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from capeval_plugins import files
+from capeval_plugins.core import jsonio
 
 DEFAULT_TOKENIZER = "bert-base-uncased"
 
@@ -163,7 +164,7 @@ def convert_vilbert(
     if destination.is_dir() and any(destination.iterdir()) and not overwrite:
         raise ConversionError(f"{destination} exists and is not empty (use --overwrite)")
     released = read_checkpoint(source)
-    values = json.loads(Path(config).read_text()) if isinstance(config, (str, os.PathLike)) else config
+    values = jsonio.loads(Path(config).read_text()) if isinstance(config, (str, os.PathLike)) else config
     try:
         model_config, config_ignored = released_config(values, released_backbone(released))
     except ValueError as err:

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from capeval_plugins.core import jsonio
 from capeval_plugins.core.bounds import cli_number
 
 RIGEL_EPILOG = """examples:
@@ -210,8 +211,16 @@ def settings_from(args: argparse.Namespace):
     from capeval_plugins.training.model import DEFAULT_BASE_MODEL, RigelSettings, paper_prompts
 
     if args.prompts:
-        with open(args.prompts, encoding="utf-8") as f:
-            prompts = json.load(f)
+        from capeval_plugins.inputs import InputError
+
+        try:
+            with open(args.prompts, encoding="utf-8") as f:
+                prompts = jsonio.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise InputError(f"--prompts {args.prompts}: not a JSON file of prompts ({err})") from None
+        if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+            raise InputError(f"--prompts {args.prompts}: expected an object of prompt strings "
+                             "{image, image_ref, video, video_ref}")
     else:
         prompts = paper_prompts(args.prompt_layout)
     hidden = tuple(int(x) for x in args.head_hidden.split(",") if x.strip())

@@ -19,8 +19,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from capeval_plugins.core import loading
-from capeval_plugins.core.messages import install_extra
+from capeval_plugins.core import jsonio, loading
+from capeval_plugins.core.messages import DataError, install_extra
 
 SD3_MODEL = "stabilityai/stable-diffusion-3-medium-diffusers"
 _PNG_KEY = "capeval-generation"
@@ -215,21 +215,26 @@ class CachedGenerator(TextToImage):
 def read_index(path: str | os.PathLike) -> dict[str, str]:
     """Caption -> image path from a JSON Lines (``{"caption": ..., "image": ...}`` per line), JSON (an object
     caption -> image, or a list of such records) or CSV (columns ``caption``, ``image``) file."""
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".csv":
-        import csv
+    import csv
 
-        rows = list(csv.DictReader(io.StringIO(text, newline=""), strict=True))
-    elif path.suffix == ".json":
-        data = json.loads(text)
-        rows = [{"caption": c, "image": i} for c, i in data.items()] if isinstance(data, dict) else data
-    else:
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".csv":
+            rows = list(csv.DictReader(io.StringIO(text, newline=""), strict=True))
+        elif path.suffix == ".json":
+            data = jsonio.loads(text)
+            rows = [{"caption": c, "image": i} for c, i in data.items()] if isinstance(data, dict) else data
+        else:
+            rows = [jsonio.loads(line) for line in text.splitlines() if line.strip()]
+    except (UnicodeDecodeError, json.JSONDecodeError, csv.Error) as err:
+        raise DataError(f"{path}: cannot read the generated-image index ({err})") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: expected a list of {{caption, image}} records or an object caption -> image")
     index = {}
     for n, row in enumerate(rows, 1):
         if not isinstance(row, dict) or not isinstance(row.get("caption"), str) or not row.get("image"):
-            raise ValueError(f"{path}: entry {n} needs a 'caption' string and an 'image' path")
+            raise DataError(f"{path}: entry {n} needs a 'caption' string and an 'image' path")
         index[row["caption"]] = str(row["image"])
     return index
 

@@ -20,7 +20,6 @@ Backbones:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -30,6 +29,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, bounded
+from capeval_plugins.core import jsonio
 from capeval_plugins.core.encoders.common import EncoderSpec
 from capeval_plugins.core.encoders.conditioned import FAMILIES, ConditionedEncoder, model_family
 from capeval_plugins.core.matching import greedy_prf, reduce_references, to_grid
@@ -142,7 +142,7 @@ def _local_model_type(model: str) -> str | None:
     if not os.path.isfile(config):
         return None
     with open(config, encoding="utf-8") as f:
-        return json.load(f).get("model_type")
+        return jsonio.load(f).get("model_type")
 
 
 class ViLBERTScore(PointwiseMetric):

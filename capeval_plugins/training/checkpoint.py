@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from capeval_plugins import files
+from capeval_plugins.core import jsonio
 
 
 def json_safe(value: Any) -> Any:
@@ -56,7 +57,7 @@ def read_checkpoint_config(checkpoint: str | os.PathLike, file: str, format: str
     config = path / file
     if not config.is_file():
         raise FileNotFoundError(f"{path} holds no {file}: it is no {what} ({how})")
-    data = json.loads(config.read_text(encoding="utf-8"))
+    data = jsonio.loads(config.read_text(encoding="utf-8"))
     if data.get("format") != format:
         raise ValueError(f"{config}: format {data.get('format')!r}, expected {format!r} ({what})")
     if int(data.get("version", 0)) > version:

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from capeval_plugins.core import jsonio
 from capeval_plugins.inputs import ImageSource, InputError, Samples, image_source
 
 FRAMES_KEYS = ("frames",)
@@ -235,7 +236,7 @@ def _ratings(row: dict, at: str) -> list[float]:
 def json_cell(text: str, at: str, what: str) -> Any:
     """A list written as JSON text in a CSV cell (or a string column), refused by its row when it is not."""
     try:
-        return json.loads(text)
+        return jsonio.loads(text)
     except json.JSONDecodeError:
         raise InputError(f"{at}: {what} must be a list (a JSON list in a CSV cell), got {text[:60]!r}") from None
 

@@ -15,7 +15,6 @@ The scorer needs one forward pass per sample (:meth:`LVLMJudge.prompt_end`): no 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import warnings
@@ -27,7 +26,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from capeval_plugins.core import heads, loading
+from capeval_plugins.core import heads, jsonio, loading
 from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, PromptEnd, VisualInput, is_video, load_lvlm_processor
 from capeval_plugins.core.messages import install_extra
@@ -264,7 +263,7 @@ def read_settings(checkpoint: str | os.PathLike) -> RigelSettings:
 
 def read_record(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The training record a checkpoint keeps (history, data, hyper-parameters)."""
-    data = json.loads((Path(checkpoint) / CONFIG_FILE).read_text(encoding="utf-8"))
+    data = jsonio.loads((Path(checkpoint) / CONFIG_FILE).read_text(encoding="utf-8"))
     return data.get("training", {})
 
 

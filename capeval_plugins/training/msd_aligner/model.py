@@ -27,7 +27,6 @@ A trained aligner is a directory::
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core import loading
+from capeval_plugins.core import jsonio, loading
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, LocalFeatures, mean_pooled
 from capeval_plugins.core.messages import warn_once
 from capeval_plugins.training.checkpoint import (json_bytes, output_folder, read_checkpoint_config,
@@ -276,7 +275,7 @@ def read_settings(checkpoint: str | os.PathLike) -> AlignerSettings:
 
 def read_record(checkpoint: str | os.PathLike) -> dict[str, Any]:
     """The training record an aligner keeps (losses, history, hyper-parameters, data size)."""
-    return json.loads((Path(checkpoint) / CONFIG_FILE).read_text(encoding="utf-8")).get("training", {})
+    return jsonio.loads((Path(checkpoint) / CONFIG_FILE).read_text(encoding="utf-8")).get("training", {})
 
 
 def _tensors(path: Path, name: str, keys: Sequence[str]) -> dict[str, Tensor]:
