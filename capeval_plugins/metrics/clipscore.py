@@ -85,8 +85,12 @@ class CLIPScore(PointwiseMetric):
         if flat_refs:
             owner_t = torch.tensor(owner, device=cand.device)
             ref_sim = best_reference_similarity(cand, text_feats[n:], owner_t, cfg.clamp_reference)
-            refclip = harmonic_mean(score, ref_sim)
+            refclip = self.combine(score, ref_sim)
         return self.arrange(score, cos, ref_sim, refclip)
+
+    def combine(self, score: Tensor, reference_similarity: Tensor) -> Tensor:
+        """The reference-based score from the image-text score and the reference similarity."""
+        return harmonic_mean(score, reference_similarity)
 
     def arrange(self, clip_s: Tensor, cosine: Tensor, ref_sim: Tensor, refclip: Tensor) -> dict[str, Tensor]:
         return {"score": clip_s, "cosine": cosine, "reference_similarity": ref_sim, "refclipscore": refclip}

@@ -1,0 +1,252 @@
+"""PAC-S, RefPAC-S, PAC-S++ and Polos side by side with their official code on random weights of the real
+architectures (tiny widths), OpenAI's real BPE vocabulary, realistic captions and real photographs; and the
+released-checkpoint converters, which read pickles safely.
+
+The official code is the ``polos`` package (0.1.3: its estimator and its copy of OpenAI's CLIP model, tokenizer
+and vocabulary, the files PAC-S vendors as ``models/clip``), run as is from its wheel
+(:mod:`capeval_plugins.testing.official_code`); these tests skip without it (``make test`` downloads it).
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_image
+
+import capeval_plugins
+from capeval_plugins.commands.convert import ConversionError
+from capeval_plugins.commands.convert_official import convert_pacs, convert_polos, read_released
+from capeval_plugins.core.encoders.openai_clip import LAION_MEAN, LAION_STD, OPENAI_MEAN, OPENAI_STD, merge_lora
+from capeval_plugins.testing import official, official_code
+from capeval_plugins.testing.corpus import caption_corpus
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+CLIP_SIZE = 32  # the tiny CLIP's input side (official: 224)
+AWKWARD = ["A photo of a dog’s toy &amp; a ﬁsh", "ＦＵＬＬ width TEXT, café — “quoted”", "a man\n\triding   a bike",
+           "x " * 120]
+
+
+@pytest.fixture(scope="module")
+def modules():
+    found = official_code.polos_modules()
+    if found is None:
+        pytest.skip("the official code (polos 0.1.3) is not here: `make test` downloads it into .cache/reference-wheels")
+    return found
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    """Realistic captions (the synthetic caption corpus plus texts ftfy and the truncation act on) over real
+    photographs of several sizes and aspect ratios, two captions per image, 1-3 references each."""
+    pytest.importorskip("skimage")
+    from capeval_plugins.testing.realistic import photo_crops
+
+    images = photo_crops(6, seed=3, long_side=97) + [random_image(9, size=(35, 61))]
+    texts = caption_corpus(40, seed=5) + AWKWARD
+    candidates = texts[: 2 * len(images)]
+    pool = texts[2 * len(images):]
+    references = [[pool[(i + j) % len(pool)] for j in range(1 + i % 3)] for i in range(len(candidates))]
+    return [images[i // 2] for i in range(len(candidates))], candidates, references
+
+
+def official_pacs(model, modules, images, candidates, references, mean, std, w=2.0):
+    """PAC-S and RefPAC-S as pac_score.py / compute_metrics.py compute them: float32 features from
+    ``encode_image`` / ``encode_text`` of ``clip.tokenize("A photo depicts " + c, truncate=True)``, normalised in
+    numpy, w * clip(cos, 0); the unclipped best reference cosine; 2 p s / (p + s)."""
+    transform = official_code.torchvision_transform(CLIP_SIZE, mean, std)
+    with torch.no_grad():
+        img = model.encode_image(torch.stack([transform(i) for i in images])).numpy()
+        cand = model.encode_text(modules.clip.tokenize(["A photo depicts " + c for c in candidates], truncate=True)).numpy()
+        img = img / np.sqrt(np.sum(img ** 2, axis=1, keepdims=True))
+        cand = cand / np.sqrt(np.sum(cand ** 2, axis=1, keepdims=True))
+        pac = w * np.clip(np.sum(img * cand, axis=1), 0, None)
+        best = []
+        for c, refs in zip(cand, references):
+            r = model.encode_text(modules.clip.tokenize(["A photo depicts " + x for x in refs], truncate=True)).numpy()
+            r = r / np.sqrt(np.sum(r ** 2, axis=1, keepdims=True))
+            best.append(np.max(c.dot(r.T)))
+    best = np.asarray(best)
+    return pac, 2 * pac * best / (pac + best)
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory, modules):
+    """Released-format PAC-S (ViT-B/32 and open_clip ViT-L/14 layouts) and PAC-S++ files on OpenAI's real
+    vocabulary, converted."""
+    root = tmp_path_factory.mktemp("released")
+    bpe = str(official_code.bpe_path())
+    out = {}
+    for name, lora, backbone in (("pacs", 0, "vit-b-32"), ("open_clip", 0, "open_clip-vit-l-14"),
+                                 ("pacs_pp", 4, "vit-l-14")):
+        source = official.released_pacs(root / f"{name}.pth", seed=len(out) + 1, bpe=bpe, lora_rank=lora)
+        convert_pacs(source, root / name, backbone, bpe)
+        out[name] = (source, str(root / name))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["pacs", "open_clip"])
+def test_pacs_and_refpacs_equal_the_official_code(released, modules, corpus, kind):
+    images, candidates, references = corpus
+    source, folder = released[kind]
+    state = torch.load(source, weights_only=True)["state_dict"]
+    model = official_code.openai_clip(modules, state, gelu=kind == "open_clip")
+    mean, std = (LAION_MEAN, LAION_STD) if kind == "open_clip" else (OPENAI_MEAN, OPENAI_STD)
+    pac, refpac = official_pacs(model, modules, images, candidates, references, mean, std)
+    assert pac.std() > 0  # not every score clipped to 0
+    options = {"model": folder, "batch_size": 5}
+    if kind == "open_clip":
+        options["backbone"] = "open_clip-vit-l-14"
+    ours = capeval_plugins.load("pacscore", **options)(images, candidates, references)
+    np.testing.assert_allclose(ours.scores.numpy(), pac, atol=2e-5)
+    np.testing.assert_allclose(ours.extras["refpacscore"].numpy(), refpac, atol=2e-5)
+    ref = capeval_plugins.load("refpacscore", **options)(images, candidates, references)
+    np.testing.assert_allclose(ref.scores.numpy(), refpac, atol=2e-5)
+
+
+def test_pacs_pp_folds_the_lora_factors_as_the_official_scoring_applies_them(released, modules, corpus):
+    """PAC-S++'s official scoring adds (B @ A) / r to the attention projections and the patch embedding and
+    leaves the MLP layers' factors out (their merge flag is set before the weights load): the converted model
+    equals OpenAI's CLIP with exactly those weights."""
+    images, candidates, references = corpus
+    source, folder = released["pacs_pp"]
+    state = torch.load(source, weights_only=True)["state_dict"]
+    r = 4
+    folded = {k: v for k, v in state.items() if "lora_" not in k}
+    for key in [k for k in state if k.endswith("attn.in_proj_weight")]:
+        folded[key] = state[key] + state[key + "_lora_B"] @ state[key + "_lora_A"] / r
+    for key in [k for k in state if k.endswith("attn.out_proj.weight")]:
+        module = key[: -len(".weight")]
+        folded[key] = state[key] + state[module + ".lora_B"] @ state[module + ".lora_A"] / r
+    conv = state["visual.conv1.weight"]
+    folded["visual.conv1.weight"] = conv + (state["visual.conv1.lora_B"] @ state["visual.conv1.lora_A"]).view(conv.shape) / r
+    model = official_code.openai_clip(modules, folded)
+    pac, refpac = official_pacs(model, modules, images, candidates, references, OPENAI_MEAN, OPENAI_STD)
+    ours = capeval_plugins.load("pacscore_pp", model=folder)(images, candidates, references)
+    np.testing.assert_allclose(ours.scores.numpy(), pac, atol=2e-5)
+    np.testing.assert_allclose(ours.extras["refpacscore_pp"].numpy(), refpac, atol=2e-5)
+    merged, _, left_out = merge_lora(state, "merge")
+    assert left_out == [] and not torch.equal(merged["transformer.resblocks.0.mlp.c_fc.weight"],
+                                              state["transformer.resblocks.0.mlp.c_fc.weight"])
+
+
+def test_polos_equals_the_official_estimator(tmp_path, modules, corpus):
+    """The official PolosEstimator's predict (one sample per batch: its layer-norm statistics and reference
+    truncation couple the samples of a batch) against polos over the whole corpus in batches of 5."""
+    from capeval_plugins.testing.text_encoders import build_roberta
+
+    images, candidates, references = corpus
+    bpe = official_code.bpe_path()
+    build_roberta(tmp_path / "roberta", 0)
+    source = official.released_polos(tmp_path / "reprod", tmp_path / "roberta", bpe, seed=2)
+    convert_polos(source, tmp_path / "polos", text_tokenizer=str(tmp_path / "roberta"), clip_tokenizer=str(bpe))
+    state = read_released(source)[0]
+    reference = official_code.polos_reference(modules, state["state_dict"], str(tmp_path / "roberta"), "24,12")
+    reference.clip_preprocess = official_code.torchvision_transform(CLIP_SIZE, OPENAI_MEAN, OPENAI_STD)
+    samples = [{"img": i, "mt": c, "refs": list(r)} for i, c, r in zip(images, candidates, references)]
+    expected = np.asarray([reference.predict([s])[0] for s in samples])
+    assert expected.std() > 1e-4
+    ours = capeval_plugins.load("polos", model=str(tmp_path / "polos"), batch_size=5)(images, candidates, references)
+    np.testing.assert_allclose(ours.scores.numpy(), expected, atol=2e-5)
+    # with equal reference counts the official batch of all samples differs only by its shared statistics
+    assert 0 <= ours.scores.min() and ours.scores.max() <= 1
+
+
+def test_scores_do_not_depend_on_the_batch(corpus, tiny_root):
+    from capeval_plugins.testing import tiny_checkpoint
+
+    images, candidates, references = corpus
+    for name, kind in (("polos", "polos"), ("refpacscore_pp", "pacs_pp")):
+        folder = str(tiny_checkpoint(kind, root=tiny_root))
+        one = capeval_plugins.load(name, model=folder, batch_size=1)(images, candidates, references)
+        many = capeval_plugins.load(name, model=folder, batch_size=64)(images[::-1], candidates[::-1], references[::-1])
+        np.testing.assert_allclose(one.scores.numpy(), many.scores.numpy()[::-1], atol=1e-6)
+
+
+def test_pacscore_and_clipscore_on_one_checkpoint_share_the_model(tiny_root):
+    from capeval_plugins.testing import tiny_checkpoint
+
+    folder = str(tiny_checkpoint("pacs", root=tiny_root))
+    pacs = capeval_plugins.load("pacscore", model=folder)
+    clip = capeval_plugins.load("clipscore", model=folder)
+    assert pacs.encoder.clip is clip.encoder
+    assert pacs.encoder.clip.model is clip.encoder.model
+
+
+def test_a_pickle_that_would_run_code_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    for name, content in (("top.pth", Payload()), ("nested.pth", {"state_dict": {"w": torch.ones(2)}, "x": Payload()}),
+                          ("eval.ckpt", {"state_dict": {"w": torch.ones(1)}, "callbacks": {eval: 1}})):
+        buffer = io.BytesIO()
+        torch.save(content, buffer)
+        (tmp_path / name).write_bytes(buffer.getvalue())
+        with pytest.raises(ConversionError, match="refused"):
+            convert_pacs(tmp_path / name, tmp_path / "out")
+        with pytest.raises(ConversionError, match="refused"):
+            convert_polos(tmp_path / name, tmp_path / "out2")
+    raw = tmp_path / "raw.pth"  # a bare pickle, not a torch archive
+    raw.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(ConversionError):
+        convert_pacs(raw, tmp_path / "out")
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_lightning_metadata_is_read_as_inert_stand_ins(tmp_path):
+    import argparse
+
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.ones(2)}, "hyper_parameters": argparse.Namespace(pool="cls")}, buffer)
+    (tmp_path / "x.ckpt").write_bytes(buffer.getvalue())
+    loaded, stand_ins = read_released(tmp_path / "x.ckpt")
+    assert stand_ins == ["argparse.Namespace"] and torch.equal(loaded["state_dict"]["w"], torch.ones(2))
+    assert type(loaded["hyper_parameters"]).__module__ != "argparse"
+
+
+def test_default_checkpoint_is_the_converted_folder_and_its_absence_says_what_to_do(tmp_path, monkeypatch):
+    from capeval_plugins import preflight
+
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path))
+    for name, released_file in (("pacscore", "clip_ViT-B-32.pth"), ("pacscore_pp", "PAC++_clip_ViT-L-14.pth"),
+                                ("polos", "reprod")):
+        said = "; ".join(preflight.problems({name: capeval_plugins.load(name)}))
+        assert released_file in said and "capeval convert" in said, said
+    assert capeval_plugins.load("pacscore", backbone="open_clip-vit-l-14").checkpoint().endswith(
+        "models/pacs-open_clip-vit-l-14")
+    with pytest.raises(ValueError, match="backbone"):
+        capeval_plugins.load("pacscore", backbone="vit-l-14")
+
+
+def test_a_pacs_folder_under_pacscore_pp_is_refused(tiny_root):
+    from capeval_plugins.testing import tiny_checkpoint
+
+    folder = str(tiny_checkpoint("pacs", root=tiny_root))
+    with pytest.raises(ValueError, match="pacscore"):
+        capeval_plugins.load("pacscore_pp", model=folder)([random_image(0)], ["a dog"])
+
+
+def test_converter_accounts_for_every_parameter(tmp_path):
+    bpe = official.write_bpe(tmp_path / "bpe.txt.gz")
+    source = official.released_pacs(tmp_path / "x.pth", bpe=bpe, lora_rank=4)
+    report = convert_pacs(source, tmp_path / "out", "vit-b-32", str(bpe))
+    assert report.variant == "pacs_pp" and len(report.lora_left_out) == 8 and len(report.lora_folded) == 9
+    state = torch.load(source, weights_only=True)["state_dict"]
+    state["visual.extra"] = torch.ones(1)
+    buffer = io.BytesIO()
+    torch.save({"state_dict": state}, buffer)
+    (tmp_path / "y.pth").write_bytes(buffer.getvalue())
+    with pytest.raises(ConversionError, match="unknown parameter"):
+        convert_pacs(tmp_path / "y.pth", tmp_path / "out2", "vit-b-32", str(bpe))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConversionError, match="not empty"):
+            convert_pacs(source, tmp_path / "out", "vit-b-32", str(bpe))
