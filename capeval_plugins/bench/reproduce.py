@@ -86,7 +86,7 @@ class Plan:
 
 @dataclass
 class Inputs:
-    """What the user gave: local benchmark files and image folders by benchmark, score files by (entry or metric,
+    """What the user gave: local benchmark files and image folders by benchmark, score files by (table entry,
     benchmark), metric options (``metric.key=value``)."""
 
     data: Mapping[str, str] = field(default_factory=dict)
@@ -180,10 +180,8 @@ def plan(pairs: Sequence[Pair], inputs: Inputs, fetch_now: bool = False, refresh
 
 
 def _scores_file(pair: Pair, inputs: Inputs) -> str | None:
-    for name in (pair.entry.id, pair.entry.metric):
-        if (name, pair.setting.benchmark) in inputs.scores:
-            return inputs.scores[(name, pair.setting.benchmark)]
-    return None
+    """A score file given for the pair's entry (``fleur``, ``reffleur``: each setting its own file)."""
+    return inputs.scores.get((pair.entry.id, pair.setting.benchmark))
 
 
 def _data(bench: str, inputs: Inputs, fetch_now: bool, refresh: bool, progress: bool) -> tuple[str, Any, str | None]:

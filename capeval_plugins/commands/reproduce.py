@@ -36,9 +36,10 @@ def add_parser(subparsers) -> None:
                         "does not fetch)")
     p.add_argument("--images", action="append", default=[], metavar="BENCH=DIR",
                    help="a benchmark's image (or video frame) folder (fetched benchmarks bring theirs)")
-    p.add_argument("--scores", action="append", default=[], metavar="METRIC:BENCH=FILE",
+    p.add_argument("--scores", action="append", default=[], metavar="ENTRY:BENCH=FILE",
                    help="per-sample scores computed elsewhere for one pair (e.g. FLEUR's released outputs), read "
-                        "as `capeval bench --scores` reads them")
+                        "as `capeval bench --scores` reads them; ENTRY is the table's entry (fleur, reffleur, ...: "
+                        "see --dry-run --json)")
     p.add_argument("--option", "-o", action="append", default=[], metavar="METRIC.KEY=VALUE",
                    help="an option of one metric, on top of the paper's (e.g. rigel.checkpoint=DIR)")
     p.add_argument("--dry-run", action="store_true",
@@ -83,7 +84,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     for name_bench, path in pairs_of(args.scores, "--scores").items():
         name, found, bench = name_bench.partition(":")
         if not found:
-            raise InputError(f"--scores expects METRIC:BENCH=FILE, got {name_bench}={path}")
+            raise InputError(f"--scores expects ENTRY:BENCH=FILE, got {name_bench}={path}")
         scores[(name, bench)] = path
     inputs = rp.Inputs(data=pairs_of(args.data, "--data"), images=pairs_of(args.images, "--images"), scores=scores,
                        options=args.option)
