@@ -320,8 +320,9 @@ def test_flickr8k_layouts_and_docent_read_as_their_public_files(hub, tmp_path):
     assert len(pairs) == 3 and pairs.graded["omissions"].tolist() == [0, 0, 0]
 
 
-def test_the_cache_must_be_private(tmp_path, monkeypatch):
-    """A cache folder others can write, or a link in its place, is refused before anything is read."""
+def test_the_cache_must_be_private_and_its_manifest_whole(tmp_path, monkeypatch):
+    """A cache folder others can write, or a link in its place, is refused before anything is read; a damaged
+    manifest is refused, and --refresh goes past it (here to the offline refusal: nothing cached)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -334,3 +335,9 @@ def test_the_cache_must_be_private(tmp_path, monkeypatch):
         fetch.fetch("composite", root=tmp_path / "link")
     with pytest.raises(fetch.FetchError, match="no public home"):
         fetch.fetch("pascal50s", root=tmp_path / "own")
+    with fetch._locked(tmp_path / "own") as claim:
+        claim.write("composite/manifest.json", b"{not json")
+    with pytest.raises(fetch.FetchError, match="damaged or of another version; run again with --refresh"):
+        fetch.fetch("composite", root=tmp_path / "own")
+    with pytest.raises(fetch.FetchError, match="downloads are off"):
+        fetch.fetch("composite", root=tmp_path / "own", refresh=True)

@@ -161,21 +161,25 @@ def select(values: Sequence[Value], metrics: Sequence[str] = (), benchmarks: Seq
 
 def plan(pairs: Sequence[Pair], inputs: Inputs, fetch_now: bool = False, refresh: bool = False,
          progress: bool = True) -> list[Plan]:
-    """What each pair needs and the first reason it cannot run here. ``fetch_now``: fetch benchmarks that are not
-    cached (a run); otherwise only say what would be fetched (``--dry-run``: no network)."""
+    """What each pair needs and the first reason it cannot run here: its metric first (installed, public weights,
+    options, a GPU, weights and runtimes in place), then its data and images. ``fetch_now``: fetch a benchmark
+    that is not cached when a pair of it can run (a run); otherwise only say what would be fetched
+    (``--dry-run``: no network)."""
     from capeval_plugins import registry
 
     installed = set(registry.metrics())
+    plans = [Plan(pair, scores=_scores_file(pair, inputs)) for pair in pairs]
+    for p in plans:
+        p.problem = None if p.scores else _metric_problem(p.pair, p, inputs, installed)
+    wanted = {p.pair.setting.benchmark for p in plans if p.problem is None}
     data = {}
-    plans = []
-    for pair in pairs:
-        bench = pair.setting.benchmark
+    for p in plans:
+        bench = p.pair.setting.benchmark
         if bench not in data:
-            data[bench] = _data(bench, inputs, fetch_now, refresh, progress)
-        p = Plan(pair, data=data[bench][0])
-        p.scores = _scores_file(pair, inputs)
-        p.problem = _problem(pair, p, inputs, installed, data[bench])
-        plans.append(p)
+            data[bench] = _data(bench, inputs, fetch_now and bench in wanted, refresh, progress)
+        p.data = data[bench].description
+        if p.problem is None:
+            p.problem = data[bench].problem or _images_problem(p, inputs, data[bench])
     return plans
 
 
@@ -184,47 +188,49 @@ def _scores_file(pair: Pair, inputs: Inputs) -> str | None:
     return inputs.scores.get((pair.entry.id, pair.setting.benchmark))
 
 
-def _data(bench: str, inputs: Inputs, fetch_now: bool, refresh: bool, progress: bool) -> tuple[str, Any, str | None]:
-    """(description, a Fetched or a local path or None, the problem)."""
+@dataclass
+class _Data:
+    """A benchmark's data for the plan: what it is, the local path or fetched copy, why there is none, and
+    whether images come with it (a fetched benchmark brings them)."""
+
+    description: str
+    source: Any = None
+    problem: str | None = None
+    images: bool = False
+
+
+def _data(bench: str, inputs: Inputs, fetch_now: bool, refresh: bool, progress: bool) -> _Data:
     from capeval_plugins.bench import fetch
     from capeval_plugins.bench.benchmarks import BENCHMARKS
 
-    if bench not in BENCHMARKS:
-        return "", None, f"capeval has no benchmark {bench}"
     if bench in inputs.data:
-        return f"local: {inputs.data[bench]}", inputs.data[bench], None
+        return _Data(f"local: {inputs.data[bench]}", inputs.data[bench])
     if not fetch.fetchable(bench):
-        return "not fetchable", None, (f"no data: {bench} has no public home capeval fetches from; pass "
-                                       f"--data {bench}=PATH ({BENCHMARKS[bench].data_format})")
-    source = fetch.SOURCES[bench]
+        return _Data("not fetchable", problem=f"no data: {bench} has no public home capeval fetches from; pass "
+                                              f"--data {bench}=PATH ({BENCHMARKS[bench].data_format})")
+    repo = fetch.SOURCES[bench].repo
     try:
         found = None if refresh else fetch.cached(bench)
         if found is None and fetch_now:
             found = fetch.fetch(bench, refresh=refresh, progress=progress)
     except fetch.FetchError as err:
-        return f"fetch: {source.repo}", None, f"no data: {err}"
-    if found is None:
-        if fetch.offline():
-            return f"fetch: {source.repo}", None, (f"no data: {bench} is not cached and downloads are off "
-                                                   f"(HF_HUB_OFFLINE=1); pass --data {bench}=PATH")
-        return f"fetched on first use: {source.repo}", None, None
-    return f"cached: {found.provenance['repository']}@{found.provenance['revision'][:12]}", found, None
+        return _Data(f"fetch: {repo}", problem=f"no data: {err}")
+    if found is not None:
+        return _Data(f"cached: {repo}@{found.provenance['revision'][:12]}", found, images=True)
+    if fetch.offline():
+        return _Data(f"fetch: {repo}", problem=f"no data: {bench} is not cached and downloads are off "
+                                               f"(HF_HUB_OFFLINE=1); pass --data {bench}=PATH")
+    return _Data(f"fetched on first use: {repo}", images=True)
 
 
-def _problem(pair: Pair, p: Plan, inputs: Inputs, installed: set[str], data: tuple) -> str | None:
-    """The first reason the pair cannot run here: its metric (installed, public weights, options, a GPU, the
-    weights and runtimes in place), then its data and images. A score file given for it needs the data only."""
-    if not p.scores:
-        problem = _metric_problem(pair, p, inputs, installed)
-        if problem:
-            return problem
-    if data[2]:
-        return data[2]
-    if not p.scores and pair.entry.metric in installed:
-        metric = build(pair.entry, pair.setting.benchmark, inputs.options)
-        bench = pair.setting.benchmark
-        if metric.info.images != "never" and not inputs.images.get(bench) and not _fetched_images(data):
-            return f"scores images: pass the benchmark's images with --images {bench}=DIR"
+def _images_problem(p: Plan, inputs: Inputs, data: _Data) -> str | None:
+    """A metric that scores images needs the benchmark's: fetched with it, or ``--images``."""
+    if p.scores:
+        return None
+    bench = p.pair.setting.benchmark
+    metric = build(p.pair.entry, bench, inputs.options)
+    if metric.info.images != "never" and not inputs.images.get(bench) and not data.images:
+        return f"scores images: pass the benchmark's images with --images {bench}=DIR"
     return None
 
 
@@ -245,13 +251,6 @@ def _metric_problem(pair: Pair, p: Plan, inputs: Inputs, installed: set[str]) ->
 
     missing = problems({entry.metric: metric})
     return "; ".join(missing) if missing else None
-
-
-def _fetched_images(data: tuple) -> bool:
-    from capeval_plugins.bench.fetch import Fetched
-
-    return isinstance(data[1], Fetched) and data[1].images is not None or (data[1] is None and data[0].startswith(
-        "fetched on first use"))
 
 
 def _cuda() -> bool:

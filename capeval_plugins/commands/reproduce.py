@@ -76,10 +76,6 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from capeval_plugins.inputs import InputError
 
     started = time.perf_counter()
-    if args.quiet:
-        from capeval_plugins.cli import quiet_libraries
-
-        quiet_libraries()
     scores = {}
     for name_bench, path in pairs_of(args.scores, "--scores").items():
         name, found, bench = name_bench.partition(":")
