@@ -238,14 +238,9 @@ def _fetch(claim: files.Claim, root: Path, benchmark: str, source: Source, resum
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint())
-    try:
-        origin = resumed["source"] if resumed else _resolve(api, source)
-        fixes = (resumed or {}).get("corrections") or (_resolve(api, source.corrections) if source.corrections
-                                                        else None)
-    except (FetchError, files.FileError, KeyboardInterrupt):
-        raise
-    except Exception as err:  # noqa: BLE001  (no network, DNS, proxy, a missing repository or revision, ...)
-        raise FetchError(_failed(benchmark, source, err)) from None
+    origin = resumed["source"] if resumed else _resolve(api, benchmark, source)
+    fixes = (resumed or {}).get("corrections") or (_resolve(api, benchmark, source.corrections) if source.corrections
+                                                    else None)
     if replace:
         claim.remove([n for n in claim.files if n.startswith(f"{benchmark}/")])
     manifest = {"format": FORMAT, "benchmark": benchmark, "complete": False, "source": origin,
@@ -278,9 +273,18 @@ def _failed(benchmark: str, source: Source, err: BaseException) -> str:
             "the benchmark's file with --data PATH (and its images with --images DIR)")
 
 
-def _resolve(api: Any, source: Source) -> dict:
+def _resolve(api: Any, benchmark: str, source: Source) -> dict:
     """The commit ``source.ref`` points at now and the files to download from it (size, SHA-256 of LFS files,
     git blob id of the others)."""
+    try:
+        return _listing(api, source)
+    except (FetchError, files.FileError, KeyboardInterrupt):
+        raise
+    except Exception as err:  # noqa: BLE001  (no network, DNS, proxy, a missing repository or revision, ...)
+        raise FetchError(_failed(benchmark, source, err)) from None
+
+
+def _listing(api: Any, source: Source) -> dict:
     from huggingface_hub.hf_api import RepoFile
 
     revision = api.dataset_info(source.repo, revision=source.ref).sha
