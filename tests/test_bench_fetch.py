@@ -287,8 +287,9 @@ def test_flickr8k_layouts_and_docent_read_as_their_public_files(hub, tmp_path):
     for i in range(9):
         image = i // 3
         refs = [f"dog {image} runs", f"a dog {image}", "candidate zero"]  # image 0 has its own candidate as a reference
-        rows.append({"img": {"bytes": png(image), "path": f"{image}.jpg"}, "cand": f"candidate {'zero' if i == 0 else i}",
-                     "refs": refs, "human_score": float(i % 4 + 1)})
+        caption = "candidate zero" if i == 0 else f"candidate {i}"
+        rows.append({"img": {"bytes": png(image), "path": f"{image}.jpg"}, "cand": caption, "refs": refs,
+                     "human_score": float(i % 4 + 1)})
     docent = [{"uuid": f"u{i}", "image": {"bytes": png(i), "path": None}, "model1": "a", "model2": "b",
                "model1_generation": f"first {i}", "model2_generation": f"second {i}", "reference": f"ref {i}",
                "mistakes": "equal", "omissions": "1_much_better", "overall_quality": "2_slightly_better"}

@@ -115,7 +115,8 @@ def test_head_keeps_the_first_rows_and_pairs():
         == [("5", "6"), ("1", "2")]
     ratings = Ratings(captions, np.arange(6.0), categories=list("uvwxyz"))
     few = rp.head(ratings, 3)
-    assert few.captions.candidates == ["1", "2", "3"] and few.human.tolist() == [0, 1, 2] and few.categories == list("uvw")
+    assert few.captions.candidates == ["1", "2", "3"] and few.human.tolist() == [0, 1, 2]
+    assert few.categories == list("uvw")
 
 
 def flickr_file(path: Path, images: int = 8) -> tuple[list[str], list[float]]:
