@@ -93,6 +93,7 @@ def hub():
         yield server
 
 
+@pytest.mark.slow
 def test_composite_from_a_fresh_cache_then_offline(hub, tmp_path, tiny_clip):
     """`capeval bench composite` without --data: fetched, laid out for the reader with its images, scored by a
     (tiny) CLIP metric; the figures equal a run on the same rows written independently as FLEUR's composite.json
@@ -137,6 +138,7 @@ def test_composite_from_a_fresh_cache_then_offline(hub, tmp_path, tiny_clip):
     assert len(hub.log) == requests
 
 
+@pytest.mark.slow
 def test_a_fetch_that_cannot_happen_is_one_line(hub, tmp_path):
     """Offline with an empty cache, a Hub that cannot be reached, a repository it does not have: exit 2, one
     line naming the repository and what to pass instead."""
@@ -150,6 +152,7 @@ def test_a_fetch_that_cannot_happen_is_one_line(hub, tmp_path):
     assert not list((tmp_path / "c").rglob("data.json"))
 
 
+@pytest.mark.slow
 def test_an_interrupted_download_resumes_where_it_stopped(hub, tmp_path):
     """A fetch killed part-way (10 MB of a 12 MB file on disk) resumes with a Range request for the rest; the
     result is the whole file, checked against the listing's SHA-256."""
@@ -184,6 +187,7 @@ def test_an_interrupted_download_resumes_where_it_stopped(hub, tmp_path):
     assert not part.exists()
 
 
+@pytest.mark.slow
 def test_a_changed_file_is_refused_unless_refresh(hub, tmp_path):
     """A cached copy edited since it was fetched, and a file the Hub serves with other content under the
     commit a resumed fetch pinned, are refused (exit 2, naming --refresh); --refresh fetches the revision the
@@ -195,7 +199,15 @@ def test_a_changed_file_is_refused_unless_refresh(hub, tmp_path):
     scores.write_text("".join(json.dumps({"image": f"im{i // 3}.png", "caption": r["cand"], "score": i % 4}) + "\n"
                               for i, r in enumerate(rows)))
     args = ["bench", "composite", "--scores", f"s={scores}", "--bootstrap", "0", "--quiet"]
-    assert capeval(args, env(hub, cache)).returncode == 0
+    assert capeval([*args, "--json", str(tmp_path / "b.json")], env(hub, cache)).returncode == 0
+    # capeval reproduce reads the same cached copy, offline: a pair from a score file gets the same figure
+    rows_out = tmp_path / "rows.json"
+    done = capeval(["reproduce", "--benchmark", "composite", "--metric", "fleur", "--quiet", "--json", str(rows_out),
+                    "--scores", f"fleur:composite={scores}"], env(None, cache, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stderr
+    row = next(r for r in json.loads(rows_out.read_text())["rows"] if r["entry"] == "fleur")
+    bench = json.loads((tmp_path / "b.json").read_text())["results"]["s"]
+    assert row["measured"] == pytest.approx(bench[row["statistic"]], abs=1e-4)
     data = cache / "benchmarks" / "composite" / "data.json"
     data.write_bytes(data.read_bytes().replace(b"caption 1 ", b"caption 9 "))
     refused = one_line_error(capeval(args, env(hub, cache)))
@@ -241,6 +253,7 @@ def nebula_rows() -> tuple[list[dict], dict[tuple[str, str], list[float]]]:
     return rows, corrections
 
 
+@pytest.mark.slow
 def test_nebula_gets_spicas_corrected_scores_by_default(hub, tmp_path):
     """Fetched Nebula: each test row whose image and caption Spica rates takes the mean of Spica's scores (the
     published corrections); --no-corrections keeps the file's own. Checked against scipy's tau-c."""
@@ -279,6 +292,7 @@ def test_nebula_gets_spicas_corrected_scores_by_default(hub, tmp_path):
     assert c["data"]["fetched"]["corrections"]["applied"] and not o["data"]["fetched"]["corrections"]["applied"]
 
 
+@pytest.mark.slow
 def test_flickr8k_layouts_and_docent_read_as_their_public_files(hub, tmp_path):
     """Flickr8k-Expert and -CF rows (one per rating, as the Hub holds them) are written as the CLIPScore json, so
     the reader applies each protocol: the same Ratings as from a hand-written CLIPScore file. DOCENT's Parquet
