@@ -490,6 +490,15 @@ class Folder:
             finally:
                 os.close(fd)
 
+    def open_append(self, name: str) -> BinaryIO:
+        """The regular file ``name`` (made when missing) open for reading and writing, positioned at its end:
+        a download resumed where it stopped. Never through a link, never a file with other names."""
+        with _reported(self.path / name):
+            fd = self._open_file(name, os.O_RDWR | os.O_CREAT, single=True)
+        handle = os.fdopen(fd, "r+b")
+        handle.seek(0, os.SEEK_END)
+        return handle
+
     def truncate(self, name: str, size: int) -> None:
         with _reported(self.path / name):
             fd = self._open_file(name, os.O_WRONLY, single=True)

@@ -35,6 +35,7 @@ NOT_RUN = {
     ("docs/ecosystems/lm-eval.md", '--metadata \'{"captions": "..."'): "a fragment of the command above",
     ("README.md", "capeval bench flickr8k-expert"): "a benchmark's annotation file (tests/test_bench_*.py)",
     ("docs/bench.md", "capeval bench <benchmark>"): "the command's synopsis",
+    ("docs/bench.md", "capeval reproduce [--metric NAME ...]"): "the command's synopsis",
     ("docs/bench.md", "capeval bench flickr8k-expert"): "benchmarks' annotation files (tests/test_bench_*.py)",
     ("docs/bench.md", "run_benchmark("): "a benchmark's annotation file (tests/test_bench_runner.py)",
     ("docs/ecosystems/cli.md", "capeval list [--json]"): "the commands' synopsis",

@@ -3,7 +3,9 @@ or accuracy of registered metrics, or of per-sample scores computed elsewhere, a
 the protocol each benchmark's official evaluation code uses.
 
 Prints a markdown table (and the paired comparisons when several metrics run), writes the JSON report with
-``--json`` and a PNG with ``--plot``. Per-sample scores are cached (``--cache``, ``--no-cache``)."""
+``--json`` and a PNG with ``--plot``. Per-sample scores are cached (``--cache``, ``--no-cache``). Without ``--data``,
+a benchmark with a public home (Flickr8k-Expert / CF, Composite, Nebula, Polaris, DOCENT) is fetched from the
+Hugging Face Hub on first use and read from the cache afterwards (``--refresh`` fetches it anew)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +13,7 @@ import importlib.util
 import json
 import sys
 import time
+from dataclasses import replace
 from typing import Sequence
 
 from capeval_plugins.core.bounds import cli_number
@@ -18,6 +21,7 @@ from capeval_plugins import files
 from capeval_plugins.core.messages import install_extra
 
 EPILOG = """examples:
+  capeval bench composite --metric bleu4 --metric clipscore        # fetched on first use, then cached
   capeval bench flickr8k-expert --data flickr8k.json --metric bleu4 --metric cider --json out.json
   capeval bench pascal50s --data pascal_50s.json --images VOC2012/JPEGImages --metric clipscore \\
       --option clipscore.model=openai/clip-vit-base-patch32 --plot plots/
@@ -35,7 +39,14 @@ def add_parser(subparsers) -> None:
         "bench", help="correlation / accuracy of metrics against human judgments on a benchmark",
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("benchmark", choices=benchmark_names())
-    p.add_argument("--data", required=True, help="the benchmark's file, or the folder holding its files")
+    p.add_argument("--data", help="the benchmark's file, or the folder holding its files (default: fetched from the "
+                                  "benchmark's public home on first use, then read from the cache)")
+    p.add_argument("--refresh", action="store_true",
+                   help="without --data: fetch the benchmark anew (the revision its home serves now), replacing the "
+                        "cached copy, also one that changed since it was fetched")
+    p.add_argument("--no-corrections", action="store_true",
+                   help="without --data: the fetched file's own human judgments, not the published corrections "
+                        "applied by default (Nebula: Spica's corrected scores)")
     p.add_argument("--images", help="image folder (needed only by metrics that score images)")
     p.add_argument("--metric", action="append", default=[], help="registered metric name (repeatable)")
     p.add_argument("--scores", action="append", default=[], metavar="NAME=FILE",
@@ -147,6 +158,25 @@ def check_outputs(args: argparse.Namespace, score_files: dict, metrics: dict) ->
     return inputs
 
 
+def fetched_data(args: argparse.Namespace):
+    """Without ``--data``: the benchmark from the cache, fetched first when needed; ``args.data``, ``args.images``
+    and ``args.labels`` then name the cached copy (the user's ``--images`` / ``--labels`` win)."""
+    from capeval_plugins.bench import fetch
+
+    if args.data is not None:
+        if args.refresh or args.no_corrections:
+            raise fetch.FetchError("--refresh and --no-corrections apply to fetched data; they do nothing with --data")
+        return None
+    fetched = fetch.fetch(args.benchmark, refresh=args.refresh, progress=not args.quiet)
+    args.data = str(fetched.data)
+    args.images = args.images or (str(fetched.images) if fetched.images else None)
+    if fetched.labels is not None:
+        applied = args.labels is None and not args.no_corrections
+        fetched.provenance["corrections"]["applied"] = applied
+        args.labels = str(fetched.labels) if applied else args.labels
+    return fetched
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from capeval_plugins.bench.plots import plot_report
     from capeval_plugins.bench.runner import run_benchmark
@@ -170,6 +200,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         score_files = parse_score_args(args.scores)
         metrics = build_metrics(args.metric, args.option, args.benchmark) if args.metric else {}
+        fetched = fetched_data(args)
         inputs = check_outputs(args, score_files, metrics)
         report = run_benchmark(
             args.benchmark, args.data, metrics, images=args.images,
@@ -182,6 +213,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2
     report.wall_time = time.perf_counter() - started
+    if fetched is not None:
+        report.data = replace(report.data, notes={**report.data.notes, "fetched": fetched.provenance})
+        print(f"data: {fetched.provenance['repository']} at {fetched.provenance['revision'][:12]} "
+              f"(cached in {fetched.provenance['cache']})")
     print(report.markdown())
     if args.plot:
         print(f"\nplot: {plot_report(report, args.plot, inputs)}")
