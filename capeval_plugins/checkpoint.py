@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
 from capeval_plugins import files
 from capeval_plugins.contract import PackedTexts
+from capeval_plugins.core import tensorfile
 from capeval_plugins.inputs import InputError
 
 FORMAT = 3
@@ -164,7 +164,7 @@ def decode_records(data: bytes, key: bytes) -> tuple[list[tuple[dict, dict[str, 
         start = offset + _HEAD.size
         try:
             header = json.loads(data[start : start + head_len])
-            tensors = load_tensors(data[start + head_len : end - _TAG]) if body_len else {}
+            tensors = tensorfile.load_bytes(data[start + head_len : end - _TAG], "a record") if body_len else {}
         except Exception:  # authentic but unreadable: not ours to guess at
             raise DamagedRecords(offset, len(records)) from None
         records.append((header, tensors))

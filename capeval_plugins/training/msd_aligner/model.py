@@ -279,12 +279,12 @@ def read_record(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
 
 def _tensors(path: Path, name: str, keys: Sequence[str]) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
+    from capeval_plugins.core.tensorfile import load_file
 
     file = path / name
     if not file.is_file():
         raise FileNotFoundError(f"MSD aligner {path} has no {name}")
-    tensors = load_file(str(file))
+    tensors = load_file(file)
     missing = [k for k in keys if k not in tensors]
     if missing:
         raise ValueError(f"{file}: missing tensor(s) {missing}")
