@@ -540,6 +540,17 @@ class Folder:
         with _reported(self.path / name, "rename"):
             os.rename(plain_name(name), plain_name(new), src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
+    def set_aside(self, name: str, why: str) -> str:
+        """Give the regular file ``name`` a new name, ``<name>.<why>-<random>``, never replacing anything (a
+        damaged file of the package's is kept for a look, not deleted); returns the new name."""
+        if self.kind(name) != "file":
+            raise UnsafePath(f"{self.path / name} is not a regular file")
+        new = plain_name(f"{name}.{why}-{_secrets.token_hex(4)}")
+        with _reported(self.path / name, "rename"):
+            os.link(name, new, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+            os.unlink(name, dir_fd=self.fd)
+        return str(self.path / new)
+
     def remove_tree(self, name: str) -> None:
         """Remove the folder ``name`` and everything in it, following no link (a link inside is removed, its
         target never touched). Only for folders the package made whole (a staging folder)."""
