@@ -21,7 +21,7 @@ from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
-from capeval_plugins.core.messages import install_extra
+from capeval_plugins.core.messages import MissingExtra, install_extra
 
 _cache: dict[Hashable, Any] = {}
 _lock = threading.RLock()
@@ -145,6 +145,47 @@ def resolve_dtype(
     return gpu_default if device.type != "cpu" else torch.float32
 
 
+def placement_problem(device: Any, dtype: Any, device_map: Any = None, max_memory: Any = None,
+                      offload_folder: Any = None) -> str | None:
+    """Why a model's placement options cannot work on any machine (an unknown dtype, a device name torch
+    does not know or the ``meta`` device, which holds no data; ``max_memory`` or ``offload_folder`` without a
+    ``device_map``), or None. Checked when a metric is configured, before anything loads."""
+    if dtype is not None and not isinstance(dtype, torch.dtype) and str(dtype).lower() not in _DTYPES:
+        return f"dtype {dtype!r} is not a floating-point dtype for weights; use one of {sorted(_DTYPES)}"
+    if device is not None:
+        try:
+            parsed = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            return f"device {device!r} is not a device name (cpu, cuda, cuda:1, mps)"
+        if parsed.type == "meta":
+            return "device 'meta' holds no data (nothing can be scored on it); use cpu, cuda or mps"
+    if device_map is None and (max_memory is not None or offload_folder is not None):
+        return "max_memory and offload_folder only apply with a device_map (e.g. device_map='auto')"
+    return None
+
+
+def device_problem(device: Any) -> str | None:
+    """Why ``device`` is not on this machine (CUDA or MPS unavailable, a GPU index past the last), or None."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return f"device {device!r} is not a device name (cpu, cuda, cuda:1, mps)"
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return f"device {device!r}: no CUDA GPU is available on this machine; use --device cpu"
+        if parsed.index is not None and parsed.index >= count:
+            return f"device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+    elif parsed.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        return f"device {device!r}: MPS (Apple GPUs) is not available on this machine; use --device cpu"
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        backend = getattr(torch, parsed.type, None)
+        available = getattr(backend, "is_available", None)
+        if callable(available) and not available():
+            return f"device {device!r}: no {parsed.type} device is available on this machine"
+    return None
+
+
 def _source_key(name_or_path: str) -> str:
     return os.path.realpath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
 
@@ -237,7 +278,7 @@ def load_spec(loader: Any, spec: ModelSpec, *, gpu_dtype: torch.dtype = torch.fl
 
 def require_accelerate(what: str) -> None:
     if importlib.util.find_spec("accelerate") is None:
-        raise ImportError(f"{what} needs accelerate, which is not installed: {ACCELERATE_EXTRA}")
+        raise MissingExtra(f"{what} needs accelerate, which is not installed: {ACCELERATE_EXTRA}")
 
 
 def _map_device(device_map: Any, device: str | torch.device | None) -> torch.device:

@@ -29,7 +29,7 @@ from torch import Tensor
 from capeval_plugins.core import heads, jsonio, loading
 from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, PromptEnd, VisualInput, is_video, load_lvlm_processor
-from capeval_plugins.core.messages import install_extra
+from capeval_plugins.core.messages import MissingExtra, install_extra
 from capeval_plugins.training.checkpoint import (json_bytes, output_folder, read_checkpoint_config,
                                                  tensor_bytes)
 
@@ -233,7 +233,7 @@ def require_peft() -> Any:
     try:
         import peft
     except ImportError as err:
-        raise ImportError("Rigel's LoRA (phase 2, and scoring with a phase-2 checkpoint) needs peft: "
+        raise MissingExtra("Rigel's LoRA (phase 2, and scoring with a phase-2 checkpoint) needs peft: "
                           + install_extra("lora")) from err
     return peft
 
