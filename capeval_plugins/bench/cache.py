@@ -53,8 +53,7 @@ class CacheError(files.FileError):
 
 
 def default_cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "capeval_plugins" / "bench" / "scores.sqlite"
+    return files.user_base("cache") / "capeval_plugins" / "bench" / "scores.sqlite"
 
 
 def digest(payload: Any) -> str:
