@@ -149,6 +149,11 @@ def test_forged_rows_in_the_cache_change_no_number(tmp_path):
             db.execute("UPDATE corpus_scores SET scores = ? WHERE metric = ? AND corpus = ?", (negated, metric, corpus))
     db.close()
     assert tau(bench_unchecked(cache)) == pytest.approx(-tau(honest))  # what a reader without the tags would get
+    db = sqlite3.connect(cache)
+    with db:  # tags that are not even text a digest could be: skipped like any other that does not verify
+        db.execute("UPDATE corpus_scores SET tag = ?", ("é" * 64,))
+        db.execute("UPDATE sample_scores SET tag = ?", (b"\x00" * 32,))
+    db.close()
     again = bench(cache)
     assert tau(again) == pytest.approx(tau(honest)) and tau(honest) > 0
     assert again.runs["bleu1"].from_cache == 0  # no forged row was read; each was scored again and replaced

@@ -44,6 +44,9 @@ CREATE TABLE corpus_scores (metric TEXT, corpus TEXT, scores BLOB, tag TEXT, PRI
 # the tables of version 1 (no application_id, no tags): capeval's own, replaced by a new empty cache
 _VERSION_1 = {"sample_scores": ["metric", "sample", "score"], "corpus_scores": ["metric", "corpus", "scores"]}
 _SQLITE_MAGIC = b"SQLite format 3\0"
+# SQLite's errors that say nothing about the file's content (Python 3.11+ names them)
+_NOT_DAMAGE = {"SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_FULL", "SQLITE_CANTOPEN",
+               "SQLITE_PERM", "SQLITE_NOMEM", "SQLITE_INTERRUPT"}
 _MAX_FILES = 10_000
 
 
@@ -136,7 +139,7 @@ class ScoreCache:
                 with contextlib.suppress(FileExistsError):  # another run made it first
                     folder.write(self.path.name, _new_database(), replace=False, mode=0o600)
             self._check_file(folder)
-            with self._guard(folder):
+            with self._guard(folder):  # closes the connection on any refusal
                 self.db = sqlite3.connect(str(self.path), timeout=60)
                 if not self._current():
                     self.db.close()
@@ -169,12 +172,19 @@ class ScoreCache:
 
     @contextlib.contextmanager
     def _guard(self, folder: files.Folder | None = None) -> Iterator[None]:
-        """SQLite's errors as one line; a damaged cache of capeval's is set aside, so the next run starts anew."""
+        """SQLite's errors as one line; a damaged cache of capeval's is set aside, so the next run starts anew
+        (a busy, read-only or unreadable one is only reported: it is not damaged)."""
         try:
             yield
-        except sqlite3.DatabaseError as err:
+        except BaseException as err:
             if self.db is not None:
                 self.db.close()
+                self.db = None
+            if not isinstance(err, sqlite3.DatabaseError):
+                raise
+            if getattr(err, "sqlite_errorname", None) in _NOT_DAMAGE or (
+                    not hasattr(err, "sqlite_errorname") and isinstance(err, sqlite3.OperationalError)):
+                raise CacheError(f"cannot use the score cache {self.path}: {err}") from None
             raise self._damaged(err, folder) from None
 
     def _damaged(self, err: Exception, folder: files.Folder | None) -> CacheError:
@@ -211,7 +221,7 @@ class ScoreCache:
                 marks = ",".join("?" * len(chunk))
                 query = f"SELECT sample, score, tag FROM sample_scores WHERE metric = ? AND sample IN ({marks})"
                 for sample, score, tag in self.db.execute(query, [metric, *chunk]):
-                    if not isinstance(score, (float, int, type(None))) or not isinstance(tag, str):
+                    if not isinstance(score, (float, int, type(None))) or not _is_tag(tag):
                         continue
                     if hmac.compare_digest(tag, self._sample_tag(metric, sample, score)):
                         found[sample] = math.nan if score is None else float(score)  # SQLite stores NaN as NULL
@@ -231,7 +241,7 @@ class ScoreCache:
         with self._guard():
             row = self.db.execute("SELECT scores, tag FROM corpus_scores WHERE metric = ? AND corpus = ?",
                                   (metric, corpus)).fetchone()
-        if row is None or not isinstance(row[0], bytes) or not isinstance(row[1], str):
+        if row is None or not isinstance(row[0], bytes) or not _is_tag(row[1]):
             return None
         if not hmac.compare_digest(row[1], self._tag("corpus", metric, corpus, row[0])) or len(row[0]) % 8:
             return None
@@ -247,6 +257,10 @@ class ScoreCache:
     def close(self) -> None:
         if self.db is not None:
             self.db.close()
+
+
+def _is_tag(value: Any) -> bool:
+    return isinstance(value, str) and value.isascii()  # compare_digest takes ASCII text only
 
 
 def _check_folder(folder: files.Folder) -> None:
