@@ -344,6 +344,28 @@ def test_a_region_npz_declaring_more_than_it_holds_allocates_nothing(tmp_path):
         assert isinstance(error, RegionFileError) and peak < 20 * 2**20, (error, peak)
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_any_damage_to_a_region_file_is_a_region_error_or_regions_in_bounds(data):
+    from capeval_plugins.core.regions import MAX_REGIONS, RegionFileError, check_region_file, read_region_file
+
+    n = data.draw(st.integers(1, 3))
+    buffer = io.BytesIO()
+    np.savez(buffer, features=np.ones((n, 2048), np.float32), bbox=np.ones((n, 4)), image_width=np.float64(9),
+             image_height=np.float64(7))
+    blob = bytearray(buffer.getvalue())
+    for _ in range(data.draw(st.integers(1, 4))):
+        blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
+    path = Path(os.environ["CAPEVAL_CONFIG_DIR"]).parent / "regions-under-test.npz"
+    path.write_bytes(bytes(blob))
+    for read in (check_region_file, read_region_file):
+        try:
+            regions = read(path)
+        except RegionFileError:
+            continue
+        assert regions is None or 1 <= len(regions) <= MAX_REGIONS
+
+
 def rigel_checkpoint(tmp_path, head_hidden, stored_hidden=(8, 4)) -> Path:
     from capeval_plugins.core import heads
     from capeval_plugins.training.model import CONFIG_FILE, FORMAT, FORMAT_VERSION, HEAD_FILE, RigelSettings
