@@ -73,7 +73,8 @@ def read_records(path: str | os.PathLike, with_lines: bool = False) -> list[dict
     comes as ``(line number, record)`` (for Parquet, its row number from 0)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise InputError(f"file not found: {path}")
+        kind = files.file_kind(path)  # a FIFO, a device or a folder is there, just not a file to read
+        raise InputError(f"file not found: {path}" if kind is None else f"{path} is a {'folder' if kind == 'dir' else kind}, not a regular file")
     fmt = caption_file_format(path)
     if fmt == ".parquet":
         rows = _parquet_rows(path)

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import Tensor
 
 from capeval_plugins import files
 from capeval_plugins.contract import PackedTexts
+from capeval_plugins.core import tensorfile
 from capeval_plugins.inputs import InputError
 
 FORMAT = 3
@@ -164,7 +164,7 @@ def decode_records(data: bytes, key: bytes) -> tuple[list[tuple[dict, dict[str, 
         start = offset + _HEAD.size
         try:
             header = json.loads(data[start : start + head_len])
-            tensors = load_tensors(data[start + head_len : end - _TAG]) if body_len else {}
+            tensors = tensorfile.load_bytes(data[start + head_len : end - _TAG], "a record") if body_len else {}
         except Exception:  # authentic but unreadable: not ours to guess at
             raise DamagedRecords(offset, len(records)) from None
         records.append((header, tensors))
@@ -271,6 +271,7 @@ class RunStore:
         self.claim: files.Claim | None = None
         self.lock: _Lock | None = None
         self._part: files.Folder | None = None
+        self.had_progress = False  # finished batches were there when opened: never removed by a failed run
 
     # -- the folder as a whole (rank 0) --
 
@@ -297,7 +298,8 @@ class RunStore:
                 claim.reload(new_or_empty=True)  # again, now that the folder is ours: nothing may have moved in
             except files.UnsafePath as err:
                 raise _refused(err) from None
-            return self._prepare(fingerprint, restart)
+            self.had_progress = self._prepare(fingerprint, restart)
+            return self.had_progress
         except BaseException:
             self._abandon(claim, created_lock=self.lock.created)
             raise
@@ -477,7 +479,10 @@ class RunStore:
             done = done_sums
         keep = ends[done - 1] if done else 0
         if keep != len(data):  # a torn record, or a batch whose rows were written but not its sums
-            folder.truncate(name, keep)
+            try:
+                folder.truncate(name, keep)
+            except files.UnsafePath as err:  # a planted hard link: refused, the folder left as it is
+                raise DamagedRun(self.root, str(err)) from None
         progress = Progress(batches=done, sums=sums)
         for header, tensors in records[:done]:
             progress.rows.append(rows_back(tensors))

@@ -45,9 +45,20 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def env_int(name: str, default: int) -> int:
+    """A non-negative integer the launcher (torchrun, accelerate) sets, e.g. ``WORLD_SIZE``; anything else is a
+    usage error naming the variable."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit() or len(text) > 9:
+        raise UsageError(f"{name} must be a non-negative integer (torchrun sets it), got {text!r}")
+    return int(text)
+
+
 def _init_distributed() -> tuple[int, int]:
     """torchrun / accelerate set WORLD_SIZE, RANK and the rendezvous variables."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_int("WORLD_SIZE", 1)
     if world <= 1:
         return 0, 1
     import torch
@@ -56,7 +67,7 @@ def _init_distributed() -> tuple[int, int]:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(env_int("LOCAL_RANK", 0))
         dist.init_process_group(backend=backend)
     return dist.get_rank(), dist.get_world_size()
 
@@ -283,19 +294,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done, 2 a usage or input error, or a missing model, runtime (Java) or optional dependency
-    (one line on stderr, before any work), 130 interrupted, 1 a bug."""
+    (one line on stderr, before any work), 130 interrupted, 141 the reader of the output went away (``capeval
+    list | head``), 1 a bug (with its traceback: a KeyError or an ImportError from inside the code is one)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # nothing more can be printed; the interpreter's own flush at exit must not complain either
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from capeval_plugins.core.loading import ModelLoadError
-    from capeval_plugins.core.messages import DataError, ExternalToolError
+    from capeval_plugins.core.messages import DataError, ExternalToolError, MissingExtra, UnknownName
     from capeval_plugins.inputs import InputError
     from capeval_plugins.preflight import RequirementError
 
     try:
         with restored_environment():
             return args.func(args)
-    except (UsageError, InputError, DataError, ExternalToolError, KeyError, ModelLoadError, ImportError,
+    except (UsageError, InputError, DataError, ExternalToolError, UnknownName, ModelLoadError, MissingExtra,
             RequirementError) as err:
-        # ImportError: an optional dependency a chosen option needs (accelerate, torchvision, pyarrow, ...)
+        # typed errors only: an unknown name, a missing optional extra (accelerate, torchvision, ...), bad input
         message = getattr(err, "cli_message", None) or (err.args[0] if err.args else str(err))
         # every rank validates the same input: rank 0 reports that; a rank reports what only it found
         if _rank() == 0 or not isinstance(err, InputError) or getattr(err, "rank_specific", False):
@@ -315,7 +337,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    try:
+        return env_int("RANK", 0)
+    except UsageError:
+        return 0  # reported by _init_distributed when it matters
 
 
 SCORE_HELP = """Score a caption file with one or more metrics in one pass.

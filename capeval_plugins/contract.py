@@ -195,11 +195,12 @@ class Requirement:
       loader will use them): a local folder, or in the Hugging Face cache, or on a reachable hub;
     * ``"java"``: a ``java`` on PATH, for ``target`` (what runs it: ``"METEOR"``);
     * ``"module"``: an importable module ``target`` (an optional extra);
-    * ``"file"``: an existing file ``target``.
+    * ``"file"``: an existing file ``target``;
+    * ``"device"``: the device ``target`` on this machine (a GPU index past the last, CUDA where there is none).
 
     ``why`` names what needs it (``"option model"``); ``remedy`` says what to do when it is missing."""
 
-    kind: Literal["model", "java", "module", "file"]
+    kind: Literal["model", "java", "module", "file", "device"]
     target: str
     why: str = ""
     remedy: str = ""
@@ -390,6 +391,8 @@ class Metric(abc.ABC):
                  for key, value in named.items() if isinstance(value, str) and value]
         if getattr(cfg, "device_map", None) is not None:
             needs.append(Requirement("module", "accelerate", "option device_map", install_extra("accelerate")))
+        if isinstance(getattr(cfg, "device", None), str):
+            needs.append(Requirement("device", cfg.device, "option device"))
         return needs
 
     def check_corpus(self, size: CorpusSize) -> FitProblem | None:
@@ -461,6 +464,13 @@ def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name
         problem = field_problem(config, option)
         if problem:
             raise ValueError(f"{name}: option {option} {problem}")
+    if isinstance(config, ModelConfig):  # a dtype or device no machine has: refused before anything loads
+        from capeval_plugins.core.loading import placement_problem
+
+        problem = placement_problem(config.device, config.dtype, config.device_map, config.max_memory,
+                                    config.offload_folder)
+        if problem:
+            raise ValueError(f"{name}: {problem}")
     return config
 
 

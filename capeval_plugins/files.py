@@ -32,6 +32,7 @@ import secrets as _secrets
 import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
@@ -198,12 +199,38 @@ def read_input(path: str | os.PathLike, what: str = "file") -> bytes:
 # The user's secret: what makes a marker the package's own
 
 
+def user_base(kind: str) -> Path:
+    """``$XDG_CONFIG_HOME`` / ``$XDG_CACHE_HOME`` (``kind``: "config" or "cache"), else ``~/.config`` /
+    ``~/.cache``. As root with another user's HOME (``sudo`` without ``-H``), root's own home instead: a
+    folder made there would belong to root and lock that user out of it."""
+    env = {"config": "XDG_CONFIG_HOME", "cache": "XDG_CACHE_HOME"}[kind]
+    base = os.environ.get(env) or os.path.join(os.path.expanduser("~"), f".{kind}")
+    if os.geteuid() == 0 and _nearest_owner(base) not in (0, None):
+        import pwd
+
+        base = os.path.join(pwd.getpwuid(0).pw_dir, f".{kind}")
+    return Path(base)
+
+
+def _nearest_owner(path: str) -> int | None:
+    """The owner of ``path``, or of its nearest existing parent."""
+    path = os.path.abspath(path)
+    while True:
+        try:
+            return os.stat(path).st_uid
+        except OSError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+
+
 def config_dir() -> Path:
-    """``$CAPEVAL_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/capeval_plugins`` (``~/.config/capeval_plugins``)."""
+    """``$CAPEVAL_CONFIG_DIR``, else ``$XDG_CONFIG_HOME/capeval_plugins`` (``~/.config/capeval_plugins``; as
+    root with another user's HOME, root's own, see :func:`user_base`)."""
     if os.environ.get("CAPEVAL_CONFIG_DIR"):
         return Path(os.environ["CAPEVAL_CONFIG_DIR"])
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "capeval_plugins"
+    return user_base("config") / "capeval_plugins"
 
 
 SECRET_FILE = "secret.key"
@@ -437,14 +464,18 @@ class Folder:
     # -- writing --
 
     def write(self, name: str, data: Data, *, replace: bool = True, scratch: str | None = None,
-              mode: int = 0o666) -> None:
+              mode: int = 0o666, leftovers: bool = False) -> None:
         """Write ``name`` whole: into a new file (``scratch``, else a random hidden name), then renamed over
         ``name`` (``replace=False``: linked in, so an existing ``name`` is never replaced: FileExistsError).
-        A failure leaves ``name`` as it was and no scratch file."""
+        A failure leaves ``name`` as it was and no scratch file. ``leftovers`` (an output in a folder of the
+        user's): the hidden name is signed, and the signed hidden files an earlier writer of ``name`` left
+        when it was killed are removed first (:meth:`remove_leftovers`)."""
         plain_name(name)
         if self.kind(name) == "dir":
             raise UnsafePath(f"{self.path / name} is a folder")
-        tmp = scratch if scratch is not None else f".{name[:80]}.{_secrets.token_hex(6)}.tmp"
+        if leftovers:
+            self.remove_leftovers(name)
+        tmp = scratch if scratch is not None else _hidden_name(name, signed=leftovers)
         if scratch is not None:
             self.unlink(scratch)  # a crash's leftover (a regular file of the package's name)
             if self.kind(scratch) is not None:
@@ -454,6 +485,7 @@ class Folder:
             fd = os.open(plain_name(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode,
                          dir_fd=self.fd)
             try:
+                _hold(fd)  # while this writer lives, no later run takes the file for a leftover
                 with os.fdopen(fd, "wb") as f:
                     if callable(data):
                         data(f)
@@ -470,6 +502,30 @@ class Folder:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp, dir_fd=self.fd)
                 raise
+
+    def remove_leftovers(self, name: str) -> list[str]:
+        """Remove the hidden files a killed writer of ``name`` left here, and only those: a name of the form
+        :func:`_hidden_name` makes with its signature verifying under the user's secret, a regular file of the
+        user's with no other name, older than a minute and locked by no live writer. Returns what went."""
+        prefix = f".{name[:80]}."
+        gone = []
+        for entry in self.names():
+            if not (entry.startswith(prefix) and entry.endswith(".tmp") and _signed(name, entry[len(prefix):-4])):
+                continue
+            try:
+                fd = self._open_file(entry, os.O_RDONLY, single=True)
+            except (OSError, UnsafePath):
+                continue
+            try:
+                st = os.fstat(fd)
+                if st.st_uid != os.geteuid() or time.time() - st.st_mtime < LEFTOVER_AGE or not _free(fd):
+                    continue
+                with _reported(self.path / entry, "remove"):
+                    os.unlink(entry, dir_fd=self.fd)
+                gone.append(entry)
+            finally:
+                os.close(fd)
+        return gone
 
     def append(self, name: str, data: bytes) -> None:
         """Append ``data`` to ``name`` (made when missing), synced; a failed append is cut off again, so the
@@ -549,6 +605,17 @@ class Folder:
         with _reported(self.path / name, "rename"):
             os.rename(plain_name(name), plain_name(new), src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
+    def set_aside(self, name: str, why: str) -> str:
+        """Give the regular file ``name`` a new name, ``<name>.<why>-<random>``, never replacing anything (a
+        damaged file of the package's is kept for a look, not deleted); returns the new name."""
+        if self.kind(name) != "file":
+            raise UnsafePath(f"{self.path / name} is not a regular file")
+        new = plain_name(f"{name}.{why}-{_secrets.token_hex(4)}")
+        with _reported(self.path / name, "rename"):
+            os.link(name, new, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+            os.unlink(name, dir_fd=self.fd)
+        return str(self.path / new)
+
     def remove_tree(self, name: str) -> None:
         """Remove the folder ``name`` and everything in it, following no link (a link inside is removed, its
         target never touched). Only for folders the package made whole (a staging folder)."""
@@ -562,6 +629,49 @@ class Folder:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry, dir_fd=sub.fd)
         self.rmdir(name)
+
+
+LEFTOVER_AGE = 60.0  # seconds: a hidden file this young may be a writer's that has not locked it yet
+
+
+def _scratch_tag(name: str, nonce: str) -> str | None:
+    try:
+        return mac(secret(), "scratch", name, nonce)[:16]
+    except FileError:  # no secret here (a read-only home): the file is not signed, and never taken as a leftover
+        return None
+
+
+def _hidden_name(name: str, signed: bool = False) -> str:
+    """A new hidden name beside ``name``: ``.<name>.<random>.tmp``; ``signed``: the random part followed by an
+    HMAC of it and ``name`` (under the user's secret), so a later run can tell the file is capeval's own."""
+    nonce = _secrets.token_hex(6)
+    tag = _scratch_tag(name, nonce) if signed else None
+    return f".{name[:80]}.{nonce}{tag or ''}.tmp"
+
+
+def _signed(name: str, middle: str) -> bool:
+    if len(middle) != 28 or any(c not in "0123456789abcdef" for c in middle):
+        return False
+    tag = _scratch_tag(name, middle[:12])
+    return tag is not None and hmac.compare_digest(tag, middle[12:])
+
+
+def _hold(fd: int) -> None:
+    import fcntl
+
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _free(fd: int) -> bool:
+    """Whether no live process holds a lock on the open file (its writer is gone)."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
 
 
 def private_folder(prefix: str) -> Path:
@@ -889,11 +999,14 @@ def check_output(path: str | os.PathLike, inputs: Iterable[Any] = (), what: str 
             relation = "is" if not os.path.isdir(given) or os.path.realpath(path) == os.path.realpath(given) else "is inside"
             raise UnsafePath(f"{what} {path} {relation} an input of this run ({given}); give another file name")
     if kind == "stream":
+        _check_stream(path)
         return kind
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise UnsafePath(f"cannot write {path}: folder {folder} does not exist")
     check_links(path)
+    if _read_only(folder):
+        raise StorageError(f"cannot write {path}: read-only file system", errno.EROFS)
     if path.exists() and not os.access(path, os.W_OK):
         raise StorageError(f"cannot write {path}: permission denied", errno.EACCES)
     try:  # the folder takes a new file (a read-only mount or /proc answers only when asked)
@@ -907,6 +1020,30 @@ def check_output(path: str | os.PathLike, inputs: Iterable[Any] = (), what: str 
     return kind
 
 
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
+def _check_stream(path: str | os.PathLike) -> None:
+    """A descriptor named as an output (``/dev/fd/3``) must be open for writing now, not found closed after
+    the whole run was scored."""
+    import fcntl
+
+    fd = stream_fd(path)
+    if fd is None:
+        return
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:
+        raise UnsafePath(f"cannot write {path}: descriptor {fd} is not open (give a file name, or open it in the "
+                         f"shell: 3>file)") from None
+    if flags & os.O_ACCMODE == os.O_RDONLY:
+        raise UnsafePath(f"cannot write {path}: descriptor {fd} is open for reading only")
+
+
 def write_output(path: str | os.PathLike, data: Data, inputs: Iterable[Any] = (), what: str = "--out") -> None:
     """Write an output the user named (see :func:`check_output`, run again now): a regular file is replaced
     whole (a new file renamed over it: the old file's other hard links and a reader see the old or the new
@@ -918,7 +1055,7 @@ def write_output(path: str | os.PathLike, data: Data, inputs: Iterable[Any] = ()
     path = Path(path)
     folder, _ = Folder.open(path.parent if str(path.parent) else Path("."))
     with folder:
-        folder.write(path.name, data)
+        folder.write(path.name, data, leftovers=True)
 
 
 def _write_stream(path: str | os.PathLike, data: Data) -> None:

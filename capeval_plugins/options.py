@@ -69,9 +69,17 @@ def _article(kind: str) -> str:
 
 
 def parse_pairs(pairs: Sequence[str], names: Sequence[str]) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
-    """``key=value`` and ``metric.key=value`` strings -> (bare options, options by metric), values as text."""
+    """``key=value`` and ``metric.key=value`` strings -> (bare options, options by metric), values as text. One
+    option given twice with different values is refused (neither silently wins)."""
     bare: dict[str, str] = {}
     own: dict[str, dict[str, str]] = {}
+
+    def put(where: dict[str, str], key: str, raw: str, pair: str) -> None:
+        if key in where and where[key] != raw:
+            shown = pair.partition("=")[0].strip()
+            raise OptionError(f"option {shown} is given twice ({where[key]!r} and {raw!r}); give it once")
+        where[key] = raw
+
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         key = key.strip().replace("-", "_")
@@ -81,9 +89,9 @@ def parse_pairs(pairs: Sequence[str], names: Sequence[str]) -> tuple[dict[str, s
         if dot:
             if target not in names:
                 raise OptionError(f"option {pair!r} names metric {target!r}, which is not selected ({', '.join(names)})")
-            own.setdefault(target, {})[name] = raw
+            put(own.setdefault(target, {}), name, raw, pair)
         else:
-            bare[key] = raw
+            put(bare, key, raw, pair)
     return bare, own
 
 
@@ -115,7 +123,8 @@ def build_metrics(names: Sequence[str], pairs: Sequence[str],
                   shared: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The selected metrics (registered names), each with its options: ``key=value`` to every selected metric
     that takes it, ``metric.key=value`` to one; ``shared`` are more bare options (``--model``, ...). A metric
-    named twice, an option no metric takes or a value a metric refuses raises :class:`OptionError`."""
+    named twice, an option given twice with different values (``--model A -o model=B`` too), an option no
+    metric takes or a value a metric refuses raises :class:`OptionError`."""
     from capeval_plugins import registry
 
     entries = {}
@@ -125,7 +134,11 @@ def build_metrics(names: Sequence[str], pairs: Sequence[str],
     if len(entries) != len(names):
         raise OptionError("a metric is selected twice")
     bare, own = parse_pairs(pairs, list(entries))
-    bare.update(shared or {})
+    for key, value in (shared or {}).items():
+        if key in bare and bare[key].strip() != str(value).strip():
+            flag = "--" + key.replace("_", "-")
+            raise OptionError(f"{flag} {value} and -o {key}={bare[key]} disagree; give one of them")
+        bare[key] = value
     routed = route(entries, bare, own, parse=True)
     metrics = {}
     for name, cls in entries.items():

@@ -48,6 +48,14 @@ def problems(metrics: Mapping[str, Metric]) -> list[str]:
         remedies = dict.fromkeys(n.remedy for needs in java.values() for n in needs if n.remedy)
         out.insert(0, f"{users} need a Java runtime and there is no `java` on PATH: install Java 8 or later "
                       "(e.g. apt-get install default-jre-headless)" + "".join(f", or {r}" for r in remedies))
+    if any(need.kind == "java" for need in found):
+        from capeval_plugins.core.java import timeout
+        from capeval_plugins.core.messages import ExternalToolError
+
+        try:
+            timeout()  # CAPEVAL_JAVA_TIMEOUT read now, not when the first tool starts
+        except ExternalToolError as err:
+            out.insert(0, str(err))
     return list(dict.fromkeys(out))
 
 
@@ -66,6 +74,10 @@ def problem(need: Requirement) -> str | None:
         return (f"{need.target} needs a Java runtime and there is no `java` on PATH: install Java 8 or later"
                 + (f", or {need.remedy}" if need.remedy else ""))
     remedy = f": {need.remedy}" if need.remedy else ""
+    if need.kind == "device":
+        from capeval_plugins.core.loading import device_problem
+
+        return device_problem(need.target)
     if need.kind == "module":
         if importlib.util.find_spec(need.target) is not None:
             return None

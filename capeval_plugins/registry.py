@@ -22,6 +22,7 @@ import pluggy
 
 import capeval_plugins.runner  # noqa: F401  (installs the runner as the corpus scorer: metrics are callable)
 from capeval_plugins.contract import Metric, MetricInfo
+from capeval_plugins.core.messages import UnknownName
 
 PROJECT = "capeval_plugins"
 BUILTIN = "builtin"
@@ -135,7 +136,7 @@ def get(name: str) -> Registered:
     if key not in table:
         close = difflib.get_close_matches(key, table, n=3)
         hint = f"; did you mean {close}?" if close else f"; registered: {sorted(table)}"
-        raise KeyError(f"no capeval metric named {name!r}{hint}")
+        raise UnknownName(f"no capeval metric named {name!r}{hint}")
     return table[key]
 
 

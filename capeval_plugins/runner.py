@@ -588,11 +588,12 @@ def run(
              for name, metric in metrics.items()]
     try:
         return _run_tasks(tasks, corpus, store, run_dir, progress, rank, size, gather_to, stop)
-    except RunFolderError:  # a damaged folder is refused as it is
+    except (RunFolderError, FileError):  # a refusal changes nothing: the folder is left as it is
         raise
     except BaseException:
-        # a run that finished no batch leaves nothing to resume (one process: other ranks may have saved some)
-        if store is not None and size == 1 and not any(t.progress.batches for t in tasks):
+        # a run that started afresh and finished no batch leaves nothing to resume (one process: other ranks
+        # may have saved some); a folder that held progress is never removed by a failure
+        if store is not None and size == 1 and not store.had_progress and not any(t.progress.batches for t in tasks):
             store.remove()
         raise
     finally:

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from capeval_plugins.core.messages import UnknownName
+
 if TYPE_CHECKING:
     from capeval_plugins.bench.data import Pairs, Ratings
 
@@ -93,7 +95,7 @@ class Benchmark:
         if name == OFFICIAL:
             return official
         if name not in official.variants:
-            raise KeyError(f"{self.name} has no protocol {name!r}; known: {official.protocols()}")
+            raise UnknownName(f"{self.name} has no protocol {name!r}; known: {official.protocols()}")
         v = official.variants[name]
         return replace(official, protocol=v.protocol, reader=v.reader or official.reader,
                        source=v.source or official.source, variant=name)
@@ -275,7 +277,7 @@ def benchmark_names() -> list[str]:
 
 def get_benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
-        raise KeyError(f"no benchmark named {name!r}; known: {benchmark_names()}")
+        raise UnknownName(f"no benchmark named {name!r}; known: {benchmark_names()}")
     return BENCHMARKS[name]
 
 

@@ -14,14 +14,17 @@ per-sample scores depend on the whole corpus, are cached per corpus: the key has
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import hmac
 import json
 import math
 import os
 import sqlite3
+import stat
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -29,16 +32,31 @@ from capeval_plugins import files
 from capeval_plugins.contract import Metric
 from capeval_plugins.digests import ContentDigests, unresolved
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sample_scores (metric TEXT, sample TEXT, score REAL, PRIMARY KEY (metric, sample));
-CREATE TABLE IF NOT EXISTS corpus_scores (metric TEXT, corpus TEXT, scores BLOB, PRIMARY KEY (metric, corpus));
+# SQLite's application_id ("CPEV"): the file is capeval's score cache, whatever its rows say
+APPLICATION_ID = 0x43504556
+SCHEMA_VERSION = 2  # SQLite's user_version: rows carry an HMAC (version 1 had none and is started afresh)
+SCHEMA = f"""
+PRAGMA application_id = {APPLICATION_ID};
+PRAGMA user_version = {SCHEMA_VERSION};
+CREATE TABLE sample_scores (metric TEXT, sample TEXT, score REAL, tag TEXT, PRIMARY KEY (metric, sample));
+CREATE TABLE corpus_scores (metric TEXT, corpus TEXT, scores BLOB, tag TEXT, PRIMARY KEY (metric, corpus));
 """
+# the tables of version 1 (no application_id, no tags): capeval's own, replaced by a new empty cache
+_VERSION_1 = {"sample_scores": ["metric", "sample", "score"], "corpus_scores": ["metric", "corpus", "scores"]}
+_SQLITE_MAGIC = b"SQLite format 3\0"
+# SQLite's errors that say nothing about the file's content (Python 3.11+ names them)
+_NOT_DAMAGE = {"SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_FULL", "SQLITE_CANTOPEN",
+               "SQLITE_PERM", "SQLITE_NOMEM", "SQLITE_INTERRUPT"}
 _MAX_FILES = 10_000
 
 
+class CacheError(files.FileError):
+    """A score cache that cannot be used: another user's, writable by others, damaged, or not capeval's
+    (one line, exit code 2)."""
+
+
 def default_cache_path() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "capeval_plugins" / "bench" / "scores.sqlite"
+    return files.user_base("cache") / "capeval_plugins" / "bench" / "scores.sqlite"
 
 
 def digest(payload: Any) -> str:
@@ -99,43 +117,178 @@ def sample_keys(candidates: Sequence[str], references: Sequence[Sequence[str]] |
 
 
 class ScoreCache:
-    """Scores by (metric key, sample key), and per-corpus score vectors by (metric key, corpus key)."""
+    """Scores by (metric key, sample key), and per-corpus score vectors by (metric key, corpus key).
+
+    The file must be the user's and writable by no one else (its folder too, unless that folder is sticky,
+    like ``/tmp``), so no one else can plant or change scores in it; it is created whole (mode 0600) with
+    SQLite's application id set to capeval's, and every row carries an HMAC keyed by the user's secret (the
+    one run folders use, :func:`capeval_plugins.files.secret`): a row that does not verify (written by hand,
+    copied from another account) is never returned, so its score is computed again and the row replaced. A
+    file that is not an SQLite database of capeval's is refused as it is; a capeval cache that SQLite finds
+    damaged is set aside under a new name (never deleted) and refused once, so the next run starts a new
+    cache."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        files.Folder.open(self.path.parent, create=True)[0].close()
-        files.check_output(self.path, what="--cache")  # a regular file or a new name: no link, no device
-        self.db = sqlite3.connect(str(self.path), timeout=60)
-        self.db.executescript(SCHEMA)
+        self.db: sqlite3.Connection | None = None
+        folder = files.Folder.open(self.path.parent, create=True, mode=0o700)[0]
+        with folder:
+            _check_folder(folder)
+            files.check_output(self.path, what="--cache")  # a regular file or a new name: no link, no device
+            if folder.kind(self.path.name) is None:
+                with contextlib.suppress(FileExistsError):  # another run made it first
+                    folder.write(self.path.name, _new_database(), replace=False, mode=0o600)
+            self._check_file(folder)
+            with self._guard(folder):  # closes the connection on any refusal
+                self.db = sqlite3.connect(str(self.path), timeout=60)
+                if not self._current():
+                    self.db.close()
+                    folder.write(self.path.name, _new_database(), mode=0o600)  # version 1, checked as capeval's
+                    self.db = sqlite3.connect(str(self.path), timeout=60)
+                self._key = bytes.fromhex(files.mac(files.secret(), "score-cache"))
+
+    def _check_file(self, folder: files.Folder) -> None:
+        st = os.stat(self.path.name, dir_fd=folder.fd, follow_symlinks=False)
+        if st.st_uid != os.geteuid():
+            raise CacheError(f"the score cache {self.path} belongs to another user (uid {st.st_uid}); capeval reads "
+                             "only a cache of yours: give --cache FILE (a new name) or --no-cache")
+        if st.st_mode & 0o022:
+            raise CacheError(f"the score cache {self.path} is writable by others (mode {stat.filemode(st.st_mode)}), "
+                             f"who could change its scores: chmod go-w {self.path}, or give --cache FILE (a new name)")
+
+    def _current(self) -> bool:
+        """Whether the database is a capeval cache of this version (False: capeval's version 1, to be started
+        afresh); anything else is refused."""
+        assert self.db is not None
+        app, version = (self.db.execute(f"PRAGMA {p}").fetchone()[0] for p in ("application_id", "user_version"))
+        if app == APPLICATION_ID and version == SCHEMA_VERSION:
+            return True
+        tables = {name: [row[1] for row in self.db.execute(f"PRAGMA table_info({name})")]
+                  for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if app == 0 and version == 0 and tables == _VERSION_1:
+            return False
+        raise CacheError(f"{self.path} is not a capeval score cache (another SQLite database, or one of a newer "
+                         "version); capeval leaves it as it is: give --cache FILE (a new name) or --no-cache")
+
+    @contextlib.contextmanager
+    def _guard(self, folder: files.Folder | None = None) -> Iterator[None]:
+        """SQLite's errors as one line; a damaged cache of capeval's is set aside, so the next run starts anew
+        (a busy, read-only or unreadable one is only reported: it is not damaged)."""
+        try:
+            yield
+        except BaseException as err:
+            if self.db is not None:
+                self.db.close()
+                self.db = None
+            if not isinstance(err, sqlite3.DatabaseError):
+                raise
+            if getattr(err, "sqlite_errorname", None) in _NOT_DAMAGE or (
+                    not hasattr(err, "sqlite_errorname") and isinstance(err, sqlite3.OperationalError)):
+                raise CacheError(f"cannot use the score cache {self.path}: {err}") from None
+            raise self._damaged(err, folder) from None
+
+    def _damaged(self, err: Exception, folder: files.Folder | None) -> CacheError:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        own = folder or files.Folder.open(self.path.parent)[0]
+        try:
+            with files.open_input(self.path, "score cache") as f:
+                head = f.read(100)
+            ours = head[:16] == _SQLITE_MAGIC and int.from_bytes(head[68:72], "big") == APPLICATION_ID
+            if not ours:
+                return CacheError(f"{self.path} is not a capeval score cache ({reason}); capeval leaves it as it is: "
+                                  "give --cache FILE (a new name) or --no-cache")
+            aside = own.set_aside(self.path.name, "damaged")
+        finally:
+            if folder is None:
+                own.close()
+        return CacheError(f"the score cache {self.path} is damaged ({reason}); capeval moved it to {aside} and the "
+                          "next run starts a new cache (scores are computed again)")
+
+    def _tag(self, *parts: bytes | str) -> str:
+        return files.mac(self._key, *parts)
+
+    def _sample_tag(self, metric: str, sample: str, score: float | None) -> str:
+        return self._tag("score", metric, sample, "nan" if score is None else float(score).hex())
 
     def get(self, metric: str, samples: Iterable[str]) -> dict[str, float]:
+        """The authentic scores of ``samples`` found (a row whose HMAC does not verify is not found)."""
+        assert self.db is not None
         samples = list(samples)
         found: dict[str, float] = {}
-        for start in range(0, len(samples), 500):
-            chunk = samples[start : start + 500]
-            marks = ",".join("?" * len(chunk))
-            query = f"SELECT sample, score FROM sample_scores WHERE metric = ? AND sample IN ({marks})"
-            for sample, score in self.db.execute(query, [metric, *chunk]):
-                found[sample] = math.nan if score is None else float(score)  # SQLite stores NaN as NULL
+        with self._guard():
+            for start in range(0, len(samples), 500):
+                chunk = samples[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                query = f"SELECT sample, score, tag FROM sample_scores WHERE metric = ? AND sample IN ({marks})"
+                for sample, score, tag in self.db.execute(query, [metric, *chunk]):
+                    if not isinstance(score, (float, int, type(None))) or not _is_tag(tag):
+                        continue
+                    if hmac.compare_digest(tag, self._sample_tag(metric, sample, score)):
+                        found[sample] = math.nan if score is None else float(score)  # SQLite stores NaN as NULL
         return found
 
     def put(self, metric: str, scores: Mapping[str, float]) -> None:
-        rows = [(metric, k, None if math.isnan(v) else float(v)) for k, v in scores.items()]
-        with self.db:
-            self.db.executemany("INSERT OR REPLACE INTO sample_scores VALUES (?, ?, ?)", rows)
+        assert self.db is not None
+        rows = []
+        for k, v in scores.items():
+            value = None if math.isnan(v) else float(v)
+            rows.append((metric, k, value, self._sample_tag(metric, k, value)))
+        with self._guard(), self.db:
+            self.db.executemany("INSERT OR REPLACE INTO sample_scores VALUES (?, ?, ?, ?)", rows)
 
     def get_corpus(self, metric: str, corpus: str) -> np.ndarray | None:
-        row = self.db.execute("SELECT scores FROM corpus_scores WHERE metric = ? AND corpus = ?",
-                              (metric, corpus)).fetchone()
-        return None if row is None else np.frombuffer(row[0], dtype=np.float64).copy()
+        assert self.db is not None
+        with self._guard():
+            row = self.db.execute("SELECT scores, tag FROM corpus_scores WHERE metric = ? AND corpus = ?",
+                                  (metric, corpus)).fetchone()
+        if row is None or not isinstance(row[0], bytes) or not _is_tag(row[1]):
+            return None
+        if not hmac.compare_digest(row[1], self._tag("corpus", metric, corpus, row[0])) or len(row[0]) % 8:
+            return None
+        return np.frombuffer(row[0], dtype=np.float64).copy()
 
     def put_corpus(self, metric: str, corpus: str, scores: np.ndarray) -> None:
-        with self.db:
-            self.db.execute("INSERT OR REPLACE INTO corpus_scores VALUES (?, ?, ?)",
-                            (metric, corpus, np.asarray(scores, dtype=np.float64).tobytes()))
+        assert self.db is not None
+        blob = np.asarray(scores, dtype=np.float64).tobytes()
+        with self._guard(), self.db:
+            self.db.execute("INSERT OR REPLACE INTO corpus_scores VALUES (?, ?, ?, ?)",
+                            (metric, corpus, blob, self._tag("corpus", metric, corpus, blob)))
 
     def close(self) -> None:
-        self.db.close()
+        if self.db is not None:
+            self.db.close()
+
+
+def _is_tag(value: Any) -> bool:
+    return isinstance(value, str) and value.isascii()  # compare_digest takes ASCII text only
+
+
+def _check_folder(folder: files.Folder) -> None:
+    """The cache's folder must not let others replace the file: the user's or root's, and writable by others
+    only when sticky (``/tmp``: no one removes or renames another's file there)."""
+    st = os.fstat(folder.fd)
+    if st.st_uid not in (os.geteuid(), 0):
+        raise CacheError(f"the score cache's folder {folder.path} belongs to another user (uid {st.st_uid}); give "
+                         "--cache FILE in a folder of yours, or --no-cache")
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        raise CacheError(f"the score cache's folder {folder.path} is writable by others (mode "
+                         f"{stat.filemode(st.st_mode)}), who could replace the cache: give --cache FILE in a folder "
+                         "only you can write, or --no-cache")
+
+
+def _new_database() -> bytes:
+    """An empty cache of this version, whole (written under a private name, then linked in)."""
+    where = files.private_folder("capeval-cache-")
+    try:
+        db = sqlite3.connect(str(where / "new.sqlite"))
+        try:
+            db.executescript(SCHEMA)
+            db.commit()
+        finally:
+            db.close()
+        return files.read_input(where / "new.sqlite")
+    finally:
+        files.remove_private(where)
 
 
 class NoCache:

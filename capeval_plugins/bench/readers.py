@@ -107,6 +107,9 @@ def as_score(value: Any, where: str, what: str = "human score") -> float:
         raise InputError(f"{where}: {what} {value!r} is not a number")
     try:
         return float(value)
+    except OverflowError:  # an integer of hundreds of digits: no float holds it
+        raise InputError(f"{where}: {what} {str(value)[:20]}... ({len(str(value))} digits) is too large for a "
+                         "number") from None
     except (TypeError, ValueError) as err:
         raise InputError(f"{where}: {what} {value!r} is not a number") from err
 

@@ -129,7 +129,9 @@ def _row_number(value: Any, where: str) -> int:
     """A row number: an integer, an integral float (Parquet / pandas) or digits (CSV)."""
     if isinstance(value, str) and value.strip().isdigit():
         return int(value)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
         return int(value)
     raise InputError(f"{where}: 'row' must be a benchmark row number, got {value!r}")
 

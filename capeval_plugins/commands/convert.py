@@ -79,9 +79,9 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise ConversionError(f"{path}: no such file")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+        from capeval_plugins.core.tensorfile import load_file
 
-        return dict(load_file(str(path)))
+        return dict(load_file(path))
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:

@@ -20,6 +20,7 @@ import sys
 
 from capeval_plugins.core import jsonio
 from capeval_plugins.core.bounds import cli_number
+from capeval_plugins.core.messages import MissingExtra
 
 RIGEL_EPILOG = """examples:
   capeval train rigel --phase 1 --train spica_train.parquet --val spica_val.parquet --images images/ \\
@@ -241,7 +242,7 @@ def cmd_train_aligner(args: argparse.Namespace) -> int:
 def _one_line_errors(run, args: argparse.Namespace) -> int:
     try:
         return run(args)
-    except (FileExistsError, ImportError) as err:  # a used output folder, no peft: one line, not a traceback
+    except (FileExistsError, MissingExtra) as err:  # a used output folder, no peft: one line, not a traceback
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2
 

@@ -18,6 +18,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+# The largest seed every generator takes (torch.manual_seed: below 2**64; numpy: any; int64 everywhere).
+MAX_SEED = 2**63 - 1
+
 _COMPARE = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
             "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
 

@@ -330,11 +330,13 @@ def _document_frequency(rows: TextRows, table: Ngrams) -> np.ndarray:
 
 def _cider(corpus: CocoCorpus, n: int, sigma: float) -> tuple[np.float64, np.ndarray]:
     rows = corpus.rows
-    lengths, tables = corpus.tables(n)
+    # orders past the longest text have no n-grams: their similarity terms are 0, so only the others are computed
+    orders = min(n, max((len(t.split()) for t in rows.texts), default=1) or 1)
+    lengths, tables = corpus.tables(orders)
     ref_len = np.log(float(rows.n_rows))
     pair_row = rows.pair_row
     pair_cand = rows.cand[pair_row]
-    values = np.zeros((len(pair_row), n))
+    values = np.zeros((len(pair_row), orders))
     for k, table in enumerate(tables):
         df = _document_frequency(rows, table)
         distinct, which = np.unique(df, return_inverse=True)
@@ -355,8 +357,9 @@ def _cider(corpus: CocoCorpus, n: int, sigma: float) -> tuple[np.float64, np.nda
     distinct, which = np.unique(delta, return_inverse=True)
     penalty = np.array([np.e ** (-(float(d) ** 2) / (2 * sigma ** 2)) for d in distinct.tolist()], dtype=np.float64)
     values *= penalty[which][:, None]
-    score = np.stack([_sums(pair_row, values[:, k], len(rows.cand)) for k in range(n)], 1)
-    items = np.mean(score, axis=1) / rows.n_refs * 10.0
+    score = np.stack([_sums(pair_row, values[:, k], len(rows.cand)) for k in range(orders)], 1)
+    mean = np.mean(score, axis=1) if orders == n else score.sum(axis=1) / n  # the mean over all n orders
+    items = mean / rows.n_refs * 10.0
     items = items[rows.inverse]
     return np.mean(items), items
 

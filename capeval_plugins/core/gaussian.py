@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.core.messages import DataError
+from capeval_plugins.core.tensorfile import npy_header
 
 SUM_KEYS = ("count", "sum", "outer")
 REDUCTIONS = ("trace", "mean")
@@ -262,9 +263,45 @@ def save_sums(path: str | os.PathLike, sums: Mapping[str, Tensor], dim_x: int, *
     files.write_output(path, buffer.getvalue(), what="saved fit")
 
 
+MAX_JOINT_DIM = 16384  # 2 x 8192 feature dimensions: the outer-product sums alone are then 2 GiB of float64
+_MAX_HEADER_BYTES = 1 << 20
+
+
+def _member_shapes(npz: Any, path: Any) -> dict[str, tuple[tuple[int, ...], np.dtype, int]]:
+    """Each member's declared shape, dtype and stored size, read from the .npy headers alone."""
+    found = {}
+    for info in npz.zip.infolist():
+        key = info.filename[: -len(".npy")] if info.filename.endswith(".npy") else info.filename
+        with npz.zip.open(info) as member:
+            shape, dtype = npy_header(member)
+            found[key] = (shape, dtype, info.file_size - member.tell())
+    return found
+
+
+def _check_declared(shapes: Mapping[str, tuple[tuple[int, ...], np.dtype, int]], path: Any) -> None:
+    """The members a fit has, of the shapes a D-dimensional fit has (D bounded), each as large as its header
+    says: checked before any array is read, so a small crafted file cannot allocate gigabytes."""
+    missing = [k for k in ("header", *SUM_KEYS) if k not in shapes]
+    if missing:
+        raise DataError(f"{path} is not a saved reference Gaussian (missing {missing[0]!r})")
+    (sum_shape, _, _), (outer_shape, _, _) = shapes["sum"], shapes["outer"]
+    dim = sum_shape[0] if len(sum_shape) == 1 else -1
+    if not 2 <= dim <= MAX_JOINT_DIM or outer_shape != (dim, dim) or shapes["count"][0] not in ((), (1,)):
+        raise DataError(f"{path}: inconsistent saved statistics (sum {sum_shape}, outer {outer_shape}; at most "
+                        f"{MAX_JOINT_DIM} joint dimensions)")
+    header_shape, header_dtype, header_bytes = shapes["header"]
+    if header_shape != () or header_dtype.kind != "U" or header_dtype.itemsize > _MAX_HEADER_BYTES:
+        raise DataError(f"{path} is not a saved reference Gaussian (its header is not a short string)")
+    for key, (shape, dtype, stored) in shapes.items():
+        if key in SUM_KEYS and (dtype.kind != "f" or stored != math.prod(shape) * dtype.itemsize):
+            raise DataError(f"{path}: {key} holds {stored} bytes, not the {math.prod(shape)} {dtype} numbers its "
+                            "header declares")
+
+
 def load_sums(path: str | os.PathLike) -> SavedSums:
     """Read statistics written by :func:`save_sums`; a file that is not one (damaged, truncated, another
-    format) is a :class:`DataError` naming it."""
+    format, crafted) is a :class:`DataError` naming it. Shapes and sizes are checked from the array headers
+    before any array is read (at most :data:`MAX_JOINT_DIM` dimensions)."""
     from capeval_plugins import files
 
     if not os.path.isfile(path):
@@ -272,10 +309,11 @@ def load_sums(path: str | os.PathLike) -> SavedSums:
     data = files.read_input(path, "saved reference Gaussian")
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            _check_declared(_member_shapes(npz, path), path)
             header = json.loads(str(npz["header"]))
             sums = {k: torch.from_numpy(np.array(npz[k], dtype=np.float64)) for k in SUM_KEYS}
-    except KeyError as err:
-        raise DataError(f"{path} is not a saved reference Gaussian (missing {err})") from None
+    except DataError:
+        raise
     except Exception as err:  # zipfile.BadZipFile, a damaged member (zlib, CRC), not an .npz at all
         raise DataError(f"{path} is not a saved reference Gaussian, or it is damaged ({type(err).__name__}: "
                         f"{err}); fit it again") from None
@@ -283,7 +321,8 @@ def load_sums(path: str | os.PathLike) -> SavedSums:
         raise DataError(f"{path} is not a saved reference Gaussian")
     dim_x = header.pop("dim_x", None)
     dim = len(sums["sum"])
-    if (not isinstance(dim_x, int) or sums["outer"].shape != (dim, dim) or not 0 < dim_x < dim
-            or not math.isfinite(float(sums["count"]))):
+    if (not isinstance(dim_x, int) or isinstance(dim_x, bool) or not 0 < dim_x < dim
+            or not math.isfinite(float(sums["count"].sum())) or not torch.isfinite(sums["sum"]).all()
+            or not torch.isfinite(sums["outer"]).all()):
         raise DataError(f"{path}: inconsistent saved statistics")
     return SavedSums(sums, dim_x, header)

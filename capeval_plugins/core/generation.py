@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from capeval_plugins.core import jsonio, loading
-from capeval_plugins.core.messages import DataError, install_extra
+from capeval_plugins.core.messages import DataError, MissingExtra, install_extra
 
 SD3_MODEL = "stabilityai/stable-diffusion-3-medium-diffusers"
 _PNG_KEY = "capeval-generation"
@@ -59,7 +59,7 @@ def _require_diffusers():
     try:
         import diffusers
     except ImportError as err:
-        raise ImportError(
+        raise MissingExtra(
             f"Stable Diffusion 3 generation needs diffusers, an optional extra: {install_extra('diffusion')} "
             "(or point generated_images at a folder of images made earlier)"
         ) from err
@@ -105,6 +105,7 @@ class StableDiffusion3(TextToImage):
 
     def _load(self):
         diffusers = _require_diffusers()
+        loading.check_source(self.model, self.revision)  # FIFOs, devices, crafted safetensors: one line
         # diffusers renamed torch_dtype to dtype in 2026 (older releases reject dtype, newer ones warn on
         # torch_dtype); its private resolver marks the releases that take the new name.
         from diffusers.utils import deprecation_utils

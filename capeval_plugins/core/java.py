@@ -16,6 +16,7 @@ own aggregate.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import queue
 import re
@@ -32,6 +33,7 @@ from capeval_plugins.core.messages import ExternalToolError
 QUIET_ENV = "CAPEVAL_QUIET"          # set by `capeval ... --quiet`: the Java tools' own lines are not shown
 TIMEOUT_ENV = "CAPEVAL_JAVA_TIMEOUT"  # seconds a Java tool may go without answering (default below)
 DEFAULT_TIMEOUT = 120.0
+MAX_TIMEOUT = 86400.0
 STARTUP_TIMEOUT = 600.0              # METEOR's first answer waits for its paraphrase tables (seconds of CPU)
 STDERR_KEPT = 64 * 1024
 
@@ -48,10 +50,16 @@ PTB_CLASS = "edu.stanford.nlp.process.PTBTokenizer"
 def timeout() -> float:
     """Seconds a Java tool may go without a line of output before it is given up (``CAPEVAL_JAVA_TIMEOUT``)."""
     value = os.environ.get(TIMEOUT_ENV)
+    if not value:
+        return DEFAULT_TIMEOUT
     try:
-        return float(value) if value else DEFAULT_TIMEOUT
+        seconds = float(value)
     except ValueError:
-        raise ExternalToolError(f"{TIMEOUT_ENV} must be a number of seconds, got {value!r}") from None
+        seconds = math.nan
+    if not 0 < seconds <= MAX_TIMEOUT:  # NaN, infinities, 0 and negatives too: a wait that never ends or never starts
+        raise ExternalToolError(f"{TIMEOUT_ENV} must be a number of seconds above 0 and at most {MAX_TIMEOUT:g} (a "
+                                f"day), got {value!r}")
+    return seconds
 
 
 def require_java(what: str, hint: str = "") -> None:

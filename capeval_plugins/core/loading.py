@@ -21,7 +21,7 @@ from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
-from capeval_plugins.core.messages import install_extra
+from capeval_plugins.core.messages import MissingExtra, install_extra
 
 _cache: dict[Hashable, Any] = {}
 _lock = threading.RLock()
@@ -145,6 +145,47 @@ def resolve_dtype(
     return gpu_default if device.type != "cpu" else torch.float32
 
 
+def placement_problem(device: Any, dtype: Any, device_map: Any = None, max_memory: Any = None,
+                      offload_folder: Any = None) -> str | None:
+    """Why a model's placement options cannot work on any machine (an unknown dtype, a device name torch
+    does not know or the ``meta`` device, which holds no data; ``max_memory`` or ``offload_folder`` without a
+    ``device_map``), or None. Checked when a metric is configured, before anything loads."""
+    if dtype is not None and not isinstance(dtype, torch.dtype) and str(dtype).lower() not in _DTYPES:
+        return f"dtype {dtype!r} is not a floating-point dtype for weights; use one of {sorted(_DTYPES)}"
+    if device is not None:
+        try:
+            parsed = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            return f"device {device!r} is not a device name (cpu, cuda, cuda:1, mps)"
+        if parsed.type == "meta":
+            return "device 'meta' holds no data (nothing can be scored on it); use cpu, cuda or mps"
+    if device_map is None and (max_memory is not None or offload_folder is not None):
+        return "max_memory and offload_folder only apply with a device_map (e.g. device_map='auto')"
+    return None
+
+
+def device_problem(device: Any) -> str | None:
+    """Why ``device`` is not on this machine (CUDA or MPS unavailable, a GPU index past the last), or None."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return f"device {device!r} is not a device name (cpu, cuda, cuda:1, mps)"
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return f"device {device!r}: no CUDA GPU is available on this machine; use --device cpu"
+        if parsed.index is not None and parsed.index >= count:
+            return f"device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+    elif parsed.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        return f"device {device!r}: MPS (Apple GPUs) is not available on this machine; use --device cpu"
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        backend = getattr(torch, parsed.type, None)
+        available = getattr(backend, "is_available", None)
+        if callable(available) and not available():
+            return f"device {device!r}: no {parsed.type} device is available on this machine"
+    return None
+
+
 def _source_key(name_or_path: str) -> str:
     return os.path.realpath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
 
@@ -203,6 +244,7 @@ def load_model(
            tuple(sorted(kwargs.items())))
 
     def build() -> Any:
+        check_source(name_or_path, revision)
         placement: dict[str, Any] = {}
         if device_map is not None:
             require_accelerate("a device_map")
@@ -236,7 +278,7 @@ def load_spec(loader: Any, spec: ModelSpec, *, gpu_dtype: torch.dtype = torch.fl
 
 def require_accelerate(what: str) -> None:
     if importlib.util.find_spec("accelerate") is None:
-        raise ImportError(f"{what} needs accelerate, which is not installed: {ACCELERATE_EXTRA}")
+        raise MissingExtra(f"{what} needs accelerate, which is not installed: {ACCELERATE_EXTRA}")
 
 
 def _map_device(device_map: Any, device: str | torch.device | None) -> torch.device:
@@ -289,11 +331,14 @@ def load_processor(
     key = ("processor", loader.__name__, _source_key(name_or_path), revision, bool(trust_remote_code),
            tuple(sorted(kwargs.items())))
     def build() -> Any:
+        check_source(name_or_path, revision)
+        hub = hub_kwargs(revision, local_files_only, trust_remote_code)
         try:
-            return loader.from_pretrained(name_or_path, **hub_kwargs(revision, local_files_only, trust_remote_code),
-                                          **kwargs)
+            processor = loader.from_pretrained(name_or_path, **hub, **kwargs)
         except OSError as err:
             raise _load_error("processor", name_or_path, err) from err
+        check_vocabulary(processor, name_or_path, hub)
+        return processor
 
     return shared(key, build)
 
@@ -326,6 +371,125 @@ def local_path_problem(value: str) -> str | None:
         return f"{value} is a {kind}, not a file or a folder"
     local = os.path.isabs(value) or value.startswith(("./", "../", "~", ".\\")) or value.count("/") > 1 or "\\" in value
     return f"no such file or folder: {value}" if local else None
+
+
+# Text files a loader parses whole (configs, tokenizers, vocabularies): the largest real ones are tens of MB; a
+# sparse file of GBs would be read and parsed into several times its size before anything could check it.
+MAX_TEXT_FILE = 256 * 2**20
+_TEXT_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".py")
+
+
+def source_folder(name_or_path: str, revision: str | None = None) -> str | None:
+    """The folder a loader reads: a local folder, or a hub id's cached snapshot of ``revision`` (None when
+    it is not cached: the hub client fetches what it needs then)."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if os.path.exists(name_or_path) or name_or_path.count("/") > 1:
+        return None
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    repo = os.path.join(constants.HF_HUB_CACHE, f"models--{name_or_path.replace('/', '--')}")
+    commit = revision or "main"
+    try:
+        with open(os.path.join(repo, "refs", commit), encoding="utf-8") as f:
+            commit = f.read(100).strip() or commit
+    except OSError:
+        pass
+    folder = os.path.join(repo, "snapshots", commit)
+    return folder if os.path.isdir(folder) else None
+
+
+def check_source(name_or_path: str, revision: str | None = None) -> None:
+    """Refuse, in one line naming the file, a model folder a loader would hang on or be misled by: every entry
+    must be a regular file or a folder (a FIFO, a device, a link to ``/dev/zero`` is refused), a text file no
+    larger than :data:`MAX_TEXT_FILE`, and every ``.safetensors`` file's header consistent with its size
+    (:mod:`capeval_plugins.core.tensorfile`). Hidden names (``.git``, ``.cache``) are not read by loaders."""
+    from capeval_plugins.core import tensorfile
+
+    folder = source_folder(name_or_path, revision)
+    if folder is None:
+        return
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(n for n in names if not n.startswith(".")):
+            path = os.path.join(root, name)
+            try:
+                st = os.stat(path)
+            except OSError as err:
+                raise ModelLoadError(f"cannot load {name_or_path!r}: {path} cannot be read ({err.strerror})") from None
+            if not stat.S_ISREG(st.st_mode):
+                kind = "FIFO" if stat.S_ISFIFO(st.st_mode) else "socket" if stat.S_ISSOCK(st.st_mode) else "device"
+                raise ModelLoadError(f"cannot load {name_or_path!r}: {path} is a {kind}, not a regular file (a model "
+                                     "folder holds regular files only)")
+            if name.endswith(_TEXT_SUFFIXES) and st.st_size > MAX_TEXT_FILE:
+                raise ModelLoadError(f"cannot load {name_or_path!r}: {path} has {st.st_size} bytes, more than any "
+                                     f"real model's configuration or tokenizer file ({MAX_TEXT_FILE} at most)")
+            if name.endswith(".safetensors"):
+                try:
+                    tensorfile.check_file(path)
+                except tensorfile.TensorFileError as err:
+                    raise ModelLoadError(f"cannot load {name_or_path!r}: {err}") from None
+
+
+def _tokenizer_of(loaded: Any) -> Any:
+    if callable(getattr(loaded, "convert_tokens_to_ids", None)):
+        return loaded
+    return getattr(loaded, "tokenizer", None)
+
+
+def _config_vocabulary(name_or_path: str, hub: Mapping[str, Any]) -> int | None:
+    """The text model's vocabulary size in the folder's ``config.json`` (None without one)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, **hub)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        size = getattr(text, "vocab_size", None)
+    except Exception:  # no config (a processor-only folder), a model type this transformers does not know
+        return None
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def vocabulary_problem(tokenizer: Any, model_vocabulary: int | None) -> str | None:
+    """Why ``tokenizer`` is not the complete vocabulary of a model whose embedding table has
+    ``model_vocabulary`` rows, or None. A tokenizer whose vocabulary file is missing still loads, with its
+    special tokens only (every word becomes one unknown id); checkpoints pad their embedding tables a little
+    (to a multiple of 64 or 128), so a shortfall of at most max(256, vocabulary / 128) is allowed."""
+    size = len(tokenizer)
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", []) if isinstance(t, str)]
+    if size <= len(set(specials)) + 1:
+        return f"its vocabulary holds {size} tokens, only its special tokens"
+    if model_vocabulary is not None and model_vocabulary - size > max(256, model_vocabulary // 128):
+        return f"its vocabulary holds {size} tokens but the model's has {model_vocabulary}"
+    unk = getattr(tokenizer, "unk_token", None)
+    for token in specials:
+        ids = tokenizer.convert_tokens_to_ids([token])
+        if not ids or ids[0] is None or (token != unk and ids[0] == getattr(tokenizer, "unk_token_id", None)):
+            return f"its special token {token!r} is not in its vocabulary"
+    return None
+
+
+def check_vocabulary(loaded: Any, name_or_path: str, hub: Mapping[str, Any]) -> None:
+    """Refuse a tokenizer (or a processor's) that loaded without its vocabulary, naming the files missing."""
+    tokenizer = _tokenizer_of(loaded)
+    if tokenizer is None:
+        return
+    try:
+        len(tokenizer)
+    except TypeError:
+        return
+    model_vocabulary = _config_vocabulary(name_or_path, hub)
+    problem = vocabulary_problem(tokenizer, model_vocabulary)
+    if problem is None:
+        return
+    folder = source_folder(name_or_path, hub.get("revision"))
+    wanted = list(dict.fromkeys(getattr(type(tokenizer), "vocab_files_names", {}).values()))
+    missing = [f for f in wanted if folder is None or not os.path.isfile(os.path.join(folder, f))]
+    where = f" ({', '.join(missing)} missing" + (f" in {folder})" if folder else ")") if missing else ""
+    raise ModelLoadError(f"cannot load the tokenizer of {name_or_path!r}: {problem}: its vocabulary file is missing "
+                         f"or incomplete{where}; copy the model folder again")
 
 
 def _load_error(kind: str, name_or_path: str, err: Exception) -> ModelLoadError:

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.core import loading
-from capeval_plugins.core.messages import install_extra, warn_once
+from capeval_plugins.core.messages import MissingExtra, install_extra, warn_once
 
 # Token-level processor outputs (one value per token): padded with the ids, sliced with the prefix.
 TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
@@ -294,7 +294,7 @@ def load_lvlm_processor(spec: JudgeSpec) -> Any:
     except (ImportError, AttributeError, RuntimeError) as err:
         if "torchvision" not in f"{type(err).__name__} {err}".lower():
             raise
-        raise ImportError(
+        raise MissingExtra(
             f"the processor of {spec.model} needs torchvision (its video processor requires it), which is not "
             f"installed or does not load with this torch: {QWEN_EXTRA} (the torchvision build matching your torch)"
         ) from err

@@ -18,6 +18,20 @@ class ExternalToolError(RuntimeError):
     reports it in one line (exit code 2). The message says which tool and what it printed."""
 
 
+class MissingExtra(ImportError):
+    """An optional dependency that a chosen metric or option needs is not installed; the message says which
+    and how to install it (the command line prints it in one line, exit code 2). An ImportError of any other
+    kind is a bug."""
+
+
+class UnknownName(KeyError):
+    """A name the user gave (a metric, a benchmark, a protocol, a tiny checkpoint kind) that is not known; the
+    message lists the known ones (one line, exit code 2). A KeyError of any other kind is a bug."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 _warn_lock = threading.Lock()
 
 

@@ -25,6 +25,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from capeval_plugins.core.tensorfile import npy_header
+
 DETECTOR_FEATURE_DIM = 2048  # fc6 of the ResNeXt-152 Faster R-CNN (Visual Genome) ViLBERT was trained on
 SUFFIXES = (".npy", ".npz")
 FIELDS = {
@@ -34,6 +36,10 @@ FIELDS = {
     "height": ("image_height", "image_h"),
 }
 NUM_BOXES = "num_boxes"
+# Far above the 10-100 regions the detector keeps per image: every size is checked against it before numpy or
+# the unpickler allocates anything, so a small crafted file cannot ask for gigabytes.
+MAX_REGIONS = 4096
+MAX_FILE_BYTES = 2 * MAX_REGIONS * (DETECTOR_FEATURE_DIM + 4) * 8 + (1 << 20)
 
 
 class RegionFileError(ValueError):
@@ -104,17 +110,15 @@ class _ArraysOnlyUnpickler(pickle.Unpickler):
 
 
 def _npy_header(stream: Any) -> tuple[tuple[int, ...], np.dtype]:
-    version = np.lib.format.read_magic(stream)
-    if version == (1, 0):
-        shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
-    elif version == (2, 0):
-        shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
-    else:
-        raise RegionFileError(f"unsupported .npy format version {version}")
-    return tuple(shape), dtype
+    try:
+        return npy_header(stream)
+    except ValueError as err:
+        raise RegionFileError(str(err)) from None
 
 
 def _read_npy_dict(path: Path) -> Mapping[str, Any]:
+    if path.stat().st_size > MAX_FILE_BYTES:
+        raise RegionFileError(f"{path}: {path.stat().st_size} bytes, more than {MAX_REGIONS} regions of features take")
     with open(path, "rb") as f:
         try:
             shape, dtype = _npy_header(f)
@@ -142,7 +146,17 @@ def _field(data: Mapping[str, Any], field: str, path: Path) -> Any:
     raise RegionFileError(f"{path}: no {names} (keys: {sorted(data)})")
 
 
+def _array(value: Any, what: str, path: Path) -> np.ndarray:
+    """``value`` when it is already an array: a list (which a pickle can make of a million references to one
+    row) is never turned into one."""
+    if not isinstance(value, np.ndarray):
+        raise RegionFileError(f"{path}: {what} must be a numpy array, got a {type(value).__name__}")
+    return value
+
+
 def _positive_number(value: Any, what: str, path: Path) -> float:
+    if not isinstance(value, (int, float, np.number, np.ndarray)) or isinstance(value, bool) or np.size(value) != 1:
+        raise RegionFileError(f"{path}: {what} must be a number, got a {type(value).__name__}")
     arr = np.asarray(value)
     if arr.size != 1 or not np.issubdtype(arr.dtype, np.number):
         raise RegionFileError(f"{path}: {what} must be a number, got {value!r}")
@@ -158,8 +172,8 @@ def _check_shapes(features: tuple[tuple[int, ...], np.dtype], boxes: tuple[tuple
     if len(f_shape) != 2 or f_shape[1] != feature_dim:
         raise RegionFileError(f"{path}: features have shape {f_shape}; expected (regions, {feature_dim}) (fc6 "
                               "features of the ResNeXt-152 Faster R-CNN trained on Visual Genome)")
-    if f_shape[0] < 1:
-        raise RegionFileError(f"{path}: no regions")
+    if not 1 <= f_shape[0] <= MAX_REGIONS:
+        raise RegionFileError(f"{path}: {f_shape[0]} regions; expected 1 to {MAX_REGIONS}")
     if not np.issubdtype(f_dtype, np.floating):
         raise RegionFileError(f"{path}: features must be floating point, got {f_dtype}")
     if b_shape != (f_shape[0], 4) or not np.issubdtype(b_dtype, np.number):
@@ -171,14 +185,54 @@ def _check_shapes(features: tuple[tuple[int, ...], np.dtype], boxes: tuple[tuple
 def _check_num_boxes(data: Mapping[str, Any], n: int, path: Path) -> None:
     if NUM_BOXES not in data:
         return
+    if not isinstance(data[NUM_BOXES], (int, np.integer, np.ndarray)) or np.size(data[NUM_BOXES]) != 1:
+        raise RegionFileError(f"{path}: num_boxes must be an integer in 0..{n}")
     value = np.asarray(data[NUM_BOXES])
     if value.size != 1 or not np.issubdtype(value.dtype, np.integer) or not 0 <= int(value.reshape(())) <= n:
         raise RegionFileError(f"{path}: num_boxes must be an integer in 0..{n}, got {data[NUM_BOXES]!r}")
 
 
-def _npz_members(path: Path) -> dict[str, str]:
-    with zipfile.ZipFile(path) as zf:
-        return {name[: -len(".npy")]: name for name in zf.namelist() if name.endswith(".npy")}
+_SCALARS = (*FIELDS["width"], *FIELDS["height"], NUM_BOXES)
+
+
+def _npz_checked(path: Path, feature_dim: int) -> tuple[list[str], int]:
+    """The members of a region ``.npz`` to read (features, boxes and the scalars), each one's header checked
+    against the shapes a region file has and against the bytes the member holds, before any is read."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            members = {name[: -len(".npy")]: name for name in zf.namelist() if name.endswith(".npy")}
+            headers = {}
+            for key in (*FIELDS["features"], *FIELDS["boxes"], *_SCALARS):
+                if key not in members or any(key in FIELDS[f] and key != _first(members, f) for f in FIELDS):
+                    continue
+                info = zf.getinfo(members[key])
+                with zf.open(info) as member:
+                    shape, dtype = _npy_header(member)
+                    stored = info.file_size - member.tell()
+                if dtype.hasobject or stored != int(np.prod(shape)) * dtype.itemsize:
+                    raise RegionFileError(f"{path}: {key} declares {shape} {dtype} but holds {stored} bytes")
+                if key in _SCALARS and int(np.prod(shape)) != 1:
+                    raise RegionFileError(f"{path}: {key} must be one number, got shape {shape}")
+                headers[key] = (shape, dtype)
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise RegionFileError(f"{path}: not a readable .npz file ({err})") from None
+    for field in ("features", "boxes"):
+        if _first(headers, field) is None:
+            _field(members, field, path)  # raises, naming the missing field
+    n = _check_shapes(headers[_first(headers, "features")], headers[_first(headers, "boxes")], feature_dim, path)
+    return list(headers), n
+
+
+def _first(found: Mapping[str, Any], field: str) -> str | None:
+    return next((k for k in FIELDS[field] if k in found), None)
+
+
+def _read_npz(path: Path, wanted: list[str]) -> dict[str, Any]:
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {key: npz[key] for key in wanted}
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+        raise RegionFileError(f"{path}: not a readable .npz file of plain arrays ({err})") from None
 
 
 def check_region_file(path: str | os.PathLike, feature_dim: int = DETECTOR_FEATURE_DIM) -> None:
@@ -188,21 +242,8 @@ def check_region_file(path: str | os.PathLike, feature_dim: int = DETECTOR_FEATU
     if path.suffix == ".npy":
         read_region_file(path, feature_dim)
         return
-    try:
-        members = _npz_members(path)
-        with zipfile.ZipFile(path) as zf:
-            headers = {}
-            for field in ("features", "boxes"):
-                key = next((k for k in FIELDS[field] if k in members), None)
-                if key is None:
-                    _field(members, field, path)  # raises, naming the missing field
-                with zf.open(members[key]) as member:
-                    headers[field] = _npy_header(member)
-    except (zipfile.BadZipFile, OSError) as err:
-        raise RegionFileError(f"{path}: not a readable .npz file ({err})") from None
-    n = _check_shapes(headers["features"], headers["boxes"], feature_dim, path)
-    with np.load(path, allow_pickle=False) as data:
-        scalars = {k: data[k] for k in (*FIELDS["width"], *FIELDS["height"], NUM_BOXES) if k in members}
+    wanted, n = _npz_checked(path, feature_dim)
+    scalars = _read_npz(path, [k for k in wanted if k in _SCALARS])
     _positive_number(_field(scalars, "width", path), "the image width", path)
     _positive_number(_field(scalars, "height", path), "the image height", path)
     _check_num_boxes(scalars, n, path)
@@ -212,17 +253,13 @@ def read_region_file(path: str | os.PathLike, feature_dim: int = DETECTOR_FEATUR
     """The regions of one image (``.npy`` dict or ``.npz``), checked; raises :class:`RegionFileError`."""
     path = Path(path)
     if path.suffix == ".npz":
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                data = {key: npz[key] for key in npz.files}
-        except (zipfile.BadZipFile, OSError, ValueError) as err:
-            raise RegionFileError(f"{path}: not a readable .npz file of plain arrays ({err})") from None
+        data = _read_npz(path, _npz_checked(path, feature_dim)[0])
     elif path.suffix == ".npy":
         data = _read_npy_dict(path)
     else:
         raise RegionFileError(f"{path}: expected a .npy or .npz file")
-    features = np.asarray(_field(data, "features", path))
-    boxes = np.asarray(_field(data, "boxes", path))
+    features = _array(_field(data, "features", path), "features", path)
+    boxes = _array(_field(data, "boxes", path), "boxes", path)
     n = _check_shapes((features.shape, features.dtype), (boxes.shape, boxes.dtype), feature_dim, path)
     width = _positive_number(_field(data, "width", path), "the image width", path)
     height = _positive_number(_field(data, "height", path), "the image height", path)

@@ -40,6 +40,7 @@ from capeval_plugins.contract import (INDEX, TEXT_STATE, Batch, Metric, MetricCo
 from capeval_plugins.core import java
 from capeval_plugins.core.coco_text import CocoCorpus
 from capeval_plugins.core.java import QUIET_ENV, require_java
+from capeval_plugins.core.messages import MissingExtra
 
 PYCOCOEVALCAP = "https://github.com/salaniz/pycocoevalcap"
 TEXT = TEXT_STATE
@@ -87,8 +88,10 @@ class CocoConfig(MetricConfig):
 
 @dataclass
 class CiderConfig(CocoConfig):
-    n: int = bounded(4, ge=1)          # n-gram orders 1..n
-    sigma: float = bounded(6.0, gt=0)  # standard deviation of the Gaussian length penalty (CIDEr-D)
+    # n-gram orders 1..n; orders past the longest caption add zero terms and are not computed (core/coco_text.py)
+    n: int = bounded(4, ge=1, le=1_000_000)
+    # standard deviation of the Gaussian length penalty (CIDEr-D); sigma**2 must not underflow to 0
+    sigma: float = bounded(6.0, ge=1e-150)
 
 
 @dataclass
@@ -136,7 +139,7 @@ def _pycocoevalcap_file(*parts: str) -> str:
 
     spec = importlib.util.find_spec("pycocoevalcap")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the classic COCO metrics need pycocoevalcap (pip install pycocoevalcap)")
+        raise MissingExtra("the classic COCO metrics need pycocoevalcap (pip install pycocoevalcap)")
     return str(Path(next(iter(spec.submodule_search_locations)), *parts))
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, Requirement, bounded
+from capeval_plugins.core.bounds import MAX_SEED
 from capeval_plugins.core import loading
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.core.encoders import EncoderSpec
@@ -49,14 +50,14 @@ class DinoCycleConfig(ModelConfig):
     generated_images: str | None = None
     cache: bool = True
     cache_dir: str | None = None
-    steps: int = bounded(40, ge=1)
+    steps: int = bounded(40, ge=1, le=1000)
     # The paper does not give the generation size or guidance; SD3's own defaults.
-    image_size: int = bounded(1024, ge=1)
+    image_size: int = bounded(1024, ge=1, le=4096)
     guidance_scale: float = bounded(7.0, ge=0)
-    seed: int = bounded(0, ge=0)
+    seed: int = bounded(0, ge=0, le=MAX_SEED)
     # False: every image starts from the same seeded noise; True: the seed is derived from the caption too.
     seed_per_caption: bool = False
-    generator_batch_size: int = bounded(4, ge=1)
+    generator_batch_size: int = bounded(4, ge=1, le=1024)
     # float16 on GPUs, float32 on CPU unless set.
     generator_dtype: str | None = None
     generator_revision: str | None = None

@@ -54,7 +54,7 @@ class DISCODEConfig(LVLMJudgeConfig):
     divergence: str = "weighted_kl"
     # "auto": the closed form where there is one (weighted KL, KL), else the paper's Adam.
     solver: str = "auto"
-    solver_steps: int = bounded(10, ge=1)
+    solver_steps: int = bounded(10, ge=1, le=100_000)
     solver_lr: float = bounded(1e-3, gt=0)
     divergence_order: float = bounded(0.5, gt=0)
     # What "1.0" scores: FLEUR's rule (0.9 P('0') + P('1') at the '1') or 1 + 0.1 s_hat at its decimal.

@@ -41,7 +41,7 @@ class LVLMJudgeConfig(ModelConfig):
     defaults are the official FLEUR script's: LLaVA's "llava_v1" system sentence, images padded to a square."""
 
     batch_size: int = 16
-    max_new_tokens: int = bounded(10, ge=1)
+    max_new_tokens: int = bounded(10, ge=1, le=4096)
     on_invalid: str = "nan"
     system_prompt: str | None = LLAVA_V1_SYSTEM
     system_placement: str = "auto"

@@ -109,6 +109,12 @@ class MID(Metric):
         unless ``covariance_eps > 0``, and at least 2 pairs in any case. D is read from the model's config
         file, not its weights; a config that cannot be read is left to the model loader."""
         if self._saved is not None:
+            dim = self._config_dim()
+            if dim is not None and dim != self._saved.dim_x:
+                return FitProblem(f"the saved reference Gaussian {self.config.reference_gaussian} was fitted on "
+                                  f"{self._saved.dim_x}-dimensional features, but {self.config.model} gives "
+                                  f"{dim}-dimensional ones", ("fit it again with this model (MID.fit_reference)",
+                                                              "give the model it was fitted with"))
             return None
         counts = size.reference_counts
         pairs = sum(counts) if self.config.fit_pairs == "all_references" else sum(1 for c in counts if c)

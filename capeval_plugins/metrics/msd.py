@@ -28,6 +28,7 @@ from torch import Tensor
 
 from capeval_plugins.contract import (GROUP, INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig,
                                      Requirement, StateSpec, bounded, nanmean)
+from capeval_plugins.core.bounds import MAX_SEED
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, mean_pooled
 from capeval_plugins.core.vmf import PRECISIONS, BiKL, Points, bi_kl, content_seeds, fit_vmf_mixture, points
 from capeval_plugins.training.msd_aligner.model import LocalAligner, read_settings as read_aligner_settings
@@ -59,15 +60,15 @@ class MSDConfig(ModelConfig):
     setting: str = "short"
     # A named option set of the official scripts (PRESETS): "sugarcrepe" = 4 image, 2 text components.
     preset: str = "paper"
-    k_image: int | None = bounded(None, ge=1)
-    k_text: int | None = bounded(None, ge=1)
+    k_image: int | None = bounded(None, ge=1, le=1024)
+    k_text: int | None = bounded(None, ge=1, le=1024)
     kappa: float = bounded(20.0, gt=0)
-    em_iterations: int = bounded(20, ge=0)
+    em_iterations: int = bounded(20, ge=0, le=10_000)
     # Reference code: a component is re-initialised when N_k < reinit_threshold * N.
     reinit_threshold: float = bounded(1e-6, ge=0)
     lam: float = bounded(0.1, ge=0)
     length_l0: float = bounded(20.0, ge=0)
-    length_tau: float = bounded(3.0, gt=0)
+    length_tau: float = bounded(3.0, ge=1e-6)
     # "model": the model's own pooled embeddings (methods notes, reference code); "mean": the normalised mean
     # of the patch / content-token embeddings (the paper's wording for its aligner).
     global_pooling: str = "model"
@@ -78,7 +79,7 @@ class MSDConfig(ModelConfig):
     # "head", each mapped by its tower's attention-pooling / text head.
     siglip_features: str = "hidden"
     long_captions: str = "truncate"
-    seed: int = bounded(0, ge=0)
+    seed: int = bounded(0, ge=0, le=MAX_SEED)
     # Precision of the EM and KL (core.vmf.PRECISIONS). "mixed": the products of the image patches with the
     # means in float32, everything else (log-weights, normalisers, masses, the tokens' products, KL) in float64:
     # faster than the official float32 code and closer to a float64 computation than it (benchmarks/msd_em.py).
@@ -89,7 +90,7 @@ class MSDConfig(ModelConfig):
 
 @dataclass
 class SoftMSDConfig(MSDConfig):
-    tau: float = bounded(0.2, gt=0)
+    tau: float = bounded(0.2, ge=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from capeval_plugins.contract import (
     bounded,
     nanmean,
 )
+from capeval_plugins.core.bounds import MAX_SEED
 from capeval_plugins.core.gaussian import normalize_pmi
 from capeval_plugins.core.generation import SD3_MODEL
 from capeval_plugins.metrics.dino_cycle import CITATION
@@ -82,12 +83,12 @@ class RedemptionConfig(MetricConfig):
     generated_images: str | None = None
     cache: bool = True
     cache_dir: str | None = None
-    steps: int = bounded(40, ge=1)
-    image_size: int = bounded(1024, ge=1)
+    steps: int = bounded(40, ge=1, le=1000)
+    image_size: int = bounded(1024, ge=1, le=4096)
     guidance_scale: float = bounded(7.0, ge=0)
-    seed: int = bounded(0, ge=0)
+    seed: int = bounded(0, ge=0, le=MAX_SEED)
     seed_per_caption: bool = False
-    generator_batch_size: int = bounded(4, ge=1)
+    generator_batch_size: int = bounded(4, ge=1, le=1024)
     generator_dtype: str | None = None
     reference_choice: str = "first"
     # BERTScore (bert_score's table puts deberta-v3-large at layer 12; no rescaling baseline ships for it)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, bounded
+from capeval_plugins.core.bounds import MAX_SEED
 from capeval_plugins.core import jsonio
 from capeval_plugins.core.encoders.common import EncoderSpec
 from capeval_plugins.core.encoders.conditioned import FAMILIES, ConditionedEncoder, model_family
@@ -74,7 +75,7 @@ class ViLBERTScoreConfig(ModelConfig):
     multi_reference: str = "mean"
     # ViLT's patch sampling: seed of each image's draw, and how many patches (None: the checkpoint's
     # max_image_length; -1 all patches, in a random order that does not change the result).
-    seed: int = bounded(0, ge=0)
+    seed: int = bounded(0, ge=0, le=MAX_SEED)
     max_image_patches: int | None = bounded(None, ge=-1)
 
     # Options that name local files or folders (checked before scoring by a runner that reads this).

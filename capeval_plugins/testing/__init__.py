@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from capeval_plugins.core.messages import UnknownName
 from capeval_plugins.testing.corpus import caption_corpus
 
 __all__ = ["build_tiny", "tiny_checkpoint", "scratch_folder", "kinds", "builder", "caption_corpus"]
@@ -63,7 +64,7 @@ def build_tiny(kind: str, path: str | Path, seed: int = 0) -> Path:
 
     _load_builders()
     if kind not in _BUILDERS:
-        raise KeyError(f"unknown tiny checkpoint {kind!r}; available: {sorted(_BUILDERS)}")
+        raise UnknownName(f"unknown tiny checkpoint {kind!r}; available: {sorted(_BUILDERS)}")
     path = Path(path)
     with files.Claim(path, "tiny-checkpoint").open().staging(keep_partial=True) as staged:
         try:

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from capeval_plugins.core.messages import UnknownName
+
 # scikit-image's sample photographs (bundled with the package, no download) and matplotlib's Grace Hopper.
 SKIMAGE_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "motorcycle_left", "camera")
 PHOTOS = SKIMAGE_PHOTOS + ("grace_hopper",)
@@ -39,7 +41,7 @@ def photo(name: str) -> Image.Image:
         with Image.open(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)) as img:
             return img.convert("RGB")
     if name not in SKIMAGE_PHOTOS:
-        raise KeyError(f"unknown photo {name!r}; available: {PHOTOS}")
+        raise UnknownName(f"unknown photo {name!r}; available: {PHOTOS}")
     import skimage.data
 
     # scikit-image names the left view of its stereo pair "motorcycle_left" in its gallery only.

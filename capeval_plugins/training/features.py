@@ -138,20 +138,20 @@ def _extract(model: RigelModel, part: JudgmentSet, batch_size: int) -> dict[str,
 
 
 def _valid(path: Path) -> bool:
-    """Whether a shard file can be opened (a shard cut short by an interruption cannot)."""
-    from safetensors import safe_open
+    """Whether a shard file is whole (a shard cut short by an interruption is not)."""
+    from capeval_plugins.core.tensorfile import check_file
 
     try:
-        with safe_open(str(path), framework="pt"):
-            return True
+        check_file(path)
+        return True
     except Exception:
         return False
 
 
 def _read_shard(cache: files.Folder, name: str) -> dict[str, Tensor] | None:
-    from safetensors.torch import load
+    from capeval_plugins.core.tensorfile import load_bytes
 
     try:
-        return load(cache.read(name))
+        return load_bytes(cache.read(name), str(cache.path / name))
     except Exception:  # a shard cut short by an interruption, a link: extract it again
         return None

@@ -29,7 +29,7 @@ from torch import Tensor
 from capeval_plugins.core import heads, jsonio, loading
 from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, PromptEnd, VisualInput, is_video, load_lvlm_processor
-from capeval_plugins.core.messages import install_extra
+from capeval_plugins.core.messages import MissingExtra, install_extra
 from capeval_plugins.training.checkpoint import (json_bytes, output_folder, read_checkpoint_config,
                                                  tensor_bytes)
 
@@ -112,24 +112,24 @@ class RigelSettings:
     labels: tuple[str, ...] = LABELS
     prompts: dict[str, str] = field(default_factory=paper_prompts)
     reference_separator: str = "\n"
-    temperature: float = bounded(1.0, gt=0)
-    head_hidden: tuple[int, ...] = (1024, 512)
+    temperature: float = bounded(1.0, ge=1e-6)  # logits / temperature stay finite
+    head_hidden: tuple[int, ...] = (1024, 512)  # each in 1..MAX_WIDTH, at most MAX_LAYERS layers
     head_activation: str = "relu"
-    hidden_size: int | None = bounded(None, ge=1)
+    hidden_size: int | None = bounded(None, ge=1, le=2**17)  # the widest LLM hidden states are 16-32K
     video_input: str = "auto"
-    video_fps: float | None = bounded(2.0, gt=0)
+    video_fps: float | None = bounded(2.0, gt=0, le=1000)
     answer_prefix: str = ""
     lora: dict[str, Any] | None = None
     phase: int = bounded(0, ge=0, le=2)
 
     def __post_init__(self) -> None:
         self.labels = tuple(str(x) for x in self.labels)
-        self.head_hidden = tuple(int(x) for x in self.head_hidden)
+        self.head_hidden = head_widths(self.head_hidden)
         missing = [k for k in PROMPT_KEYS if k not in self.prompts]
         if missing:
             raise ValueError(f"Rigel settings lack the prompt(s) {missing}")
-        if len(self.labels) < 2:
-            raise ValueError("Rigel needs at least two labels")
+        if not 2 <= len(self.labels) <= MAX_LABELS:
+            raise ValueError(f"Rigel needs 2 to {MAX_LABELS} labels, got {len(self.labels)}")
         check_fields(self, "Rigel settings")
         VisualInput(self.video_input, self.video_fps, self.answer_prefix)  # raises on bad video settings
 
@@ -151,6 +151,20 @@ class RigelSettings:
         if self.hidden_size is None:
             raise ValueError("the head's input size (the backbone's hidden size) is not known yet")
         return heads.ScoringHead(self.hidden_size, self.head_hidden, len(self.labels), self.head_activation)
+
+
+MAX_WIDTH, MAX_LAYERS, MAX_LABELS = 65536, 16, 1000  # far above the paper's (1024, 512) head and 5 labels
+
+
+def head_widths(value: Any) -> tuple[int, ...]:
+    """The head's hidden widths: a list of at most ``MAX_LAYERS`` integers in 1..``MAX_WIDTH`` (checked before
+    any layer is built: a crafted ``rigel_config.json`` must not allocate gigabytes)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or len(value) > MAX_LAYERS:
+        raise ValueError(f"Rigel settings: head_hidden must be a list of at most {MAX_LAYERS} widths, got {value!r}")
+    for width in value:
+        if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= MAX_WIDTH:
+            raise ValueError(f"Rigel settings: head_hidden widths must be integers in 1..{MAX_WIDTH}, got {width!r}")
+    return tuple(value)
 
 
 # --- the scorer ---------------------------------------------------------------------------------------------------
@@ -219,7 +233,7 @@ def require_peft() -> Any:
     try:
         import peft
     except ImportError as err:
-        raise ImportError("Rigel's LoRA (phase 2, and scoring with a phase-2 checkpoint) needs peft: "
+        raise MissingExtra("Rigel's LoRA (phase 2, and scoring with a phase-2 checkpoint) needs peft: "
                           + install_extra("lora")) from err
     return peft
 
@@ -268,13 +282,21 @@ def read_record(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_head(checkpoint: str | os.PathLike, settings: RigelSettings, device: Any = "cpu") -> heads.ScoringHead:
-    from safetensors.torch import load_file
+    from capeval_plugins.core import tensorfile
 
     path = Path(checkpoint) / HEAD_FILE
     if not path.is_file():
         raise FileNotFoundError(f"Rigel checkpoint {checkpoint} has no {HEAD_FILE}")
+    found = {name: shape for name, (_, shape) in tensorfile.check_file(path).items()}
+    with torch.device("meta"):  # the shapes the settings ask for, nothing allocated
+        wanted = {name: tuple(t.shape) for name, t in settings.build_head().state_dict().items()}
+    if found != wanted:
+        differ = sorted(n for n in set(found) | set(wanted) if found.get(n) != wanted.get(n))
+        raise tensorfile.TensorFileError(
+            f"{path} does not hold the head {CONFIG_FILE} describes ({differ[0]}: {found.get(differ[0])} in the file, "
+            f"{wanted.get(differ[0])} in the settings)")
     head = settings.build_head()
-    head.load_state_dict(load_file(str(path)))
+    head.load_state_dict(tensorfile.load_file(path))
     return head.to(device).eval().requires_grad_(False)
 
 

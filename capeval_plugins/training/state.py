@@ -50,13 +50,13 @@ class RunState:
     def load(self) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict | None]:
         import io
 
-        from safetensors.torch import load
+        from capeval_plugins.core.tensorfile import load_bytes
 
         where = self._current()
         if where is None:
             raise FileNotFoundError(f"no training state in {self.dir}")
         record = json.loads(self.claim.read(f"{where}/record.json"))
-        tensors = {name[len(where) + 1:-len(".safetensors")]: load(self.claim.read(name))
+        tensors = {name[len(where) + 1:-len(".safetensors")]: load_bytes(self.claim.read(name), f"{self.dir}/{name}")
                    for name in sorted(self.claim.files)
                    if name.startswith(where + "/") and name.endswith(".safetensors") and self.claim.read(name) is not None}
         opt = self.claim.read(f"{where}/optimizer.pt")

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.core import jsonio, loading
+from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, LocalFeatures, mean_pooled
 from capeval_plugins.core.messages import warn_once
 from capeval_plugins.training.checkpoint import (json_bytes, output_folder, read_checkpoint_config,
@@ -60,7 +61,7 @@ class AlignerSettings:
 
     vision_model: str = DEFAULT_VISION
     vision_revision: str | None = None
-    vision_layer: int = -2
+    vision_layer: int = bounded(-2, ge=-1000, le=1000)
     vision_feature: str = "patch"
     llm: str = DEFAULT_LLM
     llm_revision: str | None = None
@@ -69,13 +70,14 @@ class AlignerSettings:
     # scripts' text global (mean of the raw features over every non-padding position, BOS kept). Checkpoints
     # written before this field existed pooled "content".
     text_pooling: str = "content"
-    max_length: int = 2048
+    max_length: int = bounded(2048, ge=2, le=2**20)
     caption_suffix: str = "\n"
-    vision_hidden_size: int | None = None
-    vision_layers: int | None = None
+    # filled in from the backbones; bounded so that a crafted msd_aligner.json asks for nothing absurd
+    vision_hidden_size: int | None = bounded(None, ge=1, le=2**17)
+    vision_layers: int | None = bounded(None, ge=1, le=1000)
     vision_fingerprint: list[float] | None = None
-    llm_hidden_size: int | None = None
-    vocab_size: int | None = None
+    llm_hidden_size: int | None = bounded(None, ge=1, le=2**17)
+    vocab_size: int | None = bounded(None, ge=1, le=2**24)
 
     def __post_init__(self) -> None:
         if self.text_features not in TEXT_FEATURES:
@@ -84,8 +86,11 @@ class AlignerSettings:
             raise ValueError(f"text_pooling must be one of {TEXT_POOLINGS}, got {self.text_pooling!r}")
         if self.vision_feature not in VISION_FEATURES:
             raise ValueError(f"vision_feature must be one of {VISION_FEATURES}, got {self.vision_feature!r}")
-        if self.max_length < 2:
-            raise ValueError(f"max_length must be at least 2, got {self.max_length}")
+        check_fields(self, "MSD aligner settings")
+        if self.vision_fingerprint is not None and not (
+                isinstance(self.vision_fingerprint, list) and len(self.vision_fingerprint) <= 4096
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in self.vision_fingerprint)):
+            raise ValueError("MSD aligner settings: vision_fingerprint must be a list of at most 4096 numbers")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -279,12 +284,12 @@ def read_record(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
 
 def _tensors(path: Path, name: str, keys: Sequence[str]) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
+    from capeval_plugins.core.tensorfile import load_file
 
     file = path / name
     if not file.is_file():
         raise FileNotFoundError(f"MSD aligner {path} has no {name}")
-    tensors = load_file(str(file))
+    tensors = load_file(file)
     missing = [k for k in keys if k not in tensors]
     if missing:
         raise ValueError(f"{file}: missing tensor(s) {missing}")
