@@ -593,6 +593,28 @@ def test_each_benchmark_carries_its_official_tie_convention(tmp_path):
     assert gained == pytest.approx(100 * 0.5 * ties / sum(per_subset), abs=1e-9)  # equal subsets: pooled = mean
 
 
+def test_ties_b_is_polos_pascal50s_loop(tmp_path):
+    """``--ties b``: Polos's compute_pascal50s.py decides ``0 if a > b else 1`` per pair, so a tie votes for B."""
+    rng = np.random.default_rng(5)
+    data = {cat: [{"image": f"{cat}{k}.jpg", "captions": ["w " * int(rng.integers(1, 4)), "v " * int(rng.integers(1, 4))],
+                   "label": int(rng.integers(0, 2)), "references": ["a ref"]} for k in range(40)]
+            for cat in ("HC", "HI", "HM", "MM")}
+    path = tmp_path / "pascal_50s.json"
+    path.write_text(json.dumps(data))
+    scores, out = tmp_path / "w.jsonl", tmp_path / "r.json"
+    scores.write_text("".join(json.dumps({"image": p["image"], "caption": " ".join(c.split()),
+                                          "score": float(len(c.split()))}) + "\n"
+                              for pairs in data.values() for p in pairs for c in p["captions"]))
+    run(CLI + ["pascal50s", "--data", str(path), "--scores", f"w={scores}", "--ties", "b", "--bootstrap", "0",
+               "--json", str(out), "--quiet"])
+    result = json.loads(out.read_text())["results"]["w"]
+    for cat, pairs in data.items():
+        a, b = ([float(len(p["captions"][i].split())) for p in pairs] for i in (0, 1))
+        polos = [(0 if x > y else 1) == p["label"] for x, y, p in zip(a, b, pairs)]
+        assert result["categories"][cat]["accuracy"] == pytest.approx(100 * np.mean(polos), abs=1e-9)
+    assert result["n_ties"] > 0 and json.loads(out.read_text())["protocol"]["ties"] == "b"
+
+
 # ------------------------------------------------------------------------------------- ActivityNet-FOIL
 
 def anet_foil_folder(root: Path) -> Path:

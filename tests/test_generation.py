@@ -186,13 +186,48 @@ def plain_vit(path: str):
     return ViTModel.from_pretrained(path, add_pooling_layer=False).eval(), ViTImageProcessor.from_pretrained(path)
 
 
+def torchvision_transform(image: Image.Image, size: int) -> torch.Tensor:
+    """Redemption Score's dino_similarity.py transform written out from torchvision's rules: Resize(size) on a PIL
+    image (shorter side to size, longer to int(size * long / short), PIL bilinear, no resize when the shorter
+    side is already size), CenterCrop(size) (PIL crop at round((dim - size) / 2)), ToTensor, Normalize(0.5, 0.5)."""
+    image = image.convert("RGB")
+    width, height = image.size
+    if width <= height:
+        new = (size, int(size * height / width))
+    else:
+        new = (int(size * width / height), size)
+    if new != image.size:
+        image = image.resize(new, Image.BILINEAR)
+    left, top = int(round((new[0] - size) / 2.0)), int(round((new[1] - size) / 2.0))
+    crop = image.crop((left, top, left + size, top + size))
+    chw = torch.from_numpy(np.array(crop, dtype=np.uint8)).permute(2, 0, 1).float().div(255)
+    return (chw - torch.tensor(0.5).view(1, 1, 1)) / torch.tensor(0.5).view(1, 1, 1)
+
+
 @torch.no_grad()
-def plain_cls(path: str, images) -> np.ndarray:
-    """Unit [CLS] vectors of a DINO ViT straight from transformers."""
+def plain_cls(path: str, images, preprocessing: str = "official") -> np.ndarray:
+    """Unit [CLS] vectors of a DINO ViT straight from transformers, its input prepared as the official script
+    does, or by the checkpoint's processor (the paper's 224 x 224 + ImageNet statistics)."""
     model, processor = plain_vit(path)
-    pixel_values = processor(images=images, return_tensors="pt")["pixel_values"]
+    if preprocessing == "official":
+        pixel_values = torch.stack([torchvision_transform(im, model.config.image_size) for im in images])
+    else:
+        pixel_values = processor(images=images, return_tensors="pt")["pixel_values"]
     cls = model(pixel_values=pixel_values).last_hidden_state[:, 0].double().numpy()
     return cls / np.linalg.norm(cls, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("size", [(300, 225), (225, 300), (224, 500), (500, 375), (100, 80), (1000, 227),
+                                  (229, 229), (224, 224)])
+def test_official_dino_pixels_equal_the_torchvision_transform(size):
+    from capeval_plugins.core.encoders.dino import official_pixels
+
+    images = [random_image(3, size=size), random_image(4, size=size).convert("L"),
+              random_image(5, size=size).convert("RGBA")]
+    got = official_pixels(images, 224)
+    want = torch.stack([torchvision_transform(im, 224) for im in images])
+    assert got.shape == (3, 3, 224, 224) and got.dtype == torch.float32
+    assert torch.equal(got, want)
 
 
 CANDIDATES = ["a dog runs on the grass", "a cat sits", "a dog runs on the grass", "two children play"]
@@ -235,14 +270,16 @@ def test_dino_cycle_from_a_folder_reference_choices_and_missing_images(tiny_dino
     folder = write_folder(tmp_path / "gen", captions)
     generated = {c: read(folder / f"img{i}.png").convert("RGB") for i, c in enumerate(captions)}
     images = [random_image(i, size=(40, 36)) for i in (1, 2, 1, 3)]
-    for choice, reduce in (("first", lambda v: v[0]), ("mean", np.mean), ("max", np.max)):
+    for choice, reduce, how in (("first", lambda v: v[0], "official"), ("mean", np.mean, "official"),
+                                ("max", np.max, "official"), ("first", lambda v: v[0], "paper")):
         result = capeval_plugins.load("dino_cycle", model=tiny_dino, generated_images=str(folder),
-                                      reference_choice=choice, batch_size=2)(images, CANDIDATES, REFERENCES)
+                                      reference_choice=choice, batch_size=2, preprocessing=how)(
+            images, CANDIDATES, REFERENCES)
         for i, (image, cand, refs) in enumerate(zip(images, CANDIDATES, REFERENCES)):
-            feats = plain_cls(tiny_dino, [image, generated[cand]] + [generated[r] for r in refs])
+            feats = plain_cls(tiny_dino, [image, generated[cand]] + [generated[r] for r in refs], how)
             s1 = float(feats[0] @ feats[1])
             s2 = float(reduce(np.array([feats[1] @ f for f in feats[2:]])))
-            assert result.scores[i].item() == pytest.approx((s1 + s2) / 2, abs=1e-5), (choice, i)
+            assert result.scores[i].item() == pytest.approx((s1 + s2) / 2, abs=1e-5), (choice, how, i)
     with pytest.raises(InputError, match="sample 1: .*no generated image for 1 caption.*'a cat sits'"):
         broken = write_folder(tmp_path / "partial", [c for c in captions if c != "a cat sits"])
         capeval_plugins.load("dino_cycle", model=tiny_dino, generated_images=str(broken))(images, CANDIDATES, REFERENCES)

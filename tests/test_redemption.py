@@ -223,23 +223,88 @@ def test_end_to_end_with_a_tiny_stable_diffusion_3(models, tmp_path, tiny_sd3): 
     assert (extras["dino_raw"] == (extras["dino_s1"] + extras["dino_s2"]) / 2).all()
 
 
-def test_flat_options_keep_their_components_defaults():
-    """Redemption's options repeat its components' (flat, so `-o steps=20` works): their defaults must agree,
-    except where Redemption's configuration is the paper's or its code's (the models, BERTScore's layer, MID's
-    covariance regulariser: 5e-4 in Redemption's code, 0 in MID's)."""
+def test_every_option_of_every_part_is_an_option_of_the_composite_and_reaches_it():
+    """Redemption's options are its parts' (flat, so `-o steps=20` works), derived from their configs: each part
+    option appears once with the part's default (except where Redemption's configuration is the paper's or its
+    code's: the models, BERTScore's layer, MID's covariance regulariser 5e-4) and a non-default value given to
+    the composite reaches the part built from it."""
     import dataclasses
 
+    from capeval_plugins.metrics.bertscore import BERTScoreConfig
     from capeval_plugins.metrics.dino_cycle import DinoCycleConfig
     from capeval_plugins.metrics.mid import MIDConfig
-    from capeval_plugins.metrics.redemption import RedemptionConfig
+    from capeval_plugins.metrics.redemption import RedemptionConfig, RedemptionScore
 
-    ours = {f.name: f.default for f in dataclasses.fields(RedemptionConfig)}
-    for component in (MIDConfig, DinoCycleConfig):
-        for field in dataclasses.fields(component):
-            if field.name in ours and field.name not in ("model", "batch_size", "covariance_eps"):
-                assert ours[field.name] == field.default, (component.__name__, field.name)
-    assert ours["clip_model"] == MIDConfig.model and ours["dino_model"] == DinoCycleConfig.model
-    assert (ours["covariance_eps"], MIDConfig.covariance_eps) == (5e-4, 0.0)
+    ours = {f.name: f for f in dataclasses.fields(RedemptionConfig)}
+    # the names kept from before the options were derived; any other is <part>_<option>
+    bare = {"mid": ("covariance_eps", "reference_gaussian", "fit_pairs"),
+            "dino": ("generator", "generated_images", "cache", "cache_dir", "steps", "image_size", "guidance_scale",
+                     "seed", "seed_per_caption", "generator_batch_size", "generator_dtype", "generator_revision",
+                     "reference_choice"),
+            "bertscore": ()}
+    paper = {("mid", "covariance_eps"): 5e-4, ("bertscore", "model"): "microsoft/deberta-v3-large",
+             ("bertscore", "num_layers"): 12}
+    fixed = {("mid", "per_sample"): True, ("bertscore", "multi_reference"): "max"}
+    shared = ("batch_size", "device", "dtype", "local_files_only", "device_map", "max_memory", "offload_folder")
+    given, expected = {}, {}
+    for part, config in (("mid", MIDConfig), ("dino", DinoCycleConfig), ("bertscore", BERTScoreConfig)):
+        expected[part] = {}
+        for field in dataclasses.fields(config):
+            key = (part, field.name)
+            if field.name == "on_error":
+                continue
+            if key in fixed:
+                assert field.name not in ours and f"{part}_{field.name}" not in ours
+                expected[part][field.name] = fixed[key]
+                continue
+            name = field.name if field.name in shared + bare[part] else f"{part}_{field.name}"
+            name = {"mid_model": "clip_model"}.get(name, name)
+            assert name in ours, (part, field.name)
+            assert ours[name].default == paper.get(key, field.default), (part, field.name)
+            assert ours[name].metadata == field.metadata, (part, field.name)
+            if field.name not in shared and isinstance(field.default, (bool, int, float)) and field.name != "seed":
+                value = (not field.default) if isinstance(field.default, bool) else field.default + 1
+                if field.name in ("covariance_eps",):
+                    value = 1e-3
+                given[name] = value
+            expected[part][field.name] = given.get(name, ours[name].default)
+    metric = RedemptionScore(**given)
+    for part, component in metric.components().items():
+        got = dataclasses.asdict(component.config)
+        got.pop("on_error")
+        assert got == expected[part], part
+
+
+def test_an_option_added_to_a_part_appears_on_the_composite():
+    """A new option of a part (here a subclass of DINO-Cycle's config with one more) is an option of the
+    composite at once, with its default and range, and goes back to the part."""
+    import dataclasses
+
+    from capeval_plugins.composite import Part, derive_config, part_options
+    from capeval_plugins.contract import MetricConfig, bounded
+    from capeval_plugins.metrics.dino_cycle import DinoCycleConfig
+
+    @dataclasses.dataclass
+    class Newer(DinoCycleConfig):
+        crop_margin: int = bounded(3, ge=0)
+
+    @dataclasses.dataclass
+    class Own(MetricConfig):
+        weight: float = 1.0
+
+    parts = {"dino": Part(Newer, "dino_", names={"steps": "steps"})}
+    shared = ("batch_size", "device")
+    Config = derive_config("Config", Own, parts, shared, __name__)
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    assert fields["dino_crop_margin"].default == 3 and fields["dino_crop_margin"].metadata["bounds"] == {"ge": 0}
+    assert "steps" in fields and "dino_steps" not in fields and "dino_on_error" not in fields
+    config = Config(dino_crop_margin=5, steps=7, device="cpu")
+    back = part_options(config, parts["dino"], shared)
+    assert back["crop_margin"] == 5 and back["steps"] == 7 and back["device"] == "cpu" and "on_error" not in back
+    with pytest.raises(TypeError, match="clashes"):
+        derive_config("Config", Own, {"dino": Part(Newer, "", names={"steps": "weight"})}, shared, __name__)
+    with pytest.raises(TypeError, match="no option"):
+        derive_config("Config", Own, {"dino": Part(Newer, "dino_", fixed={"nope": 1})}, shared, __name__)
 
 
 # --- the paper's fusion ablations (Tables 5 and 6) -----------------------------------------------------------

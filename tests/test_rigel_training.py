@@ -409,7 +409,9 @@ def test_phase2_with_a_random_head_freezes_a_fresh_seeded_head(short_phase1):
         assert torch.equal(got.cpu(), want) and not got.requires_grad
         assert not torch.equal(got.cpu(), phase1)
     with pytest.raises(ValueError, match="head_init"):
-        Phase2Config(head_init="lm")
+        Phase2Config(head_init="distilled")
+    with pytest.raises(ValueError, match="lm_softmax"):
+        Phase2Config(head_init="lm", lm_softmax="tokens")
 
 
 def test_command_line_passes_the_head_ablations_to_each_phase(tmp_path, monkeypatch, capsys):
@@ -431,5 +433,73 @@ def test_command_line_passes_the_head_ablations_to_each_phase(tmp_path, monkeypa
         assert main([*common, "--phase", "1", "--model", "m", *extra]) == 0
     for extra in ([], ["--head-init", "random"]):
         assert main([*common, "--phase", "2", "--init", str(tmp_path / "p1"), *extra]) == 0
+    # Table 3 row (i) needs no phase-1 checkpoint: the model options make its settings
+    assert main([*common, "--phase", "2", "--model", "m", "--head-init", "lm", "--lm-softmax", "vocabulary"]) == 0
+    assert main([*common, "--phase", "2", "--model", "m"]) == 2  # the distilled head needs --init
+    assert "needs --init" in capsys.readouterr().err
     assert [c.objective for c in seen["p1"]] == ["emd", "kl"]
-    assert [c.head_init for c in seen["p2"]] == ["phase1", "random"]
+    assert [c.head_init for c in seen["p2"]] == ["phase1", "random", "lm"]
+    assert [c.lm_softmax for c in seen["p2"]] == ["labels", "labels", "vocabulary"]
+
+
+# --- Table 3 row (i): phase 2 against the LM head -------------------------------------------------------------
+
+
+def eq3_with_the_lm_head(model, data, softmax: str) -> float:
+    """Eq. 3 written out on transformers alone: per sample the short prompt in the chat template, one forward
+    pass, the LM head's log-probabilities of the label tokens at the last position; the cross-entropy of their
+    softmax (or of the whole vocabulary's) against the one-hot of the nearest label, averaged."""
+    from test_rigel_metric import plain_forward
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(sharp_head_llava())
+    losses = []
+    for image, candidate, score in zip(data.samples.images, data.samples.candidates, data.scores):
+        content = [{"type": "image"}, {"type": "text", "text": SHORT["image"].replace("{cand}", candidate)}]
+        chat = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        _, logprobs = plain_forward(model, processor, chat, image.load())
+        logprobs = logprobs.double()
+        gold = int(np.floor(score * 4 + 0.5))  # scores are k / 4: label k + 1
+        if softmax == "labels":
+            logprobs = logprobs - torch.logsumexp(logprobs, 0)
+        losses.append(-float(logprobs[gold]))
+    return float(np.mean(losses))
+
+
+@pytest.mark.parametrize("softmax", ["labels", "vocabulary"])
+def test_phase2_against_the_lm_head_trains_eq3_on_its_label_tokens(tmp_path, softmax):
+    from transformers import AutoModelForImageTextToText
+
+    train = synthetic_judgments(8, seed=5)
+    settings = RigelSettings(base_model=sharp_head_llava(), prompts=SHORT)
+    config = Phase2Config(head_init="lm", lm_softmax=softmax, epochs=4, batch_size=8, lr=1e-2)
+    out = train_phase2(tmp_path / "lm", None, train, config=config, settings=settings, progress=False)
+    losses = read_record(out)["losses"]
+    # step 1 runs on the untrained backbone (LoRA's B starts at 0), with all 8 samples in its batch
+    base = AutoModelForImageTextToText.from_pretrained(sharp_head_llava()).eval()
+    assert losses[0] == pytest.approx(eq3_with_the_lm_head(base, train, softmax), abs=1e-4)
+    assert losses[-1] < losses[0]
+    saved = read_settings(out)
+    assert saved.head == "lm" and saved.phase == 2 and not (out / HEAD_FILE).exists()
+    if softmax == "vocabulary":
+        return
+    # scored through the LM head of the adapted backbone (the checkpoint's head): peft and transformers alone
+    import capeval_plugins
+
+    from test_rigel_metric import plain_forward  # noqa: E402
+    from transformers import AutoProcessor
+
+    peft = require_peft()
+    tuned = peft.PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(sharp_head_llava()),
+                                           str(out / ADAPTER_DIR)).merge_and_unload().eval()
+    processor = AutoProcessor.from_pretrained(sharp_head_llava())
+    images = [src.load() for src in train.samples.images]
+    result = capeval_plugins.load("rigel", checkpoint=str(out))(images, train.samples.candidates)
+    for i, candidate in enumerate(train.samples.candidates):
+        content = [{"type": "image"}, {"type": "text", "text": SHORT["image"].replace("{cand}", candidate)}]
+        chat = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        probs = torch.softmax(plain_forward(tuned, processor, chat, images[i])[1].double(), 0)
+        assert result.scores[i].item() == pytest.approx(
+            float((probs * torch.arange(1, 6, dtype=torch.float64)).sum() - 1) / 4, abs=1e-5)
+    with pytest.raises(ValueError, match="no scoring head"):
+        capeval_plugins.load("rigel", checkpoint=str(out), head="scoring")

@@ -151,15 +151,18 @@ def evaluate_ratings(scores: np.ndarray, data: Ratings, average: bool = False
 
 # --------------------------------------------------------------------------------------------- pairwise
 
-TIES = ("wrong", "half", "tie")
+# "b": a tie is a vote for the pair's second caption (B), as Polos's Pascal-50S code decides
+# (``0 if score_a > score_b else 1``), so it is right exactly where humans preferred B.
+TIES = ("wrong", "half", "tie", "b")
 
 
 def pair_outcomes(scores: np.ndarray, data: Pairs, ties: str, margin: float | str = 0.0
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per pair: credit, whether both scores are finite, whether the metric tied them (scores within
     ``margin``; 0: equal). The metric's decision is the caption it scores higher. A metric tie counts
-    ``ties="wrong"`` 0, ``"half"`` 0.5, or ``"tie"``: the metric predicts a tie, right exactly where humans
-    judged one (CapArena's caption-level agreement). A human tie is right only when the metric predicts one.
+    ``ties="wrong"`` 0, ``"half"`` 0.5, ``"b"`` a vote for the second caption (right where humans preferred it:
+    Polos's Pascal-50S code), or ``"tie"``: the metric predicts a tie, right exactly where humans judged one
+    (CapArena's caption-level agreement). A human tie is right only when the metric predicts one.
     ``margin="calibrated"`` (PoSh's reading of CapArena): a tie below the k-th smallest absolute difference,
     k the number of pairs humans judged a tie, so the metric predicts at most as many ties as humans gave."""
     if ties not in TIES:
@@ -182,6 +185,8 @@ def pair_outcomes(scores: np.ndarray, data: Pairs, ties: str, margin: float | st
     right = np.where(data.label == 0, diff > 0, diff < 0).astype(np.float64)
     right[human_tie] = 0.0
     right[tied] = {"wrong": 0.0, "half": 0.5}.get(ties, 0.0)
+    if ties == "b":
+        right[tied & ~human_tie] = (data.label[tied & ~human_tie] == 1).astype(np.float64)
     if ties == "tie":
         right[tied & human_tie] = 1.0
     return right, valid, tied

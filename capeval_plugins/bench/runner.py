@@ -320,8 +320,8 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     elsewhere (:mod:`capeval_plugins.bench.scorefiles`); both kinds are evaluated and compared together.
     ``images`` is the image (or video frame) folder, needed only by metrics that score images. ``cache``: see
     :func:`open_cache`. ``bootstrap`` replicates (0: none) resample ``unit`` (``"image"`` or ``"row"``) with
-    ``seed``. ``ties`` counts a tied pair ``"wrong"`` or ``"half"`` right (default: the benchmark's official
-    convention). ``with_references`` also gives references to metrics for which they are optional;
+    ``seed``. ``ties`` counts a tied pair ``"wrong"``, ``"half"`` right, as a predicted ``"tie"`` or as a vote
+    for the second caption (``"b"``) (default: the benchmark's official convention). ``with_references`` also gives references to metrics for which they are optional;
     ``num_references`` keeps the first n references of every row (0: none). ``frames``: a video given as a
     folder of frames is sampled to that many, uniformly (default: all); a mapping gives each metric its own
     count (as each metric's paper samples frames). ``tie_margin``: pairwise scores within it are a metric tie

@@ -74,10 +74,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--bootstrap-unit", choices=("image", "row"), default="image",
                    help="what the bootstrap resamples (default: images, so rows of one image stay together)")
     p.add_argument("--seed", type=cli_number(int, ge=0), default=0, help="bootstrap seed")
-    p.add_argument("--ties", choices=("wrong", "half", "tie"), default=None,
-                   help="pairwise benchmarks: a tied pair counts as wrong, half right, or as a predicted tie "
-                        "(right where humans judged a tie: CapArena) (default: the benchmark's official "
-                        "script's convention, see docs/bench.md)")
+    p.add_argument("--ties", choices=("wrong", "half", "tie", "b"), default=None,
+                   help="pairwise benchmarks: a tied pair counts as wrong, half right, as a predicted tie "
+                        "(right where humans judged a tie: CapArena), or as a vote for the pair's second "
+                        "caption B (Polos's Pascal-50S code) (default: the benchmark's official script's "
+                        "convention, see docs/bench.md)")
     p.add_argument("--tie-margin", type=tie_margin, default=None, metavar="D|calibrated",
                    help="pairwise benchmarks: scores within D of each other are a metric tie (default: the "
                         "protocol's, 0 = equal scores only for the official ones, 1e-4 for MSD-Score's CapArena "

@@ -26,6 +26,7 @@ RIGEL_EPILOG = """examples:
   capeval train rigel --phase 1 --train spica_train.parquet --val spica_val.parquet --images images/ \\
       --out rigel-p1
   capeval train rigel --phase 2 --init rigel-p1 --train spica_train.parquet --images images/ --out rigel
+  capeval train rigel --phase 2 --head-init lm --train spica_train.parquet --images images/ --out rigel-lm
   capeval train rigel --phase 1 --train vid_lepus_train.jsonl --images frames/ --score-range 1 5 \\
       --num-frames 8 --out rigel-video-p1
   capeval score --metric rigel -o checkpoint=rigel --images DIR --captions captions.jsonl"""
@@ -75,7 +76,7 @@ def add_rigel(methods) -> None:
     data.add_argument("--references", choices=("auto", "ignore", "both"), default="auto",
                       help="auto: reference-based prompt where a sample has references; ignore: all "
                            "reference-free; both: each sample with references twice, with and without")
-    model = p.add_argument_group("model (phase 1; phase 2 takes them from --init)")
+    model = p.add_argument_group("model (phase 1, and phase 2 without --init; phase 2 takes them from --init)")
     model.add_argument("--model", help="base LVLM, hub id or path (default Qwen/Qwen3-VL-2B-Instruct; in phase 2 "
                                        "it replaces the one --init names, e.g. a local copy)")
     model.add_argument("--revision")
@@ -114,9 +115,13 @@ def add_rigel(methods) -> None:
     ablation = p.add_argument_group("the paper's head ablations (defaults: the method as published)")
     ablation.add_argument("--objective", choices=("emd", "kl"),
                           help="phase 1: distil with the EMD of Eq. 2 (default) or tau x KL (Table 5)")
-    ablation.add_argument("--head-init", dest="head_init", choices=("phase1", "random"),
-                          help="phase 2: start from the distilled head (default) or a fresh seeded random head, "
-                               "kept frozen (Table 3, row iii)")
+    ablation.add_argument("--head-init", dest="head_init", choices=("phase1", "random", "lm"),
+                          help="phase 2: train against the distilled head (default), a fresh seeded random head "
+                               "kept frozen (Table 3, row iii), or the LM head's label tokens (Table 3, row i); "
+                               "random and lm need no --init (the model options above then apply)")
+    ablation.add_argument("--lm-softmax", dest="lm_softmax", choices=("labels", "vocabulary"),
+                          help="phase 2 with --head-init lm: the cross-entropy of the softmax over the label "
+                               "tokens (default) or over the whole vocabulary (next-token training)")
     p.set_defaults(func=cmd_train)
 
 
@@ -302,15 +307,18 @@ def run_training(args: argparse.Namespace) -> int:
     else:
         from capeval_plugins.training.phase2 import Phase2Config, train_phase2
 
-        if not args.init:
-            print("capeval: error: phase 2 needs --init (a phase-1 checkpoint folder)", file=sys.stderr)
+        if not args.init and args.head_init in (None, "phase1"):
+            print("capeval: error: phase 2 needs --init (a phase-1 checkpoint folder), unless --head-init is "
+                  "random or lm", file=sys.stderr)
             return 2
         config = Phase2Config(seed=args.seed, **_given(args, {
             "epochs": "epochs", "batch_size": "batch_size", "lr": "lr", "weight_decay": "weight_decay",
             "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-            "lora_targets": "lora_targets", "ties": "ties", "save_every": "save_every", "head_init": "head_init"}))
-        out = train_phase2(args.out, args.init, train, val, config=config, model=args.model, device=args.device,
-                           dtype=args.dtype, local_files_only=args.local_files_only or None,
+            "lora_targets": "lora_targets", "ties": "ties", "save_every": "save_every", "head_init": "head_init",
+            "lm_softmax": "lm_softmax"}))
+        out = train_phase2(args.out, args.init or None, train, val, config=config,
+                           settings=None if args.init else settings_from(args), model=args.model,
+                           device=args.device, dtype=args.dtype, local_files_only=args.local_files_only or None,
                            trust_remote_code=args.trust_remote_code, progress=progress, overwrite=args.overwrite)
     print(json.dumps(summary(out), indent=2))
     return 0

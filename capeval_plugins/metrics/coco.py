@@ -40,7 +40,7 @@ from capeval_plugins.contract import (INDEX, TEXT_STATE, Batch, Metric, MetricCo
 from capeval_plugins.core import java
 from capeval_plugins.core.coco_text import CocoCorpus
 from capeval_plugins.core.java import QUIET_ENV, require_java
-from capeval_plugins.core.messages import MissingExtra
+from capeval_plugins.core.messages import MissingExtra, install_extra
 
 PYCOCOEVALCAP = "https://github.com/salaniz/pycocoevalcap"
 TEXT = TEXT_STATE
@@ -94,6 +94,20 @@ class CiderConfig(CocoConfig):
     sigma: float = bounded(6.0, ge=1e-150)
 
 
+IMPLEMENTATIONS = ("pycocoevalcap", "nltk")
+
+
+@dataclass
+class BleuConfig(CocoConfig):
+    # "pycocoevalcap" (COCOEvalCap's Bleu) or "nltk": NLTK's BLEU on lowercased NLTK word tokens, per sample
+    # sentence_bleu with smoothing method1 and the corpus score corpus_bleu (Redemption Score's Table 2);
+    # ``tokenize`` (PTB) does not apply to it.
+    implementation: str = "pycocoevalcap"
+
+    def __post_init__(self) -> None:
+        _check_implementation(self.implementation)
+
+
 @dataclass
 class MeteorConfig(CocoConfig):
     # METEOR JVMs the distinct segments are spread over, then one EVAL over every segment's statistics.
@@ -101,10 +115,72 @@ class MeteorConfig(CocoConfig):
     # The paraphrase table METEOR's JVM loads: "corpus", the entries the corpus can use (the same scores, a
     # fraction of a second to load; core/meteor_table.py), or "full", the jar's own (6-7 s of CPU to load).
     paraphrases: str = "corpus"
+    # "pycocoevalcap" (METEOR 1.5, Java) or "nltk": NLTK's meteor_score as Hugging Face evaluate's "meteor"
+    # runs it (WordNet synonyms, alpha 0.9, beta 3, gamma 0.5, the best reference), the corpus score the mean
+    # (Redemption Score's Table 2); ``tokenize``, ``jvms`` and ``paraphrases`` do not apply to it.
+    implementation: str = "pycocoevalcap"
 
     def __post_init__(self) -> None:
         if self.paraphrases not in java.PARAPHRASES:
             raise ValueError(f"meteor: paraphrases must be one of {java.PARAPHRASES}, got {self.paraphrases!r}")
+        _check_implementation(self.implementation)
+
+
+def _check_implementation(value: str) -> None:
+    if value not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {value!r}")
+
+
+# --- NLTK's BLEU and METEOR (the implementation="nltk" readings) ----------------------------------------------
+
+
+def nltk_tokens(texts: Sequence[str]) -> dict[str, list[str]]:
+    """Each distinct text lowercased and split by NLTK's word tokenizer (``word_tokenize`` within a sentence;
+    captions are one sentence, and its sentence splitter needs data NLTK downloads)."""
+    from nltk.tokenize import NLTKWordTokenizer
+
+    tokenizer = NLTKWordTokenizer()
+    return {text: tokenizer.tokenize(text.lower()) for text in dict.fromkeys(texts)}
+
+
+def nltk_bleu(candidates: Sequence[str], references: Sequence[Sequence[str]], order: int
+              ) -> tuple[float, np.ndarray]:
+    """(corpus_bleu, sentence_bleu per row with smoothing method1), uniform weights up to ``order``."""
+    from nltk.translate.bleu_score import SmoothingFunction, corpus_bleu, sentence_bleu
+
+    tokens = nltk_tokens(list(candidates) + [r for refs in references for r in refs])
+    hyps = [tokens[c] for c in candidates]
+    refs = [[tokens[r] for r in group] for group in references]
+    weights = (1.0 / order,) * order
+    smooth = SmoothingFunction().method1
+    per_row: dict[tuple, float] = {}
+    for c, group, hyp, ref in zip(candidates, references, hyps, refs):
+        key = (c, tuple(group))
+        if key not in per_row:
+            per_row[key] = sentence_bleu(ref, hyp, weights, smoothing_function=smooth)
+    scores = np.array([per_row[(c, tuple(g))] for c, g in zip(candidates, references)], dtype=np.float64)
+    return float(corpus_bleu(refs, hyps, weights)), scores
+
+
+def nltk_meteor(candidates: Sequence[str], references: Sequence[Sequence[str]]) -> tuple[float, np.ndarray]:
+    """(mean, meteor_score per row against all its references), NLTK's defaults."""
+    from nltk.corpus import wordnet
+    from nltk.translate.meteor_score import meteor_score
+
+    from capeval_plugins.inputs import InputError
+
+    tokens = nltk_tokens(list(candidates) + [r for refs in references for r in refs])
+    per_row: dict[tuple, float] = {}
+    try:
+        for c, group in zip(candidates, references):
+            key = (c, tuple(group))
+            if key not in per_row:
+                per_row[key] = meteor_score([tokens[r] for r in group], tokens[c], wordnet=wordnet)
+    except LookupError:
+        raise InputError("meteor: implementation='nltk' needs NLTK's WordNet data: python -m nltk.downloader "
+                         "wordnet") from None
+    scores = np.array([per_row[(c, tuple(g))] for c, g in zip(candidates, references)], dtype=np.float64)
+    return float(scores.mean()), scores
 
 
 @contextmanager
@@ -270,12 +346,36 @@ def _info(name: str, display: str, description: str, citation: str, paper: str, 
     )
 
 
-class _Bleu(CocoMetric):
+class NltkReading(CocoMetric):
+    """A classic metric with an ``implementation="nltk"`` reading: no PTB tokenisation and no Java then, NLTK
+    instead; ``score_nltk`` scores the decoded texts."""
+
+    def requirements(self) -> list[Requirement]:
+        if self.config.implementation != "nltk":
+            return super().requirements()
+        return [Requirement("module", "nltk", "option implementation='nltk'", install_extra("nltk"))]
+
+    def finalize(self, state: dict[str, Tensor]) -> MetricResult:
+        if self.config.implementation != "nltk" or not len(state[INDEX]):
+            return super().finalize(state)
+        score, scores = self.score_nltk(decode_texts(state["candidate"]), decode_text_lists(state["references"]))
+        return MetricResult(self.info.name, score, torch.as_tensor(scores), state[INDEX])
+
+    @abc.abstractmethod
+    def score_nltk(self, candidates: list[str], references: list[list[str]]) -> tuple[float, np.ndarray]:
+        """``(corpus score, per-row scores)`` by NLTK."""
+
+
+class _Bleu(NltkReading):
     order: ClassVar[int] = 4
+    Config = BleuConfig
 
     def score_corpus(self, corpus, state):
         scores, per_item = corpus.bleu(4)  # pycocoevalcap's Bleu(4): BLEU-n is its n-th order
         return scores[self.order - 1], per_item[:, self.order - 1], {}
+
+    def score_nltk(self, candidates, references):
+        return nltk_bleu(candidates, references, self.order)
 
 
 def _bleu_info(n: int) -> MetricInfo:
@@ -306,7 +406,7 @@ class Bleu4(_Bleu):
     info = _bleu_info(4)
 
 
-class Meteor(CocoMetric):
+class Meteor(NltkReading):
     info = _info(
         "meteor", "METEOR",
         "METEOR 1.5 (English, normalised), the jar pycocoevalcap ships, with its command line; the corpus score "
@@ -332,6 +432,9 @@ class Meteor(CocoMetric):
 
         score, scores = corpus.remember(("meteor",), compute)
         return score, scores, {}
+
+    def score_nltk(self, candidates, references):
+        return nltk_meteor(candidates, references)
 
 
 def meteor_jar() -> str:

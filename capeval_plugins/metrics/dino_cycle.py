@@ -1,7 +1,8 @@
 """DINO similarity of cycle-generated images (the perceptual component of Redemption Score, Dahal et al.).
 
 A text-to-image model (Stable Diffusion 3) draws one image from the candidate caption and one from the
-reference; DINO ViT-B/8 [CLS] embeddings (L2-normalised) then give
+reference; DINO ViT-B/8 [CLS] embeddings (L2-normalised; images prepared as the official dino_similarity.py
+does by default) then give
     s1 = <e(I), e(I_cand)>,  s2 = <e(I_cand), e(I_ref)>,  DINO_sim = (s1 + s2) / 2.
 Generated images are cached on disk under (model, caption, seed, steps, size, guidance) and reused by later
 runs; a folder of images generated earlier can replace the generator.
@@ -19,7 +20,7 @@ from capeval_plugins.core.bounds import MAX_SEED
 from capeval_plugins.core import loading
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.core.encoders import EncoderSpec
-from capeval_plugins.core.encoders.dino import DinoEncoder
+from capeval_plugins.core.encoders.dino import PREPROCESSINGS, DinoEncoder
 from capeval_plugins.core.generation import (
     SD3_MODEL,
     CachedGenerator,
@@ -64,9 +65,14 @@ class DinoCycleConfig(ModelConfig):
     # The paper generates one reference image per sample; with several references: the first, or s2
     # averaged / maximised over all of them.
     reference_choice: str = "first"
+    # DINO's input: "official" = Redemption Score's dino_similarity.py (shorter side to 224, centre crop,
+    # mean / std 0.5); "paper" = the paper's text (224 x 224, ImageNet statistics: the checkpoint's processor).
+    preprocessing: str = "official"
     input_paths: ClassVar[tuple[str, ...]] = ("model", "generator", "generated_images")
 
     def __post_init__(self) -> None:
+        if self.preprocessing not in PREPROCESSINGS:
+            raise ValueError(f"preprocessing must be one of {PREPROCESSINGS}, got {self.preprocessing!r}")
         if self.reference_choice not in REFERENCE_CHOICES:
             raise ValueError(f"reference_choice must be one of {REFERENCE_CHOICES}, got {self.reference_choice!r}")
 
@@ -164,8 +170,9 @@ class DinoCycle(PointwiseMetric):
         ref_texts, owner = self.reference_pairs(batch)
         prompts = list(dict.fromkeys(list(batch.candidates) + ref_texts))  # each distinct caption drawn once
         row = {c: i for i, c in enumerate(prompts)}
-        generated = enc.encode_images(self.generate(batch, prompts)).double()
-        originals = enc.encode_images(batch.images).double()[batch.image_index.to(enc.device)]
+        how = self.config.preprocessing
+        generated = enc.encode_images(self.generate(batch, prompts), preprocessing=how).double()
+        originals = enc.encode_images(batch.images, preprocessing=how).double()[batch.image_index.to(enc.device)]
         cand = generated[torch.tensor([row[c] for c in batch.candidates], device=enc.device)]
         refs = generated[torch.tensor([row[r] for r in ref_texts], device=enc.device)]
         owner_t = torch.tensor(owner, device=enc.device)

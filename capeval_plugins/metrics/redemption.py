@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins import registry
+from capeval_plugins.composite import Part, derive_config, part_options
 from capeval_plugins.contract import (
     INDEX,
     CompositeMetric,
@@ -31,10 +32,11 @@ from capeval_plugins.contract import (
     bounded,
     nanmean,
 )
-from capeval_plugins.core.bounds import MAX_SEED
 from capeval_plugins.core.gaussian import normalize_pmi
 from capeval_plugins.core.generation import SD3_MODEL
-from capeval_plugins.metrics.dino_cycle import CITATION
+from capeval_plugins.metrics.bertscore import BERTScoreConfig
+from capeval_plugins.metrics.dino_cycle import CITATION, DinoCycleConfig
+from capeval_plugins.metrics.mid import MIDConfig
 
 FUSIONS: tuple[str, ...] = ("additive", "multiplicative")
 PAPER_WEIGHTS = (0.84, 0.08, 0.08)
@@ -55,7 +57,9 @@ NORMALIZATIONS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass
-class RedemptionConfig(MetricConfig):
+class RedemptionOptions(MetricConfig):
+    """Redemption Score's own options (the fusion); :data:`RedemptionConfig` adds every option of its parts."""
+
     # Fusion (paper Eq. 10); a component with weight 0 is not computed at all.
     mid_weight: float = bounded(0.84, ge=0, le=1)
     dino_weight: float = bounded(0.08, ge=0, le=1)
@@ -68,44 +72,6 @@ class RedemptionConfig(MetricConfig):
     mid_normalization: str = "eq9"
     dino_normalization: str = "none"
     bertscore_normalization: str = "none"
-    # MID
-    clip_model: str = "openai/clip-vit-large-patch14"
-    # Added to the diagonal of MID's fitted covariance: Redemption Score's code adds 5e-4 (its
-    # scripts/get_gaussian.py, GaussianEstimator(reg=5e-4)); 0 is the official MID's.
-    covariance_eps: float = bounded(5e-4, ge=0)
-    reference_gaussian: str | None = None
-    fit_pairs: str = "all_references"
-    # Only the reported corpus MID (the "mid" extra); RS fuses the per-sample PMI either way.
-    mid_corpus_reduction: str = "trace"
-    # DINO similarity of cycle-generated images
-    dino_model: str = "facebook/dino-vitb8"
-    generator: str = SD3_MODEL
-    generated_images: str | None = None
-    cache: bool = True
-    cache_dir: str | None = None
-    steps: int = bounded(40, ge=1, le=1000)
-    image_size: int = bounded(1024, ge=1, le=4096)
-    guidance_scale: float = bounded(7.0, ge=0)
-    seed: int = bounded(0, ge=0, le=MAX_SEED)
-    seed_per_caption: bool = False
-    generator_batch_size: int = bounded(4, ge=1, le=1024)
-    generator_dtype: str | None = None
-    reference_choice: str = "first"
-    # BERTScore (bert_score's table puts deberta-v3-large at layer 12; no rescaling baseline ships for it)
-    bertscore_model: str = "microsoft/deberta-v3-large"
-    bertscore_num_layers: int = bounded(12, ge=1)
-    bertscore_idf: bool = False
-    bertscore_rescale_with_baseline: bool = False
-    bertscore_baseline_path: str | None = None
-    # Shared by every model
-    device: str | None = None
-    dtype: str | None = None
-    local_files_only: bool | None = None
-    device_map: str | dict | None = None
-    max_memory: dict | None = None
-    offload_folder: str | None = None
-    input_paths: ClassVar[tuple[str, ...]] = ("clip_model", "reference_gaussian", "dino_model", "generator",
-                                              "generated_images", "bertscore_model", "bertscore_baseline_path")
 
     def __post_init__(self) -> None:
         if self.ablation != "none":
@@ -126,6 +92,34 @@ class RedemptionConfig(MetricConfig):
             value = getattr(self, f"{part}_normalization")
             if value not in allowed:
                 raise ValueError(f"{part}_normalization must be one of {allowed}, got {value!r}")
+        for part in PART_CONFIGS.values():  # each part's own checks (choices), now rather than when it is first built
+            part.config(**part_options(self, part, SHARED))
+
+
+# Component name (prefix of its extras) -> how its options appear here. Names kept from earlier releases are
+# listed in ``names``; an option added to a part later appears as <prefix><option>.
+PART_CONFIGS: dict[str, Part] = {
+    "mid": Part(MIDConfig, "mid_",
+                names={"model": "clip_model", "covariance_eps": "covariance_eps",
+                       "reference_gaussian": "reference_gaussian", "fit_pairs": "fit_pairs"},
+                # Redemption Score's code adds 5e-4 to the covariance's diagonal (scripts/get_gaussian.py,
+                # GaussianEstimator(reg=5e-4)); the official MID adds nothing.
+                defaults={"covariance_eps": 5e-4},
+                fixed={"per_sample": True}),  # RS fuses the per-sample PMI
+    "dino": Part(DinoCycleConfig, "dino_",
+                 names={o: o for o in ("generator", "generated_images", "cache", "cache_dir", "steps", "image_size",
+                                       "guidance_scale", "seed", "seed_per_caption", "generator_batch_size",
+                                       "generator_dtype", "generator_revision", "reference_choice")}),
+    # bert_score's table puts deberta-v3-large at layer 12; no rescaling baseline ships for it. Eq. 8: the best
+    # F1 over the references.
+    "bertscore": Part(BERTScoreConfig, "bertscore_",
+                      defaults={"model": "microsoft/deberta-v3-large", "num_layers": 12},
+                      fixed={"multi_reference": "max"}),
+}
+# Given once, to every part.
+SHARED: tuple[str, ...] = ("batch_size", "device", "dtype", "local_files_only", "device_map", "max_memory",
+                           "offload_folder")
+RedemptionConfig = derive_config("RedemptionConfig", RedemptionOptions, PART_CONFIGS, SHARED, __name__)
 
 
 def normalized(how: str, values: Tensor) -> Tensor:
@@ -167,39 +161,9 @@ class RedemptionScore(CompositeMetric):
     def components(self) -> Mapping[str, Metric]:
         if self._components is None:
             cfg = self.config
-            build = {"mid": self._mid, "dino": self._dino, "bertscore": self._bertscore}
-            self._components = {name: build[name]() for name in self.PARTS if getattr(cfg, f"{name}_weight") > 0}
+            self._components = {name: registry.load(metric, **part_options(cfg, PART_CONFIGS[name], SHARED))
+                                for name, metric in self.PARTS.items() if getattr(cfg, f"{name}_weight") > 0}
         return self._components
-
-    def _common(self) -> dict:
-        cfg = self.config
-        return {"batch_size": cfg.batch_size, "device": cfg.device, "dtype": cfg.dtype,
-                "local_files_only": cfg.local_files_only, "device_map": cfg.device_map,
-                "max_memory": cfg.max_memory, "offload_folder": cfg.offload_folder}
-
-    def _mid(self) -> Metric:
-        cfg = self.config
-        return registry.load(self.PARTS["mid"], model=cfg.clip_model, covariance_eps=cfg.covariance_eps,
-                             reference_gaussian=cfg.reference_gaussian, fit_pairs=cfg.fit_pairs,
-                             corpus_reduction=cfg.mid_corpus_reduction, **self._common())
-
-    def _dino(self) -> Metric:
-        cfg = self.config
-        return registry.load(
-            self.PARTS["dino"], model=cfg.dino_model, generator=cfg.generator, generated_images=cfg.generated_images,
-            cache=cfg.cache, cache_dir=cfg.cache_dir, steps=cfg.steps, image_size=cfg.image_size,
-            guidance_scale=cfg.guidance_scale, seed=cfg.seed, seed_per_caption=cfg.seed_per_caption,
-            generator_batch_size=cfg.generator_batch_size, generator_dtype=cfg.generator_dtype,
-            reference_choice=cfg.reference_choice, **self._common(),
-        )
-
-    def _bertscore(self) -> Metric:
-        cfg = self.config
-        options = dict(model=cfg.bertscore_model, num_layers=cfg.bertscore_num_layers, idf=cfg.bertscore_idf,
-                       rescale_with_baseline=cfg.bertscore_rescale_with_baseline,
-                       baseline_path=cfg.bertscore_baseline_path, multi_reference="max",
-                       **self._common())
-        return registry.load(self.PARTS["bertscore"], **options)
 
     def combine(self, results: Mapping[str, MetricResult], state: Mapping[str, Tensor]) -> MetricResult:
         cfg = self.config

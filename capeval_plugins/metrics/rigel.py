@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, Requirement
-from capeval_plugins.core import heads
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.training.model import (ADAPTER_DIR, RigelModel, load_rigel, read_settings,
                                             scores_from_probabilities)
@@ -29,7 +28,7 @@ CITATION = """@article{koyama2026rigel,
   year    = {2026}
 }"""
 
-HEADS: tuple[str, ...] = ("scoring", "lm")
+HEADS: tuple[str, ...] = ("checkpoint", "scoring", "lm")
 
 NO_CHECKPOINT = (
     "rigel needs a trained checkpoint (checkpoint=PATH): no Rigel weights are public. Train one with "
@@ -47,9 +46,10 @@ class RigelConfig(ModelConfig):
     model: str = ""
     # Merge the LoRA adapter into the weights once at load (faster); False keeps it separate.
     merge_lora: bool = True
-    # Which head reads the score: "scoring" (the checkpoint's distilled head g) or "lm" (the LM head's label
-    # tokens "1".."5", softmax over them: the paper's Table 3 row (i)).
-    head: str = "scoring"
+    # Which head reads the score: "checkpoint" (the one it was trained with: its scoring head g, or the LM head
+    # for a checkpoint trained against it, the paper's Table 3 row (i)), "scoring" (g) or "lm" (the LM head's
+    # label tokens "1".."5", softmax over them, whatever the checkpoint was trained with).
+    head: str = "checkpoint"
     input_paths: ClassVar[tuple[str, ...]] = ("checkpoint", "model")
 
 
@@ -82,8 +82,12 @@ class Rigel(PointwiseMetric):
             raise ValueError(NO_CHECKPOINT)
         if self.config.head not in HEADS:
             raise ValueError(f"rigel: head must be one of {HEADS}, got {self.config.head!r}")
+        settings = read_settings(self.config.checkpoint)
+        if self.config.head == "scoring" and settings.head == "lm":
+            raise ValueError(f"rigel: checkpoint {self.config.checkpoint} was trained against the LM head and has no "
+                             "scoring head; use head='lm' (or 'checkpoint')")
         # The label count of this checkpoint (the paper's 1..5 unless trained otherwise), read without the model.
-        self.extra_shapes = {"distribution": (len(read_settings(self.config.checkpoint).labels),)}
+        self.extra_shapes = {"distribution": (len(settings.labels),)}
 
     def requirements(self) -> list[Requirement]:
         """The base LVLM (``model``, else the one the checkpoint names) and, for a LoRA adapter, peft."""
@@ -106,14 +110,9 @@ class Rigel(PointwiseMetric):
                           device_map=cfg.device_map, max_memory=cfg.max_memory, offload_folder=cfg.offload_folder)
 
     def score(self, batch: Batch) -> dict[str, Tensor]:
-        if self.config.head == "lm":
-            with torch.inference_mode():
-                end = self.model.states(batch.images, batch.image_index, batch.candidates, batch.references,
-                                        batch_size=self.config.batch_size)
-            probs = heads.tempered_softmax(end.label_logprobs).cpu()  # renormalised over the labels
-        else:
-            probs = self.model.probabilities(batch.images, batch.image_index, batch.candidates, batch.references,
-                                             batch_size=self.config.batch_size)
+        head = None if self.config.head == "checkpoint" else self.config.head
+        probs = self.model.probabilities(batch.images, batch.image_index, batch.candidates, batch.references,
+                                         batch_size=self.config.batch_size, head=head)
         expected, score = scores_from_probabilities(probs)
         return {"score": score, "expected_label": expected, "distribution": probs.to(torch.float64)}
 

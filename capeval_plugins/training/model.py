@@ -6,7 +6,7 @@ A checkpoint is a directory::
 
     rigel_config.json     format, base model, labels, the four prompts, temperature, head shape, video input,
                           LoRA settings and the training record
-    head.safetensors      the scoring head's weights
+    head.safetensors      the scoring head's weights (absent when the LM head scores: Table 3 row (i))
     adapter/              the LoRA adapter (peft ``save_pretrained``: adapter_config.json,
                           adapter_model.safetensors); absent after phase 1
 
@@ -42,6 +42,7 @@ FORMAT = "capeval-rigel"
 FORMAT_VERSION = 1
 PROMPT_LAYOUTS = ("flat", "lines")
 PROMPT_KEYS = ("image", "image_ref", "video", "video_ref")
+HEADS = ("scoring", "lm")
 
 # --- the prompts of the paper's Appendix G --------------------------------------------------------------------
 # One entry per line of the prompt box; {cand} and {refs_text} are the paper's placeholders.
@@ -121,6 +122,9 @@ class RigelSettings:
     answer_prefix: str = ""
     lora: dict[str, Any] | None = None
     phase: int = bounded(0, ge=0, le=2)
+    # Which head gives the score distribution: "scoring" (the MLP g) or "lm" (the LM head's logits of the label
+    # tokens, softmax over them: a checkpoint trained that way has no head file, the paper's Table 3 row (i)).
+    head: str = "scoring"
 
     def __post_init__(self) -> None:
         self.labels = tuple(str(x) for x in self.labels)
@@ -131,6 +135,8 @@ class RigelSettings:
         if not 2 <= len(self.labels) <= MAX_LABELS:
             raise ValueError(f"Rigel needs 2 to {MAX_LABELS} labels, got {len(self.labels)}")
         check_fields(self, "Rigel settings")
+        if self.head not in HEADS:
+            raise ValueError(f"Rigel settings: head must be one of {HEADS}, got {self.head!r}")
         VisualInput(self.video_input, self.video_fps, self.answer_prefix)  # raises on bad video settings
 
     @property
@@ -173,9 +179,10 @@ def head_widths(value: Any) -> tuple[int, ...]:
 class RigelModel:
     """An LVLM and Rigel's scoring head on its final hidden state at the score position (the end of the
     prompt). ``states`` runs the backbone once per sample (batched, each image's prefix shared); the head is
-    small and runs on the states."""
+    small and runs on the states. A model scored through the LM head (``settings.head == "lm"``) has no
+    scoring head (``head`` None)."""
 
-    def __init__(self, judge: LVLMJudge, head: heads.ScoringHead, settings: RigelSettings):
+    def __init__(self, judge: LVLMJudge, head: heads.ScoringHead | None, settings: RigelSettings):
         self.judge, self.head, self.settings = judge, head, settings
 
     def instructions(self, visuals: Sequence[Any], index: Sequence[int], candidates: Sequence[str],
@@ -202,13 +209,26 @@ class RigelModel:
     def logits(self, hidden: Tensor) -> Tensor:
         return self.head(hidden)
 
+    def label_logits(self, end: PromptEnd, head: str | None = None) -> Tensor:
+        """(B, K) logits whose softmax is the score distribution: g(h) for the scoring head; for the LM head
+        (``head="lm"``, default ``settings.head``) its label tokens' log-probabilities, whose softmax is the LM
+        head's distribution renormalised over the labels."""
+        head = head or self.settings.head
+        if head == "lm":
+            return end.label_logprobs
+        if self.head is None:
+            raise ValueError("this Rigel model has no scoring head (it was trained against the LM head): score it "
+                             "with head='lm'")
+        return self.logits(end.hidden)
+
     def probabilities(self, visuals: Sequence[Any], index: Sequence[int] | Tensor, candidates: Sequence[str],
                       references: Sequence[Sequence[str] | None] | None = None, *,
-                      batch_size: int = 16) -> Tensor:
-        """softmax(g(h)) per sample (B, K), float64, on the CPU."""
+                      batch_size: int = 16, head: str | None = None) -> Tensor:
+        """softmax(g(h)) per sample (B, K), float64, on the CPU (the LM head's label distribution for
+        ``head="lm"``; default: the head the model was trained with)."""
         with torch.inference_mode():
-            hidden = self.states(visuals, index, candidates, references, batch_size=batch_size).hidden
-            return torch.softmax(self.logits(hidden).double(), dim=-1).cpu()
+            end = self.states(visuals, index, candidates, references, batch_size=batch_size)
+            return torch.softmax(self.label_logits(end, head).double(), dim=-1).cpu()
 
 
 def scores_from_probabilities(probs: Tensor) -> tuple[Tensor, Tensor]:
@@ -281,8 +301,12 @@ def read_record(checkpoint: str | os.PathLike) -> dict[str, Any]:
     return data.get("training", {})
 
 
-def load_head(checkpoint: str | os.PathLike, settings: RigelSettings, device: Any = "cpu") -> heads.ScoringHead:
+def load_head(checkpoint: str | os.PathLike, settings: RigelSettings, device: Any = "cpu") -> heads.ScoringHead | None:
+    """The checkpoint's scoring head (None for a checkpoint trained against the LM head)."""
     from capeval_plugins.core import tensorfile
+
+    if settings.head == "lm":
+        return None
 
     path = Path(checkpoint) / HEAD_FILE
     if not path.is_file():
@@ -334,12 +358,16 @@ def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, devic
     return loading.shared(key, build)
 
 
-def save_checkpoint(path: str | os.PathLike, settings: RigelSettings, head: heads.ScoringHead,
+def save_checkpoint(path: str | os.PathLike, settings: RigelSettings, head: heads.ScoringHead | None,
                     peft_model: Any = None, record: dict[str, Any] | None = None) -> Path:
-    """Write a checkpoint directory (see the module docstring); files are replaced atomically."""
+    """Write a checkpoint directory (see the module docstring); files are replaced atomically. No head file
+    for a model scored through the LM head (``head`` None)."""
     out = output_folder(path)
-    state = {k: v.detach().to("cpu", torch.float32) for k, v in head.state_dict().items()}
-    out.write(HEAD_FILE, tensor_bytes(state))
+    if head is not None:
+        state = {k: v.detach().to("cpu", torch.float32) for k, v in head.state_dict().items()}
+        out.write(HEAD_FILE, tensor_bytes(state))
+    elif out.owns(HEAD_FILE):  # an earlier run's head, which this checkpoint does not use
+        out.remove([HEAD_FILE])
     if peft_model is not None:
         with out.staging() as staged:  # peft writes by path: into a private folder, then moved in
             peft_model.save_pretrained(str(staged / ADAPTER_DIR))
