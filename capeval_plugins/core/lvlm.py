@@ -431,6 +431,7 @@ class LVLMJudge:
         video_token = getattr(processor, "video_token", None)
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(video_token) if video_token else None
         self.rope_index = getattr(getattr(model, "model", model), "get_rope_index", None)
+        self.cache_arg = cache_argument(model)
         self._system_turns: dict[str, dict | None] = {}  # system prompt -> the system turn the template takes
 
     @classmethod
@@ -747,7 +748,7 @@ class LVLMJudge:
         out = self.model(input_ids=pre_ids.to(dev), attention_mask=pre_mask.to(dev), position_ids=pre_pos.to(dev),
                          **{k: v.to(dev) for k, v in {**pre_tokens, **vision}.items()},
                          use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        cache = getattr(out, self.cache_arg)
         next_pos = _next_positions(pre_pos, pre_mask)
         # 2. Each candidate's suffix on a copy of its image's cache.
         group = torch.tensor(group_of, dtype=torch.long)
@@ -793,8 +794,8 @@ class LVLMJudge:
         dev = self.device
         with self._capture_hidden() as seen:
             out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                             position_ids=self._step_positions(positions).to(dev), past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
+                             position_ids=self._step_positions(positions).to(dev), use_cache=True,
+                             logits_to_keep=1, **{self.cache_arg: cache})
         return out.logits[:, -1].float().to(dev), seen[-1].float().to(dev)
 
     def _decode(self, run: _Run, rows: list[int], table: Tensor, cache: Any, ids: Tensor, mask: Tensor,
@@ -886,6 +887,16 @@ class LVLMJudge:
             hidden=None if hidden is None else hidden[:, :n_steps], raw=raw, positions=positions,
             labels=labels, errors=errors,
         )
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which ``model`` takes and returns its key/value cache: ``cache`` (transformers 5.24 on;
+    ``past_key_values`` is deprecated there and removed in 5.40), else ``past_key_values`` (earlier versions)."""
+    forward = getattr(model, "forward", model)
+    try:
+        return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return "past_key_values"
 
 
 @contextmanager
