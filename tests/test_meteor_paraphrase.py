@@ -685,3 +685,40 @@ def test_jvms_are_bounded_by_the_machine(fake_jvms, monkeypatch):
     assert len(starts) == 2
     metric = capeval_plugins.load("meteor", jvms=1000)
     assert metric.config.jvms == 1000  # bounded where it runs: a config travels between machines
+
+
+def test_capeval_cache_shows_the_index_and_clears_only_the_packages_files(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from capeval_plugins.cli import main
+
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    table = tmp_path / "paraphrase-en.gz"
+    table.write_bytes(gzip.compress(synthetic_table(random.Random(11), 3000)))
+    mt._loaded.clear()
+    index = mt.index_for(table)
+    root = tmp_path / "cache" / "meteor"
+    (root / "notes.txt").write_text("the user's")
+    dead = subprocess.run([PYTHON, "-c", KILLED_RUN], env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True,
+                          text=True, timeout=120)
+    dead_folder = Path(dead.stdout.strip()).parent
+    capsys.readouterr()
+    assert main(["cache"]) == 0
+    shown = capsys.readouterr().out
+    size = sum(p.stat().st_size for p in (root / index.source).iterdir())
+    assert f"{size / 1e6:.1f} MB" in shown and "a_hash" in shown and "hashes of the phrases A" in shown
+    assert "1 capeval-meteor-* folders" in shown and "notes.txt" not in shown
+    assert main(["cache", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["meteor"]["bytes"] == size and len(info["meteor"]["files"]) == len(list((root / index.source).iterdir()))
+    assert main(["cache", "clear"]) == 0
+    assert "1 table folder(s) of killed runs" in capsys.readouterr().out
+    assert not dead_folder.exists() and (root / "notes.txt").read_text() == "the user's"
+    assert not (root / index.source).exists() and not (root / ".capeval-owned").exists()
+    mt._loaded.clear()
+    assert mt.index_for(table).select(mt.corpus_grams(WORDS, 4).hashes).tolist() == \
+        index.select(mt.corpus_grams(WORDS, 4).hashes).tolist()  # built again on the next use

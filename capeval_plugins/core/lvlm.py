@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core import loading
+from capeval_plugins.core import loading, shared_results
 from capeval_plugins.core.messages import install_extra, warn_once
 
 # Token-level processor outputs (one value per token): padded with the ids, sliced with the prefix.
@@ -432,6 +432,7 @@ class LVLMJudge:
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(video_token) if video_token else None
         self.rope_index = getattr(getattr(model, "model", model), "get_rope_index", None)
         self.cache_arg = cache_argument(model)
+        self.results = shared_results.Results()  # metrics asking this judge the same questions run it once
         self._system_turns: dict[str, dict | None] = {}  # system prompt -> the system turn the template takes
 
     @classmethod
@@ -571,7 +572,9 @@ class LVLMJudge:
         token and read as if the model had written it (the answer ends with it). Samples are processed in
         chunks of ``batch_size`` in the given order (keep the candidates of an image together: their prefix
         is shared within a chunk); a chunk that runs out of memory is split in halves. An image may be a
-        video (a list of frames), fed as ``visual_input`` says."""
+        video (a list of frames), fed as ``visual_input`` says. The last answers are kept
+        (:mod:`~capeval_plugins.core.shared_results`): the same call again, by content, returns them (the
+        output is shared: treat it as read-only)."""
         n = len(instructions)
         index = _check_index(image_index, n)
         if max_new_tokens < 1 or batch_size < 1:
@@ -579,10 +582,18 @@ class LVLMJudge:
         table = self.label_table(scale.labels)
         if n == 0:
             return _empty_output(table, len(scale.labels), len(scale.positions))
-        run = self._prepare(images, index, list(instructions), forced, scale, max_new_tokens, keep_hidden,
-                            visual_input)
-        parts = list(self._chunks(run, batch_size, lambda rows: self._run_chunk(run, rows, table)))
-        return _cat_outputs(parts, table)
+
+        def answer() -> JudgeOutput:
+            run = self._prepare(images, index, list(instructions), forced, scale, max_new_tokens, keep_hidden,
+                                visual_input)
+            parts = list(self._chunks(run, batch_size, lambda rows: self._run_chunk(run, rows, table)))
+            return _cat_outputs(parts, table)
+
+        # FLEUR and DISCODE of one pass ask the same questions of the same judge: answered once (an answer
+        # kept with its hidden states serves a call without them)
+        key = shared_results.digest("judge", images, index, list(instructions), scale, max_new_tokens, batch_size,
+                                    None if forced is None else list(forced), visual_input)
+        return self.results.get(key, answer, lambda out: out.hidden is not None or not keep_hidden)
 
     def prompt_end(
         self,

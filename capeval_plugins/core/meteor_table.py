@@ -747,6 +747,17 @@ def _add_file(claim, source: str, name: str, array: np.ndarray) -> None:
     _write_files(claim, source, {"meta.json": files.signed_json(meta, INDEX_KIND)})
 
 
+def clear_cache() -> None:
+    """Remove the index from the cache (``capeval cache clear``): under the build lock, every file the marker
+    lists, the marker, and the folder when the package made it and nothing else is in it."""
+    def remove(claim) -> None:
+        claim.remove()
+        with _loaded_lock:
+            _loaded.clear()
+
+    _locked(cache_dir(), remove)
+
+
 def _build(root: Path, source: str, gz: bytes) -> ParaphraseIndex | None:
     """Build the index under the cache's lock (another process building it meanwhile: wait, then read)."""
     return _locked(root, _build_locked, root, source, gz)
