@@ -27,11 +27,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 MAX_BYTES = 128 << 20  # decoded pixels held for the next batch at most (the runner's batch budget)
-ENV = "CAPEVAL_PREFETCH"  # "0": no prefetching (benchmarks compare both)
+ENV = "CAPEVAL_PREFETCH"  # "1": always, "0": never, unset or "auto": see enabled()
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    """Whether to prefetch: ``CAPEVAL_PREFETCH=1`` / ``0`` say so; by default only where the thread has
+    something to overlap with, a GPU, or CPUs beyond torch's threads (on a CPU whose cores torch already uses,
+    the thread only competes with the model: 0.87x wall on the 2-core development machine,
+    benchmarks/README.md)."""
+    value = os.environ.get(ENV, "auto")
+    if value in ("0", "1"):
+        return value == "1"
+    import torch
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - no affinity on this platform
+        cpus = os.cpu_count() or 1
+    return torch.cuda.is_available() or cpus > torch.get_num_threads()
 
 
 class Prefetched:
@@ -114,7 +127,7 @@ class Prefetcher:
 
     def iterate(self, items: Iterable[Any]) -> Iterator[tuple[Any, Prefetched | None]]:
         """Each item with what was prepared for it (None when nothing was), the next one being prepared
-        meanwhile. Without prefetching (``CAPEVAL_PREFETCH=0``) it yields ``(item, None)``."""
+        meanwhile. Without prefetching (:func:`enabled`) it yields ``(item, None)``."""
         items = list(items)
         if not enabled() or len(items) < 2:
             for item in items:

@@ -74,7 +74,8 @@ class Source:
         return f"pixels of {self.key}"
 
 
-def test_memory_is_bounded_and_failures_surface_where_the_batch_is_built():
+def test_memory_is_bounded_and_failures_surface_where_the_batch_is_built(monkeypatch):
+    monkeypatch.setenv(prefetch.ENV, "1")
     big = [Source("a", 100), Source("b", 100)]
     assert prefetch.prepare(big, [], max_bytes=150).images == {}  # over budget: decoded by its batch later
     assert all(s.loads == 0 for s in big)
@@ -86,5 +87,17 @@ def test_memory_is_bounded_and_failures_surface_where_the_batch_is_built():
     assert ready.load(Source("z", 1), lambda s: "decoded now") == "decoded now"
     seen = []
     prepared = prefetch.Prefetcher(lambda item: seen.append(item) or prefetch.Prefetched({item: item}))
-    for n, (item, ready) in enumerate(prepared.iterate(range(5))):
+    for n, (item, ready) in enumerate(prepared.iterate(range(5))):  # CAPEVAL_PREFETCH=1 (conftest) or auto
         assert ready.images == {item: item} and max(seen) <= item + 1  # never more than one item ahead
+
+
+def test_by_default_it_prefetches_only_where_there_is_something_to_overlap(monkeypatch):
+    monkeypatch.delenv(prefetch.ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    assert not prefetch.enabled()  # torch uses every core: the thread would only compete
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(prefetch.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert prefetch.enabled()
+    monkeypatch.setenv(prefetch.ENV, "0")
+    assert not prefetch.enabled()
