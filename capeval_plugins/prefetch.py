@@ -14,7 +14,9 @@ and torch release the GIL for most of it), for every metric of a pass that reads
   content in the encoder's :mod:`~capeval_plugins.core.shared_results`, so the model reads exactly what the
   processor gives); it is called in the same thread on the decoded images.
 
-Memory is bounded: at most one batch ahead, and only when its decoded images fit :data:`MAX_BYTES` (sizes read
+By default it runs only where there is something to overlap (a GPU, or CPUs beyond torch's threads: on a CPU
+whose cores torch already uses, the thread only competes with the model); ``CAPEVAL_PREFETCH=1`` / ``0`` force
+it. Memory is bounded: at most one batch ahead, and only when its decoded images fit :data:`MAX_BYTES` (sizes read
 from the headers); a larger batch is decoded when it is built, as without prefetching. Nothing here changes a
 pixel or a number: a sample's inputs are the same objects' values whether or not they were prefetched.
 
