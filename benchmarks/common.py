@@ -37,3 +37,40 @@ def random_llava_next(image_size: int = 32) -> str:
     path = str(scratch_folder("capeval-bench-llava-"))
     build_llava_next(Path(path), 0, image_size=image_size)
     return path
+
+
+def random_llava15_realistic(lm_layers: int = 24, vision_layers: int = 2, seed: int = 0) -> str:
+    """A random LLaVA-1.5 at a realistic prompt length: CLIP's 336 px tile in 14 px patches (576 image tokens,
+    as llava-1.5), a language model with Qwen2-0.5B's shapes (hidden 896, 14 heads, 2 key/value heads, MLP 4864;
+    ``lm_layers`` of them, 24 in Qwen2-0.5B: 0.44 B parameters without the embeddings) over the test tokenizer
+    (32,064 embedding rows, like llava-v1.6-mistral), and a narrow vision tower (``vision_layers`` layers of width
+    64: a real ViT-L/14 would add the same work per image to both sides of a comparison, and as much again per
+    pair to a loop that encodes the image for every caption)."""
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    from capeval_plugins.testing import scratch_folder
+    from capeval_plugins.testing.vision_language import (LLAVA_15_TEMPLATE, _padded, clip_image_processor,
+                                                         mistral_tokenizer)
+
+    path = Path(scratch_folder("capeval-bench-llava15-"))
+    tokenizer = mistral_tokenizer()
+    tokenizer.chat_template = LLAVA_15_TEMPLATE
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=_padded(len(tokenizer)), hidden_size=896,
+                         intermediate_size=4864, num_hidden_layers=lm_layers, num_attention_heads=14,
+                         num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=256,
+                           num_hidden_layers=vision_layers, num_attention_heads=4, image_size=336, patch_size=14,
+                           projection_dim=64),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default", vision_feature_layer=-2, image_seq_length=576,
+    )
+    torch.manual_seed(seed)
+    LlavaForConditionalGeneration(config).save_pretrained(path)
+    image_processor = clip_image_processor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+    LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                   chat_template=LLAVA_15_TEMPLATE).save_pretrained(path)
+    return str(path)

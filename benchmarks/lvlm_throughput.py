@@ -29,8 +29,8 @@ from PIL import Image
 
 import capeval_plugins
 from capeval_plugins.core import heads
-from capeval_plugins.core.lvlm import SCALES, JudgeSpec, LVLMJudge, fleur_instruction
-from common import random_llava_next, timed
+from capeval_plugins.core.lvlm import LLAVA_V1_SYSTEM, SCALES, JudgeSpec, LVLMJudge, VisualInput, fleur_instruction
+from common import random_llava15_realistic, random_llava_next, timed
 
 DECIMAL = SCALES["0.0-1.0"]
 
@@ -43,7 +43,7 @@ def corpus(n_images: int, per_image: int, size: int):
     return images, [i // per_image for i in range(n_images * per_image)], captions
 
 
-def naive_loop(judge: LVLMJudge, images, index, captions, budget: int):
+def naive_loop(judge: LVLMJudge, images, index, captions, budget: int, visual_input: VisualInput = VisualInput()):
     """One pair per call, as the official FLEUR script: processor, generate, smoothing from its logits."""
     from transformers import GenerationConfig
 
@@ -52,8 +52,8 @@ def naive_loop(judge: LVLMJudge, images, index, captions, budget: int):
     digits = judge.label_table(DECIMAL.labels)[0]
     tokens, first_step = [], []
     for g, caption in zip(index, captions):
-        chat = judge.chat(fleur_instruction(caption))
-        enc = judge.processor(text=[chat], images=[images[g]], return_tensors="pt")
+        chat = judge.chat(fleur_instruction(caption), visual_input=visual_input)
+        enc = judge.processor(text=[chat], images=[judge._shaped(images[g], visual_input)], return_tensors="pt")
         out = judge.model.generate(**enc.to(judge.device), generation_config=config)
         new = out.sequences[0, enc["input_ids"].shape[1]:].tolist()
         logprobs = torch.stack([torch.log_softmax(x[0].float(), -1) for x in out.logits])[:, digits.to(judge.device)]
@@ -90,7 +90,15 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--realistic", action="store_true",
+                        help="a random LLaVA-1.5 with 576 image tokens and Qwen2-0.5B's language-model shapes, FLEUR's "
+                             "conversation (llava_v1 system sentence, padded images); CPU seconds, FLEUR + DISCODE "
+                             "through the metrics in one pass")
+    parser.add_argument("--lm-layers", type=int, default=24, help="--realistic: language-model layers (24: 0.5 B)")
+    parser.add_argument("--skip-plain", action="store_true", help="leave out the batched run without reuse")
     args = parser.parse_args()
+    if args.realistic:
+        return realistic(args)
     model = args.model or random_llava_next(args.image_size)
     torch.set_grad_enabled(False)
     judge = LVLMJudge.shared(JudgeSpec(model, device=args.device, dtype=args.dtype))
@@ -128,6 +136,53 @@ def main() -> None:
           f"{100 * t_head / (t_head + t_reuse):.3f} % of batched+reuse time")
     print(f"agreement with the naive loop: same tokens={same_tokens}, "
           f"max |P_batched - P_naive| at the first step={diff:.2e}")
+
+
+def realistic(args) -> None:
+    """FLEUR and DISCODE as a user runs them (``capeval_plugins.load`` and one pass of the runner: the judge's
+    answers shared between them) against the official one-pair ``generate`` loop, on a random LLaVA-1.5 at a
+    realistic size (see :func:`common.random_llava15_realistic`); CPU seconds of this process."""
+    from capeval_plugins import runner
+
+    torch.set_grad_enabled(False)
+    model = args.model or random_llava15_realistic(args.lm_layers)
+    fleur_input = VisualInput(system_prompt=LLAVA_V1_SYSTEM, image_aspect="pad")  # the metrics' defaults
+    images, index, captions = corpus(args.images, args.captions_per_image, 400)
+    n, budget = len(captions), args.max_new_tokens
+    judge = LVLMJudge.shared(JudgeSpec(model))
+    options = dict(model=model, max_new_tokens=budget, batch_size=args.batch_size)
+    pair_images = [images[g] for g in index]
+
+    def metrics(names):
+        judge.results.clear()
+        return runner.score_many({m: capeval_plugins.load(m, **options) for m in names}, pair_images, captions)
+
+    metrics(["fleur"])  # warm up (and load)
+    clock = time.process_time
+    t_fleur, fleur = timed(lambda: metrics(["fleur"]), args.repeats, clock=clock)
+    t_both, both = timed(lambda: metrics(["fleur", "discode"]), args.repeats, clock=clock)
+    t_naive, (naive_tokens, naive_first) = timed(
+        lambda: naive_loop(judge, images, index, captions, budget, fleur_input), args.repeats, clock=clock)
+    judge.results.clear()
+    out = judge.judge(images, index, [fleur_instruction(c) for c in captions], DECIMAL, max_new_tokens=budget,
+                      batch_size=args.batch_size, visual_input=fleur_input)
+    same_tokens = all(out.tokens[i][out.tokens[i] >= 0].tolist() == naive_tokens[i] for i in range(n))
+    diff = (out.label_logprobs[:, 0].exp() - naive_first.exp()).abs().max().item()
+    enc = judge.processor(text=[judge.chat(fleur_instruction(captions[0]), visual_input=fleur_input)],
+                          images=[judge._shaped(images[0], fleur_input)], return_tensors="pt")
+    params = sum(p.numel() for p in judge.model.parameters())
+    print(f"random LLaVA-1.5: {params / 1e6:.0f} M parameters, language model {args.lm_layers} layers of Qwen2-0.5B's "
+          f"shapes, {enc['input_ids'].shape[1]} prompt tokens (576 image tokens); threads={torch.get_num_threads()}")
+    print(f"pairs={n} images={args.images} captions/image={args.captions_per_image} batch_size={args.batch_size} "
+          f"max_new_tokens={budget}; CPU seconds of this process, best of {args.repeats}")
+    print(f"official loop (one pair per generate):   {t_naive:8.1f} s  ({t_naive / n:6.2f} s/pair)")
+    print(f"FLEUR (capeval, one pass):                {t_fleur:8.1f} s  ({t_fleur / n:6.2f} s/pair)  "
+          f"{t_naive / t_fleur:5.2f}x the official loop")
+    print(f"FLEUR + DISCODE (capeval, one pass):      {t_both:8.1f} s  ({t_both / n:6.2f} s/pair)  "
+          f"{2 * t_naive / t_both:5.2f}x two official loops, {t_naive / t_both:5.2f}x one")
+    print(f"agreement with the official loop: same tokens={same_tokens}, max |P - P_loop| at the first step={diff:.2e}")
+    print(f"FLEUR alone vs in the pass with DISCODE: max |diff| "
+          f"{(fleur['fleur'].scores - both['fleur'].scores).abs().nan_to_num().max().item():.1e}")
 
 
 if __name__ == "__main__":

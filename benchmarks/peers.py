@@ -313,6 +313,8 @@ def coco_part(args) -> None:
     need_pycocoevalcap_and_java()
 
     cands, refs = flickr_rows(args.coco_images, args.coco_distinct)
+    if args.coco_rows:
+        cands, refs = cands[:args.coco_rows], refs[:args.coco_rows]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     with tempfile.TemporaryDirectory(prefix="capeval-coco-") as folder:
         folder = Path(folder)
@@ -661,6 +663,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--coco-images", type=int, metavar="N", help="Flickr8k images for coco (default all 1000, quick 30)")
     parser.add_argument("--coco-option", action="append", metavar="KEY=VALUE",
                         help="an option for capeval's side of coco, as `capeval score -o` (e.g. meteor.jvms=2)")
+    parser.add_argument("--coco-rows", type=int, metavar="N", help="only the first N rows for coco (e.g. 500)")
     parser.add_argument("--coco-first-run", action="store_true",
                         help="coco with METEOR's paraphrase index built inside every capeval round (a machine's first "
                              "run) instead of once beforehand")

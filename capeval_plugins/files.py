@@ -808,12 +808,17 @@ class Claim:
             opened.append(folder)
         return folder, parts[-1], opened
 
-    def write(self, name: str, data: Data, mode: int = 0o666) -> None:
-        """Write the file ``name`` (a relative path) whole; refused when it exists and is not listed."""
-        self.own([name])  # refused when it exists and is not listed
+    def write(self, name: str, data: Data, mode: int = 0o666, scratch: str | None = None) -> None:
+        """Write the file ``name`` (a relative path) whole; refused when it exists and is not listed.
+        ``scratch``: a name beside it, listed too, that it is written into first (instead of a random hidden
+        name), so that what a killed write leaves is a listed file of the package's (replaced by the next
+        write, removable by :meth:`remove`)."""
+        self.own([name] + ([scratch] if scratch else []))  # refused when it exists and is not listed
         folder, leaf, opened = self._parent(name, create=True)
+        if scratch and relative_name(scratch)[:-1] != relative_name(name)[:-1]:
+            raise ValueError(f"the scratch name {scratch!r} is not beside {name!r}")
         try:
-            folder.write(leaf, data, mode=mode)
+            folder.write(leaf, data, mode=mode, scratch=relative_name(scratch)[-1] if scratch else None)
         finally:
             for f in opened:
                 f.close()

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from capeval_plugins import preflight
+from capeval_plugins import prefetch, preflight
 from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch_digest
 from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, finalize_state,
                                       full_spec, map_batch, merge_states, set_corpus_scorer)
@@ -617,8 +617,12 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
     try:
         for task in tasks:
             _prepare_corpus(task)
-        for n, (_, i, k) in enumerate(events, 1):
-            _score_batch(tasks[i], k, cache, corpus.describe, store)
+        # PREFETCH HOOK (capeval_plugins/prefetch.py): the next batch's images decoded and preprocessed while
+        # this one is scored
+        ahead = prefetch.Prefetcher(lambda event: _prefetch(tasks[event[1]], event[2], cache))
+        for n, ((_, i, k), ready) in enumerate(ahead.iterate(events), 1):
+            _score_batch(tasks[i], k, cache if ready is None else prefetch.CacheView(cache, ready), corpus.describe,
+                         store)
             scored += 1
             bar.update(tasks)
             if stop is not None and n < len(events) and stop():
@@ -653,6 +657,16 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
     stage.close()
     n = len(corpus.candidates) if corpus.candidates is not None else 0
     return RunOutcome(results, scored, resumed, n, store.run_id if store is not None else None)
+
+
+def _prefetch(task: _Task, k: int, cache: ImageCache) -> prefetch.Prefetched | None:
+    """What the prefetch thread prepares for batch ``k`` of ``task``: its images decoded (those the cache does
+    not hold), and the metric's own ``preprocess_images`` on them where it has one."""
+    part = task.batch(k)
+    if part.images is None or task.metric.image_reader() is not None:
+        return None
+    hooks = [task.metric.preprocess_images] if hasattr(task.metric, "preprocess_images") else []
+    return prefetch.prepare(part.images, hooks, known=lambda key: key in cache.items)
 
 
 def _prepare_corpus(task: _Task) -> None:

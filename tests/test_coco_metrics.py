@@ -445,8 +445,9 @@ def test_an_answer_out_of_protocol_is_an_error_not_a_misaligned_score(fake_meteo
     assert len(java.METEOR.score("meteor.jar", SEGMENTS)[1]) == len(SEGMENTS)  # a fresh one works
 
 
-def test_segments_spread_over_several_jvms_give_one_jvms_answers(fake_meteor):
+def test_segments_spread_over_several_jvms_give_one_jvms_answers(fake_meteor, monkeypatch):
     """Repeated segments are scored once, spread over the JVMs, and counted per row in the one EVAL."""
+    monkeypatch.setattr(java, "max_jvms", lambda: 8)  # whatever this machine's CPUs
     fake_meteor("ok")
     rows = [0, 1, 2, 3, 4, 0, 4]
     one = java.METEOR.score("meteor.jar", SEGMENTS, rows)

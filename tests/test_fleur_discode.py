@@ -418,3 +418,36 @@ def test_the_card_lists_the_keys_of_a_result(name):
         warnings.simplefilter("ignore")
         out = evaluate.load(name, model=path).compute(images=sample_images()[:2], predictions=CAPTIONS[:2])
     assert out["n_invalid"] == 0 and sorted(out) == listed
+
+
+def test_fleur_and_discode_in_one_pass_ask_the_judge_once():
+    """``-m fleur -m discode`` on one judge: the same prompts about the same images are answered once (the
+    judge ran twice before), and each metric's scores are those it gets alone."""
+    from capeval_plugins import runner
+
+    path = scripted_llava(("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog"))
+    imgs = sample_images()
+    judge = LVLMJudge.shared(capeval_plugins.load("fleur", model=path).judge_spec())
+    chunks = []
+    real_chunk = judge._run_chunk
+    judge._run_chunk = lambda run, rows, table: (chunks.append(len(rows)), real_chunk(run, rows, table))[1]
+    try:
+        alone = {}
+        for name in ("fleur", "discode"):
+            judge.results.clear()
+            alone[name] = runner.score(capeval_plugins.load(name, model=path), imgs, CAPTIONS, REFERENCES)
+        runs_alone = sum(chunks)
+        judge.results.clear()
+        chunks.clear()
+        both = runner.score_many({name: capeval_plugins.load(name, model=path) for name in ("fleur", "discode")},
+                                 imgs, CAPTIONS, REFERENCES)
+        assert sum(chunks) == runs_alone // 2 == len(CAPTIONS)
+        for name in alone:
+            assert both[name].scores.tolist() == alone[name].scores.tolist()
+        # a different question (another caption) is asked again, never answered from the kept ones
+        chunks.clear()
+        other = runner.score(capeval_plugins.load("fleur", model=path), imgs, ["A blue car."] + CAPTIONS[1:],
+                             REFERENCES)
+        assert sum(chunks) == len(CAPTIONS) and other.scores.shape == alone["fleur"].scores.shape
+    finally:
+        del judge._run_chunk

@@ -131,6 +131,7 @@ def sharp_judge() -> LVLMJudge:
 
 
 def run_judge(judge: LVLMJudge, order=None, **kwargs):
+    judge.results.clear()  # the judge keeps its last answers (shared_results): these tests count its work
     order = list(range(len(CAPTIONS))) if order is None else order
     ins = [fleur_instruction(CAPTIONS[i]) for i in order]
     return judge.judge(images(), [IMAGE_OF[i] for i in order], ins, DECIMAL, **kwargs)
@@ -514,3 +515,22 @@ def test_padding_to_a_square_is_llavas_expand2square():
         VisualInput(image_aspect="stretch")
     with pytest.raises(ValueError, match="system_placement"):
         VisualInput(system_placement="assistant")
+
+
+def test_the_cache_goes_through_the_supported_argument(sharp_judge, monkeypatch):
+    """transformers 5.24 deprecates ``past_key_values=`` (removed in 5.40) for ``cache=``: the judge passes its
+    cache under the name the model's forward declares, and never the deprecated one where ``cache`` exists."""
+    import inspect
+
+    model = sharp_judge.model
+    declared = inspect.signature(model.forward).parameters
+    seen: list[set[str]] = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **kw: (seen.append(set(kw)), forward(*a, **kw))[1])
+    run_judge(sharp_judge, max_new_tokens=3)
+    steps = [kw for kw in seen if {"cache", "past_key_values"} & kw]
+    assert steps, "the decoding steps pass a cache"
+    if "cache" in declared:
+        assert all("cache" in kw and "past_key_values" not in kw for kw in steps)
+    else:  # transformers before 5.24
+        assert all("past_key_values" in kw for kw in steps)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from conftest import PYTHON, has_java
 
 import capeval_plugins
@@ -150,21 +151,29 @@ def synthetic_table(rng: random.Random, entries: int) -> bytes:
     return "".join(f"{rng.random()}\n{phrase()}\n{phrase()}\n" for _ in range(entries)).encode()
 
 
-def test_selection_keeps_exactly_the_entries_whose_phrases_both_occur(tmp_path):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_selection_keeps_exactly_the_entries_whose_phrases_both_occur(grouped):
     rng = random.Random(1)
     data = synthetic_table(rng, 5000)
-    arrays, most = mt.build_arrays(data)
-    index = mt.ParaphraseIndex("test", {"entries": len(arrays["offsets"]) - 1, "max_cores": most}, arrays, data)
+    if grouped:  # METEOR's own tables list the entries of one A phrase together, in runs
+        entries = data.decode().split("\n")[:-1]
+        entries = sorted(zip(entries[0::3], entries[1::3], entries[2::3]), key=lambda e: e[1])
+        data = "".join(f"{p}\n{a}\n{b}\n" for p, a, b in entries).encode()
+    index = mt.ParaphraseIndex.from_table(data, block=64)
     lines = data.decode().split("\n")
+    assert index.entries == 5000 and (index.arrays["a_group"].size < 4000) == grouped
     texts = [" ".join(rng.choice(WORDS + ["U.S.", "don't", "1,000", "e-mail", "Caf\u00e9"])
                       for _ in range(rng.randint(1, 6))) for _ in range(60)]
+    most = index.max_n
+    assert most == max(len(brute_core(x).split()) for x in lines[1::3] + lines[2::3])
     grams = set().union(*(brute_ngrams(t, most) for t in texts)) | {""}
     expected = [k for k in range(len(lines) // 3)
                 if brute_core(lines[3 * k + 1]) in grams and brute_core(lines[3 * k + 2]) in grams]
     got = index.select(mt.corpus_grams(texts, most).hashes)
     assert got.tolist() == expected and 0 < len(expected) < len(lines) // 3
     kept = index.entry_bytes(got).decode().split("\n")[:-1]
-    assert kept == [line for k in expected for line in lines[3 * k:3 * k + 3]]  # byte for byte, in file order
+    # the A and B lines byte for byte, in file order; the probability line, which the jar never parses, as "1"
+    assert kept == [line for k in expected for line in ["1"] + lines[3 * k + 1:3 * k + 3]]
     either = [k for k in range(len(lines) // 3)
               if brute_core(lines[3 * k + 1]) in grams or brute_core(lines[3 * k + 2]) in grams]
     assert index.select_either(mt.corpus_grams(texts, most).hashes).tolist() == either and len(either) > len(got)
@@ -190,19 +199,23 @@ def real_index():
 
 
 def test_the_real_tables_index_holds_its_entries_core_strings(real_index):
-    import xxhash
-
+    data = gzip.decompress(mt.default_table(jar()).read_bytes()).decode().split("\n")
     rng = np.random.default_rng(0)
     sample = np.sort(rng.choice(real_index.entries, 4000, replace=False))
-    position = {}
-    for side in "ab":
-        position[side] = np.empty(real_index.entries, dtype=np.int64)
-        position[side][real_index.arrays[f"{side}_entry"]] = np.arange(real_index.entries)
-        assert np.all(np.diff(real_index.arrays[f"{side}_hash"].astype(np.float64)) >= 0)  # sorted
-    for k in sample.tolist():
-        _, a, b, _ = real_index.entry_bytes([k]).decode().split("\n")
-        assert real_index.arrays["a_hash"][position["a"][k]] == xxhash.xxh3_64_intdigest(brute_core(a).encode())
-        assert real_index.arrays["b_hash"][position["b"][k]] == xxhash.xxh3_64_intdigest(brute_core(b).encode())
+    assert np.all(np.diff(real_index.arrays["a_hash"].astype(np.float64)) >= 0)  # sorted
+    starts = real_index.arrays["group_start"].astype(np.int64)
+    assert [data[3 * k + 1] for k in starts[:-1].tolist()[:1000]] != []
+    group = np.searchsorted(starts, sample, side="right") - 1
+    where = np.empty(len(real_index.arrays["a_group"]), dtype=np.int64)
+    where[real_index.arrays["a_group"]] = np.arange(len(where))
+    b_lines = real_index.b_lines(sample)
+    for k, g, b in zip(sample.tolist(), group.tolist(), b_lines):
+        assert all(data[3 * e + 1] == data[3 * k + 1] for e in range(starts[g], starts[g + 1]))  # one A per run
+        core = brute_core(data[3 * k + 1]).encode()
+        assert real_index.arrays["a_hash"][where[g]] == xxhash.xxh3_64_intdigest(core)
+        assert b.decode() == data[3 * k + 2]
+    assert real_index.entry_bytes(sample[:3]).decode().split("\n")[:-1] == [
+        x for k in sample[:3].tolist() for x in ["1", data[3 * k + 1], data[3 * k + 2]]]
 
 
 def java_probe(tmp_path: Path, source: str, *args: str, stdin: str = "") -> str:
@@ -516,7 +529,8 @@ def test_a_damaged_index_is_built_again_never_read(tmp_path, monkeypatch, capfd)
         index = mt.index_for(table)
         assert "the one in the cache is damaged" in capfd.readouterr().err, path.name
         assert index.select(corpus).tolist() == expected, path.name
-        assert bytes(index.table) == gzip.decompress(table.read_bytes())
+        assert index.entry_bytes(np.arange(index.entries)).split(b"\n")[2::3] == \
+            gzip.decompress(table.read_bytes()).split(b"\n")[2::3]
 
 
 def test_a_new_table_replaces_only_the_packages_old_index_and_a_forged_cache_is_not_used(tmp_path, monkeypatch):
@@ -547,3 +561,164 @@ def test_the_cache_follows_capeval_cache_then_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("CAPEVAL_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert mt.cache_dir() == tmp_path / "x" / "capeval_plugins" / "meteor"
+
+
+CRAFTED_META = [
+    b'{"content": {"format": 3, "files": [1, 2]}, "hmac": "0"}',  # another shape, no valid signature
+    b"[" * 100_000 + b"]" * 100_000,  # deeper than the JSON reader's recursion limit
+    b"\xff\xfe not json",
+    b'{"format": 3, "entries": -5, "files": {"a_hash": {"bytes": "x"}}}',
+]
+
+
+def test_a_crafted_or_foreign_meta_file_rebuilds_the_index(tmp_path, monkeypatch, capfd):
+    """meta.json is signed with the user's key: a crafted one (any shape, also one deeper than Python's
+    recursion limit, or the right shape re-signed with another user's key) is never read: the index is built
+    again, to the same selection (a traceback before)."""
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
+    table = tmp_path / "paraphrase-en.gz"
+    table.write_bytes(gzip.compress(synthetic_table(random.Random(8), 1500)))
+    corpus = mt.corpus_grams(WORDS, 4).hashes
+    mt._loaded.clear()
+    index = mt.index_for(table)
+    expected = index.select(corpus).tolist()
+    meta_path = tmp_path / "cache" / "meteor" / index.source / "meta.json"
+    genuine = json.loads(meta_path.read_bytes())["content"]
+    other_key = files.signed_json({**genuine, "max_cores": 1}, mt.INDEX_KIND, key=b"k" * 32)
+    for crafted in CRAFTED_META + [other_key]:
+        meta_path.write_bytes(crafted)
+        mt._loaded.clear()
+        capfd.readouterr()
+        again = mt.index_for(table)
+        assert again is not None and again.select(corpus).tolist() == expected
+        assert "building METEOR's paraphrase index again" in capfd.readouterr().err
+
+
+KILLED_BUILD = """
+import os, signal, sys
+from capeval_plugins import files
+from capeval_plugins.core import meteor_table as mt
+write = files.Folder.write
+def dying_write(self, name, data, **kw):
+    if name == "a_hash":
+        def half(f):
+            f.write(bytes(data)[: len(data) // 2]); f.flush(); os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(self, name, half, **kw)
+    return write(self, name, data, **kw)
+files.Folder.write = dying_write
+mt.index_for(sys.argv[1])
+"""
+
+
+def test_a_build_killed_mid_write_leaves_nothing_the_next_build_does_not_remove(tmp_path):
+    """kill -9 while a file of the index is being written: the partial file is a listed file of the
+    package's, and the next build removes it (a hidden `.a_hash.<hex>.tmp`, never removed, before)."""
+    table = tmp_path / "paraphrase-en.gz"
+    table.write_bytes(gzip.compress(synthetic_table(random.Random(9), 20_000)))
+    env = {**os.environ, "CAPEVAL_CACHE": str(tmp_path / "cache"), "CAPEVAL_QUIET": "1"}
+    killed = subprocess.run([PYTHON, "-c", KILLED_BUILD, str(table)], env=env, capture_output=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    root = tmp_path / "cache" / "meteor"
+    partial = [p for p in root.rglob("*") if p.is_file() and p.stat().st_size and "a_hash" in p.name]
+    assert partial, "the killed build left its partial file"
+    subprocess.run([PYTHON, "-c", BUILD_SCRIPT, str(table)], env=env, capture_output=True, timeout=300, check=True)
+    claim = files.Claim(root, mt.INDEX_KIND).open(create=False)
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    assert on_disk - set(claim.files) == {".capeval-owned", mt.LOCK}
+    assert not [name for name in on_disk if name.endswith(mt.SCRATCH) or name.endswith(".tmp")]
+
+
+KILLED_RUN = """
+import os, signal
+from capeval_plugins.core import meteor_table as mt
+path, lock = mt.write_temp_table(b"a table")
+print(path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_table_folders_of_killed_runs_are_removed_and_nothing_else(tmp_path, monkeypatch):
+    """A run killed while its JVM read the cut table leaves its capeval-meteor-* folder in TMPDIR; the next
+    run removes it, but not a live run's folder, a folder of the same name without a marker of the
+    package's, nor one whose marker does not verify with the user's key."""
+    import tempfile
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+
+    def killed_run() -> Path:
+        run = subprocess.run([PYTHON, "-c", KILLED_RUN], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == -9, run.stderr
+        return Path(run.stdout.strip()).parent
+
+    first = killed_run()
+    assert first.is_dir() and first.name.startswith(mt.TEMP_PREFIX) and (first / "paraphrase.gz").is_file()
+    left = [killed_run()]
+    assert not first.exists() and left[0].is_dir()  # the next run removed the killed one's
+    mine = tmp / (mt.TEMP_PREFIX + "users-own")
+    mine.mkdir()
+    (mine / "paraphrase.gz").write_bytes(b"the user's")
+    forged = tmp / (mt.TEMP_PREFIX + "forged")
+    shutil.copytree(left[0], forged)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    with monkeypatch.context() as other:
+        other.setenv("CAPEVAL_CONFIG_DIR", str(tmp_path / "someone-else"))
+        assert mt.sweep_temp_tables() == []  # another user's key: nothing is provably capeval's
+    path, lock = mt.write_temp_table(b"live")  # this process's, in use: it sweeps the dead ones first
+    live = Path(path).parent
+    assert not any(folder.exists() for folder in left) and (mine / "paraphrase.gz").read_bytes() == b"the user's"
+    assert mt.sweep_temp_tables() == [] and Path(path).read_bytes() == b"live"
+    table = mt.FilteredTable("x", np.zeros(0), path, np.zeros(0), lock=lock)
+    table.remove()
+    assert not live.exists() and mine.exists()
+
+
+def test_jvms_are_bounded_by_the_machine(fake_jvms, monkeypatch):
+    """meteor.jvms=1000 starts at most one JVM per CPU (one per distinct segment, before), same scores."""
+    fake_jar, starts = fake_jvms
+    monkeypatch.setattr(java, "max_jvms", lambda: 2)
+    segments = [(f"{w} dog", [f"a {w}"]) for w in WORDS[:6]]
+    with pytest.warns(UserWarning, match="at most 2"):
+        java.METEOR.score(fake_jar, segments, jvms=1000)
+    assert len(starts) == 2
+    metric = capeval_plugins.load("meteor", jvms=1000)
+    assert metric.config.jvms == 1000  # bounded where it runs: a config travels between machines
+
+
+def test_capeval_cache_shows_the_index_and_clears_only_the_packages_files(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    from capeval_plugins.cli import main
+
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    table = tmp_path / "paraphrase-en.gz"
+    table.write_bytes(gzip.compress(synthetic_table(random.Random(11), 3000)))
+    mt._loaded.clear()
+    index = mt.index_for(table)
+    root = tmp_path / "cache" / "meteor"
+    (root / "notes.txt").write_text("the user's")
+    dead = subprocess.run([PYTHON, "-c", KILLED_RUN], env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True,
+                          text=True, timeout=120)
+    dead_folder = Path(dead.stdout.strip()).parent
+    capsys.readouterr()
+    assert main(["cache"]) == 0
+    shown = capsys.readouterr().out
+    size = sum(p.stat().st_size for p in (root / index.source).iterdir())
+    assert f"{size / 1e6:.1f} MB" in shown and "a_hash" in shown and "hashes of the phrases A" in shown
+    assert "1 capeval-meteor-* folders" in shown and "notes.txt" not in shown
+    assert main(["cache", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["meteor"]["bytes"] == size and len(info["meteor"]["files"]) == len(list((root / index.source).iterdir()))
+    assert main(["cache", "clear"]) == 0
+    assert "1 table folder(s) of killed runs" in capsys.readouterr().out
+    assert not dead_folder.exists() and (root / "notes.txt").read_text() == "the user's"
+    assert not (root / index.source).exists() and not (root / ".capeval-owned").exists()
+    mt._loaded.clear()
+    assert mt.index_for(table).select(mt.corpus_grams(WORDS, 4).hashes).tolist() == \
+        index.select(mt.corpus_grams(WORDS, 4).hashes).tolist()  # built again on the next use

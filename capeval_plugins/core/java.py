@@ -372,6 +372,26 @@ def _is_stats(line: str) -> bool:
     return True
 
 
+def max_jvms() -> int:
+    """The METEOR JVMs one scoring runs at most: one per CPU this process may use (they are CPU-bound, and more
+    would only share the CPUs while each holds its own heap)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - no affinity on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def bounded_jvms(jvms: int) -> int:
+    """``jvms`` within 1 .. :func:`max_jvms` (the scores do not depend on it), saying so once when cut."""
+    most = max_jvms()
+    if int(jvms) > most:
+        from capeval_plugins.core.messages import warn_once
+
+        warn_once(("meteor-jvms", int(jvms), most), f"meteor: jvms={int(jvms)} asks for more JVMs than the {most} "
+                  f"CPU(s) this process may use; running at most {most} (the scores are the same)")
+    return max(1, min(int(jvms), most))
+
+
 PARAPHRASES = ("corpus", "full")  # METEOR's paraphrase table: the entries the corpus can use (the same scores), or all
 MAX_CORPUS_TABLES = 8  # JVMs started on a corpus's table in one process before one loads the full table for good
 
@@ -408,7 +428,7 @@ class MeteorPool:
         if not self.lock.acquire(timeout=max(STARTUP_TIMEOUT, timeout())):
             raise ExternalToolError("METEOR: another scoring in this process did not finish")
         try:
-            return self._score(jar, segments, rows, max(1, int(jvms)), paraphrases)
+            return self._score(jar, segments, rows, bounded_jvms(jvms), paraphrases)
         except BaseException:
             self.stop(kill=True)  # a JVM that failed or was interrupted mid-protocol is not reused
             raise

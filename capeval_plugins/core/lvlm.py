@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core import loading
+from capeval_plugins.core import loading, shared_results
 from capeval_plugins.core.messages import MissingExtra, install_extra, warn_once
 
 # Token-level processor outputs (one value per token): padded with the ids, sliced with the prefix.
@@ -431,6 +431,8 @@ class LVLMJudge:
         video_token = getattr(processor, "video_token", None)
         self.video_token_id = self.tokenizer.convert_tokens_to_ids(video_token) if video_token else None
         self.rope_index = getattr(getattr(model, "model", model), "get_rope_index", None)
+        self.cache_arg = cache_argument(model)
+        self.results = shared_results.Results()  # metrics asking this judge the same questions run it once
         self._system_turns: dict[str, dict | None] = {}  # system prompt -> the system turn the template takes
 
     @classmethod
@@ -570,7 +572,9 @@ class LVLMJudge:
         token and read as if the model had written it (the answer ends with it). Samples are processed in
         chunks of ``batch_size`` in the given order (keep the candidates of an image together: their prefix
         is shared within a chunk); a chunk that runs out of memory is split in halves. An image may be a
-        video (a list of frames), fed as ``visual_input`` says."""
+        video (a list of frames), fed as ``visual_input`` says. The last answers are kept
+        (:mod:`~capeval_plugins.core.shared_results`): the same call again, by content, returns them (the
+        output is shared: treat it as read-only)."""
         n = len(instructions)
         index = _check_index(image_index, n)
         if max_new_tokens < 1 or batch_size < 1:
@@ -578,10 +582,18 @@ class LVLMJudge:
         table = self.label_table(scale.labels)
         if n == 0:
             return _empty_output(table, len(scale.labels), len(scale.positions))
-        run = self._prepare(images, index, list(instructions), forced, scale, max_new_tokens, keep_hidden,
-                            visual_input)
-        parts = list(self._chunks(run, batch_size, lambda rows: self._run_chunk(run, rows, table)))
-        return _cat_outputs(parts, table)
+
+        def answer() -> JudgeOutput:
+            run = self._prepare(images, index, list(instructions), forced, scale, max_new_tokens, keep_hidden,
+                                visual_input)
+            parts = list(self._chunks(run, batch_size, lambda rows: self._run_chunk(run, rows, table)))
+            return _cat_outputs(parts, table)
+
+        # FLEUR and DISCODE of one pass ask the same questions of the same judge: answered once (an answer
+        # kept with its hidden states serves a call without them)
+        key = shared_results.digest("judge", images, index, list(instructions), scale, max_new_tokens, batch_size,
+                                    None if forced is None else list(forced), visual_input)
+        return self.results.get(key, answer, lambda out: out.hidden is not None or not keep_hidden)
 
     def prompt_end(
         self,
@@ -747,7 +759,7 @@ class LVLMJudge:
         out = self.model(input_ids=pre_ids.to(dev), attention_mask=pre_mask.to(dev), position_ids=pre_pos.to(dev),
                          **{k: v.to(dev) for k, v in {**pre_tokens, **vision}.items()},
                          use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        cache = getattr(out, self.cache_arg)
         next_pos = _next_positions(pre_pos, pre_mask)
         # 2. Each candidate's suffix on a copy of its image's cache.
         group = torch.tensor(group_of, dtype=torch.long)
@@ -793,8 +805,8 @@ class LVLMJudge:
         dev = self.device
         with self._capture_hidden() as seen:
             out = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                             position_ids=self._step_positions(positions).to(dev), past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
+                             position_ids=self._step_positions(positions).to(dev), use_cache=True,
+                             logits_to_keep=1, **{self.cache_arg: cache})
         return out.logits[:, -1].float().to(dev), seen[-1].float().to(dev)
 
     def _decode(self, run: _Run, rows: list[int], table: Tensor, cache: Any, ids: Tensor, mask: Tensor,
@@ -886,6 +898,16 @@ class LVLMJudge:
             hidden=None if hidden is None else hidden[:, :n_steps], raw=raw, positions=positions,
             labels=labels, errors=errors,
         )
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which ``model`` takes and returns its key/value cache: ``cache`` (transformers 5.24 on;
+    ``past_key_values`` is deprecated there and removed in 5.40), else ``past_key_values`` (earlier versions)."""
+    forward = getattr(model, "forward", model)
+    try:
+        return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return "past_key_values"
 
 
 @contextmanager

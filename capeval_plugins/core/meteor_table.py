@@ -32,26 +32,37 @@ the jar's own bytecode):
    a text with more core strings than :data:`MAX_NGRAMS` or, when more, :data:`MAX_NGRAMS_PER_RUN` per run
    (dense joins such as ``a-b-c-d-...``) gets the full table: correct, only slower.
 
-The index (64-bit hashes of every entry's A and B core strings, sorted by A, and the decompressed table) is
-built once per machine and table file in the user's cache (``$CAPEVAL_CACHE/meteor``, else
-``$XDG_CACHE_HOME/capeval_plugins/meteor``, that is ``~/.cache/capeval_plugins/meteor``) through
-:mod:`capeval_plugins.files`: under a lock, every file written whole and listed as the package's, its
-metadata last, with each file's digest (xxh3-128), checked whenever a process opens the index (about 30 ms
-for its 421 MB): a damaged index is built again, never read. A corpus's table then takes a few hundred
-milliseconds to select and write.
+4. The jar reads each entry's first line (a probability) and never parses it (``ParaphraseTransducer``: the
+   parse is commented out, and every paraphrase match has probability 1), so the tables written here give
+   it as ``1``; the A and B lines are the file's, byte for byte.
+
+The index is built once per machine and table file in the user's cache (``$CAPEVAL_CACHE/meteor``, else
+``$XDG_CACHE_HOME/capeval_plugins/meteor``, that is ``~/.cache/capeval_plugins/meteor``). The table lists the
+entries of one A phrase together (430,639 runs for 5,274,084 entries in the English table), so the index hashes
+the core string of each run's A line only (:func:`build_arrays`) and keeps the B lines zlib-compressed in blocks
+of :data:`BLOCK` entries: about 37 MB for the English table, built in about 3 CPU-s (``benchmarks/README.md``).
+A corpus's table takes the runs whose A core string is among the corpus's, decompresses the blocks of their
+entries and keeps those whose B core string is too. Every file goes through :mod:`capeval_plugins.files`: under
+a lock, written whole through a listed scratch name (what a killed build leaves is removed by the next one),
+listed as the package's, the metadata last, signed with the user's key and with each file's digest
+(xxh3-128), checked whenever a process opens the index: a damaged or crafted index is built again, never read.
+The tables written for the JVMs go to private folders of TMPDIR (``capeval-meteor-*``), each with a signed
+marker and an in-use lock, so the folders a killed run left are recognised and removed by the next run
+(:func:`sweep_temp_tables`); ``capeval cache`` shows and clears both.
 """
 from __future__ import annotations
 
 import contextlib
 import gzip
-import json
+import itertools
+import operator
 import os
 import re
 import sys
 import threading
 import time
+import zlib
 from dataclasses import dataclass
-from itertools import repeat
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -61,13 +72,14 @@ import xxhash
 from capeval_plugins.core.coco_text import _ranges
 from capeval_plugins.core.messages import warn_once
 
-FORMAT = 2                  # of the index files; a new format replaces the package's old one
+FORMAT = 3                  # of the index files; a new format replaces the package's old one
+BLOCK = 1024                # entries per zlib block of B lines in the index
 CACHE_ENV = "CAPEVAL_CACHE"  # relocates every capeval cache: this one is $CAPEVAL_CACHE/meteor
 QUIET_ENV = "CAPEVAL_QUIET"
 INDEX_KIND = "meteor-paraphrase-index"
 LOCK = "build.lock"
 LOCK_WAIT = 900.0           # seconds to wait for another process's build before using the full table
-BUILD_SECONDS = 12          # what the build costs (CPU) on the 2-core development machine (benchmarks/README.md)
+BUILD_SECONDS = 4           # what the build costs (CPU) on the 2-core development machine (benchmarks/README.md)
 
 # The normaliser's alphanumerics (edu.cmu.meteor.util.Normalizer.alnum) within SUPPORTED, as regex ranges.
 ALNUM = r"0-9A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u017e"
@@ -219,42 +231,95 @@ def phrase_cores(block: bytes) -> list[bytes]:
     return (b"\n" + block + b"\n").replace(b" \n", b"\n").replace(b"\n ", b"\n").split(b"\n")[1:-1]
 
 
-def entry_offsets(data: bytes) -> np.ndarray:
-    """Where each entry (three lines) of a decompressed table starts, and its end."""
-    view = np.frombuffer(data, dtype=np.uint8)
-    parts, seen, step = [np.zeros(1, np.uint64)], 0, 1 << 26
-    for lo in range(0, len(view), step):
-        newlines = np.flatnonzero(view[lo:lo + step] == 10) + lo
-        parts.append((newlines[(2 - seen) % 3::3] + 1).astype(np.uint64))  # each entry's third line end
-        seen += len(newlines)
-    if seen % 3:
-        raise ValueError(f"the paraphrase table has {seen} lines, not three per entry")
-    return np.concatenate(parts)
+def _core_hashes(lines: Sequence[bytes]) -> np.ndarray:
+    return _hashes(phrase_cores(b"\n".join(lines) + b"\n"), len(lines)) if lines else np.zeros(0, np.uint64)
 
 
-def build_arrays(data: bytes) -> tuple[dict[str, np.ndarray], int]:
-    """The index of a decompressed table: ``offsets`` (where each entry's three lines start, and the end), the
-    hashes of the A core strings sorted (``a_hash``) with their entries (``a_entry``), the same for B; and the
-    most tokens in one core string."""
+def _most_tokens(text: bytes, lines: Sequence[bytes], best: int) -> int:
+    """The most tokens in the core string of one of ``lines`` (``text`` is them joined, each ending in
+    ``\\n``), or ``best`` when none has more. A line's whitespace-separated tokens bound its core's from
+    above, so only the lines that could have more than ``best`` get their cores computed, longest first."""
+    if b"\t" in text or b"\f" in text:
+        text = text.translate(_TOKEN_BREAKS)
+    view = np.frombuffer(text, dtype=np.uint8)
+    ends = np.flatnonzero(view == 10)
+    bound = np.diff(np.searchsorted(np.flatnonzero(view == 32), ends), prepend=0) + 1
+    at = int(bound.max(initial=0))
+    while at > best:
+        cores = phrase_cores(b"\n".join(lines[i] for i in np.flatnonzero(bound == at).tolist()) + b"\n")
+        best = max([best] + [c.count(b" ") + 1 for c in cores if c])
+        at -= 1
+    return best
+
+
+try:  # ISA-L's deflate and inflate (the `fast` extra): the same formats, 2-4 times faster than zlib's
+    from isal import igzip as _gzip_fast, isal_zlib as _zlib_fast
+except ImportError:  # pragma: no cover - the extra is not installed
+    _gzip_fast = _zlib_fast = None
+
+
+def _deflate(data: bytes) -> bytes:
+    return _zlib_fast.compress(data, 1) if _zlib_fast is not None else zlib.compress(data, 1)
+
+
+def gunzip(data: bytes) -> bytes:
+    return _gzip_fast.decompress(data) if _gzip_fast is not None else gzip.decompress(data)
+
+
+def build_arrays(data: bytes, block: int = BLOCK) -> tuple[dict[str, np.ndarray | bytes], dict]:
+    """The index of a decompressed table (module docstring, point 4): ``group_start`` (the first entry of each
+    run of entries with the same A line, then the number of entries), the A lines' core-string hashes sorted
+    (``a_hash``) with their runs (``a_group``), the runs' A lines (``a_text``, cut at ``a_offsets``), and every
+    entry's B line in zlib blocks of ``block`` entries (``b_blocks``, cut at ``b_offsets``). Returns the arrays
+    and the metadata they imply (entries, runs, block, the most tokens in one core string)."""
     if b"\r" in data or b"\x0b" in data or not data.endswith(b"\n"):
         raise ValueError("the paraphrase table is not in the layout the index reads (\\r, \\x0b, or no final line end)")
-    data.decode("utf-8")  # the JVM would read malformed bytes as U+FFFD: no index for such a table
-    offsets = entry_offsets(data)
-    n = len(offsets) - 1
-    a_hash, b_hash = np.empty(n, np.uint64), np.empty(n, np.uint64)
-    most = 0
-    step = 1 << 19
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        cores = phrase_cores(data[int(offsets[lo]):int(offsets[hi])])
-        a, b = cores[1::3], cores[2::3]
-        a_hash[lo:hi], b_hash[lo:hi] = _hashes(a, hi - lo), _hashes(b, hi - lo)
-        most = max(most, max(map(bytes.count, a + b, repeat(b" ")), default=-1) + 1)
-    arrays = {"offsets": offsets}
-    for side, hashes in (("a", a_hash), ("b", b_hash)):
-        order = np.argsort(hashes, kind="stable")
-        arrays[f"{side}_hash"], arrays[f"{side}_entry"] = hashes[order], order.astype(np.uint32)
-    return arrays, most
+    if data.count(b"\n") % 3:
+        raise ValueError("the paraphrase table's lines are not three per entry")
+    # Bytes that are not UTF-8 need no check: the JVM reads them as U+FFFD, which no supported corpus holds, and
+    # their core strings here keep them, so no corpus's core string equals them either: such a phrase matches
+    # nothing, in the jar and in the selection alike.
+    starts: list[np.ndarray] = []
+    heads: list[bytes] = []
+    blocks: list[bytes] = []
+    pending: list[bytes] = []  # B lines not yet in a full block
+    most, n, previous, pos = 1, 0, None, 0
+    window = max(3 * block, 1 << 25)
+    while pos < len(data):
+        piece = data[pos:pos + window]
+        lines = piece.split(b"\n")
+        whole = len(lines) - 1  # the last piece is cut by the window (or empty at the end)
+        take = whole - whole % 3 if pos + window >= len(data) else whole - whole % (3 * block) or whole - whole % 3
+        pos += len(piece) - len(b"\n".join(lines[take:]))  # the bytes of the lines taken, line ends included
+        del lines[take:]
+        a, b = lines[1::3], lines[2::3]
+        new = np.fromiter(map(operator.ne, a, itertools.chain([previous], a)), dtype=bool, count=len(a))
+        first = np.flatnonzero(new)
+        starts.append(first + n)
+        heads += itertools.compress(a, new)
+        pending += b
+        full = len(pending) - len(pending) % block if pos < len(data) else len(pending)
+        texts = [b"\n".join(pending[k:k + block]) + b"\n" for k in range(0, full, block)]
+        most = _most_tokens(b"".join(texts), pending[:full], most)
+        blocks += map(_deflate, texts)
+        del pending[:full]
+        previous, n = a[-1], n + len(a)
+    most = _most_tokens(b"\n".join(heads) + b"\n", heads, most)
+    a_hash = _core_hashes(heads)
+    order = np.argsort(a_hash, kind="stable")
+    arrays = {
+        "group_start": np.concatenate(starts + [np.array([n])]).astype(np.uint32),
+        "a_hash": a_hash[order], "a_group": order.astype(np.uint32),
+        "a_offsets": _lengths_to_offsets(map(len, heads), len(heads)), "a_text": b"".join(heads),
+        "b_offsets": _lengths_to_offsets(map(len, blocks), len(blocks)), "b_blocks": b"".join(blocks),
+    }
+    return arrays, {"entries": n, "groups": len(heads), "block": block, "max_cores": most}
+
+
+def _lengths_to_offsets(lengths: Iterable[int], count: int) -> np.ndarray:
+    out = np.zeros(count + 1, dtype=np.uint64)
+    np.cumsum(np.fromiter(lengths, dtype=np.uint64, count=count), out=out[1:])
+    return out
 
 
 @dataclass
@@ -275,6 +340,11 @@ class CorpusPhrases:
         return self._grams
 
 
+TEMP_PREFIX = "capeval-meteor-"  # the private folders in TMPDIR that hold a JVM's table (module docstring)
+TEMP_KIND = "meteor-table"
+TEMP_LOCK = "in-use.lock"        # held by the process whose JVMs read the table, while it lives
+
+
 @dataclass
 class FilteredTable:
     """Some entries of an index (sorted ids), written for the JVM at ``path``: those a corpus can use (both
@@ -287,6 +357,7 @@ class FilteredTable:
     path: str
     references: np.ndarray  # core-string hashes of the references it was made for
     any_hypothesis: bool = False
+    lock: int | None = None  # the descriptor of the folder's in-use lock, held while the table lives
 
     def serves(self, corpus: CorpusPhrases) -> bool:
         """Whether it holds every entry ``corpus`` can use."""
@@ -301,51 +372,192 @@ class FilteredTable:
         from capeval_plugins import files
 
         with contextlib.suppress(OSError, files.FileError):
-            files.remove_private(os.path.dirname(self.path))
+            _remove_temp(Path(self.path).parent)
+        if self.lock is not None:
+            os.close(self.lock)
+            self.lock = None
+
+
+def write_temp_table(data: bytes) -> tuple[str, int]:
+    """``data`` as ``paraphrase.gz`` in a new private folder of TMPDIR, listed in a marker of the package's
+    with an in-use lock held by this process (so a later process can tell the folder of a killed run from a
+    live one: :func:`sweep_temp_tables`). Returns the file's path and the lock's descriptor."""
+    import fcntl
+
+    from capeval_plugins import files
+
+    sweep_temp_tables()
+    claim = files.Claim(files.private_folder(TEMP_PREFIX), TEMP_KIND).open()
+    try:
+        claim.own([TEMP_LOCK, "paraphrase.gz"])
+        fd, _ = claim.folder.lock(TEMP_LOCK)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new folder: no one else holds it
+        try:
+            claim.write("paraphrase.gz", data)
+        except BaseException:
+            os.close(fd)
+            raise
+        return str(claim.path / "paraphrase.gz"), fd
+    except BaseException:
+        with contextlib.suppress(OSError, files.FileError):
+            _remove_temp(claim.path)
+        raise
+    finally:
+        claim.folder.close()
+
+
+def _remove_temp(path: Path) -> None:
+    """Remove a table folder of :func:`write_temp_table`: its listed files, its marker, then the folder (only
+    when nothing else is in it)."""
+    from capeval_plugins import files
+
+    claim = files.Claim(path, TEMP_KIND).open(create=False)
+    try:
+        claim.remove()
+    finally:
+        claim.folder.close()
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def sweep_temp_tables() -> list[str]:
+    """Remove the table folders that killed runs of capeval left in TMPDIR: only folders named
+    ``capeval-meteor-*`` that belong to the user, hold a marker of the package's that verifies with the user's
+    key (so capeval provably made them) and whose in-use lock no process holds. Returns what it removed."""
+    import fcntl
+    import stat
+    import tempfile
+
+    from capeval_plugins import files
+
+    removed = []
+    root = Path(tempfile.gettempdir())
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(TEMP_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = root / name
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            claim = files.Claim(path, TEMP_KIND).open(create=False)
+        except (OSError, files.FileError):
+            continue  # not ours beyond doubt: left alone
+        try:
+            if not claim.found or not claim.owns(TEMP_LOCK):
+                continue
+            fd, _ = claim.folder.lock(TEMP_LOCK)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live process's table
+            finally:
+                os.close(fd)
+        except (OSError, files.FileError):
+            continue
+        finally:
+            claim.folder.close()
+        with contextlib.suppress(OSError, files.FileError):
+            _remove_temp(path)
+            removed.append(str(path))
+    return removed
 
 
 class ParaphraseIndex:
-    """The index of one paraphrase table file, its arrays mapped from the cache."""
+    """The index of one paraphrase table file (:func:`build_arrays`), its arrays mapped from the cache."""
 
-    def __init__(self, source: str, meta: dict, arrays: dict[str, np.ndarray], table) -> None:
+    def __init__(self, source: str, meta: dict, arrays: dict, store=None) -> None:
         self.source = source
         self.entries = int(meta["entries"])
         self.max_n = int(meta["max_cores"])
+        self.block = int(meta["block"])
         self.arrays = arrays
-        self.table = table
+        self._store = store  # saves an array computed later (``b_hash``) beside the others, when given
 
-    def _having(self, side: str, grams: np.ndarray) -> np.ndarray:
-        """The entries whose ``side`` ("a" or "b") core string is in ``grams`` (sorted hashes)."""
-        hashes = self.arrays[f"{side}_hash"]
+    @classmethod
+    def from_table(cls, data: bytes, source: str = "memory", block: int = BLOCK) -> "ParaphraseIndex":
+        """The index of a decompressed table, in memory."""
+        arrays, meta = build_arrays(data, block)
+        return cls(source, meta, arrays)
+
+    def _groups(self, grams: np.ndarray) -> np.ndarray:
+        """The runs whose A core string is in ``grams`` (sorted hashes), sorted."""
+        hashes = self.arrays["a_hash"]
         lo, hi = np.searchsorted(hashes, grams, side="left"), np.searchsorted(hashes, grams, side="right")
-        return self.arrays[f"{side}_entry"][_ranges(lo, hi - lo)].astype(np.int64)
+        return np.sort(self.arrays["a_group"][_ranges(lo, hi - lo)].astype(np.int64))
+
+    def _entries_of(self, groups: np.ndarray) -> np.ndarray:
+        start = self.arrays["group_start"].astype(np.int64)
+        return _ranges(start[groups], start[groups + 1] - start[groups])
+
+    def b_lines(self, entries: np.ndarray) -> list[bytes]:
+        """The B lines of ``entries`` (sorted ids), each block they lie in decompressed once."""
+        entries = np.asarray(entries, dtype=np.int64)
+        if not len(entries):
+            return []
+        offsets, blob = self.arrays["b_offsets"], self.arrays["b_blocks"]
+        blocks, local = np.divmod(entries, self.block)
+        cuts = np.flatnonzero(np.diff(blocks)) + 1
+        out: list[bytes] = []
+        for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(entries)]):
+            k = int(blocks[lo])
+            lines = zlib.decompress(blob[int(offsets[k]):int(offsets[k + 1])]).split(b"\n")
+            out += [lines[i] for i in local[lo:hi].tolist()]
+        return out
+
+    def _select(self, grams: np.ndarray) -> tuple[np.ndarray, list[bytes]]:
+        """The entries whose A and B core strings are both in ``grams``, and their B lines."""
+        entries = self._entries_of(self._groups(grams))
+        lines = self.b_lines(entries)
+        keep = np.isin(_core_hashes(lines), grams, assume_unique=False)
+        return entries[keep], list(itertools.compress(lines, keep.tolist()))
 
     def select(self, grams: np.ndarray) -> np.ndarray:
         """The ids (sorted: file order) of the entries whose A and B core strings are both in ``grams``."""
-        return np.intersect1d(distinct(self._having("a", grams)), distinct(self._having("b", grams)),
-                              assume_unique=True)
+        return self._select(grams)[0]
+
+    def b_hash(self) -> np.ndarray:
+        """Every entry's B core-string hash (computed on first use, then kept in the cache beside the index:
+        only validation loops need it, :meth:`table_for_references`)."""
+        if "b_hash" not in self.arrays:
+            offsets, blob = self.arrays["b_offsets"], self.arrays["b_blocks"]
+            parts = [zlib.decompress(blob[int(offsets[k]):int(offsets[k + 1])]) for k in range(len(offsets) - 1)]
+            hashes = _hashes(phrase_cores(b"".join(parts)), self.entries)
+            self.arrays["b_hash"] = hashes
+            if self._store is not None:
+                self._store("b_hash", hashes)
+        return self.arrays["b_hash"]
 
     def select_either(self, grams: np.ndarray) -> np.ndarray:
         """The ids (sorted) of the entries whose A or B core string is in ``grams``."""
-        return union(self._having("a", grams), self._having("b", grams))
+        b_hash = self.b_hash()
+        at = np.searchsorted(grams, b_hash).clip(max=max(len(grams) - 1, 0))
+        by_b = np.flatnonzero(grams[at] == b_hash) if len(grams) else np.zeros(0, np.int64)
+        return union(self._entries_of(self._groups(grams)), by_b)
 
-    def entry_bytes(self, entries: Sequence[int]) -> bytes:
-        offsets = self.arrays["offsets"]
-        return b"".join(self.table[int(offsets[e]):int(offsets[e + 1])] for e in entries)
+    def entry_bytes(self, entries: np.ndarray, lines: Sequence[bytes] | None = None) -> bytes:
+        """``entries`` in the jar's layout, in the given order: a probability line (``1``: the jar never
+        parses it), the A line and the B line, byte for byte (``lines``: their B lines, when known)."""
+        entries = np.asarray(entries, dtype=np.int64)
+        lines = self.b_lines(entries) if lines is None else lines
+        groups = np.searchsorted(self.arrays["group_start"], entries, side="right") - 1
+        offsets, text = self.arrays["a_offsets"], self.arrays["a_text"]
+        heads = [bytes(text[int(offsets[g]):int(offsets[g + 1])]) for g in groups.tolist()]
+        return b"".join(b"1\n%s\n%s\n" % pair for pair in zip(heads, lines))
 
-    def write(self, entries: np.ndarray, references: np.ndarray, any_hypothesis: bool = False) -> FilteredTable:
-        """The entries, in file order and byte for byte, as a gzip table in a new private temporary folder."""
-        from capeval_plugins import files
-
-        data = gzip.compress(self.entry_bytes(entries), compresslevel=1, mtime=0)
-        folder = files.private_folder("capeval-meteor-")
-        with files.Folder.open(folder, mine=True)[0] as where:
-            where.write("paraphrase.gz", data, replace=False)
-        return FilteredTable(self.source, entries, os.path.join(folder, "paraphrase.gz"), references, any_hypothesis)
+    def write(self, entries: np.ndarray, references: np.ndarray, any_hypothesis: bool = False,
+              lines: Sequence[bytes] | None = None) -> FilteredTable:
+        """The entries, in file order, as a gzip table for the JVM (:func:`write_temp_table`)."""
+        data = gzip.compress(self.entry_bytes(entries, lines), compresslevel=1, mtime=0)
+        path, lock = write_temp_table(data)
+        return FilteredTable(self.source, entries, path, references, any_hypothesis, lock)
 
     def table_for(self, corpus: CorpusPhrases) -> FilteredTable:
         """The entries ``corpus`` can use (its hypotheses inside the argument: :meth:`CorpusPhrases.grams`)."""
-        return self.write(self.select(corpus.grams()), corpus.references)
+        entries, lines = self._select(corpus.grams())
+        return self.write(entries, corpus.references, lines=lines)
 
     def table_for_references(self, references: np.ndarray) -> FilteredTable:
         """Every entry with a phrase among ``references`` (core-string hashes): any candidates of them."""
@@ -405,49 +617,81 @@ def _open(root: Path, source: str, claim=None) -> ParaphraseIndex | None:
     from capeval_plugins import files
 
     if claim is not None:
-        return _read(claim, source)
+        return _read(claim, source, root)
     if not (root / ".capeval-owned").is_file():
         return None
     claim = files.Claim(root, INDEX_KIND).open(create=False)
     try:
-        return _read(claim, source)
+        found = _read(claim, source, root)
+        if found is not None and any(name.endswith(SCRATCH) for name in claim.files):
+            _locked(root, _remove_scratch, wait=0)  # a killed build's partial files, when no build runs now
+        return found
     finally:
         claim.folder.close()
 
 
-def _read(claim, source: str) -> ParaphraseIndex | None:
-    """The index, when every file is there, listed as the package's and has the digest its metadata gives
-    (a flipped bit would silently drop or change paraphrase entries: the check reads 421 MB in ~30 ms)."""
-    def mapped(name: str):
-        data = claim.map(f"{source}/{name}") if claim.owns(f"{source}/{name}") else None
-        return data if data is not None and digest(data) == meta["digests"].get(name) else None
+# What each file of the index holds: a numpy dtype, or None for bytes.
+LAYOUT = {"group_start": "<u4", "a_hash": "<u8", "a_group": "<u4", "a_offsets": "<u8", "a_text": None,
+          "b_offsets": "<u8", "b_blocks": None, "b_hash": "<u8"}
+OPTIONAL = ("b_hash",)
+SCRATCH = ".partial"  # a file of the index is written under its name + SCRATCH first (listed: a crash's is removed)
 
-    raw = claim.map(f"{source}/meta.json") if claim.owns(f"{source}/meta.json") else None
+
+def read_meta(claim, source: str) -> dict | None:
+    """The index's metadata, when it verifies (an HMAC with the user's key: a file crafted or damaged in the
+    cache is never acted on, the index is built again) and has the shape this version writes."""
+    from capeval_plugins import files
+
+    raw = claim.read(f"{source}/meta.json") if claim.owns(f"{source}/meta.json") else None
     try:
-        meta = json.loads(bytes(raw)) if raw is not None else {}
-    except ValueError:  # a damaged metadata file: rebuilt
+        meta = files.read_signed_json(raw, INDEX_KIND)
+        ok = (isinstance(meta, dict) and meta.get("format") == FORMAT and meta.get("source") == source
+              and all(isinstance(meta.get(k), int) and meta[k] >= 0 for k in ("entries", "groups", "max_cores"))
+              and isinstance(meta.get("block"), int) and meta["block"] >= 1
+              and isinstance(meta.get("files"), dict) and set(LAYOUT) - set(OPTIONAL) <= set(meta["files"]) <= set(LAYOUT)
+              and all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("digest"), str)
+                      for v in meta["files"].values()))
+    except (RecursionError, ValueError, TypeError, files.FileError):
         return None
-    if (not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("source") != source
-            or not isinstance(meta.get("digests"), dict)):
+    return meta if ok else None
+
+
+def _read(claim, source: str, root: Path | None = None) -> ParaphraseIndex | None:
+    """The index, when every file is there, listed as the package's, has the digest its metadata gives (a
+    flipped bit would silently drop or change paraphrase entries) and the shape the metadata implies."""
+    meta = read_meta(claim, source)
+    if meta is None:
         return None
-    arrays = {}
-    for name, (dtype, length) in meta["arrays"].items():
-        data = mapped(name)
-        if data is None or len(data) != length * np.dtype(dtype).itemsize:
+    arrays: dict = {}
+    for name, about in meta["files"].items():
+        data = claim.map(f"{source}/{name}") if claim.owns(f"{source}/{name}") else None
+        if data is None or len(data) != about["bytes"] or digest(data) != about["digest"]:
             return None
-        arrays[name] = np.frombuffer(data, dtype=dtype, count=length)
-    text = mapped("table")
-    if text is None or len(text) != meta["bytes"] or int(arrays["offsets"][-1]) != meta["bytes"]:
+        dtype = LAYOUT[name]
+        if dtype is not None and len(data) % np.dtype(dtype).itemsize:
+            return None
+        arrays[name] = data if dtype is None else np.frombuffer(data, dtype=dtype)
+    n, groups = meta["entries"], meta["groups"]
+    blocks = -(-n // meta["block"])
+    shapes_ok = (len(arrays["group_start"]) == groups + 1 and len(arrays["a_hash"]) == groups == len(arrays["a_group"])
+                 and len(arrays["a_offsets"]) == groups + 1 and len(arrays["b_offsets"]) == blocks + 1
+                 and (groups == 0 or int(arrays["group_start"][-1]) == n)
+                 and int(arrays["a_offsets"][-1]) == len(arrays["a_text"])
+                 and int(arrays["b_offsets"][-1]) == len(arrays["b_blocks"])
+                 and ("b_hash" not in arrays or len(arrays["b_hash"]) == n))
+    if not shapes_ok:
         return None
-    return ParaphraseIndex(source, meta, arrays, text)
+    store = None if root is None else (lambda name, array: _locked(root, _add_file, source, name, array, wait=0))
+    return ParaphraseIndex(source, meta, arrays, store)
 
 
 def digest(data) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def _build(root: Path, source: str, gz: bytes) -> ParaphraseIndex | None:
-    """Build the index under the cache's lock (another process building it meanwhile: wait, then read)."""
+def _locked(root: Path, work, *args, wait: float = LOCK_WAIT):
+    """``work(claim, *args)`` under the cache's build lock; None without running it when another process
+    holds the lock longer than ``wait`` seconds (0: try once)."""
     import fcntl
 
     from capeval_plugins import files
@@ -456,38 +700,88 @@ def _build(root: Path, source: str, gz: bytes) -> ParaphraseIndex | None:
     with folder:
         fd, _ = folder.lock(LOCK)
         try:
-            deadline = time.monotonic() + LOCK_WAIT
+            deadline = time.monotonic() + wait
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise OSError(f"another process has been building the index for {LOCK_WAIT:.0f} s") from None
+                    if time.monotonic() >= deadline:
+                        if wait:
+                            raise OSError(f"another process has been building the index for {wait:.0f} s") from None
+                        return None
                     time.sleep(0.2)
             claim = files.Claim(root, INDEX_KIND).open()
-            found = _open(root, source, claim)
-            if found is not None:
-                return found
-            if os.environ.get(QUIET_ENV) != "1":
-                again = claim.owns(f"{source}/meta.json")  # there, but a file did not verify
-                print(f"building METEOR's paraphrase index {'again: the one in the cache is damaged' if again else 'once'}"
-                      f" (about {BUILD_SECONDS} s; kept in {root})", file=sys.stderr, flush=True)
-            data = gzip.decompress(gz)
-            arrays, most = build_arrays(data)
-            old = [name for name in claim.files if not name.startswith(source + "/")]
-            claim.remove(old)  # indexes of other table files or formats
-            contents = {"table": data,
-                        **{name: memoryview(np.ascontiguousarray(a)).cast("B") for name, a in arrays.items()}}
-            for name, content in contents.items():
-                claim.write(f"{source}/{name}", content)
-            meta = {"format": FORMAT, "source": source, "entries": len(arrays["offsets"]) - 1, "max_cores": most,
-                    "bytes": len(data), "arrays": {k: [v.dtype.str, len(v)] for k, v in arrays.items()},
-                    "digests": {name: digest(content) for name, content in contents.items()}}
-            claim.write(f"{source}/meta.json", json.dumps(meta, indent=1).encode())  # last: the index is complete
-            return _open(root, source, claim)
+            try:
+                return work(claim, *args)
+            finally:
+                claim.folder.close()
         finally:
             os.close(fd)  # drops the lock
+
+
+def _remove_scratch(claim) -> None:
+    """The partial files a killed build left (listed, named ``<file>.partial``): removed, under the lock."""
+    claim.remove([name for name in claim.files if name.endswith(SCRATCH)])
+
+
+def _write_files(claim, source: str, contents: dict) -> None:
+    """Write ``contents`` (name -> bytes) into the index ``source``, each through its listed scratch name."""
+    names = [f"{source}/{name}" for name in contents]
+    claim.own(names + [name + SCRATCH for name in names])
+    for name, content in zip(names, contents.values()):
+        claim.write(name, content, scratch=name + SCRATCH)
+    _remove_scratch(claim)
+
+
+def _add_file(claim, source: str, name: str, array: np.ndarray) -> None:
+    """Add a file computed later (``b_hash``) to a complete index, its metadata rewritten last."""
+    from capeval_plugins import files
+
+    meta = read_meta(claim, source)
+    if meta is None or name in meta["files"]:
+        return
+    content = memoryview(np.ascontiguousarray(array)).cast("B")
+    _write_files(claim, source, {name: content})
+    meta["files"][name] = {"bytes": len(content), "digest": digest(content)}
+    _write_files(claim, source, {"meta.json": files.signed_json(meta, INDEX_KIND)})
+
+
+def clear_cache() -> None:
+    """Remove the index from the cache (``capeval cache clear``): under the build lock, every file the marker
+    lists, the marker, and the folder when the package made it and nothing else is in it."""
+    def remove(claim) -> None:
+        claim.remove()
+        with _loaded_lock:
+            _loaded.clear()
+
+    _locked(cache_dir(), remove)
+
+
+def _build(root: Path, source: str, gz: bytes) -> ParaphraseIndex | None:
+    """Build the index under the cache's lock (another process building it meanwhile: wait, then read)."""
+    return _locked(root, _build_locked, root, source, gz)
+
+
+def _build_locked(claim, root: Path, source: str, gz: bytes) -> ParaphraseIndex | None:
+    from capeval_plugins import files
+
+    found = _read(claim, source, root)
+    if found is not None:
+        return found
+    if os.environ.get(QUIET_ENV) != "1":
+        again = claim.owns(f"{source}/meta.json")  # there, but a file did not verify
+        print(f"building METEOR's paraphrase index {'again: the one in the cache is damaged' if again else 'once'}"
+              f" (about {BUILD_SECONDS} s; kept in {root})", file=sys.stderr, flush=True)
+    arrays, meta = build_arrays(gunzip(gz))
+    claim.remove([name for name in claim.files if not name.startswith(source + "/") or name.endswith(SCRATCH)])
+    contents = {name: a if isinstance(a, bytes) else memoryview(np.ascontiguousarray(a)).cast("B")
+                for name, a in arrays.items()}
+    _write_files(claim, source, contents)
+    meta = {"format": FORMAT, "source": source, **meta,
+            "files": {name: {"bytes": len(c), "digest": digest(c)} for name, c in contents.items()}}
+    _write_files(claim, source, {"meta.json": files.signed_json(meta, INDEX_KIND)})  # last: the index is complete
+    return _read(claim, source, root)
 
 
 # ---------------------------------------------------------------------------------------------- a corpus

@@ -110,7 +110,8 @@ class BleuConfig(CocoConfig):
 
 @dataclass
 class MeteorConfig(CocoConfig):
-    # METEOR JVMs the distinct segments are spread over, then one EVAL over every segment's statistics.
+    # METEOR JVMs the distinct segments are spread over, then one EVAL over every segment's statistics; at most
+    # one per CPU the process may use (core/java.py bounded_jvms: a config travels between machines).
     jvms: int = bounded(1, ge=1)
     # The paraphrase table METEOR's JVM loads: "corpus", the entries the corpus can use (the same scores, a
     # fraction of a second to load; core/meteor_table.py), or "full", the jar's own (6-7 s of CPU to load).

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core import loading
+from capeval_plugins.core import loading, shared_results
 from capeval_plugins.core.encoders.common import EncoderSpec, pooled
 from capeval_plugins.core.messages import warn_once
 
@@ -42,6 +42,7 @@ class ClipEncoder:
         self.max_tokens = int(text_config.max_position_embeddings)
         # SigLIP was trained on text padded to a fixed length and pools the last position.
         self.pad_to_max = "siglip" in str(getattr(self.model.config, "model_type", ""))
+        self.pixels = shared_results.Results()  # the processor's output for the latest images, by content
 
     @classmethod
     def shared(cls, spec: EncoderSpec) -> "ClipEncoder":
@@ -49,7 +50,7 @@ class ClipEncoder:
 
     @torch.inference_mode()
     def encode_images(self, images: Sequence) -> Tensor:
-        pixels = self.processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+        pixels = self.pixel_values(images)
         feats = pooled(self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype)))
         return F.normalize(feats.float(), dim=-1).to(self.device)  # gathered, for a model spread over devices
 
@@ -103,8 +104,13 @@ class ClipEncoder:
         )
 
     def pixel_values(self, images: Sequence) -> Tensor:
-        """The image processor's output for ``images`` (float32, on CPU)."""
-        return self.processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+        """The image processor's output for ``images`` (float32, on CPU; read-only: the latest are kept by content,
+        so what the runner's prefetch thread prepared for a batch, :meth:`preprocess`, is not computed again)."""
+        images = list(images)
+        return self.pixels.get(shared_results.digest("pixels", images),
+                               lambda: self.processor.image_processor(images=images, return_tensors="pt")["pixel_values"])
+
+    preprocess = pixel_values  # what capeval_plugins.prefetch runs ahead for the next batch
 
     @torch.inference_mode()
     def encode_image_patches(self, pixel_values: Tensor, post_layernorm: bool = False,
