@@ -88,7 +88,7 @@ def test_batched_em_equals_a_plain_per_sample_em(kappa, threshold):
     rows = [clustered(rng, n) for n in LENGTHS]
     x, mask = padded(rows, width=48, rng=rng)
     fit = vmf.fit_vmf_mixture(x, mask, n_components=3, kappa=kappa, iterations=20, seeds=torch.tensor(SEEDS),
-                              reinit_threshold=threshold)
+                              reinit_threshold=threshold, track=True)
     restarts = 0
     for b, (points, seed) in enumerate(zip(rows, SEEDS)):
         means, weights, trace, r = plain_fit(points, 3, kappa, 20, seed, threshold)
@@ -111,13 +111,14 @@ def test_log_likelihood_never_decreases(kappa, k):
     rows = [clustered(rng, n, clusters=4) for n in (12, 30, 64)]
     x, mask = padded(rows, rng=rng, fill=0.0)
     fit = vmf.fit_vmf_mixture(x, mask, n_components=k, kappa=kappa, iterations=30, seeds=torch.tensor([1, 2, 3]),
-                              reinit_threshold=0.0)
+                              reinit_threshold=0.0, track=True)
     steps = fit.log_likelihood.diff(dim=1)
     assert (steps >= -1e-10).all(), steps.min()
     final = fit.log_density(x, mask).sum(1) / mask.sum(1)
     assert (final >= fit.log_likelihood[:, -1] - 1e-10).all()
     # With the default threshold, every step without a re-initialisation is an EM step and cannot go down.
-    fit = vmf.fit_vmf_mixture(x, mask, n_components=k, kappa=kappa, iterations=30, seeds=torch.tensor([1, 2, 3]))
+    fit = vmf.fit_vmf_mixture(x, mask, n_components=k, kappa=kappa, iterations=30, seeds=torch.tensor([1, 2, 3]),
+                              track=True)
     plain_steps = fit.log_likelihood.diff(dim=1)[fit.reinitialised[:, :-1] == 0]
     assert (plain_steps >= -1e-10).all()
 
@@ -241,11 +242,12 @@ def test_fitting_in_chunks_of_rows_changes_nothing():
     rows = [clustered(rng, n) for n in (5, 30, 17, 40, 2)]
     x, mask = padded(rows, width=40, rng=rng)
     seeds = torch.tensor([4, 5, 6, 7, 8])
-    whole = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=seeds, reinit_threshold=0.3, chunk_bytes=0)
+    whole = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=seeds, reinit_threshold=0.3, chunk_bytes=0,
+                                track=True)
     assert int(whole.reinitialised.sum()) > 0
     for rows_per_chunk in (1, 2, 3):
         chunked = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=seeds, reinit_threshold=0.3,
-                                      chunk_bytes=rows_per_chunk * x[0].numel() * 8)
+                                      chunk_bytes=rows_per_chunk * x[0].numel() * 8, track=True)
         np.testing.assert_allclose(chunked.means.numpy(), whole.means.numpy(), atol=1e-12)
         np.testing.assert_allclose(chunked.log_weights.numpy(), whole.log_weights.numpy(), atol=1e-12)
         np.testing.assert_allclose(chunked.log_likelihood.numpy(), whole.log_likelihood.numpy(), atol=1e-12)
