@@ -231,3 +231,31 @@ def test_long_caption_benchmarks_give_msd_the_scripts_mixture_sizes():
         assert metric_options(bench, ["soft_msd"], ["setting=short"]) == ["setting=short"]
         assert get_benchmark(bench).with_protocol("msd-score").metric_defaults == get_benchmark(bench).metric_defaults
     assert registry.get("soft_msd").cls.Config(setting="long").setting == "long"
+
+
+# --------------------------------------------------------------------------------------------------- COCO-CF
+
+def test_coco_cf_reads_its_official_scripts_layout(tmp_path):
+    """coco_eval_cf.py's --data_json: a list of {image_id, image_path, caption, negative_caption}, or a dict with a
+    "data" list (its README: coco_cf_easy.json ...); one file per split, each a category; accuracy as its loop
+    counts it (right when the faithful caption scores strictly higher)."""
+    rng = np.random.default_rng(5)
+
+    def items(n: int) -> list[dict]:
+        return [{"image_id": k, "image_path": f"val2017/{k % 7:012d}.jpg",
+                 "caption": "w " * int(rng.integers(1, 6)), "negative_caption": "v " * int(rng.integers(1, 6))}
+                for k in range(n)]
+
+    folder = tmp_path / "coco_cf"
+    folder.mkdir()
+    easy, hard = items(40), items(30)
+    (folder / "coco_cf_easy.json").write_text(json.dumps(easy))
+    (folder / "coco_cf_hard.json").write_text(json.dumps({"data": hard}))
+    data = load_benchmark("coco-cf", folder)
+    assert len(data) == 70 and data.categories == ["coco_cf_easy"] * 40 + ["coco_cf_hard"] * 30
+    assert set(load_benchmark("coco-cf", folder / "coco_cf_hard.json").categories) == {"coco_cf_hard"}
+    scores = write_scores(tmp_path / "s.jsonl", data)
+    result = run_benchmark("coco-cf", folder, scores={"w": scores}, bootstrap=0, progress=False).to_dict()
+    for name, split in (("coco_cf_easy", easy), ("coco_cf_hard", hard)):
+        right = [score(i["caption"]) > score(i["negative_caption"]) for i in split]
+        assert result["results"]["w"]["categories"][name]["accuracy"] == pytest.approx(100 * np.mean(right), abs=1e-9)

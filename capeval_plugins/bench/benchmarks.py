@@ -212,8 +212,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        "the faithful caption strictly higher than its counterfactual (a tie is wrong); both "
                        "captions of a pair form one group for group metrics"),
               _reader("read_counterfactual"),
-              "not public: SugarCrepe's layout (one json per perturbation) or the generic pairwise format",
-              metric_defaults=COCO_CF_MSD, source="MSD-Score (Sec. 4.1); files not public, layout assumed"),
+              "not public: coco_eval_cf.py's json (a list of {image_path, caption, negative_caption}, one file per "
+              "split), SugarCrepe's layout (one json per perturbation) or the generic pairwise format",
+              metric_defaults=COCO_CF_MSD,
+              source="MSD-Score (Sec. 4.1); " + MSD_SCRIPTS + "coco_eval_cf.py; the data files are not public"),
     Benchmark("activitynet-fact", "ActivityNet-Fact",
               Protocol("correlation", "pearson:paragraph",
                        "Pearson r (x100; Kendall and Spearman also reported) against the paragraph score and the "
