@@ -2,8 +2,8 @@
 side on the same inputs in one process; then the error of each against a float64 reference.
 
     python benchmarks/msd_em.py [--pairs 256] [--batch-sizes 1,8,64,256] [--em-dtypes mixed,float64,float32]
-                                [--device cpu] [--threads N] [--chunk-mib 6] [--clock wall|cpu] [--repeats 5]
-                                [--accuracy-pairs 64]
+                                [--device cpu] [--threads N] [--chunk-mib 2] [--clock wall|cpu] [--repeats 5]
+                                [--accuracy-pairs 64] [--em-update-effect]
 
 Features have CLIP ViT-L/14's shapes (256 patches, 768 dimensions, 8-40 caption tokens) and a CLIP-like geometry
 (:func:`clip_like`), one image per pair as in the paper's per-pair timing (8.39 ms per pair for EM + KL on an RTX
@@ -14,12 +14,17 @@ Timing: every repeat times each configuration once, in turn (official, then ours
 shared machine hits all of them alike; each line gives the median and the range over the repeats, and
 ``official / ours`` is the median of the per-repeat ratios with their range. ``--clock cpu`` times this process's
 CPU time, with ``--threads 1`` the steadier figure on a busy machine. ``--chunk-mib`` sets how many rows' points
-the EM works on at a time (``core.vmf.CHUNK_BYTES``; 0: the whole batch). Batch 1 is our code one pair at a
+the EM works on at a time (``core.vmf.CHUNK_BYTES``, on a CPU; 0: the whole batch). Batch 1 is our code one pair at a
 time; the last line checks that a pair's score does not depend on its batch.
 
 Accuracy: KL_img->txt, KL_txt->img and MSD of (a) the official float32 code, (b) each ``--em-dtypes`` of ours,
 against :func:`official_pair` run in float64 with our initial means and restart points and an exact
 normalisation (the settings matched, so what is left is rounding).
+
+``--em-update-effect``: the official COCO-CF script's EM (``em_update="coco-cf"``: no re-initialisation, weights
+(N_k + 1e-8) / N) against the paper's on the same features, each image scored with its own caption and the next
+image's: the differences in the KL terms and Soft-MSD, the pairwise decisions that change, and how many fits the
+paper's EM re-initialised a component in (where the two EMs part).
 """
 from __future__ import annotations
 

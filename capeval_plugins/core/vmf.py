@@ -328,13 +328,12 @@ def _norm(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(parts.double(), dim=-1)
 
 
-# The points of the rows fitted together in one chunk: small enough to stay in cache over the 2 x iterations
-# passes the EM makes over them (at batch 256 the whole patch tensor is 400 MB in float64), large enough to
-# spread the fixed cost of each tensor operation over several rows. 6 MiB is 4 rows of 256 ViT-L/14 patches in
-# float64, 8 in float32. On the 2-core development machine 12 MiB was the fastest when it was quiet; with other
-# jobs sharing its cache, 6 MiB was 1.1-1.4x faster than 12 and no slower in the quietest repeats
-# (benchmarks/msd_em.py --chunk-mib).
-CHUNK_BYTES = 6 << 20
+# The points of the rows fitted together in one chunk: small enough that the unit points stay in the core's cache
+# (L2) over the 2 x iterations passes the EM makes over them, large enough to spread the fixed cost of each
+# tensor operation over several rows where rows are small (caption tokens). 2 MiB is 2 rows of 256 ViT-L/14
+# patches in float32, 1 in float64. On the 2-core development machine (2 MiB of L2 per core), at batch 64: 1-2
+# MiB 2.84-2.86 ms per pair, 3 MiB 3.33, 6 MiB 3.25 (benchmarks/msd_em.py --chunk-mib; interleaved, best of 7).
+CHUNK_BYTES = 2 << 20
 
 # MSD-Score's precisions of the fits and the KL: (dtype of the means, weights, responsibilities, log-densities and
 # KL; dtype the image patches are kept in and multiplied with the means in). The caption tokens are multiplied in
@@ -350,6 +349,9 @@ PRECISIONS: dict[str, tuple[torch.dtype, torch.dtype]] = {
 
 
 def _chunk_size(x: Tensor, chunk_bytes: int | None) -> int:
+    """Rows per chunk; by default all of them off the CPU (a GPU pays per kernel launch, not for cache misses)."""
+    if chunk_bytes is None and x.device.type != "cpu":
+        return len(x)
     budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     per_row = max(1, x[0].numel() * x.element_size()) if len(x) else 1
     return len(x) if budget <= 0 else max(1, min(len(x), budget // per_row))
@@ -454,9 +456,10 @@ def _em(at: Points, means: Tensor, log_w: Tensor, kappas: Tensor | None, floor: 
     the means' dtype. Per-component values keep a trailing axis of 1 so that no step reshapes anything."""
     dtype, product = means.dtype, at.x.dtype
     unit = at.x * at.scale.to(product)[..., None]  # in one precision: 10x faster than float32 x float64
-    # A fixed kappa rides on the points of the E-step's product, which then takes the unit means as they are.
+    columns = unit.transpose(1, 2)
+    # A fixed kappa multiplies the E-step's products as the biases are added, so the means enter as they are.
     fixed = model.family == "vmf" and not model.adaptive
-    columns = (at.x * (at.scale * model.kappa).to(product)[..., None] if fixed else unit).transpose(1, 2)
+    alpha = model.kappa if fixed else 1.0
     valid = None if at.full else at.mask.to(dtype)[:, None, :]
     cast = product != dtype
     if restart_at is not None:
@@ -473,7 +476,7 @@ def _em(at: Points, means: Tensor, log_w: Tensor, kappas: Tensor | None, floor: 
         if not fixed:  # scale * means in dtype, rounded once into the product dtype
             torch.mul(means, scale, out=scaled)
         # the biases added in dtype
-        logits = torch.add(torch.bmm(scaled, columns), log_w if offset is None else log_w + offset)
+        logits = torch.add(log_w if offset is None else log_w + offset, torch.bmm(scaled, columns), alpha=alpha)
         if track:
             log_norms[step] = torch.logsumexp(logits, 1)
         resp = torch.softmax(logits, 1)
@@ -533,8 +536,8 @@ def fit_mixture(
     ``seeds`` (B,) drive the random choices; by default they come from the row's own points
     (:func:`content_seeds` of their bits), which is exact only when those bits do not depend on the batch:
     pass seeds derived from discrete content (token ids, pixels) when features may carry float noise.
-    Rows are fitted in chunks of about ``chunk_bytes`` of points (default :data:`CHUNK_BYTES`; 0: all at once),
-    which changes the speed, not the result. ``track`` records the log-likelihood and the collapses of every step.
+    Rows are fitted in chunks of about ``chunk_bytes`` of points (default :data:`CHUNK_BYTES` on a CPU, all rows at
+    once elsewhere; 0: all at once), which changes the speed, not the result. ``track`` records the log-likelihood and the collapses of every step.
 
     ``dtype`` is the precision of the fit (means, weights, responsibilities, log-likelihoods); ``product_dtype``
     the one the points are kept in and multiplied with the means in (default ``dtype``, or for :class:`Points`
