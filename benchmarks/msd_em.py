@@ -2,8 +2,8 @@
 side on the same inputs in one process; then the error of each against a float64 reference.
 
     python benchmarks/msd_em.py [--pairs 256] [--batch-sizes 1,8,64,256] [--em-dtypes mixed,float64,float32]
-                                [--device cpu] [--threads N] [--chunk-mib 6] [--clock wall|cpu] [--repeats 5]
-                                [--accuracy-pairs 64]
+                                [--device cpu] [--threads N] [--chunk-mib 2] [--clock wall|cpu] [--repeats 5]
+                                [--accuracy-pairs 64] [--em-update-effect]
 
 Features have CLIP ViT-L/14's shapes (256 patches, 768 dimensions, 8-40 caption tokens) and a CLIP-like geometry
 (:func:`clip_like`), one image per pair as in the paper's per-pair timing (8.39 ms per pair for EM + KL on an RTX
@@ -14,12 +14,17 @@ Timing: every repeat times each configuration once, in turn (official, then ours
 shared machine hits all of them alike; each line gives the median and the range over the repeats, and
 ``official / ours`` is the median of the per-repeat ratios with their range. ``--clock cpu`` times this process's
 CPU time, with ``--threads 1`` the steadier figure on a busy machine. ``--chunk-mib`` sets how many rows' points
-the EM works on at a time (``core.vmf.CHUNK_BYTES``; 0: the whole batch). Batch 1 is our code one pair at a
+the EM works on at a time (``core.vmf.CHUNK_BYTES``, on a CPU; 0: the whole batch). Batch 1 is our code one pair at a
 time; the last line checks that a pair's score does not depend on its batch.
 
 Accuracy: KL_img->txt, KL_txt->img and MSD of (a) the official float32 code, (b) each ``--em-dtypes`` of ours,
 against :func:`official_pair` run in float64 with our initial means and restart points and an exact
 normalisation (the settings matched, so what is left is rounding).
+
+``--em-update-effect``: the official COCO-CF script's EM (``em_update="coco-cf"``: no re-initialisation, weights
+(N_k + 1e-8) / N) against the paper's on the same features, each image scored with its own caption and the next
+image's: the differences in the KL terms and Soft-MSD, the pairwise decisions that change, and how many fits the
+paper's EM re-initialised a component in (where the two EMs part).
 """
 from __future__ import annotations
 
@@ -240,6 +245,48 @@ def report_accuracy(args, data: dict) -> None:
     print(f"{'official +1e-6 in |x|':24s} {errors(table(own_eps))}   (float64: the definition, not rounding)")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The COCO-CF script's EM against the paper's
+
+
+def em_update_effect(data: dict, update: str) -> dict:
+    """Soft-MSD of every image with its own caption and with the next pair's caption (a wrong one), float64, one
+    image mixture per image as coco_eval_cf.py fits it, the EM ``update`` ("restart" or "coco-cf")."""
+    from capeval_plugins.metrics.msd import soft_msd_scores
+
+    n = len(data["tokens"])
+    other = torch.roll(torch.arange(n), -1)
+    width = int(data["token_mask"].sum(1).max())
+    tokens = torch.cat([data["tokens"], data["tokens"][other]])[:, :width]
+    mask = torch.cat([data["token_mask"], data["token_mask"][other]])[:, :width]
+    text_global = torch.cat([data["text_global"], data["text_global"][other]])
+    image_index = torch.cat([torch.arange(n), torch.arange(n)])
+    out = msd_components(
+        data["image_global"], data["patches"], data["patch_mask"], text_global, tokens, mask, image_index,
+        image_seeds=data["image_seeds"], text_seeds=torch.cat([data["text_seeds"], data["text_seeds"][other]]),
+        k_image=3, k_text=2, kappa=KAPPA, iterations=ITERATIONS, lam=LAM, dtype=torch.float64, em_update=update)
+    out["soft"] = soft_msd_scores(out["cosine"], out["bi_kl"], image_index, LAM, 0.2)
+    return out
+
+
+def report_em_update(data: dict) -> None:
+    restart, coco = em_update_effect(data, "restart"), em_update_effect(data, "coco-cf")
+    n = len(data["tokens"])
+    print(f"\nCOCO-CF script's EM (no re-initialisation, w = (N_k + 1e-8) / N) against the paper's, {n} images, "
+          "each with its caption and the next image's, float64:")
+    for key in ("kl_image_text", "kl_text_image", "bi_kl", "soft"):
+        diff = (coco[key] - restart[key]).abs()
+        print(f"  {key:14s} |difference| median {float(diff.median()):.1e}  max {float(diff.max()):.1e}")
+    flips = int(((coco["soft"][:n] > coco["soft"][n:]) != (restart["soft"][:n] > restart["soft"][n:])).sum())
+    print(f"  pairwise decisions (own caption above the other) that differ: {flips} of {n}")
+    for side, points, k in (("patches", "patches", K_IMAGE), ("tokens", "tokens", K_TEXT)):
+        mask = data["patch_mask" if side == "patches" else "token_mask"]
+        fit = vmf.fit_mixture(data[points], mask, n_components=k, kappa=KAPPA, iterations=ITERATIONS,
+                              seeds=data["image_seeds" if side == "patches" else "text_seeds"], track=True)
+        print(f"  fits of the {side} where the paper's EM re-initialised a component: "
+              f"{int((fit.reinitialised.sum(1) > 0).sum())} of {n}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=256)
@@ -254,6 +301,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--chunk-mib", type=float, help=f"EM chunk size in MiB (default {vmf.CHUNK_BYTES >> 20})")
     parser.add_argument("--accuracy-pairs", type=int, default=64, help="0: skip the accuracy comparison")
+    parser.add_argument("--em-update-effect", action="store_true",
+                        help="also: the COCO-CF script's EM against the paper's on the same features")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -275,6 +324,8 @@ def main() -> None:
     print("paper (RTX A6000, EM + KL): 8.39 ms/pair")
     if args.accuracy_pairs:
         report_accuracy(args, data)
+    if args.em_update_effect:
+        report_em_update({k: v.cpu() for k, v in data.items()})
 
 
 if __name__ == "__main__":

@@ -55,8 +55,8 @@ def elo_update(ratings: dict, a: str, b: str, s_a: float, k: float = 32.0) -> No
     ratings[a], ratings[b] = ratings[a] + k * (s_a - e_a), ratings[b] + k * ((1.0 - s_a) - (1.0 - e_a))
 
 
-def msd_caparena_loop(items: list[dict], eps: float = 1e-4, seed: int = 1234) -> dict:
-    """MSD-Score's caparena.py, step by step, on the word-count score."""
+def msd_caparena_loop(items: list[dict], eps: float = 1e-4, seed: int = 1234, rounds: int = 1) -> dict:
+    """MSD-Score's caparena.py, step by step, on the word-count score (``rounds``: its --shuffle_rounds)."""
     levels: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     records = []
     for it in items:
@@ -70,13 +70,21 @@ def msd_caparena_loop(items: list[dict], eps: float = 1e-4, seed: int = 1234) ->
             levels[it["cluster"]][0] += predicted == human
             levels[it["cluster"]][1] += 1
         records.append((s1, s2, winner, diff))
-    shuffled = list(records)
-    random.Random(seed).shuffle(shuffled)
-    metric, human_elo = defaultdict(lambda: 1000.0), defaultdict(lambda: 1000.0)
-    for s1, s2, winner, diff in shuffled:
-        elo_update(metric, s1, s2, 1.0 if diff > eps else 0.0 if diff < -eps else 0.5)
-        s_h = 1.0 if winner == s1 else 0.0 if winner == s2 else 0.5
-        elo_update(human_elo, s1, s2, s_h)
+    metric_sum, human_sum = defaultdict(float), defaultdict(float)
+    for round_ in range(rounds):
+        shuffled = list(records)
+        random.Random(seed + round_).shuffle(shuffled)
+        metric, human_elo = defaultdict(lambda: 1000.0), defaultdict(lambda: 1000.0)
+        for s1, s2, winner, diff in shuffled:
+            elo_update(metric, s1, s2, 1.0 if diff > eps else 0.0 if diff < -eps else 0.5)
+            s_h = 1.0 if winner == s1 else 0.0 if winner == s2 else 0.5
+            elo_update(human_elo, s1, s2, s_h)
+        for m, r in metric.items():
+            metric_sum[m] += r
+        for m, r in human_elo.items():
+            human_sum[m] += r
+    metric = {m: r / rounds for m, r in metric_sum.items()}
+    human_elo = {m: r / rounds for m, r in human_sum.items()}
     rank_m = [m for m, _ in sorted(metric.items(), key=lambda x: x[1], reverse=True) if m != "human"]
     rank_h = [m for m, _ in sorted(human_elo.items(), key=lambda x: x[1], reverse=True) if m != "human"]
     common = [m for m in rank_m if m in rank_h]
@@ -114,6 +122,35 @@ def test_caparena_msd_protocol_equals_its_script_as_a_loop(tmp_path):
     no_margin = run_benchmark("caparena", path, scores={"w": scores}, protocol="msd-score", tie_margin=0.0,
                               bootstrap=0, progress=False).to_dict()["results"]["w"]
     assert no_margin["accuracy"] != pytest.approx(result["accuracy"])
+
+
+def test_caparena_msd_protocol_shuffle_rounds_equal_its_script(tmp_path):
+    """--shuffle-rounds R: R Elo passes, round r shuffled by random.Random(1234 + r), ratings averaged, as
+    caparena.py --shuffle_rounds (default 1; the README runs 5)."""
+    items = caparena_items(600)
+    path = tmp_path / "caparena_annots_eval.json"
+    path.write_text(json.dumps(items))
+    data = get_benchmark("caparena").with_protocol("msd-score").read(path)
+    scores = write_scores(tmp_path / "s.jsonl", data)
+    figures = {}
+    for rounds in (1, 5):
+        out = tmp_path / f"rounds{rounds}.json"
+        run(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}", "--protocol", "msd-score",
+                   "--shuffle-rounds", str(rounds), "--bootstrap", "0", "--json", str(out), "--quiet"])
+        report = json.loads(out.read_text())
+        assert report["protocol"]["shuffle_rounds"] == rounds
+        system, expected = report["results"]["w"]["system"], msd_caparena_loop(items, rounds=rounds)
+        assert system["spearman"] == pytest.approx(expected["spearman"], abs=1e-9)
+        assert system["kendall_tau_b"] == pytest.approx(expected["kendall_tau_b"], abs=1e-9)
+        figures[rounds] = (system["spearman"], system["kendall_tau_b"])
+    assert figures[1] != figures[5]  # the rounds change the ranking on these battles
+    default = run_benchmark("caparena", path, scores={"w": scores}, protocol="msd-score", bootstrap=0,
+                            progress=False).to_dict()
+    assert default["protocol"]["shuffle_rounds"] == 1
+    assert default["results"]["w"]["system"]["spearman"] == pytest.approx(figures[1][0], abs=1e-9)
+    bad = subprocess.run(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}", "--shuffle-rounds", "5"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "single-pass Elo" in bad.stderr
 
 
 def test_caparena_official_protocol_stays_the_default(tmp_path):
@@ -194,3 +231,31 @@ def test_long_caption_benchmarks_give_msd_the_scripts_mixture_sizes():
         assert metric_options(bench, ["soft_msd"], ["setting=short"]) == ["setting=short"]
         assert get_benchmark(bench).with_protocol("msd-score").metric_defaults == get_benchmark(bench).metric_defaults
     assert registry.get("soft_msd").cls.Config(setting="long").setting == "long"
+
+
+# --------------------------------------------------------------------------------------------------- COCO-CF
+
+def test_coco_cf_reads_its_official_scripts_layout(tmp_path):
+    """coco_eval_cf.py's --data_json: a list of {image_id, image_path, caption, negative_caption}, or a dict with a
+    "data" list (its README: coco_cf_easy.json ...); one file per split, each a category; accuracy as its loop
+    counts it (right when the faithful caption scores strictly higher)."""
+    rng = np.random.default_rng(5)
+
+    def items(n: int) -> list[dict]:
+        return [{"image_id": k, "image_path": f"val2017/{k % 7:012d}.jpg",
+                 "caption": "w " * int(rng.integers(1, 6)), "negative_caption": "v " * int(rng.integers(1, 6))}
+                for k in range(n)]
+
+    folder = tmp_path / "coco_cf"
+    folder.mkdir()
+    easy, hard = items(40), items(30)
+    (folder / "coco_cf_easy.json").write_text(json.dumps(easy))
+    (folder / "coco_cf_hard.json").write_text(json.dumps({"data": hard}))
+    data = load_benchmark("coco-cf", folder)
+    assert len(data) == 70 and data.categories == ["coco_cf_easy"] * 40 + ["coco_cf_hard"] * 30
+    assert set(load_benchmark("coco-cf", folder / "coco_cf_hard.json").categories) == {"coco_cf_hard"}
+    scores = write_scores(tmp_path / "s.jsonl", data)
+    result = run_benchmark("coco-cf", folder, scores={"w": scores}, bootstrap=0, progress=False).to_dict()
+    for name, split in (("coco_cf_easy", easy), ("coco_cf_hard", hard)):
+        right = [score(i["caption"]) > score(i["negative_caption"]) for i in split]
+        assert result["results"]["w"]["categories"][name]["accuracy"] == pytest.approx(100 * np.mean(right), abs=1e-9)

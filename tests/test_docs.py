@@ -30,14 +30,12 @@ def test_every_builtin_metric_has_a_card_with_every_option(name):
         assert f"`{field.name}`" in text, f"{name}: card does not mention option {field.name!r}"
 
 
-# Their cards are rewritten on another branch (issue 39 item 6, MSD); drop them from here once it is merged.
-MSD_CARDS = ("msd_score", "soft_msd")
 UNCHECKED = re.compile(r"unverified|not verified|cannot be (?:checked|verified|reproduced)|not the paper's method",
                        re.I)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, e in registry.metrics().items()
-                                        if e.plugin == registry.BUILTIN and n not in MSD_CARDS))
+                                        if e.plugin == registry.BUILTIN))
 def test_every_card_says_in_one_place_what_its_defaults_reproduce(name):
     """One paragraph under "Options and departures" says what the defaults reproduce and what they cannot; no
     card claims "defaults reproduce the paper" anywhere while saying elsewhere that something is unverified."""

@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import CAPTIONS, free_port, random_image
 from PIL import Image
-from test_vmf import plain_fit, plain_log_density
+from test_vmf import (adaptive_log_density, coco_cf_log_density, gaussian_log_density, plain_fit, plain_fit_adaptive,
+                      plain_fit_coco_cf, plain_fit_gaussian, plain_log_density)
 
 import capeval_plugins
 from capeval_plugins.core import vmf
@@ -113,6 +114,8 @@ def plain_features(path: str, image, caption: str, post_layernorm: bool = False,
         text = model.text_model(**tokens)
         keep = torch.zeros_like(tokens["input_ids"][0], dtype=torch.bool)
         keep[1:-1] = True  # drop BOS and EOS
+        if not keep.any():  # the official CLIP scripts: a caption of nothing keeps BOS and EOS
+            keep[:] = True
         token_feats = model.text_projection(text.last_hidden_state[0, keep])
         text_global = model.get_text_features(**tokens).pooler_output[0]
     ids = tokens["input_ids"][0, keep]
@@ -123,14 +126,31 @@ def plain_features(path: str, image, caption: str, post_layernorm: bool = False,
     }
 
 
+def plain_mixtures(em: str, kappa: float, iterations: int, sigma: float = 0.1):
+    """(fit, log_density) of one of the EMs of test_vmf: "restart" (the paper), "coco-cf", "gaussian",
+    "adaptive"."""
+    if em == "coco-cf":
+        return (lambda x, k, seed: plain_fit_coco_cf(x, k, kappa, iterations, seed),
+                lambda x, mixture: coco_cf_log_density(x, *mixture, kappa))
+    if em == "gaussian":
+        return (lambda x, k, seed: plain_fit_gaussian(x, k, sigma, iterations, seed),
+                lambda x, mixture: gaussian_log_density(x, *mixture, sigma))
+    if em == "adaptive":
+        return (lambda x, k, seed: plain_fit_adaptive(x, k, kappa, iterations, seed),
+                lambda x, mixture: adaptive_log_density(x, *mixture))
+    return (lambda x, k, seed: plain_fit(x, k, kappa, iterations, seed)[:2],
+            lambda x, mixture: plain_log_density(x, *mixture, kappa))
+
+
 def plain_msd(f: dict, k_image=3, k_text=2, kappa=20.0, iterations=20, lam=0.1, l0=20.0, tau_l=3.0,
-              pooling="model") -> dict:
-    p = plain_fit(f["patches"], k_image, kappa, iterations, f["image_seed"])[:2]
-    q = plain_fit(f["tokens"], k_text, kappa, iterations, f["text_seed"])[:2]
-    kl_it = np.mean(plain_log_density(f["patches"], *p, kappa) - plain_log_density(f["patches"], *q, kappa))
-    kl_ti = np.mean(plain_log_density(f["tokens"], *q, kappa) - plain_log_density(f["tokens"], *p, kappa))
+              pooling="model", em="restart", direction="length", sigma=0.1) -> dict:
+    fit, log_density = plain_mixtures(em, kappa, iterations, sigma)
+    p = fit(f["patches"], k_image, f["image_seed"])
+    q = fit(f["tokens"], k_text, f["text_seed"])
+    kl_it = np.mean(log_density(f["patches"], p) - log_density(f["patches"], q))
+    kl_ti = np.mean(log_density(f["tokens"], q) - log_density(f["tokens"], p))
     length = len(f["tokens"])
-    beta = 1.0 / (1.0 + np.exp((length - l0) / tau_l))
+    beta = {"image_to_text": 1.0, "text_to_image": 0.0}.get(direction, 1.0 / (1.0 + np.exp((length - l0) / tau_l)))
     divergence = beta * kl_it + (1 - beta) * kl_ti
     if pooling == "mean":
         gi, gt = f["patches"].mean(0), f["tokens"].mean(0)
@@ -209,9 +229,71 @@ def test_options_follow_their_definition(tiny_clip, pictures):
     assert torch.isfinite(other_seed.scores).all()
 
 
+@pytest.mark.parametrize("em", ["coco-cf", "gaussian", "adaptive"])
+def test_em_variants_equal_the_plain_pipeline(em, tiny_clip, pictures):
+    """The official COCO-CF script's EM (preset="coco-cf": 3 / 2 components too) and Table II's ablations."""
+    images, captions = corpus(pictures)
+    images, captions = images[:3], captions[:3]
+    options = {"coco-cf": {"preset": "coco-cf"}, "gaussian": {"mixture": "gaussian", "gaussian_sigma": 0.3},
+               "adaptive": {"kappa_mode": "adaptive"}}[em]
+    metric = capeval_plugins.load("msd_score", model=tiny_clip, em_dtype="float64", **options)
+    assert metric.config.em_update == ("coco-cf" if em == "coco-cf" else "restart")
+    result = metric(images, captions)
+    for i, (img, cap) in enumerate(zip(images, captions)):
+        row = plain_msd(plain_features(tiny_clip, img, cap), em=em, sigma=0.3)
+        # The features agree to float32 rounding (~1e-7 relative); adaptive kappas (~1e3-1e6 here) make KLs of
+        # hundreds out of them, so the comparison is relative.
+        for key in ("kl_image_text", "kl_text_image", "bi_kl"):
+            assert result.extras[key][i].item() == pytest.approx(row[key], rel=1e-6, abs=1e-6), key
+        assert result.scores[i].item() == pytest.approx(row["msd"], rel=1e-6, abs=1e-6)
+    # an explicit em_update wins over the preset's
+    assert capeval_plugins.load("msd_score", model=tiny_clip, preset="coco-cf",
+                                em_update="restart").config.em_update == "restart"
+
+
+def test_kl_direction_and_score_terms_follow_their_definition(tiny_clip, pictures):
+    """Tables X / XI: D from one KL direction; Tables VI / X: g alone or -D alone as the score."""
+    images, captions = corpus(pictures)
+    base = capeval_plugins.load("soft_msd", model=tiny_clip)(images, captions)
+    kl_it, kl_ti = base.extras["kl_image_text"], base.extras["kl_text_image"]
+    for direction, divergence in (("image_to_text", kl_it), ("text_to_image", kl_ti)):
+        one = capeval_plugins.load("msd_score", model=tiny_clip, kl_direction=direction)(images, captions)
+        assert one.extras["bi_kl"].tolist() == pytest.approx(divergence.tolist(), abs=1e-12)
+        assert one.scores.tolist() == pytest.approx((base.extras["cosine"] - 0.1 * divergence).tolist(), abs=1e-12)
+    cosine = capeval_plugins.load("soft_msd", model=tiny_clip, score_terms="global")(images, captions)
+    assert cosine.scores.tolist() == pytest.approx(base.extras["cosine"].tolist(), abs=1e-12)
+    local = capeval_plugins.load("soft_msd", model=tiny_clip, score_terms="local")(images, captions)
+    assert local.scores.tolist() == pytest.approx((-base.extras["bi_kl"]).tolist(), abs=1e-12)
+    assert local.extras["msd"].tolist() == pytest.approx((-base.extras["bi_kl"]).tolist(), abs=1e-12)
+
+
+def test_a_caption_without_content_tokens_scores_on_its_boundary_tokens(tiny_clip, tiny_siglip, pictures):
+    """As the official CLIP scripts do (BOS and EOS when nothing else is left), a number, never NaN; the other
+    captions of its batch are untouched."""
+    from capeval_plugins.contract import Batch
+
+    metric = capeval_plugins.load("msd_score", model=tiny_clip, em_dtype="float64")
+    batch = Batch(candidates=["", CAPTIONS[0]], indices=torch.tensor([0, 1]), images=[pictures[0]],
+                  image_index=torch.tensor([0, 0]))
+    state = metric.map(batch)
+    row = plain_msd(plain_features(tiny_clip, pictures[0], ""))
+    assert state["n_tokens"][0].item() == 2 == row["n_tokens"]
+    for key in ("cosine", "kl_image_text", "kl_text_image", "bi_kl"):
+        assert state[key][0].item() == pytest.approx(row[key], abs=1e-6), key
+    alone = metric.map(Batch(candidates=[CAPTIONS[0]], indices=torch.tensor([1]), images=[pictures[0]],
+                             image_index=torch.tensor([0])))
+    for key in ("cosine", "bi_kl", "n_tokens"):  # float32 text features padded differently: ~1e-8
+        assert state[key][1].item() == pytest.approx(alone[key][0].item(), abs=1e-6), key
+    siglip = capeval_plugins.load("soft_msd", model=tiny_siglip).map(batch)
+    assert all(torch.isfinite(v).all() for v in siglip.values())
+
+
 @pytest.mark.parametrize("bad", [{"setting": "medium"}, {"k_image": 0}, {"preset": "winoground"},
                                  {"siglip_features": "pooled"}, {"kappa": 0.0}, {"global_pooling": "max"},
-                                 {"long_captions": "chunk"}, {"em_dtype": "float16"}, {"tau": -1.0}])
+                                 {"long_captions": "chunk"}, {"em_dtype": "float16"}, {"tau": -1.0},
+                                 {"em_update": "never"}, {"mixture": "student"}, {"kappa_mode": "learned"},
+                                 {"kl_direction": "both"}, {"score_terms": "neither"}, {"gaussian_sigma": 0.0},
+                                 {"mixture": "gaussian", "kappa_mode": "adaptive"}])
 def test_bad_options_are_refused(tiny_clip, bad):
     with pytest.raises(ValueError):
         capeval_plugins.load("soft_msd", model=tiny_clip, **bad)
@@ -421,3 +503,13 @@ def test_sugarcrepe_bench_runs_msd_with_the_official_scripts_preset():
     assert PRESETS["sugarcrepe"] == {"k_image": 4, "k_text": 2}
     assert metric_options("sugarcrepe", ["msd_score"], ["msd_score.preset=paper"]) == ["msd_score.preset=paper"]
     assert metric_options("flickr8k-expert", ["msd_score"], []) == []
+
+
+def test_coco_cf_bench_runs_msd_with_its_official_script():
+    """coco_eval_cf.py: 3 image and 2 text components (not SugarCrepe's 4) and its own EM."""
+    from capeval_plugins.bench.benchmarks import metric_options
+    from capeval_plugins.metrics.msd import PRESETS
+
+    added = metric_options("coco-cf", ["msd_score", "soft_msd"], [])
+    assert added == ["msd_score.preset=coco-cf", "soft_msd.preset=coco-cf"]
+    assert PRESETS["coco-cf"] == {"k_image": 3, "k_text": 2, "em_update": "coco-cf"}

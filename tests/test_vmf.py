@@ -88,7 +88,7 @@ def test_batched_em_equals_a_plain_per_sample_em(kappa, threshold):
     rows = [clustered(rng, n) for n in LENGTHS]
     x, mask = padded(rows, width=48, rng=rng)
     fit = vmf.fit_vmf_mixture(x, mask, n_components=3, kappa=kappa, iterations=20, seeds=torch.tensor(SEEDS),
-                              reinit_threshold=threshold)
+                              reinit_threshold=threshold, track=True)
     restarts = 0
     for b, (points, seed) in enumerate(zip(rows, SEEDS)):
         means, weights, trace, r = plain_fit(points, 3, kappa, 20, seed, threshold)
@@ -111,13 +111,14 @@ def test_log_likelihood_never_decreases(kappa, k):
     rows = [clustered(rng, n, clusters=4) for n in (12, 30, 64)]
     x, mask = padded(rows, rng=rng, fill=0.0)
     fit = vmf.fit_vmf_mixture(x, mask, n_components=k, kappa=kappa, iterations=30, seeds=torch.tensor([1, 2, 3]),
-                              reinit_threshold=0.0)
+                              reinit_threshold=0.0, track=True)
     steps = fit.log_likelihood.diff(dim=1)
     assert (steps >= -1e-10).all(), steps.min()
     final = fit.log_density(x, mask).sum(1) / mask.sum(1)
     assert (final >= fit.log_likelihood[:, -1] - 1e-10).all()
     # With the default threshold, every step without a re-initialisation is an EM step and cannot go down.
-    fit = vmf.fit_vmf_mixture(x, mask, n_components=k, kappa=kappa, iterations=30, seeds=torch.tensor([1, 2, 3]))
+    fit = vmf.fit_vmf_mixture(x, mask, n_components=k, kappa=kappa, iterations=30, seeds=torch.tensor([1, 2, 3]),
+                              track=True)
     plain_steps = fit.log_likelihood.diff(dim=1)[fit.reinitialised[:, :-1] == 0]
     assert (plain_steps >= -1e-10).all()
 
@@ -241,11 +242,12 @@ def test_fitting_in_chunks_of_rows_changes_nothing():
     rows = [clustered(rng, n) for n in (5, 30, 17, 40, 2)]
     x, mask = padded(rows, width=40, rng=rng)
     seeds = torch.tensor([4, 5, 6, 7, 8])
-    whole = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=seeds, reinit_threshold=0.3, chunk_bytes=0)
+    whole = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=seeds, reinit_threshold=0.3, chunk_bytes=0,
+                                track=True)
     assert int(whole.reinitialised.sum()) > 0
     for rows_per_chunk in (1, 2, 3):
         chunked = vmf.fit_vmf_mixture(x, mask, n_components=3, seeds=seeds, reinit_threshold=0.3,
-                                      chunk_bytes=rows_per_chunk * x[0].numel() * 8)
+                                      chunk_bytes=rows_per_chunk * x[0].numel() * 8, track=True)
         np.testing.assert_allclose(chunked.means.numpy(), whole.means.numpy(), atol=1e-12)
         np.testing.assert_allclose(chunked.log_weights.numpy(), whole.log_weights.numpy(), atol=1e-12)
         np.testing.assert_allclose(chunked.log_likelihood.numpy(), whole.log_likelihood.numpy(), atol=1e-12)
@@ -328,3 +330,191 @@ def test_msd_precisions_leave_a_pair_independent_of_its_batch(em_dtype):
     for b in range(6):
         alone = msd_kls(pairs[b:b + 1], image_seeds[b:b + 1], text_seeds[b:b + 1], em_dtype)
         np.testing.assert_allclose(alone[0], together[b], rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The other EMs, each re-derived per sample in numpy from its definition: the official COCO-CF script's EM
+# (coco_eval_cf.py), isotropic Gaussians (Table II's GMM), adaptive kappa (Table II, Eq. 12, with the exact
+# Bessel function from scipy). Same shared random source as plain_fit.
+
+
+def plain_fit_coco_cf(points: np.ndarray, k: int, kappa: float, iterations: int, seed: int):
+    """coco_eval_cf.py's VMFMixtureFixedKappa.fit: no re-initialisation, N_k + 1e-8, w = N_k / N, log(w + 1e-9)
+    in the E-step (normalisation exact here, as in ours). Returns means and weights w."""
+    x = points / np.linalg.norm(points, axis=1, keepdims=True)
+    n = len(x)
+    k = min(k, n)
+    means = x[draw_order(seed, vmf.INIT_STREAM, n)[:k]]
+    weights = np.full(k, 1.0 / k)
+    for _ in range(iterations):
+        logits = kappa * x @ means.T + np.log(weights + 1e-9)
+        post = np.exp(logits - logsumexp(logits, axis=1, keepdims=True))
+        mass = post.sum(0) + 1e-8
+        sums = post.T @ x
+        means = sums / np.linalg.norm(sums, axis=1, keepdims=True)
+        weights = mass / n
+    return means, weights
+
+
+def coco_cf_log_density(points: np.ndarray, means: np.ndarray, weights: np.ndarray, kappa: float) -> np.ndarray:
+    """coco_eval_cf.py's score_samples."""
+    x = points / np.linalg.norm(points, axis=1, keepdims=True)
+    return logsumexp(kappa * x @ means.T + np.log(weights + 1e-9), axis=1)
+
+
+def plain_fit_gaussian(points: np.ndarray, k: int, sigma: float, iterations: int, seed: int, threshold: float = 1e-6):
+    """EM of a mixture of isotropic Gaussians N(mu_k, sigma^2 I) on the unit points, with plain_fit's restarts."""
+    x = points / np.linalg.norm(points, axis=1, keepdims=True)
+    n = len(x)
+    k = min(k, n)
+    means = x[draw_order(seed, vmf.INIT_STREAM, n)[:k]]
+    weights = np.full(k, 1.0 / k)
+    for step in range(iterations):
+        logits = np.log(weights) - ((x[:, None, :] - means[None]) ** 2).sum(-1) / (2 * sigma ** 2)
+        resp = np.exp(logits - logsumexp(logits, axis=1, keepdims=True))
+        mass = resp.sum(0)
+        sums = resp.T @ x
+        for j in range(k):
+            if mass[j] < threshold * n:
+                sums[j] = x[int(vmf.random_draws(torch.tensor(seed), vmf.reinit_stream(step, j))) % n]
+                mass[j] = 1.0
+        weights = mass / mass.sum()
+        means = sums / mass[:, None]
+    return means, weights
+
+
+def gaussian_log_density(points: np.ndarray, means: np.ndarray, weights: np.ndarray, sigma: float) -> np.ndarray:
+    """log sum_k w_k exp(-|x - mu_k|^2 / (2 sigma^2)), the Gaussians' shared normaliser dropped."""
+    x = points / np.linalg.norm(points, axis=1, keepdims=True)
+    return logsumexp(np.log(weights) - ((x[:, None, :] - means[None]) ** 2).sum(-1) / (2 * sigma ** 2), axis=1)
+
+
+def exact_log_normaliser(kappa: np.ndarray, dim: int) -> np.ndarray:
+    """log C_D(kappa) from scipy's exponentially scaled Bessel function (fine where it does not underflow)."""
+    from scipy.special import ive
+
+    v = dim / 2 - 1
+    return v * np.log(kappa) - dim / 2 * np.log(2 * np.pi) - (np.log(ive(v, kappa)) + kappa)
+
+
+def plain_fit_adaptive(points: np.ndarray, k: int, kappa: float, iterations: int, seed: int, threshold: float = 1e-6):
+    """EM with one kappa per component re-estimated by Eq. 12 from the mean resultant length (kept <= 1 - 1e-6),
+    the full vMF normaliser in the E-step; a restarted component takes the starting kappa again."""
+    x = points / np.linalg.norm(points, axis=1, keepdims=True)
+    n, dim = x.shape
+    k = min(k, n)
+    means = x[draw_order(seed, vmf.INIT_STREAM, n)[:k]]
+    weights, kappas = np.full(k, 1.0 / k), np.full(k, kappa)
+    for step in range(iterations):
+        logits = np.log(weights) + exact_log_normaliser(kappas, dim) + kappas * (x @ means.T)
+        resp = np.exp(logits - logsumexp(logits, axis=1, keepdims=True))
+        mass = resp.sum(0)
+        sums = resp.T @ x
+        r = np.minimum(np.linalg.norm(sums, axis=1) / mass, 1 - 1e-6)
+        kappas = r * (dim - r ** 2) / (1 - r ** 2)
+        for j in range(k):
+            if mass[j] < threshold * n:
+                sums[j] = x[int(vmf.random_draws(torch.tensor(seed), vmf.reinit_stream(step, j))) % n]
+                mass[j], kappas[j] = 1.0, kappa
+        weights = mass / mass.sum()
+        means = sums / np.linalg.norm(sums, axis=1, keepdims=True)
+    return means, weights, kappas
+
+
+def adaptive_log_density(points, means, weights, kappas) -> np.ndarray:
+    x = points / np.linalg.norm(points, axis=1, keepdims=True)
+    logits = np.log(weights) + exact_log_normaliser(kappas, x.shape[1]) + kappas * (x @ means.T)
+    return logsumexp(logits, axis=1)
+
+
+def test_log_vmf_normaliser_equals_the_bessel_function():
+    # where scipy's ive does not underflow (for larger D it does at small kappa)
+    for dim, kappa in ((64, [0.05, 0.5, 5.0, 20.0, 150.0, 1e3, 1e4]), (256, [20.0, 150.0, 1e3, 1e4])):
+        kappa = np.array(kappa)
+        got = vmf.log_vmf_normaliser(torch.tensor(kappa), dim).numpy()
+        np.testing.assert_allclose(got, exact_log_normaliser(kappa, dim), rtol=1e-10)
+    # kappa = 0: the uniform density, 1 / |S^(D-1)| = Gamma(D/2) / (2 pi^(D/2)) (scipy's ive underflows here)
+    from scipy.special import gammaln
+
+    for dim in (64, 768):
+        uniform = gammaln(dim / 2) - np.log(2) - dim / 2 * np.log(np.pi)
+        assert vmf.log_vmf_normaliser(torch.tensor([0.0], dtype=torch.float64), dim).item() == pytest.approx(uniform, rel=1e-12)
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 40
+    for value in (20.0, 700.0, 3e8):  # D = 768: I_v(20) ~ 1e-443, below any float; mpmath has it
+        v = mpmath.mpf(383)
+        exact = v * mpmath.log(value) - 384 * mpmath.log(2 * mpmath.pi) - mpmath.log(mpmath.besseli(v, value))
+        assert vmf.log_vmf_normaliser(torch.tensor([value], dtype=torch.float64), 768).item() == pytest.approx(float(exact), rel=1e-12)
+
+
+def test_coco_cf_em_equals_its_script_re_derived():
+    rng = np.random.default_rng(11)
+    rows = [clustered(rng, n) for n in (1, 2, 6, 17, 40)]
+    x, mask = padded(rows, width=44, rng=rng)
+    for kappa in (1.0, 20.0, 80.0):  # 80: components collapse, and the script keeps them with weight ~1e-8 / N
+        fit = vmf.fit_mixture(x, mask, n_components=3, kappa=kappa, seeds=torch.tensor(SEEDS), update="coco-cf")
+        for b, (points, seed) in enumerate(zip(rows, SEEDS)):
+            means, weights = plain_fit_coco_cf(points, 3, kappa, 20, seed)
+            k = len(weights)
+            np.testing.assert_allclose(fit.means[b, :k].numpy(), means, atol=1e-10)
+            np.testing.assert_allclose(fit.log_weights[b, :k].numpy(), np.log(weights + 1e-9), rtol=1e-10)
+            assert torch.isinf(fit.log_weights[b, k:]).all()
+            np.testing.assert_allclose(fit.log_density(torch.tensor(points / np.linalg.norm(points, axis=1,
+                                                                                             keepdims=True))[None],
+                                                       rows=torch.tensor([b]))[0].numpy(),
+                                       coco_cf_log_density(points, means, weights, kappa), atol=1e-9)
+    # no re-initialisation, whatever the threshold; the restarting EM re-initialises at this one
+    kept = vmf.fit_mixture(x, mask, n_components=3, kappa=80.0, seeds=torch.tensor(SEEDS), update="coco-cf",
+                           reinit_threshold=0.3)
+    assert torch.equal(kept.means, fit.means) and torch.equal(kept.log_weights, fit.log_weights)
+    restart = vmf.fit_mixture(x, mask, n_components=3, kappa=80.0, seeds=torch.tensor(SEEDS), reinit_threshold=0.3,
+                              track=True)
+    assert int(restart.reinitialised.sum()) > 0
+    assert not torch.allclose(restart.means, fit.means)
+
+
+@pytest.mark.parametrize("sigma", [0.1, 0.3])
+def test_gaussian_mixture_equals_a_plain_em(sigma):
+    rng = np.random.default_rng(12)
+    rows = [clustered(rng, n) for n in (2, 9, 30)]
+    x, mask = padded(rows, width=32, rng=rng)
+    fit = vmf.fit_mixture(x, mask, n_components=3, family="gaussian", sigma=sigma, seeds=torch.tensor([4, 5, 6]),
+                          reinit_threshold=0.05)
+    other = vmf.fit_mixture(x, mask, n_components=2, family="gaussian", sigma=sigma, seeds=torch.tensor([7, 8, 9]))
+    g = 0.5 / sigma ** 2
+    for b, (points, seed) in enumerate(zip(rows, (4, 5, 6))):
+        means, weights = plain_fit_gaussian(points, 3, sigma, 20, seed, threshold=0.05)
+        k = len(weights)
+        np.testing.assert_allclose(fit.means[b, :k].numpy(), means, atol=1e-10)
+        np.testing.assert_allclose(np.exp(fit.log_weights[b, :k].numpy()), weights, atol=1e-10)
+        # log-densities up to the constant -g |x|^2 = -g shared by every component of every mixture
+        unit_points = torch.tensor(points / np.linalg.norm(points, axis=1, keepdims=True))[None]
+        np.testing.assert_allclose(fit.log_density(unit_points, rows=torch.tensor([b]))[0].numpy() - g,
+                                   gaussian_log_density(points, means, weights, sigma), atol=1e-8)
+    # the KL between two Gaussian mixtures: the constants cancel
+    kl = vmf.bi_kl(x, mask, fit, x, mask, other)
+    for b, points in enumerate(rows):
+        p = plain_fit_gaussian(points, 3, sigma, 20, (4, 5, 6)[b], threshold=0.05)
+        q = plain_fit_gaussian(points, 2, sigma, 20, (7, 8, 9)[b])
+        direct = np.mean(gaussian_log_density(points, *p, sigma) - gaussian_log_density(points, *q, sigma))
+        assert kl.image_to_text[b].item() == pytest.approx(direct, abs=1e-8)
+
+
+def test_adaptive_kappa_equals_a_plain_em():
+    rng = np.random.default_rng(13)
+    dim = 64
+    rows = [clustered(rng, n, dim=dim, spread=1.5) for n in (1, 3, 12, 40)]
+    x, mask = padded(rows, width=40, rng=rng)
+    seeds = torch.tensor([21, 22, 23, 24])
+    fit = vmf.fit_mixture(x, mask, n_components=3, kappa=20.0, adaptive_kappa=True, seeds=seeds, iterations=10)
+    for b, (points, seed) in enumerate(zip(rows, seeds.tolist())):
+        means, weights, kappas = plain_fit_adaptive(points, 3, 20.0, 10, seed)
+        k = len(weights)
+        np.testing.assert_allclose(fit.kappas[b, :k].numpy(), kappas, rtol=1e-7)
+        np.testing.assert_allclose(fit.means[b, :k].numpy(), means, atol=1e-8)
+        np.testing.assert_allclose(np.exp(fit.log_weights[b, :k].numpy()), weights, atol=1e-8)
+        unit_points = torch.tensor(points / np.linalg.norm(points, axis=1, keepdims=True))[None]
+        np.testing.assert_allclose(fit.log_density(unit_points, rows=torch.tensor([b]))[0].numpy(),
+                                   adaptive_log_density(points, means, weights, kappas), rtol=1e-8)
+    assert float(fit.kappas[3, 0]) != 20.0  # re-estimated
+    assert fit.kappas[0, 0].item() == pytest.approx(vmf.adaptive_kappa(torch.tensor(1.0, dtype=torch.float64), dim).item())  # one point

@@ -22,8 +22,9 @@ class Protocol:
     (``--tie-margin`` overrides); ``human_ties``: pairs humans judged a tie are ``"count"``-ed (right only where the
     metric predicts a tie) or ``"skip"``-ped; ``round_scores`` rounds metric scores first, as an official script
     does. ``graded_rule`` judges graded preferences (DOCENT): ``"posh"`` (three classes, PoSh's script) or
-    ``"binary"`` (MSD-Score's script). ``elo`` is the model-level procedure (see :mod:`.ranking`) and
-    ``unranked`` the systems left out of both rankings."""
+    ``"binary"`` (MSD-Score's script). ``elo`` is the model-level procedure (see :mod:`.ranking`),
+    ``shuffle_rounds`` the passes its single-pass form averages (``--shuffle-rounds`` overrides) and ``unranked``
+    the systems left out of both rankings."""
 
     kind: str
     primary: str
@@ -43,6 +44,7 @@ class Protocol:
     human_ties: str = "count"
     graded_rule: str = "posh"
     elo: str = "bootstrap"
+    shuffle_rounds: int = 1
     unranked: tuple[str, ...] = ()
 
     def headline(self) -> tuple[str, ...]:
@@ -119,9 +121,10 @@ CAPARENA_HUMAN_RANKING = (
     "GPT-4o-mini-0718", "LLama-3.2-90B", "Qwen2-VL-72B-Instruct", "CogVLM2-llama3-chat-19B", "MiniCPM-V2.6-8B",
     "Qwen2-VL-7B-Instruct", "Qwen2-VL-2B-Instruct", "LLaVA-1.6-34B", "LLaVA-1.5-7B")
 
-# MSD-Score's official settings for short captions (SugarCrepe, COCO-CF: few mixture components), applied
-# where the metric's Config has the option and the user did not set it.
-SHORT_CAPTION_MSD = {"msd_score": {"preset": "sugarcrepe"}, "soft_msd": {"preset": "sugarcrepe"}}
+# MSD-Score's official settings for short captions, applied where the metric's Config has the option and the user
+# did not set it: the SugarCrepe scripts' (4 image, 2 text components) and coco_eval_cf.py's (3 and 2, its EM).
+SUGARCREPE_MSD = {"msd_score": {"preset": "sugarcrepe"}, "soft_msd": {"preset": "sugarcrepe"}}
+COCO_CF_MSD = {"msd_score": {"preset": "coco-cf"}, "soft_msd": {"preset": "coco-cf"}}
 # Its settings for long captions: the CapArena and DOCENT scripts fit 5 image and 3 text components (the paper's
 # "long" regime), whichever protocol judges the scores.
 LONG_CAPTION_MSD = {"msd_score": {"setting": "long"}, "soft_msd": {"setting": "long"}}
@@ -137,7 +140,9 @@ MSD_CAPARENA = Variant(
              "scores are within 1e-4 (then wrong); share over those battles and per level; model level: Spearman / "
              "Kendall tau-b between the models' positions in the Elo ranking from the metric's decisions and in the "
              "Elo ranking from the human votes (a tie half a win each), one pass over every battle in the order "
-             "Python's random.Random(1234) shuffles them, K = 32, the human source left out of both rankings",
+             "Python's random.Random(1234) shuffles them, K = 32 (--shuffle-rounds R: R passes from fresh ratings, "
+             "pass r shuffled by random.Random(1234 + r), ratings averaged; the script's default is 1, its README "
+             "runs 5), the human source left out of both rankings",
              categories=CAPARENA_LEVELS, ties="wrong", pooled=True, model_ranking=(), tie_margin=1e-4,
              human_ties="skip", elo="single", unranked=("human",)),
     reader=_reader("read_caparena", True, ("tie",)), source="MSD-Score (Table III); " + MSD_SCRIPTS + "caparena.py")
@@ -202,15 +207,17 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
                        category_groups={"Replace": ("replace_obj", "replace_att", "replace_rel"),
                                         "Swap": ("swap_obj", "swap_att"), "Add": ("add_obj", "add_att")}),
               _reader("read_sugarcrepe"), "RAIVNLab/sugar-crepe data/ folder (7 json files) or one subset file",
-              metric_defaults=SHORT_CAPTION_MSD, source="Hsieh et al., NeurIPS 2023; RAIVNLab/sugar-crepe"),
+              metric_defaults=SUGARCREPE_MSD, source="Hsieh et al., NeurIPS 2023; RAIVNLab/sugar-crepe"),
     Benchmark("coco-cf", "COCO-CF",
               Protocol("pairwise", "accuracy",
                        "accuracy (x100) per perturbation type and their mean: the metric is right when it scores "
                        "the faithful caption strictly higher than its counterfactual (a tie is wrong); both "
                        "captions of a pair form one group for group metrics"),
               _reader("read_counterfactual"),
-              "not public: SugarCrepe's layout (one json per perturbation) or the generic pairwise format",
-              metric_defaults=SHORT_CAPTION_MSD, source="MSD-Score (Sec. 4.1); files not public, layout assumed"),
+              "not public: coco_eval_cf.py's json (a list of {image_path, caption, negative_caption}, one file per "
+              "split), SugarCrepe's layout (one json per perturbation) or the generic pairwise format",
+              metric_defaults=COCO_CF_MSD,
+              source="MSD-Score (Sec. 4.1); " + MSD_SCRIPTS + "coco_eval_cf.py; the data files are not public"),
     Benchmark("activitynet-fact", "ActivityNet-Fact",
               Protocol("correlation", "pearson:paragraph",
                        "Pearson r (x100; Kendall and Spearman also reported) against the paragraph score and the "

@@ -9,10 +9,12 @@ ranked by their median rating. Spearman's rho and Kendall's tau-b (x100) compare
 that ranking with their positions in the human ranking (the official script's fixed list, where it names every
 model, else the same Elo procedure over the human votes).
 
-MSD-Score's script (``elo="single"``): one online Elo pass (K=32, scale 400, base 10, initial 1000) over every
-scored battle, in the order Python's ``random.Random(1234)`` shuffles them; the humans' ranking from the same pass
-over their votes (a tie half a win each); models ranked by rating, the ``unranked`` systems (its "human") left
-out of both rankings before positions are compared.
+MSD-Score's script (``elo="single"``): an online Elo pass (K=32, scale 400, base 10, initial 1000) over every
+scored battle, in the order Python's ``random.Random(1234)`` shuffles them; with ``shuffle_rounds`` R (its
+``--shuffle_rounds``, default 1; its README runs 5) R passes, round r from fresh ratings over the battles as
+``random.Random(1234 + r)`` shuffles them, and each model's ratings averaged over the rounds; the humans' ranking
+from the same passes over their votes (a tie half a win each); models ranked by rating, the ``unranked`` systems
+(its "human") left out of both rankings before positions are compared.
 """
 from __future__ import annotations
 
@@ -56,30 +58,39 @@ def bootstrap_elo(first: np.ndarray, second: np.ndarray, outcome: np.ndarray, n_
 
 
 def single_pass_elo(first: np.ndarray, second: np.ndarray, outcome: np.ndarray, n_models: int,
-                    k: float = SINGLE_K, seed: int = SINGLE_SEED) -> np.ndarray:
-    """Elo ratings after one pass over the battles in the order ``random.Random(seed)`` shuffles them (NaN for a
-    model in no battle). ``outcome`` as in :func:`bootstrap_elo`."""
-    order = list(range(len(first)))
-    random.Random(seed).shuffle(order)
-    ratings = np.full(n_models, INITIAL)
+                    k: float = SINGLE_K, seed: int = SINGLE_SEED, rounds: int = 1) -> np.ndarray:
+    """Elo ratings after one pass over the battles in the order ``random.Random(seed)`` shuffles them, averaged
+    with ``rounds - 1`` more passes from fresh ratings, pass r in the order of ``random.Random(seed + r)`` (NaN for
+    a model in no battle). ``outcome`` as in :func:`bootstrap_elo`."""
+    if rounds < 1:
+        raise ValueError(f"shuffle rounds must be >= 1, got {rounds}")
+    total = np.zeros(n_models)
     seen = np.zeros(n_models, dtype=bool)
-    for i in order:
-        a, b = first[i], second[i]
-        expect_a = 1.0 / (1.0 + BASE ** ((ratings[b] - ratings[a]) / SCALE))
-        change = k * (outcome[i] - expect_a)
-        ratings[a] += change
-        ratings[b] -= change
-        seen[a] = seen[b] = True
+    for round_ in range(rounds):
+        order = list(range(len(first)))
+        random.Random(seed + round_).shuffle(order)
+        ratings = np.full(n_models, INITIAL)
+        for i in order:
+            a, b = first[i], second[i]
+            expect_a = 1.0 / (1.0 + BASE ** ((ratings[b] - ratings[a]) / SCALE))
+            change = k * (outcome[i] - expect_a)
+            ratings[a] += change
+            ratings[b] -= change
+            seen[a] = seen[b] = True
+        total += ratings
+    ratings = total / rounds
     ratings[~seen] = np.nan
     return ratings
 
 
-def elo_ratings(first: np.ndarray, second: np.ndarray, outcome: np.ndarray, n_models: int, method: str
-                ) -> np.ndarray:
+def elo_ratings(first: np.ndarray, second: np.ndarray, outcome: np.ndarray, n_models: int, method: str,
+                rounds: int = 1) -> np.ndarray:
+    """Each model's rating by the procedure ``method`` (``rounds``: the single-pass procedure's shuffle rounds)."""
     if method not in ELO:
         raise ValueError(f"elo must be one of {ELO}, got {method!r}")
-    elo = single_pass_elo if method == "single" else bootstrap_elo
-    return elo(first, second, outcome, n_models)
+    if method == "single":
+        return single_pass_elo(first, second, outcome, n_models, rounds=rounds)
+    return bootstrap_elo(first, second, outcome, n_models)
 
 
 def rank_by(ratings: np.ndarray, names: list[str]) -> list[str]:
@@ -101,7 +112,8 @@ def model_level_agreement(scores: np.ndarray, data: Pairs, valid: np.ndarray, ti
     second = np.array([index[b] for _, b in systems], dtype=np.int64)
     a, b = scores[data.first[pairs]], scores[data.second[pairs]]
     outcome = np.where(tied[pairs], 0.5, (a > b).astype(np.float64))
-    metric_order = rank_by(elo_ratings(first, second, outcome, len(names), protocol.elo), names)
+    metric_order = rank_by(elo_ratings(first, second, outcome, len(names), protocol.elo, protocol.shuffle_rounds),
+                           names)
     human_order = human_ranking(data, protocol, pairs, first, second, names)
     unranked = set(protocol.unranked)
     metric_order = [m for m in metric_order if m not in unranked]
@@ -124,4 +136,4 @@ def human_ranking(data: Pairs, protocol, pairs: np.ndarray, first: np.ndarray, s
         return fixed
     tie = data.human_tie[pairs] if data.human_tie is not None else np.zeros(len(pairs), dtype=bool)
     outcome = np.where(tie, 0.5, (data.label[pairs] == 0).astype(np.float64))
-    return rank_by(elo_ratings(first, second, outcome, len(names), protocol.elo), names)
+    return rank_by(elo_ratings(first, second, outcome, len(names), protocol.elo, protocol.shuffle_rounds), names)

@@ -409,19 +409,46 @@ SUGARCREPE_SUBSETS = ("replace_obj", "replace_att", "replace_rel", "swap_obj", "
 
 
 def read_counterfactual(path: str | Path) -> Pairs:
-    """Counterfactual caption pairs (COCO-CF, whose files are not public): SugarCrepe's layout, one JSON file
-    per perturbation type ``{idx: {"filename", "caption", "negative_caption"}}`` in a folder (every ``*.json``,
-    each a category), or the generic pairwise format (:func:`read_pairwise`)."""
+    """Counterfactual caption pairs (COCO-CF, whose files are not public): the layout of MSD-Score's official
+    script ``coco_eval_cf.py``, a list of ``{"image_path", "caption", "negative_caption"}`` (or ``{"data": [...]}``,
+    e.g. ``coco_cf_easy.json``), the image path relative to ``--images``; SugarCrepe's layout, ``{idx:
+    {"filename", "caption", "negative_caption"}}``; one such file, or a folder of them (every ``*.json``, each a
+    category: the file name); or the generic pairwise format (:func:`read_pairwise`)."""
     path = Path(path)
     if path.is_dir():
         files = sorted(path.glob("*.json"))
         if not files:
             raise InputError(f"{path}: no .json files")
-        return _sugarcrepe_files(path, files)
+        return _counterfactual_files(path, files)
     data = load_records(path)
-    if isinstance(data, dict) and data and all(isinstance(v, dict) and "negative_caption" in v for v in data.values()):
-        return _sugarcrepe_files(path, [path])
+    if _script_items(data) is not None or (isinstance(data, dict) and data and all(
+            isinstance(v, dict) and "negative_caption" in v for v in data.values())):
+        return _counterfactual_files(path, [path])
     return read_pairwise(path)
+
+
+def _script_items(data: Any) -> list | None:
+    """The items of a file in coco_eval_cf.py's layout (a list, or a dict with a "data" list), else None."""
+    items = data.get("data") if isinstance(data, dict) and isinstance(data.get("data"), list) else data
+    if isinstance(items, list) and items and all(isinstance(i, dict) and "negative_caption" in i for i in items):
+        return items
+    return None
+
+
+def _counterfactual_files(path: Path, files: Sequence[Path]) -> Pairs:
+    rows = _PairRows()
+    for file in files:
+        data = load_records(file)
+        items = _script_items(data)
+        if items is None:
+            _sugarcrepe_rows(rows, file, data)
+            continue
+        for k, item in enumerate(items):
+            at = f"{file}: item {k}"
+            captions = [text(pick(item, (key,), key, at), key, at) for key in ("caption", "negative_caption")]
+            image = text(pick(item, ("image_path", "filename"), "image_path", at), "image_path", at)
+            rows.add(image, captions, None, 0, file.stem, corpus=0)
+    return rows.build(path)
 
 
 def read_sugarcrepe(path: str | Path) -> Pairs:
@@ -443,17 +470,20 @@ def read_sugarcrepe(path: str | Path) -> Pairs:
 def _sugarcrepe_files(path: Path, files: Sequence[Path]) -> Pairs:
     rows = _PairRows()
     for file in files:
-        data = load_records(file)
-        if not isinstance(data, dict):
-            raise InputError(f"{file}: expected {{idx: {{filename, caption, negative_caption}}}} (SugarCrepe)")
-        for idx, item in data.items():
-            at = f"{file}: item {idx!r}"
-            if not isinstance(item, dict):
-                raise InputError(f"{at}: expected an object")
-            captions = [text(pick(item, (key,), key, at), key, at) for key in ("caption", "negative_caption")]
-            image = text(pick(item, ("filename",), "filename", at), "filename", at)
-            rows.add(image, captions, None, 0, file.stem, corpus=0)
+        _sugarcrepe_rows(rows, file, load_records(file))
     return rows.build(path)
+
+
+def _sugarcrepe_rows(rows: "_PairRows", file: Path, data: Any) -> None:
+    if not isinstance(data, dict):
+        raise InputError(f"{file}: expected {{idx: {{filename, caption, negative_caption}}}} (SugarCrepe)")
+    for idx, item in data.items():
+        at = f"{file}: item {idx!r}"
+        if not isinstance(item, dict):
+            raise InputError(f"{at}: expected an object")
+        captions = [text(pick(item, (key,), key, at), key, at) for key in ("caption", "negative_caption")]
+        image = text(pick(item, ("filename",), "filename", at), "filename", at)
+        rows.add(image, captions, None, 0, file.stem, corpus=0)
 
 
 # -------------------------------------------------------------------------------- FactVC (Liu and Wan, 2023)

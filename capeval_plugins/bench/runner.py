@@ -69,6 +69,8 @@ class BenchReport:
                 proto["tie_margin"] = self.settings["tie_margin"]
             if protocol.human_ties != "count":
                 proto["human_ties"] = protocol.human_ties
+            if protocol.model_ranking is not None and protocol.elo == "single":
+                proto["shuffle_rounds"] = protocol.shuffle_rounds
             if protocol.category_groups:
                 proto["groups"] = {k: list(v) for k, v in protocol.category_groups.items()}
         if protocol.round_scores is not None:
@@ -313,7 +315,8 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
                   scores: Mapping[str, str | os.PathLike] | None = None, extras: bool = False,
                   save_scores: str | os.PathLike | None = None, num_references: int | None = None,
                   tie_margin: float | str | None = None, frames: int | Mapping[str, int] | None = None,
-                  protocol: str | None = None, labels: str | os.PathLike | None = None) -> BenchReport:
+                  protocol: str | None = None, labels: str | os.PathLike | None = None,
+                  shuffle_rounds: int | None = None) -> BenchReport:
     """Read the benchmark (unless ``data`` is already read), score it with every metric and evaluate them.
 
     ``metrics`` maps a label to a built metric; ``scores`` maps a label to a per-sample score file computed
@@ -328,14 +331,15 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     (default: the protocol's; 0: only equal scores; ``"calibrated"``: as many ties as humans gave at most).
     ``protocol`` names one of the benchmark's protocols (default: its official one; e.g. ``"msd-score"`` on
     CapArena and DOCENT). ``labels``: a label set (:mod:`capeval_plugins.bench.labels`) whose judgments replace
-    the benchmark file's where it names the same rows. ``extras``: a metric's
+    the benchmark file's where it names the same rows. ``shuffle_rounds``: the passes a single-pass Elo averages
+    (MSD-Score's CapArena protocol; default: the protocol's, 1). ``extras``: a metric's
     one-value-per-sample extras are evaluated as rows of their own (``metric:extra``). ``save_scores``: a
     folder that gets ``<label>.jsonl`` with every row's score and extras, readable back with ``scores``."""
     from capeval_plugins.bench.scorefiles import match_scores, write_scores
 
     started = time.perf_counter()
     bench = benchmark if isinstance(benchmark, Benchmark) else get_benchmark(benchmark)
-    bench = bench.with_protocol(protocol)
+    bench = with_shuffle_rounds(bench.with_protocol(protocol), shuffle_rounds)
     source = "" if isinstance(data, (Ratings, Pairs)) else str(Path(data))
     data = data if isinstance(data, (Ratings, Pairs)) else bench.read(data)
     if labels is not None:
@@ -389,6 +393,19 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     settings = {"bootstrap": bootstrap, "seed": seed, "unit": unit, "ties": ties, "num_references": num_references,
                 "tie_margin": tie_margin}
     return BenchReport(bench, data, runs, evaluations, comparisons, settings, time.perf_counter() - started, source)
+
+
+def with_shuffle_rounds(bench: Benchmark, rounds: int | None) -> Benchmark:
+    """The benchmark with its single-pass Elo averaged over ``rounds`` shuffles (None: as it is)."""
+    if rounds is None:
+        return bench
+    protocol = bench.protocol
+    if protocol.model_ranking is None or protocol.elo != "single":
+        raise InputError(f"shuffle rounds apply to a single-pass Elo ranking (caparena --protocol msd-score); "
+                         f"{bench.name} ({bench.variant}) has none")
+    if rounds < 1:
+        raise InputError(f"shuffle rounds must be 1 or more, got {rounds}")
+    return replace(bench, protocol=replace(protocol, shuffle_rounds=rounds))
 
 
 def _frames_for(name: str, frames: int | Mapping[str, int] | None) -> int | None:

@@ -87,6 +87,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--protocol", default=None, metavar="NAME",
                    help="judge by another protocol of this benchmark: 'msd-score' on caparena and docent "
                         "(MSD-Score's own scripts, its Tables III and IV); default: the benchmark's official one")
+    p.add_argument("--shuffle-rounds", type=cli_number(int, ge=1), default=None, metavar="R",
+                   help="caparena --protocol msd-score: average the single-pass Elo ratings over R shuffles of the "
+                        "battles, as its caparena.py --shuffle_rounds (default 1, the script's; its README runs 5)")
     p.add_argument("--labels", metavar="FILE|DIR",
                    help="human judgments that replace the benchmark file's where they name the same rows: pair "
                         "labels (JSON / JSON Lines / CSV, or FLEUR's released result texts, e.g. its Pascal-50S "
@@ -209,7 +212,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             unit=args.bootstrap_unit, ties=args.ties, with_references=args.with_references, progress=not args.quiet,
             scores=score_files, extras=args.extras, save_scores=args.save_scores,
             num_references=args.num_references, tie_margin=args.tie_margin, frames=parse_frames(args.frames),
-            protocol=args.protocol, labels=args.labels)
+            protocol=args.protocol, labels=args.labels, shuffle_rounds=args.shuffle_rounds)
     except RuntimeError as err:  # a missing runtime (Java, SPICE's jars): one line, not a traceback
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2

@@ -30,12 +30,17 @@ from capeval_plugins.contract import (GROUP, INDEX, Batch, Metric, MetricInfo, M
                                      Requirement, StateSpec, bounded, nanmean)
 from capeval_plugins.core.bounds import MAX_SEED
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, mean_pooled
-from capeval_plugins.core.vmf import PRECISIONS, BiKL, Points, bi_kl, content_seeds, fit_vmf_mixture, points
+from capeval_plugins.core.vmf import PRECISIONS, BiKL, Points, bi_kl, content_seeds, fit_mixture, points
 from capeval_plugins.training.msd_aligner.model import LocalAligner, read_settings as read_aligner_settings
 
-CITATION = """@misc{msdscore,
-  title  = {{MSD-Score}: Multi-Scale Distributional Scoring for Reference-Free Image Caption Evaluation},
-  note   = {authors and venue not given in the copy of the paper this implementation follows}
+CITATION = """@misc{kan2026msdscore,
+  title         = {{MSD-Score}: Multi-Scale Distributional Scoring for Reference-Free Image Caption Evaluation},
+  author        = {Kan, Shichao and Zhang, Xuyang and Zhang, Haojie and Zhu, Zhe and Cen, Yigang and Liang, Yixiong
+                   and Shan, Lianlei and Zhang, Linna and Qu, Zhe and Xia, Jiazhi},
+  year          = {2026},
+  eprint        = {2605.06080},
+  archivePrefix = {arXiv},
+  primaryClass  = {cs.CV}
 }"""
 
 # Mixture sizes (K_img, K_txt) of the paper's two caption-length regimes.
@@ -44,10 +49,21 @@ SETTINGS = {"short": (3, 2), "long": (5, 3)}
 # Option sets of the official evaluation scripts, by name (``preset=``); an option given explicitly wins.
 # "sugarcrepe": the SugarCrepe scripts (SteinsGateSg/MSDScore, metrics/vMF_MSD_Score/sugarcrepe_*.py) call the
 # bi-KL with its defaults, 4 image and 2 text components, not the README's 3 / 2; the rest as the paper.
+# "coco-cf": coco_eval_cf.py, 3 image and 2 text components and its own EM (no re-initialisation, weights
+# (N_k + 1e-8) / N, log(w + 1e-9) in every log-density: core.vmf, update="coco-cf").
 PRESETS: dict[str, dict[str, object]] = {
     "paper": {},
     "sugarcrepe": {"k_image": 4, "k_text": 2},
+    "coco-cf": {"k_image": 3, "k_text": 2, "em_update": "coco-cf"},
 }
+# Options of a preset applied through the config (the mixture sizes are resolved with the setting).
+_PRESET_FIELDS = ("em_update",)
+# Values of the ablation options (the paper's Table II, X, XI; see the card).
+MIXTURES = ("vmf", "gaussian")
+KAPPA_MODES = ("fixed", "adaptive")
+EM_UPDATES = ("restart", "coco-cf")
+KL_DIRECTIONS = ("length", "image_to_text", "text_to_image")
+SCORE_TERMS = ("both", "global", "local")
 
 
 @dataclass
@@ -66,6 +82,17 @@ class MSDConfig(ModelConfig):
     em_iterations: int = bounded(20, ge=0, le=10_000)
     # Reference code: a component is re-initialised when N_k < reinit_threshold * N.
     reinit_threshold: float = bounded(1e-6, ge=0)
+    # How the EM updates the weights and handles collapsed components: "restart" (the paper, the reference code)
+    # or "coco-cf" (coco_eval_cf.py: no re-initialisation, weights (N_k + 1e-8) / N); the "coco-cf" preset sets it.
+    em_update: str = "restart"
+    # Ablations of the paper's Table II: "gaussian" = isotropic Gaussians of standard deviation gaussian_sigma
+    # instead of vMFs; kappa_mode="adaptive" = each component's kappa re-estimated by the paper's Eq. 12.
+    mixture: str = "vmf"
+    gaussian_sigma: float = bounded(0.1, gt=0)
+    kappa_mode: str = "fixed"
+    # Ablations of Tables X / XI: D from one KL direction only, and scores from one term only (g or -D).
+    kl_direction: str = "length"
+    score_terms: str = "both"
     lam: float = bounded(0.1, ge=0)
     length_l0: float = bounded(20.0, ge=0)
     length_tau: float = bounded(3.0, ge=1e-6)
@@ -143,20 +170,32 @@ def length_weighted_divergence(
     length_tau: float = 3.0,
     dtype: torch.dtype = torch.float64,
     product_dtype: torch.dtype | None = None,
+    em_update: str = "restart",
+    mixture: str = "vmf",
+    gaussian_sigma: float = 0.1,
+    kappa_mode: str = "fixed",
+    kl_direction: str = "length",
 ) -> Divergence:
     """vMF mixtures fitted to each image's patches (I, N, D) and each caption's tokens (B, T, D), the Monte
     Carlo KL both ways, and D weighted by caption length. Pair b uses image ``image_index[b]`` (default b);
-    seeds default to the points' own bits (see :func:`~capeval_plugins.core.vmf.fit_vmf_mixture`). ``dtype`` is
+    seeds default to the points' own bits (see :func:`~capeval_plugins.core.vmf.fit_mixture`). ``dtype`` is
     the precision of the fits and the KL, ``product_dtype`` (default ``dtype``) the one the patches are kept and
-    multiplied in; the tokens are multiplied in ``dtype`` (:data:`~capeval_plugins.core.vmf.PRECISIONS`)."""
+    multiplied in; the tokens are multiplied in ``dtype`` (:data:`~capeval_plugins.core.vmf.PRECISIONS`).
+    ``em_update``, ``mixture`` ("gaussian": standard deviation ``gaussian_sigma``) and ``kappa_mode`` select the
+    EM and the model (:mod:`capeval_plugins.core.vmf`); ``kl_direction`` other than "length" fixes beta at 1
+    ("image_to_text") or 0 ("text_to_image")."""
     patch_points = points(patches, patch_mask, dtype, product_dtype)
     token_points = points(tokens, token_mask, dtype)
-    fit = dict(kappa=kappa, iterations=iterations, reinit_threshold=reinit_threshold, dtype=dtype)
-    image_mixture = fit_vmf_mixture(patch_points, n_components=k_image, seeds=image_seeds, **fit)
-    text_mixture = fit_vmf_mixture(token_points, n_components=k_text, seeds=text_seeds, **fit)
+    fit = dict(kappa=kappa, iterations=iterations, reinit_threshold=reinit_threshold, dtype=dtype, update=em_update,
+               family=mixture, sigma=gaussian_sigma, adaptive_kappa=kappa_mode == "adaptive")
+    image_mixture = fit_mixture(patch_points, n_components=k_image, seeds=image_seeds, **fit)
+    text_mixture = fit_mixture(token_points, n_components=k_text, seeds=text_seeds, **fit)
     kl = bi_kl(patch_points, None, image_mixture, token_points, None, text_mixture, image_index)
-    n_tokens = token_points.mask.sum(1).to(dtype)
-    beta = length_weight(n_tokens, length_l0, length_tau)
+    n_tokens = token_points.counts.to(dtype)
+    if kl_direction == "length":
+        beta = length_weight(n_tokens, length_l0, length_tau)
+    else:
+        beta = torch.full_like(n_tokens, 1.0 if kl_direction == "image_to_text" else 0.0)
     divergence = beta * kl.image_to_text + (1 - beta) * kl.text_to_image
     return Divergence(divergence, kl, beta, n_tokens, patch_points, token_points)
 
@@ -172,44 +211,39 @@ def msd_components(
     *,
     image_seeds: Tensor,
     text_seeds: Tensor,
-    k_image: int = 3,
-    k_text: int = 2,
-    kappa: float = 20.0,
-    iterations: int = 20,
-    reinit_threshold: float = 1e-6,
     lam: float = 0.1,
-    length_l0: float = 20.0,
-    length_tau: float = 3.0,
     dtype: torch.dtype = torch.float64,
     product_dtype: torch.dtype | None = None,
     diagnostics: bool = False,
+    **local,
 ) -> dict[str, Tensor]:
     """MSD and its parts for B pairs. Images come once each (``image_global`` (I, D), ``patches``
     (I, N, D)); pair b uses image ``image_index[b]``, so each image's mixture is fitted once for all of its
-    captions. Returns per-pair ``cosine``, ``kl_image_text``, ``kl_text_image``, ``beta``, ``bi_kl`` (D),
-    ``n_tokens``, ``msd`` and, with ``diagnostics``, ``patch_contributions`` (B, N),
-    ``token_contributions`` (B, T, on the token axis of ``tokens``) and ``token_contributions_on_patches``."""
-    local = length_weighted_divergence(
+    captions. ``local``: the options of :func:`length_weighted_divergence` (mixture sizes, kappa, ...). Returns
+    per-pair ``cosine``, ``kl_image_text``, ``kl_text_image``, ``beta``, ``bi_kl`` (D), ``n_tokens``, ``msd`` and,
+    with ``diagnostics``, ``patch_contributions`` (B, N), ``token_contributions`` (B, T, on the token axis of
+    ``tokens``) and ``token_contributions_on_patches``."""
+    divergence = length_weighted_divergence(
         patches, patch_mask, tokens, token_mask, image_index, image_seeds=image_seeds, text_seeds=text_seeds,
-        k_image=k_image, k_text=k_text, kappa=kappa, iterations=iterations, reinit_threshold=reinit_threshold,
-        length_l0=length_l0, length_tau=length_tau, dtype=dtype, product_dtype=product_dtype)
-    kl = local.kl
+        dtype=dtype, product_dtype=product_dtype, **local)
+    kl = divergence.kl
     cosine = (image_global.to(dtype)[image_index] * text_global.to(dtype)).sum(-1)
     out = {
         "cosine": cosine,
         "kl_image_text": kl.image_to_text,
         "kl_text_image": kl.text_to_image,
-        "beta": local.beta,
-        "bi_kl": local.bi_kl,
-        "n_tokens": local.n_tokens,
-        "msd": cosine - lam * local.bi_kl,
+        "beta": divergence.beta,
+        "bi_kl": divergence.bi_kl,
+        "n_tokens": divergence.n_tokens,
+        "msd": cosine - lam * divergence.bi_kl,
     }
     if diagnostics:
         out["patch_contributions"] = kl.patch_contributions
         out["token_contributions"] = kl.token_contributions
-        pairs = local.patches[image_index]
+        pairs = divergence.patches[image_index]
         out["token_contributions_on_patches"] = tokens_on_patches(
-            kl.token_contributions, local.tokens.unit(), local.tokens.mask, pairs.unit(), pairs.mask, kappa)
+            kl.token_contributions, divergence.tokens.unit(), divergence.tokens.mask, pairs.unit(), pairs.mask,
+            local.get("kappa", 20.0))
     return out
 
 
@@ -267,8 +301,12 @@ class MSDScore(Metric):
 
     def __init__(self, **config) -> None:
         super().__init__(**config)
-        check_config(self.config)
         cfg = self.config
+        if cfg.preset in PRESETS:
+            for name in _PRESET_FIELDS:  # the preset's options, where not given
+                if name in PRESETS[cfg.preset] and name not in config:
+                    setattr(cfg, name, PRESETS[cfg.preset][name])
+        check_config(cfg)
         if cfg.aligner and "model" not in config and os.path.isdir(cfg.aligner):
             # The aligner's own vision backbone (and its revision), unless a model (e.g. a local copy) is given.
             settings = read_aligner_settings(cfg.aligner)
@@ -321,33 +359,43 @@ class MSDScore(Metric):
             image = enc.encode_image_patches(pixels, post_layernorm=cfg.patch_layernorm,
                                              siglip_features=cfg.siglip_features)
             text = enc.encode_text_tokens(batch.candidates, siglip_features=cfg.siglip_features)
-        refuse_empty_captions(text.mask, batch)
+        token_mask = content_or_boundary(enc, batch.candidates, text.mask)
         if image.local.shape[-1] != text.local.shape[-1]:
             raise ValueError(f"MSD-Score: {cfg.model}'s patch ({image.local.shape[-1]}) and token "
                              f"({text.local.shape[-1]}) features differ in size; for SigLIP use "
                              "siglip_features='head'")
         device = image.local.device
         image_global, text_global = image.pooled, text.pooled
+        pooled_from_tokens = cfg.aligner and enc.settings.text_pooling == "content"
+        if cfg.global_pooling == "mean" or (pooled_from_tokens and token_mask is not text.mask):
+            text_global = mean_pooled(text.local, token_mask)  # an aligner pools the tokens it keeps
         if cfg.global_pooling == "mean":
-            image_global, text_global = mean_pooled(image.local, image.mask), mean_pooled(text.local, text.mask)
-        k_image, k_text = self.mixture_sizes
+            image_global = mean_pooled(image.local, image.mask)
         dtype, product_dtype = PRECISIONS[cfg.em_dtype]
         out = msd_components(
-            image_global, image.local, image.mask, text_global, text.local, text.mask,
+            image_global, image.local, image.mask, text_global, text.local, token_mask,
             batch.image_index.to(device),
             image_seeds=pixel_seeds(pixels, seed=cfg.seed).to(device),
-            text_seeds=content_seeds(text.ids, text.mask, seed=cfg.seed),
-            k_image=k_image, k_text=k_text, kappa=cfg.kappa, iterations=cfg.em_iterations,
-            reinit_threshold=cfg.reinit_threshold, lam=cfg.lam, length_l0=cfg.length_l0,
-            length_tau=cfg.length_tau, dtype=dtype, product_dtype=product_dtype, diagnostics=cfg.diagnostics,
+            text_seeds=content_seeds(text.ids, token_mask, seed=cfg.seed),
+            lam=cfg.lam, dtype=dtype, product_dtype=product_dtype, diagnostics=cfg.diagnostics, **self.local_options,
         )
         if cfg.diagnostics:
-            out["token_contributions"] = content_first(out["token_contributions"], text.mask)
+            out["token_contributions"] = content_first(out["token_contributions"], token_mask)
         return {name: out[name].cpu() for name in self.states()}
+
+    @property
+    def local_options(self) -> dict[str, object]:
+        """The options of :func:`length_weighted_divergence` this configuration gives."""
+        cfg = self.config
+        k_image, k_text = self.mixture_sizes
+        return dict(k_image=k_image, k_text=k_text, kappa=cfg.kappa, iterations=cfg.em_iterations,
+                    reinit_threshold=cfg.reinit_threshold, length_l0=cfg.length_l0, length_tau=cfg.length_tau,
+                    em_update=cfg.em_update, mixture=cfg.mixture, gaussian_sigma=cfg.gaussian_sigma,
+                    kappa_mode=cfg.kappa_mode, kl_direction=cfg.kl_direction)
 
     def scores(self, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """Per-sample scores and the extras that belong to them (after :meth:`finalize` ordered the rows)."""
-        return state["cosine"] - self.config.lam * state["bi_kl"], {}
+        return fused(state["cosine"], state["bi_kl"], self.config.lam, self.config.score_terms), {}
 
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
         scores, own = self.scores(state)
@@ -381,8 +429,10 @@ class SoftMSD(MSDScore):
     def scores(self, state: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.config
         u, size = soft_msd_gate(state["cosine"], state[GROUP], cfg.tau)
-        msd = state["cosine"] - cfg.lam * state["bi_kl"]
-        return state["cosine"] - cfg.lam * u * state["bi_kl"], {"msd": msd, "uncertainty": u, "group_size": size}
+        msd = fused(state["cosine"], state["bi_kl"], cfg.lam, cfg.score_terms)
+        # one term alone (g, or -D: the paper's "Bi-KL" column) is the same for both metrics: u gates their mix
+        soft = fused(state["cosine"], u * state["bi_kl"], cfg.lam) if cfg.score_terms == "both" else msd
+        return soft, {"msd": msd, "uncertainty": u, "group_size": size}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -400,6 +450,10 @@ def check_config(cfg: MSDConfig) -> None:
     need(cfg.global_pooling in ("model", "mean"), "global_pooling must be 'model' or 'mean'")
     need(cfg.long_captions in ("truncate", "error"), "long_captions must be 'truncate' or 'error'")
     need(cfg.em_dtype in PRECISIONS, f"em_dtype must be one of {sorted(PRECISIONS)}")
+    for name, allowed in (("em_update", EM_UPDATES), ("mixture", MIXTURES), ("kappa_mode", KAPPA_MODES),
+                          ("kl_direction", KL_DIRECTIONS), ("score_terms", SCORE_TERMS)):
+        need(getattr(cfg, name) in allowed, f"{name} must be one of {list(allowed)}, got {getattr(cfg, name)!r}")
+    need(not (cfg.mixture == "gaussian" and cfg.kappa_mode == "adaptive"), "kappa_mode='adaptive' applies to vMFs")
     need(not (cfg.aligner and cfg.patch_layernorm),
          "patch_layernorm applies to stock CLIP patches; an aligner takes its own CLIP layer")
 
@@ -423,12 +477,28 @@ def refuse_long_captions(enc: ClipEncoder | LocalAligner, batch: Batch) -> None:
             )
 
 
-def refuse_empty_captions(mask: Tensor, batch: Batch) -> None:
-    from capeval_plugins.inputs import InputError
+def content_or_boundary(enc: ClipEncoder | LocalAligner, texts, mask: Tensor) -> Tensor:
+    """The content-token mask, except that a caption without content tokens (an empty caption) keeps its
+    boundary tokens, the non-padding positions of its tokenisation, as the official scripts fall back to (CLIP:
+    BOS and EOS; an aligner's LLM: BOS). A tokenizer without an attention mask (SigLIP's pads to 64): the first
+    position. The tokenisation is the encoder's own (same call, same padding), redone only when needed."""
+    empty = mask.sum(1) == 0
+    if not bool(empty.any()):
+        return mask
+    attention = enc.tokenize(list(texts)).get("attention_mask")
+    if attention is None:
+        attention = torch.zeros(mask.shape, dtype=torch.bool)
+        attention[:, 0] = True
+    return torch.where(empty[:, None], attention.bool().to(mask.device), mask)
 
-    empty = (mask.sum(1) == 0).nonzero().flatten().tolist()
-    if empty:
-        raise InputError(f"sample {int(batch.indices[empty[0]])}: caption has no tokens besides special tokens")
+
+def fused(cosine: Tensor, divergence: Tensor, lam: float, terms: str = "both") -> Tensor:
+    """g - lambda D ("both"), g alone ("global") or -D alone ("local"), the ablation rows of Tables VI and X."""
+    if terms == "global":
+        return cosine.clone()
+    if terms == "local":
+        return -divergence
+    return cosine - lam * divergence
 
 
 def content_first(values: Tensor, mask: Tensor) -> Tensor:
