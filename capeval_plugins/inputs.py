@@ -258,8 +258,6 @@ def caption_problem(caption: Any) -> str | None:
         return "caption missing"
     if not isinstance(caption, str):
         return f"caption must be a string, got {type(caption).__name__}"
-    if not caption.strip():
-        return "caption is empty"
     return text_problem(caption, "caption")
 
 

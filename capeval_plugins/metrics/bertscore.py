@@ -182,6 +182,9 @@ class BERTScore(Metric):
                                                            (ref_ids > 0).sum(-1), valid_ref, self.pair_batch_size)
         precision = weighted_mean(cand_best, cand_w[:, None, :].expand_as(cand_best))
         recall = weighted_mean(ref_best, ref_w)
+        # bert_score sets P and R to 0 where either side is only special tokens (an empty caption): F is then 0
+        blank = self.only_special(cand_ids)[:, None] | self.only_special(ref_ids)
+        precision, recall = precision.masked_fill(blank, 0.0), recall.masked_fill(blank, 0.0)
         f1 = f_measure(precision, recall)
         opposite = (precision * recall < 0) & valid_ref
         if self.config.opposite_sign == "zero":
@@ -212,6 +215,11 @@ class BERTScore(Metric):
             return tuple(token_idf(ids - 1, ids > 0, table, n_docs) for ids in (cand_ids, ref_ids))
         special = torch.tensor(sorted(self.encoder.special_ids), dtype=torch.int64, device=cand_ids.device)
         return tuple(((ids > 0) & ~torch.isin(ids - 1, special)).to(torch.float64) for ids in (cand_ids, ref_ids))
+
+    def only_special(self, ids: Tensor) -> Tensor:
+        """Rows (of shifted ids, 0 = padding) holding no token but [CLS] / [SEP]: an empty text."""
+        special = torch.tensor(sorted(self.encoder.special_ids), dtype=torch.int64, device=ids.device)
+        return ~((ids > 0) & ~torch.isin(ids - 1, special)).any(dim=-1)
 
     def idf_table(self, corpus_refs: Tensor) -> tuple[Tensor, int]:
         """idf per token id (indexed by id) and the number of documents it was counted over."""

@@ -211,7 +211,8 @@ class TextEncoder:
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Ids with special tokens, as bert_score's ``sent_encode``; captions over the limit are truncated
         keeping the closing special token, with a warning (once per model)."""
-        prepared = [(" " + t.strip()) if self.prefix_space else t.strip() for t in texts]
+        # bert_score encodes an empty (or blank) text as the special tokens alone, with no prefix space
+        prepared = [(" " + t.strip()) if self.prefix_space and t.strip() else t.strip() for t in texts]
         ids = self.tokenizer(prepared, add_special_tokens=True)["input_ids"]
         too_long = [i for i, row in enumerate(ids) if len(row) > self.max_tokens]
         if too_long:
