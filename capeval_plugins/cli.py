@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate-module", help="write an evaluate module script (fallback without the hook)")
     p.add_argument("metric")
-    p.add_argument("--out", help="folder (default: ~/.cache/capeval_plugins/evaluate_modules)")
+    p.add_argument("--out", help="folder (default: $CAPEVAL_CACHE/evaluate_modules, else "
+                   "$XDG_CACHE_HOME/capeval_plugins/evaluate_modules, else ~/.cache/capeval_plugins/evaluate_modules)")
     p.set_defaults(func=cmd_evaluate_module)
 
     from capeval_plugins.commands import add_all

@@ -232,6 +232,23 @@ def test_bad_options_are_refused(tiny_deberta):
         capeval_plugins.load("bertscore", model=tiny_deberta, num_layers=7)(None, CANDIDATES[:1], REFERENCES[:1])
 
 
+def test_evaluate_takes_bert_scores_compute_options(tiny_deberta):
+    """``evaluate.load("capeval/bertscore").compute(..., model_type=, num_layers=, idf=, batch_size=, lang=)``:
+    evaluate's own ``bertscore`` arguments (bert_score's), giving bert_score's numbers."""
+    import evaluate
+
+    metric = evaluate.load("capeval/bertscore")
+    out = metric.compute(predictions=CANDIDATES, references=REFERENCES, lang="en", model_type=tiny_deberta,
+                         num_layers=LAST_LAYER, idf=True, batch_size=3, verbose=False, nthreads=4)
+    expected = theirs(tiny_deberta, CANDIDATES, REFERENCES, idf=True, batch_size=3)
+    close(torch.tensor([out["precision"], out["recall"], out["f1"]]).T, expected, 1e-5)
+    with pytest.raises(ValueError, match="all_layers=True"):
+        metric.compute(predictions=CANDIDATES, references=REFERENCES, model_type=tiny_deberta, all_layers=True)
+    loaded = evaluate.load("capeval/bertscore", model=tiny_deberta)  # lang does not override a model named at load
+    again = loaded.compute(predictions=CANDIDATES, references=REFERENCES, lang="en", idf=True, batch_size=3)
+    assert again["f1"] == pytest.approx(out["f1"], abs=1e-9)
+
+
 def test_evaluate_sees_it_only_as_capeval_bertscore():
     pytest.importorskip("evaluate")
     from capeval_plugins.adapters.hf_evaluate import evaluate_names

@@ -151,3 +151,78 @@ def test_a_refused_batch_leaks_nothing_into_the_next_compute(tiny_clip, images, 
     with pytest.raises(InputError):
         metric.compute(images=images[:1], predictions=["a\x00b"])
     assert len(metric.compute(images=images[:1], predictions=CAPTIONS[:1])["scores"]) == 1
+
+
+def test_plain_names_that_are_not_evaluate_modules_are_ours_offline(tmp_path):
+    """``evaluate.load("cider")`` in a fresh interpreter, no import of ours, no network: capeval's CIDEr (evaluate
+    has no ``cider`` module; without us it would ask the Hub). evaluate's own modules keep their names."""
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent("""
+        import json, socket
+        def guard(*args, **kwargs):
+            raise OSError("network disabled in this test")
+        socket.socket.connect = guard
+        socket.getaddrinfo = guard
+        import evaluate
+        cider = evaluate.load("cider", tokenize=False)
+        out = cider.compute(predictions=["a dog runs on grass", "", "a red car"],
+                            references=[["a dog on grass", "a brown dog"], ["a cat"], ["a red car parked"]])
+        print(json.dumps({"module": type(cider).__module__, "out": out}))
+    """))
+    proc = run([PYTHON, str(script)], env={"HF_EVALUATE_OFFLINE": "0", "HF_HUB_OFFLINE": "0"}, cwd=str(tmp_path))
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    direct = capeval_plugins.load("cider", tokenize=False)(
+        None, ["a dog runs on grass", "", "a red car"], [["a dog on grass", "a brown dog"], ["a cat"], ["a red car parked"]])
+    assert report["module"].startswith("capeval_plugins") and report["out"]["cider"] == pytest.approx(direct.score)
+    assert report["out"]["scores"][1] == 0.0  # the empty caption: scored, 0 as pycocoevalcap
+    for name in ("cider", "clipscore", "refclipscore", "bleu4", "rouge_l", "mid"):
+        assert hf_evaluate.importable_module(name) is not None, name
+    for name in ("meteor", "bertscore", "bleu", "rouge"):  # evaluate's own
+        assert hf_evaluate.importable_module(name) is None, name
+
+
+OTHER_MODULE = '''
+import datasets
+import evaluate
+
+class CaptionWords(evaluate.Metric):
+    """A module written the way evaluate's own are: predictions and references, nothing else."""
+
+    def _info(self):
+        return evaluate.MetricInfo(description="", citation="", inputs_description="",
+                                   features=datasets.Features({"predictions": datasets.Value("string"),
+                                                               "references": datasets.Sequence(datasets.Value("string"))}))
+
+    def _compute(self, predictions, references):
+        return {"mean_words": sum(len(p.split()) for p in predictions) / len(predictions)}
+'''
+
+
+def test_combine_with_evaluates_own_modules_takes_images(tiny_clip, images, tmp_path):
+    """``evaluate.combine([their module, "clipscore"]).compute(..., images=...)``: the images reach only the
+    modules that take them (evaluate would hand them to every module, and its own fail on them)."""
+    import evaluate
+
+    folder = tmp_path / "caption_words"
+    folder.mkdir()
+    (folder / "caption_words.py").write_text(OTHER_MODULE)
+    combined = evaluate.combine([evaluate.load(str(folder)), evaluate.load("clipscore", model=tiny_clip)])
+    out = combined.compute(predictions=CAPTIONS, references=REFERENCES, images=images)
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
+    assert out["clipscore"] == pytest.approx(direct.score, abs=1e-6)
+    assert out["mean_words"] == pytest.approx(sum(len(c.split()) for c in CAPTIONS) / len(CAPTIONS))
+    combined.add_batch(predictions=CAPTIONS, references=REFERENCES, images=images)  # evaluate's own routing
+    assert combined.compute()["clipscore"] == pytest.approx(direct.score, abs=1e-6)
+
+
+def test_compute_time_options_follow_evaluates_convention(tiny_clip, images):
+    import evaluate
+
+    metric = evaluate.load("clipscore", model=tiny_clip)
+    out = metric.compute(images=images, predictions=CAPTIONS, w=1.0)
+    direct = capeval_plugins.load("clipscore", model=tiny_clip, w=1.0)(images, CAPTIONS)
+    assert out["clipscore"] == pytest.approx(direct.score, abs=1e-6)
+    assert metric.compute(images=images, predictions=CAPTIONS)["clipscore"] == pytest.approx(
+        capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS).score, abs=1e-6)  # not kept
+    with pytest.raises(TypeError, match="unknown option"):
+        metric.compute(images=images, predictions=CAPTIONS, wieght=1.0)

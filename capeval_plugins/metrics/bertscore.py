@@ -22,7 +22,7 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar, Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -41,6 +41,10 @@ CITATION = """@inproceedings{zhang2020bertscore,
   year      = {2020}
 }"""
 
+
+# bert_score's model per language (bert_score.utils.lang2model); any other language: multilingual BERT.
+BERT_SCORE_LANG_MODELS = {"en": "roberta-large", "zh": "bert-base-chinese", "tr": "dbmdz/bert-base-turkish-cased",
+                          "en-sci": "allenai/scibert_scivocab_uncased"}
 
 # bert_score's default batch_size: its batched output (and so every published number) depends on it.
 BERT_SCORE_BATCH_SIZE = 64
@@ -109,6 +113,32 @@ class BERTScore(Metric):
         self._baseline: Tensor | None = None
         self._idf_table: tuple[Tensor, int] | None = None
         self._corpus: PackedEmbeddings | None = None
+
+    @classmethod
+    def reference_options(cls, options: dict, named: Collection[str] = ()) -> dict:
+        """bert_score's argument names (what ``bert_score.score`` and evaluate's ``bertscore`` module take) as
+        this metric's options: ``model_type`` is ``model``; ``lang`` picks bert_score's model for the language
+        when no model is named (here or in ``named``, the options already set); ``batch_size`` is bert_score's pair batch (``pair_batch_size``: it changes the
+        numbers); ``verbose``, ``nthreads`` and ``use_fast_tokenizer`` change no number and are dropped (the
+        tokenizer is always the fast one, which gives these models' tokens); ``all_layers=True`` is refused."""
+        out = dict(options)
+        lang, model_type = out.pop("lang", None), out.pop("model_type", None)
+        if model_type is not None:
+            out["model"] = model_type
+        elif lang is not None and "model" not in out and "model" not in named:
+            out["model"] = BERT_SCORE_LANG_MODELS.get(str(lang).lower(), "bert-base-multilingual-cased")
+        if lang is not None and str(lang).lower() != "en" and out.get("rescale_with_baseline"):
+            if out.get("baseline_path") is None:
+                raise ValueError(f"bertscore: rescaling for lang={lang!r} needs baseline_path (the bert_score baseline "
+                                 f"file rescale_baseline/{lang}/<model>.tsv); only the English files are found by name")
+        if "batch_size" in out:
+            out["pair_batch_size"] = out.pop("batch_size")
+        for ignored in ("verbose", "nthreads", "use_fast_tokenizer"):
+            out.pop(ignored, None)
+        if out.pop("all_layers", False):
+            raise ValueError("bertscore: all_layers=True (a score per layer) is not supported; pick a layer with "
+                             "num_layers")
+        return out
 
     @property
     def encoder(self) -> TextEncoder:
