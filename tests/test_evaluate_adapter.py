@@ -226,3 +226,14 @@ def test_compute_time_options_follow_evaluates_convention(tiny_clip, images):
         capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS).score, abs=1e-6)  # not kept
     with pytest.raises(TypeError, match="unknown option"):
         metric.compute(images=images, predictions=CAPTIONS, wieght=1.0)
+
+
+@pytest.mark.parametrize("variable", ["CAPEVAL_CACHE", "XDG_CACHE_HOME"])
+def test_module_file_writes_under_the_cache_the_environment_names(tmp_path, monkeypatch, variable):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("CAPEVAL_CACHE", raising=False)
+    monkeypatch.setenv(variable, str(tmp_path / "cache"))
+    path = hf_evaluate.module_file("cider")
+    root = tmp_path / "cache" if variable == "CAPEVAL_CACHE" else tmp_path / "cache" / "capeval_plugins"
+    assert path == root / "evaluate_modules" / "cider" / "cider.py" and path.is_file()
+    assert not (tmp_path / "home").exists()

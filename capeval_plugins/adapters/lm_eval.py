@@ -268,7 +268,7 @@ def check_tasks(tasks: Any) -> None:
         for entry in ours:
             metric = task._capeval_built[entry.harness_name] if caption_task else \
                 registry.load(entry.name, **with_default_policy(entry.options))
-            built[f"{name}:{entry.harness_name}"] = metric
+            built[entry.harness_name if entry.harness_name not in built else f"{entry.harness_name} (task {name})"] = metric
             if caption_task:
                 continue
             if metric.info.images == "always":

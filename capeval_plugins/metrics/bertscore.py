@@ -30,7 +30,7 @@ from torch import Tensor
 from capeval_plugins.contract import (INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec, bounded,
                                       nanmean)
 from capeval_plugins.core.encoders.common import EncoderSpec
-from capeval_plugins.core.encoders.text import PackedEmbeddings, TextEncoder, TokenEmbeddings
+from capeval_plugins.core.encoders.text import PackedEmbeddings, TextEncoder, TokenEmbeddings, text_encoder_problem
 from capeval_plugins.core.matching import (best_similarities, f_measure, idf_table, reduce_references, token_idf,
                                            weighted_mean)
 
@@ -96,6 +96,7 @@ class BERTScore(Metric):
         codebase_urls=("https://github.com/Tiiiger/bert_score",),
     )
     Config = BERTScoreConfig
+    model_kind_problem = staticmethod(text_encoder_problem)  # a --model shared by several metrics, checked unloaded
 
     def __init__(self, **config) -> None:
         super().__init__(**config)

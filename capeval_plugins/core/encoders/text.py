@@ -177,6 +177,14 @@ def concat_padded(chunks: Sequence[TokenEmbeddings], order: Sequence[int]) -> To
     return out.rows(inverse)
 
 
+def text_encoder_problem(config: dict) -> str | None:
+    """Why a checkpoint (its ``config.json``) is not a text encoder BERTScore can embed with, or None: one with an
+    image tower (CLIP, SigLIP, LLaVA, ...) is refused."""
+    if "vision_config" in config:
+        return f"it is a {config.get('model_type', '?')} checkpoint (an image-text model), not a text encoder"
+    return None
+
+
 class TextEncoder:
     """Token embeddings of a BERT-like text encoder at one layer, for greedy matching."""
 
