@@ -259,15 +259,17 @@ def test_all_capeval_metrics_of_a_task_share_one_pass(caption_task, tiny_clip, m
 
 
 def test_a_bad_generation_costs_its_document_and_is_named(caption_task, tmp_path):
-    """As in lm-eval: skipped with a warning naming the document by default (the score is the one over the other
-    documents); ``on_error: raise`` in the metric_list entry stops instead, naming the document."""
+    """As in lm-eval: a generation no metric can take (a NUL) is skipped with a warning naming the document by
+    default (the score is the one over the other documents) and counted in the results (``clipscore_n_skipped``);
+    ``on_error: raise`` in the metric_list entry stops instead, naming the document."""
     from capeval_plugins.inputs import InputError
 
-    captions = ["A red ball.", "   ", "A tree.", "The sun."]
+    captions = ["A red ball.", "A\x00tree", "", "The sun."]  # the empty one is scored
     task = _loaded_task(caption_task)
     items = [d["clipscore"] for d in _items(task, captions)]
     with pytest.warns(UserWarning, match="1 of 4 documents not scored.*document 1"):
         got = task.aggregation()["clipscore"](items)
+    assert task.aggregation()["clipscore_n_skipped"](items) == 1.0
     fresh = _loaded_task(caption_task)
     kept = [d["clipscore"] for i, d in enumerate(_items(fresh, captions)) if i != 1]
     assert got == pytest.approx(fresh.aggregation()["clipscore"](kept), abs=1e-9)
