@@ -237,3 +237,15 @@ def test_module_file_writes_under_the_cache_the_environment_names(tmp_path, monk
     root = tmp_path / "cache" if variable == "CAPEVAL_CACHE" else tmp_path / "cache" / "capeval_plugins"
     assert path == root / "evaluate_modules" / "cider" / "cider.py" and path.is_file()
     assert not (tmp_path / "home").exists()
+
+
+def test_a_skipped_sample_is_counted_in_the_output(tiny_clip, images, tmp_path):
+    """``on_error="skip"``: a sample that cannot be scored (a missing image file) is left out of the corpus score,
+    and the output says so itself (``n_skipped``, ``skipped``), not only a warning; an empty caption is scored."""
+    import evaluate
+
+    metric = evaluate.load("clipscore", model=tiny_clip, on_error="skip")
+    out = metric.compute(images=[images[0], str(tmp_path / "missing.png"), images[2]],
+                         predictions=[CAPTIONS[0], CAPTIONS[1], ""])
+    assert out["n_skipped"] == 1 and list(out["skipped"]) == [1] and "image file not found" in out["skipped"][1]
+    assert out["scores"][1] != out["scores"][1] and out["scores"][2] == out["scores"][2]  # NaN; the empty one scored
