@@ -106,9 +106,12 @@ def _json_lines(path: str) -> list[tuple[int, dict[str, Any]]]:
             if not isinstance(row, dict):
                 raise InputError(f"{path}:{lineno}: expected a JSON object")
     except (jsonio.JSONLinesError, InputError) as err:
-        raise InputError(other_format(path, text) or str(err)) from None
+        known = other_format(path, text)
+        raise InputError(f"{err}; {known}" if known else str(err)) from None
     if len(rows) == 1 and "annotations" in rows[0][1] and "caption" not in rows[0][1]:  # a COCO file on one line
-        raise InputError(other_format(path, text) or f"{path}: one record without a caption")
+        known = other_format(path, text)
+        if known:
+            raise InputError(f"{path}:{rows[0][0]}: one record, without a caption; {known}")
     return rows
 
 
@@ -129,7 +132,13 @@ def other_format(path: str, text: str) -> str | None:
     if isinstance(data, dict) and "annotations" in data:
         return (f"{path} is a COCO annotation file (references, not candidates): pass it with --annotations, and "
                 "the captions to score (a COCO results file [{\"image_id\", \"caption\"}]) with --captions")
-    if data is None and not text.lstrip().startswith(("{", "[")):
+    first = next((line for line in text.split("\n") if line.strip()), "")
+    try:
+        jsonio.loads(first)
+        first_is_json = True
+    except json.JSONDecodeError:
+        first_is_json = False
+    if data is None and not first_is_json and not first.lstrip().startswith(("{", "[")):
         return (f"{path} is plain text, not JSON Lines: for one candidate caption per line (bert-score's files) "
                 "pass it with -c FILE and the references with -r FILE [FILE ...] (line i of each file for "
                 "candidate i); or write a caption file, one JSON object per line")
