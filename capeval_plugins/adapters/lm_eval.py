@@ -19,6 +19,7 @@ options}}'``, which replaces the list), beside lm-eval's own metrics of the list
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
 
@@ -73,16 +74,21 @@ def _image_key(image: Any) -> Any:
     return ("object", id(image))
 
 
+def _options_key(options: Mapping[str, Any] | tuple) -> str:
+    """Options as a key (values may be lists or mappings: ``max_memory``)."""
+    return json.dumps(dict(options), sort_keys=True, default=repr)
+
+
 def _options_of(items: list, options: Mapping[str, Any]) -> dict[str, Any]:
     """The aggregation's own options, else those the items carry (all the same: one metric_list entry)."""
-    carried = {it.options for it in items}
+    carried = {_options_key(it.options): it.options for it in items}
     if len(carried) > 1:
-        raise ValueError(f"documents carry different options for one metric: {sorted(map(dict, carried), key=str)}")
-    return {**dict(next(iter(carried), ())), **options}
+        raise ValueError(f"documents carry different options for one metric: {sorted(carried)}")
+    return {**dict(next(iter(carried.values()), ())), **options}
 
 
 def _score(name: str, items: list[CaptionItem], options: Mapping[str, Any]) -> Any:
-    key = (name, tuple(sorted(options.items(), key=lambda kv: kv[0])), _corpus_key(items))
+    key = (name, _options_key(options), _corpus_key(items))
     if key not in _scored:
         metric = registry.load(name, **with_default_policy(options))
         images = [it.image for it in items] if metric.info.images != "never" else None
