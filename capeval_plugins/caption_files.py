@@ -44,6 +44,8 @@ class CaptionRecords:
     references: list[list[str] | None] = field(default_factory=list)
     groups: list[Any] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)  # each record's line in the file (1-based; Parquet: row)
+    image_names: list[Any] = field(default_factory=list)  # each record's image as the file writes it
+    ids: list[Any] | None = None  # each record's image id, where the file has one (a COCO results file)
     path: str = ""
     unit: str = "line"  # "row" for Parquet
 
@@ -92,26 +94,56 @@ def _read_text(path: str) -> str:
     except files.FileError as err:
         raise InputError(str(err)) from None
     try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        line = data[: err.start].count(b"\n") + 1
-        raise InputError(f"{path}:{line}: not valid UTF-8 (byte {data[err.start]:#04x} at offset {err.start}); "
-                         "save the file as UTF-8") from None
+        return jsonio.decode_text(data, path)
+    except jsonio.JSONLinesError as err:
+        raise InputError(str(err)) from None
 
 
 def _json_lines(path: str) -> list[tuple[int, dict[str, Any]]]:
-    rows = []
-    for lineno, line in enumerate(_read_text(path).split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
-        if not line.strip():
-            continue
-        try:
-            row = jsonio.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(f"{path}:{lineno}: not valid JSON: {err}") from None
-        if not isinstance(row, dict):
-            raise InputError(f"{path}:{lineno}: expected a JSON object")
-        rows.append((lineno, row))
+    text = _read_text(path)
+    try:
+        rows = jsonio.json_lines(text, path)  # the one JSON Lines reader (bench and --scores too)
+        for lineno, row in rows:
+            if not isinstance(row, dict):
+                raise InputError(f"{path}:{lineno}: expected a JSON object")
+    except (jsonio.JSONLinesError, InputError) as err:
+        known = other_format(path, text)
+        raise InputError(f"{err}; {known}" if known else str(err)) from None
+    if len(rows) == 1 and "annotations" in rows[0][1] and "caption" not in rows[0][1]:  # a COCO file on one line
+        known = other_format(path, text)
+        if known:
+            raise InputError(f"{path}:{rows[0][0]}: one record, without a caption; {known}")
     return rows
+
+
+def other_format(path: str, text: str) -> str | None:
+    """What a caption file that is not JSON Lines is, when it is a format users of these tools have, and how to
+    pass it; None otherwise."""
+    try:
+        data = jsonio.loads(text)
+    except json.JSONDecodeError:
+        data = None
+    if isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
+        if all("image_id" in r and "caption" in r for r in data):
+            return (f"{path} is a COCO results file ([{{\"image_id\", \"caption\"}}]): pass it with --captions and "
+                    "its annotation file with --annotations (e.g. captions_val2014.json: references from its "
+                    "captions, images from its file_name under --images)")
+        return (f"{path} is a JSON array of records; a caption file has one JSON object per line (JSON Lines): "
+                "write each record on its own line")
+    if isinstance(data, dict) and "annotations" in data:
+        return (f"{path} is a COCO annotation file (references, not candidates): pass it with --annotations, and "
+                "the captions to score (a COCO results file [{\"image_id\", \"caption\"}]) with --captions")
+    first = next((line for line in text.split("\n") if line.strip()), "")
+    try:
+        jsonio.loads(first)
+        first_is_json = True
+    except json.JSONDecodeError:
+        first_is_json = False
+    if data is None and not first_is_json and not first.lstrip().startswith(("{", "[")):
+        return (f"{path} is plain text, not JSON Lines: for one candidate caption per line (bert-score's files) "
+                "pass it with -c FILE and the references with -r FILE [FILE ...] (line i of each file for "
+                "candidate i); or write a caption file, one JSON object per line")
+    return None
 
 
 def _table_rows(path: str, text: str, delimiter: str) -> list[tuple[int, dict[str, Any]]]:
@@ -244,12 +276,108 @@ def read_captions(path: str | os.PathLike, images_dir: str | os.PathLike | None 
         at = f"{path}:{lineno}" if records.unit == "line" else f"{path}: row {lineno}"
         image = row.get("image")
         records.images.append(str(root / image) if isinstance(image, str) and image else image)
+        records.image_names.append(image)
         records.captions.append(row.get("caption"))
         records.references.append(references_cell(row.get("references"), at, cell=table))
         group = row.get("group")
         records.groups.append(None if table and group == "" else group)
         records.lines.append(lineno)
     return records
+
+
+def read_coco_results(results: str | os.PathLike, annotations: str | os.PathLike,
+                      images_dir: str | os.PathLike | None = None) -> CaptionRecords:
+    """A COCO results file (``[{"image_id", "caption"}, ...]``, what pycocotools' ``loadRes`` reads) scored
+    against a COCO annotation file (``captions_val2014.json``): one record per result, its references the
+    annotation's captions of its image, its image the annotation's ``file_name`` under ``images_dir`` (default:
+    the results file's folder). A result whose image id is not in the annotation file is refused by its entry."""
+    if images_dir is not None and not os.path.isdir(images_dir):
+        raise InputError(f"images folder not found: {images_dir}")
+    results, annotations = os.fspath(results), os.fspath(annotations)
+    found = _json_file(results, "results file")
+    gt = _json_file(annotations, "annotation file")
+    if not isinstance(found, list) or not all(isinstance(r, dict) and "image_id" in r and "caption" in r
+                                               for r in found):
+        raise InputError(other_format(results, json.dumps(found)) if isinstance(found, dict) else
+                         f"{results}: a COCO results file is a JSON array of {{\"image_id\", \"caption\"}} objects")
+    if not isinstance(gt, dict) or not isinstance(gt.get("annotations"), list):
+        raise InputError(f"{annotations}: a COCO annotation file is a JSON object with \"images\" and "
+                         "\"annotations\" (as captions_val2014.json)")
+    names, refs = {}, {}
+    for k, image in enumerate(gt.get("images") or []):
+        if not isinstance(image, dict) or "id" not in image:
+            raise InputError(f"{annotations}: images entry {k} has no id")
+        names[_coco_id(image["id"])] = image.get("file_name")
+    for k, ann in enumerate(gt["annotations"]):
+        if not isinstance(ann, dict) or "image_id" not in ann or not isinstance(ann.get("caption"), str):
+            raise InputError(f"{annotations}: annotations entry {k} needs an image_id and a caption string")
+        refs.setdefault(_coco_id(ann["image_id"]), []).append(ann["caption"])
+    unknown = [r["image_id"] for r in found if _coco_id(r["image_id"]) not in names and _coco_id(r["image_id"]) not in refs]
+    if unknown:
+        raise InputError(f"{results}: {len(unknown)} image id(s) are not in {annotations} (first: {unknown[0]!r}); "
+                         "is it the annotation file of the same split?")
+    root = Path(images_dir) if images_dir is not None else Path(results).parent
+    records = CaptionRecords(path=results, unit="entry", ids=[])
+    for k, row in enumerate(found):
+        key = _coco_id(row["image_id"])
+        name = names.get(key)
+        records.images.append(str(root / name) if isinstance(name, str) and name else None)
+        records.image_names.append(name)
+        records.ids.append(row["image_id"])
+        records.captions.append(row["caption"])
+        records.references.append(list(refs[key]) if key in refs else None)
+        records.groups.append(None)
+        records.lines.append(k)
+    return records
+
+
+def _coco_id(value: Any) -> str:
+    """COCO ids match however they were written: 42, "42", 42.0."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def _json_file(path: str, what: str) -> Any:
+    if not os.path.isfile(path):
+        raise InputError(f"{what} not found: {path}")
+    try:
+        return jsonio.loads(_read_text(path))
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path}: not valid JSON ({err})") from None
+
+
+def read_text_pairs(candidates: str | os.PathLike, references: Sequence[str | os.PathLike] = ()) -> CaptionRecords:
+    """bert-score's plain-text files: one candidate per line in ``candidates``, and in each of ``references``
+    one reference per line, line i for candidate i (several files: several references per candidate). Lines
+    end at ``\n`` (``\r\n`` too) and are stripped, as bert-score reads them; an empty line is an empty
+    caption (scored). No images: text metrics only."""
+    cands = _text_lines(os.fspath(candidates))
+    ref_files = [os.fspath(r) for r in references]
+    columns = [_text_lines(r) for r in ref_files]
+    for path, lines in zip(ref_files, columns):
+        if len(lines) != len(cands):
+            raise InputError(f"{path} has {len(lines)} lines but {candidates} has {len(cands)}: line i of each "
+                             "references file is a reference of candidate i")
+    records = CaptionRecords(path=os.fspath(candidates))
+    for i, caption in enumerate(cands):
+        records.images.append(None)
+        records.image_names.append(None)
+        records.captions.append(caption)
+        records.references.append([col[i] for col in columns] if columns else None)
+        records.groups.append(None)
+        records.lines.append(i + 1)
+    return records
+
+
+def _text_lines(path: str) -> list[str]:
+    if not os.path.isfile(path):
+        raise InputError(f"file not found: {path}")
+    text = _read_text(path)
+    lines = text.split("\n")
+    if lines and lines[-1] == "":  # the newline that ends the last line
+        lines.pop()
+    return [line.strip() for line in lines]
 
 
 def load_caption_docs(path: str | os.PathLike, images_dir: str | os.PathLike | None, limit: int | None = None) -> list[dict]:
@@ -302,9 +430,13 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def score_table(results: Mapping[str, MetricResult]) -> list[dict[str, Any]]:
-    """One row per sample in index order: ``index``, then ``<metric>`` and ``<metric>.<extra>`` for every
-    metric, and ``error`` (the reasons) where a metric skipped the sample. NaN is None."""
+def score_table(results: Mapping[str, MetricResult], records: CaptionRecords | None = None) -> list[dict[str, Any]]:
+    """One row per sample in index order: ``index``, the sample's ``image_id`` (a COCO results file), ``image``
+    (as the input file writes it) and ``caption`` when ``records`` (the input) is given, then ``<metric>`` and
+    ``<metric>.<extra>`` for every metric, and ``error`` (the reasons) where a metric skipped the sample. An
+    extra that repeats on every row the column it is named after (RefCLIPScore's ``clipscore`` extra beside
+    CLIPScore's own column, Soft-MSD's ``cosine`` beside MSD-Score's, BERTScore's ``f1``) is left out
+    (:func:`drop_repeated_columns`). NaN is None."""
     rows: dict[int, dict[str, Any]] = {}
     errors: dict[int, list[str]] = {}
     for name, result in results.items():
@@ -315,13 +447,62 @@ def score_table(results: Mapping[str, MetricResult]) -> list[dict[str, Any]]:
             row.update({k: col[j] for k, col in columns.items()})
             if int(index) in result.skipped:
                 errors.setdefault(int(index), []).append(f"{name}: {result.skipped[int(index)]}")
+    repeated = drop_repeated_columns(list(rows.values()))
     table = []
     for index in sorted(rows):
-        row = json_safe(rows[index])
+        row = {"index": index, **_input_columns(records, index),
+               **{k: v for k, v in json_safe(rows[index]).items() if k != "index" and k not in repeated}}
         if index in errors:
             row["error"] = "; ".join(errors[index])
         table.append(row)
     return table
+
+
+def _input_columns(records: CaptionRecords | None, index: int) -> dict[str, Any]:
+    if records is None or not 0 <= index < len(records):
+        return {}
+    out: dict[str, Any] = {}
+    if records.ids is not None:
+        out["image_id"] = records.ids[index]
+    if any(name is not None for name in records.image_names):
+        out["image"] = records.image_names[index]
+    out["caption"] = records.captions[index]
+    return json_safe(out)
+
+
+def drop_repeated_columns(rows: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The extra columns that repeat, on every row, a column they are named after: ``m.e`` where ``e`` is
+    another metric ``e`` of the run (CLIPScore's ``refclipscore`` beside RefCLIPScore's own column), or an
+    earlier metric's ``n.e`` (RefCLIPScore's ``cosine`` beside CLIPScore's), or ``m.e`` equal to ``m`` itself
+    (BERTScore's ``f1``). A metric's own columns are never compared with each other otherwise (Redemption
+    Score's ``dino_normalized`` may equal its ``dino_raw`` and stays), and score columns always stay."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k != "index" and k not in columns]
+    values = {c: tuple(_same(row.get(c)) for row in rows) for c in columns}
+    metrics = [c for c in columns if "." not in c]
+    repeated = set()
+    for column in columns:
+        metric, dot, extra = column.partition(".")
+        if not dot:
+            continue
+        named = [extra] if extra in metrics and extra != metric else []
+        earlier = [f"{n}.{extra}" for n in metrics[:metrics.index(metric)] if f"{n}.{extra}" in values] \
+            if metric in metrics else []
+        for other in [*named, *earlier, metric]:
+            if other in values and other not in repeated and values[other] == values[column]:
+                repeated.add(column)
+                break
+    return repeated
+
+
+def _same(value: Any) -> Any:
+    """A value as a hashable key: NaN equals NaN (a sample skipped by both columns), lists as tuples."""
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, list):
+        return tuple(_same(v) for v in value)
+    return value
 
 
 def check_writable(path: str | os.PathLike, inputs: Sequence[Any] = (), what: str = "--out") -> str:

@@ -109,22 +109,23 @@ def cmd_score(args: argparse.Namespace) -> int:
     if args.quiet or _rank() != 0:  # under torchrun only rank 0 draws progress bars
         quiet_libraries()
     from capeval_plugins import options, runner
-    from capeval_plugins.caption_files import check_writable, read_captions, score_table, write_table
+    from capeval_plugins.caption_files import check_writable, score_table, write_table
 
+    given = input_files(args)
     shared = {key: str(value) for key in ("model", "batch_size", "device", "dtype", "on_error")
               if (value := getattr(args, key)) is not None}
     metrics = options.build_metrics(args.metric, args.option or [], shared)
-    inputs = [args.captions, *runner.local_inputs(metrics.values())]
+    inputs = [*given, *runner.local_inputs(metrics.values())]
     kind = check_writable(args.out, inputs) if args.out else None
     # a stream (/dev/stdout, a FIFO) has no folder beside it to keep a run in: resumable with --run-dir only
     run_dir = args.run_dir or (f"{args.out}.capeval-run" if kind == "file" else None)
     if args.out:
         check_out_and_run_dir(args.out, run_dir)
-    records = read_captions(args.captions, args.images)
+    records = read_inputs(args)
     if args.out:
         check_not_an_image(args.out, records.images)
     if not len(records):
-        raise UsageError(f"{args.captions} holds no captions")
+        raise UsageError(f"{records.path} holds no captions")
     uses_references = any(m.info.references != "never" for m in metrics.values())
     groups = None
     if any(g is not None for g in records.groups):
@@ -143,7 +144,7 @@ def cmd_score(args: argparse.Namespace) -> int:
             outcome = runner.run(metrics, corpus, run_dir=run_dir, restart=args.restart, progress=not args.quiet,
                                  shard=True, gather_to=0, stop=stop)
         if rank == 0:
-            table = score_table(outcome.results)
+            table = score_table(outcome.results, records)
             if args.out:
                 write_table(args.out, table, inputs)
             print(json.dumps(summary(outcome, table), allow_nan=False))
@@ -172,6 +173,32 @@ def cmd_score(args: argparse.Namespace) -> int:
 
             dist.destroy_process_group()
     return 0
+
+
+def input_files(args: argparse.Namespace) -> list[str]:
+    """The files the captions come from: a caption file (``--captions``), a COCO results file with its
+    annotation file (``--captions`` and ``--annotations``), or bert-score's text files (``-c`` and ``-r``)."""
+    if args.candidates is not None:
+        if args.captions is not None or args.annotations is not None:
+            raise UsageError("give either -c/-r (plain text files) or --captions (a caption file or a COCO results "
+                             "file with --annotations), not both")
+        return [args.candidates, *(args.references or [])]
+    if args.references:
+        raise UsageError("-r (references, one per line) goes with -c (candidates, one per line)")
+    if args.captions is None:
+        raise UsageError("give the captions to score: --captions FILE (a caption file; a COCO results file with "
+                         "--annotations), or -c CANDIDATES.txt -r REFERENCES.txt")
+    return [args.captions] + ([args.annotations] if args.annotations else [])
+
+
+def read_inputs(args: argparse.Namespace) -> Any:
+    from capeval_plugins.caption_files import read_captions, read_coco_results, read_text_pairs
+
+    if args.candidates is not None:
+        return read_text_pairs(args.candidates, args.references or [])
+    if args.annotations is not None:
+        return read_coco_results(args.captions, args.annotations, args.images)
+    return read_captions(args.captions, args.images)
 
 
 def check_out_and_run_dir(out: str, run_dir: str | None) -> None:
@@ -250,9 +277,19 @@ def build_parser() -> argparse.ArgumentParser:
                        description=SCORE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--metric", "-m", action="append", required=True,
                    help="registered metric name (repeatable; see `capeval list`)")
-    p.add_argument("--captions", required=True,
+    p.add_argument("--captions",
                    help='JSON Lines ({"image", "caption", "references"} per line), or .csv / .tsv / .parquet with '
-                        "those columns (references: a JSON list in the cell; a list column in Parquet)")
+                        "those columns (references: a JSON list in the cell; a list column in Parquet); with "
+                        '--annotations, a COCO results file ([{"image_id", "caption"}])')
+    p.add_argument("--annotations", metavar="COCO_JSON",
+                   help="a COCO annotation file (captions_val2014.json): --captions is then a COCO results file, "
+                        "each result's references are its image's captions there and its image the file_name "
+                        "there, under --images")
+    p.add_argument("-c", "--candidates", metavar="TXT",
+                   help="plain text, one candidate caption per line (bert-score's -c); instead of --captions")
+    p.add_argument("-r", "--references", metavar="TXT", nargs="+", action="extend",
+                   help="plain text, one reference per line, line i for candidate i (bert-score's -r; several "
+                        "files give several references)")
     p.add_argument("--images", help="folder the image paths are relative to (default: the caption file's)")
     p.add_argument("--out", help="per-sample scores: .jsonl, .json (one array), .csv or .parquet (one row per "
                    "sample, input order)")
@@ -283,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate-module", help="write an evaluate module script (fallback without the hook)")
     p.add_argument("metric")
-    p.add_argument("--out", help="folder (default: ~/.cache/capeval_plugins/evaluate_modules)")
+    p.add_argument("--out", help="folder (default: $CAPEVAL_CACHE/evaluate_modules, else "
+                   "$XDG_CACHE_HOME/capeval_plugins/evaluate_modules, else ~/.cache/capeval_plugins/evaluate_modules)")
     p.set_defaults(func=cmd_evaluate_module)
 
     from capeval_plugins.commands import add_all
@@ -358,7 +396,10 @@ examples:
   capeval score -m clipscore -m refclipscore -m msd_score --model openai/clip-vit-base-patch32 \\
       --images examples/images --captions examples/captions.jsonl --out scores.jsonl
   capeval score -m clipscore -m bertscore -o clipscore.model=openai/clip-vit-base-patch32 \\
-      -o bertscore.model=roberta-large --captions caps.jsonl --out scores.parquet --on-error skip"""
+      -o bertscore.model=roberta-large --captions caps.jsonl --out scores.parquet --on-error skip
+  capeval score -m cider -m clipscore --model openai/clip-vit-base-patch32 --captions results.json \\
+      --annotations annotations/captions_val2014.json --images val2014 --out scores.jsonl
+  capeval score -m bertscore -c cands.txt -r refs.txt --out scores.jsonl"""
 
 
 if __name__ == "__main__":

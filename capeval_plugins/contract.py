@@ -298,9 +298,10 @@ class MetricConfig:
     """Options every metric shares. A metric's own ``Config`` subclasses this; its field defaults are the
     paper's configuration.
 
-    ``on_error``: what a sample that cannot be scored (empty caption, missing or corrupt image, missing
-    references) does: ``"raise"`` stops before anything is scored, naming every such sample; ``"skip"``
-    scores the others and records the skipped ones, with their reason, in the result."""
+    ``on_error``: what a sample that cannot be scored (missing or corrupt image, missing references, text no
+    tokenizer takes; an empty caption is an answer and is scored) does: ``"raise"`` stops before anything is
+    scored, naming every such sample; ``"skip"`` scores the others and records the skipped ones, with their
+    reason, in the result."""
 
     batch_size: int = 64
     on_error: str = "raise"

@@ -191,8 +191,9 @@ def validate_samples(
     """Check every sample and return the valid ones with a report of the others.
 
     Problems of the input as a whole (no captions, lists of different lengths, references missing for a
-    metric that needs them) raise :class:`InputError` at once; problems of one sample (an empty caption, an
-    image file that is missing or whose header does not decode, a bad array, missing references) are
+    metric that needs them) raise :class:`InputError` at once; problems of one sample (a caption that is not a
+    string or holds a NUL, an image file that is missing or whose header does not decode, a bad array, missing
+    references; an empty or blank caption is not one: it is an answer, scored) are
     collected by the sample's index, which is ``indices[i]`` when given, else its position. Image files are
     opened only far enough to read their header (once per file, shared through ``checked``); pixels are
     decoded batch by batch. A group metric (``info.groups``) given no ``group_ids`` groups the candidates of
@@ -258,8 +259,6 @@ def caption_problem(caption: Any) -> str | None:
         return "caption missing"
     if not isinstance(caption, str):
         return f"caption must be a string, got {type(caption).__name__}"
-    if not caption.strip():
-        return "caption is empty"
     return text_problem(caption, "caption")
 
 

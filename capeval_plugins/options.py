@@ -146,4 +146,28 @@ def build_metrics(names: Sequence[str], pairs: Sequence[str],
             metrics[name] = cls(**routed[name])
         except (TypeError, ValueError) as err:
             raise OptionError(f"{err}" if name in str(err) else f"{name}: {err}") from None
+    if "model" in bare:
+        check_shared_model(bare["model"], [n for n in entries if "model" not in own.get(n, {})], entries,
+                           "--model" if shared and "model" in shared else "-o model")
     return metrics
+
+
+def check_shared_model(model: str, takers: Sequence[str], classes: Mapping[str, type], flag: str) -> None:
+    """A model given to every selected metric that takes one must suit each (``-m clipscore -m bertscore --model
+    <a CLIP>``): read from the checkpoint's config.json (a local folder or the Hugging Face cache; nothing is
+    loaded), a metric's ``model_kind_problem`` refuses it, with the per-metric option as the fix."""
+    from capeval_plugins.preflight import read_model_config
+
+    checks = {n: getattr(classes[n], "model_kind_problem", None) for n in takers if "model" in fields(classes[n].Config)}
+    checks = {n: c for n, c in checks.items() if c is not None}
+    if not checks:
+        return
+    config = read_model_config(model)
+    if config is None:
+        return
+    bad = {n: p for n, c in checks.items() if (p := c(config))}
+    if bad:
+        name, problem = next(iter(bad.items()))
+        fix = " ".join(f"-o {n}.model=..." for n in takers if "model" in fields(classes[n].Config))
+        raise OptionError(f"{flag} {model} goes to every selected metric that takes a model, and {name} cannot use "
+                          f"it: {problem}; give each metric its own: {fix}")

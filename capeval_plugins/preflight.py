@@ -30,10 +30,12 @@ class RequirementError(RuntimeError):
 
 def problems(metrics: Mapping[str, Metric]) -> list[str]:
     """One line per missing requirement of ``metrics`` (name -> metric), each need checked once; a missing Java
-    is one line naming every metric and tool that needs it."""
+    is one line naming every metric and tool that needs it; a GPU a placement option names that this machine
+    does not have."""
     found: dict[Requirement, str | None] = {}
     out, java = [], {}
     for name, metric in metrics.items():
+        out += [f"{name}: {p}" for p in placement_problems(metric.config)]
         for need in metric.requirements():
             if need not in found:
                 found[need] = problem(need)
@@ -57,6 +59,76 @@ def problems(metrics: Mapping[str, Metric]) -> list[str]:
         except ExternalToolError as err:
             out.insert(0, str(err))
     return list(dict.fromkeys(out))
+
+
+def _gpu_indices(value: object) -> list[int]:
+    """GPU indices a ``device_map`` / ``max_memory`` value names: ``0``, ``"0"``, ``"cuda"``, ``"cuda:1"``."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text.isdigit():
+            return [int(text)]
+        if text == "cuda":
+            return [0]
+        if text.startswith("cuda:") and text[5:].isdigit():
+            return [int(text[5:])]
+    return []
+
+
+def placement_problems(config: object) -> list[str]:
+    """A ``device_map`` or ``max_memory`` naming a GPU this machine lacks (a CPU-only machine running a
+    multi-GPU example): one line each, before anything loads (accelerate would fail later, inside a batch)."""
+    device_map, max_memory = getattr(config, "device_map", None), getattr(config, "max_memory", None)
+    named: dict[int, str] = {}
+    if isinstance(device_map, Mapping):
+        for where in device_map.values():
+            for i in _gpu_indices(where):
+                named.setdefault(i, "device_map")
+    elif device_map is not None:
+        for i in _gpu_indices(device_map):
+            named.setdefault(i, "device_map")
+    if isinstance(max_memory, Mapping):
+        for key in max_memory:
+            for i in _gpu_indices(key):
+                named.setdefault(i, "max_memory")
+    if not named:
+        return []
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = sorted(i for i in named if i >= count)
+    if not missing:
+        return []
+    have = "no CUDA GPU" if count == 0 else f"{count} CUDA GPU{'s' if count > 1 else ''} (0-{count - 1})"
+    options = " and ".join(dict.fromkeys(named[i] for i in missing))
+    return [f"option {options} names GPU {', '.join(map(str, missing))}, but this machine has {have}: "
+            + ("drop the GPU entries (device_map='auto' alone places the model in CPU memory, and on disk with "
+               "offload_folder) or run where the GPUs are" if count == 0 else "name the GPUs this machine has")]
+
+
+def read_model_config(model: str, revision: str | None = None) -> dict | None:
+    """A checkpoint's ``config.json`` (a local folder, or the Hugging Face cache; never the network), or None."""
+    import json
+
+    path = Path(os.path.expanduser(model)) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(model, "config.json", revision=revision)
+        except Exception:  # noqa: BLE001  (not a hub id)
+            return None
+        if not isinstance(found, str):
+            return None
+        path = Path(found)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def check(metrics: Mapping[str, Metric]) -> None:
@@ -108,7 +180,7 @@ def model_problem(model: str, revision: str | None = None, local_files_only: boo
     if local_files_only or constants.HF_HUB_OFFLINE:
         switch = "local_files_only=True" if local_files_only else "HF_HUB_OFFLINE=1"
         return (f"{where}, and downloads are off ({switch}): give the path of a local copy (./{model} for a folder "
-                f"here), or download it first (`huggingface-cli download {model}` where the hub is reachable)")
+                f"here), or download it first (`hf download {model}` where the hub is reachable)")
     return _hub_problem(model, revision, where)
 
 
@@ -130,7 +202,7 @@ def _hub_problem(model: str, revision: str | None, where: str) -> str | None:
     except Exception as err:  # noqa: BLE001  (no network, DNS, proxy, timeout, server error)
         reason = " ".join(str(err).split()) or type(err).__name__
         return (f"{where}, and the Hugging Face Hub cannot be reached ({reason[:160]}): give the path of a local "
-                f"copy (./{model} for a folder here), or download it first (`huggingface-cli download {model}` "
+                f"copy (./{model} for a folder here), or download it first (`hf download {model}` "
                 "where the hub is reachable)")
     return None
 

@@ -1,8 +1,18 @@
 """``from capeval_plugins.pycocoevalcap import ClipScore, COCOEvalCap, ImageResolver``.
 
-Every registered metric as a pycocoevalcap scorer; see :mod:`capeval_plugins.adapters.pycocoevalcap`.
+Every registered metric as a pycocoevalcap scorer, and pycocoevalcap's own scorer names (``Bleu``, ``Meteor``,
+``Rouge``, ``Cider``, ``Spice``) with its signatures, return types and ``method()`` names; importing this module
+makes ``PTBTokenizer().tokenize`` remember the captions as written, so the usual loop gives every capeval scorer
+the captions it should read. See :mod:`capeval_plugins.adapters.pycocoevalcap`.
 """
-from capeval_plugins.adapters.pycocoevalcap import COCOEvalCap, CapevalScorer, ImageResolver, scorer_class
+from capeval_plugins.adapters.pycocoevalcap import (STOCK_ALIASES, Bleu, COCOEvalCap, CapevalScorer, ImageResolver,
+                                                    TokenizedCaptions, scorer_class)
 
-__all__ = ["COCOEvalCap", "CapevalScorer", "ImageResolver", "scorer_class"]
-__getattr__, __dir__ = scorer_class.module_hooks(__all__)
+__all__ = ["Bleu", "COCOEvalCap", "CapevalScorer", "ImageResolver", "Rouge", "TokenizedCaptions", "scorer_class"]
+_generated, __dir__ = scorer_class.module_hooks(__all__)
+
+
+def __getattr__(name: str):
+    if name in STOCK_ALIASES:
+        return scorer_class(STOCK_ALIASES[name])
+    return _generated(name)

@@ -117,6 +117,15 @@ def test_lm_eval_wrapper_names_accelerate_before_loading_anything(base_python, t
     assert_names_the_extra(proc, "accelerate")
 
 
+def test_lm_eval_wrapper_help_prints_on_a_base_install(base_python, tmp_path):
+    """``capeval-lm-eval --help`` prints help and exits 0 without accelerate (lm-eval's default --model hf needs it:
+    only a run is refused for it, not the help)."""
+    cli = "import sys; from capeval_plugins.adapters.lm_eval_cli import main; main(sys.argv[1:])"  # capeval-lm-eval
+    proc = run(base_python, ["-c", cli, "--help"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "capeval metric" in proc.stdout and "usage" in proc.stdout.lower()
+
+
 def test_readme_commands_and_examples_run_on_a_base_install(base_python, tmp_path, tiny_clip):
     """make demo's scoring command and the README's Python examples of every ecosystem, on the tiny CLIP."""
     from capeval_plugins.testing.realistic import write_photos

@@ -232,6 +232,23 @@ def test_bad_options_are_refused(tiny_deberta):
         capeval_plugins.load("bertscore", model=tiny_deberta, num_layers=7)(None, CANDIDATES[:1], REFERENCES[:1])
 
 
+def test_evaluate_takes_bert_scores_compute_options(tiny_deberta):
+    """``evaluate.load("capeval/bertscore").compute(..., model_type=, num_layers=, idf=, batch_size=, lang=)``:
+    evaluate's own ``bertscore`` arguments (bert_score's), giving bert_score's numbers."""
+    import evaluate
+
+    metric = evaluate.load("capeval/bertscore")
+    out = metric.compute(predictions=CANDIDATES, references=REFERENCES, lang="en", model_type=tiny_deberta,
+                         num_layers=LAST_LAYER, idf=True, batch_size=3, verbose=False, nthreads=4)
+    expected = theirs(tiny_deberta, CANDIDATES, REFERENCES, idf=True, batch_size=3)
+    close(torch.tensor([out["precision"], out["recall"], out["f1"]]).T, expected, 1e-5)
+    with pytest.raises(ValueError, match="all_layers=True"):
+        metric.compute(predictions=CANDIDATES, references=REFERENCES, model_type=tiny_deberta, all_layers=True)
+    loaded = evaluate.load("capeval/bertscore", model=tiny_deberta)  # lang does not override a model named at load
+    again = loaded.compute(predictions=CANDIDATES, references=REFERENCES, lang="en", idf=True, batch_size=3)
+    assert again["f1"] == pytest.approx(out["f1"], abs=1e-9)
+
+
 def test_evaluate_sees_it_only_as_capeval_bertscore():
     pytest.importorskip("evaluate")
     from capeval_plugins.adapters.hf_evaluate import evaluate_names
@@ -351,3 +368,39 @@ def test_the_runner_embeds_each_distinct_text_of_the_corpus_once(tiny_deberta, m
     assert calls["batch"] == 3 and len(calls["packed"]) == 1
     close(streamed.scores, result.scores, 1e-6)
     close(streamed.extras["precision"], result.extras["precision"], 1e-6)
+
+
+# --- an empty caption is an answer: bert_score's number ------------------------------------------------------
+
+EMPTY_CANDIDATES = ["", "A dog runs.", "   ", "a red car next to a building", "\t\n"]
+
+
+def restore_empty_encoding(monkeypatch) -> None:
+    """bert_score encodes an empty text as ``tokenizer.build_inputs_with_special_tokens([])``, which transformers 5
+    tokenizers no longer have (it raises AttributeError): give it what that returned, the special tokens alone."""
+    utils = importlib.import_module("bert_score.utils")
+    original = utils.sent_encode
+
+    def sent_encode(tokenizer, sent):
+        if sent.strip() == "":
+            return tokenizer("", add_special_tokens=True)["input_ids"]
+        return original(tokenizer, sent)
+
+    monkeypatch.setattr(utils, "sent_encode", sent_encode)
+
+
+@pytest.mark.parametrize("idf", [False, True])
+@pytest.mark.parametrize("encoder", ["deberta", "roberta"])
+def test_an_empty_caption_scores_as_bert_score(tiny_deberta, tiny_roberta, encoder, idf, monkeypatch, capfd):
+    """bert_score encodes an empty or blank caption as its special tokens alone and sets its raw P and R to 0
+    (so F to 0), whatever the model; ours gives the same three numbers and the other samples theirs."""
+    path = tiny_deberta if encoder == "deberta" else tiny_roberta
+    if encoder == "roberta":
+        restore_prefix_space(monkeypatch)
+    restore_empty_encoding(monkeypatch)
+    refs = [r[:2] for r in REFERENCES]
+    expected = theirs(path, EMPTY_CANDIDATES, refs, idf=idf)
+    assert "Empty candidate sentence detected" in capfd.readouterr().err  # bert_score's own empty case is hit
+    got, result = ours(path, EMPTY_CANDIDATES, refs, idf=idf)
+    close(got, expected, 1e-5)
+    assert got[[0, 2, 4]].abs().max() == 0 and torch.isfinite(result.scores).all()

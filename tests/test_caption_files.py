@@ -256,3 +256,28 @@ def test_a_row_without_a_caption_says_so():
     from capeval_plugins.inputs import caption_problem
 
     assert caption_problem(None) == "caption missing"
+
+
+def test_one_json_lines_reader_for_captions_bench_scores_and_indexes(tmp_path):
+    """A valid JSON Lines file (a byte-order mark, CRLF line ends, U+2028, U+0085, U+2029, \\f and \\v inside
+    captions) reads the same through ``capeval score``'s caption reader, the benchmark and ``--scores`` readers
+    and the generated-image index: one reader, lines cut at \\n only."""
+    import json
+
+    from capeval_plugins.bench.readers import load_records
+    from capeval_plugins.bench.scorefiles import read_score_rows
+    from capeval_plugins.core.generation import read_index
+
+    captions = ["a dog\u2028runs", "a cat\u0085sleeps", "two\u2029birds", "a\x0cb\x0bc", "plain"]
+    rows = [{"image": f"{i}.png", "caption": c, "score": 0.5 + i} for i, c in enumerate(captions)]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode())
+    assert read_captions(path).captions == captions
+    assert load_records(path) == rows
+    assert read_score_rows(path) == rows
+    assert read_index(path) == {c: f"{i}.png" for i, c in enumerate(captions)}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n{not json\n")
+    for reader in (read_captions, load_records, read_score_rows):
+        with pytest.raises(InputError, match="bad.jsonl:2: not valid JSON"):
+            reader(bad)

@@ -303,6 +303,7 @@ def test_torchrun_text_states_with_a_long_caption_equal_one_process(tmp_path):
                 for n in ("one", "two"))
     assert len(one) == len(two) == len(rows)
     for a, b in zip(one, two):
+        assert a.pop("caption") == b.pop("caption")  # the rows carry their input beside the scores
         assert a == pytest.approx(b, rel=1e-12)
 
 
@@ -329,3 +330,100 @@ def test_signals_finish_the_batch_then_stop_and_stop_at_once_outside_the_batches
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# --- the files users of these tools already have -----------------------------------------------------------------
+
+def _coco_files(tmp_path):
+    """A COCO annotation file (captions_val2014.json's shape) over the example images, and a results file
+    ([{"image_id", "caption"}], what pycocotools' loadRes reads) with two captions for one image."""
+    records = read_captions(EXAMPLES / "captions.jsonl", EXAMPLES / "images")
+    names = list(dict.fromkeys(Path(p).name for p in records.images))
+    refs = {Path(p).name: r for p, r in zip(records.images, records.references)}
+    annotations = {"info": {}, "licenses": [], "type": "captions",
+                   "images": [{"id": 100 + k, "file_name": n} for k, n in enumerate(names)],
+                   "annotations": [{"image_id": 100 + k, "id": 10 * k + j, "caption": c}
+                                   for k, n in enumerate(names) for j, c in enumerate(refs[n])]}
+    results = [{"image_id": 100 + names.index(Path(p).name), "caption": c}
+               for p, c in zip(records.images, records.captions)]
+    (tmp_path / "captions_val2014.json").write_text(json.dumps(annotations))
+    (tmp_path / "results.json").write_text(json.dumps(results, indent=2))
+    return tmp_path / "results.json", tmp_path / "captions_val2014.json", records
+
+
+def test_a_coco_results_file_with_its_annotation_file(tiny_clip, tmp_path):
+    """`--captions results.json --annotations captions_val2014.json --images DIR`: each result scored against
+    its image's annotated captions, its image the annotation's file_name under --images; the rows carry the
+    image id, the image and the caption beside the scores."""
+    results, annotations, records = _coco_files(tmp_path)
+    out = tmp_path / "scores.jsonl"
+    run([CAPEVAL, "score", "-m", "refclipscore", "--model", tiny_clip, "--captions", str(results), "--annotations",
+         str(annotations), "--images", str(EXAMPLES / "images"), "--out", str(out), "--quiet"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = capeval_plugins.load("refclipscore", model=tiny_clip)(records.images, records.captions,
+                                                                     records.references)
+    assert [r["refclipscore"] for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5)
+    assert [r["caption"] for r in rows] == records.captions
+    assert [r["image"] for r in rows] == [Path(p).name for p in records.images]
+    assert [r["image_id"] for r in rows] == [json.loads(results.read_text())[k]["image_id"] for k in range(len(rows))]
+
+
+def test_bert_score_plain_text_files(tmp_path):
+    """bert-score's `-r refs.txt -c cands.txt` (one per line; several -r files: several references), an empty
+    line an empty candidate, scored."""
+    cands = ["a dog runs on the grass", "", "a red car"]
+    refs = [["a dog on grass", "a cat sits", "a red car parked"], ["a brown dog", "two cats", "a car"]]
+    (tmp_path / "cands.txt").write_text("\n".join(cands) + "\n")
+    for k, column in enumerate(refs):
+        (tmp_path / f"refs{k}.txt").write_text("\r\n".join(column) + "\r\n")
+    out = tmp_path / "scores.jsonl"
+    run([CAPEVAL, "score", "-m", "cider", "-o", "tokenize=false", "-c", str(tmp_path / "cands.txt"),
+         "-r", str(tmp_path / "refs0.txt"), str(tmp_path / "refs1.txt"), "--out", str(out), "--quiet"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = capeval_plugins.load("cider", tokenize=False)(None, cands, [list(r) for r in zip(*refs)])
+    assert [r["cider"] for r in rows] == pytest.approx(expected.scores.tolist(), rel=1e-12)
+    assert [r["caption"] for r in rows] == cands and "image" not in rows[0] and rows[1]["cider"] == 0.0
+
+
+def test_a_file_in_another_known_format_says_which_and_how_to_pass_it(tmp_path):
+    results, annotations, _ = _coco_files(tmp_path)
+    (tmp_path / "cands.txt").write_text("a dog runs\na cat\n")
+    base = [CAPEVAL, "score", "-m", "bleu4", "--quiet"]
+    cases = {
+        "is a COCO results file ([{\"image_id\", \"caption\"}]): pass it with --captions and its annotation file "
+        "with --annotations": base + ["--captions", str(results)],
+        "is a COCO annotation file (references, not candidates): pass it with --annotations": base + [
+            "--captions", str(annotations)],
+        "is plain text, not JSON Lines: for one candidate caption per line (bert-score's files) pass it with -c":
+            base + ["--captions", str(tmp_path / "cands.txt")],
+        "give either -c/-r": base + ["--captions", str(results), "-c", str(tmp_path / "cands.txt")],
+        "give the captions to score": base,
+    }
+    for expected, args in cases.items():
+        code, lines = mistake(args, tmp_path)
+        assert code == 2 and len(lines) == 1 and expected in lines[0], (expected, lines)
+
+
+def test_out_rows_carry_the_input_and_no_repeated_columns(tiny_clip, tmp_path):
+    out = tmp_path / "scores.jsonl"
+    run(score_args(tiny_clip, out, "clipscore", "refclipscore"))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    records = read_captions(EXAMPLES / "captions.jsonl", EXAMPLES / "images")
+    source = [json.loads(line) for line in (EXAMPLES / "captions.jsonl").read_text().splitlines()]
+    assert list(rows[0])[:3] == ["index", "image", "caption"]
+    assert [r["image"] for r in rows] == [s["image"] for s in source] and [r["caption"] for r in rows] == records.captions
+    # RefCLIPScore's clipscore, cosine and reference_similarity extras repeat CLIPScore's columns; CLIPScore's
+    # refclipscore extra repeats RefCLIPScore's own column: each value once
+    assert set(rows[0]) == {"index", "image", "caption", "clipscore", "clipscore.cosine",
+                            "clipscore.reference_similarity", "refclipscore"}
+
+
+def test_one_model_for_metrics_of_different_kinds_is_refused_before_loading(tiny_clip, tmp_path):
+    code, lines = mistake(score_args(tiny_clip, None, "clipscore", "bertscore"), tmp_path)
+    assert code == 2 and len(lines) == 1
+    assert "bertscore cannot use it: it is a clip checkpoint" in lines[0] and "-o bertscore.model=..." in lines[0]
+
+
+def test_realistic_photos_help_prints_help_and_writes_nothing(tmp_path):
+    proc = run([PYTHON, "-m", "capeval_plugins.testing.realistic", "--help"], cwd=str(tmp_path))
+    assert proc.stdout.startswith("usage:") and not any(tmp_path.iterdir())

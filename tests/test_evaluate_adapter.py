@@ -84,8 +84,8 @@ def test_bad_options_and_inputs_are_reported(tiny_clip, images):
     with pytest.raises(TypeError, match="unknown option"):
         evaluate.load("clipscore", modle=tiny_clip)
     metric = evaluate.load("clipscore", model=tiny_clip)
-    with pytest.raises(ValueError, match="sample 1: caption is empty"):
-        metric.compute(images=images[:2], predictions=["fine", " "])
+    with pytest.raises(ValueError, match="sample 1: caption contains a NUL"):
+        metric.compute(images=images[:2], predictions=["fine", "a\x00b"])
 
 
 def test_canonical_names_are_never_shadowed():
@@ -149,5 +149,103 @@ def test_a_refused_batch_leaks_nothing_into_the_next_compute(tiny_clip, images, 
     # a compute that fails keeps nothing either
     metric.add_batch(images=images[:2], predictions=CAPTIONS[:2])
     with pytest.raises(InputError):
-        metric.compute(images=images[:1], predictions=[""])
+        metric.compute(images=images[:1], predictions=["a\x00b"])
     assert len(metric.compute(images=images[:1], predictions=CAPTIONS[:1])["scores"]) == 1
+
+
+def test_plain_names_that_are_not_evaluate_modules_are_ours_offline(tmp_path):
+    """``evaluate.load("cider")`` in a fresh interpreter, no import of ours, no network: capeval's CIDEr (evaluate
+    has no ``cider`` module; without us it would ask the Hub). evaluate's own modules keep their names."""
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent("""
+        import json, socket
+        def guard(*args, **kwargs):
+            raise OSError("network disabled in this test")
+        socket.socket.connect = guard
+        socket.getaddrinfo = guard
+        import evaluate
+        cider = evaluate.load("cider", tokenize=False)
+        out = cider.compute(predictions=["a dog runs on grass", "", "a red car"],
+                            references=[["a dog on grass", "a brown dog"], ["a cat"], ["a red car parked"]])
+        print(json.dumps({"module": type(cider).__module__, "out": out}))
+    """))
+    proc = run([PYTHON, str(script)], env={"HF_EVALUATE_OFFLINE": "0", "HF_HUB_OFFLINE": "0"}, cwd=str(tmp_path))
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    direct = capeval_plugins.load("cider", tokenize=False)(
+        None, ["a dog runs on grass", "", "a red car"], [["a dog on grass", "a brown dog"], ["a cat"], ["a red car parked"]])
+    assert report["module"].startswith("capeval_plugins") and report["out"]["cider"] == pytest.approx(direct.score)
+    assert report["out"]["scores"][1] == 0.0  # the empty caption: scored, 0 as pycocoevalcap
+    for name in ("cider", "clipscore", "refclipscore", "bleu4", "rouge_l", "mid"):
+        assert hf_evaluate.importable_module(name) is not None, name
+    for name in ("meteor", "bertscore", "bleu", "rouge"):  # evaluate's own
+        assert hf_evaluate.importable_module(name) is None, name
+
+
+OTHER_MODULE = '''
+import datasets
+import evaluate
+
+class CaptionWords(evaluate.Metric):
+    """A module written the way evaluate's own are: predictions and references, nothing else."""
+
+    def _info(self):
+        return evaluate.MetricInfo(description="", citation="", inputs_description="",
+                                   features=datasets.Features({"predictions": datasets.Value("string"),
+                                                               "references": datasets.Sequence(datasets.Value("string"))}))
+
+    def _compute(self, predictions, references):
+        return {"mean_words": sum(len(p.split()) for p in predictions) / len(predictions)}
+'''
+
+
+def test_combine_with_evaluates_own_modules_takes_images(tiny_clip, images, tmp_path):
+    """``evaluate.combine([their module, "clipscore"]).compute(..., images=...)``: the images reach only the
+    modules that take them (evaluate would hand them to every module, and its own fail on them)."""
+    import evaluate
+
+    folder = tmp_path / "caption_words"
+    folder.mkdir()
+    (folder / "caption_words.py").write_text(OTHER_MODULE)
+    combined = evaluate.combine([evaluate.load(str(folder)), evaluate.load("clipscore", model=tiny_clip)])
+    out = combined.compute(predictions=CAPTIONS, references=REFERENCES, images=images)
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
+    assert out["clipscore"] == pytest.approx(direct.score, abs=1e-6)
+    assert out["mean_words"] == pytest.approx(sum(len(c.split()) for c in CAPTIONS) / len(CAPTIONS))
+    combined.add_batch(predictions=CAPTIONS, references=REFERENCES, images=images)  # evaluate's own routing
+    assert combined.compute()["clipscore"] == pytest.approx(direct.score, abs=1e-6)
+
+
+def test_compute_time_options_follow_evaluates_convention(tiny_clip, images):
+    import evaluate
+
+    metric = evaluate.load("clipscore", model=tiny_clip)
+    out = metric.compute(images=images, predictions=CAPTIONS, w=1.0)
+    direct = capeval_plugins.load("clipscore", model=tiny_clip, w=1.0)(images, CAPTIONS)
+    assert out["clipscore"] == pytest.approx(direct.score, abs=1e-6)
+    assert metric.compute(images=images, predictions=CAPTIONS)["clipscore"] == pytest.approx(
+        capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS).score, abs=1e-6)  # not kept
+    with pytest.raises(TypeError, match="unknown option"):
+        metric.compute(images=images, predictions=CAPTIONS, wieght=1.0)
+
+
+@pytest.mark.parametrize("variable", ["CAPEVAL_CACHE", "XDG_CACHE_HOME"])
+def test_module_file_writes_under_the_cache_the_environment_names(tmp_path, monkeypatch, variable):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("CAPEVAL_CACHE", raising=False)
+    monkeypatch.setenv(variable, str(tmp_path / "cache"))
+    path = hf_evaluate.module_file("cider")
+    root = tmp_path / "cache" if variable == "CAPEVAL_CACHE" else tmp_path / "cache" / "capeval_plugins"
+    assert path == root / "evaluate_modules" / "cider" / "cider.py" and path.is_file()
+    assert not (tmp_path / "home").exists()
+
+
+def test_a_skipped_sample_is_counted_in_the_output(tiny_clip, images, tmp_path):
+    """``on_error="skip"``: a sample that cannot be scored (a missing image file) is left out of the corpus score,
+    and the output says so itself (``n_skipped``, ``skipped``), not only a warning; an empty caption is scored."""
+    import evaluate
+
+    metric = evaluate.load("clipscore", model=tiny_clip, on_error="skip")
+    out = metric.compute(images=[images[0], str(tmp_path / "missing.png"), images[2]],
+                         predictions=[CAPTIONS[0], CAPTIONS[1], ""])
+    assert out["n_skipped"] == 1 and list(out["skipped"]) == [1] and "image file not found" in out["skipped"][1]
+    assert out["scores"][1] != out["scores"][1] and out["scores"][2] == out["scores"][2]  # NaN; the empty one scored

@@ -67,7 +67,8 @@ def test_grayscale_and_rgba(base):
     [
         ([None], ["ok"], None, "sample 0: image missing"),
         (["/no/such/file.png"], ["ok"], None, "sample 0: image file not found"),
-        ([np.zeros((4, 4, 3))] * 2, ["ok", ""], None, "sample 1: caption is empty"),
+        ([np.zeros((4, 4, 3))] * 2, ["ok", None], None, "sample 1: caption missing"),
+        ([np.zeros((4, 4, 3))] * 2, ["ok", "a\x00b"], None, "sample 1: caption contains a NUL"),
         ([np.zeros((4, 4, 3))] * 2, ["ok", 3], None, "sample 1: caption must be a string"),
         ([np.zeros((4, 4, 3))], "a single string", None, "single string"),
         ([np.zeros((4, 4, 3))] * 3, ["a", "b"], None, "got 3 images for 2 captions"),
@@ -134,23 +135,23 @@ def test_every_problem_is_reported_together_by_the_samples_own_id(tmp_path):
     images = [np.zeros((4, 4, 3), np.uint8)] * 30
     captions = ["ok"] * 30
     for i in range(3, 30):
-        captions[i] = ""
+        captions[i] = None
     images[1] = str(tmp_path / "missing.png")
     with pytest.raises(InputError) as err:
         prepare_samples(IMG, images, captions, indices=[100 + i for i in range(30)])
     text = str(err.value)
     assert text.startswith("28 samples cannot be scored")
-    assert "sample 101: image file not found" in text and "sample 103: caption is empty" in text
-    assert "sample 121: caption is empty" in text and "sample 122:" not in text and "... and 8 more samples" in text  # the first 20 only
-    assert len(err.value.problems) == 28 and err.value.problems[129] == "caption is empty"
+    assert "sample 101: image file not found" in text and "sample 103: caption missing" in text
+    assert "sample 121: caption missing" in text and "sample 122:" not in text and "... and 8 more samples" in text  # the first 20 only
+    assert len(err.value.problems) == 28 and err.value.problems[129] == "caption missing"
 
 
 def test_validation_keeps_the_valid_samples_and_names_the_others():
     from capeval_plugins.inputs import validate_samples
 
-    samples, problems = validate_samples(REFS, None, ["a", "", "c", 5], [["r"], ["r"], [], ["r"]], indices=[7, 8, 9, 10])
+    samples, problems = validate_samples(REFS, None, ["a", None, "c", 5], [["r"], ["r"], [], ["r"]], indices=[7, 8, 9, 10])
     assert samples.indices == [7] and samples.candidates == ["a"]
-    assert problems.reasons() == {8: "caption is empty", 9: "empty list of references",
+    assert problems.reasons() == {8: "caption missing", 9: "empty list of references",
                                   10: "caption must be a string, got int"}
 
 
@@ -206,3 +207,12 @@ def test_a_metric_reader_replaces_pixel_validation_and_loading():
     assert batch.image_index.tolist() == [0, 0, 1]  # candidates of one image grouped: samples 0, 2, then 1
     with pytest.raises(InputError, match="sample 1: no entry for 'c'"):
         prepare_samples(IMG, ["a", "c"], ["x", "y"], reader=reader)
+
+
+def test_an_empty_or_blank_caption_is_an_answer_not_a_problem():
+    """The model said nothing: that is scored (DESIGN.md), never dropped; text no tokenizer takes still is not."""
+    from capeval_plugins.inputs import validate_samples
+
+    captions = ["", "   ", "\t\n", "a dog", "\u3000"]
+    samples, problems = validate_samples(REFS, None, captions, [["r"]] * 5)
+    assert not problems and samples.candidates == captions and samples.indices == [0, 1, 2, 3, 4]

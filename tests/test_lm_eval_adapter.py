@@ -1,6 +1,9 @@
 """lm-eval: metrics registered beside the built-ins; the shipped caption task scores a captioner."""
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 from conftest import EXAMPLES, PYTHON, run
 
@@ -90,22 +93,191 @@ def test_capeval_lm_eval_lists_the_shipped_task():
     assert "capeval_caption" in proc.stdout
 
 
-def test_an_empty_generation_costs_its_document_not_the_aggregation():
+def test_an_unscorable_document_is_counted_in_the_results_and_an_empty_generation_is_scored():
+    """An empty generation is the model's answer (CIDEr 0, as pycocoevalcap); a document no metric can take
+    (a NUL in the generation) is left out, warned about and counted by ``<name>_n_skipped``."""
     import warnings
 
-    from capeval_plugins.adapters.lm_eval import CaptionItem, aggregate
+    from capeval_plugins.adapters.lm_eval import CaptionItem, SkipCount, aggregate
     from capeval_plugins.inputs import InputError
 
     refs = [["a dog runs on grass"], ["a cat sits"], ["a red car"], ["two birds fly"]]
-    captions = ["a dog runs", "", "a red car", "birds flying"]
+    captions = ["a dog runs", "", "a red\x00car", "birds flying"]
     items = [CaptionItem(None, c, r) for c, r in zip(captions, refs)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = aggregate("cider", items, tokenize=False)
     said = [str(w.message) for w in caught if "documents not scored" in str(w.message)]
-    assert len(said) == 1 and "1 of 4 documents not scored (document 1: caption is empty)" in said[0]
-    kept = [0, 2, 3]
+    assert len(said) == 1 and "1 of 4 documents not scored (document 2: caption contains a NUL" in said[0]
+    assert aggregate("cider", [SkipCount(it) for it in items], tokenize=False) == 1.0
+    kept = [0, 1, 3]
     expected = capeval_plugins.load("cider", tokenize=False)(None, [captions[i] for i in kept], [refs[i] for i in kept])
-    assert got == pytest.approx(expected.score, rel=1e-12)
-    with pytest.raises(InputError, match="sample 1: caption is empty"):
+    assert got == pytest.approx(expected.score, rel=1e-12) and expected.scores[1] == 0
+    with pytest.raises(InputError, match="sample 2: caption contains a NUL"):
         aggregate("cider", items, tokenize=False, on_error="raise")
+
+
+# --- a replay of real captions, two of them empty, against pycocoevalcap -----------------------------------------
+
+def _replay(tmp_path):
+    """Twelve real captions of examples/photos.jsonl, two of them empty (a model that said nothing), with their
+    photos written beside them; returns (caption file, images folder, rows)."""
+    pytest.importorskip("skimage")
+    import json
+
+    from capeval_plugins.testing.realistic import write_photos
+
+    write_photos(tmp_path / "photos")
+    rows = [json.loads(line) for line in (EXAMPLES / "photos.jsonl").read_text().splitlines()][:12]
+    for k in (3, 8):
+        rows[k]["caption"] = ""
+    path = tmp_path / "replay.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, tmp_path / "photos", rows
+
+
+def _replayer(rows):
+    from lm_eval.api.model import LM
+
+    class Replayer(LM):  # what lm-eval's models return: one generation per request, "" when they said nothing
+        MULTIMODAL = True
+
+        def loglikelihood(self, requests):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+        def generate_until(self, requests):
+            return [rows[r.doc["id"]]["caption"] for r in requests]
+
+    return Replayer()
+
+
+def _pycocoevalcap(rows):
+    """The same captions through the usual pycocoevalcap loop (PTB tokenisation, then Cider and Bleu)."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    gts = {i: [{"caption": c} for c in r["references"]] for i, r in enumerate(rows)}
+    res = {i: [{"caption": r["caption"]}] for i, r in enumerate(rows)}
+    tokenizer = PTBTokenizer()
+    gts, res = tokenizer.tokenize(gts), tokenizer.tokenize(res)
+    return Cider().compute_score(gts, res)[0], Bleu(4).compute_score(gts, res)[0][3]
+
+
+@pytest.mark.slow
+def test_empty_generations_give_pycocoevalcaps_number_through_lm_eval(tmp_path):
+    from conftest import has_java
+    from lm_eval.tasks import TaskManager
+
+    from capeval_plugins.adapters.lm_eval import tasks_dir
+
+    if not has_java():
+        pytest.skip("PTB tokenisation needs Java")
+    path, photos, rows = _replay(tmp_path)
+    metadata = {"captions": str(path), "images": str(photos), "metrics": {"cider": {}, "bleu4": {}}}
+    out = lm_eval.simple_evaluate(model=_replayer(rows), tasks=["capeval_caption"],
+                                  task_manager=TaskManager(include_path=str(tasks_dir()), metadata=metadata))
+    got = out["results"]["capeval_caption"]
+    cider, bleu4 = _pycocoevalcap(rows)
+    assert got["cider,none"] == pytest.approx(cider, rel=1e-12) and got["bleu4,none"] == pytest.approx(bleu4, rel=1e-12)
+    assert got["cider_n_skipped,none"] == 0 and got["bleu4_n_skipped,none"] == 0
+
+
+@pytest.mark.slow
+def test_a_task_mixing_capeval_metrics_with_options_and_lm_evals_bleu(tmp_path, tiny_clip):
+    """Two habits of lm-eval users: the shipped caption task included with a capeval metric that takes options
+    beside lm-eval's own ``bleu``, and a plain lm-eval task (no class of ours) scoring capeval's text metric with
+    its options beside ``bleu``: each gives lm-eval's bleu and capeval's numbers as if computed alone."""
+    import json
+
+    import sacrebleu
+    from lm_eval.tasks import TaskManager
+
+    from capeval_plugins.adapters.lm_eval import tasks_dir
+
+    path, photos, rows = _replay(tmp_path)
+    rows = rows[:6]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mixed.yaml").write_text(
+        f"include: {tasks_dir() / 'capeval_caption.yaml'}\n"
+        "task: mixed_caption\n"
+        "metric_list:\n"
+        f"  - metric: clipscore\n    model: {tiny_clip}\n    w: 2.0\n"
+        "    aggregation: capeval/clipscore\n    higher_is_better: true\n"
+        "  - metric: bleu\n    aggregation: bleu\n    higher_is_better: true\n")
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"id": i, "reference": r["references"][0]}) + "\n" for i, r in enumerate(rows)))
+    (tmp_path / "tasks" / "plain.yaml").write_text(
+        "task: plain_caption\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {docs}\n"
+        "test_split: test\n"
+        "output_type: generate_until\n"
+        "doc_to_text: 'Describe the image.'\n"
+        "doc_to_target: reference\n"
+        "generation_kwargs:\n  until: ['\\n']\n"
+        "metric_list:\n"
+        "  - metric: cider\n    aggregation: capeval/cider\n    higher_is_better: true\n    tokenize: false\n"
+        "    sigma: 3.0\n"
+        "  - metric: bleu\n    aggregation: bleu\n    higher_is_better: true\n")
+    tm = TaskManager(include_path=[str(tasks_dir()), str(tmp_path / "tasks")],
+                     metadata={"captions": str(path), "images": str(photos)})
+    out = lm_eval.simple_evaluate(model=_replayer(rows), tasks=["mixed_caption", "plain_caption"], task_manager=tm)
+    mixed, plain = out["results"]["mixed_caption"], out["results"]["plain_caption"]
+    captions = [r["caption"] for r in rows]
+    clip = capeval_plugins.load("clipscore", model=tiny_clip, w=2.0)([str(photos / r["image"]) for r in rows], captions)
+    assert mixed["clipscore,none"] == pytest.approx(clip.score, abs=1e-6) and mixed["clipscore_n_skipped,none"] == 0
+    firsts = [r["references"][0] for r in rows]
+    bleu = sacrebleu.corpus_bleu(captions, [firsts]).score
+    assert mixed["bleu,none"] == pytest.approx(bleu) and plain["bleu,none"] == pytest.approx(bleu)
+    cider = capeval_plugins.load("cider", tokenize=False, sigma=3.0)(None, captions, [[f] for f in firsts])
+    assert plain["cider,none"] == pytest.approx(cider.score, rel=1e-12) and plain["cider_n_skipped,none"] == 0
+
+
+def test_a_task_that_cannot_score_a_capeval_metric_is_refused_before_generation(tmp_path, tiny_clip):
+    import json
+
+    from lm_eval.tasks import TaskManager
+
+    from capeval_plugins.adapters.lm_eval import check_tasks
+    from capeval_plugins.inputs import InputError
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"refs": ["a dog", "a brown dog"], "ref": "a dog"}) + "\n")
+    (tmp_path / "plain.yaml").write_text(
+        "task: plain\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {docs}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: 'x'\ndoc_to_target: refs\n"
+        "metric_list:\n"
+        f"  - metric: clipscore\n    model: {tiny_clip}\n    aggregation: capeval/clipscore\n"
+        "  - metric: cider\n    aggregation: capeval/cider\n")
+    tasks = TaskManager(include_path=str(tmp_path)).load(["plain"]) if hasattr(TaskManager, "load") else None
+    if tasks is None:
+        from lm_eval.tasks import get_task_dict
+
+        tasks = get_task_dict(["plain"], TaskManager(include_path=str(tmp_path)))
+    with pytest.raises(InputError) as err:
+        check_tasks(tasks)
+    assert "clipscore scores images, which this task does not pass" in str(err.value)
+    assert "doc_to_target gives a list" in str(err.value)
+
+
+def test_capeval_lm_eval_help_and_a_missing_caption_file_are_one_liners(tmp_path):
+    help_run = subprocess.run([str(Path(PYTHON).parent / "capeval-lm-eval"), "--help"], capture_output=True,
+                              text=True, timeout=300)
+    assert help_run.returncode == 0 and "capeval metric" in help_run.stdout and "--tasks" in help_run.stdout
+    # without lm-eval installed (a base install): help still prints, anything else names the extra
+    blocked = "import sys; sys.modules['lm_eval'] = None; from capeval_plugins.adapters.lm_eval_cli import main; main()"
+    bare = subprocess.run([PYTHON, "-c", blocked, "--help"], capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 0 and "lm-eval is not installed" in bare.stdout, bare.stderr[-2000:]
+    bare = subprocess.run([PYTHON, "-c", blocked, "--tasks", "x"], capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 2 and bare.stderr.strip().endswith("in your capeval-plugins clone")
+    no_metadata = subprocess.run([str(Path(PYTHON).parent / "capeval-lm-eval"), "--model", "dummy", "--tasks",
+                                  "capeval_caption"], capture_output=True, text=True, timeout=300)
+    assert no_metadata.returncode == 2 and "Traceback" not in no_metadata.stderr
+    assert no_metadata.stderr.strip().splitlines()[-1].startswith("capeval-lm-eval: error: capeval_caption needs a "
+                                                                  "caption file: --metadata")

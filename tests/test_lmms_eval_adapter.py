@@ -151,7 +151,8 @@ def test_task_is_built_for_the_kind_of_model_lmms_eval_runs(caption_task, task_t
 
     task = TaskManager(include_path=str(caption_task)).load_task_or_group([TASK], task_type=task_type)[TASK]
     assert isinstance(task, ConfigurableMessagesTask) == (task_type == "chat")
-    assert set(task.aggregation()) == {"clipscore", "capeval/refclipscore", "mid"}
+    names = {"clipscore", "capeval/refclipscore", "mid"}
+    assert set(task.aggregation()) == names | {f"{n}_n_skipped" for n in names}
     assert task.eval_docs[2][adapter.DOC_ID] == 2 and task.eval_docs_no_media[3][adapter.DOC_ID] == 3
 
 
@@ -258,15 +259,17 @@ def test_all_capeval_metrics_of_a_task_share_one_pass(caption_task, tiny_clip, m
 
 
 def test_a_bad_generation_costs_its_document_and_is_named(caption_task, tmp_path):
-    """As in lm-eval: skipped with a warning naming the document by default (the score is the one over the other
-    documents); ``on_error: raise`` in the metric_list entry stops instead, naming the document."""
+    """As in lm-eval: a generation no metric can take (a NUL) is skipped with a warning naming the document by
+    default (the score is the one over the other documents) and counted in the results (``clipscore_n_skipped``);
+    ``on_error: raise`` in the metric_list entry stops instead, naming the document."""
     from capeval_plugins.inputs import InputError
 
-    captions = ["A red ball.", "   ", "A tree.", "The sun."]
+    captions = ["A red ball.", "A\x00tree", "", "The sun."]  # the empty one is scored
     task = _loaded_task(caption_task)
     items = [d["clipscore"] for d in _items(task, captions)]
     with pytest.warns(UserWarning, match="1 of 4 documents not scored.*document 1"):
         got = task.aggregation()["clipscore"](items)
+    assert task.aggregation()["clipscore_n_skipped"](items) == 1.0
     fresh = _loaded_task(caption_task)
     kept = [d["clipscore"] for i, d in enumerate(_items(fresh, captions)) if i != 1]
     assert got == pytest.approx(fresh.aggregation()["clipscore"](kept), abs=1e-9)
@@ -327,3 +330,71 @@ def test_a_metric_model_that_cannot_be_loaded_stops_the_task_before_any_generati
                                                    "    model: org/not-cached\n")
     with pytest.raises(RequirementError, match="clipscore: option model: 'org/not-cached' is not a local folder"):
         _loaded_task(tmp_path / "tasks")
+
+
+@pytest.mark.slow
+def test_a_replay_with_empty_generations_gives_lmms_evals_own_coco_cider(tiny_clip, tmp_path, monkeypatch):
+    """Twelve real captions, two of them empty (a model that said nothing), replayed through lmms-eval's
+    ``from_log`` model on a task that keeps lmms-eval's own COCO metrics: capeval's ``cider`` equals lmms-eval's
+    ``coco_CIDEr`` (pycocoevalcap scores the empty ones 0), CLIPScore averages over all twelve, and the results
+    count the documents each capeval metric left out (none)."""
+    pytest.importorskip("skimage")
+    from conftest import has_java
+    from lmms_eval import evaluator
+    from lmms_eval.tasks import TaskManager
+
+    from capeval_plugins.testing.realistic import write_photos
+
+    if not has_java():
+        pytest.skip("PTB tokenisation needs Java")
+    from PIL import Image
+
+    photos = tmp_path / "photos"
+    write_photos(photos)
+    rows = [json.loads(line) for line in (EXAMPLES / "photos.jsonl").read_text().splitlines()][:12]
+    captions = [r["caption"] if k not in (3, 8) else "" for k, r in enumerate(rows)]
+    images = [Image.open(photos / r["image"]).convert("RGB") for r in rows]
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(), "question_id": datasets.Value("string"),
+                                  "id": datasets.Value("int64"), "answer": datasets.Sequence(datasets.Value("string"))})
+    datasets.Dataset.from_dict({"image": images, "question_id": [f"COCO_val2014_{k + 1:012d}.jpg" for k in range(12)],
+                                "id": list(range(12)), "answer": [r["references"] for r in rows]},
+                               features=features).to_parquet(tmp_path / "test.parquet")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "replay.yaml").write_text(f"""
+task: replay_caption
+class: !function capeval_plugins.adapters.lmms_eval.CaptionTask
+dataset_path: parquet
+dataset_kwargs:
+  data_files:
+    test: {tmp_path / 'test.parquet'}
+test_split: test
+output_type: generate_until
+doc_to_visual: !function capeval_plugins.lmms_eval_tasks.utils.doc_to_image
+doc_to_text: "Provide a one-sentence caption for the provided image."
+doc_to_target: answer
+process_results: !function lmms_eval.tasks.coco_cap.utils.coco_process_result
+capeval_references: answer
+metric_list:
+  - metric: coco_CIDEr
+    aggregation: !function lmms_eval.tasks.coco_cap.utils.coco_cider
+    higher_is_better: true
+  - metric: cider
+  - metric: clipscore
+    model: {tiny_clip}
+""")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "replay.json").write_text(json.dumps({
+        "args": {"model": "llava", "model_args": "", "limit": None}, "model_configs": {"task": "replay_caption"},
+        "time": "0101_0000", "logs": [{"doc_id": k, "resps": [[c]]} for k, c in enumerate(captions)]}))
+    monkeypatch.chdir(tmp_path)  # lmms-eval's COCO aggregation writes a submission file under the working folder
+    out = evaluator.simple_evaluate(model="from_log", model_args=f"logs={logs}", tasks=["replay_caption"],
+                                    task_manager=TaskManager(include_path=str(tmp_path / "tasks")), device="cpu",
+                                    batch_size=1)
+    got = out["results"]["replay_caption"]
+    assert got["cider,none"] == pytest.approx(got["coco_CIDEr,none"], rel=1e-12)
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, captions)
+    assert got["clipscore,none"] == pytest.approx(direct.score, abs=1e-9) and len(direct.scores) == 12
+    assert got["cider_n_skipped,none"] == 0 and got["clipscore_n_skipped,none"] == 0

@@ -50,9 +50,9 @@ report["pycocoevalcap"] = list(Scorer().compute_score({1: ["r"], 2: ["r"]}, {1: 
 from capeval_plugins.adapters import lm_eval as adapter
 import lm_eval.api.registry as reg
 adapter.register()
-report["lm_eval"] = reg.get_aggregation("capeval/caption_length")(
-    [reg.get_metric("caption_length")(references=["r"], predictions=["a b c"]),
-     reg.get_metric("caption_length")(references=["r"], predictions=["d e"])])
+report["lm_eval"] = reg.get_aggregation("capeval/caption_length")(  # per document: {name: item, name_n_skipped: ...}
+    [reg.get_metric("caption_length")(references=["r"], predictions=["a b c"])["caption_length"],
+     reg.get_metric("caption_length")(references=["r"], predictions=["d e"])["caption_length"]])
 print(json.dumps(report))
 '''
 

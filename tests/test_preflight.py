@@ -65,6 +65,7 @@ def test_a_hub_id_typo_fails_in_one_line_without_retrying_the_hub():
 def test_offline_a_model_not_in_the_cache_says_downloads_are_off():
     line = one_line(score("-m", "clipscore", "-m", "mid", "--model", "org/not-cached", env={"HF_HUB_OFFLINE": "1"}))
     assert "'org/not-cached' is not a local folder" in line and "HF_HUB_OFFLINE=1" in line
+    assert "`hf download org/not-cached`" in line  # huggingface_hub's command (huggingface-cli is gone)
     assert line.count("org/not-cached' is not") == 2  # both metrics named, in one line
 
 
@@ -151,3 +152,18 @@ def test_lm_eval_checks_the_metrics_before_generating():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("capeval-lm-eval: error: clipscore: option model: 'org/not-cached'")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_gpu_placement_on_a_cpu_only_machine_is_one_line_before_loading(tiny_clip, monkeypatch):
+    """docs/models.md's multi-GPU example (device_map=auto, max_memory naming GPU 0) on a machine without that
+    GPU: one line naming it, exit 2, nothing loaded."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = score("-m", "clipscore", "--model", tiny_clip, "-o", "device_map=auto", "-o",
+                 'max_memory={"0": "70GiB", "cpu": "200GiB"}')
+    line = one_line(proc)
+    assert line.startswith("capeval: error: clipscore: option max_memory names GPU 0, but this machine has no "
+                           "CUDA GPU"), line
+    assert "device_map='auto' alone" in line and "Loading weights" not in proc.stderr

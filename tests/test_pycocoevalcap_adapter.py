@@ -162,3 +162,120 @@ def test_resolver_matches_an_id_however_its_number_was_read(tmp_path):
     with pytest.raises(ValueError, match="boolean"):
         resolver(True)
 
+
+
+# --- the usual loop: PTB-tokenise, then `for scorer, method in scorers` ------------------------------------------
+
+LOOP_CAPTIONS = {1: "A red ball lies on the GREEN grass!", 2: "", 3: "A blue car, parked.", 4: "...",
+                 5: "Two kids play in a park."}
+LOOP_REFS = {1: ["A red ball on a lawn.", "A small red ball sitting on grass."], 2: ["A blue car on the road."],
+             3: ["A toy car, blue, with black wheels.", "A car."], 4: ["A tree in a field."],
+             5: ["Children playing outside.", "Kids in the park."]}
+
+
+def _usual_loop(scorers):
+    """The loop pycocoevalcap's users write (and lmms-eval's COCO tasks run): PTB tokens to every scorer."""
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    tokenizer = PTBTokenizer()
+    gts = tokenizer.tokenize({i: [{"caption": c} for c in refs] for i, refs in LOOP_REFS.items()})
+    res = tokenizer.tokenize({i: [{"caption": c}] for i, c in LOOP_CAPTIONS.items()})
+    return {method: scorer.compute_score(gts, res) for scorer, method in scorers}, gts, res
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="PTB tokenisation and METEOR need Java")
+def test_stock_names_give_stocks_numbers_types_and_methods_in_the_usual_loop(coco_meteor):
+    """``from capeval_plugins.pycocoevalcap import Bleu, Meteor, Rouge, Cider``: stock's signatures, method()
+    names, return types and numbers, captions that PTB empties ("", "...") included (stock scores them 0)."""
+    import pycocoevalcap.eval as stock
+
+    from capeval_plugins.pycocoevalcap import Bleu, Cider, Meteor, Rouge
+
+    ours, gts, res = _usual_loop([(Bleu(4), "Bleu"), (Meteor(), "METEOR"), (Rouge(), "Rouge"), (Cider(), "CIDEr")])
+    assert res[2] == [""] and res[4] == [""]  # emptied by PTB
+    theirs = {"Bleu": stock.Bleu(4).compute_score(gts, res, verbose=0), "METEOR": coco_meteor.compute_score(gts, res),
+              "Rouge": stock.Rouge().compute_score(gts, res), "CIDEr": stock.Cider().compute_score(gts, res)}
+    assert [s().method() if s is not Bleu else s(4).method() for s in (Bleu, Meteor, Rouge, Cider)] == \
+        ["Bleu", "METEOR", "Rouge", "CIDEr"]
+    for method, (score, items) in ours.items():
+        their_score, their_items = theirs[method]
+        assert type(score) is type(their_score) and type(items) is type(their_items), method
+        if method == "Bleu":
+            assert all(type(a) is type(b) for a, b in zip(items, their_items))
+        assert np.asarray(score) == pytest.approx(np.asarray(their_score), rel=1e-9, abs=1e-12), method
+        assert np.asarray(items) == pytest.approx(np.asarray(their_items), rel=1e-9, abs=1e-12), method
+    assert np.asarray(ours["CIDEr"][1])[[1, 3]].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="PTB tokenisation needs Java")
+def test_an_image_text_scorer_in_the_usual_loop_scores_the_captions_as_written(tiny_clip):
+    """CLIPScore added to the usual loop gets the captions before PTB (case and punctuation intact), not the
+    tokens the stock scorers get; a token dict changed after tokenisation is refused naming the fix."""
+    from capeval_plugins.pycocoevalcap import ClipScore, ImageResolver
+
+    names = {1: "red_ball.png", 2: "blue_car.png", 3: "blue_car.png", 4: "green_tree.png", 5: "yellow_sun.png"}
+    scorer = ClipScore(ImageResolver(EXAMPLES / "images", mapping=names), model=tiny_clip)
+    ours, gts, res = _usual_loop([(scorer, "CLIPScore")])
+    ids = list(LOOP_CAPTIONS)
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)([EXAMPLES / "images" / names[i] for i in ids],
+                                                                [LOOP_CAPTIONS[i] for i in ids])
+    score, items = ours["CLIPScore"]
+    assert type(items) is list and items == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    assert score == pytest.approx(direct.score, abs=1e-6)
+    on_tokens = capeval_plugins.load("clipscore", model=tiny_clip)([EXAMPLES / "images" / names[i] for i in ids],
+                                                                   [res[i][0] for i in ids])
+    assert abs(on_tokens.scores[0] - direct.scores[0]) > 1e-4  # the tokens would have given another number
+    res[1] = ["something else"]
+    with pytest.raises(ValueError, match="pass CLIPScore the captions before PTBTokenizer"):
+        scorer.compute_score(gts, res)
+
+
+# Characters Java reads as line breaks: pycocoevalcap writes one caption per line, so each shifts every later row.
+LINE_BREAKS = ["\r", "\u2028", "\x0b", "\x0c", "\u2029"]
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="PTB tokenisation needs Java")
+def test_cocoevalcap_keeps_rows_aligned_where_stock_shifts_them(tmp_path, monkeypatch):
+    """A caption holding \\r, U+2028, \\x0b, \\x0c or U+2029 splits into two lines in the stock PTB tokenizer, so
+    stock's COCOEvalCap scores every later image against another caption; ours reads them as spaces and gives
+    each image the score stock gives when the captions hold spaces instead."""
+    from pycocotools.coco import COCO
+
+    import pycocoevalcap.eval as stock_eval
+
+    class NoMeteorNoSpice:
+        def __init__(self, name):
+            self.name = name
+
+        def method(self):
+            return self.name
+
+        def compute_score(self, gts, res):
+            return 0.0, [0.0] * len(gts)
+
+    monkeypatch.setattr(stock_eval, "Spice", lambda: NoMeteorNoSpice("SPICE"))
+    monkeypatch.setattr(stock_eval, "Meteor", lambda: NoMeteorNoSpice("METEOR"))
+    words = ["a red ball on green grass", "a blue car", "a tall tree", "the yellow sun", "two dogs", "a cat"]
+    captions = [f"{w.split(' ', 1)[0]}{b}{w.split(' ', 1)[1]}" for w, b in zip(words, LINE_BREAKS + [" "])]
+
+    def evaluate(cls, texts, **kwargs):
+        gt = {"images": [{"id": i + 1} for i in range(len(texts))], "info": {}, "licenses": [], "type": "captions",
+              "annotations": [{"image_id": i + 1, "id": i + 1, "caption": w} for i, w in enumerate(words)]}
+        (tmp_path / "gt.json").write_text(json.dumps(gt))
+        (tmp_path / "res.json").write_text(json.dumps([{"image_id": i + 1, "caption": c} for i, c in enumerate(texts)]))
+        coco = COCO(str(tmp_path / "gt.json"))
+        evaluator = cls(coco, coco.loadRes(str(tmp_path / "res.json")), **kwargs)
+        evaluator.evaluate()
+        return evaluator
+
+    ours = evaluate(COCOEvalCap, captions, spice=False, stock=False, metrics=["cider", "bleu1"])
+    spaced = evaluate(stock_eval.COCOEvalCap, [c.translate({ord(b): " " for b in LINE_BREAKS}) for c in captions])
+    shifted = evaluate(stock_eval.COCOEvalCap, captions)
+    for key in ("CIDEr", "Bleu_1"):
+        assert ours.eval[key] == pytest.approx(spaced.eval[key], rel=1e-9)
+        for i in range(1, len(words) + 1):
+            assert ours.imgToEval[i][key] == pytest.approx(spaced.imgToEval[i][key], rel=1e-9, abs=1e-12)
+    assert shifted.imgToEval[2]["Bleu_1"] != pytest.approx(spaced.imgToEval[2]["Bleu_1"])  # stock misaligned

@@ -4,7 +4,8 @@
 interpreter starts. That only adds a meta-path finder: nothing is imported until ``evaluate.loading`` is,
 and then its ``evaluation_module_factory`` is wrapped so that names registered with capeval (plain, unless
 they are canonical evaluate modules, or ``capeval/<name>``) resolve to a module built in memory, with no
-network call. Everything else goes to evaluate unchanged. Any failure here leaves evaluate untouched.
+network call, and ``CombinedEvaluations.compute`` passes each module only the inputs it takes (see
+:func:`patch_combine`). Everything else goes to evaluate unchanged. Any failure here leaves evaluate untouched.
 
 Every interpreter pays for this file at start-up, so it imports nothing beyond ``sys``, ``os`` and
 ``importlib.machinery`` (no ``typing``, no ``importlib.abc``: they cost milliseconds), and the wheel installs
@@ -40,6 +41,34 @@ def patch(loading) -> None:
     evaluation_module_factory.__wrapped__ = original
     evaluation_module_factory.__doc__ = original.__doc__
     loading.evaluation_module_factory = evaluation_module_factory
+    module = sys.modules.get("evaluate.module")  # imported by evaluate.loading
+    if module is not None:
+        patch_combine(module.CombinedEvaluations)
+
+
+def patch_combine(combined) -> None:
+    """``evaluate.combine([...]).compute(images=...)``: evaluate hands every keyword to every module, so its own
+    modules (``bleu``, ...) fail on an input only ours take. A keyword that is an input (feature) of some module
+    of the combination goes only to the modules that take it; other keywords (compute-time options) still go
+    to every module, as evaluate sends them. ``add``/``add_batch`` already pass each module its own inputs.
+    (Checked on evaluate 0.4.6: ``CombinedEvaluations.compute(predictions, references, **kwargs)``.)"""
+    original = combined.compute
+    if getattr(original, "_capeval_wrapped", False):
+        return
+
+    def compute(self, predictions=None, references=None, **kwargs):
+        inputs = {name for m in self.evaluation_modules for name in m._feature_names()}
+        results = []
+        for module in self.evaluation_modules:
+            own = set(module._feature_names())
+            batch = {k: v for k, v in kwargs.items() if k not in inputs or k in own}
+            results.append(module.compute(predictions=predictions, references=references, **batch))
+        return self._merge_results(results)
+
+    compute._capeval_wrapped = True
+    compute.__wrapped__ = original
+    compute.__doc__ = original.__doc__
+    combined.compute = compute
 
 
 def _is_local(path: str) -> bool:

@@ -8,11 +8,18 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from capeval_plugins import registry
 
 # Keys of a metric_list entry that belong to the harness; every other key is an option of the metric.
-HARNESS_KEYS = ("metric", "aggregation", "higher_is_better")
+HARNESS_KEYS = ("metric", "aggregation", "higher_is_better", "hf_evaluate")
 
-# The per-document policy of an aggregation unless a task's metric_list says otherwise: a model that generated
-# nothing (or text no metric can take) for one document costs that document, not the whole evaluation.
+# The per-document policy of an aggregation unless a task's metric_list says otherwise: a document that cannot be
+# scored (its image is missing or does not decode, its generation holds text no tokenizer takes) costs that
+# document, not the whole evaluation, and is counted in the results (``<metric>_n_skipped``). An empty generation
+# is not such a document: it is the model's answer, scored as the reference implementation scores it.
 DEFAULT_ON_ERROR = "skip"
+
+
+def skip_count_name(harness_name: str) -> str:
+    """The results key that counts the documents a metric left out: ``clipscore_n_skipped``."""
+    return f"{harness_name}_n_skipped"
 
 
 def with_default_policy(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -25,15 +25,18 @@ from capeval_plugins import __version__, registry
 from capeval_plugins.cards import card_body
 from capeval_plugins.contract import MetricInfo
 
-# Canonical modules of the evaluate hub (metrics, comparisons, measurements): never shadowed.
+# Canonical modules of evaluate (its repository's metrics/, comparisons/ and measurements/ folders, which
+# evaluate.load("<name>") fetches from the evaluate-metric, -comparison and -measurement spaces): never shadowed.
+# Of ours, `meteor` and `bertscore` collide and answer only to capeval/<name>; `cider`, `clipscore`, `bleu4`,
+# `rouge_l`, ... are not evaluate modules, so evaluate.load("cider") is ours (it would otherwise go to the Hub).
 CANONICAL = frozenset(
-    """accuracy anls bary_score bertscore bleu bleurt bold brier_score cer character charcut_mt chrf cider
-    clip_score code_eval comet competition_math confusion_matrix coval crps cuad der ece exact_match f1
-    fever fid_score frugalscore gleu glue google_bleu gpassk indic_glue mae mahalanobis mape mase
-    matthews_correlation mauve mean_iou meteor mse nist nist_mt pearsonr perplexity poseval precision
-    r_squared rccs recall rl_reliability roc_auc rouge sacrebleu sari seqeval smape spearmanr squad squad_v2
-    summeval super_glue ter toxicity trec_eval vqa_accuracy wer wiki_split xnli xtreme_s mcnemar wilcoxon
-    honest label_distribution regard text_duplicates word_count word_length""".split()
+    """accuracy bertscore bleu bleurt brier_score cer character charcut_mt chrf code_eval comet
+    competition_math confusion_matrix coval cuad exact_match f1 fever frugalscore glue google_bleu indic_glue
+    mae mahalanobis mape mase matthews_correlation mauve mean_iou meteor mse nist_mt pearsonr perplexity
+    poseval precision r_squared recall rl_reliability roc_auc rouge sacrebleu sari seqeval smape spearmanr
+    squad squad_v2 super_glue ter trec_eval wer wiki_split xnli xtreme_s
+    mcnemar wilcoxon
+    honest label_distribution regard text_duplicates toxicity word_count word_length""".split()
 )
 # Keyword arguments of evaluate.EvaluationModule.__init__; everything else is a metric option.
 EVALUATE_ARGS = frozenset(
@@ -91,6 +94,7 @@ class CapevalEvaluationModule(evaluate.Metric):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = {k: kwargs.pop(k) for k in list(kwargs) if k not in EVALUATE_ARGS}
         self.capeval_metric = registry.load(self._capeval_name, **options)  # unknown options fail here
+        self._capeval_options = options
         super().__init__(*args, **kwargs)
 
     def _info(self) -> evaluate.MetricInfo:
@@ -183,15 +187,31 @@ class CapevalEvaluationModule(evaluate.Metric):
         if had and hasattr(err, "add_note"):
             err.add_note(f"(the {had} samples added before were discarded: add them again)")
 
-    def _compute(self, predictions, references=None, images=None, group_ids=None, progress: bool = False):
+    def _compute(self, predictions, references=None, images=None, group_ids=None, progress: bool = False,
+                 **options: Any):
         if references is not None and all(not r for r in references):
             references = None
         if images is not None and all(img is None for img in images):
             images = None
         if group_ids is not None and all(g == -1 for g in group_ids):
             group_ids = None
-        result = self.capeval_metric(images, predictions, references, group_ids=group_ids, progress=progress)
+        metric = self._metric_for(options)
+        result = metric(images, predictions, references, group_ids=group_ids, progress=progress)
         return result.to_dict()
+
+    def _metric_for(self, options: dict[str, Any]) -> Any:
+        """The metric with compute-time options on top of the load-time ones (evaluate's convention:
+        ``compute(..., sigma=3.0)``). A metric may also take its reference implementation's argument names
+        (BERTScore: bert_score's ``lang``, ``model_type``, ...) through ``reference_options``."""
+        if not options:
+            return self.capeval_metric
+        translate = getattr(type(self.capeval_metric), "reference_options", None)
+        if translate is not None:
+            options = translate(options, named=tuple(self._capeval_options))
+        merged = {**self._capeval_options, **options}
+        if merged == self._capeval_options:
+            return self.capeval_metric
+        return registry.load(self._capeval_name, **merged)
 
 
 def _arrow_image(image_source, image: Any, index: int) -> Any:
@@ -248,12 +268,21 @@ def importable_module(path: str) -> ImportableModule | None:
     return ImportableModule(module.__name__, digest)
 
 
+def cache_root() -> Path:
+    """Where the package writes into the user's cache: ``$CAPEVAL_CACHE``, else ``$XDG_CACHE_HOME/capeval_plugins``,
+    else ``~/.cache/capeval_plugins``."""
+    if os.environ.get("CAPEVAL_CACHE"):
+        return Path(os.environ["CAPEVAL_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "capeval_plugins"
+
+
 def module_file(name: str, directory: str | Path | None = None) -> Path:
     """Write a two-line evaluate module script (and the metric card beside it) and return the script's
     path: ``evaluate.load(str(module_file("clipscore")))`` works without the start-up hook."""
     name = registry.canonical_name(name)
     entry = registry.get(name)
-    root = Path(directory) if directory else Path.home() / ".cache" / "capeval_plugins" / "evaluate_modules"
+    root = Path(directory) if directory else cache_root() / "evaluate_modules"
     from capeval_plugins import files
     from capeval_plugins.cards import card_text
 

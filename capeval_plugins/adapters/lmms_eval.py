@@ -9,6 +9,9 @@ through lmms-eval's own ``class: !function ...`` hook, adds every capeval metric
 * ``process_results`` keeps what the task's own function returns (BLEU, CIDEr, ...) and adds, for each of our
   metrics, a small item: the document id, the generated caption and the references (text only: images never
   travel between ranks);
+* beside each of our metrics ``<name>``, ``<name>_n_skipped`` counts the documents it could not score (an image
+  that does not load, text no tokenizer takes) and left out of its number; an empty generation is the model's
+  answer and is scored, as lmms-eval's own COCO metrics score it;
 * the first of our aggregations on rank 0 scores every document of the split with **all** our metrics of the
   task in one runner pass (the images rank 0's ``doc_to_visual`` gave its model, kept; those of other ranks'
   documents through the same ``doc_to_visual``; each decoded once for every metric; one model load per
@@ -32,8 +35,8 @@ from typing import Any, Mapping, NamedTuple
 from lmms_eval.api.task import ConfigurableMessagesTask, ConfigurableTask
 
 from capeval_plugins import preflight, registry
-from capeval_plugins.adapters.harness import (MetricEntry, score_documents, split_metric_list, warn_skipped,
-                                              with_default_policy)
+from capeval_plugins.adapters.harness import (MetricEntry, score_documents, skip_count_name, split_metric_list,
+                                              warn_skipped, with_default_policy)
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lmms_eval_tasks"
 DOC_ID = "_capeval_doc_id"  # added to the documents so process_results knows which document it scores
@@ -108,6 +111,9 @@ class _CapevalMixin:
         for entry in ours:
             self._aggregation_list[entry.harness_name] = functools.partial(self._capeval_aggregate, entry.harness_name)
             self._higher_is_better[entry.harness_name] = registry.get(entry.name).info.higher_is_better
+            count = skip_count_name(entry.harness_name)  # documents the metric left out, in the results table
+            self._aggregation_list[count] = functools.partial(self._capeval_skipped, entry.harness_name)
+            self._higher_is_better[count] = False
         preflight.check(self._metrics())  # the metrics' models, Java and extras: before anything is generated
         self._number_documents()
 
@@ -160,14 +166,23 @@ class _CapevalMixin:
         item = CaptionItem(int(doc[DOC_ID]), (caption or "").strip(), self._references(doc))
         for entry in self._capeval_entries:
             out[entry.harness_name] = item
+            out[skip_count_name(entry.harness_name)] = item
         return out
 
-    def _capeval_aggregate(self, harness_name: str, items: list) -> float:
+    def _capeval_results(self, items: list) -> dict:
+        """Every capeval metric of the task over the split, scored once (the first aggregation) and kept."""
         items = sorted(items, key=lambda it: it.doc_id)
         key = tuple((it.doc_id, it.caption) for it in items)
         if self._capeval_scored is None or self._capeval_scored[0] != key:
             self._capeval_scored = (key, self._score(items))
-        return float(warn_skipped(harness_name, self._capeval_scored[1][harness_name], len(items)).score)
+        return self._capeval_scored[1]
+
+    def _capeval_aggregate(self, harness_name: str, items: list) -> float:
+        return float(warn_skipped(harness_name, self._capeval_results(items)[harness_name], len(items)).score)
+
+    def _capeval_skipped(self, harness_name: str, items: list) -> float:
+        """``<metric>_n_skipped``: how many documents the metric could not score and left out of its number."""
+        return float(len(self._capeval_results(items)[harness_name].skipped))
 
     def _score(self, items: list[CaptionItem]) -> dict:
         metrics = self._metrics()

@@ -9,9 +9,10 @@ and adds ours, feeding raw (untokenised) captions to scorers that want them.
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 from pycocoevalcap.eval import COCOEvalCap as StockCOCOEvalCap
@@ -97,9 +98,64 @@ def same_id(image_id: Any) -> Any:
     return image_id
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The captions as written, in the usual loop (PTB-tokenise, then ``for scorer, method in scorers``)
+
+class TokenizedCaptions(dict):
+    """What pycocoevalcap's ``PTBTokenizer().tokenize`` returns once this module is imported: the same dict of
+    tokenised captions (a dict: every stock scorer takes it as before), remembering the captions as written, so
+    that a capeval scorer in the usual loop scores those (CLIPScore and the LVLM judges read case and
+    punctuation; the classic metrics tokenise them as their option ``tokenize`` says, as stock does)."""
+
+    def __init__(self, tokens: Mapping[Any, list[str]], written: Mapping[Any, list[str]]) -> None:
+        super().__init__(tokens)
+        self._tokens = {k: list(v) for k, v in tokens.items()}
+        self._written = {k: list(v) for k, v in written.items()}
+
+    def as_written(self) -> dict[Any, list[str]] | None:
+        """The captions as written, or None when the dict was changed after tokenisation."""
+        same = self.keys() == self._tokens.keys() and all(self[k] == v for k, v in self._tokens.items())
+        return dict(self._written) if same else None
+
+
+def _remember_written(tokenize: Callable) -> Callable:
+    @functools.wraps(tokenize)
+    def tokenize_remembering(self, captions_for_image):
+        tokens = tokenize(self, captions_for_image)
+        try:
+            written = {k: [c["caption"] for c in v] for k, v in captions_for_image.items()}
+        except (TypeError, KeyError, AttributeError):  # not pycocoevalcap's input format: leave it alone
+            return tokens
+        return TokenizedCaptions(tokens, written)
+
+    tokenize_remembering._capeval = True  # type: ignore[attr-defined]
+    return tokenize_remembering
+
+
+def _patch_tokenizer() -> None:
+    """pycocoevalcap's ``PTBTokenizer.tokenize`` returns :class:`TokenizedCaptions` (checked on pycocoevalcap
+    1.2: its ``tokenize(captions_for_image)`` takes ``{id: [{"caption": ...}]}``)."""
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    if not getattr(PTBTokenizer.tokenize, "_capeval", False):
+        PTBTokenizer.tokenize = _remember_written(PTBTokenizer.tokenize)
+
+
+_patch_tokenizer()
+
+# pycocoevalcap's own names for the classic metrics: method() and the per-item type its scorers return.
+STOCK_METHOD = {"meteor": "METEOR", "rouge_l": "Rouge", "cider": "CIDEr", "spice": "SPICE",
+                **{f"bleu{n}": f"Bleu_{n}" for n in range(1, 5)}}
+ARRAY_ITEMS = {"rouge_l", "cider"}  # stock Rouge and Cider: (numpy float, numpy array); the others lists
+# COCOEvalCap's eval keys where they differ from method()
+EVAL_KEY = {"rouge_l": "ROUGE_L"}
+
+
 class CapevalScorer:
     """A registered metric as a pycocoevalcap scorer. ``last_result`` keeps the full result (per-sample
-    extras) of the latest ``compute_score``."""
+    extras) of the latest ``compute_score``. Per-item scores come back as pycocoevalcap's scorers return
+    them (a list; a numpy array for ROUGE-L and CIDEr, as stock), ``method()`` is stock's name for the
+    classic metrics (``CIDEr``, ``METEOR``, ``Rouge``, ``Bleu_4``) and the display name for the others."""
 
     _capeval_name: str = ""
 
@@ -113,17 +169,18 @@ class CapevalScorer:
         if info.images == "always" and resolver is None:
             raise ValueError(f"{info.display_name} scores images: build it with an ImageResolver")
         self.resolver = resolver
-        self.wants_raw_text = info.text_input == "raw"
+        # the captions as written (a classic metric tokenises them itself unless told the text is tokenised)
+        self.wants_raw_text = info.text_input == "raw" or bool(getattr(self.metric.config, "tokenize", False))
         self.last_result: MetricResult | None = None
 
     def method(self) -> str:
-        return self.metric.info.display_name
+        return STOCK_METHOD.get(self.metric.info.name, self.metric.info.display_name)
 
-    def compute_score(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]):
-        """``(corpus score, per-item scores in gts order)``."""
+    def _inputs(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]) -> tuple[list, list, Any, Any]:
         ids = list(gts.keys())
         if set(ids) != set(res.keys()):
             raise ValueError("gts and res must have the same image ids")
+        gts, res = self._as_written(gts, "gts"), self._as_written(res, "res")
         candidates = []
         for image_id in ids:
             hyp = res[image_id]
@@ -133,12 +190,63 @@ class CapevalScorer:
         info = self.metric.info
         references = [list(gts[i]) for i in ids] if info.references != "never" else None
         images = [self.resolver(i) for i in ids] if self.resolver is not None and info.images != "never" else None
+        return ids, candidates, references, images
+
+    def _as_written(self, captions: Mapping[Any, list[str]], which: str) -> Mapping[Any, list[str]]:
+        """In the usual loop, the captions before PTB tokenisation, for a scorer that reads them as written."""
+        if not self.wants_raw_text or not isinstance(captions, TokenizedCaptions):
+            return captions
+        written = captions.as_written()
+        if written is None:
+            raise ValueError(f"{self.method()} scores captions as written, but {which} holds PTB tokens changed after "
+                             f"tokenisation: pass {self.method()} the captions before PTBTokenizer().tokenize (a dict "
+                             "{id: [caption, ...]})")
+        return written
+
+    def compute_score(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]):
+        """``(corpus score, per-item scores in gts order)``, typed as pycocoevalcap's scorers type them."""
+        ids, candidates, references, images = self._inputs(gts, res)
         self.last_result = runner.score(self.metric, images, candidates, references,
                                         describe=lambda k: f"image id {ids[k]!r}")
-        return self.last_result.score, np.asarray(self.last_result.scores.tolist())
+        return stock_typed(self.metric.info.name, self.last_result)
+
+
+def stock_typed(name: str, result: MetricResult) -> tuple[Any, Any]:
+    """``(score, per-item)`` with pycocoevalcap's types: numpy float and array for ROUGE-L and CIDEr, a float
+    and a list of floats otherwise (as its Bleu, Meteor and Spice per order)."""
+    items = result.scores.tolist()
+    if name in ARRAY_ITEMS:
+        return np.float64(result.score), np.array(items)
+    return float(result.score), items
+
+
+class Bleu(CapevalScorer):
+    """pycocoevalcap's ``Bleu(n)``: ``([BLEU-1 .. BLEU-n], [[per item] per order])`` and ``method()`` "Bleu", on
+    the captions as written in the usual loop (tokenised once, as stock's loop does) or on what it is given.
+    ``options`` go to every order's metric (``tokenize=False`` for text that is already tokenised)."""
+
+    _capeval_name = "bleu4"
+
+    def __init__(self, n: int = 4, **options: Any) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4:
+            raise ValueError(f"Bleu: n must be 1, 2, 3 or 4, got {n!r}")
+        super().__init__(**options)
+        self._orders = {f"bleu{k}": registry.load(f"bleu{k}", **options) for k in range(1, n + 1)}
+
+    def method(self) -> str:
+        return "Bleu"
+
+    def compute_score(self, gts, res, verbose=0):
+        ids, candidates, references, _ = self._inputs(gts, res)
+        results = runner.score_many(self._orders, None, candidates, references,
+                                    describe=lambda k: f"image id {ids[k]!r}")
+        self.last_result = results[f"bleu{len(self._orders)}"]
+        return [r.score for r in results.values()], [r.scores.tolist() for r in results.values()]
 
 
 scorer_class = GeneratedClasses(CapevalScorer, "capeval_plugins.pycocoevalcap", coco_identifier)
+# pycocoevalcap's names where they are not a metric's own: ``Rouge`` is ROUGE-L (``Bleu`` is the class above)
+STOCK_ALIASES = {"Rouge": "rouge_l"}
 
 
 def spice_available() -> bool:
@@ -295,7 +403,7 @@ class COCOEvalCap(StockCOCOEvalCap):
             classes = {name: registry.get(name).cls for name in own}
             for name, opts in metric_options.route(classes, options, own).items():
                 scorer = scorer_class(name)(resolver=resolver, **opts)
-                extra.append((scorer, scorer.method()))
+                extra.append((scorer, EVAL_KEY.get(name, scorer.method())))
         elif options:
             raise TypeError(f"options {sorted(options)} given without metrics=")
         self.extra_scorers = extra

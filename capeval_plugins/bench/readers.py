@@ -47,9 +47,9 @@ def load_records(path: str | Path) -> Any:
             raise InputError(f"{path}: reading Parquet needs pyarrow") from err
         return pq.read_table(io.BytesIO(data)).to_pylist()
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise InputError(f"{path}: not valid UTF-8 ({err})") from None
+        text = jsonio.decode_text(data, str(path))
+    except jsonio.JSONLinesError as err:
+        raise InputError(str(err)) from None
     if suffix == ".jsonl":
         return _json_lines(text, path)
     try:
@@ -59,14 +59,11 @@ def load_records(path: str | Path) -> Any:
 
 
 def _json_lines(text: str, path: Path) -> list:
-    rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(jsonio.loads(line))
-            except json.JSONDecodeError as err:
-                raise InputError(f"{path}:{lineno}: not valid JSON: {err}") from err
-    return rows
+    """The one JSON Lines reader (:func:`capeval_plugins.core.jsonio.json_lines`, as ``capeval score``'s)."""
+    try:
+        return [row for _, row in jsonio.json_lines(text, str(path))]
+    except jsonio.JSONLinesError as err:
+        raise InputError(str(err)) from None
 
 
 def pick(record: dict, keys: Sequence[str], what: str, where: str, required: bool = True) -> Any:

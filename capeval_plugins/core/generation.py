@@ -220,15 +220,15 @@ def read_index(path: str | os.PathLike) -> dict[str, str]:
 
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = jsonio.decode_text(path.read_bytes(), str(path))
         if path.suffix == ".csv":
             rows = list(csv.DictReader(io.StringIO(text, newline=""), strict=True))
         elif path.suffix == ".json":
             data = jsonio.loads(text)
             rows = [{"caption": c, "image": i} for c, i in data.items()] if isinstance(data, dict) else data
         else:
-            rows = [jsonio.loads(line) for line in text.splitlines() if line.strip()]
-    except (UnicodeDecodeError, json.JSONDecodeError, csv.Error) as err:
+            rows = [row for _, row in jsonio.json_lines(text, str(path))]
+    except (jsonio.JSONLinesError, json.JSONDecodeError, csv.Error) as err:
         raise DataError(f"{path}: cannot read the generated-image index ({err})") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: expected a list of {{caption, image}} records or an object caption -> image")

@@ -1,17 +1,19 @@
 """Helpers of the shipped capeval_caption task (loaded by lm-eval through ``!function``)."""
 from capeval_plugins.adapters.lm_eval import CaptionTask  # noqa: F401  (named by the task YAML)
 from capeval_plugins.caption_files import load_caption_docs
+from capeval_plugins.inputs import InputError
 
 
 def load_captions(captions=None, images=None, limit=None, **_):
     """``--metadata '{"captions": FILE, "images": DIR}'`` -> ``{"test": [doc, ...]}``."""
     if captions is None:
-        raise ValueError('capeval_caption needs --metadata \'{"captions": "FILE.jsonl", "images": "DIR"}\'')
+        raise InputError('capeval_caption needs a caption file: --metadata \'{"captions": "FILE.jsonl", "images": '
+                         '"DIR"}\'')
     import datasets
 
     for key, value in (("captions", captions), ("images", images)):
         if value is not None and not isinstance(value, str):
-            raise ValueError(f"capeval_caption: --metadata {key!r} must be a path (a string), got "
+            raise InputError(f"capeval_caption: --metadata {key!r} must be a path (a string), got "
                              f"{type(value).__name__}")
     docs = load_caption_docs(captions, images, limit)
     return {"test": datasets.Dataset.from_list(docs)}

@@ -22,7 +22,7 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar, Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from torch import Tensor
 from capeval_plugins.contract import (INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec, bounded,
                                       nanmean)
 from capeval_plugins.core.encoders.common import EncoderSpec
-from capeval_plugins.core.encoders.text import PackedEmbeddings, TextEncoder, TokenEmbeddings
+from capeval_plugins.core.encoders.text import PackedEmbeddings, TextEncoder, TokenEmbeddings, text_encoder_problem
 from capeval_plugins.core.matching import (best_similarities, f_measure, idf_table, reduce_references, token_idf,
                                            weighted_mean)
 
@@ -41,6 +41,10 @@ CITATION = """@inproceedings{zhang2020bertscore,
   year      = {2020}
 }"""
 
+
+# bert_score's model per language (bert_score.utils.lang2model); any other language: multilingual BERT.
+BERT_SCORE_LANG_MODELS = {"en": "roberta-large", "zh": "bert-base-chinese", "tr": "dbmdz/bert-base-turkish-cased",
+                          "en-sci": "allenai/scibert_scivocab_uncased"}
 
 # bert_score's default batch_size: its batched output (and so every published number) depends on it.
 BERT_SCORE_BATCH_SIZE = 64
@@ -92,6 +96,7 @@ class BERTScore(Metric):
         codebase_urls=("https://github.com/Tiiiger/bert_score",),
     )
     Config = BERTScoreConfig
+    model_kind_problem = staticmethod(text_encoder_problem)  # a --model shared by several metrics, checked unloaded
 
     def __init__(self, **config) -> None:
         super().__init__(**config)
@@ -109,6 +114,32 @@ class BERTScore(Metric):
         self._baseline: Tensor | None = None
         self._idf_table: tuple[Tensor, int] | None = None
         self._corpus: PackedEmbeddings | None = None
+
+    @classmethod
+    def reference_options(cls, options: dict, named: Collection[str] = ()) -> dict:
+        """bert_score's argument names (what ``bert_score.score`` and evaluate's ``bertscore`` module take) as
+        this metric's options: ``model_type`` is ``model``; ``lang`` picks bert_score's model for the language
+        when no model is named (here or in ``named``, the options already set); ``batch_size`` is bert_score's pair batch (``pair_batch_size``: it changes the
+        numbers); ``verbose``, ``nthreads`` and ``use_fast_tokenizer`` change no number and are dropped (the
+        tokenizer is always the fast one, which gives these models' tokens); ``all_layers=True`` is refused."""
+        out = dict(options)
+        lang, model_type = out.pop("lang", None), out.pop("model_type", None)
+        if model_type is not None:
+            out["model"] = model_type
+        elif lang is not None and "model" not in out and "model" not in named:
+            out["model"] = BERT_SCORE_LANG_MODELS.get(str(lang).lower(), "bert-base-multilingual-cased")
+        if lang is not None and str(lang).lower() != "en" and out.get("rescale_with_baseline"):
+            if out.get("baseline_path") is None:
+                raise ValueError(f"bertscore: rescaling for lang={lang!r} needs baseline_path (the bert_score baseline "
+                                 f"file rescale_baseline/{lang}/<model>.tsv); only the English files are found by name")
+        if "batch_size" in out:
+            out["pair_batch_size"] = out.pop("batch_size")
+        for ignored in ("verbose", "nthreads", "use_fast_tokenizer"):
+            out.pop(ignored, None)
+        if out.pop("all_layers", False):
+            raise ValueError("bertscore: all_layers=True (a score per layer) is not supported; pick a layer with "
+                             "num_layers")
+        return out
 
     @property
     def encoder(self) -> TextEncoder:
@@ -182,6 +213,9 @@ class BERTScore(Metric):
                                                            (ref_ids > 0).sum(-1), valid_ref, self.pair_batch_size)
         precision = weighted_mean(cand_best, cand_w[:, None, :].expand_as(cand_best))
         recall = weighted_mean(ref_best, ref_w)
+        # bert_score sets P and R to 0 where either side is only special tokens (an empty caption): F is then 0
+        blank = self.only_special(cand_ids)[:, None] | self.only_special(ref_ids)
+        precision, recall = precision.masked_fill(blank, 0.0), recall.masked_fill(blank, 0.0)
         f1 = f_measure(precision, recall)
         opposite = (precision * recall < 0) & valid_ref
         if self.config.opposite_sign == "zero":
@@ -212,6 +246,11 @@ class BERTScore(Metric):
             return tuple(token_idf(ids - 1, ids > 0, table, n_docs) for ids in (cand_ids, ref_ids))
         special = torch.tensor(sorted(self.encoder.special_ids), dtype=torch.int64, device=cand_ids.device)
         return tuple(((ids > 0) & ~torch.isin(ids - 1, special)).to(torch.float64) for ids in (cand_ids, ref_ids))
+
+    def only_special(self, ids: Tensor) -> Tensor:
+        """Rows (of shifted ids, 0 = padding) holding no token but [CLS] / [SEP]: an empty text."""
+        special = torch.tensor(sorted(self.encoder.special_ids), dtype=torch.int64, device=ids.device)
+        return ~((ids > 0) & ~torch.isin(ids - 1, special)).any(dim=-1)
 
     def idf_table(self, corpus_refs: Tensor) -> tuple[Tensor, int]:
         """idf per token id (indexed by id) and the number of documents it was counted over."""

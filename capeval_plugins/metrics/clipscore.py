@@ -15,6 +15,7 @@ from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMe
 from capeval_plugins.core import loading
 from capeval_plugins.core.clip_score import best_reference_similarity, clip_s, cosine, harmonic_mean
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.core.encoders.clip import dual_encoder_problem
 
 CITATION = """@inproceedings{hessel2021clipscore,
   title     = {{CLIPScore}: A Reference-free Evaluation Metric for Image Captioning},
@@ -71,6 +72,7 @@ class CLIPScore(PointwiseMetric):
         codebase_urls=("https://github.com/jmhessel/clipscore",),
     )
     Config = CLIPScoreConfig
+    model_kind_problem = staticmethod(dual_encoder_problem)  # a --model shared by several metrics, checked unloaded
     extra_names: ClassVar[tuple[str, ...]] = ("cosine", "reference_similarity", "refclipscore")
     optional_extras: ClassVar[tuple[str, ...]] = ("reference_similarity", "refclipscore")
     mean_extras: ClassVar[tuple[str, ...]] = ("refclipscore",)

@@ -22,6 +22,7 @@ from capeval_plugins.contract import (INDEX, Batch, CorpusSize, FitProblem, Metr
                                       ModelConfig, StateSpec, bounded)
 from capeval_plugins.core import gaussian
 from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.core.encoders.clip import dual_encoder_problem
 from capeval_plugins.core.messages import warn_once
 
 CITATION = """@inproceedings{kim2022mutual,
@@ -81,6 +82,7 @@ class MID(Metric):
         codebase_urls=("https://github.com/naver-ai/mid.metric",),
     )
     Config = MIDConfig
+    model_kind_problem = staticmethod(dual_encoder_problem)  # a --model shared by several metrics, checked unloaded
 
     def __init__(self, **config: Any) -> None:
         super().__init__(**config)

@@ -126,14 +126,19 @@ def write_photos(folder: str | Path) -> list[Path]:
 
 
 if __name__ == "__main__":
+    import argparse
     import sys
 
     from capeval_plugins.core.messages import install_extra
 
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m capeval_plugins.testing.realistic FOLDER  (writes the sample photographs there)")
+    parser = argparse.ArgumentParser(prog="python -m capeval_plugins.testing.realistic",
+                                     description="Write the sample photographs (scikit-image's and matplotlib's, "
+                                                 "the images of examples/photos.jsonl) into FOLDER as JPEG files; "
+                                                 "files already there are kept.")
+    parser.add_argument("folder", metavar="FOLDER", help="where to write them (made if missing)")
+    folder = parser.parse_args().folder
     if missing_photo_packages():
         print(f"the sample photographs ship with {' and '.join(missing_photo_packages())}, not installed: "
               f"{install_extra('photos')}", file=sys.stderr)
         sys.exit(2)
-    print(f"{len(write_photos(sys.argv[1]))} photographs in {sys.argv[1]} (files already there kept)")
+    print(f"{len(write_photos(folder))} photographs in {folder} (files already there kept)")

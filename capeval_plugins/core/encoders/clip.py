@@ -26,6 +26,16 @@ class LocalFeatures:
     ids: Tensor | None = None
 
 
+def dual_encoder_problem(config: dict) -> str | None:
+    """Why a checkpoint (its ``config.json``) is not an image-text dual encoder, or None: it needs a text and a
+    vision tower (CLIP, SigLIP, ...), and is not a generative vision-language model."""
+    kind = config.get("model_type", "?")
+    generative = any(a.endswith(("ForConditionalGeneration", "ForCausalLM")) for a in config.get("architectures") or ())
+    if "vision_config" in config and "text_config" in config and not generative:
+        return None
+    return f"it is a {kind} checkpoint, not an image-text dual encoder (CLIP, SigLIP)"
+
+
 class ClipEncoder:
     """Global image and text embeddings of a CLIP-family dual encoder (CLIP, SigLIP, ...) in their joint
     space, L2-normalised, float32."""

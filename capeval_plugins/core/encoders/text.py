@@ -177,6 +177,14 @@ def concat_padded(chunks: Sequence[TokenEmbeddings], order: Sequence[int]) -> To
     return out.rows(inverse)
 
 
+def text_encoder_problem(config: dict) -> str | None:
+    """Why a checkpoint (its ``config.json``) is not a text encoder BERTScore can embed with, or None: one with an
+    image tower (CLIP, SigLIP, LLaVA, ...) is refused."""
+    if "vision_config" in config:
+        return f"it is a {config.get('model_type', '?')} checkpoint (an image-text model), not a text encoder"
+    return None
+
+
 class TextEncoder:
     """Token embeddings of a BERT-like text encoder at one layer, for greedy matching."""
 
@@ -211,7 +219,8 @@ class TextEncoder:
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Ids with special tokens, as bert_score's ``sent_encode``; captions over the limit are truncated
         keeping the closing special token, with a warning (once per model)."""
-        prepared = [(" " + t.strip()) if self.prefix_space else t.strip() for t in texts]
+        # bert_score encodes an empty (or blank) text as the special tokens alone, with no prefix space
+        prepared = [(" " + t.strip()) if self.prefix_space and t.strip() else t.strip() for t in texts]
         ids = self.tokenizer(prepared, add_special_tokens=True)["input_ids"]
         too_long = [i for i, row in enumerate(ids) if len(row) > self.max_tokens]
         if too_long:
