@@ -50,12 +50,15 @@ def recipes(tiny_root, corpus) -> dict[str, dict]:
     """Options that build every registered metric on tiny models."""
     from capeval_plugins.testing import tiny_checkpoint
 
-    models = {k: str(tiny_checkpoint(k, root=tiny_root)) for k in ("clip", "roberta", "deberta_v3", "vilt", "dino")}
+    models = {k: str(tiny_checkpoint(k, root=tiny_root)) for k in ("clip", "roberta", "deberta_v3", "vilt", "dino", "pacs", "pacs_pp", "polos")}
     judge = scripted_llava(("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog"))
     return {
         "clipscore": {"model": models["clip"]}, "refclipscore": {"model": models["clip"]},
         "mid": {"model": models["clip"]}, "msd_score": {"model": models["clip"]},
         "soft_msd": {"model": models["clip"]}, "bertscore": {"model": models["roberta"]},
+        "pacscore": {"model": models["pacs"]}, "refpacscore": {"model": models["pacs"]},
+        "pacscore_pp": {"model": models["pacs_pp"]}, "refpacscore_pp": {"model": models["pacs_pp"]},
+        "polos": {"model": models["polos"]},
         **{name: {} for name in NEEDS_JAVA},
         "fleur": {"model": judge}, "discode": {"model": judge},
         "rigel": {"checkpoint": rigel_checkpoint(sharp_llava())},
@@ -67,16 +70,9 @@ def recipes(tiny_root, corpus) -> dict[str, dict]:
     }
 
 
-# MSD's text side with zero content tokens is the `msd` helper's change (metrics/msd.py); until it is merged
-# these two report it here rather than fail the suite.
-PENDING = {"msd_score", "soft_msd"}
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason="MSD with no content tokens: "
-                                                                                 "msd helper's branch", strict=False))
-                                  if n in PENDING else n for n in sorted(registry.metrics())])
+@pytest.mark.parametrize("name", sorted(registry.metrics()))
 def test_every_metric_scores_an_empty_caption(name, recipes, corpus):
     if name not in recipes:
         pytest.fail(f"{name} has no tiny recipe here: add one, so that its empty-caption score is checked")
