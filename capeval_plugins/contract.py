@@ -22,7 +22,7 @@ import hashlib
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch

@@ -47,8 +47,8 @@ from torch import Tensor
 
 from capeval_plugins import preflight
 from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch_digest
-from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, content_digest,
-                                      finalize_state, full_spec, map_batch, merge_states)
+from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, PackedTexts, StateSpec,
+                                      content_digest, finalize_state, full_spec, map_batch, merge_states)
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.files import FileError
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
@@ -414,6 +414,50 @@ def _isolate(metric: Metric, part: Samples, cache: ImageCache, on_error: str, de
     return outs, skipped
 
 
+class RowOrderError(RuntimeError):
+    """A metric's ``map`` returned its rows in another order than its batch's samples: every score would be
+    filed under another sample."""
+
+
+def check_row_order(metric: Metric, part: Samples, cache: ImageCache) -> None:
+    """Map up to three samples of ``part`` (first, middle, last) and the same samples rotated by one: each
+    ``"cat"`` state of the metric must come back rotated the same way (texts byte for byte, numbers to float32
+    precision: padding may differ in the last bits), or the metric files scores under the wrong samples,
+    which no shape check can see (a reversal, a sort). The same samples in both calls, so a row that depends
+    on its batch's other samples (a group) sees the same ones. Run once per metric of a session: two small
+    extra ``map`` calls; samples that fail to map are left to the batch."""
+    picked = sorted({0, len(part) // 2, len(part) - 1})
+    order = list(range(len(picked)))
+    rotated = order[1:] + order[:1]
+    try:
+        batches = [build_batch(part.subset([picked[i] for i in o]), cache, "skip")[0] for o in (order, rotated)]
+        if any(b is None or len(b) != len(order) for b in batches):
+            return
+        straight, turned = (map_batch(metric, b) for b in batches)
+    except Exception:  # noqa: BLE001  (the batch itself reports it, per the policy)
+        return
+    back = torch.tensor([rotated.index(i) for i in order])  # row of sample i in the rotated call
+    for key, want in metric.states().items():
+        if want.reduce != "cat":
+            continue
+        a, b = straight[key], turned[key]
+        if want.text or isinstance(a, PackedTexts):
+            rows = _text_rows(b)
+            same = _text_rows(a) == [rows[j] for j in back.tolist()]
+        else:
+            a, b = a.detach().cpu().double(), b.detach().cpu().double()[back]
+            same = a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True))
+        if not same:
+            raise RowOrderError(
+                f"{metric.info.name}.map returned the rows of state {key!r} in another order than its batch's "
+                "samples (the same samples mapped in another order did not move with them): rows must follow "
+                "batch.candidates")
+
+
+def _text_rows(value: Any) -> list[bytes]:
+    return value.rows() if isinstance(value, PackedTexts) else PackedTexts.join([value]).rows()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Merging and finalizing
 
@@ -454,6 +498,7 @@ class Session:
         preflight.check(self.metrics)  # models, Java, extras: before any work
         self.cache = image_cache(list(self.metrics.values()))
         self._specs: dict[str, dict[str, StateSpec]] = {}
+        self._order_checked: set[str] = set()
 
     def policy(self, name: str) -> str:
         return policy(self.metrics[name], self.on_error)
@@ -500,6 +545,9 @@ class Session:
     def feed(self, name: str, part: Samples) -> tuple[dict[str, Tensor] | None, dict[int, str]]:
         """Map one batch: its state (rows, and the batch's own sums; None when no sample was scored) and the
         samples left out while scoring it, with their reasons (see :func:`map_part`)."""
+        if name not in self._order_checked and len(part) > 1:
+            self._order_checked.add(name)
+            check_row_order(self.metrics[name], part, self.cache)
         outs, skipped = map_part(self.metrics[name], part, self.cache, self.policy(name), self.describe)
         if len(outs) > 1:  # mapped in pieces (images too large together, or a failure bisected)
             return merge_states(self.spec(name), outs), skipped

@@ -15,7 +15,6 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Mapping, Sequence
 
-import torch
 import torchmetrics
 
 from capeval_plugins.contract import StateSpec

@@ -264,8 +264,7 @@ class ReferenceFit(Metric):
     """MID's reference Gaussian alone, as a metric a session streams: the sums of the (image, reference) pairs
     of each batch (``fit_pairs`` selects them). It shares its MID's configuration and encoder."""
 
-    info = dataclasses.replace(MID.info, name="mid_reference_fit", display_name="MID reference fit",
-                               references="always")
+    info = dataclasses.replace(MID.info, references="always")  # its errors name "mid", as scoring's do
     Config = MIDConfig
 
     def __init__(self, mid: MID) -> None:
