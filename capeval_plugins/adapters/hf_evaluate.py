@@ -17,13 +17,15 @@ import types
 from pathlib import Path
 from typing import Any
 
-import datasets
-import evaluate
-from evaluate.loading import ImportableModule
-
 from capeval_plugins import __version__, registry
 from capeval_plugins.cards import card_body
 from capeval_plugins.contract import MetricInfo
+from capeval_plugins.core.messages import require
+
+# the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
+evaluate = require("evaluate", "evaluate", "capeval_plugins.adapters.hf_evaluate (evaluate.load)")
+import datasets  # noqa: E402  (installed with evaluate)
+from evaluate.loading import ImportableModule  # noqa: E402
 
 # Canonical modules of the evaluate hub (metrics, comparisons, measurements): never shadowed.
 CANONICAL = frozenset(

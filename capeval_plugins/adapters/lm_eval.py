@@ -20,13 +20,15 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import lm_eval.api.metrics  # noqa: F401  (fills lm-eval's registries first, so ours never replace them)
-import lm_eval.api.registry as lm_registry
-from lm_eval.api.task import ConfigurableTask
-
 from capeval_plugins import preflight, registry
 from capeval_plugins.adapters.harness import score_documents, split_metric_list, warn_skipped, with_default_policy
-from capeval_plugins.core.messages import install_extra
+from capeval_plugins.core.messages import install_extra, require
+
+# the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
+# (lm_eval.api.metrics first: it fills lm-eval's registries, so ours never replace its built-ins)
+require("lm_eval.api.metrics", "lm-eval", "capeval_plugins.lm_eval")
+import lm_eval.api.registry as lm_registry  # noqa: E402
+from lm_eval.api.task import ConfigurableTask  # noqa: E402
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lm_eval_tasks"
 

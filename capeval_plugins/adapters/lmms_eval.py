@@ -29,11 +29,14 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
-from lmms_eval.api.task import ConfigurableMessagesTask, ConfigurableTask
-
 from capeval_plugins import preflight, registry
 from capeval_plugins.adapters.harness import (MetricEntry, score_documents, split_metric_list, warn_skipped,
                                               with_default_policy)
+from capeval_plugins.core.messages import require
+
+# the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
+_task = require("lmms_eval.api.task", "lmms", "capeval_plugins.adapters.lmms_eval")
+ConfigurableMessagesTask, ConfigurableTask = _task.ConfigurableMessagesTask, _task.ConfigurableTask
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lmms_eval_tasks"
 DOC_ID = "_capeval_doc_id"  # added to the documents so process_results knows which document it scores

@@ -24,14 +24,16 @@ import math
 from typing import Any, Sequence
 
 import torch
-import torchmetrics
 
 from capeval_plugins import registry, runner
-from capeval_plugins.adapters import torchmetrics_internals as internals
 from capeval_plugins.adapters.naming import GeneratedClasses, identifier
 from capeval_plugins.contract import (TEXT_STATE, Metric, MetricInfo, MetricResult, PackedTexts, StateSpec, decode_texts,
                                       encode_texts, merge_states)
-from capeval_plugins.core.messages import warn_once
+from capeval_plugins.core.messages import require, warn_once
+
+# the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
+torchmetrics = require("torchmetrics", "torchmetrics", "capeval_plugins.torchmetrics")
+from capeval_plugins.adapters import torchmetrics_internals as internals  # noqa: E402  (imports torchmetrics)
 
 # torchmetrics.Metric keyword arguments; everything else is a metric option.
 TORCHMETRICS_ARGS = frozenset(

@@ -1,8 +1,10 @@
 """Warnings said once per process (truncation, fallbacks), not once per batch."""
 from __future__ import annotations
 
+import importlib
 import threading
 import warnings
+from types import ModuleType
 
 _warned: set[tuple] = set()
 
@@ -25,6 +27,26 @@ def install_extra(extra: str) -> str:
     """How to install one of the package's optional extras. The package is installed from a clone (it is not
     on PyPI), so the hint names the editable install the docs use."""
     return f"pip install -e '.[{extra}]' in your capeval-plugins clone"
+
+
+class MissingExtra(ModuleNotFoundError):
+    """A part of the package is used without the optional extra that installs what it needs: one line naming
+    the extra (the command line prints it and exits with 2)."""
+
+    def __init__(self, what: str, module: str, extra: str) -> None:
+        super().__init__(f"{what} needs {module}, which is not installed: {install_extra(extra)}", name=module)
+        self.extra = extra
+
+
+def require(module: str, extra: str, what: str) -> ModuleType:
+    """Import ``module`` (an ecosystem an adapter plugs into), or raise :class:`MissingExtra` naming ``extra``.
+    A module missing inside an installed ``module`` is that package's own problem, raised as it is."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name.split(".")[0] != module.split(".")[0]:
+            raise
+        raise MissingExtra(what, module, extra) from None
 
 
 def warn_once(key: tuple, message: str) -> None:
