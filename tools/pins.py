@@ -3,9 +3,9 @@
 ``make test`` builds ``.venv``, ``.venv-lmms`` and ``.venv-lowest`` from ``requirements/main.txt``,
 ``requirements/lmms.txt`` and ``requirements/lowest.txt`` (every package, direct and transitive, at one version,
 installed with ``--no-deps``), so one commit builds the same environments on any day. ``main`` and ``lmms`` are
-the newest versions pyproject.toml's ranges allow; ``lowest`` the lowest (uv's lowest-direct resolution: every
-requirement of pyproject.toml at the lowest version its range allows, what they pull in at the newest), except
-torch, kept at the CPU build the machines carry (an older torch is a CUDA build of several GB here): the suite's
+the newest versions pyproject.toml's ranges allow; ``lowest`` the lowest (every requirement of pyproject.toml at
+the lowest version its range allows, what they pull in at the newest that fit: uv's lowest-direct resolution with
+the floors as constraints), except torch, kept at the CPU build the machines carry (an older torch is a CUDA build of several GB here): the suite's
 fast part runs on it, so a range that claims a version nothing runs on fails there. Upgrading is a deliberate
 step:
 
@@ -49,7 +49,7 @@ LOWEST = "lowest"
 LOWEST_EXTRAS = ["all", "test"]
 UV = os.environ.get("UV", "uv==0.13.9")
 # Build tools of the editable install (no isolation): at the main lock's versions.
-BUILD_TOOLS = ["editables", "hatchling", "pathspec", "pluggy", "trove-classifiers"]
+BUILD_TOOLS = ["editables", "hatchling", "packaging", "pathspec", "pluggy", "tomlkit", "trove-classifiers"]
 HEADER = "# pinned:"
 # Packages whose wheels are downloaded for files they ship (real tokenizers), never installed.
 FILE_PACKAGES = ["dashscope", "mistral-common"]
@@ -78,22 +78,52 @@ def resolve(name: str) -> list[str]:
     return sorted((line for line in frozen if line and not line.startswith("#")), key=str.lower)
 
 
+def floors() -> list[str]:
+    """Every requirement of pyproject.toml (with :data:`LOWEST_EXTRAS`) at the lowest version its range allows,
+    as uv constraints (``name==<floor>.*``), torch left out (:data:`TORCH`)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines, todo, done = list(project["dependencies"]), list(LOWEST_EXTRAS), set()
+    while todo:  # extras, and extras that name other extras ("capeval-plugins[...]")
+        extra = todo.pop()
+        if extra in done:
+            continue
+        done.add(extra)
+        for line in project["optional-dependencies"][extra]:
+            match = re.fullmatch(r"capeval-plugins\[([^\]]+)\]", line.strip())
+            if match:
+                todo += match.group(1).split(",")
+            else:
+                lines.append(line)
+    out = {}
+    for line in lines:
+        name = re.match(r"[A-Za-z0-9_.\-]+", line).group(0)
+        floor = re.search(r">=\s*([0-9][^,;\s]*)", line)
+        if floor and name.lower() != "torch" and name.lower() not in out:
+            version = floor.group(1)
+            out[name.lower()] = f"{name}=={version}" if version.count(".") >= 2 else f"{name}=={version}.*"
+    return list(out.values())
+
+
 def resolve_lowest() -> list[str]:
-    """pyproject.toml's requirements (with :data:`LOWEST_EXTRAS`) at the lowest versions their ranges allow, by
-    uv's lowest-direct resolution for this Python and machine, torch overridden to :data:`TORCH`; plus the
-    build tools at the main lock's versions."""
+    """pyproject.toml's requirements (with :data:`LOWEST_EXTRAS`) each at its floor (:func:`floors`), what they
+    pull in at the newest versions that fit (uv's lowest-direct resolution for this Python), torch overridden to
+    :data:`TORCH`; plus the build tools at the main lock's versions. Floors that cannot go together fail here,
+    with uv's explanation: raise the floor it names in pyproject.toml."""
     venv = SCRATCH / "uv"
     print(f"[{LOWEST}] resolving with {UV} in {venv.relative_to(ROOT)} ...", flush=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     _pip(venv, "install", "-q", UV)
-    override = SCRATCH / "lowest-override.txt"
+    override, constraints = SCRATCH / "lowest-override.txt", SCRATCH / "lowest-floors.txt"
     override.write_text(TORCH + "\n")
+    constraints.write_text("\n".join(floors()) + "\n")
     cmd = [str(venv / "bin" / "uv"), "pip", "compile", "pyproject.toml", *[a for e in LOWEST_EXTRAS for a in ("--extra", e)],
            "--resolution", "lowest-direct", "--python-version", "{}.{}".format(*sys.version_info[:2]),
-           "--override", str(override), "--no-header", "--no-annotate", "--quiet"]
+           "--override", str(override), "--constraint", str(constraints), "--no-header", "--no-annotate", "--quiet"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        sys.exit(f"the floors of pyproject.toml do not go together (raise the one named):\n{proc.stderr[-4000:]}")
     pins = [line.strip() for line in proc.stdout.splitlines() if "==" in line and not line.startswith("#")]
     have = {_versions([p]).popitem()[0] for p in pins}
     main = _versions(read_lock("main"))
