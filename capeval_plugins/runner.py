@@ -348,7 +348,7 @@ def build_batch(part: Samples, cache: ImageCache, on_error: str,
 
 
 # Failures that say nothing about a sample: not isolated by re-scoring smaller batches.
-NOT_A_SAMPLE_FAULT = (MemoryError, torch.OutOfMemoryError)
+NOT_A_SAMPLE_FAULT = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))  # torch < 2.5
 
 
 def map_part(metric: Metric, part: Samples, cache: ImageCache, on_error: str,

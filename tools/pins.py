@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PROJECT = "capeval-plugins"
 LOCKS = ROOT / "requirements"
 SCRATCH = ROOT / ".cache" / "pins"
 

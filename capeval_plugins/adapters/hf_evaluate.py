@@ -11,7 +11,6 @@ hook is ``evaluate.load(module_file("clipscore"))``.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import types
 from pathlib import Path
@@ -27,16 +26,11 @@ evaluate = require("evaluate", "evaluate", "capeval_plugins.adapters.hf_evaluate
 import datasets  # noqa: E402  (installed with evaluate)
 from evaluate.loading import ImportableModule  # noqa: E402
 
-# Canonical modules of the evaluate hub (metrics, comparisons, measurements): never shadowed.
-CANONICAL = frozenset(
-    """accuracy anls bary_score bertscore bleu bleurt bold brier_score cer character charcut_mt chrf cider
-    clip_score code_eval comet competition_math confusion_matrix coval crps cuad der ece exact_match f1
-    fever fid_score frugalscore gleu glue google_bleu gpassk indic_glue mae mahalanobis mape mase
-    matthews_correlation mauve mean_iou meteor mse nist nist_mt pearsonr perplexity poseval precision
-    r_squared rccs recall rl_reliability roc_auc rouge sacrebleu sari seqeval smape spearmanr squad squad_v2
-    summeval super_glue ter toxicity trec_eval vqa_accuracy wer wiki_split xnli xtreme_s mcnemar wilcoxon
-    honest label_distribution regard text_duplicates word_count word_length""".split()
-)
+from capeval_plugins.adapters import evaluate_hook as internals  # noqa: E402  (evaluate's internals, one place)
+from capeval_plugins.adapters.evaluate_hook import CANONICAL  # noqa: E402,F401  (re-exported)
+
+internals.check()  # evaluate's internals used here are where they were on the versions checked
+
 # Keyword arguments of evaluate.EvaluationModule.__init__; everything else is a metric option.
 EVALUATE_ARGS = frozenset(
     "config_name keep_in_memory cache_dir num_process process_id seed experiment_id hash "
@@ -164,24 +158,11 @@ class CapevalEvaluationModule(evaluate.Metric):
 
     def _discard(self, err: Exception) -> None:
         """Drop the batches added so far (evaluate keeps them in a writer until compute() reads them)."""
+        from capeval_plugins import files
+
         had = getattr(self, "_capeval_added", 0)
         self._capeval_added = 0
-        writer, self.writer = getattr(self, "writer", None), None
-        if writer is not None:
-            try:
-                writer.finalize()
-            except Exception:  # nothing written yet: nothing to close
-                pass
-        self.buf_writer = None
-        path, lock = getattr(self, "cache_file_name", None), getattr(self, "filelock", None)
-        if path and os.path.exists(path):  # evaluate's own cache file of this module: a regular file, no link
-            from capeval_plugins import files
-
-            with files.Folder.open(os.path.dirname(os.path.abspath(path)))[0] as folder:
-                folder.unlink(os.path.basename(path))
-        if lock is not None:
-            lock.release()
-        self.cache_file_name, self.filelock, self.selected_feature_format = None, None, None
+        internals.discard(self, lambda folder: files.Folder.open(folder)[0])
         if had and hasattr(err, "add_note"):
             err.add_note(f"(the {had} samples added before were discarded: add them again)")
 

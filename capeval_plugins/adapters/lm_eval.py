@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,6 +28,10 @@ from capeval_plugins.core.messages import install_extra, require
 require("lm_eval.api.metrics", "lm-eval", "capeval_plugins.lm_eval")
 import lm_eval.api.registry as lm_registry  # noqa: E402
 from lm_eval.api.task import ConfigurableTask  # noqa: E402
+
+from capeval_plugins.adapters import lm_eval_internals as internals  # noqa: E402  (lm-eval's internals, one place)
+
+internals.check()  # lm-eval's internals used here are where they were on the versions checked
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lm_eval_tasks"
 
@@ -180,14 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     check_model_backend(args)
     register()
-    original_init = TaskManager.__init__
-
-    @functools.wraps(original_init)
-    def init_with_capeval_tasks(self, *args, include_path=None, **kwargs):
-        paths = [] if include_path is None else list(include_path) if isinstance(include_path, (list, tuple)) else [include_path]
-        return original_init(self, *args, include_path=[*paths, TASKS_DIR], **kwargs)
-
-    TaskManager.__init__ = init_with_capeval_tasks
+    internals.add_include_path(TaskManager, TASKS_DIR)
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     try:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torchmetrics
 
 from capeval_plugins.contract import StateSpec
+from capeval_plugins.core.messages import InternalsMoved
 
 LIBRARY = "torchmetrics"
 # The versions these internals were read and tested on (requirements/main.txt and requirements/lowest.txt pin
@@ -28,15 +29,8 @@ METHODS = {"_sync_dist": ("dist_sync_fn", "process_group"), "_apply": ("fn", "ex
            "_plot": ("val", "ax")}
 
 
-class InternalsMoved(ImportError):
-    """A library's internals this package relies on are not where the versions it was checked on keep them."""
-
-
 def moved(library: str, version: str, checked_on: Sequence[str], what: str) -> InternalsMoved:
-    return InternalsMoved(
-        f"capeval-plugins relies on {library} internals that {library} {version} does not have ({what}); they "
-        f"were checked on {library} {', '.join(checked_on)}: install one of those versions, or update "
-        f"capeval_plugins.adapters.{library.replace('-', '_')}_internals")
+    return InternalsMoved(library, version, tuple(checked_on), what)
 
 
 def check(metric_class: type = torchmetrics.Metric) -> None:

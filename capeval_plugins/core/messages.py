@@ -49,6 +49,19 @@ def require(module: str, extra: str, what: str) -> ModuleType:
         raise MissingExtra(what, module, extra) from None
 
 
+class InternalsMoved(ImportError):
+    """A library's internals that an adapter relies on are not where the versions it was checked on keep them
+    (see ``capeval_plugins/adapters/*_internals.py``): one line naming the library, what moved and the versions
+    checked, instead of an adapter that silently misbehaves."""
+
+    def __init__(self, library: str, version: str, checked_on: tuple[str, ...] | list[str], what: str) -> None:
+        super().__init__(
+            f"capeval-plugins relies on {library} internals that {library} {version} does not have ({what}); they were "
+            f"checked on {library} {', '.join(checked_on)}: install one of those versions, or update "
+            f"capeval_plugins/adapters/ (the module that keeps {library}'s internals)")
+        self.library = library
+
+
 def warn_once(key: tuple, message: str) -> None:
     """Warn the first time ``key`` is seen in this process (e.g. one truncation warning per model)."""
     with _warn_lock:
