@@ -566,20 +566,21 @@ class Session:
         validated, checked, fed batch by batch, merged."""
         valid = self.validate(corpus)
         self.check_fits({name: corpus_size(samples) for name, (samples, _) in valid.items()})
-        out = {}
-        for name, (samples, _) in valid.items():
-            bar = _bar(len(samples), desc or name) if progress else None
-            parts = []
+        return {name: self.merge(name, self._stream(name, samples, progress, desc)) for name, (samples, _) in valid.items()}
+
+    def _stream(self, name: str, samples: Samples, progress: bool, desc: str | None) -> Iterator[dict[str, Tensor]]:
+        """The state of every batch of ``samples``, one at a time (the merge adds sums as they come)."""
+        bar = _bar(len(samples), desc or name) if progress else None
+        try:
             for part in self.batches(name, samples):
                 state, _ = self.feed(name, part)
-                if state is not None:
-                    parts.append(state)
                 if bar is not None:
                     bar.update(len(part))
+                if state is not None:
+                    yield state
+        finally:
             if bar is not None:
                 bar.close()
-            out[name] = self.merge(name, parts)
-        return out
 
     def release(self) -> None:
         for metric in self.metrics.values():
