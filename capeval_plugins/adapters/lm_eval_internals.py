@@ -26,9 +26,9 @@ TASK_ATTRIBUTES = ("_aggregation_list", "_higher_is_better", "_metric_fn_list")
 
 
 def check_task_class(task_class: type, library: str, version: str, checked_on: tuple[str, ...]) -> None:
-    """``task_class.__init__`` (or a base's) sets the metric tables a capeval task extends."""
-    names = {n for c in task_class.__mro__ if inspect.isfunction(vars(c).get("__init__"))
-             for n in c.__init__.__code__.co_names}  # the attributes __init__ sets, among others
+    """``task_class`` (its methods, or a base's) keeps the metric tables a capeval task extends."""
+    names = {n for c in task_class.__mro__ for f in vars(c).values() if inspect.isfunction(f)
+             for n in f.__code__.co_names}  # the attributes its methods use, among other names
     absent = [name for name in TASK_ATTRIBUTES if name not in names]
     if absent:
         raise InternalsMoved(library, version, checked_on, f"{task_class.__name__} keeps no {', '.join(absent)}")
