@@ -226,7 +226,7 @@ def test_a_local_model_folder_is_part_of_the_key(tmp_path):
     assert metric_key(CLIPScore(model=str(model)), True, False) != before
 
 
-def test_an_interrupted_run_resumes_without_recomputing(tmp_path):
+def test_an_interrupted_run_resumes_without_recomputing(tmp_path, no_order_probe):
     cache = tmp_path / "scores.sqlite"
     cands = [f"caption {k}" for k in range(700)]
     Lookup.table = {c: float(k % 17) for k, c in enumerate(cands)}

@@ -102,7 +102,7 @@ def test_bert_score_match_equals_the_metric_with_and_without_idf(tiny_root):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
-def test_fleur_smooth_and_discode_head_equal_the_metrics(answers, no_order_probe):
+def test_fleur_smooth_and_discode_head_equal_the_metrics(answers):
     answers.update(zip(JUDGED, ANSWERS))
     path = sharp_llava()
 
