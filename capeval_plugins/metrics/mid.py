@@ -248,9 +248,13 @@ class MID(Metric):
 
         if save_to is not None:  # refused now, not after the fit: a link, a folder, the model's own files
             files.check_output(save_to, [self.config.model] if os.path.exists(self.config.model) else [], "save_to")
+        from capeval_plugins.inputs import InputError
+
+        if references is None:
+            raise InputError("fit_reference needs references")
         fit = ReferenceFit(self)
-        candidates = None if references is None else [r if isinstance(r, str) else (list(r) or [""])[0]
-                                                       for r in references]
+        # each sample's first reference stands for its caption: the fit reads only images and references
+        candidates = [r if isinstance(r, str) else (list(r) or [""])[0] for r in references]
         corpus = runner.Corpus(candidates, images, references)
         state = runner.Session({fit.info.name: fit}).fold(corpus, progress=progress, desc="mid fit")[fit.info.name]
         sums = {k: state[FIT[k]] for k in gaussian.SUM_KEYS}
