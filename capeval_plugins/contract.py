@@ -4,8 +4,9 @@ A metric is written once against this contract and every ecosystem adapter is ge
 
 * ``map(batch)`` turns one validated :class:`Batch` into tensors: per-sample rows (``"cat"`` states) or
   partial sums (``"sum"`` states), as declared by ``states()``;
-* the reduce step merges those tensors across batches and processes (``merge_states`` here; the torchmetrics
-  adapter does the same through ``add_state(dist_reduce_fx=...)``);
+* the reduce step merges those tensors across batches, streams and processes: :func:`merge_states`, the one
+  reduce every entry point uses (the runner's session per batch, per rank and across ranks; the torchmetrics
+  adapter over its synced ``add_state`` lists);
 * ``finalize(state)`` turns the merged state into a :class:`MetricResult`.
 
 The contract itself adds three ``"cat"`` states to every metric: the global sample index (so repeated samples
@@ -21,7 +22,7 @@ import hashlib
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -422,30 +423,18 @@ class Metric(abc.ABC):
         restart: bool = False,
         progress: bool = False,
     ) -> MetricResult:
-        """Score a whole corpus in this process through :func:`capeval_plugins.runner.score`: validate
-        everything first (errors name ``ids[i]``, else the position), batch (candidates of one image together),
-        map, merge, finalize; checkpoint in ``run_dir``. It does not shard over torch.distributed ranks (a call
-        made on one rank only must not wait for the others): ``runner.score(..., shard=True)`` does.
+        """Score a whole corpus in this process: :func:`capeval_plugins.score`, i.e. the runner's session
+        (validate everything first, errors naming ``ids[i]``, else the position; check the corpus fits; batch,
+        candidates of one image together; map, merge, finalize; checkpoint in ``run_dir``). It does not shard
+        over torch.distributed ranks (a call made on one rank only must not wait for the others):
+        ``runner.score(..., shard=True)`` does.
 
-        The contract does not import the runner (it stands on the contract): the runner installs itself as
-        the corpus scorer (:func:`set_corpus_scorer`) when it is imported, which the registry, and so
-        ``capeval_plugins.load`` and every registered metric's module, does."""
-        if _corpus_scorer is None:
-            raise RuntimeError(f"{type(self).__name__}: scoring a corpus needs capeval_plugins.runner, which is not "
-                               "imported yet: import capeval_plugins.runner (capeval_plugins.load does)")
-        return _corpus_scorer(self, images, candidates, references, group_ids=group_ids, ids=ids,
-                              on_error=on_error, run_dir=run_dir, restart=restart, progress=progress)
+        The contract does not import the runner (the runner stands on the contract): the call is wired at the
+        top, in the package's own ``score``, which imports the runner when it is first used."""
+        import capeval_plugins
 
-
-CorpusScorer = Callable[..., MetricResult]
-_corpus_scorer: CorpusScorer | None = None
-
-
-def set_corpus_scorer(scorer: CorpusScorer) -> None:
-    """How :meth:`Metric.__call__` scores a corpus: ``scorer(metric, images, candidates, references, **options)``
-    (the runner's :func:`~capeval_plugins.runner.score`, installed by the runner itself)."""
-    global _corpus_scorer
-    _corpus_scorer = scorer
+        return capeval_plugins.score(self, images, candidates, references, group_ids=group_ids, ids=ids,
+                                     on_error=on_error, run_dir=run_dir, restart=restart, progress=progress)
 
 
 def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name: str) -> MetricConfig:
@@ -539,17 +528,23 @@ def text_digests(batch: Batch, images: Sequence[bytes] | None = None) -> Tensor:
 
 
 def merge_states(spec: Mapping[str, StateSpec], parts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """The reduce step: concatenate ``"cat"`` rows, add ``"sum"`` statistics.
+    """The reduce step, the only one: concatenate ``"cat"`` rows in the order of ``parts``, add ``"sum"``
+    statistics in that order. Batches of a stream, the pieces of one batch, a rank's batches and its running
+    sums, the ranks of a run: every merge is this function, so they all give the same bits.
 
-    ``parts`` is consumed once (it may be a generator): ``"sum"`` states are added as they arrive, so a corpus
-    statistic costs one accumulator however many batches there are, not one copy per batch."""
+    A part may hold some of the states only (a batch's rows without the running sums, the sums alone); a state
+    no part holds is empty. ``parts`` is consumed once (it may be a generator): ``"sum"`` states are added as
+    they arrive, so a corpus statistic costs one accumulator however many parts there are."""
     rows: dict[str, list[Tensor]] = {k: [] for k, want in spec.items() if want.reduce == "cat"}
     sums: dict[str, Tensor] = {}
     for part in parts:
-        for key in rows:
-            rows[key].append(part[key])
-        for key in spec.keys() - rows.keys():
-            sums[key] = part[key].clone() if key not in sums else sums[key].add_(part[key])
+        for key, value in part.items():
+            if key in rows:
+                rows[key].append(value)
+            elif key in spec:
+                sums[key] = value.clone() if key not in sums else sums[key].add_(value)
+            else:
+                raise KeyError(f"state {key!r} is not declared (declared: {sorted(spec)})")
     merged: dict[str, Tensor] = {}
     for key, want in spec.items():
         value = want.cat(rows[key]) if key in rows else sums.get(key)

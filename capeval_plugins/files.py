@@ -674,6 +674,34 @@ def _free(fd: int) -> bool:
     return True
 
 
+class CacheFolder:
+    """A cache the package keeps in a folder of its own, as byte entries in subfolders (what the core's caches,
+    e.g. :class:`capeval_plugins.core.generation.CachedGenerator`, are given instead of touching files): an
+    entry is read by descriptor with no link followed, and written as a new file renamed over the old one, so
+    concurrent processes can share the folder."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"CacheFolder({str(self.root)!r})"
+
+    def read(self, sub: str, name: str) -> bytes | None:
+        """The entry, or None when there is none (or it is not a regular file the package wrote)."""
+        if not (self.root / sub / name).is_file():
+            return None
+        try:
+            with Folder.open(self.root / sub)[0] as folder:
+                return folder.read(name)
+        except (OSError, FileError):
+            return None
+
+    def write(self, sub: str, name: str, data: Data) -> None:
+        root, _ = Folder.open(self.root, create=True, mine=True)
+        with root, root.sub(sub, create=True) as folder:
+            folder.write(name, data)
+
+
 def private_folder(prefix: str) -> Path:
     """A new folder in the system's temporary folder that only this user can enter (mode 0700, a name no one
     could know before: nothing can be planted in it). Fill it through :class:`Folder`; end it with

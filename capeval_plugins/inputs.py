@@ -273,16 +273,6 @@ def text_problem(text: str, what: str) -> str | None:
     return None
 
 
-def check_captions(candidates: Any) -> list[str]:
-    """Candidate captions as a list of strings; raises at the first bad one."""
-    cands = _caption_list(candidates)
-    for i, caption in enumerate(cands):
-        message = caption_problem(caption)
-        if message:
-            raise InputError(f"sample {i}: {message}")
-    return cands
-
-
 def check_indices(indices: Sequence[int] | None, n: int) -> list[int]:
     if indices is None:
         return list(range(n))
@@ -352,15 +342,6 @@ def _stable_id(key: Any, salt: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
-def check_references(info: MetricInfo, references: Sequence[Any] | None, n: int) -> list[list[str]] | None:
-    """References as a list of lists of strings; raises at the first bad sample."""
-    problems = ProblemReport()
-    refs = _reference_lists(info, references, list(range(n)), problems, None)
-    if problems:
-        raise problems.error()
-    return refs
-
-
 def _reference_lists(info: MetricInfo, references: Sequence[Any] | None, ids: list[int], problems: ProblemReport,
                      required: bool | None, checked: dict | None = None,
                      indices: Any = None) -> list[list[str]] | None:
@@ -418,17 +399,6 @@ def reference_problem(refs: Any) -> str | None:
         if problem:
             return problem
     return None
-
-
-def check_images(
-    info: MetricInfo, images: Sequence[Any] | None, n: int, reader: ImageReader | None = None
-) -> list[ImageSource] | None:
-    """Image sources of ``n`` samples; raises at the first bad one."""
-    problems = ProblemReport()
-    sources = _image_sources(info, images, list(range(n)), reader, problems, {})
-    if problems:
-        raise problems.error()
-    return sources
 
 
 def _image_sources(info: MetricInfo, images: Sequence[Any] | None, ids: list[int], reader: ImageReader | None,

@@ -20,7 +20,6 @@ from typing import Any
 
 import pluggy
 
-import capeval_plugins.runner  # noqa: F401  (installs the runner as the corpus scorer: metrics are callable)
 from capeval_plugins.contract import Metric, MetricInfo
 from capeval_plugins.core.messages import UnknownName
 

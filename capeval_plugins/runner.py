@@ -1,21 +1,31 @@
-"""The one place a corpus becomes a :class:`~capeval_plugins.contract.MetricResult`.
+"""The one place a corpus becomes a :class:`~capeval_plugins.contract.MetricResult`: a :class:`Session`.
 
-``capeval score``, ``capeval bench``, ``Metric.__call__`` and the adapters all score through here:
+Every entry point scores through a session: :func:`run` (``capeval score``, ``capeval bench``, the evaluate,
+pycocoevalcap, lm-eval and lmms-eval adapters, and ``Metric.__call__`` through :func:`score`), the torchmetrics
+adapter's ``update`` / ``forward`` / ``compute`` and MID's reference fit. So the checks, and their errors, are
+the same everywhere:
 
-1. **validate** everything before any model is loaded: what every metric needs from the machine (its models,
-   Java, extras: :mod:`capeval_plugins.preflight`), every caption, image (file header, array layout),
-   reference list and list length, for every metric of the run. Problems are reported together, each naming
-   the sample's own index (the ``ids`` given, a caption file's row, else the position in the user's
-   lists), never a position inside a batch or a shard. ``on_error="skip"`` scores the rest instead and
-   records the skipped samples, with their reason, in the result;
-2. **shard** the samples over torch.distributed ranks (contiguous slices, an image's captions together),
-   **batch** them (each metric at its own batch size, images decoded once for all metrics of a pass),
-   **map**, **merge** (``"cat"`` rows concatenated, ``"sum"`` statistics added; corpus metrics stay exact) and
-   **finalize**;
-3. **checkpoint** after every batch into a run folder, so that the same call resumes where an interrupted
-   one stopped and ends with the same result, bit for bit, as an uninterrupted run (see
-   :mod:`capeval_plugins.checkpoint`). :func:`stop_on_signals` turns SIGINT/SIGTERM into a stop after the
-   current batch.
+1. **open**: what every metric needs from the machine (its models, Java, extras:
+   :mod:`capeval_plugins.preflight`) and the local files its options name, before any work;
+2. **validate** every caption, image (file header, array layout), reference list and list length, for every
+   metric, before any model is loaded. Problems are reported together, each naming the sample's own index
+   (the ``ids`` given, a caption file's row, else the position in the user's lists), never a position
+   inside a batch or a shard. ``on_error="skip"`` scores the rest instead and records the skipped samples,
+   with their reason, in the result; then every metric's ``check_corpus`` on the samples it will score
+   (MID's Gaussian needs more pairs than dimensions): one :class:`InputError` before any model loads (a
+   stream, which learns its corpus batch by batch, checks it at ``compute()``, before the result);
+3. **feed** batches: images decoded once for all metrics of a pass, a batch too large to hold decoded mapped
+   in pieces, a failing batch bisected to its failing samples;
+4. **merge** (:func:`~capeval_plugins.contract.merge_states`, the one reduce: ``"cat"`` rows concatenated,
+   ``"sum"`` statistics added; per batch, per rank, across ranks) and **finalize** (rows in index order,
+   repeats checked, skipped samples back in place).
+
+:func:`run` adds the corpus loop around a session: it **shards** the samples over torch.distributed ranks
+(contiguous slices, an image's captions together), **batches** them (each metric at its own batch size; the
+order of the batches of all metrics is :func:`schedule`), and **checkpoints** after every batch into a run
+folder, so that the same call resumes where an interrupted one stopped and ends with the same result, bit for
+bit, as an uninterrupted run (see :mod:`capeval_plugins.checkpoint`). :func:`stop_on_signals` turns
+SIGINT/SIGTERM into a stop after the current batch.
 """
 from __future__ import annotations
 
@@ -37,8 +47,8 @@ from torch import Tensor
 
 from capeval_plugins import prefetch, preflight
 from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch_digest
-from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, StateSpec, finalize_state,
-                                      full_spec, map_batch, merge_states, set_corpus_scorer)
+from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, PackedTexts, StateSpec,
+                                      content_digest, finalize_state, full_spec, map_batch, merge_states)
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.files import FileError
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
@@ -123,26 +133,18 @@ class _Task:
     name: str
     metric: Metric
     samples: Samples  # this rank's share, in scoring order
+    parts: list[Samples]  # its batches, in order (Session.batches)
     skipped: dict[int, str]  # left out by validation, over the whole corpus
-    on_error: str
     progress: Progress = field(default_factory=Progress)
     spec: dict[str, StateSpec] = field(default_factory=dict)
 
     @property
-    def batch_size(self) -> int:
-        return self.metric.config.batch_size
-
-    @property
     def n_batches(self) -> int:
-        return -(-len(self.samples) // self.batch_size)
-
-    def batch(self, k: int) -> Samples:
-        return self.samples.subset(range(k * self.batch_size, min((k + 1) * self.batch_size, len(self.samples))))
+        return len(self.parts)
 
     def plan(self) -> list[str]:
         """The digest of every planned batch (its samples in order), checked against each saved record."""
-        return [batch_digest(self.samples.indices[k * self.batch_size : (k + 1) * self.batch_size])
-                for k in range(self.n_batches)]
+        return [batch_digest(part.indices) for part in self.parts]
 
     def fraction_done(self) -> float:
         return 1.0 if not self.n_batches else self.progress.batches / self.n_batches
@@ -178,37 +180,53 @@ def _check(metric: Metric, corpus: Corpus, checked: dict | None,
                             checked=checked)
 
 
-def _validate_all(metrics: Mapping[str, Metric], corpus: Corpus,
-                  on_error: str | None) -> dict[str, tuple[Samples, dict[int, str]]]:
-    """Every metric's valid samples; the problems of every metric that raises, reported together."""
-    checked: dict = {}
-    report, out = ProblemReport(), {}
-    for name, metric in metrics.items():
-        samples, problems = _check(metric, corpus, checked, shared=len(metrics) > 1)
-        if problems and policy(metric, on_error) == "raise":
-            report.merge(problems)
-        out[name] = (samples, problems.reasons())
-    if report:
-        raise report.error(corpus.describe)
-    return out
+def corpus_size(samples: Samples) -> CorpusSize:
+    """What :meth:`~capeval_plugins.contract.Metric.check_corpus` sees of the samples a metric will score."""
+    refs = samples.references
+    counts = tuple(len(r) for r in refs) if refs is not None else (0,) * len(samples)
+    images = len({s.key for s in samples.images}) if samples.images is not None else None
+    texts = len({r for group in refs for r in group}) if refs is not None else None
+    return CorpusSize(counts, images, texts)
 
 
-def check_fits(valid: Mapping[str, tuple[Samples, dict[int, str]]], metrics: Mapping[str, Metric]) -> None:
-    """Every metric's :meth:`~capeval_plugins.contract.Metric.check_corpus` on the samples it will score
-    (the whole corpus, before sharding: corpus statistics merge over ranks); the problems, one line each,
-    raise one :class:`InputError` before any model loads."""
-    problems = []
-    for name, metric in metrics.items():
-        samples = valid[name][0]
-        refs = samples.references
-        counts = tuple(len(r) for r in refs) if refs is not None else (0,) * len(samples)
-        images = len({s.key for s in samples.images}) if samples.images is not None else None
-        texts = len({r for group in refs for r in group}) if refs is not None else None
-        problem = metric.check_corpus(CorpusSize(counts, images, texts))
-        if problem is not None:
-            problems.append(problem.message(name))
-    if problems:
-        raise InputError("; ".join(problems))
+# What a stream (the torchmetrics adapter) keeps to check a corpus it learns batch by batch: per sample its id
+# (to drop a padding sampler's repeats), its number of references, a digest of its image and of each reference
+# text (zero-padded: digests are odd, never 0). Kept only for metrics that check their corpus.
+SIZE_SPEC = {"_size_index": StateSpec("cat", torch.int64), "_size_references": StateSpec("cat", torch.int64),
+             "_size_image": StateSpec("cat", torch.int64), "_size_texts": StateSpec("cat", torch.int64, (-1,))}
+
+
+def checks_corpus(metric: Metric) -> bool:
+    return type(metric).check_corpus is not Metric.check_corpus
+
+
+def size_rows(samples: Samples) -> dict[str, Tensor]:
+    """The :data:`SIZE_SPEC` rows of ``samples``. An image is known by its key, as :func:`corpus_size` counts
+    it (a file by its path, an in-memory image by its object)."""
+    n, refs = len(samples), samples.references
+    odd = lambda *parts: content_digest(*parts) | 1  # noqa: E731
+    images = [odd(repr(s.key)) for s in samples.images] if samples.images is not None else [0] * n
+    texts = [[odd(r) for r in group] for group in refs] if refs is not None else [[] for _ in range(n)]
+    width = max((len(t) for t in texts), default=0)
+    return {"_size_index": torch.tensor(samples.indices, dtype=torch.int64),
+            "_size_references": torch.tensor([len(t) for t in texts], dtype=torch.int64),
+            "_size_image": torch.tensor(images, dtype=torch.int64),
+            "_size_texts": torch.tensor([t + [0] * (width - len(t)) for t in texts], dtype=torch.int64).reshape(n, width)}
+
+
+def size_of_rows(state: Mapping[str, Tensor]) -> CorpusSize:
+    """The :class:`CorpusSize` of merged :data:`SIZE_SPEC` rows, each sample id counted once."""
+    index = state["_size_index"].reshape(-1).cpu()
+    order = torch.argsort(index, stable=True)
+    keep = torch.ones(len(order), dtype=torch.bool)
+    keep[1:] = index[order][1:] != index[order][:-1]
+    rows = order[keep]
+    counts = state["_size_references"].cpu()[rows]
+    images = state["_size_image"].cpu()[rows]
+    texts = state["_size_texts"].cpu()[rows]
+    has_refs = bool(counts.any())
+    return CorpusSize(tuple(counts.tolist()), len(torch.unique(images)) if bool(images.any()) else None,
+                      len(torch.unique(texts[texts != 0])) if has_refs else None)
 
 
 def check_paths(metric: Metric) -> None:
@@ -329,16 +347,8 @@ def build_batch(part: Samples, cache: ImageCache, on_error: str,
     return (to_batch(part, lambda source: loaded[source.key]) if len(part) else None), skipped
 
 
-def iter_parts(metric: Metric, samples: Samples) -> Iterator[Samples]:
-    """``samples`` in batches of the metric's size (an image's captions together), not yet decoded."""
-    ordered = samples.subset(group_by_image(samples))
-    size = metric.config.batch_size
-    for start in range(0, len(ordered), size):
-        yield ordered.subset(range(start, min(start + size, len(ordered))))
-
-
 # Failures that say nothing about a sample: not isolated by re-scoring smaller batches.
-NOT_A_SAMPLE_FAULT = (MemoryError, torch.OutOfMemoryError)
+NOT_A_SAMPLE_FAULT = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))  # torch < 2.5
 
 
 def map_part(metric: Metric, part: Samples, cache: ImageCache, on_error: str,
@@ -404,44 +414,60 @@ def _isolate(metric: Metric, part: Samples, cache: ImageCache, on_error: str, de
     return outs, skipped
 
 
-def map_with_context(metric: Metric, batch: Batch) -> dict[str, Tensor]:
-    """``map_batch``, with the samples of the batch named in any error."""
+# The package's own metrics: their row order is checked by the test suite (tests/test_resume_every_metric.py runs
+# check_row_order on each), not at run time, where the probe's extra calls would break "each input encoded once".
+OWN_METRICS = "capeval_plugins.metrics."
+
+
+class RowOrderError(RuntimeError):
+    """A metric's ``map`` returned its rows in another order than its batch's samples: every score would be
+    filed under another sample."""
+
+
+def check_row_order(metric: Metric, part: Samples, cache: ImageCache, strict: bool = False) -> None:
+    """Map up to three samples of ``part`` (first, middle, last) and the same samples rotated by one: each
+    ``"cat"`` state of the metric must come back rotated the same way (texts byte for byte, numbers to float32
+    precision: padding may differ in the last bits), or the metric files scores under the wrong samples,
+    which no shape check can see (a reversal, a sort). The same samples in both calls, so a row that depends
+    on its batch's other samples (a group) sees the same ones. Run once per metric of a session: two small
+    extra ``map`` calls; samples that fail to map are left to the batch. A session runs it on the first batch of
+    every metric but the package's own (see :data:`OWN_METRICS`)."""
+    picked = sorted({0, len(part) // 2, len(part) - 1})
+    order = list(range(len(picked)))
+    rotated = order[1:] + order[:1]
     try:
-        return map_batch(metric, batch)
-    except Exception as err:
-        first, last = int(batch.indices.min()), int(batch.indices.max())
-        if hasattr(err, "add_note"):
-            err.add_note(f"(while {metric.info.name} scored the batch of samples {first}..{last})")
-        raise
+        batches = [build_batch(part.subset([picked[i] for i in o]), cache, "skip")[0] for o in (order, rotated)]
+        if any(b is None or len(b) != len(order) for b in batches):
+            return
+        straight, turned = (map_batch(metric, b) for b in batches)
+    except Exception:  # noqa: BLE001  (the batch itself reports it, per the policy)
+        if strict:  # a test of the metric: nothing left unchecked
+            raise
+        return
+    back = torch.tensor([rotated.index(i) for i in order])  # row of sample i in the rotated call
+    for key, want in metric.states().items():
+        if want.reduce != "cat":
+            continue
+        a, b = straight[key], turned[key]
+        if want.text or isinstance(a, PackedTexts):
+            rows = _text_rows(b)
+            same = _text_rows(a) == [rows[j] for j in back.tolist()]
+        else:
+            a, b = a.detach().cpu().double(), b.detach().cpu().double()[back]
+            same = a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True))
+        if not same:
+            raise RowOrderError(
+                f"{metric.info.name}.map returned the rows of state {key!r} in another order than its batch's "
+                "samples (the same samples mapped in another order did not move with them): rows must follow "
+                "batch.candidates")
+
+
+def _text_rows(value: Any) -> list[bytes]:
+    return value.rows() if isinstance(value, PackedTexts) else PackedTexts.join([value]).rows()
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Merging and finalizing
-
-
-def local_state(spec: Mapping[str, StateSpec], progress: Progress) -> dict[str, Tensor]:
-    """One rank's merged state: rows concatenated in batch order, sums as accumulated."""
-    state = {}
-    for key, want in spec.items():
-        if want.reduce == "cat":
-            state[key] = want.cat([rows[key] for rows in progress.rows])
-        else:
-            state[key] = progress.sums[key] if progress.sums is not None else want.empty()
-    return state
-
-
-def merge_ranks(spec: Mapping[str, StateSpec], states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Rank states merged in rank order (deterministic: the same ranks give the same bits)."""
-    merged = {}
-    for key, want in spec.items():
-        if want.reduce == "cat":
-            merged[key] = want.cat([s[key] for s in states])
-        else:
-            total = states[0][key].clone()
-            for s in states[1:]:
-                total.add_(s[key])
-            merged[key] = total
-    return merged
 
 
 def finalize(metric: Metric, state: Mapping[str, Tensor], skipped: Mapping[int, str] | None = None,
@@ -451,6 +477,154 @@ def finalize(metric: Metric, state: Mapping[str, Tensor], skipped: Mapping[int, 
     the runner shards without repeats: 0); more, or an id repeated with other content, is an error naming
     the ids (see :func:`~capeval_plugins.contract.canonical_state`)."""
     return finalize_state(metric, state, allowed_repeats).with_skipped(dict(skipped or {}))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The session
+
+
+class Session:
+    """One streaming pass of some metrics over samples that arrive in batches: the only corpus loop.
+
+    ``Session(metrics)`` opens it: every metric's local paths and machine requirements are checked before any
+    work. Then :meth:`validate` a corpus (or one batch of a stream) and :meth:`check_fits` the samples each
+    metric will score, :meth:`feed` it batch by batch, :meth:`merge` what the batches (and the ranks) gave and
+    :meth:`finalize`. :func:`run` drives one over a whole corpus with shards and checkpoints; the torchmetrics
+    adapter over the batches of ``update()``; MID's ``fit_reference`` through :meth:`fold`. Images decoded for
+    one metric are kept for the others of the session (:func:`image_cache`)."""
+
+    def __init__(self, metrics: Mapping[str, Metric], *, on_error: str | None = None,
+                 describe: Describe | None = None) -> None:
+        if not metrics:
+            raise ValueError("no metric to run")
+        self.metrics = dict(metrics)
+        self.on_error = on_error
+        self.describe = describe
+        for metric in self.metrics.values():
+            policy(metric, on_error)
+            check_paths(metric)
+        preflight.check(self.metrics)  # models, Java, extras: before any work
+        self.cache = image_cache(list(self.metrics.values()))
+        self._specs: dict[str, dict[str, StateSpec]] = {}
+        self._order_checked: set[str] = set()
+
+    def policy(self, name: str) -> str:
+        return policy(self.metrics[name], self.on_error)
+
+    def validate(self, corpus: Corpus) -> dict[str, tuple[Samples, dict[int, str]]]:
+        """Every metric's valid samples and the ones it skips (``{index: reason}``); the problems of every
+        metric whose policy is ``"raise"``, reported together in one :class:`InputError`."""
+        checked: dict = {}
+        report, out = ProblemReport(), {}
+        for name, metric in self.metrics.items():
+            samples, problems = _check(metric, corpus, checked, shared=len(self.metrics) > 1)
+            if problems and self.policy(name) == "raise":
+                report.merge(problems)
+            out[name] = (samples, problems.reasons())
+        if report:
+            raise report.error(corpus.describe or self.describe)
+        return out
+
+    def check_fits(self, sizes: Mapping[str, CorpusSize]) -> None:
+        """Every metric's :meth:`~capeval_plugins.contract.Metric.check_corpus` on the samples it will score
+        (the whole corpus: corpus statistics merge over ranks); the problems, one line each, raise one
+        :class:`InputError`."""
+        problems = []
+        for name, size in sizes.items():
+            problem = self.metrics[name].check_corpus(size)
+            if problem is not None:
+                problems.append(problem.message(name))
+        if problems:
+            raise InputError("; ".join(problems))
+
+    def spec(self, name: str) -> dict[str, StateSpec]:
+        """The metric's states with the contract's own (building them may load its model: only after the
+        checks)."""
+        if name not in self._specs:
+            self._specs[name] = full_spec(self.metrics[name])
+        return self._specs[name]
+
+    def batches(self, name: str, samples: Samples) -> list[Samples]:
+        """``samples`` in the metric's batches, an image's captions together (not yet decoded)."""
+        ordered = samples.subset(group_by_image(samples))
+        size = self.metrics[name].config.batch_size
+        return [ordered.subset(range(start, min(start + size, len(ordered)))) for start in range(0, len(ordered), size)]
+
+    def prefetch(self, name: str, part: Samples) -> prefetch.Prefetched | None:
+        """What the prefetch thread prepares for a batch of ``name`` (see :mod:`capeval_plugins.prefetch`): its
+        images decoded (those the cache does not hold), and the metric's own ``preprocess_images`` on them where
+        it has one."""
+        metric = self.metrics[name]
+        if part.images is None or metric.image_reader() is not None:
+            return None
+        hooks = [metric.preprocess_images] if hasattr(metric, "preprocess_images") else []
+        return prefetch.prepare(part.images, hooks, known=lambda key: key in self.cache.items)
+
+    def feed(self, name: str, part: Samples, ready: prefetch.Prefetched | None = None,
+             ) -> tuple[dict[str, Tensor] | None, dict[int, str]]:
+        """Map one batch: its state (rows, and the batch's own sums; None when no sample was scored) and the
+        samples left out while scoring it, with their reasons (see :func:`map_part`). ``ready``: its images as
+        :meth:`prefetch` prepared them."""
+        cache = self.cache if ready is None else prefetch.CacheView(self.cache, ready)
+        if name not in self._order_checked and len(part) > 1:
+            self._order_checked.add(name)
+            if not type(self.metrics[name]).__module__.startswith(OWN_METRICS):  # ours: checked by the suite
+                check_row_order(self.metrics[name], part, self.cache)
+        outs, skipped = map_part(self.metrics[name], part, cache, self.policy(name), self.describe)
+        if len(outs) > 1:  # mapped in pieces (images too large together, or a failure bisected)
+            return merge_states(self.spec(name), outs), skipped
+        return (outs[0] if outs else None), skipped
+
+    def merge(self, name: str, parts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+        """:func:`~capeval_plugins.contract.merge_states` of batch, stream or rank parts, in their order."""
+        return merge_states(self.spec(name), parts)
+
+    def finalize(self, name: str, state: Mapping[str, Tensor], skipped: Mapping[int, str] | None = None,
+                 allowed_repeats: int | None = 0) -> MetricResult:
+        return finalize(self.metrics[name], state, skipped, allowed_repeats)
+
+    def fold(self, corpus: Corpus, progress: bool = False, desc: str | None = None) -> dict[str, dict[str, Tensor]]:
+        """Every metric's merged state over ``corpus`` in this process, not finalized (e.g. a fit to save):
+        validated, checked, fed batch by batch, merged."""
+        valid = self.validate(corpus)
+        self.check_fits({name: corpus_size(samples) for name, (samples, _) in valid.items()})
+        return {name: self.merge(name, self._stream(name, samples, progress, desc)) for name, (samples, _) in valid.items()}
+
+    def _stream(self, name: str, samples: Samples, progress: bool, desc: str | None) -> Iterator[dict[str, Tensor]]:
+        """The state of every batch of ``samples``, one at a time (the merge adds sums as they come)."""
+        bar = _bar(len(samples), desc or name) if progress else None
+        try:
+            for part in self.batches(name, samples):
+                state, _ = self.feed(name, part)
+                if bar is not None:
+                    bar.update(len(part))
+                if state is not None:
+                    yield state
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def release(self) -> None:
+        for metric in self.metrics.values():
+            metric.release_corpus()
+
+
+def _bar(total: int, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="sample", dynamic_ncols=True)
+
+
+def schedule(batches: Mapping[str, int], done: Mapping[str, int] | None = None) -> list[tuple[str, int]]:
+    """The order :func:`run` scores the batches of a pass in: ``(metric, batch)`` pairs, every metric's
+    batches interleaved by the fraction of its work each one completes (ties in the metrics' order), so the
+    metrics of a pass advance together. ``batches``: each metric's number of batches (on this rank);
+    ``done``: how many each has finished already (a resumed run)."""
+    done = done or {}
+    names = list(batches)
+    events = sorted(((k + 1) / batches[name], i, k) for i, name in enumerate(names)
+                    for k in range(done.get(name, 0), batches[name]))
+    return [(names[i], k) for _, i, k in events]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -493,7 +667,8 @@ def fingerprint(metrics: Mapping[str, Metric], corpus: Corpus, world_size: int, 
     return {"metrics": described, "inputs": corpus.digest(contents), "world_size": world_size}
 
 
-def _gather(obj: Any, size: int, dst: int | None) -> list[Any] | None:
+def gather(obj: Any, size: int, dst: int | None) -> list[Any] | None:
+    """``obj`` of every rank, in rank order, on every rank (``dst`` None) or on rank ``dst`` only (None elsewhere)."""
     if size == 1:
         return [obj]
     import torch.distributed as dist
@@ -519,7 +694,7 @@ def _open_store(run_dir: str | os.PathLike, fp: dict, restart: bool, rank: int, 
             verdict = (store.run_id, store.key)
         except (InputError, FileError) as err:
             error, verdict = err, (str(err), getattr(err, "cli_message", str(err)))
-    verdict = _gather(verdict, size, None)[0]
+    verdict = gather(verdict, size, None)[0]
     if error is not None:
         raise error
     if isinstance(verdict[1], str):
@@ -550,7 +725,7 @@ def _load_progress(tasks: list[_Task], store: RunStore, size: int) -> None:
             task.progress = store.load(task.name, any(s.reduce == "sum" for s in task.spec.values()), task.plan())
     except (RunFolderError, FileError) as err:
         error, mine = err, (str(err), getattr(err, "cli_message", str(err)))
-    errors = [e for e in _gather(mine, size, None) if e is not None]
+    errors = [e for e in gather(mine, size, None) if e is not None]
     if error is not None:
         raise error
     if errors:
@@ -569,25 +744,23 @@ def run(
     gather_to: int | None = None,
     stop: Callable[[], bool] | None = None,
 ) -> RunOutcome:
-    """Score ``corpus`` with every metric in one pass.
+    """Score ``corpus`` with every metric in one pass (one :class:`Session`).
 
     ``on_error`` overrides each metric's own policy. ``run_dir``: checkpoint there after every batch and
     resume from it (a folder of another run is refused; ``restart`` clears it). ``shard``: split the work over
     torch.distributed ranks when it is initialised. ``gather_to``: the rank that finalizes (None: every
     rank). ``stop``: polled after every batch; when it says so, raise :class:`Interrupted`."""
-    if not metrics:
-        raise ValueError("no metric to run")
-    for metric in metrics.values():
-        check_paths(metric)
-    preflight.check(metrics)  # models, Java, extras: before any work
-    valid = _validate_all(metrics, corpus, on_error)
-    check_fits(valid, metrics)
+    session = Session(metrics, on_error=on_error, describe=corpus.describe)
+    valid = session.validate(corpus)
+    session.check_fits({name: corpus_size(samples) for name, (samples, _) in valid.items()})
     rank, size = world(shard)
     store = _open_store(run_dir, fingerprint(metrics, corpus, size, on_error), restart, rank, size) if run_dir else None
-    tasks = [_Task(name, metric, _shard(valid[name][0], rank, size), valid[name][1], policy(metric, on_error))
-             for name, metric in metrics.items()]
+    tasks = []
+    for name, metric in metrics.items():
+        mine = _shard(valid[name][0], rank, size)
+        tasks.append(_Task(name, metric, mine, session.batches(name, mine), valid[name][1]))
     try:
-        return _run_tasks(tasks, corpus, store, run_dir, progress, rank, size, gather_to, stop)
+        return _run_tasks(session, tasks, corpus, store, run_dir, progress, rank, size, gather_to, stop)
     except (RunFolderError, FileError):  # a refusal changes nothing: the folder is left as it is
         raise
     except BaseException:
@@ -601,15 +774,16 @@ def run(
             store.close()
 
 
-def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_dir: Any, progress: bool, rank: int,
-               size: int, gather_to: int | None, stop: Callable[[], bool] | None) -> RunOutcome:
+def _run_tasks(session: Session, tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_dir: Any,
+               progress: bool, rank: int, size: int, gather_to: int | None,
+               stop: Callable[[], bool] | None) -> RunOutcome:
     for task in tasks:
-        task.spec = full_spec(task.metric)  # may load the model: only now, after validation
+        task.spec = session.spec(task.name)  # may load the model: only now, after validation
     if store is not None:
         _load_progress(tasks, store, size)
     resumed = sum(t.progress.batches for t in tasks)
-    cache = image_cache([t.metric for t in tasks])
-    events = sorted(((k + 1) / t.n_batches, i, k) for i, t in enumerate(tasks) for k in range(t.progress.batches, t.n_batches))
+    by_name = {t.name: t for t in tasks}
+    events = schedule({t.name: t.n_batches for t in tasks}, {t.name: t.progress.batches for t in tasks})
     bar = _ProgressBar(tasks, progress and rank == 0)
     interrupted, scored = False, 0
     if isinstance(stop, StopFlag):
@@ -619,10 +793,9 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
             _prepare_corpus(task)
         # PREFETCH HOOK (capeval_plugins/prefetch.py): the next batch's images decoded and preprocessed while
         # this one is scored
-        ahead = prefetch.Prefetcher(lambda event: _prefetch(tasks[event[1]], event[2], cache))
-        for n, ((_, i, k), ready) in enumerate(ahead.iterate(events), 1):
-            _score_batch(tasks[i], k, cache if ready is None else prefetch.CacheView(cache, ready), corpus.describe,
-                         store)
+        ahead = prefetch.Prefetcher(lambda event: session.prefetch(event[0], by_name[event[0]].parts[event[1]]))
+        for n, ((name, k), ready) in enumerate(ahead.iterate(events), 1):
+            _score_batch(session, by_name[name], k, store, ready)
             scored += 1
             bar.update(tasks)
             if stop is not None and n < len(events) and stop():
@@ -632,9 +805,8 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
         if isinstance(stop, StopFlag):
             stop.scoring = False
         bar.close()
-        for task in tasks:
-            task.metric.release_corpus()
-    counts = _gather((interrupted, scored, resumed), size, None)  # every rank learns whether any stopped
+        session.release()
+    counts = gather((interrupted, scored, resumed), size, None)  # every rank learns whether any stopped
     scored, resumed = sum(c[1] for c in counts), sum(c[2] for c in counts)
     if any(c[0] for c in counts):
         done, total = sum(t.progress.batches for t in tasks), sum(t.n_batches for t in tasks)
@@ -645,28 +817,19 @@ def _run_tasks(tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_d
     stage = _FinalizeBar(tasks, progress and rank == (gather_to or 0))
     for task in tasks:
         stage.start(task.name)
-        mine = (local_state(task.spec, task.progress), task.progress.skipped)
-        parts = _gather(mine, size, gather_to)
+        # this rank's batches (their rows, then the running sums), then the ranks in order: one reduce
+        mine = (session.merge(task.name, [*task.progress.rows, task.progress.sums or {}]), task.progress.skipped)
+        parts = gather(mine, size, gather_to)
         if parts is None:
             results[task.name] = None
             continue
         skipped = dict(task.skipped)
         for _, part_skipped in parts:
             skipped.update(part_skipped)
-        results[task.name] = finalize(task.metric, merge_ranks(task.spec, [p for p, _ in parts]), skipped)
+        results[task.name] = session.finalize(task.name, session.merge(task.name, [p for p, _ in parts]), skipped)
     stage.close()
     n = len(corpus.candidates) if corpus.candidates is not None else 0
     return RunOutcome(results, scored, resumed, n, store.run_id if store is not None else None)
-
-
-def _prefetch(task: _Task, k: int, cache: ImageCache) -> prefetch.Prefetched | None:
-    """What the prefetch thread prepares for batch ``k`` of ``task``: its images decoded (those the cache does
-    not hold), and the metric's own ``preprocess_images`` on them where it has one."""
-    part = task.batch(k)
-    if part.images is None or task.metric.image_reader() is not None:
-        return None
-    hooks = [task.metric.preprocess_images] if hasattr(task.metric, "preprocess_images") else []
-    return prefetch.prepare(part.images, hooks, known=lambda key: key in cache.items)
 
 
 def _prepare_corpus(task: _Task) -> None:
@@ -678,32 +841,28 @@ def _prepare_corpus(task: _Task) -> None:
         task.metric.prepare_corpus(to_batch(dataclasses.replace(task.samples, images=None)))
 
 
-def _score_batch(task: _Task, k: int, cache: ImageCache, describe: Describe | None, store: RunStore | None) -> None:
-    outs, skipped = map_part(task.metric, task.batch(k), cache, task.on_error, describe)
-    rows = {key: want.empty() for key, want in task.spec.items() if want.reduce == "cat"}
+def _score_batch(session: Session, task: _Task, k: int, store: RunStore | None,
+                 ready: prefetch.Prefetched | None = None) -> None:
+    """Feed batch ``k`` of a task (with its images ``ready`` when prefetched), add it to the task's progress
+    (rows kept per batch, sums running) and save it in the run folder."""
+    part = task.parts[k]
+    state, skipped = session.feed(task.name, part, ready)
+    cat = [key for key, want in task.spec.items() if want.reduce == "cat"]
     sum_keys = [key for key, want in task.spec.items() if want.reduce == "sum"]
-    if outs:
-        out = combine_parts(task.spec, outs)
-        rows = {key: out[key].cpu() for key in rows}
-        if sum_keys and task.progress.sums is None:  # the first batch's sums start the running total
-            task.progress.sums = {key: out[key].cpu().clone() for key in sum_keys}
-        elif sum_keys:
-            for key in sum_keys:
-                task.progress.sums[key].add_(out[key].cpu())
-    elif sum_keys and task.progress.sums is None:  # an empty first batch (all skipped)
-        task.progress.sums = {key: task.spec[key].empty() for key in sum_keys}
+    if state is None:  # every sample skipped
+        rows = {key: task.spec[key].empty() for key in cat}
+        sums = {}
+    else:
+        rows = {key: state[key].cpu() for key in cat}
+        sums = {key: state[key].cpu() for key in sum_keys}
+    if sum_keys:  # the running total: the sums so far, then this batch's (an empty first batch starts at zero)
+        task.progress.sums = merge_states({key: task.spec[key] for key in sum_keys},
+                                          [task.progress.sums or {}, sums])
     task.progress.rows.append(rows)
     task.progress.skipped.update(skipped)
     task.progress.batches = k + 1
     if store is not None:
-        store.save(task.name, k, rows, task.progress.sums, skipped, batch_digest(task.batch(k).indices))
-
-
-def combine_parts(spec: Mapping[str, StateSpec], outs: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """The states of the pieces one batch was scored in, as one batch's (rows in order, sums added)."""
-    if len(outs) == 1:
-        return dict(outs[0])
-    return merge_states(spec, outs)
+        store.save(task.name, k, rows, task.progress.sums, skipped, batch_digest(part.indices))
 
 
 class _ProgressBar:
@@ -777,9 +936,6 @@ def score(metric: Metric, images: Sequence[Any] | None = None, candidates: Seque
           references: Sequence[Any] | None = None, **kwargs: Any) -> MetricResult:
     """Score one corpus with one metric (see :func:`score_many` for the options)."""
     return score_many({metric.info.name: metric}, images, candidates, references, **kwargs)[metric.info.name]
-
-
-set_corpus_scorer(score)  # Metric.__call__ scores through here (the contract does not import the runner)
 
 
 def finish(run_dir: str | os.PathLike, shard: bool = False, run_id: str | None = None) -> None:

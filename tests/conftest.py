@@ -248,3 +248,12 @@ def private_cache_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("capeval-cache")
     os.environ["CAPEVAL_CACHE"] = str(folder)
     yield folder
+
+
+@pytest.fixture
+def no_order_probe(monkeypatch):
+    """Off: the session's row-order probe (runner.check_row_order maps a few samples of a metric's first batch
+    in two orders), for tests that count a metric's calls."""
+    from capeval_plugins import runner
+
+    monkeypatch.setattr(runner, "check_row_order", lambda *args: None)

@@ -106,7 +106,7 @@ def test_weighted_kendall_and_pearson_equal_scipy_on_repeated_rows(seed):
 # ---------------------------------------------------------------------------------- protocol layer
 
 @real
-def test_flickr8k_expert_protocol_equals_scipy_on_a_plain_loop_over_the_file():
+def test_flickr8k_expert_protocol_equals_scipy_on_a_plain_loop_over_the_file(no_order_probe):
     """One row per expert rating, all 16,992 of them; tau-b / tau-c / Pearson equal scipy's on those rows."""
     raw = json.loads(EXPERT.read_text())
     words, ratings = [], []
@@ -226,7 +226,7 @@ def test_a_local_model_folder_is_part_of_the_key(tmp_path):
     assert metric_key(CLIPScore(model=str(model)), True, False) != before
 
 
-def test_an_interrupted_run_resumes_without_recomputing(tmp_path):
+def test_an_interrupted_run_resumes_without_recomputing(tmp_path, no_order_probe):
     cache = tmp_path / "scores.sqlite"
     cands = [f"caption {k}" for k in range(700)]
     Lookup.table = {c: float(k % 17) for k, c in enumerate(cands)}

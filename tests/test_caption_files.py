@@ -89,13 +89,14 @@ def test_every_format_reads_the_same_records(tmp_path):
         assert got.references == expected.references, name
 
 
-def test_pyarrow_is_in_the_test_extra():
-    """CI installs the `test` extra: the Parquet cases must run there, not skip."""
+def test_pyarrow_is_in_what_the_suite_installs():
+    """CI installs the `all` and `test` extras: the Parquet cases must run there, not skip."""
     import tomllib
     from pathlib import Path
 
-    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
-    assert any(dep.startswith("pyarrow") for dep in project["optional-dependencies"]["test"])
+    extras = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("pyarrow") for dep in extras["parquet"])
+    assert any("parquet" in dep for dep in extras["all"])
 
 
 def summary_of(capsys, captions, *extra):

@@ -15,6 +15,7 @@ from PIL import Image
 import capeval_plugins
 from capeval_plugins.core import generation
 from capeval_plugins.core.generation import CachedGenerator, FolderGenerator, MissingImageError, TextToImage
+from capeval_plugins.files import CacheFolder
 from capeval_plugins.inputs import InputError
 
 
@@ -45,10 +46,10 @@ def read(path) -> Image.Image:
 
 def test_cache_returns_the_same_image_for_the_same_key_without_regenerating(tmp_path):
     inner = StandIn()
-    first = CachedGenerator(inner, tmp_path).generate(["a dog", "a cat", "a dog"], [0, 0, 0])
+    first = CachedGenerator(inner, CacheFolder(tmp_path)).generate(["a dog", "a cat", "a dog"], [0, 0, 0])
     assert inner.calls == [[("a dog", 0), ("a cat", 0)]]  # a repeated key is drawn once
     assert np.array_equal(pixels(first[0]), pixels(first[2]))
-    later_run = CachedGenerator(inner, tmp_path)  # a new run, the same folder
+    later_run = CachedGenerator(inner, CacheFolder(tmp_path))  # a new run, the same folder
     again = later_run.generate(["a cat", "a dog"], [0, 0])
     assert len(inner.calls) == 1 and (later_run.generated, later_run.reused) == (0, 2)
     assert np.array_equal(pixels(again[0]), pixels(first[1])) and np.array_equal(pixels(again[1]), pixels(first[0]))
@@ -56,11 +57,11 @@ def test_cache_returns_the_same_image_for_the_same_key_without_regenerating(tmp_
 
 def test_every_part_of_the_key_separates_cache_entries(tmp_path):
     inner = StandIn()
-    cached = CachedGenerator(inner, tmp_path)
+    cached = CachedGenerator(inner, CacheFolder(tmp_path))
     cached.generate(["a dog"], [0])
     cached.generate(["a dog"], [1])  # another seed
     cached.generate(["a dog."], [0])  # another caption
-    CachedGenerator(StandIn(steps=20), tmp_path).generate(["a dog"], [0])  # another generator setting
+    CachedGenerator(StandIn(steps=20), CacheFolder(tmp_path)).generate(["a dog"], [0])  # another generator setting
     assert len(inner.calls) == 3 and cached.generated == 3
     assert len(list(tmp_path.rglob("*.png"))) == 4
     stored = read(next(tmp_path.rglob("*.png")))
@@ -69,7 +70,7 @@ def test_every_part_of_the_key_separates_cache_entries(tmp_path):
 
 def test_a_truncated_cache_file_is_generated_again(tmp_path):
     inner = StandIn()
-    cached = CachedGenerator(inner, tmp_path)
+    cached = CachedGenerator(inner, CacheFolder(tmp_path))
     image = cached.generate(["a dog"], [0])[0]
     cached.path("a dog", 0).write_bytes(b"\x89PNG broken")
     again = cached.generate(["a dog"], [0])[0]
@@ -168,9 +169,9 @@ def test_tiny_sd3_is_seeded_and_independent_of_batching(tiny_sd3, tmp_path):
     # most a level or two after the uint8 quantisation; another seed moves pixels by tens of levels.
     assert pixel_gap(batch[0], alone) <= 2
     assert pixel_gap(batch[0], batch[2]) > 20  # another seed: another image
-    cached = CachedGenerator(sd3, tmp_path)
+    cached = CachedGenerator(sd3, CacheFolder(tmp_path))
     first = cached.generate(["a dog runs", "a cat sits"], [0, 0])
-    again = CachedGenerator(sd3, tmp_path).generate(["a dog runs"], [0])
+    again = CachedGenerator(sd3, CacheFolder(tmp_path)).generate(["a dog runs"], [0])
     assert pixel_gap(first[0], alone) <= 2
     assert np.array_equal(pixels(again[0]), pixels(first[0]))  # read back from the cache: exactly the file
 

@@ -742,6 +742,7 @@ def test_caches_never_read_or_write_through_planted_links(tmp_path):
 
     from capeval_plugins.bench.cache import ScoreCache
     from capeval_plugins.core.generation import CachedGenerator, TextToImage
+    from capeval_plugins.files import CacheFolder
     from capeval_plugins.training.features import cached_shards
 
     target = tmp_path / "target.bin"
@@ -758,7 +759,7 @@ def test_caches_never_read_or_write_through_planted_links(tmp_path):
         def generate(self, captions, seeds):
             return [Image.new("RGB", (4, 4), (len(c), 0, 0)) for c in captions]
 
-    cache = CachedGenerator(Solid(), tmp_path / "generated")
+    cache = CachedGenerator(Solid(), CacheFolder(tmp_path / "generated"))
     entry = cache.path("a caption", 0)
     entry.parent.mkdir(parents=True)
     entry.symlink_to(target)

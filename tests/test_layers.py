@@ -1,5 +1,7 @@
-"""Floors only look down: ``files`` <- ``core/`` <- ``contract`` / ``inputs`` <- ``runner`` <- adapters, CLI, bench. Every
-import of the package's own modules (at module level or inside a function) is read from the source."""
+"""Floors only look down: ``core/`` <- ``contract`` / ``inputs`` / ``files`` <- ``runner`` <- adapters, CLI, bench. The
+core is numerics on tensors: it reads and writes no file (the file layer stands above it and passes it data). The
+contract never imports the runner (the package's own ``score`` wires ``Metric.__call__`` to it). Every import of
+the package's own modules (at module level or inside a function) is read from the source."""
 from __future__ import annotations
 
 import ast
@@ -19,7 +21,8 @@ FORBIDDEN = {
                               "capeval_plugins.checkpoint", "capeval_plugins.caption_files",
                               "capeval_plugins.digests", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
     "capeval_plugins.core": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.runner",
-                             *ABOVE_THE_RUNNER),
+                             "capeval_plugins.files", "capeval_plugins.checkpoint", "capeval_plugins.digests",
+                             "capeval_plugins.preflight", "capeval_plugins.caption_files", *ABOVE_THE_RUNNER),
     "capeval_plugins.contract": ("capeval_plugins.inputs", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
     "capeval_plugins.inputs": ("capeval_plugins.runner", *ABOVE_THE_RUNNER),
     "capeval_plugins.preflight": ("capeval_plugins.runner", *ABOVE_THE_RUNNER),
@@ -28,6 +31,12 @@ FORBIDDEN = {
     "capeval_plugins.bench": ("capeval_plugins.cli",),
     "capeval_plugins.adapters": ("capeval_plugins.cli",),
 }
+
+
+# Known debt, named so that nothing else slips in: METEOR's paraphrase-index cache (core/meteor_table.py, with the
+# JVMs of core/java.py that use it) manages a cache folder and processes, not numerics; it belongs above the core,
+# beside the file layer (a move left for when the big modules are split, to keep parallel work mergeable).
+EXCEPTIONS = {("capeval_plugins.core.meteor_table", "capeval_plugins.files")}
 
 
 def module_name(path: Path) -> str:
@@ -62,7 +71,7 @@ def test_no_module_imports_a_floor_above_its_own(path):
     name = module_name(path)
     for floor, forbidden in FORBIDDEN.items():
         if within(name, floor):
-            bad = sorted(m for m in imported(path) if any(within(m, f) for f in forbidden))
+            bad = sorted(m for m in imported(path) if any(within(m, f) for f in forbidden) and (name, m) not in EXCEPTIONS)
             assert not bad, f"{name} imports {bad}: floors only look down"
 
 
@@ -75,3 +84,14 @@ def test_the_contract_scores_through_the_runner_without_importing_it():
             "import capeval_plugins.contract as c; print(c.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_the_check_sees_an_upward_import_anywhere_in_a_file(tmp_path, monkeypatch):
+    """A function-level import of the file layer in a core module is found (as the core once read saved fits)."""
+    module = tmp_path / "capeval_plugins" / "core" / "fit.py"
+    module.parent.mkdir(parents=True)
+    module.write_text("def load(path):\n    from capeval_plugins import files\n    return files.read_input(path)\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "capeval_plugins")
+    assert "capeval_plugins.files" in imported(module)
+    with pytest.raises(AssertionError, match=r"capeval_plugins.core.fit imports \['capeval_plugins.files'\]"):
+        test_no_module_imports_a_floor_above_its_own(module)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import flickr8k_rows, free_port, random_image
+from conftest import flickr8k_rows, random_image
 from scipy.stats import multivariate_normal
 from test_gaussian import numpy_trace_mid
 
@@ -213,47 +213,3 @@ def test_a_corpus_call_adds_sums_as_batches_arrive():
     assert merge_states(spec, iter(()))["s"].shape == (2, 2)
 
 
-
-SHARDS = {
-    "uneven": {0: [i for i in range(N) if i % 3], 1: [i for i in range(N) if not i % 3]},
-    "empty_rank": {0: list(range(N)), 1: []},
-}
-
-
-def _ddp_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
-    import torch.distributed as dist
-
-    from capeval_plugins.torchmetrics import MID
-
-    torch.set_num_threads(1)  # two workers on a small CI machine
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    images, candidates, references = corpus()
-    results = {}
-    for (name, shards), per_sample in ((item, flag) for item in SHARDS.items() for flag in (True, False)):
-        metric = MID(model=model, batch_size=4, per_sample=per_sample)  # built inside the worker
-        mine = shards[rank]
-        for start in range(0, len(mine), 3):
-            part = mine[start:start + 3]
-            metric.update([images[i] for i in part], [candidates[i] for i in part], [references[i] for i in part],
-                          ids=part)
-        result = metric.compute_all()
-        results[name, per_sample] = {"score": result.score, "scores": result.scores.tolist(),
-                                     "indices": result.indices.tolist()}
-    torch.save(results, f"{out}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_two_process_ddp_with_uneven_shards_equals_the_independent_computation(tiny_clip, expected,
-                                                                              expected_trace, tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_ddp_worker, args=(2, free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        results = torch.load(tmp_path / f"rank{rank}.pt")
-        assert len(results) == 2 * len(SHARDS)
-        for (name, per_sample), got in results.items():
-            assert got["indices"] == (list(range(N)) if per_sample else []), name
-            assert got["scores"] == pytest.approx(expected.tolist() if per_sample else [], **TOL), name
-            assert got["score"] == pytest.approx(expected_trace, **TOL), name

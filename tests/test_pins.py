@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import pins  # noqa: E402
 
 # environment -> the extras of capeval-plugins it is built with (see tools/pins.py)
-EXTRAS = {"main": ["test"], "lmms": ["test", "lmms"]}
+EXTRAS = {"main": ["all", "test"], "lmms": ["all", "test", "lmms"], "lowest": ["all", "test"]}
 # pinned away on purpose (tools/pins.py): PyPI's torchvision does not load beside the CPU torch
 LEFT_OUT = {"lmms": {"torchvision"}}
 
@@ -36,10 +36,19 @@ def pinned(name: str) -> dict[str, Version]:
 
 
 def wanted(extras: list[str]) -> list[Requirement]:
+    """The requirements of pyproject.toml with ``extras``, extras that name other extras expanded."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    lines = list(project["dependencies"])
-    for extra in extras:
-        lines += project["optional-dependencies"][extra]
+    lines, todo, done = list(project["dependencies"]), list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra not in done:
+            done.add(extra)
+            for line in project["optional-dependencies"][extra]:
+                req = Requirement(line)
+                if canonicalize_name(req.name) == canonicalize_name(pins.PROJECT):
+                    todo += sorted(req.extras)
+                else:
+                    lines.append(line)
     return [Requirement(line) for line in lines]
 
 
@@ -77,10 +86,37 @@ def test_known_broken_combination_is_excluded():
 
 def test_makefile_installs_exactly_the_pins():
     makefile = (ROOT / "Makefile").read_text()
-    for lock in ("$(LOCK)", "$(LMMS_LOCK)"):
+    for lock in ("$(LOCK)", "$(LMMS_LOCK)", "$(LOWEST_LOCK)"):
         assert f"pip install -q --no-deps -r {lock}" in makefile
-    assert makefile.count("--no-deps --no-build-isolation -e .") == 2
+    assert makefile.count("--no-deps --no-build-isolation -e .") == 3
+    assert "$(LOWEST_VENV)/bin/pytest" in makefile  # the fast part runs on the lowest versions
     assert "pins.py refresh" in makefile  # make lock
+
+
+def test_the_lowest_environment_pins_every_requirement_at_its_floor():
+    """A floor of pyproject.toml that the lowest environment does not run (changed without `make lock`, or one
+    the others' requirements lift) fails here, naming it. torch is kept at the machines' CPU build."""
+    versions = pinned("lowest")
+    off = []
+    for req in wanted(EXTRAS["lowest"]):
+        floor = next((Version(s.version) for s in req.specifier if s.operator == ">="), None)
+        key = canonicalize_name(req.name)
+        if floor is None or key == "torch":
+            continue
+        got = versions.get(key)
+        if got is None or got.release[:len(floor.release)] != floor.release:
+            off.append(f"{req.name} {req.specifier}: {got}")
+    assert not off, f"requirements/lowest.txt is not at the floors ({'; '.join(off)}): run `make lock`"
+    assert versions["torch"] == Version(pins.TORCH.split("==")[1])
+
+
+def test_base_install_pulls_no_ecosystem():
+    """A plain install is torch, transformers and what the core needs: every ecosystem is an extra."""
+    base = {canonicalize_name(r.name) for r in wanted([])}
+    ecosystems = {"evaluate", "datasets", "lm-eval", "lmms-eval", "pycocoevalcap", "torchmetrics", "lightning"}
+    assert not base & ecosystems, base & ecosystems
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"evaluate", "torchmetrics", "lightning", "pycocoevalcap", "lm-eval", "lmms", "all"} <= extras.keys()
 
 
 def test_changes_lists_every_moved_version():

@@ -1,24 +1,27 @@
-"""Resume is bit-identical for every metric: a `capeval score` run of every metric that runs on a CPU with tiny
-models (image, text, corpus, group, composite and LVLM metrics, and the Java ones where Java is installed),
-interrupted by a real SIGINT part-way and run again, writes the same bytes as an uninterrupted run. A sample's
-score must not depend on which other samples were still to do (BERTScore's corpus preparation once did)."""
+"""Resume is bit-identical for every metric: a run of every metric that runs on a CPU with tiny models (image,
+text, corpus, group, composite and LVLM metrics, and the Java ones where Java is installed), interrupted part-way
+and run again from its run folder, ends with the same bits as an uninterrupted run. A sample's score must not
+depend on which other samples were still to do (BERTScore's corpus preparation once did).
+
+The runs are in this process, one metric family per test (the metrics of a family share their backbones, loaded
+once): the interruption stops after a chosen batch of the runner's own plan (``runner.schedule``). The command
+line's real SIGINT and its output bytes are tests/test_cli.py's (test_an_interrupted_run_resumes_to_the_same_bits).
+"""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, has_java, random_image, run
+from conftest import StopAfter, has_java, random_image
 from test_lvlm import scripted_llava, sharp_llava
 
 from capeval_plugins import registry
 from capeval_plugins.testing import scratch_folder
 from capeval_plugins.testing.corpus import caption_corpus
 
-INTERRUPT = str(Path(__file__).parent / "helpers" / "interrupt_after.py")
 N_IMAGES = 21  # MID's fit on the tiny CLIP (16-dimensional features) needs more than 32 (image, reference) pairs
 
 
@@ -54,65 +57,98 @@ def write_corpus(root: Path) -> tuple[Path, Path]:
     return captions, drawn
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore")
-def test_every_metric_resumes_to_the_same_bytes(tiny_root, tmp_path):
+FAMILIES = {
+    "clip": ["clipscore", "refclipscore", "mid", "msd_score", "soft_msd"],
+    "text": ["bertscore", "bleu4", "rouge_l", "cider", "meteor"],
+    "judges": ["fleur", "discode", "rigel"],
+    "pacs_and_polos": ["pacscore", "refpacscore", "pacscore_pp", "refpacscore_pp", "polos"],
+    "regions_and_cycles": ["vilbertscore", "dino_cycle", "redemption_score"],
+}
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("resume-corpus"))
+
+
+def options_of(family: list[str], tiny_root, drawn: Path) -> dict[str, dict]:
     from capeval_plugins.testing import tiny_checkpoint
 
-    models = {k: str(tiny_checkpoint(k, root=tiny_root))
-              for k in ("clip", "roberta", "deberta_v3", "vilt", "dino", "pacs", "pacs_pp", "polos")}
-    judge = scripted_llava(("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog"))  # writes a score: FLEUR and DISCODE
-    # have numbers (the same for every sample: its layers add nothing); Rigel reads a random, image-dependent one
-    captions, drawn = write_corpus(tmp_path)
-    options = {
-        "clipscore": {"model": models["clip"]}, "refclipscore": {"model": models["clip"]},
-        "mid": {"model": models["clip"]}, "msd_score": {"model": models["clip"]}, "soft_msd": {"model": models["clip"]},
-        "bertscore": {"model": models["roberta"], "batch_size": 4},  # texts embedded in chunks of 4
-        "bleu4": {}, "rouge_l": {}, "cider": {},
-        "fleur": {"model": judge}, "discode": {"model": judge},
-        "rigel": {"checkpoint": rigel_checkpoint(sharp_llava())},
-        "vilbertscore": {"model": models["vilt"]},
-        "pacscore": {"model": models["pacs"]}, "refpacscore": {"model": models["pacs"]},
-        "pacscore_pp": {"model": models["pacs_pp"]}, "refpacscore_pp": {"model": models["pacs_pp"]},
-        "polos": {"model": models["polos"], "batch_size": 8},
-        "dino_cycle": {"model": models["dino"], "generated_images": str(drawn)},
-        "redemption_score": {"clip_model": models["clip"], "dino_model": models["dino"], "generated_images": str(drawn),
-                             "bertscore_model": models["deberta_v3"], "bertscore_num_layers": 2},
+    model = lambda kind: str(tiny_checkpoint(kind, root=tiny_root))  # noqa: E731
+    every = {
+        "clipscore": lambda: {"model": model("clip")}, "refclipscore": lambda: {"model": model("clip")},
+        "mid": lambda: {"model": model("clip")}, "msd_score": lambda: {"model": model("clip")},
+        "soft_msd": lambda: {"model": model("clip")},
+        "bertscore": lambda: {"model": model("roberta"), "batch_size": 4},  # texts embedded in chunks of 4
+        "bleu4": lambda: {}, "rouge_l": lambda: {}, "cider": lambda: {}, "meteor": lambda: {},
+        # writes a score: FLEUR and DISCODE have numbers (the same for every sample: its layers add nothing);
+        # Rigel reads a random, image-dependent one
+        "fleur": lambda: {"model": scripted_llava(JUDGE)}, "discode": lambda: {"model": scripted_llava(JUDGE)},
+        "rigel": lambda: {"checkpoint": rigel_checkpoint(sharp_llava())},
+        "vilbertscore": lambda: {"model": model("vilt")},
+        "pacscore": lambda: {"model": model("pacs")}, "refpacscore": lambda: {"model": model("pacs")},
+        "pacscore_pp": lambda: {"model": model("pacs_pp")}, "refpacscore_pp": lambda: {"model": model("pacs_pp")},
+        "polos": lambda: {"model": model("polos")},
+        "dino_cycle": lambda: {"model": model("dino"), "generated_images": str(drawn)},
+        "redemption_score": lambda: {"clip_model": model("clip"), "dino_model": model("dino"),
+                                     "generated_images": str(drawn), "bertscore_model": model("deberta_v3"),
+                                     "bertscore_num_layers": 2},
     }
-    if has_java():  # PTB tokenisation and METEOR
-        options["meteor"] = {}
-    else:
-        options = {k: {**v, "tokenize": False} if k in ("bleu4", "rouge_l", "cider") else v for k, v in options.items()}
-    args = [a for name in options for a in ("-m", name)]
-    args += [a for name, opts in options.items() for key, value in opts.items()
-             for a in ("-o", f"{name}.{key}={value}")]
+    chosen = {}
+    for name in family:
+        if name == "meteor" and not has_java():
+            continue
+        options = {"batch_size": 8, **every[name]()}
+        if name in ("bleu4", "rouge_l", "cider") and not has_java():  # PTB tokenisation runs Java
+            options["tokenize"] = False
+        chosen[name] = options
+    return chosen
 
-    def command(out: Path) -> list[str]:
-        return [PYTHON, INTERRUPT, "score", *args, "--batch-size", "8", "--captions", str(captions),
-                "--out", str(out), "--quiet"]
 
-    env = {**os.environ, "CAPEVAL_TEST_STOP_AFTER": "0"}
-    whole = tmp_path / "whole.jsonl"
-    run(command(whole), env=env, timeout=900)
-    out = tmp_path / "resumed.jsonl"
-    # Stop once BERTScore has done 6 of its 11 batches: its texts embedded in chunks of 4 then differ, on
-    # this corpus, from those of the whole pass in the last bits (on the tiny RoBERTa).
-    sizes = [-(-2 * N_IMAGES // opts.get("batch_size", 8)) for opts in options.values()]
-    plan = sorted(((k + 1) / n, i, k) for i, n in enumerate(sizes) for k in range(n))  # the runner's order
-    stop = next(j for j, (_, i, k) in enumerate(plan, 1) if i == list(options).index("bertscore") and k == 5)
-    first = subprocess.run(command(out), capture_output=True, text=True, timeout=900,
-                           env={**env, "CAPEVAL_TEST_STOP_AFTER": str(stop)})
-    assert first.returncode == 130, first.stderr[-3000:]
-    assert f"interrupted after {stop} of {len(plan)} batches" in first.stderr, first.stderr[-1500:]
-    second = subprocess.run(command(out), capture_output=True, text=True, timeout=900, env=env)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert out.read_bytes() == whole.read_bytes()
-    rows = [json.loads(line) for line in whole.read_text().splitlines()]
-    assert len(rows) == 2 * N_IMAGES and all(name in rows[0] for name in options)
-    assert all(row[name] is not None for row in rows for name in options)  # a number everywhere, no NaN
-    for name in options:  # every default stays inside the range its paper states (MetricInfo.score_range)
-        bounds = registry.get(name).info.score_range
+JUDGE = ("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog")
+
+
+def same_bits(a, b) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    both_nan = torch.isnan(a) & torch.isnan(b) if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+    return bool(((a == b) | both_nan).all())
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_metric_resumes_to_the_same_bits(family, tiny_root, corpus_files, tmp_path):
+    import capeval_plugins
+    from capeval_plugins import runner
+
+    captions, drawn = corpus_files
+    rows = [json.loads(line) for line in captions.read_text().splitlines()]
+    corpus = runner.Corpus([r["caption"] for r in rows], [str(captions.parent / r["image"]) for r in rows],
+                           [r["references"] for r in rows])
+    options = options_of(FAMILIES[family], tiny_root, drawn)
+    build = lambda: {name: capeval_plugins.load(name, **opts) for name, opts in options.items()}  # noqa: E731
+    session = runner.Session(build())
+    for name, samples in session.validate(corpus).items():  # the runner probes others' metrics, the suite ours
+        runner.check_row_order(session.metrics[name], session.batches(name, samples[0])[0], session.cache, strict=True)
+    whole = runner.run(build(), corpus).results
+    # the runner's plan: stop after BERTScore's 6th of 11 batches (its texts embedded in chunks of 4 then differ,
+    # on this corpus, from those of the whole pass in the last bits on the tiny RoBERTa), elsewhere half-way
+    plan = runner.schedule({name: -(-len(rows) // opts["batch_size"]) for name, opts in options.items()})
+    stop = plan.index(("bertscore", 5)) + 1 if ("bertscore", 5) in plan else len(plan) // 2
+    folder = tmp_path / "run"
+    with pytest.raises(runner.Interrupted, match=f"interrupted after {stop} of {len(plan)} batches"):
+        runner.run(build(), corpus, run_dir=folder, stop=StopAfter(stop))
+    resumed = runner.run(build(), corpus, run_dir=folder)
+    assert resumed.batches_resumed == stop and resumed.batches_scored == len(plan) - stop
+    for name, result in whole.items():
+        again = resumed.results[name]
+        assert same_bits(result.scores, again.scores), name
+        assert result.extras.keys() == again.extras.keys() and all(
+            same_bits(v, again.extras[k]) for k, v in result.extras.items()), name
+        assert result.corpus_extras == again.corpus_extras or str(result.corpus_extras) == str(again.corpus_extras)
+        assert (result.score == again.score) or (math.isnan(result.score) and math.isnan(again.score)), name
+        assert len(result.scores) == len(rows) and not torch.isnan(result.scores).any(), name  # a number everywhere
+        bounds = registry.get(name).info.score_range  # every default stays inside the range its paper states
         if bounds is not None:
-            values = [row[name] for row in rows]
-            assert bounds[0] <= min(values) and max(values) <= bounds[1], (name, bounds, min(values), max(values))
-    assert json.loads(second.stdout.strip().splitlines()[-1])["batches_resumed"] == stop
+            assert bounds[0] <= float(result.scores.min()) and float(result.scores.max()) <= bounds[1], (name, bounds)

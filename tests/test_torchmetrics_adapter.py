@@ -1,4 +1,4 @@
-"""torchmetrics: states from the contract, DDP sync (uneven, empty rank, repeats), Lightning validation."""
+"""torchmetrics: states from the contract, ids, forward, dtype, plot, Lightning validation (DDP: test_ddp.py)."""
 from __future__ import annotations
 
 import copy
@@ -6,7 +6,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from conftest import CAPTIONS, REFERENCES, free_port, random_image
+from conftest import CAPTIONS, REFERENCES, random_image
 
 import capeval_plugins
 from capeval_plugins.torchmetrics import CLIPScore, RefCLIPScore
@@ -64,15 +64,56 @@ def test_repeated_ids_within_one_update_are_refused_naming_them(tiny_clip, image
 
 
 
+
+def test_forward_without_ids_gives_what_update_gives_epoch_after_epoch(tiny_clip, images):
+    """The torchmetrics habit: ``value = metric(batch)`` at every step, ``compute()`` and ``reset()`` at the end
+    of each epoch; no ids. Each step returns the batch's own score, compute() the corpus's, as update() would."""
+    load = lambda: capeval_plugins.load("clipscore", model=tiny_clip)  # noqa: E731
+    direct = load()(images, CAPTIONS, REFERENCES)
+    metric = CLIPScore(model=tiny_clip)
+    for _ in range(2):
+        steps = [metric(images[i:i + 2], CAPTIONS[i:i + 2], REFERENCES[i:i + 2]) for i in (0, 2)]
+        for i, step in zip((0, 2), steps):
+            alone = load()(images[i:i + 2], CAPTIONS[i:i + 2], REFERENCES[i:i + 2])
+            assert step.item() == pytest.approx(alone.score, abs=1e-6)
+        assert metric.compute().item() == pytest.approx(direct.score, abs=1e-6)
+        result = metric.compute_all()
+        assert result.indices.tolist() == [0, 1, 2, 3]
+        assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
+        metric.reset()
+
+
+def test_set_dtype_casts_scores_never_ids(tiny_clip, images):
+    """float16 holds integers exactly only up to 2048: ids above it would collide if they were cast."""
+    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS)
+    metric = CLIPScore(model=tiny_clip)
+    metric.update(images[:2], CAPTIONS[:2], ids=[4097, 4098])
+    metric.set_dtype(torch.float16)
+    metric.update(images[2:], CAPTIONS[2:], ids=[4099, 4100])
+    assert all(v.dtype == torch.int64 for v in metric.index)
+    result = metric.compute_all()
+    assert result.indices.tolist() == [4097, 4098, 4099, 4100]
+    assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=5e-3)  # float16 scores
+
+
+def test_plot_draws_within_the_score_range_as_torchmetrics_metrics_do(tiny_clip, images):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    metric = CLIPScore(model=tiny_clip)
+    assert (CLIPScore.plot_lower_bound, CLIPScore.plot_upper_bound) == (0.0, 2.5)  # MetricInfo.score_range
+    values = [metric(images[i:i + 2], CAPTIONS[i:i + 2]) for i in (0, 2)]
+    fig, ax = metric.plot(values)
+    low, high = ax.get_ylim()
+    assert low < 0.0 and high > 2.5  # the bounds with torchmetrics' margin
+    assert [float(y) for y in ax.get_lines()[0].get_ydata()] == pytest.approx([v.item() for v in values])
+    fig, ax = metric.plot()  # compute()'s value
+    assert float(ax.get_lines()[0].get_ydata()[0]) == pytest.approx(metric.compute().item())
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
 N = 7
-SHARDS = {
-    # uneven shards, with the repeat a DistributedSampler adds to even them out
-    "uneven": {0: [0, 2, 4, 6], 1: [1, 3, 5, 0]},
-    # every sample on rank 0, nothing on rank 1
-    "empty_rank": {0: list(range(N)), 1: []},
-}
-
-
 def _corpus():
     images = [random_image(i % 4, size=(30 + 2 * i, 32)) for i in range(N)]
     captions = [CAPTIONS[i % 4] + f" ({i})" for i in range(N)]
@@ -80,59 +121,6 @@ def _corpus():
     return images, captions, references
 
 
-def _ddp_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    images, captions, references = _corpus()
-    results = {}
-    for name, shards in SHARDS.items():
-        metric = CLIPScore(model=model, batch_size=3)  # built inside the worker
-        mine = shards[rank]
-        for start in range(0, len(mine), 2):
-            part = mine[start:start + 2]
-            metric.update([images[i] for i in part], [captions[i] for i in part], [references[i] for i in part], ids=part)
-        result = metric.compute_all()
-        results[name] = {"score": result.score, "scores": result.scores.tolist(), "indices": result.indices.tolist(),
-                         "refclipscore": result.extras["refclipscore"].tolist(),
-                         "repeats": result.corpus_extras.get("n_repeats_dropped", 0.0)}
-    # No ids, a shuffled split: the corpus score stands, per-sample rows are refused.
-    metric = CLIPScore(model=model, batch_size=3)
-    mine = [[5, 0, 3, 6], [2, 4, 1]][rank]
-    metric.update([images[i] for i in mine], [captions[i] for i in mine])
-    corpus_score = float(metric.compute())
-    try:
-        metric.compute_all()
-        refused = ""
-    except ValueError as err:
-        refused = str(err)
-    results_no_ids = {"score": corpus_score, "refused": refused}
-    torch.save({"by_name": results, "no_ids": results_no_ids}, f"{out}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_two_process_ddp_equals_single_process(tiny_clip, tmp_path):
-    import torch.multiprocessing as mp
-
-    images, captions, references = _corpus()
-    single = capeval_plugins.load("clipscore", model=tiny_clip)(images, captions, references)
-    mp.spawn(_ddp_worker, args=(2, free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        saved = torch.load(tmp_path / f"rank{rank}.pt")
-        assert saved["by_name"]["uneven"]["repeats"] == 1.0  # the sampler's repeat: dropped and counted
-        assert saved["by_name"]["empty_rank"]["repeats"] == 0.0
-        assert saved["no_ids"]["score"] == pytest.approx(single.score, abs=1e-5)
-        assert "need ids=<dataset indices>" in saved["no_ids"]["refused"]
-        for name, got in saved["by_name"].items():
-            assert got["indices"] == list(range(N)), name
-            assert got["scores"] == pytest.approx(single.scores.tolist(), abs=1e-5), name
-            assert got["refclipscore"] == pytest.approx(single.extras["refclipscore"].tolist(), abs=1e-5), name
-            assert got["score"] == pytest.approx(single.score, abs=1e-5), name
-
-
-@pytest.mark.slow
 def _lightning_validate(tiny_clip, tmp_path, epochs=1):
     """A real ``Trainer.validate`` over a shuffled loader, ``epochs`` times; the module logs CLIPScore and keeps
     ``compute_all()`` at each epoch end. Returns the module, what was logged, and the direct result."""
@@ -195,46 +183,3 @@ def test_per_sample_scores_of_a_lightning_validation_are_kept_after_it(tiny_clip
     assert metric.compute_all() is module.epoch_results[-1] is not module.epoch_results[0]
     metric.update(_corpus()[0][:2], _corpus()[1][:2], ids=[0, 1])  # a new update: the state, not the kept result
     assert len(metric.compute_all()) == 2
-
-
-TEXTS = ["one", "two words", "three words here", "a much longer caption with many words", "x", "y z", "w"]
-
-
-def _ragged_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Ragged text states: ranks with different numbers of batches of different widths, one rank empty."""
-    import sys
-
-    import torch.distributed as dist
-
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from test_contract import CorpusText
-
-    from capeval_plugins.adapters.torchmetrics import CapevalMetric
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    results = {}
-    for name, shards in {"uneven": {0: [0, 1, 2, 3, 4], 1: [5, 6, 0]}, "empty_rank": {0: list(range(7)), 1: []}}.items():
-        metric = CapevalMetric(metric=CorpusText())
-        mine = shards[rank]
-        for start in range(0, len(mine), 2):
-            part = mine[start:start + 2]
-            metric.update(captions=[TEXTS[i] for i in part], ids=part)
-        result = metric.compute_all()
-        results[name] = {"score": result.score, "scores": result.scores.tolist(), "indices": result.indices.tolist()}
-    torch.save(results, f"{out}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_ddp_ragged_text_states(tmp_path):
-    import torch.multiprocessing as mp
-
-    from test_contract import CorpusText
-
-    single = CorpusText()(None, TEXTS)
-    mp.spawn(_ragged_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        for name, got in torch.load(tmp_path / f"rank{rank}.pt").items():
-            assert got["indices"] == list(range(len(TEXTS))), name
-            assert got["scores"] == single.scores.tolist() and got["score"] == single.score, name

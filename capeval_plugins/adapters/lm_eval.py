@@ -20,18 +20,25 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
-
-import lm_eval.api.metrics  # noqa: F401  (fills lm-eval's registries first, so ours never replace them)
-import lm_eval.api.registry as lm_registry
-from lm_eval.api.task import ConfigurableTask
 
 from capeval_plugins import preflight, registry
 from capeval_plugins.adapters.harness import (capeval_name, score_documents, skip_count_name, split_metric_list,
                                               warn_skipped, with_default_policy)
-from capeval_plugins.adapters.lm_eval_cli import main  # noqa: F401  (the capeval-lm-eval command)
+from capeval_plugins.core.messages import install_extra, require
 from capeval_plugins.inputs import InputError
+
+# the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
+# (lm_eval.api.metrics first: it fills lm-eval's registries, so ours never replace its built-ins)
+require("lm_eval.api.metrics", "lm-eval", "capeval_plugins.lm_eval")
+import lm_eval.api.registry as lm_registry  # noqa: E402
+from lm_eval.api.task import ConfigurableTask  # noqa: E402
+
+from capeval_plugins.adapters import lm_eval_internals as internals  # noqa: E402  (lm-eval's internals, one place)
+
+internals.check()  # lm-eval's internals used here are where they were on the versions checked
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lm_eval_tasks"
 
@@ -292,6 +299,55 @@ def check_tasks(tasks: Any) -> None:
 
 def tasks_dir() -> Path:
     return TASKS_DIR
+
+
+def _option(args: list[str], name: str, default: str) -> str:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def check_model_backend(args: list[str]) -> None:
+    """Import the lm-eval model class ``--model`` names before any work: a backend whose packages are missing
+    (``hf`` and ``hf-multimodal`` need accelerate, lm-eval's own ``hf`` extra) ends in one line, exit 2."""
+    name = _option(args, "--model", "hf")
+    try:
+        lm_registry.get_model(name)
+    except ModuleNotFoundError as err:
+        missing = err.name or str(err)
+        hint = install_extra("accelerate") if missing == "accelerate" else f"pip install {missing}"
+        print(f"capeval-lm-eval: lm-eval's --model {name} needs {missing}, which is not installed: {hint}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError:
+        pass  # an unknown model name: lm-eval's own message follows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``capeval-lm-eval``: lm-eval's command line with capeval metrics registered, the shipped caption tasks
+    on the include path (in addition to any ``--include_path`` given), and :func:`check_tasks` run on the tasks
+    lm-eval built before it generates anything; problems found there are one line, exit 2."""
+    import lm_eval.evaluator
+    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.tasks.manager import TaskManager
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not any(a in ("-h", "--help") for a in args):
+        check_model_backend(args)
+    register()
+    internals.add_include_path(TaskManager, TASKS_DIR)
+    internals.check_before_evaluate(lm_eval.evaluator, check_tasks)
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    try:
+        cli_evaluate()
+    except (preflight.RequirementError, InputError) as err:  # found when the tasks are built, before generation
+        message = getattr(err, "cli_message", None) or (err.args[0] if err.args else str(err))
+        print(f"capeval-lm-eval: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 register()

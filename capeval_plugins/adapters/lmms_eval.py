@@ -28,15 +28,20 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
-
-from lmms_eval.api.task import ConfigurableMessagesTask, ConfigurableTask
 
 from capeval_plugins import preflight, registry
 from capeval_plugins.adapters.harness import (MetricEntry, score_documents, skip_count_name, split_metric_list,
                                               warn_skipped, with_default_policy)
+from capeval_plugins.core.messages import require
+
+# the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
+_task = require("lmms_eval.api.task", "lmms", "capeval_plugins.adapters.lmms_eval")
+ConfigurableMessagesTask, ConfigurableTask = _task.ConfigurableMessagesTask, _task.ConfigurableTask
+from capeval_plugins.adapters import lmms_eval_internals as internals  # noqa: E402  (lmms-eval's internals)
+
+internals.check()  # lmms-eval's internals used here are where they were on the versions checked
 
 TASKS_DIR = Path(__file__).resolve().parent.parent / "lmms_eval_tasks"
 DOC_ID = "_capeval_doc_id"  # added to the documents so process_results knows which document it scores
@@ -64,21 +69,10 @@ class CaptionTask:
     model; this factory builds the kind lmms-eval is loading tasks for, with our metrics added."""
 
     def __new__(cls, config: dict | None = None, **kwargs: Any) -> ConfigurableTask:
-        return _task_class(_loading_task_type())(config=config, **kwargs)
+        return _task_class(internals.loading_task_type())(config=config, **kwargs)
 
     def __init__(self, config: dict | None = None, **kwargs: Any) -> None:  # signature read by lmms-eval
         pass
-
-
-def _loading_task_type() -> str:
-    """``"chat"`` or ``"simple"``: the task kind of the lmms-eval ``TaskManager`` call building this task
-    (lmms-eval passes it down its loader but not to a ``class:`` task); ``"simple"`` outside one."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_load_individual_task_or_group" and "task_type" in frame.f_locals:
-            return frame.f_locals["task_type"]
-        frame = frame.f_back
-    return "simple"
 
 
 @functools.cache

@@ -15,15 +15,17 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
-from pycocoevalcap.eval import COCOEvalCap as StockCOCOEvalCap
 
 from capeval_plugins import options as metric_options
 from capeval_plugins import registry, runner
-from capeval_plugins.core.messages import warn_once
 from capeval_plugins.adapters.naming import GeneratedClasses, coco_identifier
 from capeval_plugins.contract import Metric, MetricResult
 from capeval_plugins.core import jsonio
 from capeval_plugins.core.coco_text import CocoCorpus
+from capeval_plugins.core.messages import require, warn_once
+
+# the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
+StockCOCOEvalCap = require("pycocoevalcap.eval", "pycocoevalcap", "capeval_plugins.pycocoevalcap").COCOEvalCap
 
 
 class ImageResolver:

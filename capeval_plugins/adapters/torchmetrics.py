@@ -1,34 +1,47 @@
 """torchmetrics adapter, generic over the contract.
 
-``capeval_plugins.torchmetrics.<Class>`` exists for every registered metric (``CLIPScore``, ...). States
-come from the contract: ``"sum"`` statistics and ``"cat"`` rows, plus the sample ids and group ids every
-metric carries, so under DDP the repeats a ``DistributedSampler`` adds are dropped and input order is
-restored (pass ``ids=`` with dataset indices). Ids repeated beyond what a padding sampler adds
-(``world_size - 1``), or one id given for two different samples, are an error naming them, never silently
-dropped samples. ``compute()`` returns the corpus score as a scalar tensor (Lightning's ``self.log(name,
-metric)`` works); ``compute_all()`` returns the full :class:`~capeval_plugins.contract.MetricResult` with
-per-sample scores and extras, and ``last_result`` keeps the latest one through ``reset()`` (Lightning resets a
-logged metric as soon as it has computed it). The backbone is not part of the module tree (not in
-``state_dict``, not copied by ``clone()``) and is shared between instances.
+``capeval_plugins.torchmetrics.<Class>`` exists for every registered metric (``CLIPScore``, ...). It scores
+through the runner's :class:`~capeval_plugins.runner.Session`, as every entry point does: the metric's paths
+and requirements are checked when it is built, each ``update()`` batch is validated (errors name the ids)
+and fed, ``compute()`` checks the corpus it accumulated (``check_corpus``: MID's fit needs more pairs than
+dimensions; the same error as ``capeval_plugins.load("mid")(...)``) and finalizes. States come from the
+contract: ``"sum"`` statistics and ``"cat"`` rows, plus the sample ids and group ids every metric carries, so
+under DDP the repeats a ``DistributedSampler`` adds are dropped and input order is restored (pass ``ids=``
+with dataset indices). Ids repeated beyond what a padding sampler adds (``world_size - 1``), or one id given
+for two different samples, are an error naming them, never silently dropped samples.
+
+``compute()`` returns the corpus score as a scalar tensor (Lightning's ``self.log(name, metric)`` works);
+``metric(batch)`` (``forward``) adds the batch as ``update()`` does and returns the batch's own score;
+``compute_all()`` returns the full :class:`~capeval_plugins.contract.MetricResult` with per-sample scores and
+extras, and ``last_result`` keeps the latest one through ``reset()`` (Lightning resets a logged metric as soon
+as it has computed it); ``plot()`` draws values as torchmetrics' own metrics do, within the metric's score
+range. The backbone is not part of the module tree (not in ``state_dict``, not copied by ``clone()``) and is
+shared between instances. Where this touches torchmetrics' internals is :mod:`.torchmetrics_internals`.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
-import torchmetrics
 
-from capeval_plugins import preflight, registry, runner
+from capeval_plugins import registry, runner
 from capeval_plugins.adapters.naming import GeneratedClasses, identifier
-from capeval_plugins.contract import (TEXT_STATE, Metric, MetricResult, PackedTexts, StateSpec, decode_texts,
-                                      encode_texts, full_spec)
-from capeval_plugins.core.messages import warn_once
+from capeval_plugins.contract import (TEXT_STATE, Metric, MetricInfo, MetricResult, PackedTexts, StateSpec, decode_texts,
+                                      encode_texts, merge_states)
+from capeval_plugins.core.messages import require, warn_once
+
+# the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
+torchmetrics = require("torchmetrics", "torchmetrics", "capeval_plugins.torchmetrics")
+from capeval_plugins.adapters import torchmetrics_internals as internals  # noqa: E402  (imports torchmetrics)
 
 # torchmetrics.Metric keyword arguments; everything else is a metric option.
 TORCHMETRICS_ARGS = frozenset(
     "compute_on_cpu dist_sync_on_step process_group dist_sync_fn distributed_available_fn sync_on_compute "
     "compute_with_cache".split()
 )
+internals.check()  # torchmetrics' internals used here are where they were on the versions checked
+
 # Samples skipped under on_error="skip": their ids and reasons, synced like any "cat" state.
 SKIPPED_SPEC = {"_skipped_index": StateSpec("cat", torch.int64), "_skipped_reason": TEXT_STATE}
 
@@ -53,22 +66,29 @@ class CapevalMetric(torchmetrics.Metric):
         if metric is not None and kwargs:
             raise TypeError("pass either a built metric or its options, not both")
         self.capeval_metric = metric if metric is not None else registry.load(self._capeval_name, **kwargs)
-        preflight.check({self.capeval_metric.info.name: self.capeval_metric})  # before the first batch is generated
-        self._spec = {**full_spec(self.capeval_metric), **SKIPPED_SPEC}
+        self._name = self.capeval_metric.info.name
+        # paths and requirements (models, Java, extras): checked before the first batch is generated
+        self._session = runner.Session({self._name: self.capeval_metric})
+        self._spec = {**self._session.spec(self._name), **SKIPPED_SPEC}
+        if runner.checks_corpus(self.capeval_metric):  # what compute() needs to check the streamed corpus
+            self._spec.update(runner.SIZE_SPEC)
         for name, spec in self._spec.items():
             if spec.reduce == "cat":
-                # ragged rows are gathered per rank and padded to the widest in _merged_state
+                # ragged rows are gathered per rank and padded to the widest (see _sync_dist)
                 self.add_state(name, default=[], dist_reduce_fx=None if spec.ragged else "cat")
             else:
                 self.add_state(name, default=spec.empty(), dist_reduce_fx="sum")
         self._seen = 0
         self._ids: set[int] = set()  # ids updated on this rank: a repeat here is a user error
         self._guessed_ids = False  # ids made up under DDP: per-sample rows cannot be trusted
+        self._last_batch: list[dict[str, torch.Tensor]] = []  # what the latest update() added, for forward
         self._result: MetricResult | None = None
         # The full result of the latest compute(), kept through reset(): Lightning computes a logged metric at
         # the end of an epoch and resets it at once, so this is how the epoch's per-sample scores get out.
         self.last_result: MetricResult | None = None
         self._last_guessed = False
+
+    # -- update / forward ------------------------------------------------------------------------------------
 
     def update(
         self,
@@ -82,34 +102,44 @@ class CapevalMetric(torchmetrics.Metric):
         """Score one batch. ``ids`` are global sample ids (e.g. dataset indices): errors name them, repeats are
         dropped and order restored at ``compute``. Without them, ids follow the interleaving of a non-shuffled
         ``DistributedSampler`` (``rank + world_size * position``), and the repeats it adds are counted."""
-        metric = self.capeval_metric
         n = len(captions) if captions is not None and not isinstance(captions, str) else 0
         if ids is None:
             rank, world = _world()
             if world > 1:
-                warn_once(("torchmetrics-ids", metric.info.name), (
-                    f"{metric.info.name}: update() without ids under {world} processes: the samples a "
+                warn_once(("torchmetrics-ids", self._name), (
+                    f"{self._name}: update() without ids under {world} processes: the samples a "
                     "DistributedSampler repeats to even out the shards cannot be dropped and are counted "
                     "twice; pass ids=<dataset indices of the batch> (e.g. from the dataset's __getitem__)"))
             ids = [rank + world * (self._seen + i) for i in range(n)]
             self._guessed_ids = self._guessed_ids or world > 1
         corpus = runner.Corpus(captions, images, references, group_ids, ids)
-        samples, skipped = runner.validate(metric, corpus)
+        samples, skipped = self._session.validate(corpus)[self._name]
         self._check_new_ids(corpus.ids)
         self._seen += n
-        self._skip(skipped)
-        cache, how = runner.image_cache([metric]), runner.policy(metric)
-        for part in runner.iter_parts(metric, samples):
-            outs, dropped = runner.map_part(metric, part, cache, how)  # a sample failing here: per the policy
-            self._skip(dropped)
-            for out in outs:
-                for name, value in out.items():
-                    # torchmetrics moves and casts list states element-wise: tensors only (packed texts padded)
-                    value = (value.padded() if isinstance(value, PackedTexts) else value).to(self.device)
-                    if self._spec[name].reduce == "cat":
-                        getattr(self, name).append(value)
-                    else:
-                        setattr(self, name, getattr(self, name) + value)
+        added = [self._skipped_rows(skipped)]
+        if runner.SIZE_SPEC.keys() <= self._spec.keys():
+            added.append(runner.size_rows(samples))
+        for part in self._session.batches(self._name, samples):
+            state, dropped = self._session.feed(self._name, part)  # a sample failing here: per the policy
+            added += [state or {}, self._skipped_rows(dropped)]
+        self._last_batch = [a for a in added if a]
+        for block in self._last_batch:
+            self._add(block)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``metric(batch)``: add the batch to the accumulated state exactly as ``update()`` does (its ids, or
+        the ids ``update()`` would guess, continue those of earlier batches) and return the batch's own corpus
+        score, computed from the batch alone (synced over processes only with ``dist_sync_on_step=True``). A
+        corpus metric that cannot be fitted on one batch (MID on a few samples) gives NaN here, with a warning;
+        its ``compute()`` over the accumulated corpus is the number."""
+        internals.refuse_forward_when_synced(self)
+        self.update(*args, **kwargs)
+        state = self._merged_state(self._last_batch)
+        if self.dist_sync_on_step and _world()[1] > 1:
+            state = self._session.merge(self._name, [s for s in runner.gather(state, _world()[1], None)])
+        value = self._value(state, keep=False)
+        internals.set_forward_cache(self, value)
+        return value
 
     def _check_new_ids(self, ids: Sequence[int] | torch.Tensor) -> None:
         """A sample id given again on this rank (in an earlier update) would drop a sample: refuse it. Repeats
@@ -120,33 +150,60 @@ class CapevalMetric(torchmetrics.Metric):
         repeated = repeated_ids(ids, self._ids)
         if repeated:
             shown = ", ".join(str(i) for i in repeated[:10]) + (f" and {len(repeated) - 10} more" if len(repeated) > 10 else "")
-            raise InputError(f"{self.capeval_metric.info.name}: sample id(s) {shown} already given in an earlier "
+            raise InputError(f"{self._name}: sample id(s) {shown} already given in an earlier "
                              "update() since the last reset(): ids must be unique per process")
         self._ids.update(ids)
 
-    def _skip(self, skipped: dict[int, str]) -> None:
-        if skipped:
-            self._skipped_index.append(torch.tensor(list(skipped), dtype=torch.int64, device=self.device))
-            self._skipped_reason.append(encode_texts(list(skipped.values())).to(self.device))
+    @staticmethod
+    def _skipped_rows(skipped: dict[int, str]) -> dict[str, torch.Tensor]:
+        if not skipped:
+            return {}
+        return {"_skipped_index": torch.tensor(list(skipped), dtype=torch.int64),
+                "_skipped_reason": encode_texts(list(skipped.values()))}
 
-    def _merged_state(self) -> dict[str, torch.Tensor]:
-        state = {}
-        for name, spec in self._spec.items():
-            value = getattr(self, name)
-            if spec.reduce == "cat":
-                value = spec.cat(value if isinstance(value, list) else [value]).to(self.device)
-            state[name] = value
-        return state
+    def _add(self, block: dict[str, Any]) -> None:
+        for name, value in block.items():
+            # torchmetrics moves and casts list states element-wise: tensors only (packed texts padded)
+            value = (value.padded() if isinstance(value, PackedTexts) else value).to(self.device)
+            if self._spec[name].reduce == "cat":
+                getattr(self, name).append(value)
+            else:
+                setattr(self, name, getattr(self, name) + value.to(getattr(self, name).dtype))
 
-    def compute(self) -> torch.Tensor:
-        state = self._merged_state()
+    # -- compute ---------------------------------------------------------------------------------------------
+
+    def _merged_state(self, blocks: Sequence[dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+        """The merged state of ``blocks`` (default: this metric's states, synced or not), by the contract's one
+        reduce over every state this adapter keeps."""
+        if blocks is None:
+            blocks = []
+            for name, spec in self._spec.items():
+                value = getattr(self, name)
+                blocks += [{name: v} for v in value] if isinstance(value, list) else [{name: value}]
+        return merge_states(self._spec, blocks)
+
+    def _value(self, state: dict[str, torch.Tensor], keep: bool = True) -> torch.Tensor:
         skipped = dict(zip(state.pop("_skipped_index").tolist(), decode_texts(state.pop("_skipped_reason"))))
+        if runner.SIZE_SPEC.keys() <= state.keys():
+            size = runner.size_of_rows({k: state.pop(k) for k in runner.SIZE_SPEC})
+            if not keep:  # a batch of a stream (forward): its corpus score, if the batch alone can give one
+                problem = self.capeval_metric.check_corpus(size)
+                if problem is not None:
+                    warn_once(("torchmetrics-forward", self._name), (
+                        f"{problem.message(self._name)}: the score of one batch (forward) is NaN; compute() "
+                        "scores the accumulated corpus"))
+                    return torch.tensor(math.nan, dtype=torch.float64, device=self.device)
+            self._session.check_fits({self._name: size})
         # a padding DistributedSampler repeats at most world_size - 1 samples, each the same sample: more (ids
         # that are positions in a shard, not dataset indices) or another sample under one id is an error
-        self._result = self.last_result = runner.finalize(self.capeval_metric, state, skipped,
-                                                          allowed_repeats=_world()[1] - 1)
-        self._last_guessed = self._guessed_ids
-        return torch.tensor(self._result.score, dtype=torch.float64, device=self.device)
+        result = self._session.finalize(self._name, state, skipped, allowed_repeats=_world()[1] - 1)
+        if keep:
+            self._result = self.last_result = result
+            self._last_guessed = self._guessed_ids
+        return torch.tensor(result.score, dtype=torch.float64, device=self.device)
+
+    def compute(self) -> torch.Tensor:
+        return self._value(self._merged_state())
 
     def compute_all(self) -> MetricResult:
         """Corpus score, per-sample scores (in sample-id order, repeats dropped) and extras.
@@ -158,10 +215,10 @@ class CapevalMetric(torchmetrics.Metric):
         Under DDP the per-sample rows are filed by the ids given to ``update``; without ids they would follow
         a guess (a non-shuffled sampler's interleaving), wrong for a shuffled one, so they are refused: pass
         ``ids=`` (``compute()``'s corpus score does not depend on them)."""
-        kept = self._update_count == 0 and self.last_result is not None
+        kept = internals.update_count(self) == 0 and self.last_result is not None
         if self._last_guessed if kept else self._guessed_ids:
             raise ValueError(
-                f"{self.capeval_metric.info.name}: per-sample results under torch.distributed need ids=<dataset "
+                f"{self._name}: per-sample results under torch.distributed need ids=<dataset "
                 "indices> in every update(): without them a shuffled sampler's samples are filed under wrong "
                 "indices; compute() gives the corpus score")
         if kept:
@@ -175,24 +232,37 @@ class CapevalMetric(torchmetrics.Metric):
         self._seen = 0
         self._ids = set()
         self._guessed_ids = False
+        self._last_batch = []
         self._result = None
 
+    def plot(self, val: torch.Tensor | Sequence[torch.Tensor] | None = None, ax: Any = None) -> Any:
+        """Plot one value or a series (from ``forward`` or ``compute``; default: ``compute()``), within the
+        metric's score range where it has one, as torchmetrics' own metrics do. Needs matplotlib.
+
+        >>> values = [metric(images, captions, ids=ids) for images, captions, ids in loader]  # doctest: +SKIP
+        >>> fig, ax = metric.plot(values)  # doctest: +SKIP
+        """
+        return self._plot(val, ax)
+
+    # -- torchmetrics internals ------------------------------------------------------------------------------
+
+    def _apply(self, fn: Any, exclude_state: Sequence[str] = ()) -> Any:
+        """``.to(device)``, ``set_dtype(...)``: integer states (sample ids, group ids, digests, sizes) and texts
+        move with the metric but are never cast (a float16 id would collide with its neighbours)."""
+        kept = [name for name, spec in self._spec.items() if not spec.dtype.is_floating_point]
+        return internals.apply_keeping(self, super()._apply, fn, exclude_state, kept)
+
     def _sync_dist(self, dist_sync_fn=None, process_group=None) -> None:
-        # Every rank sends exactly one tensor per "cat" state, of the state's true dtype and trailing shape:
-        # torchmetrics' placeholder for a rank with no samples is a 1-D float32 tensor (the gather then
-        # fails), and it does not pre-concatenate ragged states, whose per-batch lists differ in length
-        # between ranks (one collective per list item would then deadlock).
-        for name, spec in self._spec.items():
-            value = getattr(self, name)
-            if spec.reduce == "cat" and isinstance(value, list) and (not value or spec.ragged):
-                setattr(self, name, [spec.cat_padded(value).to(self.device)])  # a tensor to gather
-        kwargs = {"process_group": process_group}
-        if dist_sync_fn is not None:
-            kwargs["dist_sync_fn"] = dist_sync_fn
-        super()._sync_dist(**kwargs)
+        internals.sync_cat_states(self, self._spec, dist_sync_fn, process_group, super()._sync_dist)
 
 
-metric_class = GeneratedClasses(
-    CapevalMetric, "capeval_plugins.torchmetrics", identifier,
-    lambda info: {"higher_is_better": info.higher_is_better},
-)
+def _class_attributes(info: MetricInfo) -> dict[str, Any]:
+    attributes: dict[str, Any] = {"higher_is_better": info.higher_is_better}
+    if info.score_range is not None:
+        low, high = info.score_range
+        if math.isfinite(low) and math.isfinite(high):
+            attributes.update(plot_lower_bound=float(low), plot_upper_bound=float(high))
+    return attributes
+
+
+metric_class = GeneratedClasses(CapevalMetric, "capeval_plugins.torchmetrics", identifier, _class_attributes)

@@ -102,7 +102,10 @@ def rank_by(ratings: np.ndarray, names: list[str]) -> list[str]:
 def model_level_agreement(scores: np.ndarray, data: Pairs, valid: np.ndarray, tied: np.ndarray, protocol
                           ) -> tuple[dict[str, float], int]:
     """``{"spearman", "kendall_tau_b"}`` (x100) between the metric's and the humans' model rankings."""
-    from scipy.stats import kendalltau, spearmanr
+    from capeval_plugins.core.messages import require
+
+    stats = require("scipy.stats", "bench", "capeval bench's model-level agreement")
+    kendalltau, spearmanr = stats.kendalltau, stats.spearmanr
 
     pairs = np.flatnonzero(valid)
     systems = [data.pair_systems[i] for i in pairs]

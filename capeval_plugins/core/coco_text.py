@@ -443,8 +443,16 @@ def _lcs_words(flat: np.ndarray, start: np.ndarray, lengths: np.ndarray, short: 
     low = np.where(m >= WORD_BITS, np.uint64(0xFFFFFFFFFFFFFFFF),
                    np.left_shift(np.uint64(1), np.minimum(m, WORD_BITS - 1)) - np.uint64(1))
     out = np.empty(len(short), dtype=np.int64)
-    out[walk] = m.astype(np.int64) - np.bitwise_count(row & low).astype(np.int64)
+    out[walk] = m.astype(np.int64) - _popcount(row & low)
     return out
+
+
+def _popcount(words: np.ndarray) -> np.ndarray:
+    """Set bits of each uint64 (numpy 2's ``bitwise_count``; byte by byte on numpy 1.x)."""
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(words).astype(np.int64)
+    as_bytes = np.ascontiguousarray(words).view(np.uint8).reshape(len(words), 8)
+    return np.unpackbits(as_bytes, axis=1).sum(axis=1, dtype=np.int64)
 
 
 def _lcs_big(short: list[int], long_: list[int]) -> int:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -250,17 +249,15 @@ class SavedSums:
     metadata: dict[str, Any]
 
 
-def save_sums(path: str | os.PathLike, sums: Mapping[str, Tensor], dim_x: int, **metadata: Any) -> None:
-    """Write the statistics of a fit (``.npz``, no pickle) so later runs can score against it or add to it,
-    as an output through :func:`capeval_plugins.files.write_output` (replaced whole; never a link or a
-    device). ``metadata`` (e.g. the feature model) must be JSON-serialisable."""
-    from capeval_plugins import files
-
+def sums_to_bytes(sums: Mapping[str, Tensor], dim_x: int, **metadata: Any) -> bytes:
+    """The statistics of a fit as an ``.npz`` file's bytes (no pickle), so later runs can score against it or
+    add to it; writing them is the caller's (the core reads and writes no file). ``metadata`` (e.g. the
+    feature model) must be JSON-serialisable."""
     header = json.dumps({"format": _FORMAT, "dim_x": int(dim_x), **metadata}, sort_keys=True)
     arrays = {k: sums[k].detach().to("cpu", torch.float64).numpy() for k in SUM_KEYS}
     buffer = io.BytesIO()
     np.savez(buffer, header=np.array(header), **arrays)
-    files.write_output(path, buffer.getvalue(), what="saved fit")
+    return buffer.getvalue()
 
 
 MAX_JOINT_DIM = 16384  # 2 x 8192 feature dimensions: the outer-product sums alone are then 2 GiB of float64
@@ -298,15 +295,10 @@ def _check_declared(shapes: Mapping[str, tuple[tuple[int, ...], np.dtype, int]],
                             "header declares")
 
 
-def load_sums(path: str | os.PathLike) -> SavedSums:
-    """Read statistics written by :func:`save_sums`; a file that is not one (damaged, truncated, another
-    format, crafted) is a :class:`DataError` naming it. Shapes and sizes are checked from the array headers
-    before any array is read (at most :data:`MAX_JOINT_DIM` dimensions)."""
-    from capeval_plugins import files
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no saved reference Gaussian at {path}")
-    data = files.read_input(path, "saved reference Gaussian")
+def sums_from_bytes(data: bytes, name: str = "the data") -> SavedSums:
+    """Statistics written by :func:`sums_to_bytes`; data that is not such a file (damaged, truncated, another
+    format) is a :class:`DataError` naming ``name``."""
+    path = name
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
             _check_declared(_member_shapes(npz, path), path)

@@ -149,13 +149,15 @@ def default_cache_dir() -> Path:
 
 
 class CachedGenerator(TextToImage):
-    """Wraps a generator with an on-disk cache shared by every run (and every process) that uses the same
-    folder. Files are written atomically, so concurrent DDP ranks can share one cache. ``generated`` and
+    """Wraps a generator with a cache shared by every run (and every process) that uses the same ``store``:
+    where the images are kept, as PNG bytes (``store.read(sub, name) -> bytes | None`` and
+    ``store.write(sub, name, data)``, written atomically so concurrent DDP ranks can share it; e.g.
+    :class:`capeval_plugins.files.CacheFolder`, for the core reads and writes no file itself). ``generated`` and
     ``reused`` count what happened in this process."""
 
-    def __init__(self, generator: TextToImage, cache_dir: str | os.PathLike | None = None):
+    def __init__(self, generator: TextToImage, store: Any):
         self.generator = generator
-        self.cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.store = store
         self.generated = 0
         self.reused = 0
         self._lock = threading.Lock()
@@ -163,54 +165,51 @@ class CachedGenerator(TextToImage):
     def identity(self) -> dict[str, Any]:
         return self.generator.identity()
 
-    def path(self, caption: str, seed: int) -> Path:
+    def entry(self, caption: str, seed: int) -> tuple[str, str]:
+        """Where the image of ``(caption, seed)`` is kept in the store: a subfolder and a name."""
         key = cache_key(self.identity(), caption, seed)
-        return self.cache_dir / key[:2] / f"{key}.png"
+        return key[:2], f"{key}.png"
+
+    def path(self, caption: str, seed: int) -> Path:
+        """The entry's file, for a store in a folder (``store.root``)."""
+        return Path(self.store.root).joinpath(*self.entry(caption, seed))
 
     def generate(self, captions: Sequence[str], seeds: Sequence[int]) -> list:
         if len(captions) != len(seeds):
             raise ValueError(f"got {len(seeds)} seeds for {len(captions)} captions")
         wanted = list(dict.fromkeys(zip(captions, (int(s) for s in seeds))))
-        found = {k: self._read(self.path(*k)) for k in wanted}
+        found = {k: self._read(*self.entry(*k)) for k in wanted}
         missing = [k for k, image in found.items() if image is None]
         if missing:
             fresh = self.generator.generate([c for c, _ in missing], [s for _, s in missing])
             for key, image in zip(missing, fresh):
-                self._write(self.path(*key), image, *key)
+                self._write(self.entry(*key), image, *key)
                 found[key] = image
         with self._lock:
             self.generated += len(missing)
             self.reused += len(wanted) - len(missing)
         return [found[(c, int(s))] for c, s in zip(captions, seeds)]
 
-    @staticmethod
-    def _read(path: Path):
-        if not path.is_file():
-            return None
+    def _read(self, sub: str, name: str):
         from PIL import Image
 
-        from capeval_plugins import files
-
-        try:  # by descriptor, no link followed: a cache entry is a file the package wrote
-            with files.Folder.open(path.parent)[0] as folder:
-                data = folder.read(path.name)
+        data = self.store.read(sub, name)  # None: not there, a link, not a regular file
+        if data is None:
+            return None
+        try:
             with Image.open(io.BytesIO(data)) as img:
                 return img.convert("RGB")
-        except (OSError, files.FileError, TypeError):  # a link, a truncated file from a killed run: generate again
+        except (OSError, TypeError):  # a truncated file from a killed run: generate again
             return None
 
-    def _write(self, path: Path, image, caption: str, seed: int) -> None:
+    def _write(self, entry: tuple[str, str], image, caption: str, seed: int) -> None:
         from PIL.PngImagePlugin import PngInfo
-
-        from capeval_plugins import files
 
         info = PngInfo()
         info.add_itxt(_PNG_KEY, json.dumps({"identity": self.identity(), "caption": caption, "seed": seed}))
         buffer = io.BytesIO()
         image.save(buffer, format="PNG", pnginfo=info)
-        root, _ = files.Folder.open(self.cache_dir, create=True, mine=True)
-        with root, root.sub(path.parent.name, create=True) as folder:
-            folder.write(path.name, buffer.getvalue())  # a new file renamed over: concurrent ranks are safe
+        self.store.write(*entry, buffer.getvalue())  # a new file renamed over: concurrent ranks are safe
 
 
 def read_index(path: str | os.PathLike) -> dict[str, str]:

@@ -938,7 +938,8 @@ def _check_index(image_index: Sequence[int] | Tensor, n: int) -> list[int]:
 
 
 def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+    oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
+    return isinstance(err, oom) or "out of memory" in str(err).lower()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -17,6 +17,7 @@ METEOR and SPICE are the jars pycocoevalcap ships, METEOR through :mod:`capeval_
 from __future__ import annotations
 
 import abc
+import importlib.util
 import math
 import os
 import subprocess
@@ -212,11 +213,9 @@ def java_output() -> Iterator[None]:
 
 def _pycocoevalcap_file(*parts: str) -> str:
     """A file shipped inside pycocoevalcap (its jars), found without importing its modules."""
-    import importlib.util
-
     spec = importlib.util.find_spec("pycocoevalcap")
     if spec is None or not spec.submodule_search_locations:
-        raise MissingExtra("the classic COCO metrics need pycocoevalcap (pip install pycocoevalcap)")
+        raise MissingExtra("the classic COCO metrics' PTB tokenizer and jars", "pycocoevalcap", "pycocoevalcap")
     return str(Path(next(iter(spec.submodule_search_locations)), *parts))
 
 
@@ -298,6 +297,9 @@ class CocoMetric(Metric):
 
     def requirements(self) -> list[Requirement]:
         needs = super().requirements()
+        if self.config.tokenize or self.java_name:  # the jars are pycocoevalcap's (an extra)
+            needs.append(Requirement("module", "pycocoevalcap", self.java_name or "PTB tokenisation",
+                                     install_extra("pycocoevalcap")))
         if self.config.tokenize:
             needs.append(Requirement("java", "PTB tokenisation", remedy="pass tokenize=False for text that is "
                                      "already tokenised"))
@@ -488,8 +490,10 @@ class Spice(CocoMetric):
         remedy = ("pycocoevalcap downloads Stanford CoreNLP 3.6.0 on first use (needs network): run "
                   "`python -c \"from pycocoevalcap.spice.spice import Spice; Spice()\"` once online, or copy the "
                   "jar from stanford-corenlp-full-2015-12-09.zip into that folder")
-        return super().requirements() + [Requirement("file", str(jar), "SPICE (Stanford CoreNLP 3.6.0)", remedy)
-                                         for jar in spice_jars()]
+        needs = super().requirements()
+        if importlib.util.find_spec("pycocoevalcap") is None:  # said by the module requirement
+            return needs
+        return needs + [Requirement("file", str(jar), "SPICE (Stanford CoreNLP 3.6.0)", remedy) for jar in spice_jars()]
 
     def score_corpus(self, corpus, state):
         from pycocoevalcap.spice.spice import Spice as CocoSpice

@@ -29,6 +29,7 @@ from capeval_plugins.core.generation import (
     StableDiffusion3,
     TextToImage,
     caption_seed,
+    default_cache_dir,
 )
 
 CITATION = """@article{dahal2025redemption,
@@ -86,7 +87,11 @@ def build_generator(cfg: DinoCycleConfig) -> TextToImage:
         guidance_scale=cfg.guidance_scale, batch_size=cfg.generator_batch_size, device=cfg.device,
         dtype=cfg.generator_dtype, revision=cfg.generator_revision, local_files_only=cfg.local_files_only,
     )
-    return CachedGenerator(sd3, cfg.cache_dir) if cfg.cache else sd3
+    if not cfg.cache:
+        return sd3
+    from capeval_plugins.files import CacheFolder
+
+    return CachedGenerator(sd3, CacheFolder(cfg.cache_dir or default_cache_dir()))
 
 
 def segment_reduce(values: Tensor, segments: Tensor, n: int, how: str) -> Tensor:

@@ -9,6 +9,7 @@ only the candidate pairs' sums are, so the whole state and a DDP sync are O(D^2)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -86,7 +87,7 @@ class MID(Metric):
 
     def __init__(self, **config: Any) -> None:
         super().__init__(**config)
-        self._saved = gaussian.load_sums(self.config.reference_gaussian) if self.config.reference_gaussian else None
+        self._saved = load_fit(self.config.reference_gaussian) if self.config.reference_gaussian else None
         fitted_with = self._saved.metadata.get("model") if self._saved is not None else None
         if fitted_with not in (None, self.config.model):
             warnings.warn(f"mid: the reference Gaussian was fitted on features of {fitted_with!r}, but this "
@@ -107,17 +108,22 @@ class MID(Metric):
         return feature_dim(self.encoder.model.config)
 
     def check_corpus(self, size: CorpusSize) -> FitProblem | None:
-        """The fit on this corpus's (image, reference) pairs needs more pairs than joint dimensions (2D)
-        unless ``covariance_eps > 0``, and at least 2 pairs in any case. D is read from the model's config
+        """The fit on this corpus's (image, reference) pairs (:meth:`fit_problem`), or a saved fit's dimension
+        against the model's, before anything is loaded."""
+        if self._saved is None:
+            return self.fit_problem(size)
+        dim = self._config_dim()
+        if dim is not None and dim != self._saved.dim_x:
+            return FitProblem(f"the saved reference Gaussian {self.config.reference_gaussian} was fitted on "
+                              f"{self._saved.dim_x}-dimensional features, but {self.config.model} gives "
+                              f"{dim}-dimensional ones", ("fit it again with this model (MID.fit_reference)",
+                                                          "give the model it was fitted with"))
+        return None
+
+    def fit_problem(self, size: CorpusSize) -> FitProblem | None:
+        """A fit on the (image, reference) pairs of a corpus of ``size`` needs more pairs than joint dimensions
+        (2D) unless ``covariance_eps > 0``, and at least 2 pairs in any case. D is read from the model's config
         file, not its weights; a config that cannot be read is left to the model loader."""
-        if self._saved is not None:
-            dim = self._config_dim()
-            if dim is not None and dim != self._saved.dim_x:
-                return FitProblem(f"the saved reference Gaussian {self.config.reference_gaussian} was fitted on "
-                                  f"{self._saved.dim_x}-dimensional features, but {self.config.model} gives "
-                                  f"{dim}-dimensional ones", ("fit it again with this model (MID.fit_reference)",
-                                                              "give the model it was fitted with"))
-            return None
         counts = size.reference_counts
         pairs = sum(counts) if self.config.fit_pairs == "all_references" else sum(1 for c in counts if c)
         if pairs < 2:
@@ -247,27 +253,64 @@ class MID(Metric):
     ) -> dict[str, Tensor]:
         """Fit the reference Gaussian on (image, reference) pairs only, e.g. a deduplicated corpus or a
         larger one than a later run scores, and optionally save it for ``reference_gaussian=save_to``.
-        Returns the summed statistics."""
-        from capeval_plugins.inputs import InputError, check_references, iter_batches, prepare_samples
+        Returns the summed statistics. The pairs stream through the runner's session like any corpus: the same
+        checks (a fit on too few pairs is refused before the model loads), batches and merge."""
+        from capeval_plugins import files, runner
 
         if save_to is not None:  # refused now, not after the fit: a link, a folder, the model's own files
-            from capeval_plugins import files
-
             files.check_output(save_to, [self.config.model] if os.path.exists(self.config.model) else [], "save_to")
-        refs = check_references(self.info, references, len(references) if references is not None else 0)
-        if refs is None:
+        from capeval_plugins.inputs import InputError
+
+        if references is None:
             raise InputError("fit_reference needs references")
-        samples = prepare_samples(self.info, images, [r[0] for r in refs], refs)
-        enc, sums = self.encoder, gaussian.empty_sums(2 * self.dim)
-        for batch in iter_batches(samples, self.config.batch_size, progress=progress, desc="mid fit"):
-            texts, owner = self.reference_pairs(batch.references)
-            image_feats = enc.encode_images(batch.images)[batch.image_index.to(enc.device)]
-            owner_t = torch.tensor(owner, device=image_feats.device)
-            part = gaussian.joint_sums(image_feats[owner_t], enc.encode_texts(texts))
-            sums = gaussian.merge_sums(sums, {k: v.cpu() for k, v in part.items()})
+        fit = ReferenceFit(self)
+        # each sample's first reference stands for its caption: the fit reads only images and references
+        candidates = [r if isinstance(r, str) else (list(r) or [""])[0] for r in references]
+        corpus = runner.Corpus(candidates, images, references)
+        state = runner.Session({fit.info.name: fit}).fold(corpus, progress=progress, desc="mid fit")[fit.info.name]
+        sums = {k: state[FIT[k]] for k in gaussian.SUM_KEYS}
         if save_to is not None:
-            gaussian.save_sums(save_to, sums, self.dim, model=self.config.model, fit_pairs=self.config.fit_pairs)
+            files.write_output(save_to, gaussian.sums_to_bytes(sums, self.dim, model=self.config.model,
+                                                               fit_pairs=self.config.fit_pairs), what="saved fit")
         return sums
+
+
+class ReferenceFit(Metric):
+    """MID's reference Gaussian alone, as a metric a session streams: the sums of the (image, reference) pairs
+    of each batch (``fit_pairs`` selects them). It shares its MID's configuration and encoder."""
+
+    info = dataclasses.replace(MID.info, references="always")  # its errors name "mid", as scoring's do
+    Config = MIDConfig
+
+    def __init__(self, mid: MID) -> None:
+        self.mid = mid
+        self.config = mid.config
+
+    def check_corpus(self, size: CorpusSize) -> FitProblem | None:
+        return self.mid.fit_problem(size)
+
+    def states(self) -> dict[str, StateSpec]:
+        return {FIT[k]: s for k, s in sum_specs(2 * self.mid.dim).items()}
+
+    def map(self, batch: Batch) -> dict[str, Tensor]:
+        enc = self.mid.encoder
+        texts, owner = self.mid.reference_pairs(batch.references)
+        image_feats = enc.encode_images(batch.images)[batch.image_index.to(enc.device)]
+        owner_t = torch.tensor(owner, device=image_feats.device)
+        sums = gaussian.joint_sums(image_feats[owner_t], enc.encode_texts(texts))
+        return {FIT[k]: v for k, v in sums.items()}
+
+    def finalize(self, state: dict[str, Tensor]) -> MetricResult:
+        raise NotImplementedError("a reference fit is folded (runner.Session.fold), not finalized")
+
+
+def load_fit(path: str) -> gaussian.SavedSums:
+    """A reference Gaussian saved by :meth:`MID.fit_reference` (read here; parsed by the core)."""
+    from capeval_plugins import files
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no saved reference Gaussian at {path}")
+    return gaussian.sums_from_bytes(files.read_input(path, "saved reference Gaussian"), str(path))
 
 
 def feature_dim(config: Any) -> int:
