@@ -414,6 +414,11 @@ def _run(convert, as_json: bool) -> int:
     return 0
 
 
+def add_parser(subparsers) -> None:
+    """Nothing at the top level: this module's kinds are ``capeval convert pacs|polos`` (:func:`add_parsers`, called
+    by ``commands/convert.py``); ``commands.add_all`` calls this for every module of the package."""
+
+
 def add_parsers(kinds) -> None:
     p = kinds.add_parser("pacs", help="PAC-S / PAC-S++ (clip_ViT-B-32.pth, openClip_ViT-L-14.pth, PAC++_clip_*.pth)",
                          description="Convert a released PAC-S or PAC-S++ checkpoint (aimagelab/pacscore) into a "
