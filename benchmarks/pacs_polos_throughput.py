@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import capeval_plugins
-    from capeval_plugins.commands.convert_official import convert_pacs, convert_polos
+    from capeval_plugins.commands.convert_official import convert_pacs, convert_polos, read_released
     from capeval_plugins.core.encoders.openai_clip import OPENAI_MEAN, OPENAI_STD
     from capeval_plugins.testing import official, official_code
     from capeval_plugins.testing.corpus import caption_corpus
@@ -124,7 +124,6 @@ def main() -> None:
     if args.size == "base":  # the released regressor's widths on these encoders
         import io
 
-        from capeval_plugins.commands.convert_official import read_released
         ckpt = read_released(source)[0]
         st = official.polos_state(0, root / "roberta", official.bpe_vocabulary_size(bpe), hidden_sizes=(2304, 1152))
         clip_state = official.openai_clip_state(0, official.bpe_vocabulary_size(bpe), **shape)
@@ -137,7 +136,7 @@ def main() -> None:
         source.write_bytes(buffer.getvalue())
         (folder / "hparams.yaml").write_text(official.POLOS_HPARAMS.replace("'24,12'", "'2304,1152'"))
     convert_polos(source, root / "polos", text_tokenizer=str(root / "roberta"), clip_tokenizer=str(bpe))
-    state = torch.load(source, weights_only=True)["state_dict"]
+    state = read_released(source)[0]["state_dict"]  # a Lightning-style file (its hyper-parameters: a Namespace)
     reference = official_code.polos_reference(modules, state, str(root / "roberta"), hidden)
     reference.clip_preprocess = official_code.torchvision_transform(size, OPENAI_MEAN, OPENAI_STD)
     samples = [{"img": i, "mt": c, "refs": list(r)} for i, c, r in zip(images, candidates, references)]
