@@ -8,7 +8,7 @@ references in batches of 256 and takes each candidate's maximum in a Python loop
 ``predict(batch_size=32)``. Ours: ``capeval_plugins.load(...)`` on the converted checkpoint (each image once for its
 captions, every text of a batch in one pass).
 
-    python benchmarks/pacs_polos_throughput.py [--images 16 --captions-per-image 4 --repeats 2 --size base|tiny]
+    python benchmarks/pacs_polos_throughput.py [--images 16 --captions-per-image 4 --repeats 3 --size base|tiny]
 
 Random weights of the real architectures (``--size base``: CLIP ViT-B/32 and RoBERTa-base widths; ``tiny``: the
 tests' widths); the ratio is what counts (timings on a shared machine move together).
@@ -27,13 +27,24 @@ import torch
 warnings.simplefilter("ignore")
 
 
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def rounds(official, ours, repeats: int) -> tuple[float, float, float, float]:
+    """Interleaved rounds (official first, then ours, alternating the order): the best wall and process-CPU
+    seconds of each side."""
+    times: dict[str, list[tuple[float, float]]] = {"official": [], "ours": []}
+    for r in range(repeats):
+        order = (("official", official), ("ours", ours)) if r % 2 == 0 else (("ours", ours), ("official", official))
+        for name, fn in order:
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    best = {k: (min(w for w, _ in v), min(c for _, c in v)) for k, v in times.items()}
+    return (*best["official"], *best["ours"])
+
+
+def report(what: str, n: int, official_wall: float, official_cpu: float, ours_wall: float, ours_cpu: float) -> None:
+    print(f"{what}: official {n / official_wall:.1f} captions/s ({official_cpu:.2f} CPU-s), capeval "
+          f"{n / ours_wall:.1f} captions/s ({ours_cpu:.2f} CPU-s), ratio {official_wall / ours_wall:.2f}x wall, "
+          f"{official_cpu / ours_cpu:.2f}x CPU")
 
 
 def main() -> None:
@@ -41,12 +52,12 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=16)
     parser.add_argument("--captions-per-image", type=int, default=4)
     parser.add_argument("--references", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--size", choices=("base", "tiny"), default="base")
     args = parser.parse_args()
 
     import capeval_plugins
-    from capeval_plugins.commands.convert_official import convert_pacs, convert_polos
+    from capeval_plugins.commands.convert_official import convert_pacs, convert_polos, read_released
     from capeval_plugins.core.encoders.openai_clip import OPENAI_MEAN, OPENAI_STD
     from capeval_plugins.testing import official, official_code
     from capeval_plugins.testing.corpus import caption_corpus
@@ -75,7 +86,7 @@ def main() -> None:
     model = official_code.openai_clip(modules, state)
     transform = official_code.torchvision_transform(size, OPENAI_MEAN, OPENAI_STD)
 
-    def official_pacs() -> None:
+    def official_pacs() -> np.ndarray:
         with torch.no_grad():
             feats = [model.encode_image(torch.stack([transform(i) for i in images[s:s + 64]])).numpy()
                      for s in range(0, n, 64)]
@@ -94,11 +105,11 @@ def main() -> None:
 
     ours_metric = capeval_plugins.load("pacscore", model=str(root / "pacs"), batch_size=64)
     ours_metric(images[:2], candidates[:2], references[:2])  # load once
-    official_pacs()
-    t_official = best_of(official_pacs, args.repeats)
-    t_ours = best_of(lambda: ours_metric(images, candidates, references), args.repeats)
-    print(f"PAC-S+RefPAC-S ({args.size}, {n} captions, {args.images} images, {args.references} refs): official "
-          f"{n / t_official:.1f} captions/s, capeval {n / t_ours:.1f} captions/s, ratio {t_official / t_ours:.2f}x")
+    result = ours_metric(images, candidates, references)
+    gap = np.abs(result.extras["refpacscore"].numpy() - official_pacs()).max()
+    setting = f"{args.size}, {n} captions, {args.images} images, {args.references} refs"
+    report(f"PAC-S+RefPAC-S ({setting}; max |RefPAC-S difference| {gap:.1e})", n,
+           *rounds(official_pacs, lambda: ours_metric(images, candidates, references), args.repeats))
 
     # Polos
     from capeval_plugins.testing.text_encoders import build_roberta
@@ -124,7 +135,6 @@ def main() -> None:
     if args.size == "base":  # the released regressor's widths on these encoders
         import io
 
-        from capeval_plugins.commands.convert_official import read_released
         ckpt = read_released(source)[0]
         st = official.polos_state(0, root / "roberta", official.bpe_vocabulary_size(bpe), hidden_sizes=(2304, 1152))
         clip_state = official.openai_clip_state(0, official.bpe_vocabulary_size(bpe), **shape)
@@ -137,16 +147,14 @@ def main() -> None:
         source.write_bytes(buffer.getvalue())
         (folder / "hparams.yaml").write_text(official.POLOS_HPARAMS.replace("'24,12'", "'2304,1152'"))
     convert_polos(source, root / "polos", text_tokenizer=str(root / "roberta"), clip_tokenizer=str(bpe))
-    state = torch.load(source, weights_only=True)["state_dict"]
+    state = read_released(source)[0]["state_dict"]  # a Lightning-style file (its hyper-parameters: a Namespace)
     reference = official_code.polos_reference(modules, state, str(root / "roberta"), hidden)
     reference.clip_preprocess = official_code.torchvision_transform(size, OPENAI_MEAN, OPENAI_STD)
     samples = [{"img": i, "mt": c, "refs": list(r)} for i, c, r in zip(images, candidates, references)]
     polos = capeval_plugins.load("polos", model=str(root / "polos"), batch_size=32)
     polos(images[:2], candidates[:2], references[:2])
-    t_official = best_of(lambda: reference.predict(samples, batch_size=32), args.repeats)
-    t_ours = best_of(lambda: polos(images, candidates, references), args.repeats)
-    print(f"Polos ({args.size}, {n} captions, {args.images} images, {args.references} refs): official "
-          f"{n / t_official:.1f} captions/s, capeval {n / t_ours:.1f} captions/s, ratio {t_official / t_ours:.2f}x")
+    report(f"Polos ({setting})", n, *rounds(lambda: reference.predict(samples, batch_size=32),
+                                            lambda: polos(images, candidates, references), args.repeats))
 
 
 if __name__ == "__main__":

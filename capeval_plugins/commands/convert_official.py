@@ -10,6 +10,13 @@ checkpoint also names Lightning classes (callback types as keys, hyper-parameter
 those (``pytorch_lightning.*``, ``lightning.*``, ``lightning_fabric.*``, ``argparse.Namespace``), is rebuilt as an
 inert stand-in that never runs code; any other global (``os.system``, ``builtins.eval``, ...) refuses the file.
 
+Before ``torch.load`` reads anything, the archive's own listing is checked: ``torch.save`` stores its members
+uncompressed under plain relative names, so a compressed member (a small file inflating to gigabytes), a name
+with ``..`` or a leading ``/``, or members declaring more bytes than the file holds refuse the file. After it,
+every weight must be a dense CPU tensor of a float or integer type, finite, and no larger than the bytes behind
+it: a stride-0 view of one number declaring a 50,000 x 50,000 matrix costs 10 GB when copied, and is refused
+first (torch checks each storage against its record, offsets and strides against their storage).
+
 Every parameter is accounted for (kept, folded in, left out on purpose, metadata; anything else is an error) and
 the report is written beside the weights (``conversion.json``, with the source's SHA-256). Without ``DST`` the
 folder is the one the metric loads by default (:func:`converted_model_dir`).
@@ -22,6 +29,7 @@ import hashlib
 import json
 import os
 import pickle
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -87,6 +95,30 @@ class _Inert(dict):
         self.__dict__["state"] = state
 
 
+def check_archive(path: Path) -> None:
+    """Refuse a zip archive ``torch.save`` could not have written, from its central directory alone (nothing is
+    inflated): a compressed member, a name that is absolute or climbs out (``..``), or members that declare more
+    bytes than the file holds. A file that is not a zip (torch's pre-1.6 format) is left to ``torch.load``."""
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as err:
+        raise ConversionError(f"{path}: not a PyTorch checkpoint ({err})") from None
+    for member in members:
+        name = member.filename
+        if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/") or ":" in name.split("/")[0]:
+            raise ConversionError(f"{path}: refused: the archive member {name!r} names a path outside the archive")
+        if member.compress_type != zipfile.ZIP_STORED:
+            raise ConversionError(f"{path}: refused: the archive member {name!r} is compressed (torch.save stores "
+                                  f"its members as they are; {member.file_size} bytes would be inflated)")
+    declared = sum(m.file_size for m in members)
+    if declared > path.stat().st_size:
+        raise ConversionError(f"{path}: refused: its members declare {declared} bytes, more than the file's "
+                              f"{path.stat().st_size}")
+
+
 def read_released(path: str | os.PathLike) -> tuple[Any, list[str]]:
     """The object pickled in ``path`` and the Lightning globals read as inert stand-ins. Only
     ``torch.load(weights_only=True)`` ever reads it; a global outside the stand-in list refuses the file."""
@@ -95,16 +127,16 @@ def read_released(path: str | os.PathLike) -> tuple[Any, list[str]]:
     path = Path(path)
     if not path.is_file():
         raise ConversionError(f"{path}: no such file")
+    check_archive(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True), []
+        return _load(path, []), []
     except pickle.UnpicklingError:
-        pass
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise ConversionError(f"{path}: not a PyTorch checkpoint ({err})") from None
+        pass  # a global outside torch's list: which ones, read from the pickle's opcodes without running it
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception as err:  # noqa: BLE001  (a damaged archive)
-        raise ConversionError(f"{path}: not a PyTorch checkpoint ({err})") from None
+    except Exception as err:  # noqa: BLE001  (a damaged archive, or torch's pre-1.6 format)
+        raise ConversionError(f"{path}: refused: not a PyTorch checkpoint whose globals can be listed "
+                              f"({_first_line(err)})") from None
     refused = [n for n in names if not (n.startswith(STAND_IN_MODULES) or n in STAND_IN_NAMES)]
     if refused:
         raise ConversionError(
@@ -112,11 +144,28 @@ def read_released(path: str | os.PathLike) -> tuple[Any, list[str]]:
             "torch.load(weights_only=True), never unpickled freely")
     stand_ins = [(type(n.rsplit(".", 1)[-1], (_Inert,), {}), n) for n in names]
     try:
+        return _load(path, stand_ins), list(names)
+    except pickle.UnpicklingError as err:
+        raise ConversionError(f"{path}: refused ({_first_line(err)})") from None
+
+
+def _load(path: Path, stand_ins: list) -> Any:
+    """``torch.load(weights_only=True)``; anything but an unlisted global (``pickle.UnpicklingError``) is the file's
+    fault and one line: torch's rebuild functions given odd arguments raise TypeError, AttributeError, ..."""
+    import torch
+
+    try:
         with torch.serialization.safe_globals(stand_ins):
-            return torch.load(path, map_location="cpu", weights_only=True), list(names)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConversionError(f"{path}: refused ({first})") from None
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise
+    except Exception as err:  # noqa: BLE001  (a hostile or damaged file: never a traceback)
+        raise ConversionError(f"{path}: not a PyTorch checkpoint ({_first_line(err)})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:300]}" if text else type(err).__name__
 
 
 def released_state_dict(path: str | os.PathLike) -> tuple[dict, Any, list[str]]:
@@ -131,7 +180,34 @@ def released_state_dict(path: str | os.PathLike) -> tuple[dict, Any, list[str]]:
     bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise ConversionError(f"{path}: {len(bad)} entries are not named tensors, e.g. {bad[:3]}")
+    check_weights(state, Path(path))
     return {k.removeprefix("module."): v for k, v in state.items()}, loaded, stand_ins
+
+
+def check_weights(state: Mapping[str, Any], path: Path) -> None:
+    """Every weight a dense CPU tensor of a float or integer type, finite, and backed by its own bytes: an
+    overlapping view (a stride of 0) may not declare more elements than its storage holds, and the distinct
+    views together no more bytes than the file (tied weights, one view under two names, count once)."""
+    import torch
+
+    seen, total = set(), 0
+    for name, t in state.items():
+        if t.layout != torch.strided or t.is_quantized or t.device.type != "cpu" or t.is_complex() or t.dtype == torch.bool:
+            raise ConversionError(f"{path}: refused: {name} is a {t.layout} {t.dtype} tensor on {t.device}; only "
+                                  "dense CPU float or integer tensors are read")
+        size = t.numel() * t.element_size()
+        if size > t.untyped_storage().nbytes() - t.storage_offset() * t.element_size():
+            raise ConversionError(f"{path}: refused: {name} declares {tuple(t.shape)} ({size} bytes) over "
+                                  f"{t.untyped_storage().nbytes()} stored bytes (an overlapping view)")
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if view not in seen:
+            seen.add(view)
+            total += size
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ConversionError(f"{path}: refused: {name} holds NaN or infinite values (a damaged file?)")
+    if total > path.stat().st_size:
+        raise ConversionError(f"{path}: refused: its weights declare {total} bytes, more than the file's "
+                              f"{path.stat().st_size} (views overlapping one storage)")
 
 
 def sha256(path: str | os.PathLike) -> str:
@@ -412,6 +488,11 @@ def _run(convert, as_json: bool) -> int:
         raise InputError(str(err)) from None
     print(json.dumps(asdict(report)) if as_json else report.summary())
     return 0
+
+
+def add_parser(subparsers) -> None:
+    """Nothing at the top level: this module's kinds are ``capeval convert pacs|polos`` (:func:`add_parsers`, called
+    by ``commands/convert.py``); ``commands.add_all`` calls this for every module of the package."""
 
 
 def add_parsers(kinds) -> None:

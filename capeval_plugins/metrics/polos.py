@@ -83,10 +83,12 @@ class Polos(PointwiseMetric):
 
     @property
     def tokenizer(self):
-        from transformers import AutoTokenizer
+        # RoBERTa's, named directly: AutoTokenizer would read the folder's config.json (a Polos one, unknown to
+        # AutoConfig) and log a warning about model types on every load.
+        from transformers import RobertaTokenizer
 
         cfg = self.config
-        return loading.load_processor(AutoTokenizer, self.checkpoint(), revision=cfg.revision,
+        return loading.load_processor(RobertaTokenizer, self.checkpoint(), revision=cfg.revision,
                                       local_files_only=cfg.local_files_only)
 
     @torch.inference_mode()
