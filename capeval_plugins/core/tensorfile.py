@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from typing import Any, Mapping
 
 from capeval_plugins.core.messages import DataError
@@ -129,10 +130,8 @@ def _declared(data: bytes | memoryview) -> int:
 def check_file(path: str | os.PathLike, what: str | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Raise :class:`TensorFileError` unless the regular file ``path`` is a consistent safetensors file; reads
     the 8-byte length and the header only (never the tensors). Returns each tensor's dtype and shape."""
-    from capeval_plugins import files
-
     name = what or os.fspath(path)
-    with files.open_input(path, "safetensors file") as f:
+    with _open_regular(path, name) as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         n = _declared(prefix)
@@ -143,6 +142,20 @@ def check_file(path: str | os.PathLike, what: str | None = None) -> dict[str, tu
         raise TensorFileError(f"{name} is not a valid safetensors file: {problem}")
     header = parse_header(prefix[8 : 8 + n])
     return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+
+
+def _open_regular(path: str | os.PathLike, name: str) -> Any:
+    """``path`` opened for reading if it is a regular file: opened non-blocking and its type checked on the
+    descriptor, so a FIFO or a device planted in a model folder cannot block or stream forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise TensorFileError(f"{name} cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TensorFileError(f"{name} is not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def load_bytes(data: bytes, what: str) -> dict[str, Any]:
