@@ -8,9 +8,11 @@ batch by batch, so a corpus of paths never sits decoded in memory.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
+import threading
 import warnings
 from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 
 from capeval_plugins import files
 from capeval_plugins.contract import Batch, MetricInfo, text_digests
@@ -542,14 +544,31 @@ def check_array(image: np.ndarray | torch.Tensor, index: int) -> None:
             )
 
 
+_strict_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _strict_decoding() -> Iterator[None]:
+    """PIL refusing truncated image data while we decode, whatever another library set: some set PIL's global
+    ``ImageFile.LOAD_TRUNCATED_IMAGES = True`` when imported (the ``polos`` package does), which would score the
+    missing part of a truncated file as grey instead of reporting the image as unreadable."""
+    with _strict_lock:
+        before = ImageFile.LOAD_TRUNCATED_IMAGES
+        ImageFile.LOAD_TRUNCATED_IMAGES = False
+        try:
+            yield
+        finally:
+            ImageFile.LOAD_TRUNCATED_IMAGES = before
+
+
 def _decode(kind: str, value: Any) -> Image.Image:
     if kind == "pil":
         return value if value.mode == "RGB" else to_rgb(value)
     if kind == "path":
-        with files.open_input(value, "image file") as f, Image.open(f) as img:
+        with files.open_input(value, "image file") as f, Image.open(f) as img, _strict_decoding():
             return to_rgb(img)
     if kind == "bytes":
-        with Image.open(io.BytesIO(value)) as img:
+        with Image.open(io.BytesIO(value)) as img, _strict_decoding():
             return to_rgb(img)
     return _array_to_pil(value)
 

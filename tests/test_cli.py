@@ -86,7 +86,20 @@ def mistake(args, tmp_path):
     return proc.returncode, lines
 
 
-def test_every_mistake_exits_2_with_one_line_naming_it(tiny_clip, tmp_path):
+def mistake_in_process(args, monkeypatch, capsys):
+    """``capeval ARGS`` through :func:`capeval_plugins.cli.main` in this process (the console script calls it):
+    its exit code and stderr lines."""
+    from capeval_plugins.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exit:  # argparse's own usage errors
+        code = exit.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_every_mistake_exits_2_with_one_line_naming_it(tiny_clip, tmp_path, monkeypatch, capsys):
     caps, imgs = str(EXAMPLES / "captions.jsonl"), str(EXAMPLES / "images")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -104,8 +117,11 @@ def test_every_mistake_exits_2_with_one_line_naming_it(tiny_clip, tmp_path):
         "names metric 'bleu4', which is not selected": base + ["-m", "clipscore", "-o", "bleu4.n=2"],
         "on_error must be one of": base + ["-m", "clipscore", "--model", tiny_clip, "-o", "on_error=maybe"],
     }
-    for expected, args in cases.items():
-        code, lines = mistake(args, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for n, (expected, args) in enumerate(cases.items()):
+        # the first through the installed command (a real process); the rest in-process: same main(), and a
+        # process start each would cost the suite 3 s
+        code, lines = mistake(args, tmp_path) if n == 0 else mistake_in_process(args[1:], monkeypatch, capsys)
         assert code == 2 and len(lines) == 1, (expected, code, lines)
         assert lines[0].startswith("capeval: error:") and expected in lines[0], (expected, lines)
     assert not (tmp_path / "no").exists()

@@ -90,8 +90,13 @@ def test_skip_keeps_every_other_score_identical_to_a_run_without_the_bad_samples
             metric(images, captions, references)
 
 
-def test_an_image_that_fails_to_decode_mid_run_is_skipped_or_named(tiny_clip, corpus, tmp_path):
-    from PIL import Image
+@pytest.mark.parametrize("pil_lenient", [False, True], ids=["pil-default", "pil-told-to-load-truncated-images"])
+def test_an_image_that_fails_to_decode_mid_run_is_skipped_or_named(tiny_clip, corpus, tmp_path, monkeypatch,
+                                                                   pil_lenient):
+    from PIL import Image, ImageFile
+
+    # another library may have told PIL to fill truncated files with grey (polos does, on import): still refused
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", pil_lenient)
 
     images, captions, _ = corpus
     good = tmp_path / "good.png"
@@ -108,6 +113,7 @@ def test_an_image_that_fails_to_decode_mid_run_is_skipped_or_named(tiny_clip, co
     assert math.isnan(result.scores[9]) and "cannot read image" in result.skipped[9]
     assert result.scores[keep].tolist() == pytest.approx(metric([images[i] for i in keep], [captions[i] for i in keep],
                                                                 ids=keep).scores.tolist(), abs=1e-6)
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is pil_lenient  # the caller's setting is left as it was
 
 
 class StopAfter:
