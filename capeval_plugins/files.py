@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from capeval_plugins.core.messages import DataError
+from capeval_plugins.core.paths import user_base
 
 Data = bytes | Callable[[BinaryIO], None]
 
@@ -197,32 +198,6 @@ def read_input(path: str | os.PathLike, what: str = "file") -> bytes:
 
 # ---------------------------------------------------------------------------------------------------------
 # The user's secret: what makes a marker the package's own
-
-
-def user_base(kind: str) -> Path:
-    """``$XDG_CONFIG_HOME`` / ``$XDG_CACHE_HOME`` (``kind``: "config" or "cache"), else ``~/.config`` /
-    ``~/.cache``. As root with another user's HOME (``sudo`` without ``-H``), root's own home instead: a
-    folder made there would belong to root and lock that user out of it."""
-    env = {"config": "XDG_CONFIG_HOME", "cache": "XDG_CACHE_HOME"}[kind]
-    base = os.environ.get(env) or os.path.join(os.path.expanduser("~"), f".{kind}")
-    if os.geteuid() == 0 and _nearest_owner(base) not in (0, None):
-        import pwd
-
-        base = os.path.join(pwd.getpwuid(0).pw_dir, f".{kind}")
-    return Path(base)
-
-
-def _nearest_owner(path: str) -> int | None:
-    """The owner of ``path``, or of its nearest existing parent."""
-    path = os.path.abspath(path)
-    while True:
-        try:
-            return os.stat(path).st_uid
-        except OSError:
-            parent = os.path.dirname(path)
-            if parent == path:
-                return None
-            path = parent
 
 
 def config_dir() -> Path:
