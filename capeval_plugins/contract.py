@@ -30,6 +30,8 @@ from torch import Tensor
 
 from capeval_plugins.core.bounds import bounded, field_problem  # noqa: F401  (bounded: for metric configs)
 from capeval_plugins.core.messages import DataError, install_extra
+from capeval_plugins.core.textcodec import (PackedTexts, decode_text_lists, decode_texts,  # noqa: F401  (re-exported)
+                                            encode_text_lists, encode_texts)
 
 INDEX = "index"
 GROUP = "group"
@@ -745,143 +747,6 @@ class CompositeMetric(Metric):
             if not torch.equal(result.indices.cpu(), state[INDEX].cpu()):
                 raise RuntimeError(f"{self.info.name}: component {name!r} reordered or dropped samples")
         return self.combine(results, state)
-
-
-@dataclass(frozen=True)
-class PackedTexts:
-    """The merged rows of a text state: ``data``, every row's bytes back to back (uint8), and ``lengths``, each
-    row's byte count. The same rows as the zero-padded ``(N, longest)`` tensor (:meth:`padded`), in the total
-    of their lengths instead of N times the longest. Rows hold no zero byte (:func:`encode_texts`)."""
-
-    data: Tensor
-    lengths: Tensor
-
-    @classmethod
-    def join(cls, parts: Sequence[Tensor | "PackedTexts"]) -> "PackedTexts":
-        """Zero-padded row blocks and packed parts, concatenated in order."""
-        data, lengths = [], []
-        for part in parts:
-            if isinstance(part, PackedTexts):
-                data.append(part.data.cpu().numpy())
-                lengths.append(part.lengths.cpu().numpy())
-                continue
-            array = part.detach().to(torch.uint8).cpu().numpy()
-            count = array.shape[0] if array.ndim else 0
-            if not array.size:  # no rows, or rows of empty texts only
-                lengths.append(np.zeros(count, np.int64))
-                continue
-            block = array.reshape(count, -1)
-            filled = block != 0
-            data.append(block[filled])  # row-major: row by row, each row's bytes in order
-            lengths.append(filled.sum(axis=1, dtype=np.int64))
-        data_ = np.concatenate(data) if data else np.zeros(0, np.uint8)
-        lengths_ = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-        return cls(torch.from_numpy(np.ascontiguousarray(data_, dtype=np.uint8)),
-                   torch.from_numpy(np.ascontiguousarray(lengths_, dtype=np.int64)))
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def _starts(self) -> np.ndarray:
-        lengths = self.lengths.numpy()
-        return np.cumsum(lengths) - lengths
-
-    def select(self, rows: Tensor) -> "PackedTexts":
-        """The rows at ``rows`` (a 1-D index tensor), in that order."""
-        rows = rows.cpu().numpy().astype(np.int64)
-        lengths = self.lengths.numpy()[rows]
-        starts = self._starts()[rows]
-        # each kept byte's position: its row's start plus its offset inside the row
-        offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        picked = self.data.numpy()[np.repeat(starts, lengths) + offsets]
-        return PackedTexts(torch.from_numpy(picked), torch.from_numpy(lengths))
-
-    def rows(self) -> list[bytes]:
-        blob = self.data.numpy().tobytes()
-        ends = np.cumsum(self.lengths.numpy()).tolist()
-        return [blob[a:b] for a, b in zip([0, *ends[:-1]], ends)]
-
-    def padded(self) -> Tensor:
-        """The ``(N, longest)`` zero-padded tensor of these rows."""
-        return _pack(self.rows())
-
-    def to(self, *args: Any, **kwargs: Any) -> "PackedTexts":
-        return self  # bytes for finalize: they stay in CPU memory
-
-    cpu = to
-
-
-def encode_texts(texts: Sequence[str], packed: bool = False) -> Tensor | PackedTexts:
-    """Strings as a ``(B, max_bytes)`` uint8 tensor (UTF-8, zero-padded), or with ``packed`` as
-    :class:`PackedTexts` (no padding): how a metric that needs the raw text at finalize (corpus statistics such as
-    CIDEr's idf) keeps it in a :data:`TEXT_STATE`, which merges across batches and DDP ranks like any state."""
-    return _encoded([t.encode("utf-8") for t in texts], packed)
-
-
-def _encoded(data: list[bytes], packed: bool) -> Tensor | PackedTexts:
-    if any(b"\x00" in d for d in data):
-        raise ValueError("texts must not contain NUL characters")
-    if packed:
-        lengths = torch.tensor([len(d) for d in data], dtype=torch.int64)
-        return PackedTexts(torch.from_numpy(np.frombuffer(b"".join(data), dtype=np.uint8).copy()), lengths)
-    return _pack(data)
-
-
-def decode_texts(rows: Tensor | PackedTexts) -> list[str]:
-    """Inverse of :func:`encode_texts`."""
-    parts = _unpack(rows)
-    return b"\x00".join(parts).decode("utf-8").split("\x00") if parts else []
-
-
-# Ends every text of a list in :func:`encode_text_lists`: a byte that never occurs in UTF-8.
-_ITEM_END = b"\xff"
-
-
-def encode_text_lists(lists: Sequence[Sequence[str]], packed: bool = False) -> Tensor | PackedTexts:
-    """Lists of strings (e.g. each sample's references) as a ``(B, max_bytes)`` uint8 tensor (or, ``packed``,
-    :class:`PackedTexts`): every string of a row in UTF-8 followed by the byte 0xFF (never part of UTF-8), rows
-    zero-padded; no JSON to write or parse, and an empty string or an empty list survive the round trip."""
-    return _encoded([b"".join(t.encode("utf-8") + _ITEM_END for t in texts) for texts in lists], packed)
-
-
-def decode_text_lists(rows: Tensor | PackedTexts) -> list[list[str]]:
-    """Inverse of :func:`encode_text_lists`. A row not in that form (e.g. a state saved by an older version)
-    raises ``ValueError``."""
-    items, counts = [], []
-    for row in _unpack(rows):
-        if row and not row.endswith(_ITEM_END):
-            raise ValueError("a text-list state row does not end its last text with 0xFF (saved in another format?)")
-        parts = row.split(_ITEM_END)[:-1]
-        items += parts
-        counts.append(len(parts))
-    texts = b"\x00".join(items).decode("utf-8").split("\x00") if items else []
-    out, at = [], 0
-    for n in counts:
-        out.append(texts[at:at + n])
-        at += n
-    return out
-
-
-def _pack(data: list[bytes]) -> Tensor:
-    """Byte strings (none holding a NUL) as the rows of a zero-padded uint8 tensor, filled in one assignment."""
-    lengths = np.fromiter(map(len, data), dtype=np.int64, count=len(data))
-    out = np.zeros((len(data), int(lengths.max(initial=0))), dtype=np.uint8)
-    if out.size:
-        out[np.arange(out.shape[1]) < lengths[:, None]] = np.frombuffer(b"".join(data), dtype=np.uint8)
-    return torch.from_numpy(out)
-
-
-def _unpack(rows: Tensor | PackedTexts) -> list[bytes]:
-    """The bytes of each row of a :func:`_pack` tensor (padding dropped) or of :class:`PackedTexts`."""
-    if isinstance(rows, PackedTexts):
-        return rows.rows()
-    raw = rows.to(torch.uint8).cpu().numpy()
-    if raw.ndim != 2 or not len(raw):
-        return [b""] * len(raw)
-    filled = raw != 0
-    ends = np.cumsum(filled.sum(axis=1))
-    blob = raw[filled].tobytes()
-    return [blob[a:b] for a, b in zip([0, *ends[:-1].tolist()], ends.tolist())]
 
 
 def nanmean(values: Tensor) -> float:

@@ -16,7 +16,7 @@ ABOVE_THE_RUNNER = ("capeval_plugins.adapters", "capeval_plugins.cli", "capeval_
                     "capeval_plugins.training")
 # module (or package prefix) -> the modules it must not import
 FORBIDDEN = {
-    # the file layer: the standard library and core.messages' error types only
+    # the file layer (the package capeval_plugins.files, all its modules): see FILE_LAYER_MAY_IMPORT
     "capeval_plugins.files": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.preflight",
                               "capeval_plugins.checkpoint", "capeval_plugins.caption_files",
                               "capeval_plugins.digests", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
@@ -37,6 +37,11 @@ FORBIDDEN = {
 # JVMs of core/java.py that use it) manages a cache folder and processes, not numerics; it belongs above the core,
 # beside the file layer (a move left for when the big modules are split, to keep parallel work mergeable).
 EXCEPTIONS = {("capeval_plugins.core.meteor_table", "capeval_plugins.files")}
+
+
+# what the file layer's modules may import of the package: each other, core.messages' error types and
+# core.paths' folder rule (and the standard library)
+FILE_LAYER_MAY_IMPORT = ("capeval_plugins.files", "capeval_plugins.core.messages", "capeval_plugins.core.paths")
 
 
 def module_name(path: Path) -> str:
@@ -73,6 +78,15 @@ def test_no_module_imports_a_floor_above_its_own(path):
         if within(name, floor):
             bad = sorted(m for m in imported(path) if any(within(m, f) for f in forbidden) and (name, m) not in EXCEPTIONS)
             assert not bad, f"{name} imports {bad}: floors only look down"
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "files").rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_file_layer_sits_on_the_core_floor(path):
+    """Every module of the split file layer stands right above the core: nothing of the package but its own
+    modules, ``core.messages`` and ``core.paths``."""
+    bad = sorted(m for m in imported(path)
+                 if m != "capeval_plugins.core" and not any(within(m, f) for f in FILE_LAYER_MAY_IMPORT))
+    assert not bad, f"{module_name(path)} imports {bad}"
 
 
 def test_the_contract_scores_through_the_runner_without_importing_it():

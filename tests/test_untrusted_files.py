@@ -727,6 +727,46 @@ def test_a_resume_that_fails_before_scoring_keeps_the_saved_progress(tmp_path, m
 # 8. Root with a user's HOME; FIFO captions; read-only file systems; conflicting options
 
 
+def every_cache_folder() -> list[Path]:
+    """Where each cache of the package would go now (evaluate's module folder only where evaluate is installed)."""
+    from capeval_plugins.bench import cache as score_cache
+    from capeval_plugins.bench import fetch
+    from capeval_plugins.core import generation, meteor_table
+    from capeval_plugins.core.encoders import openai_clip
+
+    found = [meteor_table.cache_dir(), generation.default_cache_dir(), openai_clip.converted_model_dir("pacs"),
+             fetch.cache_root(), score_cache.default_cache_path()]
+    try:
+        from capeval_plugins.adapters import hf_evaluate
+    except ImportError:
+        return found
+    return found + [hf_evaluate.cache_root() / "evaluate_modules"]
+
+
+def test_every_cache_lands_under_one_root(tmp_path, monkeypatch):
+    """Without $CAPEVAL_CACHE every cache is under $XDG_CACHE_HOME/capeval_plugins; with it, under it."""
+    monkeypatch.delenv("CAPEVAL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    folders = every_cache_folder()
+    assert all(p.is_relative_to(tmp_path / "xdg" / "capeval_plugins") for p in folders), folders
+    assert len(set(folders)) == len(folders)  # distinct subfolders: no two caches share a folder
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "mine"))
+    assert all(p.is_relative_to(tmp_path / "mine") for p in every_cache_folder())
+
+
+def test_no_module_computes_a_cache_root_of_its_own():
+    """The cache root is read from the environment in core/paths.py only (issue 44: one module had missed the
+    root/sudo rule)."""
+    import re
+
+    package = Path(capeval_plugins.__file__).parent
+    reads = re.compile(r"""(environ\b.*|getenv\()["'](CAPEVAL_CACHE|XDG_CACHE_HOME)["']"""  # the variables
+                       r"""|(expanduser\(["']~["']\)|home\(\)).*\.cache""")                   # or ~/.cache
+    offenders = [f"{p.relative_to(package)}:{n}" for p in package.rglob("*.py") if p != package / "core" / "paths.py"
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if reads.search(line)]
+    assert not offenders, offenders
+
+
 def test_root_with_another_users_home_keeps_its_files_out_of_it(tmp_path, monkeypatch):
     import pwd
 
@@ -737,13 +777,13 @@ def test_root_with_another_users_home_keeps_its_files_out_of_it(tmp_path, monkey
     else:
         monkeypatch.setattr(os, "geteuid", lambda: 0)  # as root (sudo without -H), the home someone else's
     monkeypatch.setenv("HOME", str(home))
-    for name in ("CAPEVAL_CONFIG_DIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME"):
+    for name in ("CAPEVAL_CONFIG_DIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "CAPEVAL_CACHE"):
         monkeypatch.delenv(name, raising=False)
-    from capeval_plugins.bench.cache import default_cache_path
 
     root_home = Path(pwd.getpwuid(0).pw_dir)
     assert files.config_dir() == root_home / ".config" / "capeval_plugins"
-    assert default_cache_path().is_relative_to(root_home / ".cache")
+    for where in every_cache_folder():  # METEOR's index (issue 44) and every other cache: none in alice's home
+        assert where.is_relative_to(root_home / ".cache" / "capeval_plugins") and not where.is_relative_to(home), where
     monkeypatch.setenv("HOME", str(root_home))  # root's own home: used as it is
     assert files.config_dir() == root_home / ".config" / "capeval_plugins"
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from capeval_plugins import files
 from capeval_plugins.contract import Metric
+from capeval_plugins.core import paths
 from capeval_plugins.digests import ContentDigests, unresolved
 
 # SQLite's application_id ("CPEV"): the file is capeval's score cache, whatever its rows say
@@ -56,7 +57,8 @@ class CacheError(files.FileError):
 
 
 def default_cache_path() -> Path:
-    return files.user_base("cache") / "capeval_plugins" / "bench" / "scores.sqlite"
+    """``$CAPEVAL_CACHE/bench/scores.sqlite``, else ``$XDG_CACHE_HOME/capeval_plugins/bench/scores.sqlite``."""
+    return paths.cache_dir("bench") / "scores.sqlite"
 
 
 def digest(payload: Any) -> str:

@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import xxhash
 
 from capeval_plugins import files
+from capeval_plugins.core import paths
 from capeval_plugins.core.messages import DataError, install_extra
 
 KIND = "benchmark data"
@@ -102,11 +103,9 @@ class Fetched:
 
 
 def cache_root() -> Path:
-    """``$CAPEVAL_CACHE/benchmarks``, else ``$XDG_CACHE_HOME/capeval_plugins/benchmarks`` (``~/.cache``)."""
-    if os.environ.get("CAPEVAL_CACHE"):
-        return Path(os.environ["CAPEVAL_CACHE"]) / "benchmarks"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "capeval_plugins" / "benchmarks"
+    """``$CAPEVAL_CACHE/benchmarks``, else ``$XDG_CACHE_HOME/capeval_plugins/benchmarks`` (``~/.cache``; see
+    :func:`capeval_plugins.core.paths.cache_dir`)."""
+    return paths.cache_dir("benchmarks")
 
 
 def fetchable(benchmark: str) -> bool:

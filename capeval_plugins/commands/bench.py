@@ -67,7 +67,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the JSON report here")
     p.add_argument("--plot", metavar="DIR", help="write <benchmark>.png into this folder")
     p.add_argument("--cache", metavar="FILE",
-                   help="score cache (default: ~/.cache/capeval_plugins/bench/scores.sqlite)")
+                   help="score cache (default: $CAPEVAL_CACHE/bench/scores.sqlite, else "
+                        "~/.cache/capeval_plugins/bench/scores.sqlite)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write cached scores")
     p.add_argument("--bootstrap", type=cli_number(int, ge=0), default=1000, metavar="N",
                    help="bootstrap replicates (0: none)")

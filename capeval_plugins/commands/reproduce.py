@@ -51,7 +51,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the rows and the runs as JSON here")
     p.add_argument("--markdown", dest="markdown_out", metavar="OUT", help="write the status table here")
     p.add_argument("--cache", metavar="FILE",
-                   help="score cache (default: ~/.cache/capeval_plugins/bench/scores.sqlite)")
+                   help="score cache (default: $CAPEVAL_CACHE/bench/scores.sqlite, else "
+                        "~/.cache/capeval_plugins/bench/scores.sqlite)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write cached scores")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_reproduce)

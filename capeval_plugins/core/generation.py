@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from capeval_plugins.core import jsonio, loading
+from capeval_plugins.core import jsonio, loading, paths
 from capeval_plugins.core.messages import DataError, MissingExtra, install_extra
 
 SD3_MODEL = "stabilityai/stable-diffusion-3-medium-diffusers"
@@ -141,11 +141,9 @@ def cache_key(identity: Mapping[str, Any], caption: str, seed: int) -> str:
 
 
 def default_cache_dir() -> Path:
-    """``$CAPEVAL_CACHE/generated``, else ``$XDG_CACHE_HOME/capeval_plugins/generated`` (``~/.cache``)."""
-    if os.environ.get("CAPEVAL_CACHE"):
-        return Path(os.environ["CAPEVAL_CACHE"]) / "generated"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "capeval_plugins" / "generated"
+    """``$CAPEVAL_CACHE/generated``, else ``$XDG_CACHE_HOME/capeval_plugins/generated`` (``~/.cache``; see
+    :func:`capeval_plugins.core.paths.cache_dir`)."""
+    return paths.cache_dir("generated")
 
 
 class CachedGenerator(TextToImage):

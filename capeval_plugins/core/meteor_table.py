@@ -69,12 +69,13 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
+from capeval_plugins.core import paths
 from capeval_plugins.core.coco_text import _ranges
 from capeval_plugins.core.messages import warn_once
 
 FORMAT = 3                  # of the index files; a new format replaces the package's old one
 BLOCK = 1024                # entries per zlib block of B lines in the index
-CACHE_ENV = "CAPEVAL_CACHE"  # relocates every capeval cache: this one is $CAPEVAL_CACHE/meteor
+CACHE_ENV = paths.CACHE_ENV  # relocates every capeval cache: this one is $CAPEVAL_CACHE/meteor
 QUIET_ENV = "CAPEVAL_QUIET"
 INDEX_KIND = "meteor-paraphrase-index"
 LOCK = "build.lock"
@@ -568,11 +569,9 @@ class ParaphraseIndex:
 
 
 def cache_dir() -> Path:
-    """``$CAPEVAL_CACHE/meteor``, else ``$XDG_CACHE_HOME/capeval_plugins/meteor`` (``~/.cache``)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]) / "meteor"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "capeval_plugins" / "meteor"
+    """``$CAPEVAL_CACHE/meteor``, else ``$XDG_CACHE_HOME/capeval_plugins/meteor`` (``~/.cache``; as root with
+    another user's HOME, root's own: see :func:`capeval_plugins.core.paths.cache_dir`)."""
+    return paths.cache_dir("meteor")
 
 
 _loaded: dict[tuple, ParaphraseIndex | None] = {}

@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from capeval_plugins.core import loading
+from capeval_plugins.core import loading, paths
 from capeval_plugins.core.encoders.clip import ClipEncoder
 from capeval_plugins.core.encoders.common import EncoderSpec, pooled
 
@@ -41,11 +41,9 @@ _WHITESPACE = re.compile(r"\s+")
 
 def converted_model_dir(name: str) -> Path:
     """Where ``capeval convert pacs|polos`` puts a released checkpoint by default and where the metrics look for it:
-    ``$CAPEVAL_CACHE/models/NAME``, else ``$XDG_CACHE_HOME/capeval_plugins/models/NAME`` (``~/.cache``)."""
-    if os.environ.get("CAPEVAL_CACHE"):
-        return Path(os.environ["CAPEVAL_CACHE"]) / "models" / name
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "capeval_plugins" / "models" / name
+    ``$CAPEVAL_CACHE/models/NAME``, else ``$XDG_CACHE_HOME/capeval_plugins/models/NAME`` (``~/.cache``; see
+    :func:`capeval_plugins.core.paths.cache_dir`)."""
+    return paths.cache_dir("models") / name
 
 
 def clean_text(text: str) -> str:
