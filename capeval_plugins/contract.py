@@ -13,6 +13,10 @@ The contract itself adds three ``"cat"`` states to every metric: the global samp
 are dropped and input order is restored whatever the batching or sharding), the group id (for metrics that
 look at all candidates of one image) and a digest of each sample's content (so an index given twice for two
 different samples is an error, never a silently dropped sample).
+
+Why one module of ~750 lines: it is the whole contract a metric author reads (docs/contract.md follows it top to
+bottom), its parts (states, info, batch, result, configuration, the Metric classes, the reduce and the finalize)
+are short and refer to one another; the text codec the states use lives in :mod:`capeval_plugins.core.textcodec`.
 """
 from __future__ import annotations
 

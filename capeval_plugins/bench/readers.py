@@ -1,6 +1,9 @@
 """Readers for the public files of caption-evaluation benchmarks. Each docstring names the published format it
 reads. Captions are whitespace-normalised (as the CLIPScore / PAC-S code does); every error names the file and
-the record."""
+the record.
+
+Why one module of ~830 lines: one short reader per benchmark format (a new benchmark adds one function), all on
+the record helpers at the top; split, the readers would scatter over modules that share everything."""
 from __future__ import annotations
 
 import ast

@@ -49,6 +49,10 @@ listed as the package's, the metadata last, signed with the user's key and with 
 The tables written for the JVMs go to private folders of TMPDIR (``capeval-meteor-*``), each with a signed
 marker and an in-use lock, so the folders a killed run left are recognised and removed by the next run
 (:func:`sweep_temp_tables`); ``capeval cache`` shows and clears both.
+
+Why one module of ~800 lines: the table's format, the index built from it, the cut for one corpus and the
+cache that keeps the index are one file format read and written together, and the argument above for why the
+cut changes no score is about all of them at once.
 """
 from __future__ import annotations
 
