@@ -615,11 +615,43 @@ def _array_to_pil(image: np.ndarray | torch.Tensor) -> Image.Image:
 def group_by_image(samples: Samples) -> list[int]:
     """Positions reordered so that captions of the same image are adjacent (first appearance order), so a
     batch holds all of an image's candidates and encodes the image once."""
+    return image_runs(samples)[0]
+
+
+def image_runs(samples: Samples) -> tuple[list[int], list[int]]:
+    """:func:`group_by_image`'s order and the number of captions of each image along it (text only: one
+    sample per run)."""
     if samples.images is None:
-        return list(range(len(samples)))
+        return list(range(len(samples))), [1] * len(samples)
     first: dict[Any, int] = {}
     rank = [first.setdefault(src.key, len(first)) for src in samples.images]
-    return sorted(range(len(samples)), key=lambda p: rank[p])
+    order = sorted(range(len(samples)), key=lambda p: rank[p])
+    return order, np.bincount(np.asarray(rank, dtype=np.int64), minlength=len(first)).tolist()
+
+
+def image_batches(samples: Samples, batch_size: int) -> list[list[int]]:
+    """The positions of each batch of at most ``batch_size`` samples, in :func:`group_by_image`'s order, a
+    batch ending at an image boundary wherever the next image's captions do not fit in it: an image's work
+    (its encoding, an LVLM judge's prompt prefix) is done once, not once per batch it straddles. An image
+    with more than ``batch_size`` captions fills whole batches of its own, its remainder opening the next
+    batch. Without images: consecutive slices of ``batch_size``."""
+    if batch_size < 1:
+        raise InputError(f"batch_size must be at least 1, got {batch_size}")
+    order, runs = image_runs(samples)
+    if samples.images is None:
+        return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    cuts, start, end = [], 0, 0  # the open batch is order[start:end]
+    for run in runs:
+        if end + run - start > batch_size and end > start:  # this image does not fit: close the batch
+            cuts.append((start, end))
+            start = end
+        end += run
+        while end - start > batch_size:  # an image larger than a batch
+            cuts.append((start, start + batch_size))
+            start += batch_size
+    if end > start:
+        cuts.append((start, end))
+    return [order[a:b] for a, b in cuts]
 
 
 def to_batch(samples: Samples, load: Callable[[ImageSource], Any] | None = None) -> Batch:
@@ -679,18 +711,17 @@ def _pixels(image: Any) -> bytes:
 def iter_batches(
     samples: Samples, batch_size: int, *, progress: bool = False, desc: str | None = None
 ) -> Iterator[Batch]:
-    """Batches of at most ``batch_size`` samples, candidates of one image kept together where they fit."""
-    if batch_size < 1:
-        raise InputError(f"batch_size must be at least 1, got {batch_size}")
-    order = group_by_image(samples)
+    """Batches of at most ``batch_size`` samples, candidates of one image kept together where they fit
+    (:func:`image_batches`)."""
+    plan = image_batches(samples, batch_size)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(samples), desc=desc, unit="sample")
     try:
-        for start in range(0, len(order), batch_size):
-            chunk = samples.subset(order[start : start + batch_size])
+        for positions in plan:
+            chunk = samples.subset(positions)
             yield to_batch(chunk)
             if bar is not None:
                 bar.update(len(chunk))

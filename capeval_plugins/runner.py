@@ -51,8 +51,8 @@ from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, Metri
                                       content_digest, finalize_state, full_spec, map_batch, merge_states)
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.files import FileError
-from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, group_by_image,
-                                    to_batch, validate_samples)
+from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, image_batches,
+                                    image_runs, to_batch, validate_samples)
 
 Describe = Callable[[int], str]
 
@@ -545,10 +545,9 @@ class Session:
         return self._specs[name]
 
     def batches(self, name: str, samples: Samples) -> list[Samples]:
-        """``samples`` in the metric's batches, an image's captions together (not yet decoded)."""
-        ordered = samples.subset(group_by_image(samples))
-        size = self.metrics[name].config.batch_size
-        return [ordered.subset(range(start, min(start + size, len(ordered)))) for start in range(0, len(ordered), size)]
+        """``samples`` in the metric's batches (not yet decoded), an image's captions together: a batch ends at
+        an image boundary wherever the next image does not fit (:func:`~capeval_plugins.inputs.image_batches`)."""
+        return [samples.subset(positions) for positions in image_batches(samples, self.metrics[name].config.batch_size)]
 
     def prefetch(self, name: str, part: Samples) -> prefetch.Prefetched | None:
         """What the prefetch thread prepares for a batch of ``name`` (see :mod:`capeval_plugins.prefetch`): its
@@ -638,8 +637,18 @@ def world(shard: bool) -> tuple[int, int]:
 
 
 def _shard(samples: Samples, rank: int, size: int) -> Samples:
-    order = group_by_image(samples)
-    return samples.subset(order[rank * len(order) // size : (rank + 1) * len(order) // size])
+    """This rank's contiguous slice of the image-grouped order, cut at the image boundary nearest to an even
+    split, so that no image's work is done on two ranks."""
+    order, runs = image_runs(samples)
+    bounds = np.concatenate([[0], np.cumsum(runs, dtype=np.int64)])
+
+    def cut(r: int) -> int:
+        target = r * len(order) // size
+        right = int(np.searchsorted(bounds, target))  # bounds[right - 1] < target <= bounds[right]
+        left = max(right - 1, 0)
+        return int(bounds[right] if bounds[right] - target < target - bounds[left] else bounds[left])
+
+    return samples.subset(order[cut(rank):cut(rank + 1)])
 
 
 def local_inputs(metrics: Iterable[Metric]) -> list[str]:
@@ -654,17 +663,23 @@ def local_inputs(metrics: Iterable[Metric]) -> list[str]:
     return found
 
 
+# How samples are cut into shards and batches: part of a run's fingerprint, so that a run folder whose batches
+# were cut otherwise (before batches ended at image boundaries) is refused with a word naming restart, never
+# resumed against another plan.
+BATCH_PLAN = "image-aligned"
+
+
 def fingerprint(metrics: Mapping[str, Metric], corpus: Corpus, world_size: int, on_error: str | None) -> dict:
     """What a run folder is a run of: every metric with its options, the models and data files they name (by
     content: a local folder's files are hashed, a hub id resolves to its cached commit), the inputs (by
-    content, see :meth:`Corpus.digest`) and the world size."""
+    content, see :meth:`Corpus.digest`), the world size and how batches are cut (:data:`BATCH_PLAN`)."""
     contents = ContentDigests()  # each file hashed once in this run
     described = {}
     for name, metric in metrics.items():
         options = {**dataclasses.asdict(metric.config), **contents.options(metric.config)}
         options["on_error"] = policy(metric, on_error)
         described[name] = {"metric": f"{type(metric).__module__}.{type(metric).__qualname__}", **options}
-    return {"metrics": described, "inputs": corpus.digest(contents), "world_size": world_size}
+    return {"metrics": described, "inputs": corpus.digest(contents), "world_size": world_size, "batches": BATCH_PLAN}
 
 
 def gather(obj: Any, size: int, dst: int | None) -> list[Any] | None:
