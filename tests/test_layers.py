@@ -17,17 +17,20 @@ ABOVE_THE_RUNNER = ("capeval_plugins.adapters", "capeval_plugins.cli", "capeval_
 # module (or package prefix) -> the modules it must not import
 FORBIDDEN = {
     # the file layer: the standard library and core.messages' error types only
-    "capeval_plugins.files": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.preflight",
-                              "capeval_plugins.checkpoint", "capeval_plugins.caption_files",
+    "capeval_plugins.files": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.image_sources",
+                              "capeval_plugins.preflight", "capeval_plugins.checkpoint", "capeval_plugins.caption_files",
                               "capeval_plugins.digests", "capeval_plugins.session", "capeval_plugins.runner",
                               *ABOVE_THE_RUNNER),
-    "capeval_plugins.core": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.session",
-                             "capeval_plugins.runner", "capeval_plugins.files", "capeval_plugins.checkpoint",
-                             "capeval_plugins.digests", "capeval_plugins.preflight", "capeval_plugins.caption_files",
-                             *ABOVE_THE_RUNNER),
+    "capeval_plugins.core": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.image_sources",
+                             "capeval_plugins.session", "capeval_plugins.runner", "capeval_plugins.files",
+                             "capeval_plugins.checkpoint", "capeval_plugins.digests", "capeval_plugins.preflight",
+                             "capeval_plugins.caption_files", *ABOVE_THE_RUNNER),
     "capeval_plugins.contract": ("capeval_plugins.inputs", "capeval_plugins.session", "capeval_plugins.runner",
                                  *ABOVE_THE_RUNNER),
     "capeval_plugins.inputs": ("capeval_plugins.session", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
+    # one image at a time, below the corpus-level inputs (which re-export its names)
+    "capeval_plugins.image_sources": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.session",
+                                      "capeval_plugins.runner", *ABOVE_THE_RUNNER),
     "capeval_plugins.preflight": ("capeval_plugins.session", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
     # the session is the runner's own floor: the runner drives a session, never the other way round
     "capeval_plugins.session": ("capeval_plugins.runner", *ABOVE_THE_RUNNER),
