@@ -97,6 +97,8 @@ def main() -> None:
                              "through the metrics in one pass")
     parser.add_argument("--lm-layers", type=int, default=24, help="--realistic: language-model layers (24: 0.5 B)")
     parser.add_argument("--skip-plain", action="store_true", help="leave out the batched run without reuse")
+    parser.add_argument("--loop-repeats", type=int, default=None, help="--realistic: runs of the official loop "
+                        "(default: --repeats)")
     parser.add_argument("--fixed-batches", action="store_true",
                         help="--realistic: also FLEUR with the runner's former batches (fixed-size slices of the "
                              "image-grouped order, which cut images apart), same process")
@@ -175,12 +177,17 @@ def realistic(args) -> None:
 
     metrics(["fleur"])  # warm up (and load)
     clock = time.process_time
-    if args.fixed_batches:
-        t_fixed, fixed = timed(fleur_fixed, args.repeats, clock=clock)
-    t_fleur, fleur = timed(lambda: metrics(["fleur"]), args.repeats, clock=clock)
+    t_fixed = t_fleur = float("inf")
+    for _ in range(args.repeats):  # rounds, the two batch plans interleaved: load on the machine hits both alike
+        if args.fixed_batches:
+            t, fixed = timed(fleur_fixed, 1, clock=clock)
+            t_fixed = min(t_fixed, t)
+        t, fleur = timed(lambda: metrics(["fleur"]), 1, clock=clock)
+        t_fleur = min(t_fleur, t)
     t_both, both = timed(lambda: metrics(["fleur", "discode"]), args.repeats, clock=clock)
     t_naive, (naive_tokens, naive_first) = timed(
-        lambda: naive_loop(judge, images, index, captions, budget, fleur_input), args.repeats, clock=clock)
+        lambda: naive_loop(judge, images, index, captions, budget, fleur_input), args.loop_repeats or args.repeats,
+        clock=clock)
     judge.results.clear()
     out = judge.judge(images, index, [fleur_instruction(c) for c in captions], DECIMAL, max_new_tokens=budget,
                       batch_size=args.batch_size, visual_input=fleur_input)
@@ -192,7 +199,8 @@ def realistic(args) -> None:
     print(f"random LLaVA-1.5: {params / 1e6:.0f} M parameters, language model {args.lm_layers} layers of Qwen2-0.5B's "
           f"shapes, {enc['input_ids'].shape[1]} prompt tokens (576 image tokens); threads={torch.get_num_threads()}")
     print(f"pairs={n} images={args.images} captions/image={args.captions_per_image} batch_size={args.batch_size} "
-          f"max_new_tokens={budget}; CPU seconds of this process, best of {args.repeats}")
+          f"max_new_tokens={budget}; CPU seconds of this process, best of {args.repeats} "
+          f"(official loop: {args.loop_repeats or args.repeats})")
     print(f"official loop (one pair per generate):   {t_naive:8.1f} s  ({t_naive / n:6.2f} s/pair)")
     print(f"FLEUR (capeval, one pass):                {t_fleur:8.1f} s  ({t_fleur / n:6.2f} s/pair)  "
           f"{t_naive / t_fleur:5.2f}x the official loop")
