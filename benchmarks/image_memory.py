@@ -2,7 +2,7 @@
 caption each) scored with CLIPScore at the default batch size, on a CLIP whose processor is the paper model's
 (shorter side to 224, centre crop 224) with small random weights, so that what grows is the images. Every
 image reaches the processor as it was given (no reduction as it is read); the runner bounds memory by mapping
-a batch whose decoded images exceed ``runner.BATCH_IMAGE_BYTES`` in pieces of whole images.
+a batch whose decoded images exceed ``session.BATCH_IMAGE_BYTES`` in pieces of whole images.
 
 Two figures:
 

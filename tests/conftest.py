@@ -252,8 +252,8 @@ def private_cache_folder(tmp_path_factory):
 
 @pytest.fixture
 def no_order_probe(monkeypatch):
-    """Off: the session's row-order probe (runner.check_row_order maps a few samples of a metric's first batch
+    """Off: the session's row-order probe (session.check_row_order maps a few samples of a metric's first batch
     in two orders), for tests that count a metric's calls."""
-    from capeval_plugins import runner
+    from capeval_plugins import session
 
-    monkeypatch.setattr(runner, "check_row_order", lambda *args: None)
+    monkeypatch.setattr(session, "check_row_order", lambda *args: None)

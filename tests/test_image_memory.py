@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 import capeval_plugins
-from capeval_plugins import runner
+from capeval_plugins import session
 from capeval_plugins.inputs import InputError, ImageSource, Samples, image_source
 
 
@@ -22,7 +22,7 @@ def test_a_batch_of_large_images_is_mapped_in_pieces_of_whole_images():
     part = Samples(candidates=[f"c{k}" for k in range(len(owner))], indices=list(range(len(owner))),
                    images=[sources[i] for i in owner])
     budget = 3 * 400 * 300 * 2  # two of the small images
-    pieces = runner.image_pieces(part, budget)
+    pieces = session.image_pieces(part, budget)
     assert sorted(i for piece in pieces for i in piece.indices) == list(range(len(owner)))
     for piece in pieces:
         keys = {s.key for s in piece.images}
@@ -31,7 +31,7 @@ def test_a_batch_of_large_images_is_mapped_in_pieces_of_whole_images():
         held = sum(s.decoded_bytes() for s in {s.key: s for s in piece.images}.values())
         assert held <= budget or len(keys) == 1
     assert [sorted({owner[k] for k in p.indices}) for p in pieces] == [[0, 1], [2], [3, 4]]
-    assert runner.image_pieces(part, 10**9) == [part]
+    assert session.image_pieces(part, 10**9) == [part]
 
 
 def test_scores_of_a_batch_mapped_in_pieces_equal_the_batch_at_once(tiny_clip, monkeypatch):
@@ -43,14 +43,14 @@ def test_scores_of_a_batch_mapped_in_pieces_equal_the_batch_at_once(tiny_clip, m
     clip = capeval_plugins.load("clipscore", model=tiny_clip)
     whole = clip(images, captions)
     calls = []
-    real = runner._map_piece
+    real = session._map_piece
 
     def counted(metric, part, *args, **kwargs):
         calls.append(len(part))
         return real(metric, part, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "_map_piece", counted)
-    monkeypatch.setattr(runner, "BATCH_IMAGE_BYTES", 3 * 300 * 340)  # one or two photos per piece
+    monkeypatch.setattr(session, "_map_piece", counted)
+    monkeypatch.setattr(session, "BATCH_IMAGE_BYTES", 3 * 300 * 340)  # one or two photos per piece
     pieces = clip(images, captions)
     assert len(calls) > 1 and sum(calls) == 12
     assert torch.equal(pieces.indices, whole.indices)
@@ -61,9 +61,9 @@ def test_the_cache_keeps_images_for_the_other_metrics_of_a_pass_only(tiny_clip):
     clip = capeval_plugins.load("clipscore", model=tiny_clip)
     mid = capeval_plugins.load("mid", model=tiny_clip)
     bleu = capeval_plugins.load("bleu4")
-    assert runner.image_cache([clip]).max_bytes == 0
-    assert runner.image_cache([clip, bleu]).max_bytes == 0  # BLEU reads no pixels
-    assert runner.image_cache([clip, mid]).max_bytes == runner.IMAGE_CACHE_BYTES
+    assert session.image_cache([clip]).max_bytes == 0
+    assert session.image_cache([clip, bleu]).max_bytes == 0  # BLEU reads no pixels
+    assert session.image_cache([clip, mid]).max_bytes == session.IMAGE_CACHE_BYTES
 
 
 def test_decoded_size_is_read_from_the_header(tmp_path):
@@ -92,7 +92,7 @@ def counting_sources(n, size=(200, 100)):
 def test_the_cache_is_bounded_by_bytes():
     sources, loads = counting_sources(10)
     one = 200 * 100 * 3
-    cache = runner.ImageCache(max_bytes=3 * one)
+    cache = session.ImageCache(max_bytes=3 * one)
     for source in sources:
         cache.load(source)
         assert cache.bytes <= 3 * one
@@ -107,14 +107,14 @@ def test_a_batch_keeps_its_images_when_the_cache_holds_none():
     sources, loads = counting_sources(4)
     part = Samples(candidates=[f"c{i}" for i in range(8)], indices=list(range(8)),
                    images=[sources[i // 2] for i in range(8)])
-    batch, skipped = runner.build_batch(part, runner.ImageCache(max_bytes=0), "raise")
+    batch, skipped = session.build_batch(part, session.ImageCache(max_bytes=0), "raise")
     assert not skipped and len(batch.images) == 4 and sorted(loads) == [0, 1, 2, 3]  # each decoded once
     assert [img.getpixel((0, 0))[0] for img in batch.images] == [0, 1, 2, 3]
 
 
 def test_a_failed_decode_is_cached_and_reported_for_its_sample():
     bad = ImageSource("bytes", b"not an image", ("bytes", "x"), 7)
-    cache = runner.ImageCache(max_bytes=0)
+    cache = session.ImageCache(max_bytes=0)
     with pytest.raises(InputError, match="sample 7: cannot read image"):
         cache.load(bad)
     assert isinstance(cache.items[bad.key], InputError)

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from capeval_plugins.contract import MetricInfo
-from capeval_plugins.inputs import InputError, iter_batches, prepare_samples
+from capeval_plugins.inputs import InputError, group_by_image, image_batches, iter_batches, prepare_samples
 
 IMG = MetricInfo(name="img", display_name="Img", description="", citation="", references="optional", images="always")
 VIDEO = MetricInfo(name="vid", display_name="Vid", description="", citation="", images="always", video=True)
@@ -174,6 +174,43 @@ def test_batches_keep_an_images_candidates_together_and_encode_it_once():
     assert len(first.images) == 1 and first.image_index.tolist() == [0, 0, 0, 0]
     assert batches[1].indices.tolist() == [1, 3]
     assert sorted(i for b in batches for i in b.indices.tolist()) == list(range(6))
+
+
+def _random_corpus(seed: int, n_images: int = 12, most: int = 9):
+    rng = np.random.default_rng(seed)
+    distinct = [np.full((2, 2, 3), k, dtype=np.uint8) for k in range(n_images)]
+    owner = np.repeat(np.arange(n_images), rng.integers(1, most + 1, n_images))
+    rng.shuffle(owner)
+    return prepare_samples(IMG, [distinct[k] for k in owner], [f"c{i}" for i in range(len(owner))])
+
+
+@pytest.mark.parametrize("seed,batch_size", [(0, 1), (1, 4), (2, 6), (3, 7), (4, 16), (5, 200)])
+def test_batches_end_at_image_boundaries_where_the_next_image_does_not_fit(seed, batch_size):
+    samples = _random_corpus(seed)
+    plan = image_batches(samples, batch_size)
+    image_of = [src.key for src in samples.images]
+    assert [p for part in plan for p in part] == group_by_image(samples)  # same order, nothing lost
+    assert all(0 < len(part) <= batch_size for part in plan)
+    spans: dict = {}
+    for k, part in enumerate(plan):
+        for p in part:
+            spans.setdefault(image_of[p], set()).add(k)
+    counts = {key: image_of.count(key) for key in spans}
+    for key, batches in spans.items():  # an image split only as much as its size forces
+        assert len(batches) == -(-counts[key] // batch_size) if counts[key] > batch_size else len(batches) == 1
+    for part, after in zip(plan, plan[1:]):  # a batch ends early only when the next image's captions do not fit
+        head = image_of[after[0]]
+        if image_of[part[-1]] != head:
+            assert len(part) + sum(image_of[p] == head for p in after) > batch_size
+        else:  # cut inside an image larger than a batch: a full one
+            assert len(part) == batch_size
+
+
+def test_text_batches_are_consecutive_slices():
+    samples = prepare_samples(REFS, None, [f"c{i}" for i in range(10)], [["r"]] * 10)
+    assert image_batches(samples, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    with pytest.raises(InputError, match="batch_size must be at least 1"):
+        image_batches(samples, 0)
 
 
 def test_group_ids_numbered_and_checked():

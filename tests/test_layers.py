@@ -1,7 +1,7 @@
-"""Floors only look down: ``core/`` <- ``contract`` / ``inputs`` / ``files`` <- ``runner`` <- adapters, CLI, bench. The
-core is numerics on tensors: it reads and writes no file (the file layer stands above it and passes it data). The
-contract never imports the runner (the package's own ``score`` wires ``Metric.__call__`` to it). Every import of
-the package's own modules (at module level or inside a function) is read from the source."""
+"""Floors only look down: ``core/`` <- ``contract`` / ``inputs`` / ``files`` <- ``session`` <- ``runner`` <- adapters,
+CLI, bench. The core is numerics on tensors: it reads and writes no file (the file layer stands above it and passes
+it data). The contract never imports the runner (the package's own ``score`` wires ``Metric.__call__`` to it).
+Every import of the package's own modules (at module level or inside a function) is read from the source."""
 from __future__ import annotations
 
 import ast
@@ -17,15 +17,23 @@ ABOVE_THE_RUNNER = ("capeval_plugins.adapters", "capeval_plugins.cli", "capeval_
 # module (or package prefix) -> the modules it must not import
 FORBIDDEN = {
     # the file layer (the package capeval_plugins.files, all its modules): see FILE_LAYER_MAY_IMPORT
-    "capeval_plugins.files": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.preflight",
-                              "capeval_plugins.checkpoint", "capeval_plugins.caption_files",
-                              "capeval_plugins.digests", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
-    "capeval_plugins.core": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.runner",
-                             "capeval_plugins.files", "capeval_plugins.checkpoint", "capeval_plugins.digests",
-                             "capeval_plugins.preflight", "capeval_plugins.caption_files", *ABOVE_THE_RUNNER),
-    "capeval_plugins.contract": ("capeval_plugins.inputs", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
-    "capeval_plugins.inputs": ("capeval_plugins.runner", *ABOVE_THE_RUNNER),
-    "capeval_plugins.preflight": ("capeval_plugins.runner", *ABOVE_THE_RUNNER),
+    "capeval_plugins.files": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.image_sources",
+                              "capeval_plugins.preflight", "capeval_plugins.checkpoint", "capeval_plugins.caption_files",
+                              "capeval_plugins.digests", "capeval_plugins.session", "capeval_plugins.runner",
+                              *ABOVE_THE_RUNNER),
+    "capeval_plugins.core": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.image_sources",
+                             "capeval_plugins.session", "capeval_plugins.runner", "capeval_plugins.files",
+                             "capeval_plugins.checkpoint", "capeval_plugins.digests", "capeval_plugins.preflight",
+                             "capeval_plugins.caption_files", *ABOVE_THE_RUNNER),
+    "capeval_plugins.contract": ("capeval_plugins.inputs", "capeval_plugins.session", "capeval_plugins.runner",
+                                 *ABOVE_THE_RUNNER),
+    "capeval_plugins.inputs": ("capeval_plugins.session", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
+    # one image at a time, below the corpus-level inputs (which re-export its names)
+    "capeval_plugins.image_sources": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.session",
+                                      "capeval_plugins.runner", *ABOVE_THE_RUNNER),
+    "capeval_plugins.preflight": ("capeval_plugins.session", "capeval_plugins.runner", *ABOVE_THE_RUNNER),
+    # the session is the runner's own floor: the runner drives a session, never the other way round
+    "capeval_plugins.session": ("capeval_plugins.runner", *ABOVE_THE_RUNNER),
     "capeval_plugins.runner": ABOVE_THE_RUNNER,
     "capeval_plugins.commands": ("capeval_plugins.cli",),
     "capeval_plugins.bench": ("capeval_plugins.cli",),

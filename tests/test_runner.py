@@ -197,6 +197,40 @@ def test_a_run_folder_of_another_run_is_refused(tiny_clip, corpus, tmp_path):
     assert runner.run({"clipscore": other}, data, run_dir=tmp_path / "run", restart=True).batches_resumed == 0
 
 
+def test_a_run_folder_whose_batches_were_cut_otherwise_is_refused_not_resumed(corpus, tmp_path, monkeypatch):
+    """A run folder made before batches ended at image boundaries holds batches of another plan: refused with
+    the word to restart, never resumed against the new plan."""
+    images, captions, references = corpus
+    data = runner.Corpus(captions, None, references)
+    metric = lambda: {"bleu1": capeval_plugins.load("bleu1", batch_size=8, tokenize=False)}  # noqa: E731
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "BATCH_PLAN", "fixed-size")
+        with pytest.raises(runner.Interrupted):
+            runner.run(metric(), data, run_dir=tmp_path / "run", stop=StopAfter(1))
+    with pytest.raises(InputError, match="batches differ"):
+        runner.run(metric(), data, run_dir=tmp_path / "run")
+    assert runner.run(metric(), data, run_dir=tmp_path / "run", restart=True).batches_resumed == 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_shards_cut_at_the_image_boundary_nearest_an_even_split(world):
+    from capeval_plugins.inputs import group_by_image, prepare_samples
+    from capeval_plugins.metrics.clipscore import CLIPScore
+
+    rng = np.random.default_rng(world)
+    distinct = [np.full((2, 2, 3), k, dtype=np.uint8) for k in range(15)]
+    owner = np.repeat(np.arange(15), rng.integers(1, 8, 15))
+    rng.shuffle(owner)
+    samples = prepare_samples(CLIPScore.info, [distinct[k] for k in owner], [f"c{i}" for i in range(len(owner))])
+    shards = [runner._shard(samples, rank, world) for rank in range(world)]
+    assert [i for s in shards for i in s.indices] == [samples.indices[p] for p in group_by_image(samples)]
+    keys = [{src.key for src in s.images} for s in shards]
+    assert all(not (a & b) for i, a in enumerate(keys) for b in keys[i + 1:])  # no image on two ranks
+    largest = max(np.bincount(owner))
+    for rank, shard in enumerate(shards):  # each within an image of an even split
+        assert abs(len(shard) - len(samples) / world) <= largest + 1
+
+
 def test_with_skipped_puts_samples_back_in_order():
     result = MetricResult("m", 0.5, torch.tensor([0.1, 0.3], dtype=torch.float64), torch.tensor([0, 2]),
                           extras={"k": torch.tensor([1, 3])}, corpus_extras={"x": 1.0})

@@ -715,7 +715,7 @@ def test_a_resume_that_fails_before_scoring_keeps_the_saved_progress(tmp_path, m
     def no_model(*args, **kwargs):
         raise ModelLoadError("cannot load model 'x': not there now")
 
-    monkeypatch.setattr(runner, "full_spec", no_model)  # a model folder unmounted for a moment
+    monkeypatch.setattr("capeval_plugins.session.full_spec", no_model)  # a model folder unmounted for a moment
     with pytest.raises(ModelLoadError):
         runner.run(bleu(), corpus, run_dir=run_dir)
     assert tree(run_dir) == before
