@@ -48,6 +48,11 @@ def report(what: str, n: int, official_wall: float, official_cpu: float, ours_wa
 
 
 def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="capeval-bench-pacs-") as folder:  # the checkpoints: GBs at base size
+        run(Path(folder))
+
+
+def run(root: Path) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=16)
     parser.add_argument("--captions-per-image", type=int, default=4)
@@ -67,7 +72,6 @@ def main() -> None:
     if modules is None:
         raise SystemExit("needs the polos 0.1.3 wheel (make test downloads it into .cache/reference-wheels)")
     torch.manual_seed(0)
-    root = Path(tempfile.mkdtemp(prefix="capeval-bench-pacs-"))
     bpe = official_code.bpe_path()
     shape = (dict(width=768, layers=12, image_size=224, patch_size=32, embed_dim=512) if args.size == "base"
              else dict(official.TINY_CLIP))
