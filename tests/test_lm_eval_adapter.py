@@ -27,12 +27,12 @@ def test_registration_keeps_builtins_and_is_idempotent():
     assert missing_builtins == "[]" and missing_ours == "[]" and aggregations == "True True"
 
 
-def _captioner():
+def _answering(answer):
+    """An lm-eval model that answers each request with ``answer(doc)``: what lm-eval's models return, one
+    generation per request ("" when the model said nothing)."""
     from lm_eval.api.model import LM
 
-    records = read_captions(EXAMPLES / "captions.jsonl", EXAMPLES / "images")
-
-    class Captioner(LM):
+    class Answering(LM):
         MULTIMODAL = True
 
         def loglikelihood(self, requests):
@@ -42,9 +42,14 @@ def _captioner():
             raise NotImplementedError
 
         def generate_until(self, requests):
-            return [records.captions[r.doc["id"]] for r in requests]
+            return [answer(r.doc) for r in requests]
 
-    return Captioner(), records
+    return Answering()
+
+
+def _captioner():
+    records = read_captions(EXAMPLES / "captions.jsonl", EXAMPLES / "images")
+    return _answering(lambda doc: records.captions[doc["id"]]), records
 
 
 @pytest.mark.slow
@@ -137,21 +142,7 @@ def _replay(tmp_path):
 
 
 def _replayer(rows):
-    from lm_eval.api.model import LM
-
-    class Replayer(LM):  # what lm-eval's models return: one generation per request, "" when they said nothing
-        MULTIMODAL = True
-
-        def loglikelihood(self, requests):
-            raise NotImplementedError
-
-        def loglikelihood_rolling(self, requests):
-            raise NotImplementedError
-
-        def generate_until(self, requests):
-            return [rows[r.doc["id"]]["caption"] for r in requests]
-
-    return Replayer()
+    return _answering(lambda doc: rows[doc["id"]]["caption"])
 
 
 def _pycocoevalcap(rows):
