@@ -292,6 +292,59 @@ def test_nebula_gets_spicas_corrected_scores_by_default(hub, tmp_path):
     assert c["data"]["fetched"]["corrections"]["applied"] and not o["data"]["fetched"]["corrections"]["applied"]
 
 
+def longcap_rows(aspect: str) -> list[dict]:
+    """LongCap-Arena's columns (file_name, image, refs, cand, score): several long candidates per DCI image, the
+    candidates' whitespace as loose as the Hub's."""
+    return [{"file_name": f"sa_{154 + i // 3}.jpg", "image": {"bytes": png(i // 3), "path": None},
+             "refs": [f"This is image {i // 3}.\nIt shows  a long scene with {i % 4} objects."],
+             "cand": f"The image depicts a scene ({aspect} {i}).  It is long\n and detailed.",
+             "score": round(((i * 5) % 9) / 8, 3)} for i in range(12)]
+
+
+def test_longcap_arena_fetched_per_test_set_and_aspect(hub, tmp_path):
+    """LongCap-Arena's six benchmarks (Test A = dci_val, Test B = dci_test; Descriptiveness, Relevance, Fluency)
+    each fetch their own split of the conversion: `capeval bench` on per-sample scores gives scipy's tau-b and
+    tau-c over the split's rows, the same Ratings as the Hub's Parquet file read with --data, and
+    `capeval reproduce --dry-run` lists VELA's published figures for it."""
+    splits = {f"default/{split}.{aspect}/0000.parquet": parquet(longcap_rows(f"{split}.{aspect}"))
+              for split in ("dci_val", "dci_test") for aspect in ("desc", "rel", "flu")}
+    commit = hub.commit("Ka2ukiMatsuda/LongCap-Arena", splits, ref=PARQUET)
+    cache = tmp_path / "cache"
+    rows = longcap_rows("dci_test.flu")
+    metric = np.array([(i * 7) % 5 for i in range(len(rows))], dtype=float)
+    scores = tmp_path / "scores.jsonl"
+    scores.write_text("".join(json.dumps({"image": r["file_name"], "caption": " ".join(r["cand"].split()),
+                                          "score": s}) + "\n" for r, s in zip(rows, metric)))
+    done = capeval(["bench", "longcaparena-testb-flu", "--scores", f"s={scores}", "--bootstrap", "0", "--quiet",
+                    "--json", str(tmp_path / "out.json")], env(hub, cache))
+    assert done.returncode == 0, done.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    human = np.array([r["score"] for r in rows])
+    for variant in ("b", "c"):
+        want = 100 * kendalltau(metric, human, variant=variant)[0]
+        assert out["results"]["s"][f"kendall_tau_{variant}"] == pytest.approx(want)
+    origin = out["data"]["fetched"]
+    assert (origin["repository"], origin["revision"]) == ("Ka2ukiMatsuda/LongCap-Arena", commit)
+    assert [f["path"] for f in origin["files"]] == ["default/dci_test.flu/0000.parquet"]
+
+    fetched = fetch.cached("longcaparena-testb-flu", cache / "benchmarks")
+    assert fetched is not None and fetch.cached("longcaparena-testa-flu", cache / "benchmarks") is None
+    local = tmp_path / "dci_test.flu-00000-of-00001.parquet"
+    local.write_bytes(splits["default/dci_test.flu/0000.parquet"])
+    got, want = load_benchmark("longcaparena-testb-flu", fetched.data), load_benchmark("longcaparena-testb-flu", local)
+    assert got.captions.candidates == want.captions.candidates
+    assert got.captions.references == want.captions.references
+    np.testing.assert_array_equal(got.human, want.human)
+    assert sorted(p.name for p in fetched.images.iterdir()) == [f"sa_{154 + k}.jpg" for k in range(4)]
+
+    from capeval_plugins.cli import main  # the dry run reads no network: in this process
+
+    assert main(["reproduce", "--dry-run", "--json", str(tmp_path / "plan.json")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())["pairs"]
+    vela = {(p["setting"], v["statistic"]): v["value"] for p in plan for v in p["published"] if p["metric"] == "vela"}
+    assert len(vela) == 12 and vela["longcaparena-testb-flu", "kendall_tau_b"] == 38.7
+
+
 @pytest.mark.slow
 def test_flickr8k_layouts_and_docent_read_as_their_public_files(hub, tmp_path):
     """Flickr8k-Expert and -CF rows (one per rating, as the Hub holds them) are written as the CLIPScore json, so

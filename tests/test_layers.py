@@ -117,3 +117,18 @@ def test_the_check_sees_an_upward_import_anywhere_in_a_file(tmp_path, monkeypatc
     assert "capeval_plugins.files" in imported(module)
     with pytest.raises(AssertionError, match=r"capeval_plugins.core.fit imports \['capeval_plugins.files'\]"):
         test_no_module_imports_a_floor_above_its_own(module)
+
+
+def test_listing_metrics_and_building_the_cli_import_no_model_library():
+    """Every metric module is imported to list the metrics, and every command module to build ``capeval``'s
+    parser: a module-level import of transformers' model classes there (Polos's model once) costs every ``capeval``
+    process 3 s, a failing one included. The model libraries load with the first model."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import capeval_plugins; from capeval_plugins import cli; capeval_plugins.list_metrics(); "
+            "cli.build_parser(); print(sorted(m for m in ('transformers', 'timm', 'diffusers', 'peft', 'open_clip') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "[]"

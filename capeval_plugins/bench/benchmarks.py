@@ -278,6 +278,31 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
 )}
 
 
+# LongCap-Arena (Matsuda et al., EMNLP 2025, with VELA): long candidate captions of DCI images, each judged by
+# humans for one aspect at a time. Test A is the Hub's ``dci_val`` split, Test B its ``dci_test`` (CaptionEvalKit's
+# naming); one benchmark per (test set, aspect), as the paper reports them.
+LONGCAP_ARENA_ASPECTS = {"desc": "Descriptiveness", "rel": "Relevance", "flu": "Fluency"}
+LONGCAP_ARENA_SPLITS = {"testa": "dci_val", "testb": "dci_test"}
+
+
+def _longcap_arena(test: str, aspect: str) -> Benchmark:
+    label = f"LongCap-Arena Test{test[-1].upper()} {LONGCAP_ARENA_ASPECTS[aspect]}"
+    return Benchmark(
+        f"longcaparena-{test}-{aspect}", label,
+        Protocol("correlation", "kendall_tau_b",
+                 _CORRELATION + f"; one row per judged long caption ({LONGCAP_ARENA_ASPECTS[aspect]} score in "
+                 "[0, 1]); tau-b and tau-c as VELA reports them (its Table 1 and Appendix D Table 4)"),
+        _reader("read_rated_rows"),
+        f"Hugging Face Ka2ukiMatsuda/LongCap-Arena split {LONGCAP_ARENA_SPLITS[test]}.{aspect} as Parquet (file_name, "
+        "image, refs, cand, score), or its rows as CSV / JSON (imgid, cand, refs, score)",
+        metric_defaults=LONG_CAPTION_MSD,
+        source="Matsuda et al., EMNLP 2025 (VELA, LongCap-Arena); Ka2ukiMatsuda/VELA")
+
+
+BENCHMARKS.update((b.name, b) for b in (_longcap_arena(t, a) for t in LONGCAP_ARENA_SPLITS
+                                         for a in LONGCAP_ARENA_ASPECTS))
+
+
 def benchmark_names() -> list[str]:
     return list(BENCHMARKS)
 

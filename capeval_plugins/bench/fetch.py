@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import xxhash
 
 from capeval_plugins import files
+from capeval_plugins.bench.benchmarks import LONGCAP_ARENA_ASPECTS, LONGCAP_ARENA_SPLITS
 from capeval_plugins.core import paths
 from capeval_plugins.core.messages import DataError, install_extra
 
@@ -78,6 +79,9 @@ SOURCES: dict[str, Source] = {
     "polaris": Source("yuwd/Polaris", "default/test"),
     "docent": Source("amitha/docent-eval-coarse", "default/test", layout="raw"),
 }
+# LongCap-Arena: one split of the conversion per (test set, aspect), e.g. default/dci_val.desc
+SOURCES.update((f"longcaparena-{test}-{aspect}", Source("Ka2ukiMatsuda/LongCap-Arena", f"default/{split}.{aspect}"))
+               for test, split in LONGCAP_ARENA_SPLITS.items() for aspect in LONGCAP_ARENA_ASPECTS)
 
 # column names of the Hub's files, first found wins (as CaptionEvalKit reads them)
 IMAGE_COLUMNS = ("img", "image")

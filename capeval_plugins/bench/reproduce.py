@@ -54,6 +54,7 @@ class Entry:
     gpu: bool = False
     blocked: str = ""
     note: str = ""
+    external: bool = False  # a published metric capeval does not implement: runs where a plugin registers it
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ def load_published(path: str | os.PathLike = PUBLISHED) -> list[Value]:
     """Every published value of the table file, in table order."""
     doc = json.loads(Path(path).read_text(encoding="utf-8"))
     entries = {key: Entry(key, e["metric"], e["label"], tuple(sorted(e.get("options", {}).items())),
-                          bool(e.get("with_references")), bool(e.get("gpu")), e.get("blocked", ""), e.get("note", ""))
+                          bool(e.get("with_references")), bool(e.get("gpu")), e.get("blocked", ""), e.get("note", ""),
+                          bool(e.get("external")))
                for key, e in doc["entries"].items()}
     values = []
     for table in doc["tables"]:
@@ -237,7 +239,7 @@ def _images_problem(p: Plan, inputs: Inputs, data: _Data) -> str | None:
 def _metric_problem(pair: Pair, p: Plan, inputs: Inputs, installed: set[str]) -> str | None:
     entry = pair.entry
     if entry.metric not in installed:
-        return f"metric {entry.metric} not installed"
+        return f"metric {entry.metric} not installed" + (f" ({entry.note})" if entry.external else "")
     if entry.blocked and not any(o.startswith(entry.metric + ".") for o in inputs.options):
         return entry.blocked
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -17,8 +17,10 @@ from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMe
 from capeval_plugins.core import loading
 from capeval_plugins.core.encoders import EncoderSpec
 from capeval_plugins.core.encoders.openai_clip import OfficialClip, converted_model_dir
-from capeval_plugins.core.encoders.polos import PolosModel, flatten_references
 from capeval_plugins.core.messages import install_extra, warn_once
+
+if TYPE_CHECKING:  # the model imports transformers' model classes: only when one is loaded (``capeval list`` is fast)
+    from capeval_plugins.core.encoders.polos import PolosModel
 
 CITATION = """@inproceedings{wada2024polos,
   title     = {{Polos: Multimodal Metric Learning from Human Feedback for Image Captioning}},
@@ -75,6 +77,8 @@ class Polos(PointwiseMetric):
 
     @property
     def model(self) -> PolosModel:
+        from capeval_plugins.core.encoders.polos import PolosModel
+
         return loading.load_spec(PolosModel, self.spec(self.checkpoint()))
 
     @property
@@ -106,6 +110,8 @@ class Polos(PointwiseMetric):
     def score(self, batch: Batch) -> dict[str, Tensor]:
         model, clip = self.model, self.clip
         prefix = model.config.prefix
+        from capeval_plugins.core.encoders.polos import flatten_references
+
         flat, owner = flatten_references(batch.references)
         # Every text of the batch through each encoder once; each image once for all of its candidates.
         sentences = self.sentence_embeddings(list(batch.candidates) + flat)
