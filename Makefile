@@ -79,16 +79,19 @@ $(REFERENCE_STAMP): $(REFERENCE_PINS) $(STAMP)
 # pytest-xdist workers for the main suite and the lowest-versions part: one per core of CI's 2 (1.36x the serial
 # run's wall time on tests/test_cli.py, test_coco_metrics.py and test_contract.py, 2026-11-27; each worker builds
 # its own tiny checkpoints and caches under its own temporary folder). --dist loadfile keeps each test file on one
-# worker, in order: the examples of one docs page share a namespace (tests/test_docs_examples.py).
+# worker, in order: the examples of one docs page share a namespace (tests/test_docs_examples.py). Each worker,
+# and every process a test starts, computes on one thread (OMP_NUM_THREADS=1): two workers of two threads each on
+# two cores took 1.20x the time on six model-heavy test files (176 s against 146 s, 2026-11-28).
 TEST_WORKERS ?= 2
+PARALLEL := OMP_NUM_THREADS=1
 
 # The suite, then the lmms-eval tests in their own venv (they skip in the main one), then the fast part on the
 # lowest versions.
 OFFLINE := HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1
 test: $(STAMP) $(LMMS_STAMP) $(LOWEST_STAMP) $(TOKENIZER_STAMP) $(REFERENCE_STAMP)
-	$(OFFLINE) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(OFFLINE) $(PARALLEL) $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(OFFLINE) $(LMMS_VENV)/bin/pytest -q tests/test_lmms_eval_adapter.py
-	$(OFFLINE) $(LOWEST_VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(LOWEST_TESTS)
+	$(OFFLINE) $(PARALLEL) $(LOWEST_VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(LOWEST_TESTS)
 
 # Resolve the environments anew (today's newest within pyproject.toml's ranges), rewrite requirements/*.txt,
 # print every version that changed, then rebuild the venvs from the new pins and run the suite on them.

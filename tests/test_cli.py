@@ -401,7 +401,7 @@ def test_bert_score_plain_text_files(tmp_path):
     assert [r["caption"] for r in rows] == cands and "image" not in rows[0] and rows[1]["cider"] == 0.0
 
 
-def test_a_file_in_another_known_format_says_which_and_how_to_pass_it(tmp_path):
+def test_a_file_in_another_known_format_says_which_and_how_to_pass_it(tmp_path, monkeypatch, capsys):
     results, annotations, _ = _coco_files(tmp_path)
     (tmp_path / "cands.txt").write_text("a dog runs\na cat\n")
     base = [CAPEVAL, "score", "-m", "bleu4", "--quiet"]
@@ -415,8 +415,9 @@ def test_a_file_in_another_known_format_says_which_and_how_to_pass_it(tmp_path):
         "give either -c/-r": base + ["--captions", str(results), "-c", str(tmp_path / "cands.txt")],
         "give the captions to score": base,
     }
-    for expected, args in cases.items():
-        code, lines = mistake(args, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for n, (expected, args) in enumerate(cases.items()):  # the first as a real process, the rest in-process
+        code, lines = mistake(args, tmp_path) if n == 0 else mistake_in_process(args[1:], monkeypatch, capsys)
         assert code == 2 and len(lines) == 1 and expected in lines[0], (expected, lines)
 
 

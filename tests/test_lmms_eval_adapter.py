@@ -23,6 +23,13 @@ from capeval_plugins.adapters import lmms_eval as adapter  # noqa: E402
 TASK = "tiny_caption"
 
 
+def tasks_only(include, **kwargs):
+    """A TaskManager of the given task folders alone: indexing lmms-eval's own tasks too takes seconds."""
+    from lmms_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include, include_defaults=False, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def tiny_llava(tiny_root) -> str:
     from capeval_plugins.testing import tiny_checkpoint
@@ -96,7 +103,7 @@ def _evaluate(tiny_llava: str, include: Path, force_simple: bool) -> dict:
 
     return evaluator.simple_evaluate(
         model="llava_hf", model_args=f"pretrained={tiny_llava},dtype=float32,device_map=cpu", tasks=[TASK],
-        task_manager=TaskManager(include_path=str(include)), log_samples=True, device="cpu", batch_size=1,
+        task_manager=tasks_only(str(include)), log_samples=True, device="cpu", batch_size=1,
         force_simple=force_simple)
 
 
@@ -149,7 +156,7 @@ def test_task_is_built_for_the_kind_of_model_lmms_eval_runs(caption_task, task_t
     from lmms_eval.api.task import ConfigurableMessagesTask
     from lmms_eval.tasks import TaskManager
 
-    task = TaskManager(include_path=str(caption_task)).load_task_or_group([TASK], task_type=task_type)[TASK]
+    task = tasks_only(str(caption_task)).load_task_or_group([TASK], task_type=task_type)[TASK]
     assert isinstance(task, ConfigurableMessagesTask) == (task_type == "chat")
     names = {"clipscore", "capeval/refclipscore", "mid"}
     assert set(task.aggregation()) == names | {f"{n}_n_skipped" for n in names}
@@ -165,7 +172,8 @@ from lmms_eval import evaluator
 from lmms_eval.tasks import TaskManager
 llava, include, out_path = sys.argv[1:4]
 out = evaluator.simple_evaluate(model="llava_hf", model_args=f"pretrained={llava},dtype=float32,device_map=cpu",
-    tasks=["%s"], task_manager=TaskManager(include_path=include), log_samples=True, device="cpu", batch_size=1,
+    tasks=["%s"], task_manager=TaskManager(include_path=include, include_defaults=False), log_samples=True,
+    device="cpu", batch_size=1,
     distributed_executor_backend="torchrun" if dist.is_initialized() else "accelerate")
 if out is not None:
     samples = {s["doc_id"]: s["filtered_resps"][0].strip() for s in out["samples"]["%s"]}
@@ -228,7 +236,7 @@ def test_a_task_without_any_capeval_metric_is_refused():
 def _loaded_task(include: Path):
     from lmms_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(include)).load_task_or_group([TASK], task_type="chat")[TASK]
+    return tasks_only(str(include)).load_task_or_group([TASK], task_type="chat")[TASK]
 
 
 def _items(task, captions: list[str]) -> list[dict]:
@@ -391,7 +399,7 @@ metric_list:
         "time": "0101_0000", "logs": [{"doc_id": k, "resps": [[c]]} for k, c in enumerate(captions)]}))
     monkeypatch.chdir(tmp_path)  # lmms-eval's COCO aggregation writes a submission file under the working folder
     out = evaluator.simple_evaluate(model="from_log", model_args=f"logs={logs}", tasks=["replay_caption"],
-                                    task_manager=TaskManager(include_path=str(tmp_path / "tasks")), device="cpu",
+                                    task_manager=tasks_only(str(tmp_path / "tasks")), device="cpu",
                                     batch_size=1)
     got = out["results"]["replay_caption"]
     assert got["cider,none"] == pytest.approx(got["coco_CIDEr,none"], rel=1e-12)

@@ -366,6 +366,29 @@ def test_any_damage_to_a_region_file_is_a_region_error_or_regions_in_bounds(data
         assert regions is None or 1 <= len(regions) <= MAX_REGIONS
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_any_damage_to_a_region_npy_dict_is_a_region_error_or_regions_in_bounds(data):
+    """The .npy layout (one pickled dict): a flipped byte in its header or its pickle is refused as a region
+    file, whatever numpy's header parser or the unpickler raised."""
+    from capeval_plugins.core.regions import MAX_REGIONS, RegionFileError, check_region_file, read_region_file
+
+    n = data.draw(st.integers(1, 3))
+    blob = bytearray(region_npy({"features": np.ones((n, 2048), np.float32), "bbox": np.ones((n, 4)),
+                                 "image_width": 9.0, "image_height": 7.0}))
+    for _ in range(data.draw(st.integers(1, 4))):
+        where = data.draw(st.one_of(st.integers(0, 200), st.integers(0, len(blob) - 1)))  # the header, often
+        blob[where] = data.draw(st.integers(0, 255))
+    path = Path(os.environ["CAPEVAL_CONFIG_DIR"]).parent / "regions-under-test.npy"
+    path.write_bytes(bytes(blob))
+    for read in (check_region_file, read_region_file):
+        try:
+            regions = read(path)
+        except RegionFileError:
+            continue
+        assert regions is None or 1 <= len(regions) <= MAX_REGIONS
+
+
 def rigel_checkpoint(tmp_path, head_hidden, stored_hidden=(8, 4)) -> Path:
     from capeval_plugins.core import heads
     from capeval_plugins.training.model import CONFIG_FILE, FORMAT, FORMAT_VERSION, HEAD_FILE, RigelSettings

@@ -16,8 +16,10 @@ arrays, no pickle) are also accepted and can be checked from their headers alone
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from capeval_plugins.core.tensorfile import npy_header
+from capeval_plugins.core.tensorfile import NPY_HEADER_ERRORS, npy_header
 
 DETECTOR_FEATURE_DIM = 2048  # fc6 of the ResNeXt-152 Faster R-CNN (Visual Genome) ViLBERT was trained on
 SUFFIXES = (".npy", ".npz")
@@ -109,6 +111,12 @@ class _ArraysOnlyUnpickler(pickle.Unpickler):
         )
 
 
+# What unpickling damaged bytes raises besides UnpicklingError: opcodes with out-of-range lengths and indices,
+# truncated data, a memo or stack that does not hold what an opcode expects.
+PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError,
+                 OverflowError, MemoryError, RecursionError, struct.error)
+
+
 def _npy_header(stream: Any) -> tuple[tuple[int, ...], np.dtype]:
     try:
         return npy_header(stream)
@@ -127,10 +135,13 @@ def _read_npy_dict(path: Path) -> Mapping[str, Any]:
         if dtype != np.dtype(object) or shape != ():
             raise RegionFileError(f"{path}: holds a {dtype} array of shape {shape}, not a dict of features, boxes and "
                                   "image size (np.save of a dict, as the extraction script writes)")
+        # the pickle from memory (the file is size-checked above): a damaged length then reads short instead of
+        # making the file object allocate what it declares
+        stream = io.BytesIO(f.read())
         try:
-            value = _ArraysOnlyUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
-            raise RegionFileError(f"{path}: cannot read the pickled dict: {err}") from None
+            value = _ArraysOnlyUnpickler(stream).load()
+        except PICKLE_ERRORS as err:
+            raise RegionFileError(f"{path}: cannot read the pickled dict ({type(err).__name__}: {err})") from None
     if isinstance(value, np.ndarray) and value.shape == ():
         value = value.item()
     if not isinstance(value, Mapping):
@@ -231,7 +242,7 @@ def _read_npz(path: Path, wanted: list[str]) -> dict[str, Any]:
     try:
         with np.load(path, allow_pickle=False) as npz:
             return {key: npz[key] for key in wanted}
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+    except (zipfile.BadZipFile, OSError, EOFError, *NPY_HEADER_ERRORS) as err:
         raise RegionFileError(f"{path}: not a readable .npz file of plain arrays ({err})") from None
 
 
