@@ -48,7 +48,7 @@ ENVIRONMENTS = {
 # Resolved by uv at the lowest versions (see the module's docstring), not installed to be frozen.
 LOWEST = "lowest"
 LOWEST_EXTRAS = ["all", "test"]
-UV = os.environ.get("UV", "uv==0.13.9")
+UV = os.environ.get("UV") or (ROOT / "requirements" / "uv.txt").read_text().split()[0]  # the Makefile's uv too
 # Build tools of the editable install (no isolation): at the main lock's versions.
 BUILD_TOOLS = ["editables", "hatchling", "packaging", "pathspec", "pluggy", "tomlkit", "trove-classifiers"]
 HEADER = "# pinned:"
@@ -218,6 +218,25 @@ def check_python(name: str) -> None:
                  f"Use PYTHON=python{wanted} make ..., or resolve for this Python with `make lock`.")
 
 
+def uv_sources() -> list[str]:
+    """pip's package sources on this machine (its config files and PIP_* variables: index, extra indexes, wheel
+    folders) as uv arguments, so uv installs the pins from where pip would; uv takes the best match over all of
+    them, as pip does."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    values: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition("=")
+        option = key.rpartition(".")[2]
+        for item in value.strip().strip("'\"").split():
+            if item not in values.setdefault(option, []):
+                values[option].append(item)
+    args = []
+    for option in ("index-url", "extra-index-url", "find-links"):
+        for item in values.get(option, []):
+            args += [f"--{option}", item]
+    return [*args, "--index-strategy", "unsafe-best-match"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -226,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"{' / '.join([*ENVIRONMENTS, LOWEST, FILES])} (default: all)")
     c = sub.add_parser("check-python", help="exit 1 unless this Python is the one the lock was resolved on")
     c.add_argument("name", choices=[*ENVIRONMENTS, LOWEST])
+    sub.add_parser("uv-sources", help="print pip's package sources as uv arguments (the Makefile installs with uv)")
     args = parser.parse_args(argv)
     if args.command == "refresh":
         known = [*ENVIRONMENTS, LOWEST, FILES]
@@ -233,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             parser.error(f"unknown environment {sorted(unknown)}: choose from {known}")
         refresh(args.names or known)
+    elif args.command == "uv-sources":
+        print(" ".join(uv_sources()))
     else:
         check_python(args.name)
 
