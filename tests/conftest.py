@@ -93,6 +93,35 @@ def run(cmd: list[str], env: dict | None = None, timeout: int = 300, cwd: str | 
     return proc
 
 
+def capeval_here(args: list, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """``capeval ARGS`` through :func:`capeval_plugins.cli.main` in this process, checked as :func:`run` checks
+    the installed command (an AssertionError with its output unless it exits 0): the same ``main`` the console
+    script calls, without a new interpreter's 2-4 s of imports. What only a process shows (signals, torchrun, a
+    killed run, the console script itself) stays with :func:`run`."""
+    import contextlib
+    import io
+
+    from capeval_plugins.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as exit:  # argparse's own usage errors
+                code = exit.code
+    finally:
+        os.chdir(here)
+    proc = subprocess.CompletedProcess(["capeval", *map(str, args)], code, out.getvalue(), err.getvalue())
+    if code != 0:
+        raise AssertionError(f"capeval {args} failed ({code}):\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+                             f"STDERR:\n{proc.stderr[-4000:]}")
+    return proc
+
+
 class Interrupted(Exception):
     """Raised from a training callback to cut a run short (resume tests)."""
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, PYTHON, free_port, random_image, run
+from conftest import EXAMPLES, PYTHON, capeval_here, free_port, random_image, run
 
 import capeval_plugins
 from capeval_plugins.caption_files import read_captions
@@ -38,9 +38,9 @@ def strict_json(text):
 
 
 def test_list_names_every_metric_and_its_source():
-    out = run([CAPEVAL, "list"]).stdout
+    out = capeval_here(["list"]).stdout
     assert "clipscore" in out and "refclipscore" in out and "capeval-plugins:builtin" in out
-    rows = json.loads(run([CAPEVAL, "list", "--json"]).stdout)
+    rows = json.loads(capeval_here(["list", "--json"]).stdout)
     clip = next(r for r in rows if r["name"] == "clipscore")
     assert clip["references"] == "optional" and clip["images"] == "always"
 
@@ -62,7 +62,8 @@ def test_score_writes_one_row_per_sample_in_input_order(tiny_clip, tmp_path):
 
 def test_several_metrics_in_one_pass_equal_single_metric_runs(tiny_clip, tmp_path):
     out = tmp_path / "scores.csv"
-    run(score_args(tiny_clip, out, "clipscore", "refclipscore", "msd_score", extra=["-o", "clipscore.w=1.0"]))
+    capeval_here(score_args(tiny_clip, out, "clipscore", "refclipscore", "msd_score",
+                            extra=["-o", "clipscore.w=1.0"])[1:])
     rows = list(csv.DictReader(out.open()))
     for name, options in (("clipscore", {"w": 1.0}), ("refclipscore", {}), ("msd_score", {})):
         expected = direct(tiny_clip, name, **options)
@@ -74,7 +75,7 @@ def test_several_metrics_in_one_pass_equal_single_metric_runs(tiny_clip, tmp_pat
 def test_parquet_output(tiny_clip, tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     out = tmp_path / "scores.parquet"
-    run(score_args(tiny_clip, out, "clipscore", "msd_score"))
+    capeval_here(score_args(tiny_clip, out, "clipscore", "msd_score")[1:])
     table = pq.read_table(out).to_pylist()
     assert [r["index"] for r in table] == list(range(6))
     assert [r["clipscore"] for r in table] == pytest.approx(direct(tiny_clip).scores.tolist(), abs=1e-5)
@@ -195,8 +196,8 @@ def test_torchrun_names_row_250_too(tmp_path):
 def test_skip_scores_the_rest_and_writes_strict_json(tiny_clip, tmp_path):
     captions, images = corpus_with_a_corrupt_image(tmp_path, n=12, bad=5)
     out = tmp_path / "scores.jsonl"
-    proc = run([CAPEVAL, "score", "-m", "clipscore", "--model", tiny_clip, "--captions", str(captions), "--images",
-                str(images), "--out", str(out), "--on-error", "skip", "--quiet"])
+    proc = capeval_here(["score", "-m", "clipscore", "--model", tiny_clip, "--captions", str(captions), "--images",
+                         str(images), "--out", str(out), "--on-error", "skip", "--quiet"])
     assert "NaN" not in out.read_text() and "NaN" not in proc.stdout
     rows = [strict_json(line) for line in out.read_text().splitlines()]
     summary = strict_json(proc.stdout.strip().splitlines()[-1])
@@ -312,7 +313,7 @@ def test_torchrun_text_states_with_a_long_caption_equal_one_process(tmp_path):
     captions = tmp_path / "captions.jsonl"
     captions.write_text("".join(json.dumps({k: r[k] for k in ("caption", "references")}) + "\n" for r in rows))
     args = ["score", "-m", "bleu4", "-m", "cider", "-o", "tokenize=false", "--captions", str(captions), "--quiet"]
-    run([CAPEVAL, *args, "--out", str(tmp_path / "one.jsonl")])
+    capeval_here([*args, "--out", str(tmp_path / "one.jsonl")])
     run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "capeval_plugins.cli", *args,
          "--out", str(tmp_path / "two.jsonl"), "--batch-size", "2"], timeout=600)
     one, two = ([json.loads(line) for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
@@ -373,8 +374,8 @@ def test_a_coco_results_file_with_its_annotation_file(tiny_clip, tmp_path):
     image id, the image and the caption beside the scores."""
     results, annotations, records = _coco_files(tmp_path)
     out = tmp_path / "scores.jsonl"
-    run([CAPEVAL, "score", "-m", "refclipscore", "--model", tiny_clip, "--captions", str(results), "--annotations",
-         str(annotations), "--images", str(EXAMPLES / "images"), "--out", str(out), "--quiet"])
+    capeval_here(["score", "-m", "refclipscore", "--model", tiny_clip, "--captions", str(results), "--annotations",
+                  str(annotations), "--images", str(EXAMPLES / "images"), "--out", str(out), "--quiet"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     expected = capeval_plugins.load("refclipscore", model=tiny_clip)(records.images, records.captions,
                                                                      records.references)
@@ -393,8 +394,8 @@ def test_bert_score_plain_text_files(tmp_path):
     for k, column in enumerate(refs):
         (tmp_path / f"refs{k}.txt").write_text("\r\n".join(column) + "\r\n")
     out = tmp_path / "scores.jsonl"
-    run([CAPEVAL, "score", "-m", "cider", "-o", "tokenize=false", "-c", str(tmp_path / "cands.txt"),
-         "-r", str(tmp_path / "refs0.txt"), str(tmp_path / "refs1.txt"), "--out", str(out), "--quiet"])
+    capeval_here(["score", "-m", "cider", "-o", "tokenize=false", "-c", str(tmp_path / "cands.txt"),
+                  "-r", str(tmp_path / "refs0.txt"), str(tmp_path / "refs1.txt"), "--out", str(out), "--quiet"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     expected = capeval_plugins.load("cider", tokenize=False)(None, cands, [list(r) for r in zip(*refs)])
     assert [r["cider"] for r in rows] == pytest.approx(expected.scores.tolist(), rel=1e-12)
@@ -423,7 +424,7 @@ def test_a_file_in_another_known_format_says_which_and_how_to_pass_it(tmp_path, 
 
 def test_out_rows_carry_the_input_and_no_repeated_columns(tiny_clip, tmp_path):
     out = tmp_path / "scores.jsonl"
-    run(score_args(tiny_clip, out, "clipscore", "refclipscore"))
+    capeval_here(score_args(tiny_clip, out, "clipscore", "refclipscore")[1:])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     records = read_captions(EXAMPLES / "captions.jsonl", EXAMPLES / "images")
     source = [json.loads(line) for line in (EXAMPLES / "captions.jsonl").read_text().splitlines()]

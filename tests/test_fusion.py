@@ -142,7 +142,7 @@ def test_score_then_calibrate_then_score_again_from_the_cli_s_own_files(models, 
     """The documented pipeline on tiny models: ``capeval score -m redemption_score`` writes its components,
     ``capeval calibrate`` reads that very file and returns options, and those options given back to
     ``capeval score`` fuse the components with the calibrated weights."""
-    from conftest import PYTHON, run
+    from conftest import capeval_here
     from test_redemption import corpus
 
     images, candidates, references = corpus()
@@ -152,14 +152,12 @@ def test_score_then_calibrate_then_score_again_from_the_cli_s_own_files(models, 
         image.save(tmp_path / "images" / f"{i}.png")
         rows.append({"image": f"images/{i}.png", "caption": caption, "references": refs})
     _write_jsonl(tmp_path / "captions.jsonl", rows)
-    capeval = str(Path(PYTHON).parent / "capeval")
-
     def score(out, *options):
         args = ["-o", f"clip_model={models['clip']}", "-o", f"dino_model={models['dino']}", "-o",
                 f"generated_images={folder}", "-o", f"bertscore_model={models['deberta_v3']}", "-o",
                 "bertscore_num_layers=2", *[a for o in options for a in ("-o", o)]]
-        run([capeval, "score", "-m", "redemption_score", *args, "--captions", str(tmp_path / "captions.jsonl"),
-             "--out", str(out), "--quiet"])
+        capeval_here(["score", "-m", "redemption_score", *args, "--captions", str(tmp_path / "captions.jsonl"),
+                      "--out", str(out), "--quiet"])
         return [json.loads(line) for line in out.read_text().splitlines()]
 
     first = score(tmp_path / "scores.jsonl")
