@@ -86,11 +86,33 @@ def test_known_broken_combination_is_excluded():
 
 def test_makefile_installs_exactly_the_pins():
     makefile = (ROOT / "Makefile").read_text()
-    for lock in ("$(LOCK)", "$(LMMS_LOCK)", "$(LOWEST_LOCK)"):
-        assert f"pip install -q --no-deps -r {lock}" in makefile
-    assert makefile.count("--no-deps --no-build-isolation -e .") == 3
+    install = re.search(r"^UV_INSTALL = (.*)$", makefile, re.M).group(1)
+    # no dependency resolution, and bytecode written at install: the machines set PYTHONDONTWRITEBYTECODE, so
+    # without it every process of the suite compiles torch and transformers anew
+    assert "pip install" in install and "--no-deps" in install and "--compile-bytecode" in install
+    for venv, lock in ((".venv", "$(LOCK)"), ("$(LMMS_VENV)", "$(LMMS_LOCK)"), ("$(LOWEST_VENV)", "$(LOWEST_LOCK)")):
+        python = "$(BIN)/python" if venv == ".venv" else f"{venv}/bin/python"
+        assert f"$(UV_INSTALL) {python} -r {lock}" in makefile
+        assert f"$(UV_INSTALL) {python} --no-build-isolation -e ." in makefile
+    assert re.fullmatch(r"uv==[\d.]+\n", (ROOT / "requirements" / "uv.txt").read_text())
     assert "$(LOWEST_VENV)/bin/pytest" in makefile  # the fast part runs on the lowest versions
     assert "pins.py refresh" in makefile  # make lock
+
+
+def test_uv_installs_from_where_pip_is_configured_to(monkeypatch):
+    """pip's index, extra indexes (a list in one value) and wheel folders, as pip reads them (here from PIP_*
+    variables, the machine's config files left out), each passed to uv once."""
+    import os
+
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # pip then reads no config file
+    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///a/simple file:///b/simple")
+    monkeypatch.setenv("PIP_FIND_LINKS", "/wheels")
+    args = pins.uv_sources()
+    pairs = list(zip(args[::2], args[1::2]))
+    assert pairs == [("--index-url", "https://mirror.example/simple"), ("--extra-index-url", "file:///a/simple"),
+                     ("--extra-index-url", "file:///b/simple"), ("--find-links", "/wheels"),
+                     ("--index-strategy", "unsafe-best-match")]
 
 
 def test_the_lowest_environment_pins_every_requirement_at_its_floor():
