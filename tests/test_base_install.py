@@ -61,10 +61,20 @@ def linked_venv(folder: Path, extras: tuple[str, ...] = ()) -> Path:
             if file.parts[0] == "..":  # console scripts: the tests run `python -m`
                 continue
             source, target = Path(dist.locate_file(file)), site / file
-            if source.is_file() and not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.symlink_to(source)
+            for src, dst in ((source, target), *_bytecode(source, target)):
+                if src.is_file() and not dst.exists():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    dst.symlink_to(src)
     return folder / "bin" / "python"
+
+
+def _bytecode(source: Path, target: Path) -> list[tuple[Path, Path]]:
+    """A module's compiled bytecode beside it, which an installer may leave out of the RECORD (uv does): these
+    machines set PYTHONDONTWRITEBYTECODE, so without it each process here would compile torch anew."""
+    if source.suffix != ".py":
+        return []
+    name = f"{source.stem}.{sys.implementation.cache_tag}.pyc"
+    return [(source.parent / "__pycache__" / name, target.parent / "__pycache__" / name)]
 
 
 @functools.lru_cache(maxsize=None)
