@@ -99,7 +99,6 @@ def _dataset(include: Path):
 
 def _evaluate(tiny_llava: str, include: Path, force_simple: bool) -> dict:
     from lmms_eval import evaluator
-    from lmms_eval.tasks import TaskManager
 
     return evaluator.simple_evaluate(
         model="llava_hf", model_args=f"pretrained={tiny_llava},dtype=float32,device_map=cpu", tasks=[TASK],
@@ -154,7 +153,6 @@ def test_task_is_built_for_the_kind_of_model_lmms_eval_runs(caption_task, task_t
     """lmms-eval builds chat models' tasks as ConfigurableMessagesTask and simple models' as ConfigurableTask;
     a ``class:`` task gets the same treatment, with our metrics added and the documents numbered."""
     from lmms_eval.api.task import ConfigurableMessagesTask
-    from lmms_eval.tasks import TaskManager
 
     task = tasks_only(str(caption_task)).load_task_or_group([TASK], task_type=task_type)[TASK]
     assert isinstance(task, ConfigurableMessagesTask) == (task_type == "chat")
@@ -234,7 +232,6 @@ def test_a_task_without_any_capeval_metric_is_refused():
 
 
 def _loaded_task(include: Path):
-    from lmms_eval.tasks import TaskManager
 
     return tasks_only(str(include)).load_task_or_group([TASK], task_type="chat")[TASK]
 
@@ -349,7 +346,6 @@ def test_a_replay_with_empty_generations_gives_lmms_evals_own_coco_cider(tiny_cl
     pytest.importorskip("skimage")
     from conftest import has_java
     from lmms_eval import evaluator
-    from lmms_eval.tasks import TaskManager
 
     from capeval_plugins.testing.realistic import write_photos
 
