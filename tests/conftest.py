@@ -93,11 +93,11 @@ def run(cmd: list[str], env: dict | None = None, timeout: int = 300, cwd: str | 
     return proc
 
 
-def capeval_here(args: list, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
-    """``capeval ARGS`` through :func:`capeval_plugins.cli.main` in this process, checked as :func:`run` checks
-    the installed command (an AssertionError with its output unless it exits 0): the same ``main`` the console
-    script calls, without a new interpreter's 2-4 s of imports. What only a process shows (signals, torchrun, a
-    killed run, the console script itself) stays with :func:`run`."""
+def capeval_in_process(args: list, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """``capeval ARGS`` through :func:`capeval_plugins.cli.main` in this process, as a finished process would
+    report it (exit code, stdout, stderr; argparse's own exits included): the same ``main`` the console script
+    calls, without a new interpreter's 2-4 s of imports. What only a process shows (signals, torchrun, a killed
+    run, the console script itself) stays with :func:`run`."""
     import contextlib
     import io
 
@@ -115,9 +115,15 @@ def capeval_here(args: list, cwd: str | os.PathLike | None = None) -> subprocess
                 code = exit.code
     finally:
         os.chdir(here)
-    proc = subprocess.CompletedProcess(["capeval", *map(str, args)], code, out.getvalue(), err.getvalue())
-    if code != 0:
-        raise AssertionError(f"capeval {args} failed ({code}):\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+    return subprocess.CompletedProcess(["capeval", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
+def capeval_here(args: list, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """:func:`capeval_in_process`, checked as :func:`run` checks the installed command: an AssertionError with
+    its output unless it exits 0."""
+    proc = capeval_in_process(args, cwd)
+    if proc.returncode != 0:
+        raise AssertionError(f"capeval {args} failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-4000:]}\n"
                              f"STDERR:\n{proc.stderr[-4000:]}")
     return proc
 

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, PYTHON, capeval_here, free_port, random_image, run
+from conftest import EXAMPLES, PYTHON, capeval_here, capeval_in_process, free_port, random_image, run
 
 import capeval_plugins
 from capeval_plugins.caption_files import read_captions
@@ -81,26 +81,15 @@ def test_parquet_output(tiny_clip, tmp_path):
     assert [r["clipscore"] for r in table] == pytest.approx(direct(tiny_clip).scores.tolist(), abs=1e-5)
 
 
-def mistake(args, tmp_path):
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path)
-    lines = proc.stderr.strip().splitlines()
-    return proc.returncode, lines
+def mistake(args, tmp_path, in_process=False):
+    """The exit code and stderr lines of ``capeval ARGS`` run in ``tmp_path``: the installed command, or its
+    ``main`` in this process (:func:`conftest.capeval_in_process`, 3 s less a call)."""
+    proc = (capeval_in_process(args[1:], cwd=tmp_path) if in_process
+            else subprocess.run(args, capture_output=True, text=True, cwd=tmp_path))
+    return proc.returncode, proc.stderr.strip().splitlines()
 
 
-def mistake_in_process(args, monkeypatch, capsys):
-    """``capeval ARGS`` through :func:`capeval_plugins.cli.main` in this process (the console script calls it):
-    its exit code and stderr lines."""
-    from capeval_plugins.cli import main
-
-    capsys.readouterr()
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as exit:  # argparse's own usage errors
-        code = exit.code
-    return code, capsys.readouterr().err.strip().splitlines()
-
-
-def test_every_mistake_exits_2_with_one_line_naming_it(tiny_clip, tmp_path, monkeypatch, capsys):
+def test_every_mistake_exits_2_with_one_line_naming_it(tiny_clip, tmp_path, monkeypatch):
     caps, imgs = str(EXAMPLES / "captions.jsonl"), str(EXAMPLES / "images")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -122,7 +111,7 @@ def test_every_mistake_exits_2_with_one_line_naming_it(tiny_clip, tmp_path, monk
     for n, (expected, args) in enumerate(cases.items()):
         # the first through the installed command (a real process); the rest in-process: same main(), and a
         # process start each would cost the suite 3 s
-        code, lines = mistake(args, tmp_path) if n == 0 else mistake_in_process(args[1:], monkeypatch, capsys)
+        code, lines = mistake(args, tmp_path, in_process=n > 0)
         assert code == 2 and len(lines) == 1, (expected, code, lines)
         assert lines[0].startswith("capeval: error:") and expected in lines[0], (expected, lines)
     assert not (tmp_path / "no").exists()
@@ -402,7 +391,7 @@ def test_bert_score_plain_text_files(tmp_path):
     assert [r["caption"] for r in rows] == cands and "image" not in rows[0] and rows[1]["cider"] == 0.0
 
 
-def test_a_file_in_another_known_format_says_which_and_how_to_pass_it(tmp_path, monkeypatch, capsys):
+def test_a_file_in_another_known_format_says_which_and_how_to_pass_it(tmp_path):
     results, annotations, _ = _coco_files(tmp_path)
     (tmp_path / "cands.txt").write_text("a dog runs\na cat\n")
     base = [CAPEVAL, "score", "-m", "bleu4", "--quiet"]
@@ -416,9 +405,8 @@ def test_a_file_in_another_known_format_says_which_and_how_to_pass_it(tmp_path, 
         "give either -c/-r": base + ["--captions", str(results), "-c", str(tmp_path / "cands.txt")],
         "give the captions to score": base,
     }
-    monkeypatch.chdir(tmp_path)
     for n, (expected, args) in enumerate(cases.items()):  # the first as a real process, the rest in-process
-        code, lines = mistake(args, tmp_path) if n == 0 else mistake_in_process(args[1:], monkeypatch, capsys)
+        code, lines = mistake(args, tmp_path, in_process=n > 0)
         assert code == 2 and len(lines) == 1 and expected in lines[0], (expected, lines)
 
 

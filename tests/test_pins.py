@@ -145,3 +145,19 @@ def test_changes_lists_every_moved_version():
     old = ["# pinned: python 3.11.7", "a==1.0", "b-c==2.0", "gone==1"]
     new = ["a==1.1", "B_C==2.0", "fresh==3"]
     assert pins.changes(old, new) == ["  a: 1.0 -> 1.1", "  fresh: (new) -> 3", "  gone: 1 -> (removed)"]
+
+
+def test_uv_gets_each_source_from_where_pip_install_takes_it(tmp_path, monkeypatch):
+    """A PIP_* variable wins over the config files, their [install] section over [global]: one value each, not
+    a union (the file is read after the machine's own, so its keys win there)."""
+    config = tmp_path / "pip.conf"
+    config.write_text("[global]\nindex-url = https://g.example/simple\nextra-index-url = file:///a file:///b\n"
+                      "find-links = /global-wheels\n[install]\nfind-links = /install-wheels\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    for name in ("PIP_FIND_LINKS", "PIP_INDEX_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///c")
+    args = pins.uv_sources()
+    pairs = list(zip(args[::2], args[1::2]))
+    assert pairs == [("--index-url", "https://g.example/simple"), ("--extra-index-url", "file:///c"),
+                     ("--find-links", "/install-wheels"), ("--index-strategy", "unsafe-best-match")]

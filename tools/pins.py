@@ -218,21 +218,27 @@ def check_python(name: str) -> None:
                  f"Use PYTHON=python{wanted} make ..., or resolve for this Python with `make lock`.")
 
 
+# Where ``pip install`` takes an option from, the first that sets it winning: a PIP_* variable (``:env:`` in
+# ``pip config list``), then the config files' ``[install]`` section, then their ``[global]`` one.
+PIP_SCOPES = (":env:", "install", "global")
+
+
 def uv_sources() -> list[str]:
-    """pip's package sources on this machine (its config files and PIP_* variables: index, extra indexes, wheel
-    folders) as uv arguments, so uv installs the pins from where pip would; uv takes the best match over all of
-    them, as pip does."""
+    """pip's package sources on this machine (index, extra indexes, wheel folders; from its config files and
+    PIP_* variables, each option from where ``pip install`` takes it) as uv arguments, so uv installs the pins
+    from where pip would; uv takes the best match over all of them, as pip does."""
     proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
-    values: dict[str, list[str]] = {}
+    found: dict[str, dict[str, list[str]]] = {}
     for line in proc.stdout.splitlines():
         key, _, value = line.partition("=")
-        option = key.rpartition(".")[2]
-        for item in value.strip().strip("'\"").split():
-            if item not in values.setdefault(option, []):
-                values[option].append(item)
+        scope, _, option = key.rpartition(".")
+        if scope in PIP_SCOPES:  # not [download], [wheel], ...: sections of other pip commands
+            found.setdefault(option, {})[scope] = value.strip().strip("'\"").split()
     args = []
     for option in ("index-url", "extra-index-url", "find-links"):
-        for item in values.get(option, []):
+        by_scope = found.get(option, {})
+        values = next((by_scope[s] for s in PIP_SCOPES if s in by_scope), [])
+        for item in values[:1] if option == "index-url" else values:
             args += [f"--{option}", item]
     return [*args, "--index-strategy", "unsafe-best-match"]
 

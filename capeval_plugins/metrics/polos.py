@@ -108,10 +108,10 @@ class Polos(PointwiseMetric):
         return model.sentence_embeddings(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
 
     def score(self, batch: Batch) -> dict[str, Tensor]:
-        model, clip = self.model, self.clip
-        prefix = model.config.prefix
         from capeval_plugins.core.encoders.polos import flatten_references
 
+        model, clip = self.model, self.clip
+        prefix = model.config.prefix
         flat, owner = flatten_references(batch.references)
         # Every text of the batch through each encoder once; each image once for all of its candidates.
         sentences = self.sentence_embeddings(list(batch.candidates) + flat)
