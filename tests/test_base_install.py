@@ -69,8 +69,8 @@ def linked_venv(folder: Path, extras: tuple[str, ...] = ()) -> Path:
 
 
 def _bytecode(source: Path, target: Path) -> list[tuple[Path, Path]]:
-    """A module's compiled bytecode beside it, which an installer may leave out of the RECORD (uv does): these
-    machines set PYTHONDONTWRITEBYTECODE, so without it each process here would compile torch anew."""
+    """A module's compiled bytecode beside it, where an import has written it (it is in no RECORD): a process
+    here then need not compile torch anew (nor, under PYTHONDONTWRITEBYTECODE, every process)."""
     if source.suffix != ".py":
         return []
     name = f"{source.stem}.{sys.implementation.cache_tag}.pyc"
