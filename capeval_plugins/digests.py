@@ -60,9 +60,9 @@ class ContentDigests:
         ``.cache``) are left out: no loader reads them."""
         root = os.path.realpath(os.fspath(path))
         h = xxhash.xxh3_128()
-        for folder, dirs, files in os.walk(root):
+        for folder, dirs, names in os.walk(root):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for name in sorted(f for f in files if not f.startswith(".")):
+            for name in sorted(n for n in names if not n.startswith(".")):
                 full = os.path.join(folder, name)
                 h.update(f"{os.path.relpath(full, root)}\0{self.file(full)[3]}\n".encode())
         return ["folder", root, h.hexdigest()]

@@ -11,7 +11,6 @@ hook is ``evaluate.load(module_file("clipscore"))``.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import types
 from pathlib import Path

@@ -20,7 +20,7 @@ import numpy as np
 from capeval_plugins.bench.benchmarks import Benchmark, get_benchmark
 from capeval_plugins.bench.cache import NoCache, ScoreCache, default_cache_path, digest, metric_key, sample_keys
 from capeval_plugins.bench.data import Captions, Pairs, Ratings, resolve_images
-from capeval_plugins.bench.protocols import CORRELATION_STATS, Evaluation, evaluate
+from capeval_plugins.bench.protocols import Evaluation, evaluate
 from capeval_plugins import files
 from capeval_plugins.contract import Metric, PointwiseMetric
 from capeval_plugins.digests import ContentDigests

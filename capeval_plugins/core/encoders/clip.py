@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ class ClipEncoder:
     space, L2-normalised, float32."""
 
     def __init__(self, spec: EncoderSpec):
-        from transformers import AutoModel, AutoProcessor
+        from transformers import AutoProcessor
 
         self.spec = spec
         self.model = loading.load_spec(model_class(spec), spec)

@@ -15,7 +15,6 @@ same checkpoint shares it (one load). Features are returned raw (not normalised)
 from __future__ import annotations
 
 import html
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
