@@ -115,46 +115,56 @@ def test_sample_photos_name_their_extra_before_writing_anything(base_python, tmp
     assert not (tmp_path / "photos").exists()
 
 
+ECOSYSTEM_CHECKS = textwrap.dedent("""
+    import contextlib, importlib, io, json, sys
+    from capeval_plugins.core.messages import MissingExtra
+
+    def command(main, args):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except SystemExit as exit:
+                code = exit.code
+        return {"returncode": code or 0, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+    said = {}
+    for module in ("capeval_plugins.torchmetrics", "capeval_plugins.pycocoevalcap", "capeval_plugins.lm_eval",
+                   "capeval_plugins.adapters.hf_evaluate", "capeval_plugins.adapters.lmms_eval"):
+        try:
+            importlib.import_module(module)
+        except MissingExtra as err:
+            said[module] = str(err)
+    from capeval_plugins.adapters.lm_eval_cli import main as lm_eval_cli  # capeval-lm-eval
+    from capeval_plugins.cli import main as capeval
+    cider = ["score", "-m", "cider", "--captions", sys.argv[1], "--quiet"]
+    print(json.dumps({"imports": said, "tasks": command(lm_eval_cli, ["--tasks", "capeval_caption"]),
+                      "help": command(lm_eval_cli, ["--help"]), "cider": command(capeval, cider),
+                      "untokenised": command(capeval, [*cider, "-o", "cider.tokenize=false"])}))
+""")
+
+
 def test_every_ecosystem_says_which_extra_in_one_line(base_python, tmp_path):
     """Each adapter imported without its ecosystem: one MissingExtra line naming the extra; the lm-eval wrapper
-    and a classic metric that needs pycocoevalcap's jars: one line, exit 2, before any work (help prints)."""
-    script = textwrap.dedent("""
-        import importlib, json
-        from capeval_plugins.core.messages import MissingExtra
-        out = {}
-        for module in ("capeval_plugins.torchmetrics", "capeval_plugins.pycocoevalcap", "capeval_plugins.lm_eval",
-                       "capeval_plugins.adapters.hf_evaluate", "capeval_plugins.adapters.lmms_eval"):
-            try:
-                importlib.import_module(module)
-            except MissingExtra as err:
-                out[module] = str(err)
-        print(json.dumps(out))
-    """)
-    proc = run(base_python, ["-c", script], tmp_path)
-    said = json.loads(proc.stdout.strip().splitlines()[-1])
+    and a classic metric that needs pycocoevalcap's jars: one line, exit 2, before any work (help prints). One
+    interpreter runs them all (the commands through their ``main``, as the console scripts call it)."""
+    captions = tmp_path / "c.jsonl"
+    captions.write_text(json.dumps({"caption": "a dog", "references": ["a dog runs"]}) + "\n")
+    proc = run(base_python, ["-c", ECOSYSTEM_CHECKS, str(captions)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
     for module, extra in (("capeval_plugins.torchmetrics", "torchmetrics"), ("capeval_plugins.lm_eval", "lm-eval"),
                           ("capeval_plugins.pycocoevalcap", "pycocoevalcap"), ("capeval_plugins.adapters.lmms_eval", "lmms"),
                           ("capeval_plugins.adapters.hf_evaluate", "evaluate")):
-        assert f"'.[{extra}]'" in said.get(module, ""), (module, said)
-    cli = "import sys; from capeval_plugins.adapters.lm_eval_cli import main; main(sys.argv[1:])"  # capeval-lm-eval
-    assert_names_the_extra(run(base_python, ["-c", cli, "--tasks", "capeval_caption"], tmp_path), "lm-eval")
-    helped = run(base_python, ["-c", cli, "--help"], tmp_path)
-    assert helped.returncode == 0 and "'.[lm-eval]'" in helped.stdout, helped.stderr
-    captions = tmp_path / "c.jsonl"
-    captions.write_text(json.dumps({"caption": "a dog", "references": ["a dog runs"]}) + "\n")
-    cider = ["-m", "capeval_plugins.cli", "score", "-m", "cider", "--captions", str(captions), "--quiet"]
-    assert_names_the_extra(run(base_python, cider, tmp_path), "pycocoevalcap")
-    untokenised = run(base_python, [*cider, "-o", "cider.tokenize=false"], tmp_path)
+        assert f"'.[{extra}]'" in got["imports"].get(module, ""), (module, got["imports"])
+    tasks, helped, cider, untokenised = (subprocess.CompletedProcess([], **got[k])
+                                         for k in ("tasks", "help", "cider", "untokenised"))
+    assert_names_the_extra(tasks, "lm-eval")
+    # --help prints, exit 0, without lm-eval (nor accelerate, which lm-eval's default --model hf needs)
+    assert helped.returncode == 0 and "'.[lm-eval]'" in helped.stdout, helped
+    assert "capeval metric" in helped.stdout and "usage" in helped.stdout.lower()
+    assert_names_the_extra(cider, "pycocoevalcap")
     assert untokenised.returncode == 0, untokenised.stderr[-3000:]  # no jar needed: runs on the base
-
-
-def test_lm_eval_wrapper_help_prints_on_a_base_install(base_python, tmp_path):
-    """``capeval-lm-eval --help`` prints help and exits 0 without accelerate (lm-eval's default --model hf needs it:
-    only a run is refused for it, not the help)."""
-    cli = "import sys; from capeval_plugins.adapters.lm_eval_cli import main; main(sys.argv[1:])"  # capeval-lm-eval
-    proc = run(base_python, ["-c", cli, "--help"], tmp_path, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "capeval metric" in proc.stdout and "usage" in proc.stdout.lower()
 
 
 def test_the_demo_and_the_python_api_run_on_a_base_install(base_python, tmp_path, tiny_clip):
@@ -162,16 +172,15 @@ def test_the_demo_and_the_python_api_run_on_a_base_install(base_python, tmp_path
     from capeval_plugins.testing.realistic import write_photos
 
     write_photos(tmp_path / "photos")
-    demo = ["-m", "capeval_plugins.cli", "score", "-m", "clipscore", "-m", "refclipscore", "-m", "msd_score",
-            "-m", "soft_msd", "--model", tiny_clip, "--images", "photos", "--captions",
-            str(ROOT / "examples" / "photos.jsonl"), "--out", "scores.jsonl", "--quiet"]
-    proc = run(base_python, demo, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len((tmp_path / "scores.jsonl").read_text().splitlines()) == 14
-    script = (f"import capeval_plugins; print(capeval_plugins.load('clipscore', model={tiny_clip!r})("
+    demo = ["score", "-m", "clipscore", "-m", "refclipscore", "-m", "msd_score", "-m", "soft_msd", "--model", tiny_clip,
+            "--images", "photos", "--captions", str(ROOT / "examples" / "photos.jsonl"), "--out", "scores.jsonl",
+            "--quiet"]
+    script = (f"from capeval_plugins.cli import main; code = main({demo!r}); assert code == 0, code\n"  # one interpreter
+              f"import capeval_plugins; print(capeval_plugins.load('clipscore', model={tiny_clip!r})("
               "['photos/camera.jpg'], ['A man with a camera.'], [['a photographer']]).score)")
     proc = run(base_python, ["-c", script], tmp_path)
     assert proc.returncode == 0 and 0 <= float(proc.stdout.strip().splitlines()[-1]) <= 2.5, proc.stderr[-3000:]
+    assert len((tmp_path / "scores.jsonl").read_text().splitlines()) == 14
 
 
 @pytest.mark.parametrize("extra", ["evaluate", "torchmetrics", "pycocoevalcap"])

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BENCHDATA, PYTHON, run
+from conftest import BENCHDATA, capeval_here
 from scipy.stats import kendalltau
 
 from capeval_plugins.bench import load_benchmark, run_benchmark
 from capeval_plugins.bench.labels import read_labels
 from capeval_plugins.inputs import InputError
 
-CLI = [PYTHON, "-m", "capeval_plugins.cli", "bench"]
+CLI = ["bench"]  # through capeval_here: cli.main in this process (no process boundary under test)
 CATEGORIES = ("HC", "HI", "HM", "MM")
 
 
@@ -57,7 +57,7 @@ def test_pascal_run_labels_replace_the_public_ones(tmp_path):
         for image, caption in zip(pairs.captions.images, pairs.captions.candidates):
             f.write(json.dumps({"image": image, "caption": caption, "score": words(caption)}) + "\n")
     out = tmp_path / "r.json"
-    run(CLI + ["pascal50s", "--data", str(path), "--scores", f"w={scores}", "--labels", str(tmp_path / "results"),
+    capeval_here(CLI + ["pascal50s", "--data", str(path), "--scores", f"w={scores}", "--labels", str(tmp_path / "results"),
                "--bootstrap", "0", "--json", str(out), "--quiet"])
     report = json.loads(out.read_text())
     assert report["data"]["labels"] == {"path": str(tmp_path / "results"), "matched": 100, "changed": 5,

@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import PYTHON, run
+from conftest import capeval_here, capeval_in_process
 from scipy.stats import kendalltau, pearsonr, spearmanr
 
 from capeval_plugins.bench import load_benchmark, run_benchmark
 from capeval_plugins.bench.benchmarks import get_benchmark, metric_options
 from capeval_plugins.bench.data import clean
 
-CLI = [PYTHON, "-m", "capeval_plugins.cli", "bench"]
+CLI = ["bench"]  # through capeval_here: cli.main in this process (no process boundary under test)
 MODELS = ["GPT-4o-0806", "Gemini-2.0-flash-exp", "InternVL2-26B", "LLaVA-1.5-7B", "Qwen2-VL-2B-Instruct"]
 LABELS = ["1_much_better", "1_slightly_better", "equal", "2_slightly_better", "2_much_better"]
 
@@ -105,7 +104,7 @@ def test_caparena_msd_protocol_equals_its_script_as_a_loop(tmp_path):
     assert data.excluded == sum(i["winner"] not in (i["source1"], i["source2"], "tie") for i in items)
     scores = write_scores(tmp_path / "s.jsonl", data)
     out = tmp_path / "msd.json"
-    run(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}", "--protocol", "msd-score",
+    capeval_here(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}", "--protocol", "msd-score",
                "--bootstrap", "10", "--json", str(out), "--quiet"])
     report = json.loads(out.read_text())
     result = report["results"]["w"]
@@ -135,7 +134,7 @@ def test_caparena_msd_protocol_shuffle_rounds_equal_its_script(tmp_path):
     figures = {}
     for rounds in (1, 5):
         out = tmp_path / f"rounds{rounds}.json"
-        run(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}", "--protocol", "msd-score",
+        capeval_here(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}", "--protocol", "msd-score",
                    "--shuffle-rounds", str(rounds), "--bootstrap", "0", "--json", str(out), "--quiet"])
         report = json.loads(out.read_text())
         assert report["protocol"]["shuffle_rounds"] == rounds
@@ -148,8 +147,8 @@ def test_caparena_msd_protocol_shuffle_rounds_equal_its_script(tmp_path):
                             progress=False).to_dict()
     assert default["protocol"]["shuffle_rounds"] == 1
     assert default["results"]["w"]["system"]["spearman"] == pytest.approx(figures[1][0], abs=1e-9)
-    bad = subprocess.run(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}", "--shuffle-rounds", "5"],
-                         capture_output=True, text=True, timeout=300)
+    bad = capeval_in_process(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}",
+                                   "--shuffle-rounds", "5"])
     assert bad.returncode == 2 and "single-pass Elo" in bad.stderr
 
 
@@ -170,8 +169,8 @@ def test_caparena_official_protocol_stays_the_default(tmp_path):
         human = "1" if it["winner"] == it["source1"] else "2" if it["winner"] == it["source2"] else "tie"
         agree.append(metric == human)
     assert official["results"]["w"]["accuracy"] == pytest.approx(100 * np.mean(agree), abs=1e-9)
-    bad = subprocess.run(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}", "--protocol", "posh"],
-                         capture_output=True, text=True, timeout=300)
+    bad = capeval_in_process(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}",
+                                   "--protocol", "posh"])
     assert bad.returncode == 2 and "no protocol 'posh'" in bad.stderr and "msd-score" in bad.stderr
 
 
@@ -207,7 +206,7 @@ def test_docent_msd_protocol_equals_its_script_as_a_loop(tmp_path):
     data = load_benchmark("docent", path)
     scores = write_scores(tmp_path / "s.jsonl", data)
     out = tmp_path / "docent.json"
-    stdout = run(CLI + ["docent", "--data", str(path), "--scores", f"w={scores}", "--protocol", "msd-score",
+    stdout = capeval_here(CLI + ["docent", "--data", str(path), "--scores", f"w={scores}", "--protocol", "msd-score",
                         "--bootstrap", "10", "--json", str(out), "--quiet"]).stdout
     assert "Pearson (overall_quality)" in stdout
     result = json.loads(out.read_text())["results"]["w"]

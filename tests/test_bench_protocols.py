@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import BENCHDATA as DEFAULT_BENCHDATA
-from conftest import PYTHON, has_java, run
+from conftest import capeval_here, capeval_in_process, has_java
 from scipy.stats import kendalltau, pearsonr, spearmanr
 
-from capeval_plugins.bench import Captions, Pairs, Ratings, load_benchmark, run_benchmark
+from capeval_plugins.bench import Captions, Ratings, load_benchmark, run_benchmark
 from capeval_plugins.bench.protocols import RankPlan
 from capeval_plugins.bench.ranking import bootstrap_elo
 from capeval_plugins.contract import INDEX, Metric, MetricInfo, MetricResult, PointwiseMetric, StateSpec
@@ -27,7 +27,7 @@ from capeval_plugins.inputs import InputError
 # CAPEVAL_BENCHDATA points a worktree that is not next to ../shared at the data
 BENCHDATA = Path(os.environ.get("CAPEVAL_BENCHDATA", DEFAULT_BENCHDATA))
 real = pytest.mark.skipif(not BENCHDATA.is_dir(), reason="../shared/benchdata is not on this machine")
-CLI = [PYTHON, "-m", "capeval_plugins.cli", "bench"]
+CLI = ["bench"]  # through capeval_here: cli.main in this process (no process boundary under test)
 
 
 def info(name: str, references: str = "never", groups: bool = False) -> MetricInfo:
@@ -160,7 +160,7 @@ def write_length_scores(data, path: Path, fmt: str = "jsonl") -> None:
 
 def check_sugarcrepe(folder: Path, scores_file: Path, tmp_path: Path) -> dict:
     out = tmp_path / "sc.json"
-    stdout = run(CLI + ["sugarcrepe", "--data", str(folder), "--scores", f"len={scores_file}", "--bootstrap", "50",
+    stdout = capeval_here(CLI + ["sugarcrepe", "--data", str(folder), "--scores", f"len={scores_file}", "--bootstrap", "50",
                         "--json", str(out), "--quiet"]).stdout
     assert "| metric | n | replace_obj |" in stdout and "Replace" in stdout
     doc = json.loads(out.read_text())
@@ -214,7 +214,7 @@ def test_a_score_file_must_cover_every_row(tmp_path):
     assert n_missing
     with pytest.raises(InputError, match=rf"{n_missing} of 84 benchmark rows have no score, e\.g\. row \d+: "):
         run_benchmark("sugarcrepe", folder, scores={"len": scores}, bootstrap=0, progress=False)
-    proc = run_or_fail(CLI + ["sugarcrepe", "--data", str(folder), "--scores", f"len={scores}", "--quiet"])
+    proc = capeval_in_process(CLI + ["sugarcrepe", "--data", str(folder), "--scores", f"len={scores}", "--quiet"])
     assert proc.returncode == 2 and "have no score" in proc.stderr and "Traceback" not in proc.stderr
     # two different scores for one image and caption cannot be matched
     rows = [json.loads(line) for line in lines]
@@ -226,12 +226,6 @@ def test_a_score_file_must_cover_every_row(tmp_path):
     scores.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(InputError, match="is not a number"):
         run_benchmark("sugarcrepe", folder, scores={"len": scores}, bootstrap=0, progress=False)
-
-
-def run_or_fail(cmd):
-    import subprocess
-
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 # ----------------------------------------------------------------------------------- score round trip
@@ -274,8 +268,8 @@ def test_cli_metric_json_equals_the_same_run_from_its_saved_scores(tmp_path):
     data_file.write_text(json.dumps(pairs))
     first, second, saved = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "saved"
     common = ["mceval", "--data", str(data_file), "--bootstrap", "100", "--quiet", "--no-cache"]
-    run(CLI + common + ["--metric", "cider", "--metric", "bleu4", "--json", str(first), "--save-scores", str(saved)])
-    run(CLI + common + ["--scores", f"cider={saved / 'cider.jsonl'}", "--scores", f"bleu4={saved / 'bleu4.jsonl'}",
+    capeval_here(CLI + common + ["--metric", "cider", "--metric", "bleu4", "--json", str(first), "--save-scores", str(saved)])
+    capeval_here(CLI + common + ["--scores", f"cider={saved / 'cider.jsonl'}", "--scores", f"bleu4={saved / 'bleu4.jsonl'}",
                         "--json", str(second)])
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     for name in ("cider", "bleu4"):
@@ -284,7 +278,7 @@ def test_cli_metric_json_equals_the_same_run_from_its_saved_scores(tmp_path):
     assert_same(b["comparisons"], a["comparisons"])
     # mixing: a metric and a score file in one run are compared pairwise
     mixed = tmp_path / "m.json"
-    run(CLI + common + ["--metric", "bleu4", "--scores", f"theirs={saved / 'cider.jsonl'}", "--json", str(mixed)])
+    capeval_here(CLI + common + ["--metric", "bleu4", "--scores", f"theirs={saved / 'cider.jsonl'}", "--json", str(mixed)])
     doc = json.loads(mixed.read_text())
     assert doc["comparisons"][0]["metrics"] == ["theirs", "bleu4"]
     assert doc["results"]["theirs"]["accuracy"] == pytest.approx(a["results"]["cider"]["accuracy"], rel=1e-12)
@@ -352,7 +346,7 @@ def check_factvc(name: str, folder: Path, tmp_path: Path) -> dict:
     out = tmp_path / f"{name}.json"
     scores = tmp_path / "len.jsonl"
     write_length_scores(data, scores)
-    stdout = run(CLI + [name, "--data", str(folder), "--scores", f"len={scores}", "--bootstrap", "20",
+    stdout = capeval_here(CLI + [name, "--data", str(folder), "--scores", f"len={scores}", "--bootstrap", "20",
                         "--json", str(out), "--quiet"]).stdout
     assert "Pearson (paragraph)" in stdout and "System level (6 systems" in stdout
     result = json.loads(out.read_text())["results"]["len"]
@@ -438,7 +432,7 @@ def check_vatex(path: Path, tmp_path: Path) -> dict:
     scores = np.array([len(c.split()) + 1e-5 * (k % 7) for k, c in enumerate(cands)])  # rounding matters
     out = tmp_path / "vatex.json"
     file = _write(tmp_path / "v.jsonl", data, scores)
-    stdout = run(CLI + ["vatex-eval", "--data", str(path), "--scores", f"m={file}", "--bootstrap", "10",
+    stdout = capeval_here(CLI + ["vatex-eval", "--data", str(path), "--scores", f"m={file}", "--bootstrap", "10",
                         "--json", str(out), "--quiet"]).stdout
     assert "Kendall τb (annotator1)" in stdout
     result = json.loads(out.read_text())["results"]["m"]
@@ -514,7 +508,7 @@ def test_caparena_agreement_and_tie_conventions(tmp_path):
     for margin in (0.0, 1.0):
         out = tmp_path / f"c{margin}.json"
         scores = _write(tmp_path / "s.jsonl", data, np.array([float(words(c)) for c in data.captions.candidates]))
-        run(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}", "--tie-margin", str(margin),
+        capeval_here(CLI + ["caparena", "--data", str(path), "--scores", f"w={scores}", "--tie-margin", str(margin),
                    "--bootstrap", "20", "--json", str(out), "--quiet"])
         result = json.loads(out.read_text())["results"]["w"]
         overall, levels = plain_agreement(items, words, margin)
@@ -605,7 +599,7 @@ def test_ties_b_is_polos_pascal50s_loop(tmp_path):
     scores.write_text("".join(json.dumps({"image": p["image"], "caption": " ".join(c.split()),
                                           "score": float(len(c.split()))}) + "\n"
                               for pairs in data.values() for p in pairs for c in p["captions"]))
-    run(CLI + ["pascal50s", "--data", str(path), "--scores", f"w={scores}", "--ties", "b", "--bootstrap", "0",
+    capeval_here(CLI + ["pascal50s", "--data", str(path), "--scores", f"w={scores}", "--ties", "b", "--bootstrap", "0",
                "--json", str(out), "--quiet"])
     result = json.loads(out.read_text())["results"]["w"]
     for cat, pairs in data.items():
@@ -786,7 +780,7 @@ def test_docent_coarse_protocol_equals_posh_script_as_a_loop(tmp_path, fmt):
     else:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "docent.json"
-    stdout = run(CLI + ["docent", "--data", str(path), "--scores", f"len={_len_scores(tmp_path, path)}",
+    stdout = capeval_here(CLI + ["docent", "--data", str(path), "--scores", f"len={_len_scores(tmp_path, path)}",
                         "--bootstrap", "30", "--json", str(out), "--quiet", "--plot", str(tmp_path)]).stdout
     assert "accuracy (overall_quality)" in stdout
     result = json.loads(out.read_text())["results"]["len"]
@@ -810,7 +804,7 @@ def test_caparena_calibrated_tie_margin_predicts_at_most_the_human_ties(tmp_path
     scores = np.array([float(len(c.split())) for c in data.captions.candidates])
     file = _write(tmp_path / "w.jsonl", data, scores)
     out = tmp_path / "cal.json"
-    run(CLI + ["caparena", "--data", str(path), "--scores", f"w={file}", "--tie-margin", "calibrated",
+    capeval_here(CLI + ["caparena", "--data", str(path), "--scores", f"w={file}", "--tie-margin", "calibrated",
                "--bootstrap", "0", "--json", str(out), "--quiet"])
     result = json.loads(out.read_text())["results"]["w"]
     words = lambda c: len(c.split())  # noqa: E731
@@ -820,5 +814,5 @@ def test_caparena_calibrated_tie_margin_predicts_at_most_the_human_ties(tmp_path
     metric = ["1" if d >= threshold else "2" if -d >= threshold else "tie" for d in diffs]  # PoSh's loop
     assert result["accuracy"] == pytest.approx(100 * np.mean([m == h for m, h in zip(metric, human)]), abs=1e-9)
     assert result["n_ties"] == metric.count("tie") <= human.count("tie")
-    proc = run_or_fail(CLI + ["caparena", "--data", str(path), "--scores", f"w={file}", "--tie-margin", "-1"])
+    proc = capeval_in_process(CLI + ["caparena", "--data", str(path), "--scores", f"w={file}", "--tie-margin", "-1"])
     assert proc.returncode == 2 and "calibrated" in proc.stderr

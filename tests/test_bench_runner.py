@@ -4,13 +4,12 @@ paired bootstrap is what it says, and ``capeval bench`` prints and writes the do
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import BENCHDATA, PYTHON, has_java, random_image, run
+from conftest import BENCHDATA, PYTHON, capeval_here, capeval_in_process, has_java, random_image, run
 from scipy.stats import kendalltau, pearsonr
 
 import capeval_plugins
@@ -329,11 +328,11 @@ def test_capeval_bench_prints_the_table_writes_json_and_a_plot(tmp_path):
     rows = [{"imgid": f"{k % 7:04d}", "mt": f"a dog {'runs ' * (k % 5)}on grass", "refs": ["a dog runs", "a dog"],
              "score": (k % 5) / 4} for k in range(30)]
     (tmp_path / "nebula.json").write_text(json.dumps(rows))
-    cmd = [CAPEVAL, "bench", "nebula", "--data", str(tmp_path / "nebula.json"), "--metric", "rouge_l", "--metric",
+    cmd = ["bench", "nebula", "--data", str(tmp_path / "nebula.json"), "--metric", "rouge_l", "--metric",
            "cider", "-o", "rouge_l.tokenize=false", "-o", "cider.tokenize=false", "--bootstrap", "50", "--cache",
            str(tmp_path / "c.sqlite"), "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "plots"),
            "--quiet"]
-    out = run(cmd).stdout
+    out = capeval_here(cmd).stdout  # cli.main in this process: no process boundary under test
     assert "| metric | n | Kendall τb | Kendall τc | Pearson | Spearman | 95% CI (Kendall τc) | time (s) |" in out
     assert "| rouge_l | 30 |" in out and "| cider | 30 |" in out and "rouge_l vs cider" in out and "wall time:" in out
     doc = json.loads((tmp_path / "out.json").read_text())
@@ -342,12 +341,12 @@ def test_capeval_bench_prints_the_table_writes_json_and_a_plot(tmp_path):
     result = doc["results"]["cider"]
     assert {"kendall_tau_b", "kendall_tau_c", "pearson", "n", "ci95"} <= set(result) and result["n"] == 30
     assert (tmp_path / "plots" / "nebula.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "(cached)" in run(cmd).stdout
+    assert "(cached)" in capeval_here(cmd).stdout
 
     pairs = {c: [{"image": f"{c}{k}.jpg", "captions": ["a dog runs", f"a {c} thing {k}"], "label": k % 2,
                   "references": ["a dog runs fast"]} for k in range(6)] for c in ("HC", "HI", "HM", "MM")}
     (tmp_path / "pascal.json").write_text(json.dumps(pairs))
-    out = run([CAPEVAL, "bench", "pascal50s", "--data", str(tmp_path / "pascal.json"), "--metric", "bleu1", "-o",
+    out = capeval_here(["bench", "pascal50s", "--data", str(tmp_path / "pascal.json"), "--metric", "bleu1", "-o",
                "bleu1.tokenize=false", "--no-cache", "--json", str(tmp_path / "p.json"), "--quiet"]).stdout
     assert "| metric | n | HC | HI | HM | MM | mean | 95% CI (mean) | ties | time (s) |" in out
     result = json.loads((tmp_path / "p.json").read_text())["results"]["bleu1"]
@@ -357,8 +356,8 @@ def test_capeval_bench_prints_the_table_writes_json_and_a_plot(tmp_path):
 @pytest.mark.slow
 def test_bad_benchmark_input_is_one_line_with_exit_code_2(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps([{"mt": "x", "refs": ["y"], "imgid": "3"}]))
-    proc = subprocess.run([CAPEVAL, "bench", "nebula", "--data", str(tmp_path / "bad.json"), "--metric", "bleu4",
-                           "--no-cache"], capture_output=True, text=True)
+    proc = capeval_in_process(["bench", "nebula", "--data", str(tmp_path / "bad.json"), "--metric", "bleu4",
+                               "--no-cache"])
     assert proc.returncode == 2 and "row 0: no human score" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, spawn_ranks
 
 import capeval_plugins
 
@@ -278,10 +278,8 @@ def _ddp_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_two_process_ddp_with_corpus_idf_equals_single_process(tiny_deberta, tmp_path):
-    import torch.multiprocessing as mp
-
     single = capeval_plugins.load("bertscore", model=tiny_deberta, idf=True)(None, CANDIDATES, REFERENCES)
-    mp.spawn(_ddp_worker, args=(2, free_port(), tiny_deberta, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, (2, free_port(), tiny_deberta, str(tmp_path)))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["indices"] == list(range(len(CANDIDATES)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -237,61 +238,74 @@ def test_an_interrupted_run_resumes_to_the_same_bits(tiny_clip, tmp_path):
 def test_a_changed_command_is_refused_and_restart_starts_over(tiny_clip, tmp_path):
     import os
 
-    env = dict(os.environ)
     out = tmp_path / "s.jsonl"
-    cmd = [PYTHON, INTERRUPT] + score_args(tiny_clip, out, extra=["--batch-size", "2"])[1:]
-    first = interrupted(cmd, 1, env)
+    args = score_args(tiny_clip, out, extra=["--batch-size", "2"])[1:]
+    first = interrupted([PYTHON, INTERRUPT, *args], 1, dict(os.environ))
     assert first.returncode == 130
-    changed = subprocess.run(cmd + ["-o", "w=1.0"], capture_output=True, text=True, env=env)
+    changed = capeval_in_process([*args, "-o", "w=1.0"])  # what follows needs no process of its own
     assert changed.returncode == 2 and "clipscore options w" in changed.stderr and "--restart" in changed.stderr
-    again = subprocess.run(cmd + ["-o", "w=1.0", "--restart"], capture_output=True, text=True, env=env)
-    assert again.returncode == 0 and "batches mapped by this process: 3" in again.stderr
+    again = capeval_here([*args, "-o", "w=1.0", "--restart"])
+    summary = strict_json(again.stdout.strip().splitlines()[-1])
+    assert summary["batches_resumed"] == 0 and summary["batches_scored"] == 3
+
+
+def torchrun_score(model, captions, images, out, script=("-m", "capeval_plugins.cli"), quiet=True):
+    """``torchrun`` with two ranks scoring CLIPScore and MID (a corpus-level metric) in batches of 8."""
+    return [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), *script, "score", "-m", "clipscore",
+            "-m", "mid", "--model", model, "--batch-size", "8", "--captions", str(captions), "--images",
+            str(images), "--out", str(out), *(["--quiet"] if quiet else [])]
+
+
+@pytest.fixture(scope="module")
+def torchrun_whole(tiny_clip, tmp_path_factory):
+    """One uninterrupted two-rank run (a torchrun costs three interpreters' imports): the corpus, its output and
+    the run's stderr, for the tests below. Not quiet: its progress bars are under test too."""
+    folder = tmp_path_factory.mktemp("torchrun")
+    captions, images = corpus_with_a_corrupt_image(folder, n=64, bad=-1)
+    whole = folder / "whole.jsonl"
+    proc = run(torchrun_score(tiny_clip, captions, images, whole, quiet=False), timeout=600)
+    return captions, images, whole, proc.stderr
 
 
 @pytest.mark.slow
-def test_torchrun_interrupted_and_resumed_equals_an_uninterrupted_torchrun(tiny_clip, tmp_path):
+def test_torchrun_two_ranks_equals_one_process(tiny_clip, torchrun_whole):
+    captions, images, whole, _ = torchrun_whole
+    rows = [strict_json(line) for line in whole.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(64))
+    assert [r["clipscore"] for r in rows] == pytest.approx(direct_rows(tiny_clip, captions, images), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_under_torchrun_only_rank_0_draws_progress_bars(torchrun_whole):
+    stderr = torchrun_whole[3]
+    finished = [bar.strip() for bar in re.findall(r"([\w, ]+): 100%\|", stderr.replace("\r", "\n"))]
+    # rank 0's bars only (its model loading, the pass, the corpus step): each once, never one per rank
+    assert finished.count("clipscore, mid") == 1 and finished.count("corpus scores") == 1, stderr[-3000:]
+    assert len(finished) == len(set(finished)), finished
+
+
+@pytest.mark.slow
+def test_torchrun_interrupted_and_resumed_equals_an_uninterrupted_torchrun(tiny_clip, torchrun_whole):
     import os
 
-    captions, images = corpus_with_a_corrupt_image(tmp_path, n=64, bad=-1)
+    captions, images, whole, _ = torchrun_whole
     env = dict(os.environ)
-
-    def command(out):
-        return [TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), INTERRUPT, "score",
-                "-m", "clipscore", "-m", "mid", "--model", tiny_clip, "--batch-size", "8", "--captions",
-                str(captions), "--images", str(images), "--out", str(out), "--quiet"]
-
-    whole = tmp_path / "whole.jsonl"
-    run(command(whole), env=env, timeout=600)
-    out = tmp_path / "resumed.jsonl"
-    first = interrupted(command(out), 2, env)
+    out = whole.parent / "resumed.jsonl"
+    first = interrupted(torchrun_score(tiny_clip, captions, images, out, script=(INTERRUPT,)), 2, env)
     assert first.returncode != 0 and not out.exists()
     assert sorted(p.name for p in Path(f"{out}.capeval-run").iterdir()) == [
         "capeval-run.lock", "capeval-run.manifest", "rank-0-of-2", "rank-1-of-2", "run.json"]
-    second = subprocess.run(command(out), capture_output=True, text=True, timeout=600, env=env)
+    second = subprocess.run(torchrun_score(tiny_clip, captions, images, out, script=(INTERRUPT,)), capture_output=True,
+                            text=True, timeout=600, env=env)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert out.read_text() == whole.read_text()
+    assert out.read_text() == whole.read_text()  # bit for bit
     summary = strict_json(second.stdout.strip().splitlines()[-1])
     assert summary["batches_resumed"] == 4 and summary["batches_scored"] == 2 * 2 * 4 - 4
-    reference = direct_rows(tiny_clip, captions, images)
-    rows = [strict_json(line) for line in out.read_text().splitlines()]
-    assert [r["clipscore"] for r in rows] == pytest.approx(reference, abs=1e-5)
 
 
 def direct_rows(model, captions, images):
     records = read_captions(captions, images)
     return capeval_plugins.load("clipscore", model=model)(records.images, records.captions, records.references).scores.tolist()
-
-
-@pytest.mark.slow
-def test_torchrun_two_ranks_equals_one_process(tiny_clip, tmp_path):
-    out = tmp_path / "ddp.jsonl"
-    run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "capeval_plugins.cli",
-         "score", "--metric", "clipscore", "--model", tiny_clip, "--captions", str(EXAMPLES / "captions.jsonl"),
-         "--images", str(EXAMPLES / "images"), "--out", str(out), "--quiet"], timeout=600)
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    expected = direct(tiny_clip)
-    assert [r["index"] for r in rows] == list(range(len(expected)))
-    assert [r["clipscore"] for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5)
 
 
 def test_torchrun_text_states_with_a_long_caption_equal_one_process(tmp_path):

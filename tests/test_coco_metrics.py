@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import BENCHDATA, PYTHON, flickr8k_pairs, free_port, has_java
+from conftest import BENCHDATA, PYTHON, flickr8k_pairs, free_port, has_java, spawn_ranks
 
 import capeval_plugins
 from capeval_plugins.core import java
@@ -335,11 +335,9 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_ranks_give_the_single_process_corpus_cider(tmp_path):
-    import torch.multiprocessing as mp
-
     cands, refs = corpus(25, seed=3)
     single = capeval_plugins.load("cider", tokenize=False)(None, cands, refs)
-    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, (2, free_port(), str(tmp_path)))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["indices"] == list(range(25))

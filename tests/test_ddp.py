@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CAPTIONS, REFERENCES, free_port, random_image
+from conftest import CAPTIONS, REFERENCES, free_port, random_image, spawn_ranks
 
 import capeval_plugins
 
@@ -97,7 +97,6 @@ def _worker(rank: int, world: int, port: int, model: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_two_processes_equal_one(tiny_clip, tmp_path):
-    import torch.multiprocessing as mp
     from test_contract import CorpusText
     from test_mid import corpus as mid_corpus
 
@@ -109,7 +108,7 @@ def test_two_processes_equal_one(tiny_clip, tmp_path):
              for rank in range(2) for part in (list(range(rank, N, 2))[:2], list(range(rank, N, 2))[2:])]
     text = CorpusText()(None, TEXTS)
     mid = {flag: capeval_plugins.load("mid", model=tiny_clip, per_sample=flag)(*mid_corpus()) for flag in (True, False)}
-    mp.spawn(_worker, args=(2, free_port(), tiny_clip, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), tiny_clip, str(tmp_path)))
     tol = dict(abs=1e-5)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")

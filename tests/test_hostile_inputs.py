@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CAPTIONS, PYTHON, StopAfter, free_port, random_image, write_corpus
+from conftest import CAPTIONS, PYTHON, StopAfter, free_port, random_image, spawn_ranks, write_corpus
 
 import capeval_plugins
 from capeval_plugins import runner
@@ -519,42 +519,52 @@ def test_only_a_torn_last_record_is_dropped_and_the_run_then_equals_an_uninterru
 # 9. One identity per sample across ranks (torchmetrics under DDP)
 
 
-def _ranks_worker(rank: int, world: int, port: int, model: str, out: str, case: str) -> None:
+REPEAT_CASES = ("positions", "other_sample", "padding")
+
+
+def _ranks_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
+    """Every case in one process group (a spawn costs both ranks their imports): each case a fresh metric."""
     import torch.distributed as dist
 
     from capeval_plugins.torchmetrics import CLIPScore
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     images = [random_image(i, size=(30, 32)) for i in range(40)]
-    metric = CLIPScore(model=model, batch_size=8)
-    if case == "positions":  # each rank passes its own positions 0..19 as ids, with its own captions
-        mine = list(range(rank * 20, rank * 20 + 20))
-        metric.update([images[i] for i in mine], [f"{CAPTIONS[i % 4]} ({i})" for i in mine], ids=list(range(20)))
-    elif case == "padding":  # a padding sampler: rank 1 repeats sample 0, the same sample
-        mine = [0, 2, 4] if rank == 0 else [1, 3, 0]
-        metric.update([images[i] for i in mine], [f"caption {i}" for i in mine], ids=mine)
-    else:  # one repeat, as a padding sampler makes, but of another sample
-        mine = [0, 2, 4] if rank == 0 else [1, 3, 5]
-        ids = [0, 2, 4] if rank == 0 else [1, 3, 0]
-        metric.update([images[i] for i in mine], [f"caption {i}" for i in mine], ids=ids)
-    try:
-        result = {"score": float(metric.compute()), "repeats": metric.compute_all().corpus_extras.get(
-            "n_repeats_dropped", 0.0), "n": len(metric.compute_all().scores)}
-    except Exception as err:
-        result = {"error": f"{type(err).__name__}: {err}"}
-    torch.save(result, f"{out}/rank{rank}.pt")
-    dist.barrier()
+    results = {}
+    for case in REPEAT_CASES:
+        metric = CLIPScore(model=model, batch_size=8)
+        if case == "positions":  # each rank passes its own positions 0..19 as ids, with its own captions
+            mine = list(range(rank * 20, rank * 20 + 20))
+            metric.update([images[i] for i in mine], [f"{CAPTIONS[i % 4]} ({i})" for i in mine], ids=list(range(20)))
+        elif case == "padding":  # a padding sampler: rank 1 repeats sample 0, the same sample
+            mine = [0, 2, 4] if rank == 0 else [1, 3, 0]
+            metric.update([images[i] for i in mine], [f"caption {i}" for i in mine], ids=mine)
+        else:  # one repeat, as a padding sampler makes, but of another sample
+            mine = [0, 2, 4] if rank == 0 else [1, 3, 5]
+            ids = [0, 2, 4] if rank == 0 else [1, 3, 0]
+            metric.update([images[i] for i in mine], [f"caption {i}" for i in mine], ids=ids)
+        try:
+            result = {"score": float(metric.compute()), "repeats": metric.compute_all().corpus_extras.get(
+                "n_repeats_dropped", 0.0), "n": len(metric.compute_all().scores)}
+        except Exception as err:
+            result = {"error": f"{type(err).__name__}: {err}"}
+        results[case] = result
+        dist.barrier()  # the ranks leave a failed case together
+    torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", ["positions", "other_sample", "padding"])
-def test_ids_repeated_across_ranks_beyond_padding_or_with_other_content_are_an_error(tiny_clip, tmp_path, case):
-    import torch.multiprocessing as mp
+@pytest.fixture(scope="module")
+def repeats_across_ranks(tiny_clip, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    spawn_ranks(_ranks_worker, (2, free_port(), tiny_clip, str(out)))
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
-    mp.spawn(_ranks_worker, args=(2, free_port(), tiny_clip, str(tmp_path), case), nprocs=2, join=True)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", REPEAT_CASES)
+def test_ids_repeated_across_ranks_beyond_padding_or_with_other_content_are_an_error(repeats_across_ranks, case):
+    for got in (ranks[case] for ranks in repeats_across_ranks):
         if case == "padding":
             assert "error" not in got and got["repeats"] == 1.0 and got["n"] == 5, got
         elif case == "positions":

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, run
+from conftest import EXAMPLES, free_port, run
 
 import capeval_plugins
 
@@ -183,14 +183,18 @@ if out is not None:
 def test_two_processes_score_the_corpus_one_process_scores(tiny_llava, tiny_clip, caption_task, tmp_path):
     """torchrun with 2 gloo processes: each generates half the documents, rank 0 gathers the items and scores
     the whole split in document order, so the corpus scores equal one process's and the direct computation."""
+    import runpy
+
     script = tmp_path / "run.py"
     script.write_text(_DIST_SCRIPT)
-    outs = {}
-    for n in (1, 2):
-        path = tmp_path / f"out{n}.json"
-        run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
-             str(29500 + n), str(script), tiny_llava, str(caption_task), str(path)], timeout=600)
-        outs[n] = json.loads(path.read_text())
+    args = [tiny_llava, str(caption_task)]
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(script), *args, str(tmp_path / "out2.json")], timeout=600)
+    # one process: the same script in this one (what torchrun --nproc_per_node 1 runs, without three interpreters)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", [str(script), *args, str(tmp_path / "out1.json")])
+        runpy.run_path(str(script), run_name="__main__")
+    outs = {n: json.loads((tmp_path / f"out{n}.json").read_text()) for n in (1, 2)}
     assert outs[1]["captions"] == outs[2]["captions"]  # greedy decoding: the same captions either way
     direct = _direct(tiny_clip, caption_task, {int(k): v for k, v in outs[2]["captions"].items()})
     for name, value in direct.items():

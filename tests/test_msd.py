@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CAPTIONS, free_port, random_image
+from conftest import CAPTIONS, free_port, random_image, spawn_ranks
 from PIL import Image
 from test_vmf import (adaptive_log_density, coco_cf_log_density, gaussian_log_density, plain_fit, plain_fit_adaptive,
                       plain_fit_coco_cf, plain_fit_gaussian, plain_log_density)
@@ -482,11 +482,9 @@ def _ddp_worker(rank: int, world: int, port: int, model: str, files: list[str], 
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_call(tiny_clip, picture_files, tmp_path):
-    import torch.multiprocessing as mp
-
     files = [picture_files[i] for i in IMAGE_OF]
     single = capeval_plugins.load("soft_msd", model=tiny_clip)(files, CANDIDATES)
-    mp.spawn(_ddp_worker, args=(2, free_port(), tiny_clip, picture_files, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, (2, free_port(), tiny_clip, picture_files, str(tmp_path)))
     for rank in range(2):
         for name, got in torch.load(tmp_path / f"rank{rank}.pt").items():
             assert got["indices"] == list(range(6)), name

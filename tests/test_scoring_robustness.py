@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 
 import pytest
 import torch
-from conftest import CAPTIONS, EXAMPLES, PYTHON, REFERENCES
+from conftest import CAPTIONS, EXAMPLES, REFERENCES, capeval_in_process
 
 import capeval_plugins
 from capeval_plugins import runner
@@ -57,10 +56,9 @@ def test_mid_with_a_ridge_or_enough_pairs_passes_the_check(tiny_clip, images):
 
 
 def test_cli_several_metrics_with_mid_on_the_example_exits_2_in_one_line(tiny_clip, tmp_path):
-    cmd = [PYTHON, "-m", "capeval_plugins.cli", "score", "-m", "clipscore", "-m", "mid", "-m", "cider",
-           "--model", tiny_clip, "--images", str(EXAMPLES / "images"), "--captions", str(EXAMPLES / "captions.jsonl"),
-           "--out", str(tmp_path / "scores.jsonl")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = ["score", "-m", "clipscore", "-m", "mid", "-m", "cider", "--model", tiny_clip, "--images",
+           str(EXAMPLES / "images"), "--captions", str(EXAMPLES / "captions.jsonl"), "--out", str(tmp_path / "scores.jsonl")]
+    proc = capeval_in_process(cmd)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("capeval: error:")]
     assert len(lines) == 1 and "mid:" in lines[0] and "-o mid.covariance_eps=" in lines[0]
@@ -163,10 +161,9 @@ def test_cli_skip_covers_a_surrogate_caption_and_a_caption_of_special_tokens(tin
     captions = tmp_path / "captions.jsonl"
     captions.write_text("".join(json.dumps(r) + "\n" for r in rows))  # json.dumps writes the surrogate escaped
     out = tmp_path / "scores.jsonl"
-    cmd = [PYTHON, "-m", "capeval_plugins.cli", "score", "-m", "clipscore", "-m", "msd_score", "-m", "bleu4",
-           "--model", tiny_clip, "--images", str(EXAMPLES / "images"), "--captions", str(captions),
-           "--out", str(out), "--on-error", "skip", "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = ["score", "-m", "clipscore", "-m", "msd_score", "-m", "bleu4", "--model", tiny_clip, "--images",
+           str(EXAMPLES / "images"), "--captions", str(captions), "--out", str(out), "--on-error", "skip", "--quiet"]
+    proc = capeval_in_process(cmd)
     assert proc.returncode == 0, proc.stderr
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert "lone surrogate" in got[1]["error"]
