@@ -523,7 +523,7 @@ REPEAT_CASES = ("positions", "other_sample", "padding")
 
 
 def _ranks_worker(rank: int, world: int, port: int, model: str, out: str) -> None:
-    """Every case in one process group (a spawn costs both ranks their imports): each case a fresh metric."""
+    """Every case in one process group (one start of two ranks for the three): each case a fresh metric."""
     import torch.distributed as dist
 
     from capeval_plugins.torchmetrics import CLIPScore
