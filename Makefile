@@ -95,9 +95,9 @@ $(REFERENCE_STAMP): $(REFERENCE_PINS) $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps --ignore-requires-python -d $(REFERENCE_WHEELS) -r $(REFERENCE_PINS)
 	touch $(REFERENCE_STAMP)
 
-# pytest-xdist workers for the main suite: one per core of CI's 2 (1.36x the serial
-# run's wall time on tests/test_cli.py, test_coco_metrics.py and test_contract.py, 2026-11-27; each worker builds
-# its own tiny checkpoints and caches under its own temporary folder). --dist loadfile keeps each test file on one
+# pytest-xdist workers for the main suite: one per core of CI's 2 (1.36x the serial run's wall time on
+# tests/test_cli.py, test_coco_metrics.py and test_contract.py, 2026-11-27; each worker builds its own tiny
+# checkpoints and caches under its own temporary folder). --dist loadfile keeps each test file on one
 # worker, in order: the examples of one docs page share a namespace (tests/test_docs_examples.py). Each worker,
 # and every process a test starts, computes on one thread (OMP_NUM_THREADS=1): two workers of two threads each on
 # two cores took 1.20x the time on six model-heavy test files (176 s against 146 s, 2026-11-28).
@@ -106,7 +106,8 @@ PARALLEL := OMP_NUM_THREADS=1
 
 # The suite, then two small runs side by side, one process each: the lmms-eval tests in their own venv (they skip
 # in the main one) and the fast part on the lowest versions. One process per venv compiles and imports its
-# libraries once (two workers each, one run after the other: 104 s from a fresh clone; side by side: 65 s, 2026-11-28).
+# libraries once (two workers each, one run after the other: 104 s from a fresh clone; side by side: 65 s,
+# 2026-11-28).
 # The lmms-eval run's output is printed when both have ended; make fails if either failed.
 OFFLINE := HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1
 LMMS_LOG := .cache/lmms-tests.log

@@ -160,8 +160,8 @@ def write_length_scores(data, path: Path, fmt: str = "jsonl") -> None:
 
 def check_sugarcrepe(folder: Path, scores_file: Path, tmp_path: Path) -> dict:
     out = tmp_path / "sc.json"
-    stdout = capeval_here(CLI + ["sugarcrepe", "--data", str(folder), "--scores", f"len={scores_file}", "--bootstrap", "50",
-                        "--json", str(out), "--quiet"]).stdout
+    stdout = capeval_here(CLI + ["sugarcrepe", "--data", str(folder), "--scores", f"len={scores_file}",
+                                 "--bootstrap", "50", "--json", str(out), "--quiet"]).stdout
     assert "| metric | n | replace_obj |" in stdout and "Replace" in stdout
     doc = json.loads(out.read_text())
     result = doc["results"]["len"]
@@ -268,9 +268,10 @@ def test_cli_metric_json_equals_the_same_run_from_its_saved_scores(tmp_path):
     data_file.write_text(json.dumps(pairs))
     first, second, saved = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "saved"
     common = ["mceval", "--data", str(data_file), "--bootstrap", "100", "--quiet", "--no-cache"]
-    capeval_here(CLI + common + ["--metric", "cider", "--metric", "bleu4", "--json", str(first), "--save-scores", str(saved)])
-    capeval_here(CLI + common + ["--scores", f"cider={saved / 'cider.jsonl'}", "--scores", f"bleu4={saved / 'bleu4.jsonl'}",
-                        "--json", str(second)])
+    capeval_here(CLI + common + ["--metric", "cider", "--metric", "bleu4", "--json", str(first),
+                                 "--save-scores", str(saved)])
+    capeval_here(CLI + common + ["--scores", f"cider={saved / 'cider.jsonl'}",
+                                 "--scores", f"bleu4={saved / 'bleu4.jsonl'}", "--json", str(second)])
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     for name in ("cider", "bleu4"):
         for key in ("accuracy", "n", "n_ties", "ci95", "categories"):
@@ -278,7 +279,8 @@ def test_cli_metric_json_equals_the_same_run_from_its_saved_scores(tmp_path):
     assert_same(b["comparisons"], a["comparisons"])
     # mixing: a metric and a score file in one run are compared pairwise
     mixed = tmp_path / "m.json"
-    capeval_here(CLI + common + ["--metric", "bleu4", "--scores", f"theirs={saved / 'cider.jsonl'}", "--json", str(mixed)])
+    capeval_here(CLI + common + ["--metric", "bleu4", "--scores", f"theirs={saved / 'cider.jsonl'}",
+                                 "--json", str(mixed)])
     doc = json.loads(mixed.read_text())
     assert doc["comparisons"][0]["metrics"] == ["theirs", "bleu4"]
     assert doc["results"]["theirs"]["accuracy"] == pytest.approx(a["results"]["cider"]["accuracy"], rel=1e-12)

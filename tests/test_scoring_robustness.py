@@ -57,7 +57,8 @@ def test_mid_with_a_ridge_or_enough_pairs_passes_the_check(tiny_clip, images):
 
 def test_cli_several_metrics_with_mid_on_the_example_exits_2_in_one_line(tiny_clip, tmp_path):
     cmd = ["score", "-m", "clipscore", "-m", "mid", "-m", "cider", "--model", tiny_clip, "--images",
-           str(EXAMPLES / "images"), "--captions", str(EXAMPLES / "captions.jsonl"), "--out", str(tmp_path / "scores.jsonl")]
+           str(EXAMPLES / "images"), "--captions", str(EXAMPLES / "captions.jsonl"),
+           "--out", str(tmp_path / "scores.jsonl")]
     proc = capeval_in_process(cmd)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("capeval: error:")]
