@@ -41,7 +41,7 @@ from torch import Tensor
 
 from capeval_plugins import files
 from capeval_plugins.contract import PackedTexts
-from capeval_plugins.core import tensorfile
+from capeval_plugins.resources import tensorfile
 from capeval_plugins.inputs import InputError
 
 FORMAT = 3

@@ -319,7 +319,7 @@ class MetricConfig:
 
 @dataclass
 class ModelConfig(MetricConfig):
-    """Options of metrics that load a model through :mod:`capeval_plugins.core.loading`.
+    """Options of metrics that load a model through :mod:`capeval_plugins.resources.loading`.
 
     ``device_map`` (``"auto"`` or a module -> device mapping), ``max_memory`` (device -> size) and
     ``offload_folder`` spread a model over several devices or offload part of it to CPU memory or disk
@@ -461,7 +461,7 @@ def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name
         if problem:
             raise ValueError(f"{name}: option {option} {problem}")
     if isinstance(config, ModelConfig):  # a dtype or device no machine has: refused before anything loads
-        from capeval_plugins.core.loading import placement_problem
+        from capeval_plugins.resources.loading import placement_problem
 
         problem = placement_problem(config.device, config.dtype, config.device_map, config.max_memory,
                                     config.offload_folder)

@@ -50,8 +50,8 @@ def robertas(tiny_root, tmp_path_factory) -> dict[str, str]:
 
 
 def encoder(path: str):
-    from capeval_plugins.core.encoders.common import EncoderSpec
-    from capeval_plugins.core.encoders.text import TextEncoder
+    from capeval_plugins.models.encoders.common import EncoderSpec
+    from capeval_plugins.models.encoders.text import TextEncoder
 
     return TextEncoder.shared(EncoderSpec(path))
 

@@ -148,7 +148,7 @@ def not_a_model(tmp_path):
 
 def test_a_corrupt_image_is_named_by_its_row_before_any_model_loads(tmp_path, monkeypatch):
     from capeval_plugins import cli
-    from capeval_plugins.core import loading
+    from capeval_plugins.resources import loading
 
     captions, images = corpus_with_a_corrupt_image(tmp_path)
 

@@ -157,7 +157,7 @@ def test_independent_of_batch_size_and_order(tiny_clip):
 
 
 def test_long_caption_truncated_keeping_end_of_text_and_warned_once(tiny_clip):
-    from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+    from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 
     enc = ClipEncoder.shared(EncoderSpec(tiny_clip))
     long = "a dog runs on the grass " * 40

@@ -751,7 +751,7 @@ def test_caches_never_read_or_write_through_planted_links(tmp_path):
     from PIL import Image
 
     from capeval_plugins.bench.cache import ScoreCache
-    from capeval_plugins.core.generation import CachedGenerator, TextToImage
+    from capeval_plugins.models.generation import CachedGenerator, TextToImage
     from capeval_plugins.files import CacheFolder
     from capeval_plugins.training.features import cached_shards
 
@@ -810,7 +810,7 @@ def _deep_files(tmp_path: Path) -> dict[str, tuple[object, type]]:
     from capeval_plugins.bench.readers import as_list, load_records
     from capeval_plugins.bench.scorefiles import read_score_rows
     from capeval_plugins.caption_files import read_captions
-    from capeval_plugins.core.generation import read_index
+    from capeval_plugins.models.generation import read_index
     from capeval_plugins.core.messages import DataError
     from capeval_plugins.inputs import InputError
     from capeval_plugins.training.data import read_judgments

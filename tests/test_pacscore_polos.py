@@ -21,7 +21,7 @@ from conftest import random_image
 import capeval_plugins
 from capeval_plugins.commands.convert import ConversionError
 from capeval_plugins.commands.convert_official import convert_pacs, convert_polos, read_released
-from capeval_plugins.core.encoders.openai_clip import LAION_MEAN, LAION_STD, OPENAI_MEAN, OPENAI_STD, merge_lora
+from capeval_plugins.models.encoders.openai_clip import LAION_MEAN, LAION_STD, OPENAI_MEAN, OPENAI_STD, merge_lora
 from capeval_plugins.testing import official, official_code
 from capeval_plugins.testing.corpus import caption_corpus
 

@@ -27,7 +27,8 @@ N_IMAGES = 21  # MID's fit on the tiny CLIP (16-dimensional features) needs more
 
 def rigel_checkpoint(llava_next: str) -> str:
     """A Rigel checkpoint on the tiny LLaVA-NeXT (random head, phase 1 format), as tests/test_rigel_metric.py."""
-    from capeval_plugins.training.model import RigelSettings, save_checkpoint
+    from capeval_plugins.models.rigel import RigelSettings
+    from capeval_plugins.training.checkpoint import save_checkpoint
 
     settings = RigelSettings(base_model=llava_next, hidden_size=32, head_hidden=(16,), phase=1)
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ from typing import Any
 from capeval_plugins import __version__, registry
 from capeval_plugins.cards import card_body
 from capeval_plugins.contract import MetricInfo
-from capeval_plugins.core import paths
+from capeval_plugins.files import paths
 from capeval_plugins.core.messages import require
 
 # the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
@@ -251,7 +251,7 @@ def importable_module(path: str) -> ImportableModule | None:
 
 def cache_root() -> Path:
     """Where the package writes into the user's cache: ``$CAPEVAL_CACHE``, else ``$XDG_CACHE_HOME/capeval_plugins``,
-    else ``~/.cache/capeval_plugins`` (:func:`capeval_plugins.core.paths.cache_dir`)."""
+    else ``~/.cache/capeval_plugins`` (:func:`capeval_plugins.files.paths.cache_dir`)."""
     return paths.cache_dir()
 
 

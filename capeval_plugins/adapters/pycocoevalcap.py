@@ -301,7 +301,7 @@ class StockBleu:
 
 class StockMeteor:
     """pycocoevalcap's ``Meteor()``: the same jar and command line, on the process's shared JVM, streamed,
-    every wait bounded (:mod:`capeval_plugins.core.java`); ``(corpus float, [per-item floats])``.
+    every wait bounded (:mod:`capeval_plugins.resources.java`); ``(corpus float, [per-item floats])``.
     ``paraphrases``: the paraphrase table the JVM loads, ``"corpus"`` (the entries the corpus can use) or
     ``"full"``; the same scores (metric_cards/meteor)."""
 
@@ -310,7 +310,7 @@ class StockMeteor:
         self.paraphrases = paraphrases
 
     def compute_score(self, gts, res):
-        from capeval_plugins.core import java
+        from capeval_plugins.resources import java
         from capeval_plugins.metrics.coco import meteor_jar
 
         _, corpus = self.shared.get(gts, res)

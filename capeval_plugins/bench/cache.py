@@ -30,7 +30,7 @@ import numpy as np
 
 from capeval_plugins import files
 from capeval_plugins.contract import Metric
-from capeval_plugins.core import paths
+from capeval_plugins.files import paths
 from capeval_plugins.digests import ContentDigests, unresolved
 
 # SQLite's application_id ("CPEV"): the file is capeval's score cache, whatever its rows say

@@ -32,7 +32,7 @@ import xxhash
 
 from capeval_plugins import files
 from capeval_plugins.bench.benchmarks import LONGCAP_ARENA_ASPECTS, LONGCAP_ARENA_SPLITS
-from capeval_plugins.core import paths
+from capeval_plugins.files import paths
 from capeval_plugins.core.messages import DataError, install_extra
 
 KIND = "benchmark data"
@@ -108,7 +108,7 @@ class Fetched:
 
 def cache_root() -> Path:
     """``$CAPEVAL_CACHE/benchmarks``, else ``$XDG_CACHE_HOME/capeval_plugins/benchmarks`` (``~/.cache``; see
-    :func:`capeval_plugins.core.paths.cache_dir`)."""
+    :func:`capeval_plugins.files.paths.cache_dir`)."""
     return paths.cache_dir("benchmarks")
 
 

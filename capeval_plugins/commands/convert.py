@@ -79,7 +79,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise ConversionError(f"{path}: no such file")
     if path.suffix == ".safetensors":
-        from capeval_plugins.core.tensorfile import load_file
+        from capeval_plugins.resources.tensorfile import load_file
 
         return dict(load_file(path))
     try:
@@ -157,8 +157,8 @@ def convert_vilbert(
     its dict; None: ``bert_base_6layer_6conect``, checked against the weights)."""
     import torch
 
-    from capeval_plugins.core.encoders.vilbert import (ViLBertModel, map_released_state_dict, released_backbone,
-                                                       released_config)
+    from capeval_plugins.models.encoders.vilbert import (ViLBertModel, map_released_state_dict, released_backbone,
+                                                         released_config)
 
     source, destination = Path(source), Path(destination)
     if destination.is_dir() and any(destination.iterdir()) and not overwrite:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core.encoders.common import segment_max
+from capeval_plugins.core.pooling import segment_max
 
 
 def cosine(a: Tensor, b: Tensor) -> Tensor:

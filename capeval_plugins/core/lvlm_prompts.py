@@ -1,6 +1,6 @@
 """What an LVLM judge is asked and how its answer is read: rating scales, the FLEUR instruction, the visual input
 and the chat template around the instruction (:class:`ChatTemplate`). No model here: the judge
-(:mod:`capeval_plugins.core.lvlm`) tokenises what these build and decodes (:mod:`capeval_plugins.core.lvlm_decode`)."""
+(:mod:`capeval_plugins.models.lvlm`) tokenises what these build and decodes (:mod:`capeval_plugins.models.lvlm_decode`)."""
 from __future__ import annotations
 
 import re

@@ -20,15 +20,16 @@ user can read (:func:`secret`): a marker copied from elsewhere, written by hand 
 ``../victim.txt``) does not verify and is refused.
 
 The layer is split along these seams: :mod:`~capeval_plugins.files.base` (errors, path checks, inputs),
+:mod:`~capeval_plugins.files.paths` (where the per-user folders are: the cache and config roots),
 :mod:`~capeval_plugins.files.secret` (the secret and signed JSON), :mod:`~capeval_plugins.files.folder`
 (:class:`Folder`, scratch leftovers, :class:`CacheFolder`, private folders), :mod:`~capeval_plugins.files.claim`
 (:class:`Claim`) and :mod:`~capeval_plugins.files.outputs`. Each imports only those before it (but for
-:func:`secret`'s import of :class:`Folder` when it makes the key), the standard library, ``core.messages`` and
-``core.paths``. This module is the public face: import from it.
+:func:`secret`'s import of :class:`Folder` when it makes the key), the standard library and ``core.messages``.
+This module is the public face: import from it.
 """
 from __future__ import annotations
 
-from capeval_plugins.core.paths import user_base
+from capeval_plugins.files.paths import user_base
 from capeval_plugins.files.base import (ENVIRONMENT_ERRNOS, STREAMS, Data, FileError, StorageError, UnsafePath,
                                          check_links, file_kind, is_environment_error, open_input, plain_name,
                                          read_input, relative_name, same_or_inside, storage_error)

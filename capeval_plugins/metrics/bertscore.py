@@ -29,8 +29,8 @@ from torch import Tensor
 
 from capeval_plugins.contract import (INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec, bounded,
                                       nanmean)
-from capeval_plugins.core.encoders.common import EncoderSpec
-from capeval_plugins.core.encoders.text import PackedEmbeddings, TextEncoder, TokenEmbeddings, text_encoder_problem
+from capeval_plugins.models.encoders.common import EncoderSpec
+from capeval_plugins.models.encoders.text import PackedEmbeddings, TextEncoder, TokenEmbeddings, text_encoder_problem
 from capeval_plugins.core.matching import (best_similarities, f_measure, idf_table, reduce_references, token_idf,
                                            weighted_mean)
 

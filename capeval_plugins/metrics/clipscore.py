@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, bounded
-from capeval_plugins.core import loading
+from capeval_plugins.resources import loading
 from capeval_plugins.core.clip_score import best_reference_similarity, clip_s, cosine, harmonic_mean
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
-from capeval_plugins.core.encoders.clip import dual_encoder_problem
+from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.models.encoders.clip import dual_encoder_problem
 
 CITATION = """@inproceedings{hessel2021clipscore,
   title     = {{CLIPScore}: A Reference-free Evaluation Metric for Image Captioning},

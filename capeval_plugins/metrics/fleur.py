@@ -18,9 +18,9 @@ from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, bounded
 from capeval_plugins.core.heads import fleur_smooth
-from capeval_plugins.core.loading import resolve_device
-from capeval_plugins.core.lvlm import (LLAVA_V1_SYSTEM, JudgeOutput, JudgeSpec, LVLMJudge, RatingScale, SCALES,
-                                       VisualInput, fleur_instruction)
+from capeval_plugins.resources.loading import resolve_device
+from capeval_plugins.models.lvlm import (LLAVA_V1_SYSTEM, JudgeOutput, JudgeSpec, LVLMJudge, RatingScale, SCALES,
+                                         VisualInput, fleur_instruction)
 
 FLEUR_CITATION = """@inproceedings{lee2024fleur,
   title     = {{FLEUR}: An Explainable Reference-Free Evaluation Metric for Image Captioning Using a Large
@@ -37,7 +37,7 @@ TRAILING_ZERO = ("smooth", "drop")
 
 @dataclass
 class LVLMJudgeConfig(ModelConfig):
-    """Options of metrics that ask an LVLM for a score (:mod:`capeval_plugins.core.lvlm`). The conversation
+    """Options of metrics that ask an LVLM for a score (:mod:`capeval_plugins.models.lvlm`). The conversation
     defaults are the official FLEUR script's: LLaVA's "llava_v1" system sentence, images padded to a square."""
 
     batch_size: int = 16

@@ -7,7 +7,7 @@ CLIPScore's formula on a CLIP fine-tuned with positive-augmented contrastive lea
     RefPAC-S(c, R, v)  = 2 p s / (p + s),  p = PAC-S(c, v),  s = max_{r in R} cos(E_txt(pfx + c), E_txt(pfx + r))
 
 (the reference similarity is not clipped at 0 there, unlike RefCLIP-S's paper definition). Images and texts are
-fed as the official ``clip`` / ``open_clip`` code feeds them (:mod:`capeval_plugins.core.encoders.openai_clip`);
+fed as the official ``clip`` / ``open_clip`` code feeds them (:mod:`capeval_plugins.models.encoders.openai_clip`);
 the weights are the released checkpoints converted by ``capeval convert pacs``. PAC-S++ is the same formula on
 its LoRA-tuned CLIP.
 """
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import MetricInfo, Requirement, bounded
-from capeval_plugins.core.encoders import EncoderSpec
-from capeval_plugins.core.encoders.openai_clip import OfficialClip, converted_model_dir
+from capeval_plugins.models.encoders import EncoderSpec
+from capeval_plugins.models.encoders.openai_clip import OfficialClip, converted_model_dir
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.metrics.clipscore import CLIPScore, CLIPScoreConfig
 

@@ -1,6 +1,6 @@
 """Polos (Wada et al., CVPR 2024): a metric learned from human judgments (Polaris) on SimCSE-RoBERTa sentence
 embeddings of the candidate and each reference and CLIP ViT-B/32 embeddings of the image and texts; the score is
-the highest regressor output over the references (see :mod:`capeval_plugins.core.encoders.polos`).
+the highest regressor output over the references (see :mod:`capeval_plugins.models.encoders.polos`).
 
 The weights are the released checkpoint (``reprod.ckpt``) converted by ``capeval convert polos``.
 """
@@ -14,13 +14,13 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, Requirement
-from capeval_plugins.core import loading
-from capeval_plugins.core.encoders import EncoderSpec
-from capeval_plugins.core.encoders.openai_clip import OfficialClip, converted_model_dir
+from capeval_plugins.resources import loading
+from capeval_plugins.models.encoders import EncoderSpec
+from capeval_plugins.models.encoders.openai_clip import OfficialClip, converted_model_dir
 from capeval_plugins.core.messages import install_extra, warn_once
 
 if TYPE_CHECKING:  # the model imports transformers' model classes: only when one is loaded (``capeval list`` is fast)
-    from capeval_plugins.core.encoders.polos import PolosModel
+    from capeval_plugins.models.encoders.polos import PolosModel
 
 CITATION = """@inproceedings{wada2024polos,
   title     = {{Polos: Multimodal Metric Learning from Human Feedback for Image Captioning}},
@@ -77,7 +77,7 @@ class Polos(PointwiseMetric):
 
     @property
     def model(self) -> PolosModel:
-        from capeval_plugins.core.encoders.polos import PolosModel
+        from capeval_plugins.models.encoders.polos import PolosModel
 
         return loading.load_spec(PolosModel, self.spec(self.checkpoint()))
 
@@ -108,7 +108,7 @@ class Polos(PointwiseMetric):
         return model.sentence_embeddings(tokens["input_ids"].to(device), tokens["attention_mask"].to(device))
 
     def score(self, batch: Batch) -> dict[str, Tensor]:
-        from capeval_plugins.core.encoders.polos import flatten_references
+        from capeval_plugins.models.encoders.polos import flatten_references
 
         model, clip = self.model, self.clip
         prefix = model.config.prefix

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core import loading
-from capeval_plugins.core.encoders.common import EncoderSpec
+from capeval_plugins.resources import loading
+from capeval_plugins.models.encoders.common import EncoderSpec
 from capeval_plugins.core.messages import warn_once
 
 # bert_score's layer choice (best WMT16 correlation) for the models of the families supported here.

@@ -8,7 +8,7 @@ some aspect ratios), ``/ 255`` and per-channel normalisation in float32. Text, a
 truncate=True)``: ``ftfy.fix_text``, HTML entities unescaped twice, whitespace collapsed, lower case, then the
 byte-level BPE (the transformers tokenizer of the same vocabulary), 77 tokens with the end-of-text token kept.
 
-The model is the :class:`~capeval_plugins.core.encoders.clip.ClipEncoder` of the checkpoint, so CLIPScore on the
+The model is the :class:`~capeval_plugins.models.encoders.clip.ClipEncoder` of the checkpoint, so CLIPScore on the
 same checkpoint shares it (one load). Features are returned raw (not normalised), as ``encode_image`` /
 ``encode_text`` return them.
 """
@@ -25,9 +25,10 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from capeval_plugins.core import loading, paths
-from capeval_plugins.core.encoders.clip import ClipEncoder
-from capeval_plugins.core.encoders.common import EncoderSpec, pooled
+from capeval_plugins.resources import loading
+from capeval_plugins.files import paths
+from capeval_plugins.models.encoders.clip import ClipEncoder
+from capeval_plugins.models.encoders.common import EncoderSpec, pooled
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -41,7 +42,7 @@ _WHITESPACE = re.compile(r"\s+")
 def converted_model_dir(name: str) -> Path:
     """Where ``capeval convert pacs|polos`` puts a released checkpoint by default and where the metrics look for it:
     ``$CAPEVAL_CACHE/models/NAME``, else ``$XDG_CACHE_HOME/capeval_plugins/models/NAME`` (``~/.cache``; see
-    :func:`capeval_plugins.core.paths.cache_dir`)."""
+    :func:`capeval_plugins.files.paths.cache_dir`)."""
     return paths.cache_dir("models") / name
 
 

@@ -26,12 +26,12 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from capeval_plugins.core import heads, jsonio, loading
+from capeval_plugins.core import heads, jsonio
+from capeval_plugins.resources import loading
 from capeval_plugins.core.bounds import bounded, check_fields
-from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, PromptEnd, VisualInput, is_video, load_lvlm_processor
+from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge, PromptEnd, VisualInput, is_video, load_lvlm_processor
 from capeval_plugins.core.messages import MissingExtra, install_extra
-from capeval_plugins.training.checkpoint import (json_bytes, output_folder, read_checkpoint_config,
-                                                 tensor_bytes)
+from capeval_plugins.resources.trained import read_checkpoint_config
 
 DEFAULT_BASE_MODEL = "Qwen/Qwen3-VL-2B-Instruct"
 LABELS = ("1", "2", "3", "4", "5")
@@ -303,7 +303,7 @@ def read_record(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
 def load_head(checkpoint: str | os.PathLike, settings: RigelSettings, device: Any = "cpu") -> heads.ScoringHead | None:
     """The checkpoint's scoring head (None for a checkpoint trained against the LM head)."""
-    from capeval_plugins.core import tensorfile
+    from capeval_plugins.resources import tensorfile
 
     if settings.head == "lm":
         return None
@@ -331,7 +331,7 @@ def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, devic
     """A trained Rigel (shared per process and arguments). ``model`` replaces the base model the checkpoint
     names (e.g. a local copy of it). A phase-2 adapter is applied to a model of its own, merged into its
     weights unless ``merge_lora=False``; a phase-1 checkpoint uses the shared backbone. ``device_map``,
-    ``max_memory`` and ``offload_folder`` place the backbone (:mod:`capeval_plugins.core.loading`)."""
+    ``max_memory`` and ``offload_folder`` place the backbone (:mod:`capeval_plugins.resources.loading`)."""
     adapter = Path(checkpoint) / ADAPTER_DIR
     if adapter.is_dir():
         safe_adapter_weights(adapter)  # before anything loads
@@ -356,21 +356,3 @@ def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, devic
         return RigelModel(judge, load_head(checkpoint, settings, judge.device), settings)
 
     return loading.shared(key, build)
-
-
-def save_checkpoint(path: str | os.PathLike, settings: RigelSettings, head: heads.ScoringHead | None,
-                    peft_model: Any = None, record: dict[str, Any] | None = None) -> Path:
-    """Write a checkpoint directory (see the module docstring); files are replaced atomically. No head file
-    for a model scored through the LM head (``head`` None)."""
-    out = output_folder(path)
-    if head is not None:
-        state = {k: v.detach().to("cpu", torch.float32) for k, v in head.state_dict().items()}
-        out.write(HEAD_FILE, tensor_bytes(state))
-    elif out.owns(HEAD_FILE):  # an earlier run's head, which this checkpoint does not use
-        out.remove([HEAD_FILE])
-    if peft_model is not None:
-        with out.staging() as staged:  # peft writes by path: into a private folder, then moved in
-            peft_model.save_pretrained(str(staged / ADAPTER_DIR))
-    out.write(CONFIG_FILE, json_bytes({"format": FORMAT, "version": FORMAT_VERSION, "settings": settings.to_dict(),
-                                       "training": record or {}}))
-    return Path(path)

@@ -73,7 +73,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
-from capeval_plugins.core import paths
+from capeval_plugins.files import paths
 from capeval_plugins.core.coco_text import _ranges
 from capeval_plugins.core.messages import warn_once
 
@@ -574,7 +574,7 @@ class ParaphraseIndex:
 
 def cache_dir() -> Path:
     """``$CAPEVAL_CACHE/meteor``, else ``$XDG_CACHE_HOME/capeval_plugins/meteor`` (``~/.cache``; as root with
-    another user's HOME, root's own: see :func:`capeval_plugins.core.paths.cache_dir`)."""
+    another user's HOME, root's own: see :func:`capeval_plugins.files.paths.cache_dir`)."""
     return paths.cache_dir("meteor")
 
 

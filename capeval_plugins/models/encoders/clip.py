@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core import loading, shared_results
-from capeval_plugins.core.encoders.common import EncoderSpec, pooled
+from capeval_plugins.core import shared_results
+from capeval_plugins.resources import loading
+from capeval_plugins.models.encoders.common import EncoderSpec, pooled
 from capeval_plugins.core.messages import warn_once
 
 
@@ -226,7 +227,7 @@ def attention_head_per_token(head: torch.nn.Module, hidden: Tensor) -> Tensor:
     weight is 1, so the pooled output is ``out_proj(v_proj(x))`` followed by the head's residual MLP."""
     attention = head.attention
     dim = attention.embed_dim
-    if attention._qkv_same_embed_dim:
+    if attention.in_proj_weight is not None:  # one packed q/k/v projection (torch's layout when sizes agree)
         weight = attention.in_proj_weight[2 * dim:]
     else:
         weight = attention.v_proj_weight

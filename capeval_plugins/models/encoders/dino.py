@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core import loading
-from capeval_plugins.core.encoders.common import EncoderSpec
+from capeval_plugins.resources import loading
+from capeval_plugins.models.encoders.common import EncoderSpec
 
 PREPROCESSINGS: tuple[str, ...] = ("official", "paper")
 

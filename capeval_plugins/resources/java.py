@@ -399,7 +399,7 @@ MAX_CORPUS_TABLES = 8  # JVMs started on a corpus's table in one process before 
 class MeteorPool:
     """The process's METEOR JVMs, started on first use and kept until exit; one scoring at a time.
 
-    Their paraphrase table (:mod:`capeval_plugins.core.meteor_table`) is, by default, the entries the first
+    Their paraphrase table (:mod:`capeval_plugins.resources.meteor_table`) is, by default, the entries the first
     corpus can use (the same scores; loading it costs the JVM half a second instead of 6-7 s). JVMs are kept
     while their table serves the next corpus: the full table always does, a corpus's table does when it holds
     every entry the next corpus can use. When it does not, the next JVMs load every entry with a phrase among
@@ -469,7 +469,7 @@ class MeteorPool:
         if running and self.table is None:  # full_reason: why it was loaded
             self.used = "full"
             return
-        from capeval_plugins.core import meteor_table
+        from capeval_plugins.resources import meteor_table
 
         fields = [line.split("|||") for line in lines]  # as the jar splits them: SCORE, references, hypothesis
         corpus = meteor_table.phrases(jar, (f for parts in fields for f in parts[1:-1]), (p[-1] for p in fields))

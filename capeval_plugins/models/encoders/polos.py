@@ -1,6 +1,6 @@
 """Polos (Wada et al., CVPR 2024): the released model as one transformers ``PreTrainedModel`` (its SimCSE-RoBERTa
 text encoder, the layer-wise scalar mix and the regressor) beside an OpenAI-layout CLIP ViT-B/32 (a ``clip/``
-sub-folder, run by :class:`~capeval_plugins.core.encoders.openai_clip.OfficialClip`).
+sub-folder, run by :class:`~capeval_plugins.models.encoders.openai_clip.OfficialClip`).
 
 For a candidate c, a reference r and an image v (``PolosEstimator.forward`` of keio-smilab24/Polos):
 
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from capeval_plugins.core.encoders.common import segment_max
+from capeval_plugins.models.encoders.common import segment_max
 
 ACTIVATIONS = ("Tanh", "Sigmoid", "ReLU", "GELU", "Identity")
 

@@ -36,14 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core import jsonio, loading
+from capeval_plugins.core import jsonio
+from capeval_plugins.resources import loading
 from capeval_plugins.core.bounds import bounded, check_fields
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, LocalFeatures, mean_pooled
+from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec, LocalFeatures, mean_pooled
 from capeval_plugins.core.messages import warn_once
-from capeval_plugins.training.checkpoint import (json_bytes, output_folder, read_checkpoint_config,
-                                                 tensor_bytes)
-from capeval_plugins.training.msd_aligner import (DEFAULT_LLM, DEFAULT_VISION, TEXT_FEATURES, TEXT_POOLINGS,
-                                                  VISION_FEATURES)
+from capeval_plugins.models.msd_aligner import (DEFAULT_LLM, DEFAULT_VISION, TEXT_FEATURES, TEXT_POOLINGS,
+                                                VISION_FEATURES)
+from capeval_plugins.resources.trained import read_checkpoint_config
 
 CONFIG_FILE = "msd_aligner.json"
 PROJECTOR_FILE = "projector.safetensors"
@@ -177,7 +177,7 @@ def load_llm_tokenizer(source: str, revision: str | None = None, local_files_onl
 
 class LocalAligner:
     """Patch and token embeddings in one space (see the module docstring), with the interface the MSD metrics
-    use for their features (as :class:`~capeval_plugins.core.encoders.ClipEncoder`). ``projector`` is the only
+    use for their features (as :class:`~capeval_plugins.models.encoders.ClipEncoder`). ``projector`` is the only
     trained part; ``token_table`` (V, d) is the LLM's input-embedding table ("input_embeddings"), ``llm`` the
     causal LM ("last_hidden")."""
 
@@ -284,7 +284,7 @@ def read_record(checkpoint: str | os.PathLike) -> dict[str, Any]:
 
 
 def _tensors(path: Path, name: str, keys: Sequence[str]) -> dict[str, Tensor]:
-    from capeval_plugins.core.tensorfile import load_file
+    from capeval_plugins.resources.tensorfile import load_file
 
     file = path / name
     if not file.is_file():
@@ -341,20 +341,3 @@ def load_aligner(checkpoint: str | os.PathLike, spec: EncoderSpec,
             raise ValueError(f"{where}: the projector maps into size {d_llm}, but {settings.llm!r} has hidden size "
                              f"{llm.config.hidden_size}")
     return LocalAligner(settings, encoder, projector, tokenizer, table, llm)
-
-
-def save_aligner(path: str | os.PathLike, settings: AlignerSettings, projector: torch.nn.Linear, tokenizer: Any,
-                 token_table: Tensor | None = None, record: dict[str, Any] | None = None) -> Path:
-    """Write an aligner directory (see the module docstring); files are replaced atomically."""
-    if settings.text_features == "input_embeddings" and token_table is None:
-        raise ValueError("an 'input_embeddings' aligner needs the LLM's input-embedding table")
-    out = output_folder(path)
-    state = {k: v.detach().to("cpu", torch.float32) for k, v in projector.state_dict().items()}
-    out.write(PROJECTOR_FILE, tensor_bytes(state))
-    if settings.text_features == "input_embeddings":
-        out.write(TOKENS_FILE, tensor_bytes({"weight": token_table}))
-    with out.staging() as staged:  # the tokenizer writes by path: into a private folder, then moved in
-        tokenizer.save_pretrained(str(staged / TOKENIZER_DIR))
-    out.write(CONFIG_FILE, json_bytes({"format": FORMAT, "version": FORMAT_VERSION, "settings": settings.to_dict(),
-                                       "training": record or {}}))
-    return Path(path)

@@ -12,7 +12,7 @@ Three families are supported:
   its ITM head. The ViT runs once per image.
 
 - ViLBERT (a folder written by ``capeval convert vilbert``): the two-stream model of
-  :mod:`capeval_plugins.core.encoders.vilbert` on precomputed region features. Each image's regions (with the
+  :mod:`capeval_plugins.models.encoders.vilbert` on precomputed region features. Each image's regions (with the
   "global" region and box locations) are embedded once; the text stream is read after a co-attention layer.
 
 Layers are numbered as ``hidden_states``: 0 is the embedding layer, k the output of block k, -1 the last; for
@@ -29,10 +29,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from capeval_plugins.core import loading
-from capeval_plugins.core.encoders.common import EncoderSpec
-from capeval_plugins.core.encoders.text import (TokenEmbeddings, concat_padded, hidden_state_at, length_order,
-                                                pad_rows, resolve_layer)
+from capeval_plugins.resources import loading
+from capeval_plugins.models.encoders.common import EncoderSpec
+from capeval_plugins.models.encoders.text import (TokenEmbeddings, concat_padded, hidden_state_at, length_order,
+                                                  pad_rows, resolve_layer)
 from capeval_plugins.core.messages import warn_once
 
 
@@ -271,7 +271,7 @@ class WordPieceOnly:
                         trust_remote_code: bool = False) -> "WordPieceOnly":
         from transformers import BertTokenizerFast
 
-        from capeval_plugins.core.encoders.vilbert import ViLBertConfig
+        from capeval_plugins.models.encoders.vilbert import ViLBertConfig
 
         where = _file_kwargs(revision, local_files_only)
         config = ViLBertConfig.from_pretrained(name_or_path, **where)
@@ -317,7 +317,7 @@ class ViLBertConditioned(ConditionedEncoder):
         return WordPieceOnly
 
     def model_loader(self) -> Any:
-        from capeval_plugins.core.encoders.vilbert import ViLBertModel
+        from capeval_plugins.models.encoders.vilbert import ViLBertModel
 
         return ViLBertModel
 
@@ -336,7 +336,7 @@ class ViLBertConditioned(ConditionedEncoder):
 
     @torch.inference_mode()
     def encode_images(self, images: Sequence[Any]) -> ImageContext:
-        from capeval_plugins.core.regions import RegionFeatures, with_global_region
+        from capeval_plugins.resources.regions import RegionFeatures, with_global_region
 
         want = self.model.config.v_feature_size
         inputs = []

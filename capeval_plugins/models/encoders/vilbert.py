@@ -11,7 +11,7 @@ V1, ..., C5, V5.
   splices a task embedding in right after [CLS] (no position or segment embedding; later tokens keep their
   positions), so its text stream is one position longer than the input ids.
 - Image input: the region features with a "global" region (their mean) in front, each with a 5-d box location;
-  LayerNorm(Linear(feature) + Linear(location)) (see :mod:`capeval_plugins.core.regions`).
+  LayerNorm(Linear(feature) + Linear(location)) (see :mod:`capeval_plugins.resources.regions`).
 - Co-attention: text queries attend over the regions' keys and values and region queries over the text's, 8 heads
   of ``bi_hidden_size / 8``; each side then adds its context (``dense2`` text, ``dense1`` regions) to its input,
   normalises, and applies its own feed-forward block.

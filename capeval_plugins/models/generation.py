@@ -19,7 +19,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from capeval_plugins.core import jsonio, loading, paths
+from capeval_plugins.core import jsonio
+from capeval_plugins.resources import loading
+from capeval_plugins.files import paths
 from capeval_plugins.core.messages import DataError, MissingExtra, install_extra
 
 SD3_MODEL = "stabilityai/stable-diffusion-3-medium-diffusers"
@@ -106,11 +108,13 @@ class StableDiffusion3(TextToImage):
     def _load(self):
         diffusers = _require_diffusers()
         loading.check_source(self.model, self.revision)  # FIFOs, devices, crafted safetensors: one line
-        # diffusers renamed torch_dtype to dtype in 2026 (older releases reject dtype, newer ones warn on
-        # torch_dtype); its private resolver marks the releases that take the new name.
-        from diffusers.utils import deprecation_utils
+        # diffusers 0.40 renamed from_pretrained's torch_dtype to dtype (earlier releases ignore dtype, later ones
+        # warn on torch_dtype)
+        from importlib.metadata import version
 
-        dtype_name = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
+        from packaging.version import Version
+
+        dtype_name = "dtype" if Version(version("diffusers")) >= Version("0.40") else "torch_dtype"
         kwargs: dict[str, Any] = {dtype_name: self.dtype, "use_safetensors": True}
         if self.revision is not None:
             kwargs["revision"] = self.revision
@@ -142,7 +146,7 @@ def cache_key(identity: Mapping[str, Any], caption: str, seed: int) -> str:
 
 def default_cache_dir() -> Path:
     """``$CAPEVAL_CACHE/generated``, else ``$XDG_CACHE_HOME/capeval_plugins/generated`` (``~/.cache``; see
-    :func:`capeval_plugins.core.paths.cache_dir`)."""
+    :func:`capeval_plugins.files.paths.cache_dir`)."""
     return paths.cache_dir("generated")
 
 

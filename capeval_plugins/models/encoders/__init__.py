@@ -5,7 +5,7 @@
 Further families (DINO, text encoders, image-conditioned text encoders, the ViLBERT model in ``vilbert``) live
 beside them.
 """
-from capeval_plugins.core.encoders.clip import ClipEncoder, LocalFeatures
-from capeval_plugins.core.encoders.common import EncoderSpec, mean_pooled, pooled, segment_max
+from capeval_plugins.models.encoders.clip import ClipEncoder, LocalFeatures
+from capeval_plugins.models.encoders.common import EncoderSpec, mean_pooled, pooled, segment_max
 
 __all__ = ["ClipEncoder", "EncoderSpec", "LocalFeatures", "mean_pooled", "pooled", "segment_max"]

@@ -6,7 +6,7 @@ candidate, and only the candidate-specific suffixes run per sample. Padding betw
 and positions are recomputed, so the numbers equal those of a one-prompt forward pass up to float rounding. The
 decoder then writes one token per step (:meth:`PrefixDecoder._decode`), its state over a chunk held in one
 :class:`Answers`; finished samples leave the batch. A chunk that runs out of memory is retried with half the
-samples (:meth:`PrefixDecoder._chunks`). The judge (:class:`capeval_plugins.core.lvlm.LVLMJudge`) prepares the
+samples (:meth:`PrefixDecoder._chunks`). The judge (:class:`capeval_plugins.models.lvlm.LVLMJudge`) prepares the
 tokens (:class:`JudgeRun`) and reads what is returned (:class:`JudgeOutput`, :class:`PromptEnd`)."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core import loading
+from capeval_plugins.resources import loading
 from capeval_plugins.core.lvlm_prompts import RatingScale
 from capeval_plugins.core.messages import warn_once
 
@@ -249,7 +249,7 @@ class Answers:
 
 class PrefixDecoder:
     """A loaded image-text-to-text model run with a shared prefix per image and greedy decoding from raw logits
-    (see the module docstring); the base of :class:`~capeval_plugins.core.lvlm.LVLMJudge`, which prepares its
+    (see the module docstring); the base of :class:`~capeval_plugins.models.lvlm.LVLMJudge`, which prepares its
     :class:`JudgeRun`.
 
     The model may be dispatched by accelerate (a ``device_map``). ``device`` (:func:`loading.input_device`: by

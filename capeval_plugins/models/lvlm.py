@@ -9,7 +9,7 @@ that position. :class:`LVLMJudge` does the model work once for all of them:
   the template's system turn, or, for templates without one, before the instruction in the user turn
   (:class:`VisualInput`); images may be padded to a square first, as LLaVA's ``image_aspect_ratio="pad"``
   does.
-* **Shared prefix** (:mod:`~capeval_plugins.core.lvlm_decode`, the judge's base :class:`PrefixDecoder`): the
+* **Shared prefix** (:mod:`~capeval_plugins.models.lvlm_decode`, the judge's base :class:`PrefixDecoder`): the
   candidates of one image share the image and everything of the prompt before the caption. That prefix
   (vision encoder included) runs once per image and chunk; its key/value cache is copied to each candidate,
   and only the candidate-specific suffixes run per sample. Padding between prefix and suffix is masked and
@@ -48,9 +48,11 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from capeval_plugins.core import loading, shared_results
-from capeval_plugins.core.lvlm_decode import (ImageWork, JudgeOutput, JudgeRun, PrefixDecoder, PromptEnd,
-                                              cache_argument, cat_outputs, empty_output)
+from capeval_plugins.core import shared_results
+from capeval_plugins.resources import loading
+from capeval_plugins.resources.accelerate_internals import dispatch_hook
+from capeval_plugins.models.lvlm_decode import (ImageWork, JudgeOutput, JudgeRun, PrefixDecoder, PromptEnd,
+                                                cache_argument, cat_outputs, empty_output)
 from capeval_plugins.core.lvlm_prompts import (IMAGE_ASPECTS, LLAVA_V1_SYSTEM, SCALES, SYSTEM_PLACEMENTS,
                                                VIDEO_INPUTS, ChatTemplate, ParsedScore, RatingScale, VisualInput,
                                                fleur_instruction, get_scale, is_video, normalise_space,
@@ -91,7 +93,7 @@ def load_lvlm_processor(spec: JudgeSpec) -> Any:
 class LVLMJudge(PrefixDecoder):
     """A loaded LVLM (model + processor) used as a greedy judge; see the module docstring.
 
-    Build with :meth:`shared` (through :mod:`capeval_plugins.core.loading`: hub id or local path, safetensors,
+    Build with :meth:`shared` (through :mod:`capeval_plugins.resources.loading`: hub id or local path, safetensors,
     device and dtype chosen once: bfloat16 on GPU, float32 on CPU) or directly from a model and a processor.
 
     The model may be dispatched by accelerate (a ``device_map``: layers on several GPUs, or offloaded to CPU
@@ -313,7 +315,7 @@ class LVLMJudge(PrefixDecoder):
 def _onloaded(module: torch.nn.Module) -> Iterator[None]:
     """``module``'s own weights readable for the duration: a module that accelerate offloaded (weights on the
     meta device, loaded by a hook around each forward pass) is loaded to its execution device by that hook."""
-    if getattr(module, "_hf_hook", None) is None or all(p.device.type != "meta" for p in module.parameters()):
+    if dispatch_hook(module) is None or all(p.device.type != "meta" for p in module.parameters()):
         yield
         return
     from accelerate.utils import align_module_device  # present: its hooks are on the module

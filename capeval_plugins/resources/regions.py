@@ -27,7 +27,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from capeval_plugins.core.tensorfile import NPY_HEADER_ERRORS, npy_header
+from capeval_plugins.core.npy import NPY_HEADER_ERRORS, npy_header
+from capeval_plugins.resources.numpy_internals import pickled_numpy_global
 
 DETECTOR_FEATURE_DIM = 2048  # fc6 of the ResNeXt-152 Faster R-CNN (Visual Genome) ViLBERT was trained on
 SUFFIXES = (".npy", ".npz")
@@ -83,23 +84,11 @@ def find_region_file(folder: str | os.PathLike, name: str) -> tuple[Path | None,
 
 
 # --- safe reading ---------------------------------------------------------------------------------------------
-def _numpy_attr(module: str, name: str) -> Any:
-    core = getattr(np, "_core", None) or np.core  # numpy 2 moved numpy.core to numpy._core
-    return getattr(getattr(core, module), name)
-
-
-# What a pickled dict of numpy arrays, numbers and strings refers to (numpy 1 and 2 spell the modules differently).
-_ALLOWED = {
-    **{(f"{pkg}.multiarray", "_reconstruct"): ("multiarray", "_reconstruct") for pkg in ("numpy.core", "numpy._core")},
-    **{(f"{pkg}.multiarray", "scalar"): ("multiarray", "scalar") for pkg in ("numpy.core", "numpy._core")},
-    **{(f"{pkg}.numeric", "_frombuffer"): ("numeric", "_frombuffer") for pkg in ("numpy.core", "numpy._core")},
-}
-
-
 class _ArraysOnlyUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return _numpy_attr(*_ALLOWED[(module, name)])
+        found = pickled_numpy_global(module, name)
+        if found is not None:
+            return found
         if module == "numpy" and name in ("ndarray", "dtype"):
             return getattr(np, name)
         if (module, name) == ("collections", "OrderedDict"):

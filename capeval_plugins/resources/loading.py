@@ -22,6 +22,7 @@ from typing import Any, Callable, Hashable, Mapping
 import torch
 
 from capeval_plugins.core.messages import MissingExtra, install_extra
+from capeval_plugins.resources.accelerate_internals import dispatch_hook, execution_device
 
 _cache: dict[Hashable, Any] = {}
 _lock = threading.RLock()
@@ -295,7 +296,7 @@ def _map_device(device_map: Any, device: str | torch.device | None) -> torch.dev
 
 def is_dispatched(model: Any) -> bool:
     """Whether accelerate placed ``model`` with hooks (over several devices, or partly offloaded)."""
-    return any(hasattr(module, "_hf_hook") for module in model.modules())
+    return any(dispatch_hook(module) is not None for module in model.modules())
 
 
 def input_device(model: Any, device: str | torch.device | None = None) -> torch.device:
@@ -313,7 +314,7 @@ def input_device(model: Any, device: str | torch.device | None = None) -> torch.
     except (AttributeError, NotImplementedError):
         embeddings = None
     for module in (embeddings, model):
-        execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        execution = execution_device(module)
         if execution is not None:
             return torch.device(execution)
     return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
@@ -405,8 +406,8 @@ def check_source(name_or_path: str, revision: str | None = None) -> None:
     """Refuse, in one line naming the file, a model folder a loader would hang on or be misled by: every entry
     must be a regular file or a folder (a FIFO, a device, a link to ``/dev/zero`` is refused), a text file no
     larger than :data:`MAX_TEXT_FILE`, and every ``.safetensors`` file's header consistent with its size
-    (:mod:`capeval_plugins.core.tensorfile`). Hidden names (``.git``, ``.cache``) are not read by loaders."""
-    from capeval_plugins.core import tensorfile
+    (:mod:`capeval_plugins.resources.tensorfile`). Hidden names (``.git``, ``.cache``) are not read by loaders."""
+    from capeval_plugins.resources import tensorfile
 
     folder = source_folder(name_or_path, revision)
     if folder is None:

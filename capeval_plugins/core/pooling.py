@@ -1,19 +1,10 @@
-"""Pieces every encoder family shares."""
+"""Pooling over ragged groups, vectorised: per-segment maxima (a candidate's best reference) and masked means of
+local embeddings (a global embedding from patches or tokens)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from capeval_plugins.core.loading import ModelSpec
-
-
-def pooled(output: Tensor | object) -> Tensor:
-    """transformers 5 returns an output object from ``get_*_features``; 4.x returned the tensor."""
-    return output if isinstance(output, Tensor) else output.pooler_output  # type: ignore[attr-defined]
-
-
-EncoderSpec = ModelSpec  # which encoder checkpoint to load and how
 
 
 def segment_max(values: Tensor, segments: Tensor, n_segments: int) -> Tensor:
