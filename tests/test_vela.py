@@ -191,6 +191,10 @@ def test_options_requirements_and_the_longcap_arena_aspects(tmp_path, monkeypatc
             added = metric_options(BENCHMARKS[f"longcaparena-{test}-{aspect}"], ["vela"], [])
             assert added == [f"vela.aspect={aspect}"]
     assert metric_options(BENCHMARKS["longcaparena-testa-rel"], ["vela"], ["vela.aspect=flu"]) == ["vela.aspect=flu"]
+    from capeval_plugins.bench import reproduce as rp  # `capeval reproduce` builds each column's metric so
+
+    entry = next(v.entry for v in rp.load_published() if v.entry.id == "vela")
+    assert not entry.external and rp.build(entry, "longcaparena-testb-rel", []).config.aspect == "rel"
 
 
 def test_the_cli_choices_are_the_heads():
