@@ -78,10 +78,12 @@ def reference_scores(parts, modules, images, candidates, references) -> np.ndarr
     state = torch.load(parts["long_clip"], weights_only=True)
     mask1 = torch.zeros(248, 1)
     mask1[:20] = 1
-    state["positional_embedding"] = state["positional_embedding"] * mask1 + state.pop("positional_embedding_res") * (1 - mask1)
+    res = state.pop("positional_embedding_res")
+    state["positional_embedding"] = state["positional_embedding"] * mask1 + res * (1 - mask1)
     clip = official_code.openai_clip(modules, state)
     transform = official_code.torchvision_transform(32, OPENAI_MEAN, OPENAI_STD)
-    w, b, mode = released["regressor.weight"].double(), released["regressor.bias"].double(), released["mode_embedding.weight"]
+    w, b = released["regressor.weight"].double(), released["regressor.bias"].double()
+    mode = released["mode_embedding.weight"]
 
     out = []
     with torch.no_grad():
@@ -145,10 +147,12 @@ def test_the_converter_refuses_what_it_cannot_account_for(release, tmp_path):
     common = dict(long_clip=parts["long_clip"], llm=str(parts["qwen"]), clip_tokenizer=str(parts["bpe"]))
     cases = {
         "unknown tensor": {**base, "extra.scale": torch.ones(2, 2, 2)},
-        "incomplete": {k: v for k, v in base.items() if not k.endswith("layers.1.self_attn.v_proj.lora_B.default.weight")},
+        "incomplete": {k: v for k, v in base.items()
+                       if not k.endswith("layers.1.self_attn.v_proj.lora_B.default.weight")},
         "do not chain": {**base, "regressor.weight": torch.ones(1, 7)},
         "one per aspect": {**base, "mode_embedding.weight": torch.ones(4, 8)},
-        "do not fit": {**base, "llm.base_model.model.layers.0.self_attn.q_proj.lora_B.default.weight": torch.ones(5, 4)},
+        "do not fit": {**base,
+                       "llm.base_model.model.layers.0.self_attn.q_proj.lora_B.default.weight": torch.ones(5, 4)},
     }
     for i, (reason, state) in enumerate(cases.items()):
         with pytest.raises(ConversionError, match=reason):

@@ -72,7 +72,8 @@ def chain_head(head: Mapping[str, Mapping[str, Any]], input_size: int, outputs: 
     """The head's Linear layers in order: the one taking ``input_size`` features first, each next one taking the
     previous one's outputs, the last giving ``outputs``; every layer used once."""
     for module, pair in head.items():
-        if set(pair) != {"weight", "bias"} or pair["weight"].dim() != 2 or pair["bias"].shape != pair["weight"].shape[:1]:
+        linear = set(pair) == {"weight", "bias"} and pair["weight"].dim() == 2
+        if not linear or pair["bias"].shape != pair["weight"].shape[:1]:
             raise ConversionError(f"{module} is not a Linear layer (weight and bias of matching shapes)")
     order, width, left = [], input_size, dict(head)
     while left:
@@ -164,7 +165,8 @@ def convert_vela(source: str | Path, destination: str | Path | None = None, long
     """Convert the released VELA files into the folder the ``vela`` metric loads."""
     import torch
 
-    from capeval_plugins.core.encoders.openai_clip import OPENAI_MEAN, OPENAI_STD, converted_model_dir, map_openai_state_dict
+    from capeval_plugins.core.encoders.openai_clip import (OPENAI_MEAN, OPENAI_STD, converted_model_dir,
+                                                           map_openai_state_dict)
     from capeval_plugins.core.encoders.vela import DEFAULT_PROMPT, VelaHead, VelaHeadConfig
 
     source = Path(source)
@@ -198,7 +200,8 @@ def convert_vela(source: str | Path, destination: str | Path | None = None, long
         raise ConversionError(f"{source}: {err}") from None
     order = chain_head(parts["head"], config.input_size, config.outputs)
     config.hidden_sizes = [int(parts["head"][m]["weight"].shape[0]) for m in order[:-1]]
-    weights = {f"head.{2 * i}.{kind}": parts["head"][m][kind] for i, m in enumerate(order) for kind in ("weight", "bias")}
+    weights = {f"head.{2 * i}.{kind}": parts["head"][m][kind]
+               for i, m in enumerate(order) for kind in ("weight", "bias")}
     if mode is not None:
         weights["mode_embedding.weight"] = mode
     with torch.device("meta"):
@@ -217,7 +220,7 @@ def convert_vela(source: str | Path, destination: str | Path | None = None, long
         raise ConversionError(str(err)) from None
     left_out = {"an LM head (VELA reads hidden states)": parts["left_out"], "metadata": mapping.metadata}
     report = OfficialConversion(
-        source=str(source), sha256=sha256(source), destination=str(destination), kind="vela", variant="vela",
+        source=str(source), sha256=sha256(source), destination=str(destination), kind="vela",
         kept=len(weights) + len(mapping.state) + len(model.state_dict()), lora_folded=folded,
         left_out={k: v for k, v in left_out.items() if v},
         tokenizers={"LLM": str(llm), "CLIP": str(clip_tokenizer)})
