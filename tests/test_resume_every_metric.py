@@ -62,7 +62,7 @@ FAMILIES = {
     "clip": ["clipscore", "refclipscore", "mid", "msd_score", "soft_msd"],
     "text": ["bertscore", "bleu4", "rouge_l", "cider", "meteor"],
     "judges": ["fleur", "discode", "rigel"],
-    "pacs_and_polos": ["pacscore", "refpacscore", "pacscore_pp", "refpacscore_pp", "polos"],
+    "pacs_and_polos": ["pacscore", "refpacscore", "pacscore_pp", "refpacscore_pp", "polos", "vela"],
     "regions_and_cycles": ["vilbertscore", "dino_cycle", "redemption_score"],
 }
 
@@ -89,7 +89,7 @@ def options_of(family: list[str], tiny_root, drawn: Path) -> dict[str, dict]:
         "vilbertscore": lambda: {"model": model("vilt")},
         "pacscore": lambda: {"model": model("pacs")}, "refpacscore": lambda: {"model": model("pacs")},
         "pacscore_pp": lambda: {"model": model("pacs_pp")}, "refpacscore_pp": lambda: {"model": model("pacs_pp")},
-        "polos": lambda: {"model": model("polos")},
+        "polos": lambda: {"model": model("polos")}, "vela": lambda: {"model": model("vela")},
         "dino_cycle": lambda: {"model": model("dino"), "generated_images": str(drawn)},
         "redemption_score": lambda: {"clip_model": model("clip"), "dino_model": model("dino"),
                                      "generated_images": str(drawn), "bertscore_model": model("deberta_v3"),

@@ -295,7 +295,7 @@ def _longcap_arena(test: str, aspect: str) -> Benchmark:
         _reader("read_rated_rows"),
         f"Hugging Face Ka2ukiMatsuda/LongCap-Arena split {LONGCAP_ARENA_SPLITS[test]}.{aspect} as Parquet (file_name, "
         "image, refs, cand, score), or its rows as CSV / JSON (imgid, cand, refs, score)",
-        metric_defaults=LONG_CAPTION_MSD,
+        metric_defaults={**LONG_CAPTION_MSD, "vela": {"aspect": aspect}},  # VELA scores the judged aspect
         source="Matsuda et al., EMNLP 2025 (VELA, LongCap-Arena); Ka2ukiMatsuda/VELA")
 
 

@@ -239,3 +239,6 @@ def add_parser(subparsers) -> None:
     from capeval_plugins.commands import convert_official  # PAC-S / PAC-S++ and Polos
 
     convert_official.add_parsers(kinds)
+    from capeval_plugins.commands import convert_vela  # VELA
+
+    convert_vela.add_parsers(kinds)
