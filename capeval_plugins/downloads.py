@@ -152,11 +152,9 @@ def download(claim: files.Claim, folder: str, leaf: str, url: str, expected: Exp
                          displayed_filename=display or leaf)
         except (files.FileError, KeyboardInterrupt, DownloadError):
             raise
-        except OSError as err:
-            if files.is_environment_error(err):
-                raise
-            raise DownloadError("failed", _reason(err)) from None
         except Exception as err:  # noqa: BLE001  (no network, DNS, an HTTP error status, a proxy, ...)
+            if isinstance(err, OSError) and files.is_environment_error(err):  # a full disk: the machine's
+                raise
             if _status(err) == 416:  # the server has fewer bytes than were downloaded before: not that file
                 where.unlink(leaf + ".part")
                 raise DownloadError("changed", f"the server has fewer than the {done} bytes downloaded before "

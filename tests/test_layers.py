@@ -21,6 +21,11 @@ FORBIDDEN = {
                               "capeval_plugins.preflight", "capeval_plugins.checkpoint", "capeval_plugins.caption_files",
                               "capeval_plugins.digests", "capeval_plugins.session", "capeval_plugins.runner",
                               *ABOVE_THE_RUNNER),
+    # downloads into the package's caches and the table of released checkpoints: beside the file layer
+    "capeval_plugins.downloads": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.session",
+                                  "capeval_plugins.runner", "capeval_plugins.preflight", *ABOVE_THE_RUNNER),
+    "capeval_plugins.releases": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.session",
+                                 "capeval_plugins.runner", "capeval_plugins.files", *ABOVE_THE_RUNNER),
     "capeval_plugins.core": ("capeval_plugins.contract", "capeval_plugins.inputs", "capeval_plugins.image_sources",
                              "capeval_plugins.session", "capeval_plugins.runner", "capeval_plugins.files",
                              "capeval_plugins.checkpoint", "capeval_plugins.digests", "capeval_plugins.preflight",
