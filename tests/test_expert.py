@@ -619,3 +619,57 @@ def test_convert_expert_refuses_what_it_cannot_account_for(fault, tmp_path):
     assert "adapter" in message and len(message.splitlines()) == 1, message
     assert not (tmp_path / "out").exists()
     json.dumps(message)
+
+
+def test_every_entry_point_keeps_the_explanations(tmp_path):
+    """The score and the per-sample explanation through evaluate, torchmetrics, pycocoevalcap and `capeval score`
+    (a tiny scripted judge whose explanation turn writes '0.8', as its score turn does)."""
+    import json
+    import subprocess
+    import sys as _sys
+
+    import evaluate
+    from test_lvlm import scripted_llava
+    from test_resume_every_metric import EXPERT_JUDGE
+
+    import capeval_plugins.pycocoevalcap as coco
+    from capeval_plugins.torchmetrics import EXPERT as TorchEXPERT
+
+    judge = scripted_llava(EXPERT_JUDGE)
+    options = {"model": judge, "max_new_tokens": 8}
+    images = [random_image(3), random_image(4)]
+    paths = []
+    for k, image in enumerate(images):
+        image.save(tmp_path / f"{k}.png")
+        paths.append(str(tmp_path / f"{k}.png"))
+    captions = ["a dog on grass", ""]
+    direct = EXPERT(**options)(paths, captions)
+    assert direct.extras["explanation"] == ["0.8", "0.8"] and not np.isnan(direct.scores.numpy()).any()
+
+    out = evaluate.load("expert", **options).compute(images=paths, predictions=captions)
+    assert out["explanation"] == direct.extras["explanation"] and out["scores"] == direct.scores.tolist()
+
+    metric = TorchEXPERT(**options)
+    metric.update(paths[:1], captions[:1])
+    metric.update(paths[1:], captions[1:])
+    result = metric.compute_all()
+    assert result.extras["explanation"] == direct.extras["explanation"]
+    assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-9)
+
+    skipped = EXPERT(**options, on_error="skip")(paths + paths[:1], captions + ["a <image> in the caption"])
+    assert "image placeholder" in skipped.skipped[2] and skipped.extras["explanation"][:2] == ["0.8", "0.8"]
+
+    scorer = coco.Expert(coco.ImageResolver(tmp_path, pattern="{id}.png"), **options)
+    score, items = scorer.compute_score({0: ["r"], 1: ["r"]}, {0: [captions[0]], 1: [captions[1]]})
+    assert items == pytest.approx(direct.scores.tolist(), abs=1e-9)
+    assert scorer.last_result.extras["explanation"] == direct.extras["explanation"]
+
+    rows = tmp_path / "captions.jsonl"
+    rows.write_text("".join(json.dumps({"image": p, "caption": c}) + "\n" for p, c in zip(paths, captions)))
+    done = subprocess.run([_sys.executable, "-m", "capeval_plugins.cli", "score", "-m", "expert", "--captions",
+                           str(rows), "--out", str(tmp_path / "out.jsonl"), "-o", f"model={judge}",
+                           "-o", "max_new_tokens=8", "--quiet"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["expert.explanation"] for r in written] == direct.extras["explanation"]
+    assert [r["expert.fluency"] for r in written] == [None, None]

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from capeval_plugins.contract import (TEXT_STATE, Batch, MetricInfo, MetricResult, ModelConfig, Requirement, StateSpec,
                                       bounded, decode_text_lists, encode_text_lists)
-from capeval_plugins.core.lvlm import LLAVA_CONVERSATIONS, SCALES, JudgeOutput, KeywordStop, VisualInput
+from capeval_plugins.core.lvlm import LLAVA_CONVERSATIONS, LLAVA_IMAGE, SCALES, JudgeOutput, KeywordStop, VisualInput
 from capeval_plugins.metrics.fleur import INVALID_POLICIES, LVLMJudgeMetric
 
 CITATION = """@inproceedings{kim2025expert,
@@ -216,6 +216,9 @@ class EXPERT(LVLMJudgeMetric):
         return {**out, "explanation": encode_text_lists(texts, packed=True)}
 
     def score(self, batch: Batch) -> dict:
+        if any(LLAVA_IMAGE in c for c in batch.candidates):  # the runner narrows this down to the samples
+            raise ValueError(f"the caption holds LLaVA's image placeholder {LLAVA_IMAGE!r}, which the prompt cannot "
+                             "carry")
         judge = self.judge
         conversation = LLAVA_CONVERSATIONS[self.config.conversation]
         stop = KeywordStop.build([conversation.stop], judge.tokenizer)
