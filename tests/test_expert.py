@@ -394,7 +394,8 @@ def test_prompts_are_tokenised_as_llavas_tokenizer_image_token():
     whole = tok(conv.prompt([(scoring_prompt("x"), None)]))["input_ids"]
     split = judge._llava_ids(conv.prompt([(scoring_prompt("x"), None)]))
     at = split.index(judge.image_token_id)
-    assert split[at + 1] == tok.convert_tokens_to_ids("▁") and whole[at + 1] != split[at + 1]
+    dummy_prefix, newline = tok.encode("\n", add_special_tokens=False)  # "▁", "<0x0A>"
+    assert (split[at + 1], split[at + 2]) == (dummy_prefix, newline) and whole[at + 1] == newline
     stop = KeywordStop.build(["###"], tok)
     assert stop.keyword_ids == ((tok.convert_tokens_to_ids("▁###"),),)
 
