@@ -103,10 +103,19 @@ def test_pacs_is_fetched_checked_and_converted_in_one_step(server, online, relea
     assert not list((online / "weights" / "pacs-vit-b-32").glob("*.part"))
 
 
-def test_polos_archive_is_unpacked_and_converted(server, online, released, tmp_path):
+def test_polos_archive_is_unpacked_and_converted(server, online, released, tmp_path, monkeypatch):
+    """The archive's checkpoint and the hparams.yaml beside it are extracted by their file names only (a member
+    path that climbs out of the archive lands in the cache all the same), and converted; no Hub token goes to a
+    server that is not the Hub."""
     from capeval_plugins.commands.convert_official import convert_polos
 
-    url = server.put("/polos/reprod.zip", released["polos"])
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token_of_the_user")
+    climbing = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(released["polos"])) as source, zipfile.ZipFile(climbing, "w") as out:
+        for member in source.infolist():
+            out.writestr("../../" + member.filename, source.read(member))
+    url = server.put("/polos/reprod.zip", climbing.getvalue())
+    released = {**released, "polos": climbing.getvalue()}
     got = fetch_weights(pinned("polos", url, released["polos"]), progress=False, destination=tmp_path / "polos",
                         convert_options={"text_tokenizer": released["roberta"], "clip_tokenizer": released["bpe"]})
     unpacked = online / "weights" / "polos" / "unpacked"
@@ -114,6 +123,8 @@ def test_polos_archive_is_unpacked_and_converted(server, online, released, tmp_p
     convert_polos(released["root"] / "reprod" / "reprod.ckpt", tmp_path / "direct",
                   text_tokenizer=released["roberta"], clip_tokenizer=released["bpe"])
     assert got.converted and same_weights(tmp_path / "polos", tmp_path / "direct")
+    assert server.credentials and set(server.credentials) == {None}
+    assert not (online.parent / "reprod").exists() and not (online / "reprod").exists()
 
 
 def test_no_digest_known_is_a_refusal_before_any_request(server, online, released):

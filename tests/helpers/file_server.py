@@ -8,7 +8,8 @@
   closes the connection: a file served short);
 * :meth:`FileServer.put` again: other bytes under the same path (a file changed upstream).
 
-:attr:`FileServer.log` records every request (method, path, Range header)."""
+:attr:`FileServer.log` records every request (method, path, Range header), :attr:`FileServer.credentials` its
+``Authorization`` header (None when absent)."""
 from __future__ import annotations
 
 import threading
@@ -24,6 +25,7 @@ class FileServer:
         self.cuts: dict[str, int] = {}
         self.released = threading.Event()
         self.log: list[tuple[str, str, str | None]] = []
+        self.credentials: list[str | None] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -75,6 +77,7 @@ def _handler(server: FileServer) -> type[BaseHTTPRequestHandler]:
             path = urlsplit(self.path).path
             ranged = self.headers.get("Range")
             server.log.append((self.command, path, ranged))
+            server.credentials.append(self.headers.get("Authorization"))
             try:
                 if path in server.redirects:
                     self.send_response(302)
