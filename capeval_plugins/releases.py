@@ -36,7 +36,8 @@ _DRIVE = "https://drive.usercontent.google.com/download?id={}&export=download&co
 RELEASES: dict[str, Release] = {r.name: r for r in (
     Release("pacs-vit-b-32", ("pacscore", "refpacscore"), "clip_ViT-B-32.pth",
             _DRIVE.format("1F-0Pma-vfJPAiDzeyl-iEdSXZIO1cDae"),
-            f"{_PACS} (its clip_ViT-B-32.pth link, in the authors' Google Drive folder 15Da_nh7CYv8xfryIdETG6dPFSqcBiqpd)",
+            f"{_PACS} (its clip_ViT-B-32.pth link, in the authors' Google Drive folder "
+            "15Da_nh7CYv8xfryIdETG6dPFSqcBiqpd)",
             "pacs", "vit-b-32"),
     # The README links this file to clip_ViT-B-32.pth's id (a slip); this id is the folder's openClip_ViT-L-14.pth
     # as CaptionEvalKit (capevalkit/infrastructure/assets/downloads.py) lists it.

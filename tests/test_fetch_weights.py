@@ -1,5 +1,5 @@
-"""``capeval fetch-weights``: a released checkpoint downloaded from a loopback HTTP server (tests/helpers/file_server.py)
-through the package's one download path (capeval_plugins/downloads.py, the benchmark fetch's), checked against a
+"""``capeval fetch-weights``: a released checkpoint downloaded from a loopback HTTP server
+(tests/helpers/file_server.py) through the package's one download path (capeval_plugins/downloads.py, the benchmark fetch's), checked against a
 digest, converted in the same step; and every way it must refuse: no digest known, a changed file, a file served
 short, an unsafe redirect, downloads off. The released files are tiny random ones in the official formats
 (capeval_plugins/testing/official.py); the converted folders are compared with ``capeval convert`` run on the same

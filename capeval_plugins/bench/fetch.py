@@ -12,8 +12,9 @@ checked against it on every use, and a copy that changed since it was fetched is
 the benchmark anew, at the revision the Hub now serves). An interrupted download is resumed where it stopped,
 at the commit first resolved; a file that the Hub now serves with other content under that commit is refused.
 
-Every file goes through :mod:`capeval_plugins.files`: the cache is a folder of the user's that no one else can
-write (refused otherwise), files are listed as the package's before they are written, never through a link.
+Each file is downloaded by :mod:`capeval_plugins.downloads` (as released weights are: resumed, checked, redirects
+guarded). Every file goes through :mod:`capeval_plugins.files`: the cache is a folder of the user's that no one else
+can write (refused otherwise), files are listed as the package's before they are written, never through a link.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any
 
 import xxhash
 
@@ -313,7 +314,8 @@ def _download(claim: files.Claim, benchmark: str, kind: str, source: Source, ori
             raise FetchError(_failed(benchmark, source, err)) from None
         raise FetchError(f"{origin['repository']} served {entry['path']} at {origin['revision'][:12]} with other "
                          "content than its listing gives (the file changed under the same name); run again with "
-                         "--refresh to fetch the revision the Hub serves now, or pass the file with --data PATH") from None
+                         "--refresh to fetch the revision the Hub serves now, or pass the file with --data PATH"
+                         ) from None
 
 
 def _expected(entry: dict) -> downloads.Expected:

@@ -56,7 +56,8 @@ def adapter_scaling(config: dict[str, Any], where: Path) -> float:
             raise ConversionError(f"{where}: {key}={bad} is not supported")
     if config.get("bias", "none") != "none" or config.get("rank_pattern") or config.get("alpha_pattern") \
             or config.get("modules_to_save"):
-        raise ConversionError(f"{where}: only a plain LoRA (no bias, no per-layer ranks, no saved modules) is supported")
+        raise ConversionError(f"{where}: only a plain LoRA (no bias, no per-layer ranks, no saved modules) is "
+                              "supported")
     try:
         rank, alpha = int(config["r"]), float(config["lora_alpha"])
     except (KeyError, TypeError, ValueError):

@@ -221,7 +221,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--destination", help="the converted folder (default: the one the metric loads by default)")
     p.add_argument("--overwrite", action="store_true", help="convert again over an earlier conversion's files")
     p.add_argument("--tokenizer", help="PAC-S / PAC-S++: CLIP's BPE for the conversion (see capeval convert pacs)")
-    p.add_argument("--text-tokenizer", dest="text_tokenizer", help="Polos: the RoBERTa tokenizer (capeval convert polos)")
+    p.add_argument("--text-tokenizer", dest="text_tokenizer",
+                   help="Polos: the RoBERTa tokenizer (see capeval convert polos)")
     p.add_argument("--clip-tokenizer", dest="clip_tokenizer", help="Polos: CLIP's BPE (capeval convert polos)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -45,7 +45,8 @@ _EXPLANATION = re.compile(r"Fluency:\s*(.*?)\nRelevance:\s*(.*?)\nDescriptivenes
 
 def scoring_prompt(caption: str) -> str:
     """The first turn (``get_scoring_prompt``)."""
-    return f"Evaluate the caption and assign a score on a scale of 0.0 to 1.0.\n\nCaption: {caption}\n\nScore (0.0~1.0):"
+    return ("Evaluate the caption and assign a score on a scale of 0.0 to 1.0.\n\n"
+            f"Caption: {caption}\n\nScore (0.0~1.0):")
 
 
 def explanation_prompt(caption: str) -> str:
