@@ -282,3 +282,15 @@ def test_names_and_aliases():
         release("vela")
     for found in RELEASES.values():
         assert found.url.startswith("https://") and found.published
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_be_reached_is_one_line(online, released):
+    """Nothing listens: one line naming the file and the URL, to be run again (what was downloaded is kept). Slow:
+    huggingface_hub's client retries the connection five times, a second apart."""
+    data = released["pacs"]
+    found = pinned("pacs-vit-b-32", "http://127.0.0.1:9/clip_ViT-B-32.pth", data)
+    with pytest.raises(WeightsError, match="cannot fetch clip_ViT-B-32.pth from http://127.0.0.1:9/.*run again") as err:
+        fetch_weights(found, progress=False)
+    assert len(str(err.value).splitlines()) == 1
+    assert not (online / "models").exists()
