@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from capeval_plugins import files
-from capeval_plugins.contract import MetricResult
+from capeval_plugins.contract import MetricResult, extra_values
 from capeval_plugins.core import jsonio
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.inputs import InputError
@@ -440,7 +440,7 @@ def score_table(results: Mapping[str, MetricResult], records: CaptionRecords | N
     rows: dict[int, dict[str, Any]] = {}
     errors: dict[int, list[str]] = {}
     for name, result in results.items():
-        columns = {f"{name}.{k}": v.tolist() for k, v in result.extras.items()}
+        columns = {f"{name}.{k}": extra_values(v) for k, v in result.extras.items()}
         for j, (index, score) in enumerate(zip(result.indices.tolist(), result.scores.tolist())):
             row = rows.setdefault(int(index), {"index": int(index)})
             row[name] = score

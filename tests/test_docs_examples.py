@@ -40,6 +40,10 @@ NOT_RUN = {
     ("docs/bench.md", "run_benchmark("): "a benchmark's annotation file (tests/test_bench_runner.py)",
     ("docs/ecosystems/cli.md", "capeval list [--json]"): "the commands' synopsis",
     ("docs/ecosystems/cli.md", "capeval convert vilbert"): "the released 12-in-1 checkpoint (tests/test_vilbert.py)",
+    ("docs/ecosystems/cli.md", "capeval fetch-weights polos"): "downloads a release from its authors' server "
+                                                              "(tests/test_fetch_weights.py: a loopback server)",
+    ("docs/models.md", "capeval fetch-weights pacscore"): "downloads releases from their authors' servers "
+                                                         "(tests/test_fetch_weights.py: a loopback server)",
     ("docs/vilbert.md", "capeval convert vilbert"): "the released 12-in-1 checkpoint (tests/test_vilbert.py)",
     ("docs/vilbert.md", "script/extract_features.py"): "another project's feature extractor",
     ("docs/vilbert.md", 'model="vilbert-12in1"'): "the converted 12-in-1 checkpoint and its region features",

@@ -12,25 +12,26 @@ checked against it on every use, and a copy that changed since it was fetched is
 the benchmark anew, at the revision the Hub now serves). An interrupted download is resumed where it stopped,
 at the commit first resolved; a file that the Hub now serves with other content under that commit is refused.
 
-Every file goes through :mod:`capeval_plugins.files`: the cache is a folder of the user's that no one else can
-write (refused otherwise), files are listed as the package's before they are written, never through a link.
+Each file is downloaded by :mod:`capeval_plugins.resources.downloads` (as released weights are: resumed, checked, redirects
+guarded). Every file goes through :mod:`capeval_plugins.files`: the cache is a folder of the user's that no one else
+can write (refused otherwise), files are listed as the package's before they are written, never through a link.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import hashlib
 import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any
 
 import xxhash
 
 from capeval_plugins import files
+from capeval_plugins.resources import downloads
 from capeval_plugins.bench.benchmarks import LONGCAP_ARENA_ASPECTS, LONGCAP_ARENA_SPLITS
 from capeval_plugins.files import paths
 from capeval_plugins.core.messages import DataError, install_extra
@@ -38,7 +39,6 @@ from capeval_plugins.core.messages import DataError, install_extra
 KIND = "benchmark data"
 FORMAT = 1
 PARQUET = "refs/convert/parquet"  # the Hub's Parquet conversion of a dataset: <config>/<split>/NNNN.parquet
-LOCK = ".lock"
 MANIFEST = "manifest.json"
 
 
@@ -170,24 +170,9 @@ def fetch(benchmark: str, *, refresh: bool = False, progress: bool = True,
 
 # ---------------------------------------------------------------------------------------------- the cache
 
-@contextlib.contextmanager
-def _locked(root: Path) -> Iterator[files.Claim]:
+def _locked(root: Path) -> contextlib.AbstractContextManager[files.Claim]:
     """The cache folder, claimed and locked (another process fetching meanwhile: wait for it)."""
-    folder, _ = files.Folder.open(root, create=True, mine=True, mode=0o700)
-    with folder:
-        if os.fstat(folder.fd).st_mode & 0o022:
-            raise FetchError(f"{root} can be written by other users; capeval keeps fetched benchmarks only in a folder "
-                             f"no one else can write: chmod go-w {root}, or set CAPEVAL_CACHE to another folder")
-        fd, _ = folder.lock(LOCK)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            claim = files.Claim(root, KIND).open()
-            try:
-                yield claim
-            finally:
-                claim.folder.close()
-        finally:
-            os.close(fd)
+    return downloads.locked(root, KIND, "fetched benchmarks", FetchError)
 
 
 def _manifest(claim: files.Claim, benchmark: str) -> dict | None:
@@ -314,57 +299,28 @@ def _listing(api: Any, source: Source) -> dict:
 
 
 def _download(claim: files.Claim, benchmark: str, kind: str, source: Source, origin: dict, entry: dict) -> str:
-    """One file of ``origin`` into ``<benchmark>/<kind>/``: appended to a ``.part`` file (resumed where an
-    interrupted download stopped), checked against the digest the listing gave, then renamed into place."""
+    """One file of ``origin`` into ``<benchmark>/<kind>/`` (:func:`capeval_plugins.resources.downloads.download`: resumed where
+    an interrupted download stopped, checked against the digest the listing gave, then renamed into place)."""
     from huggingface_hub import hf_hub_url
-    from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    leaf = entry["path"].replace("/", "--")
-    final, part = f"{benchmark}/{kind}/{leaf}", f"{benchmark}/{kind}/{leaf}.part"
-    if claim.owns(final) and _matches(claim.map(final), entry):
-        return final
-    claim.own([f"{benchmark}/", f"{benchmark}/{kind}/", part])
-    with claim.folder.sub(benchmark, create=True) as top, top.sub(kind, create=True) as where:
-        done = where.size(leaf + ".part")
-        if entry["size"] is not None and done > entry["size"]:
-            where.truncate(leaf + ".part", 0)
-            done = 0
-        url = hf_hub_url(origin["repository"], entry["path"], repo_type="dataset", revision=origin["revision"],
-                         endpoint=endpoint())
-        try:
-            with where.open_append(leaf + ".part") as handle:
-                # no expected_size: a file of another size is refused below, as changed, with the digest check
-                http_get(url, handle, resume_size=done, headers=build_hf_headers(),
-                         displayed_filename=PurePosixPath(entry["path"]).name)
-        except (files.FileError, KeyboardInterrupt):
-            raise
-        except OSError as err:
-            if files.is_environment_error(err):
-                raise
+    url = hf_hub_url(origin["repository"], entry["path"], repo_type="dataset", revision=origin["revision"],
+                     endpoint=endpoint())
+    try:
+        # no expected size for the transfer: a file of another size is refused below, as changed
+        return downloads.download(claim, f"{benchmark}/{kind}", entry["path"].replace("/", "--"), url, _expected(entry),
+                                  headers=build_hf_headers(), display=PurePosixPath(entry["path"]).name)
+    except downloads.DownloadError as err:
+        if err.kind == "failed":
             raise FetchError(_failed(benchmark, source, err)) from None
-        except Exception as err:  # noqa: BLE001
-            raise FetchError(_failed(benchmark, source, err)) from None
-        if not _matches(where.map(leaf + ".part"), entry):
-            where.unlink(leaf + ".part")
-            raise FetchError(f"{origin['repository']} served {entry['path']} at {origin['revision'][:12]} with other "
-                             "content than its listing gives (the file changed under the same name); run again with "
-                             "--refresh to fetch the revision the Hub serves now, or pass the file with --data PATH")
-        claim.own([final])
-        where.rename(leaf + ".part", leaf)
-    claim.remove([part])
-    return final
+        raise FetchError(f"{origin['repository']} served {entry['path']} at {origin['revision'][:12]} with other "
+                         "content than its listing gives (the file changed under the same name); run again with "
+                         "--refresh to fetch the revision the Hub serves now, or pass the file with --data PATH"
+                         ) from None
 
 
-def _matches(data: Any, entry: dict) -> bool:
-    """``data`` is the file the listing describes: its size, its SHA-256 (LFS files) or its git blob id."""
-    if data is None or (entry["size"] is not None and len(data) != entry["size"]):
-        return False
-    if entry.get("sha256"):
-        return hashlib.sha256(data).hexdigest() == entry["sha256"]
-    if entry.get("blob"):
-        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == entry["blob"]
-    return True
+def _expected(entry: dict) -> downloads.Expected:
+    return downloads.Expected(entry["size"], entry.get("sha256"), entry.get("blob"))
 
 
 def _digest(claim: files.Claim, name: str) -> str:

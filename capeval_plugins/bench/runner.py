@@ -212,8 +212,8 @@ def _collect(collected: dict | None, result, rows_or_keys) -> None:
     if collected is None:
         return
     for extra, values in result.extras.items():
-        if values.dim() != 1:
-            continue  # a vector per sample (an embedding, a per-token list) is no table row
+        if isinstance(values, list) or values.dim() != 1:
+            continue  # texts, or a vector per sample (an embedding, a per-token list), are no table row
         by = collected.setdefault(extra, {})
         for where, value in zip(rows_or_keys, values.double().cpu().tolist()):
             by[where] = value

@@ -236,9 +236,10 @@ def add_parser(subparsers) -> None:
     v.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(func=cmd_convert)
-    from capeval_plugins.commands import convert_official  # PAC-S / PAC-S++ and Polos
+    from capeval_plugins.commands import convert_expert, convert_official  # PAC-S / PAC-S++, Polos; EXPERT
 
     convert_official.add_parsers(kinds)
     from capeval_plugins.commands import convert_vela  # VELA
 
     convert_vela.add_parsers(kinds)
+    convert_expert.add_parsers(kinds)

@@ -1,5 +1,5 @@
 """Where the package keeps its per-user folders: one rule for every cache (METEOR's index, generated images,
-converted models, fetched benchmarks, the bench score cache, evaluate modules) and for the config folder.
+converted models, fetched benchmarks, downloaded weights, the bench score cache, evaluate modules) and for the config folder.
 
 A cache is ``$CAPEVAL_CACHE/<sub>``, else ``$XDG_CACHE_HOME/capeval_plugins/<sub>``, else
 ``~/.cache/capeval_plugins/<sub>``. As root with another user's HOME (``sudo`` without ``-H``), root's own home

@@ -62,10 +62,15 @@ class LVLMJudgeMetric(PointwiseMetric):
         if cfg.on_invalid not in INVALID_POLICIES:
             raise ValueError(f"{self.info.name}: on_invalid must be one of {INVALID_POLICIES}, got {cfg.on_invalid!r}")
         try:
-            self.visual_input = VisualInput(system_prompt=cfg.system_prompt or None,
-                                            system_placement=cfg.system_placement, image_aspect=cfg.image_aspect)
+            self.visual_input = self.build_visual_input()
         except ValueError as err:
             raise ValueError(f"{self.info.name}: {err}") from None
+
+    def build_visual_input(self) -> VisualInput:
+        """How the conversation around the prompt is built, from the options."""
+        cfg = self.config
+        return VisualInput(system_prompt=cfg.system_prompt or None, system_placement=cfg.system_placement,
+                           image_aspect=cfg.image_aspect)
 
     def judge_spec(self) -> JudgeSpec:
         """The judge to load: the options as given, with ``accelerator_dtype`` on GPUs unless ``dtype`` is set."""
@@ -88,11 +93,16 @@ class LVLMJudgeMetric(PointwiseMetric):
         return out
 
     def check_answers(self, batch: Batch, out: JudgeOutput) -> None:
-        bad = [i for i, e in enumerate(out.errors) if e is not None]
+        self.report_invalid(batch, out.errors, out.texts)
+
+    def report_invalid(self, batch: Batch, errors: list[str | None], texts: list[str]) -> None:
+        """Answers without a valid score (``errors[i]`` the reason): a warning naming them (their samples get
+        NaN), or an error under ``on_invalid="raise"``."""
+        bad = [i for i, e in enumerate(errors) if e is not None]
         if not bad:
             return
         ids = batch.indices.tolist()
-        lines = [f"sample {ids[i]}: {out.errors[i]} (answer {out.texts[i][:60]!r})" for i in bad[:5]]
+        lines = [f"sample {ids[i]}: {errors[i]} (answer {texts[i][:60]!r})" for i in bad[:5]]
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
         if self.config.on_invalid == "raise":
             raise ValueError(f"{self.info.name}: no valid score in the judge's answer for " + "; ".join(lines) + more)

@@ -18,6 +18,7 @@ from capeval_plugins.resources import loading
 from capeval_plugins.models.encoders import EncoderSpec
 from capeval_plugins.models.encoders.openai_clip import OfficialClip, converted_model_dir
 from capeval_plugins.core.messages import install_extra, warn_once
+from capeval_plugins.resources.releases import RELEASES
 
 if TYPE_CHECKING:  # the model imports transformers' model classes: only when one is loaded (``capeval list`` is fast)
     from capeval_plugins.models.encoders.polos import PolosModel
@@ -28,7 +29,7 @@ CITATION = """@inproceedings{wada2024polos,
   booktitle = {Proceedings of CVPR},
   year      = {2024}
 }"""
-RELEASE = "https://polos-polaris.s3.ap-northeast-1.amazonaws.com/reprod.zip"
+RELEASE = RELEASES["polos"].url  # reprod.zip, as the keio-smilab24/Polos README links it
 
 
 @dataclass
@@ -66,8 +67,9 @@ class Polos(PointwiseMetric):
         needs = super().requirements()
         if not self.config.model:
             needs.append(Requirement("model", self.checkpoint(), "the Polos weights",
-                                     remedy=f"download reprod.zip ({RELEASE}), unzip it and run `capeval convert "
-                                            "polos reprod/reprod.ckpt`, or pass model=FOLDER"))
+                                     remedy=f"run `capeval fetch-weights polos` (downloads reprod.zip from {RELEASE}, "
+                                            "checks and converts it), or unzip a copy and run `capeval convert polos "
+                                            "reprod/reprod.ckpt`, or pass model=FOLDER"))
         needs.append(Requirement("module", "ftfy", "polos's CLIP text cleaning (as clip.tokenize)",
                                  install_extra("pacs")))
         return needs
