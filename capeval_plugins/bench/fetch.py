@@ -176,7 +176,9 @@ def _quiet_hub() -> Iterator[None]:
     before the one error). The retries stay; what failed is said once, in the :class:`FetchError`."""
     import logging
 
-    logger = logging.getLogger("huggingface_hub")
+    from huggingface_hub.utils import logging as hub_logging  # sets its level when first imported: import it first
+
+    logger = hub_logging.get_logger()
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:

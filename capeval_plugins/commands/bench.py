@@ -98,7 +98,8 @@ def add_parser(subparsers) -> None:
                         "run) or per-row scores (averaged per image and caption); see docs/bench.md")
     p.add_argument("--human-scale", type=human_scale, default=None, metavar="LOW,HIGH",
                    help="rating benchmarks: the scale this file's human scores are on, when it is not the "
-                        "benchmark's published one (a human score outside the scale is refused, naming its row)")
+                        "benchmark's published one (a human score outside the scale is refused, naming its row; "
+                        "with a negative LOW write --human-scale=LOW,HIGH)")
     p.add_argument("--with-references", action="store_true",
                    help="also give references to metrics for which they are optional")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
