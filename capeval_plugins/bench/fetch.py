@@ -452,6 +452,8 @@ def _parquet_errors() -> Iterator[None]:
     try:
         yield
     except parquet.ParquetError as err:
+        if "needs pyarrow" in str(err):
+            raise FetchError(str(err)) from None
         raise FetchError(f"{err}; run again with --refresh to fetch it anew, or pass the benchmark's file with "
                          "--data PATH") from None
 

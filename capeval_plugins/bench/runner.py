@@ -27,6 +27,9 @@ from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import InputError
 
 
+LABEL_ROWS = 1_000_000  # the records a label file may hold: it may label every split, not only the benchmark's
+
+
 @dataclass
 class MetricRun:
     """One metric's per-row scores on a benchmark (and its per-sample extras when asked for), what producing
@@ -348,7 +351,7 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
         from capeval_plugins.bench.labels import apply_labels, read_labels
         from capeval_plugins.bench.readers import row_limit
 
-        with row_limit(bench.max_rows, bench.title):
+        with row_limit(max(bench.max_rows, LABEL_ROWS), f"a label set of {bench.title}"):  # may cover every split
             label_set = read_labels(labels)
         data, summary = apply_labels(data, label_set, bench.scale(), bench.title)
         data = replace(data, notes={**data.notes, "labels": summary})

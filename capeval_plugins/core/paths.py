@@ -20,7 +20,7 @@ def user_base(kind: str) -> Path:
     """``$XDG_CONFIG_HOME`` / ``$XDG_CACHE_HOME`` (``kind``: "config" or "cache"), else ``~/.config`` /
     ``~/.cache``; as root, root's own home's instead of a base in another user's folder."""
     base = os.path.expanduser(os.environ.get(_XDG[kind]) or os.path.join("~", f".{kind}"))
-    return Path(base) if _roots_own(base) else _root_home(kind)
+    return Path(base) if _usable_base(base) else _root_home(kind)
 
 
 def cache_dir(sub: str = "") -> Path:
@@ -28,16 +28,17 @@ def cache_dir(sub: str = "") -> Path:
     ``<user_base("cache")>/capeval_plugins/<sub>``; as root, ``$CAPEVAL_CACHE`` in another user's folder gives
     way to root's own cache, by the rule :func:`user_base` applies to ``HOME`` and ``XDG_CACHE_HOME``."""
     explicit = os.path.expanduser(os.environ.get(CACHE_ENV) or "")
-    if explicit and _roots_own(explicit):
+    if explicit and _usable_base(explicit):
         root = Path(explicit)
     else:
         root = user_base("cache") / PACKAGE_FOLDER
     return root / sub if sub else root
 
 
-def _roots_own(path: str) -> bool:
-    """Whether a folder made at ``path`` now would not lock anyone out: not root, or root in a place another
-    user does not own (the nearest existing folder on the way is root's)."""
+def _usable_base(path: str) -> bool:
+    """Whether the package may make its folders at ``path``: a user always (the file layer refuses what is not
+    theirs); root only where the nearest existing folder on the way is root's, since a folder it made in another
+    user's place would be root's and lock that user out."""
     return os.geteuid() != 0 or _nearest_owner(path) in (0, None)
 
 
