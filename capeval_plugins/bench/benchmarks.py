@@ -383,11 +383,11 @@ HUMAN_SCALES: dict[str, Scale | Mapping[str, Scale]] = {
     "vatex-eval": (1.0, 5.0),  # each annotator's rating 1-5
     **{name: (0.0, 1.0) for name in BENCHMARKS if name.startswith("longcaparena-")},  # aspect scores in [0, 1]
 }
-# Row bounds above the default 200,000 (every benchmark's published size is a quarter of its bound or less).
+# Row bounds above the default 200,000 (every benchmark's published split is a quarter of its bound or less).
 MAX_ROWS = {
     "flickr8k-cf": 500_000,  # 47,830 rated pairs (145k votes)
     "polaris": 500_000,  # 131,020 rows over its splits
-    "foil": 2_000_000,  # ~200k FOIL-COCO annotations, two rows a pair in two settings
+    "foil": 4_000_000,  # up to ~200k FOIL-COCO pairs, two rows a pair in each of two settings
     "coco-cf": 2_000_000,  # not public: unknown
     "mceval": 2_000_000,  # a generic pairwise format
     "activitynet-foil": 1_000_000,  # one row a sentence of every paragraph
