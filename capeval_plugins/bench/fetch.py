@@ -26,7 +26,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Iterator
 
 import xxhash
 
@@ -34,7 +34,7 @@ from capeval_plugins import files
 from capeval_plugins.resources import downloads
 from capeval_plugins.bench.benchmarks import LONGCAP_ARENA_ASPECTS, LONGCAP_ARENA_SPLITS
 from capeval_plugins.files import paths
-from capeval_plugins.core.messages import DataError, install_extra
+from capeval_plugins.core.messages import DataError
 
 KIND = "benchmark data"
 FORMAT = 1
@@ -165,7 +165,26 @@ def fetch(benchmark: str, *, refresh: bool = False, progress: bool = True,
                              f"unset it to fetch {source.repo} from the Hugging Face Hub, or pass the benchmark's "
                              "file with --data PATH")
         resumed = manifest if manifest is not None and not manifest.get("complete") and not refresh else None
-        return _fetch(claim, root, benchmark, source, resumed, progress, replace=manifest is not None and not resumed)
+        with _quiet_hub():
+            return _fetch(claim, root, benchmark, source, resumed, progress,
+                          replace=manifest is not None and not resumed)
+
+
+@contextlib.contextmanager
+def _quiet_hub() -> Iterator[None]:
+    """huggingface_hub's own warnings held back: a stalled download logs two lines for each of its retries (12
+    before the one error). The retries stay; what failed is said once, in the :class:`FetchError`."""
+    import logging
+
+    from huggingface_hub.utils import logging as hub_logging  # sets its level when first imported: import it first
+
+    logger = hub_logging.get_logger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------- the cache
@@ -333,16 +352,10 @@ def _materialise(claim: files.Claim, benchmark: str, layout: str, raw: list[str]
                  progress: bool) -> tuple[dict[str, str], int]:
     """The Parquet rows written as the file the benchmark's reader reads, and their images as files, into a
     staging folder moved into the cache whole. Returns the digests of what was written and the row count."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as err:
-        raise FetchError(f"fetching {benchmark} reads the Hub's Parquet files, which needs pyarrow: "
-                         f"{install_extra('parquet')}") from err
     from tqdm.auto import tqdm
 
-    tables = [pq.ParquetFile(pa.BufferReader(claim.map(name))) for name in raw]
-    bar = tqdm(total=sum(t.metadata.num_rows for t in tables), desc=f"{benchmark}: rows and images", unit="row",
+    tables = _tables(claim, benchmark, raw)
+    bar = tqdm(total=sum(t.rows for t in tables), desc=f"{benchmark}: rows and images", unit="row",
                disable=not progress, file=sys.stderr)
     contents: dict[str, str] = {}
     rows: list[dict] = []
@@ -351,10 +364,11 @@ def _materialise(claim: files.Claim, benchmark: str, layout: str, raw: list[str]
             with top.sub("images", create=True) as folder:
                 images = _Images(folder, f"{benchmark}/images", contents)
                 for name, table in zip(raw, tables):
-                    for batch in table.iter_batches(batch_size=256):
-                        for row in batch.to_pylist():
-                            rows.append(_row(row, images, f"{name} row {len(rows)}"))
-                            bar.update()
+                    with _parquet_errors():
+                        for batch in table.batches():
+                            for row in batch:
+                                rows.append(_row(row, images, f"{name} row {len(rows)}"))
+                                bar.update()
             data = json.dumps(LAYOUTS[layout](rows), ensure_ascii=False).encode()
             top.write("data.json", data)
             contents[f"{benchmark}/data.json"] = xxhash.xxh3_128_hexdigest(data)
@@ -362,6 +376,41 @@ def _materialise(claim: files.Claim, benchmark: str, layout: str, raw: list[str]
     stale = [n for n in claim.files if n.startswith(f"{benchmark}/images/") and n not in contents and n[-1] != "/"]
     claim.remove(stale)
     return contents, len(rows)
+
+
+def _tables(claim: files.Claim, benchmark: str, raw: list[str]) -> list[Any]:
+    """The downloaded Parquet files, each footer read and checked (:mod:`capeval_plugins.resources.parquet`): together
+    at most the rows the benchmark has by far, each decoding to a bounded size, before any row is decoded."""
+    from capeval_plugins.resources import parquet
+    from capeval_plugins.bench.benchmarks import get_benchmark
+
+    bench = get_benchmark(benchmark)
+    tables = []
+    for name in raw:
+        where = str(claim.path / name)
+        with _parquet_errors():
+            tables.append(parquet.ParquetTable(claim.map(name) or b"", where, max_rows=bench.max_rows,
+                                               what=bench.title))
+    total = sum(t.rows for t in tables)
+    if total > bench.max_rows:
+        raise FetchError(f"the Parquet files fetched for {benchmark} hold {total:,} rows, more than {bench.title} has "
+                         f"by far (at most {bench.max_rows:,}); refused before reading them")
+    return tables
+
+
+@contextlib.contextmanager
+def _parquet_errors() -> Iterator[None]:
+    """A Parquet file that cannot be read or would decode out of bounds, as a :class:`FetchError` (one line,
+    saying what to pass instead)."""
+    from capeval_plugins.resources import parquet
+
+    try:
+        yield
+    except parquet.ParquetError as err:
+        if "needs pyarrow" in str(err):
+            raise FetchError(str(err)) from None
+        raise FetchError(f"{err}; run again with --refresh to fetch it anew, or pass the benchmark's file with "
+                         "--data PATH") from None
 
 
 class _Images:

@@ -71,6 +71,7 @@ def locked(root: Path, kind: str, what: str, error: type[DataError] = DataError)
         if os.fstat(folder.fd).st_mode & 0o022:
             raise error(f"{root} can be written by other users; capeval keeps {what} only in a folder no one else "
                             f"can write: chmod go-w {root}, or set CAPEVAL_CACHE to another folder")
+        files.Claim(root, kind).open(create=False).folder.close()  # a foreign marker: refused before the lock is made
         fd, _ = folder.lock(LOCK)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
