@@ -53,8 +53,9 @@ $(UV_STAMP): $(UV_PIN)
 	$(UV_VENV)/bin/python -m pip install -q --no-deps -r $(UV_PIN)
 	touch $(UV_STAMP)
 
-# Exactly the pinned set (hatchling among it, for the editable build without isolation).
-$(STAMP): pyproject.toml $(LOCK) $(UV_STAMP)
+# Exactly the pinned set (hatchling among it, for the editable build without isolation). The evaluate hook is
+# installed as a copy (a top-level module read at interpreter start), so a change to it reinstalls too.
+$(STAMP): pyproject.toml $(LOCK) $(UV_STAMP) capeval_plugins/adapters/evaluate_hook.py
 	$(PYTHON) tools/pins.py check-python main
 	$(PYTHON) -m venv --clear $(VENV)
 	$(UV_INSTALL) $(BIN)/python -r $(LOCK)

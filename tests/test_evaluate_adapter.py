@@ -73,7 +73,7 @@ def test_info_carries_citation_features_and_card(tiny_clip):
 
     metric = evaluate.load("clipscore", model=tiny_clip)
     assert "hessel2021clipscore" in metric.citation
-    assert set(metric.features[0]) == {"predictions", "references", "images"}
+    assert set(metric.features[0]) == {"predictions", "references", "images", "ids"}  # ids: optional
     assert "## How to Use" in metric.inputs_description  # the metric card
     assert "How to Use" in metric.compute.__doc__
 
@@ -249,3 +249,82 @@ def test_a_skipped_sample_is_counted_in_the_output(tiny_clip, images, tmp_path):
                          predictions=[CAPTIONS[0], CAPTIONS[1], ""])
     assert out["n_skipped"] == 1 and list(out["skipped"]) == [1] and "image file not found" in out["skipped"][1]
     assert out["scores"][1] != out["scores"][1] and out["scores"][2] == out["scores"][2]  # NaN; the empty one scored
+
+
+def test_other_adapters_spellings_load_the_metric():
+    """``evaluate.load("CIDEr")`` (pycocoevalcap's method name), ``"ClipScore"``, ``"CLIPScore"`` find the metric
+    the other adapters find under those names; a spelling of a canonical evaluate module stays evaluate's."""
+    import evaluate
+
+    for spelling, name in (("CIDEr", "cider"), ("Cider", "cider"), ("ClipScore", "clipscore"),
+                           ("CLIPScore", "clipscore"), ("capeval/CIDEr", "cider"), ("capeval/METEOR", "meteor")):
+        found = hf_evaluate.importable_module(spelling)
+        assert found is not None and found.module_path.endswith("." + name), spelling
+    for spelling in ("METEOR", "BERTScore", "Meteor"):
+        assert hf_evaluate.importable_module(spelling) is None, spelling
+    preds, refs = ["a dog runs on grass", "", "a red car"], [["a dog on grass", "a brown dog"], ["a cat"],
+                                                             ["a red car parked"]]
+    out = evaluate.load("CIDEr", tokenize=False).compute(predictions=preds, references=refs)
+    direct = capeval_plugins.load("cider", tokenize=False)(None, preds, refs)
+    assert out["scores"] == pytest.approx(direct.scores.tolist(), abs=1e-12)
+
+
+def _processes(name: str, shards: dict[int, list[int]], predictions, references, cache_dir, with_ids: bool,
+               experiment: str) -> dict:
+    """evaluate's ``num_process`` mechanism, its processes as threads: each adds its shard, process 0 gathers
+    (evaluate synchronises them through lock files in ``cache_dir``, whatever runs them)."""
+    import threading
+
+    import evaluate
+
+    out: dict = {}
+
+    def process(rank: int) -> None:
+        module = evaluate.load(name, tokenize=False, num_process=len(shards), process_id=rank, cache_dir=str(cache_dir),
+                               experiment_id=experiment)
+        idx = shards[rank]
+        module.add_batch(predictions=[predictions[k] for k in idx], references=[references[k] for k in idx],
+                         **({"ids": idx} if with_ids else {}))
+        out[rank] = module.compute()
+
+    threads = [threading.Thread(target=process, args=(rank,)) for rank in sorted(shards, reverse=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
+def test_num_process_rows_come_back_in_input_order_with_ids(tmp_path):
+    """Two processes holding interleaved samples (a DistributedSampler's split): given their ids, the per-sample
+    scores come back in input order, equal to one process; without ids, in process order, with a warning that
+    says so. ``add()`` one sample at a time gives the same."""
+    import evaluate
+
+    preds = ["a dog runs on grass", "a cat sleeps", "", "a red car", "two kids play in a park"]
+    refs = [["a dog on grass", "a brown dog"], ["a cat on a sofa"], ["a cat"], ["a red car parked"],
+            ["children playing", "kids in a park"]]
+    single = evaluate.load("cider", tokenize=False).compute(predictions=preds, references=refs)["scores"]
+    shards = {0: [0, 2, 4], 1: [1, 3]}
+    got = _processes("cider", shards, preds, refs, tmp_path / "with-ids", True, "ids")
+    assert got[1] is None and got[0]["scores"] == pytest.approx(single, abs=1e-12)
+    with pytest.warns(UserWarning, match="process order"):
+        bare = _processes("cider", shards, preds, refs, tmp_path / "no-ids", False, "bare")
+    assert bare[0]["scores"] == pytest.approx([single[k] for k in shards[0] + shards[1]], abs=1e-12)
+    one_by_one = evaluate.load("cider", tokenize=False)
+    for k in (3, 0, 4, 1, 2):
+        one_by_one.add(prediction=preds[k], reference=refs[k], id=k)
+    assert one_by_one.compute()["scores"] == pytest.approx(single, abs=1e-12)
+
+
+def test_the_installed_start_up_hook_is_this_trees():
+    """The wheel installs the hook as a copy (a top-level module the interpreter reads at start-up): a copy older
+    than the source would test, and run, the old hook. `make .venv/.installed` reinstalls when it changes."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("capeval_plugins_evaluate_hook")
+    assert spec is not None and spec.origin, "the evaluate start-up hook is not installed"
+    source = Path(hf_evaluate.__file__).with_name("evaluate_hook.py")
+    assert Path(spec.origin).read_bytes() == source.read_bytes(), (
+        f"{spec.origin} is not this tree's {source}: reinstall the package (make .venv/.installed)")
