@@ -202,35 +202,35 @@ class CapevalScorer:
         ids = list(gts.keys())
         if set(ids) != set(res.keys()):
             raise ValueError("gts and res must have the same image ids")
-        gts, res = self._as_written(gts, "gts"), self._as_written(res, "res")
+        (gts, gts_written), (res, res_written) = self._as_written(gts, "gts"), self._as_written(res, "res")
         candidates = []
         for image_id in ids:
             hyp = res[image_id]
             if not isinstance(hyp, (list, tuple)) or len(hyp) != 1:
                 raise ValueError(f"res[{image_id!r}] must be a list holding exactly one caption")
             candidates.append(hyp[0])
-        self._refuse_tokens(gts, res)
+        if not (gts_written and res_written):
+            self._refuse_tokens(gts, res)
         info = self.metric.info
         references = [list(gts[i]) for i in ids] if info.references != "never" else None
         images = [self.resolver(i) for i in ids] if self.resolver is not None and info.images != "never" else None
         return ids, candidates, references, images
 
-    def _as_written(self, captions: Mapping[Any, Any], which: str) -> Mapping[Any, list[str]]:
-        """The captions as written where they were handed over: as COCO holds them (``{id: [{"caption": ...}]}``,
-        what ``PTBTokenizer().tokenize`` takes) or remembered by capeval's :class:`PTBTokenizer`."""
+    def _as_written(self, captions: Mapping[Any, Any], which: str) -> tuple[Mapping[Any, list[str]], bool]:
+        """``(captions, known to be as written)``: as written where they were handed over so, as COCO holds them
+        (``{id: [{"caption": ...}]}``, what ``PTBTokenizer().tokenize`` takes) or remembered by capeval's
+        :class:`PTBTokenizer`; plain ``{id: [caption, ...]}`` as they are."""
         written = annotation_captions(captions)
         if written is not None:
-            return written
-        if not isinstance(captions, TokenizedCaptions):
-            return captions
-        if not self.wants_raw_text:
-            return captions
+            return written, True
+        if not isinstance(captions, TokenizedCaptions) or not self.wants_raw_text:
+            return captions, False
         written = captions.as_written()
         if written is None:
             raise ValueError(f"{self.method()} scores captions as written, but {which} holds PTB tokens changed after "
-                             f"tokenisation: pass {self.method()} the captions before PTBTokenizer().tokenize (a dict "
-                             "{id: [caption, ...]})")
-        return written
+                             f"tokenisation: pass {self.method()} the captions before PTBTokenizer().tokenize, as COCO "
+                             "holds them ({id: [{'caption': ...}]})")
+        return written, True
 
     def _refuse_tokens(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]) -> None:
         """A metric that reads captions as written (CLIPScore, the LVLM judges, BERTScore) would silently score
@@ -241,8 +241,8 @@ class CapevalScorer:
         if texts and all(looks_ptb_tokenized(c) for c in texts):
             raise ValueError(
                 f"{self.method()} scores captions as written, but every caption of gts and res looks PTB-tokenised "
-                "(lower-case, punctuation dropped): pass it the captions before tokenising (the same {id: "
-                "[{'caption': ...}]} dicts PTBTokenizer takes, or {id: [caption, ...]}), or tokenise with "
+                "(lower-case, punctuation dropped): pass it the captions before tokenising, as COCO holds them (the "
+                "{id: [{'caption': ...}]} dicts PTBTokenizer takes), or tokenise with "
                 "capeval_plugins.pycocoevalcap.PTBTokenizer; if these are the captions as written, build the scorer "
                 "with assume_written=True")
 
