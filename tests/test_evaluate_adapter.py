@@ -269,36 +269,46 @@ def test_other_adapters_spellings_load_the_metric():
     assert out["scores"] == pytest.approx(direct.scores.tolist(), abs=1e-12)
 
 
-def _processes(name: str, shards: dict[int, list[int]], predictions, references, cache_dir, with_ids: bool,
-               experiment: str) -> dict:
-    """evaluate's ``num_process`` mechanism, its processes as threads: each adds its shard, process 0 gathers
-    (evaluate synchronises them through lock files in ``cache_dir``, whatever runs them)."""
-    import threading
+def _process(rank: int, world: int, name: str, idx: list[int], predictions, references, cache_dir: str,
+             with_ids: bool, experiment: str, out: str) -> None:
+    import warnings
 
     import evaluate
 
-    out: dict = {}
-
-    def process(rank: int) -> None:
-        module = evaluate.load(name, tokenize=False, num_process=len(shards), process_id=rank, cache_dir=str(cache_dir),
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = evaluate.load(name, tokenize=False, num_process=world, process_id=rank, cache_dir=cache_dir,
                                experiment_id=experiment)
-        idx = shards[rank]
         module.add_batch(predictions=[predictions[k] for k in idx], references=[references[k] for k in idx],
                          **({"ids": idx} if with_ids else {}))
-        out[rank] = module.compute()
+        result = module.compute()
+    with open(f"{out}/rank{rank}.json", "w") as handle:
+        json.dump({"result": result, "warnings": [str(w.message) for w in caught]}, handle)
 
-    threads = [threading.Thread(target=process, args=(rank,)) for rank in sorted(shards, reverse=True)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return out
+
+def _processes(name: str, shards: dict[int, list[int]], predictions, references, cache_dir, with_ids: bool,
+               experiment: str) -> dict:
+    """evaluate's ``num_process`` mechanism, one forked process per rank: each adds its shard, process 0 gathers
+    (evaluate synchronises them through lock files in ``cache_dir``, held per process)."""
+    import multiprocessing
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_process, args=(rank, len(shards), name, shards[rank], predictions, references,
+                                                    str(cache_dir), with_ids, experiment, str(cache_dir)))
+             for rank in sorted(shards)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=600)
+    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+    return {rank: json.loads((cache_dir / f"rank{rank}.json").read_text()) for rank in shards}
 
 
 def test_num_process_rows_come_back_in_input_order_with_ids(tmp_path):
-    """Two processes holding interleaved samples (a DistributedSampler's split): given their ids, the per-sample
-    scores come back in input order, equal to one process; without ids, in process order, with a warning that
-    says so. ``add()`` one sample at a time gives the same."""
+    """Two processes (forked) holding interleaved samples (a DistributedSampler's split): given their ids, the
+    per-sample scores come back in input order, equal to one process; without ids, in process order, with a
+    warning that says so. ``add()`` one sample at a time gives the same."""
     import evaluate
 
     preds = ["a dog runs on grass", "a cat sleeps", "", "a red car", "two kids play in a park"]
@@ -307,10 +317,11 @@ def test_num_process_rows_come_back_in_input_order_with_ids(tmp_path):
     single = evaluate.load("cider", tokenize=False).compute(predictions=preds, references=refs)["scores"]
     shards = {0: [0, 2, 4], 1: [1, 3]}
     got = _processes("cider", shards, preds, refs, tmp_path / "with-ids", True, "ids")
-    assert got[1] is None and got[0]["scores"] == pytest.approx(single, abs=1e-12)
-    with pytest.warns(UserWarning, match="process order"):
-        bare = _processes("cider", shards, preds, refs, tmp_path / "no-ids", False, "bare")
-    assert bare[0]["scores"] == pytest.approx([single[k] for k in shards[0] + shards[1]], abs=1e-12)
+    assert got[1]["result"] is None and got[0]["result"]["scores"] == pytest.approx(single, abs=1e-12)
+    assert not any("process order" in w for w in got[0]["warnings"])
+    bare = _processes("cider", shards, preds, refs, tmp_path / "no-ids", False, "bare")
+    assert any("process order" in w for w in bare[0]["warnings"])
+    assert bare[0]["result"]["scores"] == pytest.approx([single[k] for k in shards[0] + shards[1]], abs=1e-12)
     one_by_one = evaluate.load("cider", tokenize=False)
     for k in (3, 0, 4, 1, 2):
         one_by_one.add(prediction=preds[k], reference=refs[k], id=k)
