@@ -270,7 +270,7 @@ def test_other_adapters_spellings_load_the_metric():
 
 
 def _process(rank: int, world: int, name: str, idx: list[int], predictions, references, cache_dir: str,
-             with_ids: bool, experiment: str, out: str, main_ready) -> None:
+             with_ids: bool, experiment: str, out: str, main_ready, others_ready) -> None:
     import warnings
 
     import evaluate
@@ -279,12 +279,17 @@ def _process(rank: int, world: int, name: str, idx: list[int], predictions, refe
         warnings.simplefilter("always")
         module = evaluate.load(name, tokenize=False, num_process=world, process_id=rank, cache_dir=cache_dir,
                                experiment_id=experiment)
-        if rank:  # evaluate 0.4.0 fails a process that writes before process 0 holds its lock (it does not wait)
+        # evaluate checks, without waiting, that process 0 holds its file when another writes, and that every
+        # process holds its file when process 0 computes: the ranks start in that order
+        if rank:
             main_ready.wait(timeout=300)
         module.add_batch(predictions=[predictions[k] for k in idx], references=[references[k] for k in idx],
                          **({"ids": idx} if with_ids else {}))
-        if not rank:
+        if rank:
+            others_ready.set()
+        else:
             main_ready.set()
+            others_ready.wait(timeout=300)
         result = module.compute()
     with open(f"{out}/rank{rank}.json", "w") as handle:
         json.dump({"result": result, "warnings": [str(w.message) for w in caught]}, handle)
@@ -298,9 +303,10 @@ def _processes(name: str, shards: dict[int, list[int]], predictions, references,
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("fork")
-    main_ready = context.Event()
+    main_ready, others_ready = context.Event(), context.Event()  # two ranks: one event for the others is enough
     procs = [context.Process(target=_process, args=(rank, len(shards), name, shards[rank], predictions, references,
-                                                    str(cache_dir), with_ids, experiment, str(cache_dir), main_ready))
+                                                    str(cache_dir), with_ids, experiment, str(cache_dir), main_ready,
+                                                    others_ready))
              for rank in sorted(shards)]
     for proc in procs:
         proc.start()
