@@ -183,6 +183,25 @@ def test_a_tensor_the_caller_initialises_on_purpose_may_be_absent(clip_copy):
     assert model.text_projection.weight.shape == (16, 32)
 
 
+def test_tied_weights_and_buffers_that_are_not_saved_load_whole(tmp_path):
+    """The check's other side: a language model whose output head is its embedding table (saved once) and
+    whose rotary frequencies are a buffer that is not saved loads, and scores as transformers loads it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
+    assert "lm_head.weight" not in load_file(str(tmp_path / "tied" / "model.safetensors"))
+    model = loading.load_model(AutoModelForCausalLM, str(tmp_path / "tied"), device="cpu", share=False)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "tied").eval()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+    rewrite(tmp_path / "tied", without("model.embed_tokens.weight"))  # the one copy gone: both are missing
+    with pytest.raises(ModelLoadError, match="embed_tokens"):
+        loading.load_model(AutoModelForCausalLM, str(tmp_path / "tied"), device="cpu", share=False)
+
+
 def test_rigel_heads_and_msd_projectors_are_checked_whole(tmp_path):
     from capeval_plugins.training.model import HEAD_FILE, RigelSettings, load_head, save_checkpoint
     from capeval_plugins.training.msd_aligner.model import PROJECTOR_FILE, _tensors

@@ -46,9 +46,10 @@ class ModelLoadError(OSError):
 
 
 def first_line(err: BaseException) -> str:
-    """The first line of an error's message, with its type unless it is an OSError (whose text says enough)."""
+    """The first line of an error's message (with the next one when it only announces them: torch's "Error(s)
+    in loading state_dict for X:"), with its type unless it is an OSError (whose text says enough)."""
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-    text = lines[0][:400] if lines else ""
+    text = " ".join(lines[:2] if lines and lines[0].endswith(":") else lines[:1])[:400]
     if isinstance(err, OSError) and text:
         return text
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
@@ -109,11 +110,11 @@ class Weights:
 
     def deepest(self) -> int:
         """The largest integer in any tensor name's dotted parts (layers.11 -> 11), -1 when none has one."""
-        return max((int(part) for name in self.shapes for part in name.split(".") if part.isdigit() and len(part) < 9),
+        return max((int(part) for name in self.shapes for part in name.split(".") if part.isascii() and part.isdigit() and len(part) < 9),
                    default=-1)
 
 
-def read_weights(folder: str | os.PathLike, read_json: Any = None, name: str = WEIGHTS_FILE) -> Weights | None:
+def read_weights(folder: str | os.PathLike, name: str = WEIGHTS_FILE) -> Weights | None:
     """The tensors of a model folder's weights, read from the safetensors headers alone: ``name`` (transformers'
     ``model.safetensors``, which it loads first; diffusers' :data:`DIFFUSERS_FILE`), else the shards its
     ``.index.json`` names. None when the folder has neither (the loader then says what it found). Raises
@@ -127,7 +128,7 @@ def read_weights(folder: str | os.PathLike, read_json: Any = None, name: str = W
     if os.path.isfile(single):
         files = [name]
     elif os.path.isfile(index):
-        files = _shards(index, read_json or _read_json)
+        files = _shards(index)
     else:
         return None
     shapes: dict[str, tuple[int, ...]] = {}
@@ -152,9 +153,9 @@ def _read_json(path: str) -> Any:
         return jsonio.loads(f.read())
 
 
-def _shards(index: str, read_json: Any) -> list[str]:
+def _shards(index: str) -> list[str]:
     try:
-        weight_map = read_json(index).get("weight_map")
+        weight_map = _read_json(index).get("weight_map")
     except (ValueError, AttributeError) as err:
         raise ModelLoadError(f"{index} is not a weights index ({first_line(err)})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -213,10 +214,13 @@ def config_problem(config: Mapping[str, Any], weights: Weights) -> str | None:
 
 def empty_model(loader: Any, source: str, hub: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Any:
     """The model ``loader.from_pretrained(source, **kwargs)`` would build, built on the ``meta`` device from its
-    configuration alone (nothing allocated, no weights read)."""
+    configuration alone (nothing allocated, no weights read); None for a loader that is neither a transformers
+    model class nor an auto class (a plugin's own: checked after loading only)."""
     from transformers import AutoConfig, PreTrainedModel
 
     concrete = isinstance(loader, type) and issubclass(loader, PreTrainedModel)
+    if not concrete and not callable(getattr(loader, "from_config", None)):
+        return None
     config_loader = getattr(loader, "config_class", None) if concrete else None
     config, model_kwargs = (config_loader or AutoConfig).from_pretrained(source, return_unused_kwargs=True,
                                                                          **hub, **kwargs)
@@ -437,8 +441,9 @@ def check_before_build(loader: Any, source: str, folder: str, hub: Mapping[str, 
     config, weights = check_config(source, folder)
     if weights is None:
         return WEIGHTS_FILE  # no safetensors weights: the loader's own error says so
-    problem = declared_problem(empty_model(loader, source, hub, kwargs), weights, allow_missing,
-                               quantized="quantization_config" in config)
+    empty = empty_model(loader, source, hub, kwargs)
+    problem = empty is not None and declared_problem(empty, weights, allow_missing,
+                                                     quantized="quantization_config" in config)
     if problem:
         raise ModelLoadError(f"cannot load model {source!r}: {problem}")
     return weights.label
