@@ -23,9 +23,8 @@ import torch
 
 from capeval_plugins.core import wholeness
 from capeval_plugins.core.messages import MissingExtra, install_extra
-from capeval_plugins.core.wholeness import ModelLoadError, loader_boundary
-
-__all__ = ["ModelLoadError", "ModelSpec", "load_model", "load_spec", "load_processor", "load_config", "check_source"]
+# ModelLoadError is defined beside the checks that raise it; callers keep importing it from here
+from capeval_plugins.core.wholeness import ModelLoadError, loader_boundary  # noqa: F401
 
 _cache: dict[Hashable, Any] = {}
 _lock = threading.RLock()
