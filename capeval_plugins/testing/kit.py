@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins import registry, runner
-from capeval_plugins.contract import (INDEX, Metric, MetricInfo, MetricResult, PackedTexts, StateSpec, full_spec,
+from capeval_plugins.contract import (Metric, MetricInfo, MetricResult, PackedTexts, StateSpec, full_spec,
                                       merge_states)
 
 Factory = Callable[..., Metric]
