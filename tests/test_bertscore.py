@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import json
 import random
-import warnings
 
 import pytest
 import torch

@@ -16,10 +16,12 @@ that position. :class:`LVLMJudge` does the model work once for all of them:
   positions are recomputed, so the numbers equal those of a one-prompt forward pass up to float rounding,
   whatever the batch size, padding or composition.
 * **Greedy decoding from raw logits**: the next token is the argmax of the model's logits (no generation
-  config, no logits processors, no sampling); the label log-probabilities are a float32 log-softmax over
-  the model's full output vocabulary (padded rows included). A sample stops as soon as its score is written
-  (:meth:`RatingScale.complete`), at an end-of-sequence token, or at the token budget; finished samples
-  leave the batch.
+  config, no logits processors, no sampling); the label log-probabilities are a log-softmax (computed in
+  float64) over the model's output vocabulary: every row of the LM head (a conversion's padded rows
+  included), or its first ``vocab_rows`` (the vocabulary the original checkpoint was trained with:
+  LLaVA-1.5's 32,000 of the 32,064 rows of ``llava-hf/llava-1.5-*-hf``), over which the next token is chosen
+  too. A sample stops as soon as its score is written (:meth:`RatingScale.complete`), at an end-of-sequence
+  token, or at the token budget; finished samples leave the batch.
 * **Per step** ``k`` of the answer: the token, the log-probabilities of the scale's label tokens, and the
   final hidden state ``h`` (the LM head's input) whose logits chose that token, so
   ``softmax(V h)`` over the label rows ``V`` (:meth:`LVLMJudge.lm_head_rows`) is the label distribution at
@@ -138,6 +140,22 @@ class LVLMJudge(PrefixDecoder):
     def video_mode(self, visual_input: VisualInput) -> str:
         """``"video"`` or ``"frames"``: how this judge feeds a video under ``visual_input``."""
         return self.template.video_mode(visual_input)
+
+    @property
+    def is_llava15(self) -> bool:
+        """Whether this is a LLaVA-1.5 checkpoint in the transformers layout (``llava``: one CLIP tile projected
+        into a Llama text model, e.g. ``llava-hf/llava-1.5-13b-hf``): the family LLaVA's own ``llava_v1``
+        conversation and ``tokenizer_image_token`` serve in FLEUR's official script."""
+        config = self.model.config
+        text = getattr(config, "text_config", None)
+        return getattr(config, "model_type", None) == "llava" and getattr(text, "model_type", None) == "llama"
+
+    @property
+    def base_vocab_size(self) -> int:
+        """The tokenizer's base vocabulary (without tokens added to it): for a transformers conversion of LLaVA,
+        the rows the original checkpoint's LM head had (32,000 for LLaVA-1.5), before the conversion added
+        ``<image>``, ``<pad>`` and padding rows (to 32,064)."""
+        return min(int(self.tokenizer.vocab_size), self.vocab_size)
 
     def _adds_special(self, chat: str) -> bool:
         return self.template.adds_special(chat)

@@ -32,10 +32,12 @@ class JudgeOutput:
     """Per sample (rows in input order) and per answer step ``k`` (columns; ``n_steps`` of them).
 
     - ``texts``: the answers (special tokens dropped); ``tokens`` (B, S) their ids, ``-1`` after the end.
-    - ``label_logprobs`` (B, S, K) float32: log-softmax over the full output vocabulary of the logits that
-      chose token ``k``, at the scale's K label tokens (NaN after the end). Where a tokenizer has a bare and
-      a space-prefixed form of the labels ("A" / " A"), the form of the token written at that step is used
-      (``label_variant`` (B, S) indexes the rows of ``label_table`` (variants, K)).
+    - ``label_logprobs`` (B, S, K) float32: log-softmax over the output vocabulary (every row of the LM head, or
+      the first ``vocab_rows``) of the logits that chose token ``k``, at the scale's K label tokens (NaN after
+      the end). It is computed in float64: in float32, the log-sum-exp of 32,000 logits is off by about 1e-6,
+      the size of differences the metrics' tests resolve; the labels' values keep float32's 6e-8. Where a
+      tokenizer has a bare and a space-prefixed form of the labels ("A" / " A"), the form of the token written
+      at that step is used (``label_variant`` (B, S) indexes the rows of ``label_table`` (variants, K)).
     - ``hidden`` (B, S, d) float32: the final hidden state (LM-head input) that produced those logits, or
       None when not kept.
     - ``raw`` (B,) float64: the parsed score (NaN where there is none, ``errors`` says why);
@@ -233,7 +235,7 @@ class Answers:
         """The active rows' current step: the token written, the label log-probabilities at its form and that
         form, and the final hidden state (None: not kept)."""
         active, step = self.active, self.step
-        self.label_logprobs[active, step] = label_logprobs
+        self.label_logprobs[active, step] = label_logprobs.to(self.label_logprobs.dtype)
         self.variants[active, step] = variant
         self.tokens[active, step] = chosen
         if hidden is not None:
@@ -336,7 +338,7 @@ class PrefixDecoder:
 
     def _end_chunk(self, run: JudgeRun, rows: list[int], table: Tensor) -> PromptEnd:
         logits, h = self._forward_step(self._prefill(run, rows), run.vocab_rows)
-        return PromptEnd(h, torch.log_softmax(logits, dim=-1)[:, table[0].to(self.device)])
+        return PromptEnd(h, torch.log_softmax(logits.double(), dim=-1)[:, table[0].to(self.device)].float())
 
     def _prefill(self, run: JudgeRun, rows: list[int]) -> StepInput:
         """The chunk's shared prefixes through the model, their caches copied to each sample: the input of the
@@ -394,15 +396,16 @@ class PrefixDecoder:
             handle.remove()
 
     def _forward_step(self, step: StepInput, vocab_rows: int | None = None) -> tuple[Tensor, Tensor]:
-        """(logits, final hidden state) at the last position, float32, gathered on :attr:`device` (a dispatched
-        model computes its last layers and head elsewhere); the logits of the first ``vocab_rows`` rows only,
-        when given."""
+        """(logits, final hidden state) at the last position, gathered on :attr:`device` (a dispatched model
+        computes its last layers and head elsewhere); the logits of the first ``vocab_rows`` rows only, when
+        given. The hidden state is float32, the logits float32 or the model's wider dtype (float64)."""
         dev = self.device
         with self._capture_hidden() as seen:
             out = self.model(input_ids=step.ids.to(dev), attention_mask=step.mask.to(dev),
                              position_ids=self._step_positions(step.positions).to(dev), use_cache=True,
                              logits_to_keep=1, **{self.cache_arg: step.cache})
-        return out.logits[:, -1, :vocab_rows].float().to(dev), seen[-1].float().to(dev)
+        logits = out.logits[:, -1, :vocab_rows]
+        return logits.to(dev, torch.promote_types(logits.dtype, torch.float32)), seen[-1].float().to(dev)
 
     def _decode(self, run: JudgeRun, rows: list[int], table: Tensor, step: StepInput) -> JudgeOutput:
         """Greedy answers from raw logits, one step per token, finished samples leaving the batch."""
@@ -412,7 +415,7 @@ class PrefixDecoder:
         while True:
             teacher = answers.forced_ids[answers.active, answers.step]
             chosen = torch.where(teacher >= 0, teacher, logits.argmax(-1).cpu())
-            forms = torch.log_softmax(logits, dim=-1)[:, table_dev]  # (A, variants, K)
+            forms = torch.log_softmax(logits.double(), dim=-1)[:, table_dev]  # (A, variants, K)
             form = (chosen.to(self.device)[:, None, None] == table_dev).any(-1).float().argmax(-1)
             picked = forms[torch.arange(len(answers.active), device=self.device), form]
             answers.record(chosen, picked.cpu(), form.cpu(), h.cpu() if run.keep_hidden else None)
