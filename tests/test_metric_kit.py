@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import PYTHON, ROOT, declared_recipe, run, third_party_metrics
+from test_lvlm import scripted_llava
+from test_resume_every_metric import EXPERT_JUDGE
 
 import capeval_plugins
 from capeval_plugins import registry
@@ -25,7 +27,7 @@ from capeval_plugins.contract import Batch, MetricConfig, MetricInfo, PointwiseM
 from capeval_plugins.testing import kit, tiny_checkpoint
 
 # ---------------------------------------------------------------------------------------------------------
-# The kit on the package's own metrics (text metrics without Java, CLIPScore on the tiny CLIP)
+# The kit on the package's own metrics (text metrics without Java, and models of every kind on tiny checkpoints)
 
 
 class TestKitOnBleu4(kit.MetricTests):
@@ -38,6 +40,21 @@ class TestKitOnCider(kit.MetricTests):
 
 class TestKitOnClipscore(kit.MetricTests):
     factory = staticmethod(lambda **o: capeval_plugins.load("clipscore", model=str(tiny_checkpoint("clip")), **o))
+
+
+# BERTScore (RoBERTa's leading space), VELA's regressor and EXPERT's generating judge: a text-encoder metric whose
+# evaluate name is only "capeval/bertscore", a learned head, and an LVLM that writes its answer.
+class TestKitOnBertscore(kit.MetricTests):
+    factory = staticmethod(lambda **o: capeval_plugins.load("bertscore", model=str(tiny_checkpoint("roberta")), **o))
+
+
+class TestKitOnVela(kit.MetricTests):
+    factory = staticmethod(lambda **o: capeval_plugins.load("vela", model=str(tiny_checkpoint("vela")), **o))
+
+
+class TestKitOnExpert(kit.MetricTests):
+    factory = staticmethod(lambda **o: capeval_plugins.load("expert", model=scripted_llava(EXPERT_JUDGE),
+                                                            max_new_tokens=8, **o))
 
 
 # The suite checks the cards of the package's own metrics (tests/test_docs.py), not a plugin's.
