@@ -45,7 +45,8 @@ tm.update(captions=["a b c", "d e"])
 report["torchmetrics"] = float(tm.compute())
 
 from capeval_plugins.pycocoevalcap import CaptionLength as Scorer
-report["pycocoevalcap"] = list(Scorer().compute_score({1: ["r"], 2: ["r"]}, {1: ["a b c"], 2: ["d e"]})[1])
+as_written = lambda *texts: {i + 1: [{"caption": t}] for i, t in enumerate(texts)}  # COCO's form, before PTB
+report["pycocoevalcap"] = list(Scorer().compute_score(as_written("r", "r"), as_written("a b c", "d e"))[1])
 
 from capeval_plugins.adapters import lm_eval as adapter
 import lm_eval.api.registry as reg
