@@ -214,9 +214,14 @@ class Session:
             for plan in plans:
                 _prepare_corpus(self.metrics[plan.name], plan)
             # PREFETCH HOOK (capeval_plugins/prefetch.py): the next batch's images decoded and preprocessed
-            # while this one is scored
-            ahead = prefetch.Prefetcher(lambda event: self.prefetch(event[0], by_name[event[0]].parts[event[1]]))
-            for n, ((name, k), ready) in enumerate(ahead.iterate(events), 1):
+            # while this one is scored (but those this one decodes: another metric's batch of the same images)
+            def ahead_of(n: int) -> prefetch.Prefetched | None:
+                (name, k), before = events[n], events[n - 1] if n else None
+                busy = by_name[before[0]].parts[before[1]] if before is not None else None
+                return self.prefetch(name, by_name[name].parts[k], busy)
+
+            for n, (event, ready) in enumerate(prefetch.Prefetcher(ahead_of).iterate(range(len(events))), 1):
+                name, k = events[event]
                 _score_batch(self, by_name[name], k, ready, on_batch)
                 outcome.scored += 1
                 bar.update(plans)
@@ -230,15 +235,16 @@ class Session:
             self.release()
         return outcome
 
-    def prefetch(self, name: str, part: Samples) -> prefetch.Prefetched | None:
+    def prefetch(self, name: str, part: Samples, busy: Samples | None = None) -> prefetch.Prefetched | None:
         """What the prefetch thread prepares for a batch of ``name`` (see :mod:`capeval_plugins.prefetch`): its
-        images decoded (those the cache does not hold), and the metric's own ``preprocess_images`` on them where
-        it has one."""
+        images decoded (those the cache holds, or the batch being scored meanwhile (``busy``) is decoding into it,
+        are left to the cache), and the metric's own ``preprocess_images`` on them where it has one."""
         metric = self.metrics[name]
         if part.images is None or metric.image_reader() is not None:
             return None
         hooks = [metric.preprocess_images] if hasattr(metric, "preprocess_images") else []
-        return prefetch.prepare(part.images, hooks, known=lambda key: key in self.cache.items)
+        decoding = {s.key for s in busy.images} if busy is not None and busy.images is not None else set()
+        return prefetch.prepare(part.images, hooks, known=lambda key: key in self.cache.items or key in decoding)
 
     def feed(self, name: str, part: Samples, ready: prefetch.Prefetched | None = None,
              ) -> tuple[dict[str, Tensor] | None, dict[int, str]]:
@@ -250,7 +256,7 @@ class Session:
         if name not in self._order_checked and len(part) > 1:
             self._order_checked.add(name)
             if not type(self.metrics[name]).__module__.startswith(mapping.OWN_METRICS):  # ours: checked by the suite
-                mapping.check_row_order(self.metrics[name], part, self.cache)
+                mapping.check_row_order(self.metrics[name], part, cache)
         outs, skipped = mapping.map_part(self.metrics[name], part, cache, self.policy(name), self.describe)
         if len(outs) > 1:  # mapped in pieces (images too large together, or a failure bisected)
             return merge_states(self.spec(name), outs), skipped
