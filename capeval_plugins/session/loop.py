@@ -294,8 +294,8 @@ def _prepare_corpus(metric: Metric, plan: Plan) -> None:
     """The metric's whole-pass hook, with the text of every sample of the plan, the batches already done
     included (what it prepares, e.g. BERTScore's texts embedded in chunks, longest first, must not depend on how
     far a resumed run had got, so that a resumed run ends with the same bits as an uninterrupted one). Skipped
-    when every batch is done."""
-    if plan.progress.batches < plan.n_batches:
+    when every batch is done, or when the metric has no such hook (the corpus batch is not built for nothing)."""
+    if plan.progress.batches < plan.n_batches and type(metric).prepare_corpus is not Metric.prepare_corpus:
         metric.prepare_corpus(to_batch(_without_images(plan.samples)))
 
 

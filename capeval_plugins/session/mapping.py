@@ -22,17 +22,34 @@ IMAGE_CACHE_BYTES = 256 << 20  # decoded images kept for the other metrics of a 
 BATCH_IMAGE_BYTES = 128 << 20  # decoded pixels one map call holds at most (see image_pieces)
 
 
+TEXT_BATCHES_KEPT = 16  # text-only batches kept for the other metrics of a pass (the same samples: one build)
+
+
 class ImageCache:
     """Decoded images shared by the batches and metrics of one pass, least recently used out first once they
     hold more than ``max_bytes`` (the latest image is always kept); an image that fails to decode fails once,
     for every metric. Images are kept as given, at full size: memory is bounded by the budgets, never by
-    changing pixels."""
+    changing pixels. The last text-only batches built (``texts``) are kept too: the metrics of a pass that read
+    the same samples' texts (the classic metrics) share one batch, its content digests computed once."""
 
     def __init__(self, max_bytes: int = IMAGE_CACHE_BYTES) -> None:
         self.max_bytes = max(0, int(max_bytes))
         self.items: OrderedDict[Any, Any] = OrderedDict()
         self.sizes: dict[Any, int] = {}
         self.bytes = 0
+        self.texts: OrderedDict[tuple, Batch] = OrderedDict()
+
+    def text_batch(self, part: Samples) -> Batch:
+        """The batch of ``part`` (no images), built once for every metric of the pass given the same samples."""
+        refs = None if part.references is None else tuple(tuple(r) for r in part.references)
+        key = (tuple(part.indices), tuple(part.candidates), refs,
+               None if part.group_ids is None else tuple(part.group_ids))
+        batch = self.texts.get(key)
+        if batch is None:
+            batch = self.texts[key] = to_batch(part)
+            while len(self.texts) > TEXT_BATCHES_KEPT:
+                self.texts.popitem(last=False)
+        return batch
 
     def load(self, source: ImageSource) -> Any:
         key = source.key
@@ -117,7 +134,11 @@ def build_batch(part: Samples, cache: ImageCache, on_error: str,
                 raise err
             skipped = {part.indices[p]: failed[part.images[p].key] for p in bad}
             part = part.subset([p for p in range(len(part)) if p not in set(bad)])
-    return (to_batch(part, lambda source: loaded[source.key]) if len(part) else None), skipped
+    if not len(part):
+        return None, skipped
+    if part.images is None and isinstance(cache, ImageCache):
+        return cache.text_batch(part), skipped
+    return to_batch(part, lambda source: loaded[source.key]), skipped
 
 
 # Failures that say nothing about a sample: not isolated by re-scoring smaller batches.
