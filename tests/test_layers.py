@@ -1,5 +1,6 @@
-"""Floors only look down: ``core/`` <- ``contract`` / ``inputs`` / ``files`` <- ``session`` <- ``runner`` <- adapters,
-CLI, bench. The core is numerics on tensors: it reads and writes no file (the file layer stands above it and passes
+"""Floors only look down: ``core/`` <- ``contract`` / ``inputs`` / ``files`` <- ``session`` (a package: the one batch
+loop every entry point feeds) <- ``runner`` <- adapters, CLI, bench (which plans its passes on the session and its
+checks on the runner). The core is numerics on tensors: it reads and writes no file (the file layer stands above it and passes
 it data). The contract never imports the runner (the package's own ``score`` wires ``Metric.__call__`` to it).
 Every import of the package's own modules (at module level or inside a function) is read from the source."""
 from __future__ import annotations
