@@ -12,6 +12,7 @@ progress bar. What differs between callers is only what they plan and what they 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
@@ -300,8 +301,6 @@ def _prepare_corpus(metric: Metric, plan: Plan) -> None:
 
 
 def _without_images(samples: Samples) -> Samples:
-    import dataclasses
-
     return dataclasses.replace(samples, images=None)
 
 
