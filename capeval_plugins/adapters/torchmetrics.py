@@ -1,13 +1,15 @@
 """torchmetrics adapter, generic over the contract.
 
 ``capeval_plugins.torchmetrics.<Class>`` exists for every registered metric (``CLIPScore``, ...). It scores
-through the runner's :class:`~capeval_plugins.runner.Session`, as every entry point does: the metric's paths
-and requirements are checked when it is built, each ``update()`` batch is validated (errors name the ids)
-and fed, ``compute()`` checks the corpus it accumulated (``check_corpus``: MID's fit needs more pairs than
-dimensions; the same error as ``capeval_plugins.load("mid")(...)``) and finalizes. States come from the
-contract: ``"sum"`` statistics and ``"cat"`` rows, plus the sample ids and group ids every metric carries, so
-under DDP the repeats a ``DistributedSampler`` adds are dropped and input order is restored (pass ``ids=``
-with dataset indices). Ids repeated beyond what a padding sampler adds (``world_size - 1``), or one id given
+through a :class:`~capeval_plugins.session.Session`, as every entry point does: the metric's paths and
+requirements are checked when it is built, each ``update()`` batch is validated (errors name the ids) and is
+one pass of the session's loop, ``compute()`` checks the corpus it accumulated (``check_corpus``: MID's fit
+needs more pairs than dimensions; the same error as ``capeval_plugins.load("mid")(...)``) and finalizes. States
+come from the contract: ``"sum"`` statistics and ``"cat"`` rows, plus the sample ids and group ids every metric
+carries, so under DDP the repeats a ``DistributedSampler`` adds are dropped and input order is restored (pass
+``ids=`` with dataset indices). Every merge is :func:`~capeval_plugins.contract.merge_states`: an update's
+batches, the running sums over updates, and the ranks (each state gathered per rank as it is, in rank order;
+torchmetrics' own reductions are not used: :class:`RankMerge`). Ids repeated beyond what a padding sampler adds (``world_size - 1``), or one id given
 for two different samples, are an error naming them, never silently dropped samples.
 
 ``compute()`` returns the corpus score as a scalar tensor (Lightning's ``self.log(name, metric)`` works);
@@ -121,8 +123,10 @@ class CapevalMetric(torchmetrics.Metric):
         group_ids: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         """Score one batch. ``ids`` are global sample ids (e.g. dataset indices): errors name them, repeats are
-        dropped and order restored at ``compute``. Without them, ids follow the interleaving of a non-shuffled
-        ``DistributedSampler`` (``rank + world_size * position``), and the repeats it adds are counted."""
+        dropped and order restored at ``compute``. Without them, in one process a sample's id is its position in
+        the order given (numbered afresh at ``compute``, so that states merged later, as a ``Running`` window's, do
+        not collide); under DDP ids follow the interleaving of a non-shuffled ``DistributedSampler``
+        (``rank + world_size * position``), and the repeats it adds are counted."""
         n = len(captions) if captions is not None and not isinstance(captions, str) else 0
         guessed = ids is None and _world()[1] == 1
         if ids is None:
