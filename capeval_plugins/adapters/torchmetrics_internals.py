@@ -25,7 +25,7 @@ LIBRARY = "torchmetrics"
 # The versions these internals were read and tested on (requirements/main.txt and requirements/lowest.txt pin
 # one each; tests/test_internals.py fails when a pinned version is not listed here: read the internals again).
 CHECKED_ON = ("1.4.0", "1.9.0")
-ATTRIBUTES = ("_is_synced", "_forward_cache", "_defaults", "_device")
+ATTRIBUTES = ("_is_synced", "_forward_cache", "_defaults")
 METHODS = {"_sync_dist": ("dist_sync_fn", "process_group"), "_apply": ("fn", "exclude_state"),
            "_plot": ("val", "ax")}
 
@@ -69,7 +69,7 @@ def apply_keeping(metric: torchmetrics.Metric, base_apply: Callable, fn: Callabl
     """``Metric._apply`` with the ``kept`` states left out of ``fn`` (a cast) and moved to the metric's new
     device as they are."""
     this = base_apply(fn, exclude_state=(*exclude_state, *kept))
-    device = this._device
+    device = this.device
     for name in kept:
         if name in exclude_state:
             continue
