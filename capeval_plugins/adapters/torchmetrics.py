@@ -22,8 +22,8 @@ shared between instances. Where this touches torchmetrics' internals is :mod:`.t
 """
 from __future__ import annotations
 
+import inspect
 import math
-import sys
 from typing import Any, Sequence
 
 import torch
@@ -282,7 +282,7 @@ class CapevalMetric(torchmetrics.Metric):
         >>> values = [metric(images, captions, ids=ids) for images, captions, ids in loader]  # doctest: +SKIP
         >>> fig, ax = metric.plot(values)  # doctest: +SKIP
         """
-        return self._plot(val, ax)
+        return internals.plot(self, val, ax)
 
     def __getstate__(self) -> dict[str, Any]:
         _refuse_wrapper(self, "copy")  # BootStrapper deep-copies its metric when it is built
@@ -313,7 +313,8 @@ REFUSED_WRAPPERS = {
 def _refuse_wrapper(metric: CapevalMetric, step: str, depth: int = 8) -> None:
     """One line, where a refused torchmetrics wrapper calls ``metric`` (found among the calling frames' ``self``):
     when it copies the metric (BootStrapper, as it is built) or computes it (ClasswiseWrapper)."""
-    frame = sys._getframe(2)
+    frame = inspect.currentframe()
+    frame = frame.f_back.f_back if frame is not None and frame.f_back is not None else None  # the caller's caller
     while frame is not None and depth:
         owner = frame.f_locals.get("self")
         name = type(owner).__name__
