@@ -14,6 +14,7 @@ from torch import Tensor
 
 from capeval_plugins.contract import Batch, Metric, MetricResult, PackedTexts, finalize_state, map_batch
 from capeval_plugins.inputs import ImageSource, InputError, Samples, _reason, to_batch
+from capeval_plugins.resources.wholeness import ModelLoadError
 from capeval_plugins.session.corpus import Describe
 
 
@@ -141,8 +142,10 @@ def build_batch(part: Samples, cache: ImageCache, on_error: str,
     return to_batch(part, lambda source: loaded[source.key]), skipped
 
 
-# Failures that say nothing about a sample: not isolated by re-scoring smaller batches.
-NOT_A_SAMPLE_FAULT = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))  # torch < 2.5
+# Failures that say nothing about a sample: not isolated by re-scoring smaller batches (a model that is not whole
+# fails on its first batch and stops the run, whatever --on-error says: no sample is skipped for it).
+NOT_A_SAMPLE_FAULT = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),  # torch < 2.5
+                      ModelLoadError)
 
 
 def map_part(metric: Metric, part: Samples, cache: ImageCache, on_error: str,
