@@ -194,12 +194,14 @@ class Session:
     # -- the loop --------------------------------------------------------------------------------------------
 
     def run(self, plans: Sequence[Plan], *, on_batch: BatchHook | None = None, stop: Callable[[], bool] | None = None,
-            progress: bool = False) -> Outcome:
+            progress: bool = False, prepare: bool = True) -> Outcome:
         """The pass: every plan's remaining batches, in :func:`schedule`'s order, each mapped (:meth:`feed`) and
         added to its plan's progress, then handed to ``on_batch``; ``stop`` is polled after every batch but the
         last (a :class:`StopFlag` learns that batches are being scored). Each metric's whole-pass hook
         (``prepare_corpus``) runs first, with the text of all its samples (the batches already done included:
-        what it prepares must not depend on where a resumed run had got to); ``release_corpus`` runs at the end."""
+        what it prepares must not depend on where a resumed run had got to); ``release_corpus`` runs at the end.
+        ``prepare=False`` leaves the whole-pass hook out: each batch is mapped alone, as it comes (the metric test
+        kit's streams and ranks, whose batches must give the same bits whichever others share their pass)."""
         for plan in plans:
             began = time.perf_counter()
             plan.spec = plan.spec or self.spec(plan.name)  # may load the model: only now, after the checks
@@ -212,7 +214,7 @@ class Session:
         if flag is not None:
             flag.scoring = True  # a signal now stops after the batch at work
         try:
-            for plan in plans:
+            for plan in plans if prepare else ():
                 _prepare_corpus(self.metrics[plan.name], plan)
             # PREFETCH HOOK (capeval_plugins/prefetch.py): the next batch's images decoded and preprocessed
             # while this one is scored (but those this one decodes: another metric's batch of the same images)
