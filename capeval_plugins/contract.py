@@ -5,8 +5,9 @@ A metric is written once against this contract and every ecosystem adapter is ge
 * ``map(batch)`` turns one validated :class:`Batch` into tensors: per-sample rows (``"cat"`` states) or
   partial sums (``"sum"`` states), as declared by ``states()``;
 * the reduce step merges those tensors across batches, streams and processes: :func:`merge_states`, the one
-  reduce every entry point uses (the runner's session per batch, per rank and across ranks; the torchmetrics
-  adapter over its synced ``add_state`` lists);
+  reduce every entry point uses (the session's loop per batch and running sum, the runner per rank and across
+  ranks in rank order, the torchmetrics adapter over each update and over its states gathered per rank, which
+  torchmetrics' own reductions never touch);
 * ``finalize(state)`` turns the merged state into a :class:`MetricResult`.
 
 The contract itself adds three ``"cat"`` states to every metric: the global sample index (so repeated samples

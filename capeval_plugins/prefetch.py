@@ -20,7 +20,7 @@ it. Memory is bounded: at most one batch ahead, and only when its decoded images
 from the headers); a larger batch is decoded when it is built, as without prefetching. Nothing here changes a
 pixel or a number: a sample's inputs are the same objects' values whether or not they were prefetched.
 
-The runner's hook is one loop (``runner._run_tasks``): ``for item, loader in prefetcher.iterate(events)``.
+The session's hook is its one loop (``Session.run``, capeval_plugins/session/loop.py): ``for item, loader in prefetcher.iterate(events)``.
 """
 from __future__ import annotations
 

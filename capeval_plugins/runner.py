@@ -1,18 +1,16 @@
-"""The corpus loop around a :class:`~capeval_plugins.session.Session` (the checks, feeding, merging and
-finalizing every entry point shares: :mod:`capeval_plugins.session`): :func:`run` scores a whole corpus
-(``capeval score``, ``capeval bench``, the evaluate, pycocoevalcap, lm-eval and lmms-eval adapters, and
-``Metric.__call__`` through :func:`score`).
+"""A whole corpus through one :class:`~capeval_plugins.session.Session` pass: :func:`run` (``capeval score``, the
+evaluate, pycocoevalcap, lm-eval and lmms-eval adapters, and ``Metric.__call__`` through :func:`score`).
 
-It **shards** the samples over torch.distributed ranks (contiguous slices of the image-grouped order, cut at
-image boundaries), **batches** them (each metric at its own batch size, a batch ending at an image boundary
-wherever the next image does not fit; the order of the batches of all metrics is :func:`schedule`), and
-**checkpoints** after every batch into a run folder, so that the same call resumes where an interrupted one
-stopped and ends with the same result, bit for bit, as an uninterrupted run (see
-:mod:`capeval_plugins.checkpoint`). :func:`stop_on_signals` turns SIGINT/SIGTERM into a stop after the current
-batch.
+The batch loop itself is the session's (:meth:`Session.run <capeval_plugins.session.Session.run>`: batches,
+their order, prefetching, mapping, skips, stop after a batch). Around it the runner **shards** the samples over
+torch.distributed ranks (contiguous slices of the image-grouped order, cut at image boundaries),
+**checkpoints** every finished batch into a run folder (the loop's batch hook), so that the same call resumes
+where an interrupted one stopped and ends with the same result, bit for bit, as an uninterrupted run (see
+:mod:`capeval_plugins.checkpoint`), and **gathers** the ranks in rank order before finalizing.
+:func:`stop_on_signals` turns SIGINT/SIGTERM into a stop after the current batch.
 
-The session's names (``Session``, ``Corpus``, ``validate``, ``ImageCache``, ``map_part``, ...) are importable
-from here too, as before the session had a module of its own.
+The session's names (``Session``, ``Corpus``, ``schedule``, ``StopFlag``, ``ImageCache``, ``map_part``, ...) are
+importable from here too, as before the session had a package of its own.
 """
 from __future__ import annotations
 
@@ -22,24 +20,23 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from capeval_plugins import prefetch
-from capeval_plugins.checkpoint import Progress, RunFolderError, RunStore, batch_digest
-from capeval_plugins.contract import Metric, MetricResult, StateSpec, merge_states
+from capeval_plugins.checkpoint import RunFolderError, RunStore, batch_digest
+from capeval_plugins.contract import Metric, MetricResult
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.files import FileError
-from capeval_plugins.inputs import InputError, Samples, image_runs, to_batch
-# the session's names, importable from the runner as before it had a module of its own
+from capeval_plugins.inputs import InputError, Samples, image_runs
+# the session's names, importable from the runner as before the session had a package of its own
 from capeval_plugins.session import (BATCH_IMAGE_BYTES, IMAGE_CACHE_BYTES, NOT_A_SAMPLE_FAULT,  # noqa: F401
-                                     OWN_METRICS, SIZE_SPEC, Corpus, Describe, ImageCache, RowOrderError, Session,
-                                     build_batch, check_paths, check_row_order, checks_corpus, corpus_size, finalize,
-                                     image_bytes, image_cache, image_pieces, map_part, policy, size_of_rows,
-                                     size_rows, validate)
+                                     OWN_METRICS, SIZE_SPEC, Corpus, Describe, Finished, ImageCache, Plan,
+                                     RowOrderError, Session, StopFlag, build_batch, check_paths, check_row_order,
+                                     checks_corpus, corpus_size, finalize, image_bytes, image_cache, image_pieces,
+                                     map_part, policy, schedule, size_of_rows, size_rows, validate)
 
 
 class Interrupted(Exception):
@@ -54,39 +51,6 @@ class RunOutcome:
     batches_resumed: int = 0
     samples: int = 0
     run_id: str | None = None  # the run in the run folder, for :func:`finish`
-
-
-@dataclass
-class _Task:
-    name: str
-    metric: Metric
-    samples: Samples  # this rank's share, in scoring order
-    parts: list[Samples]  # its batches, in order (Session.batches)
-    skipped: dict[int, str]  # left out by validation, over the whole corpus
-    progress: Progress = field(default_factory=Progress)
-    spec: dict[str, StateSpec] = field(default_factory=dict)
-
-    @property
-    def n_batches(self) -> int:
-        return len(self.parts)
-
-    def plan(self) -> list[str]:
-        """The digest of every planned batch (its samples in order), checked against each saved record."""
-        return [batch_digest(part.indices) for part in self.parts]
-
-    def fraction_done(self) -> float:
-        return 1.0 if not self.n_batches else self.progress.batches / self.n_batches
-
-def schedule(batches: Mapping[str, int], done: Mapping[str, int] | None = None) -> list[tuple[str, int]]:
-    """The order :func:`run` scores the batches of a pass in: ``(metric, batch)`` pairs, every metric's
-    batches interleaved by the fraction of its work each one completes (ties in the metrics' order), so the
-    metrics of a pass advance together. ``batches``: each metric's number of batches (on this rank);
-    ``done``: how many each has finished already (a resumed run)."""
-    done = done or {}
-    names = list(batches)
-    events = sorted(((k + 1) / batches[name], i, k) for i, name in enumerate(names)
-                    for k in range(done.get(name, 0), batches[name]))
-    return [(names[i], k) for _, i, k in events]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,13 +158,14 @@ class _RankError(RunFolderError):
         return self._cli
 
 
-def _load_progress(tasks: list[_Task], store: RunStore, size: int) -> None:
-    """Every task's saved progress, checked against the run and its batch plan; a damaged part on any rank
+def _load_progress(plans: list[Plan], store: RunStore, size: int) -> None:
+    """Every plan's saved progress, checked against the run and its batch plan; a damaged part on any rank
     stops every rank."""
     error, mine = None, None
     try:
-        for task in tasks:
-            task.progress = store.load(task.name, any(s.reduce == "sum" for s in task.spec.values()), task.plan())
+        for plan in plans:
+            has_sums = any(s.reduce == "sum" for s in plan.spec.values())
+            plan.progress = store.load(plan.name, has_sums, [batch_digest(part.indices) for part in plan.parts])
     except (RunFolderError, FileError) as err:
         error, mine = err, (str(err), getattr(err, "cli_message", str(err)))
     errors = [e for e in gather(mine, size, None) if e is not None]
@@ -233,18 +198,15 @@ def run(
     session.check_fits({name: corpus_size(samples) for name, (samples, _) in valid.items()})
     rank, size = world(shard)
     store = _open_store(run_dir, fingerprint(metrics, corpus, size, on_error), restart, rank, size) if run_dir else None
-    tasks = []
-    for name, metric in metrics.items():
-        mine = _shard(valid[name][0], rank, size)
-        tasks.append(_Task(name, metric, mine, session.batches(name, mine), valid[name][1]))
+    plans = [session.plan(name, _shard(valid[name][0], rank, size), valid[name][1]) for name in metrics]
     try:
-        return _run_tasks(session, tasks, corpus, store, run_dir, progress, rank, size, gather_to, stop)
+        return _run_plans(session, plans, corpus, store, run_dir, progress, rank, size, gather_to, stop)
     except (RunFolderError, FileError):  # a refusal changes nothing: the folder is left as it is
         raise
     except BaseException:
         # a run that started afresh and finished no batch leaves nothing to resume (one process: other ranks
         # may have saved some); a folder that held progress is never removed by a failure
-        if store is not None and size == 1 and not store.had_progress and not any(t.progress.batches for t in tasks):
+        if store is not None and size == 1 and not store.had_progress and not any(p.progress.batches for p in plans):
             store.remove()
         raise
     finally:
@@ -252,133 +214,58 @@ def run(
             store.close()
 
 
-def _run_tasks(session: Session, tasks: list[_Task], corpus: Corpus, store: RunStore | None, run_dir: Any,
+def _run_plans(session: Session, plans: list[Plan], corpus: Corpus, store: RunStore | None, run_dir: Any,
                progress: bool, rank: int, size: int, gather_to: int | None,
                stop: Callable[[], bool] | None) -> RunOutcome:
-    for task in tasks:
-        task.spec = session.spec(task.name)  # may load the model: only now, after validation
+    """The session's pass over this rank's plans, each finished batch saved in the run folder; then the ranks
+    gathered in rank order and finalized."""
+    for plan in plans:
+        plan.spec = session.spec(plan.name)  # may load the model: only now, after validation
     if store is not None:
-        _load_progress(tasks, store, size)
-    resumed = sum(t.progress.batches for t in tasks)
-    by_name = {t.name: t for t in tasks}
-    events = schedule({t.name: t.n_batches for t in tasks}, {t.name: t.progress.batches for t in tasks})
-    bar = _ProgressBar(tasks, progress and rank == 0)
-    interrupted, scored = False, 0
-    if isinstance(stop, StopFlag):
-        stop.scoring = True  # a signal now stops after the batch at work
-    try:
-        for task in tasks:
-            _prepare_corpus(task)
-        # PREFETCH HOOK (capeval_plugins/prefetch.py): the next batch's images decoded and preprocessed while
-        # this one is scored
-        ahead = prefetch.Prefetcher(lambda event: session.prefetch(event[0], by_name[event[0]].parts[event[1]]))
-        for n, ((name, k), ready) in enumerate(ahead.iterate(events), 1):
-            _score_batch(session, by_name[name], k, store, ready)
-            scored += 1
-            bar.update(tasks)
-            if stop is not None and n < len(events) and stop():
-                interrupted = True
-                break
-    finally:
-        if isinstance(stop, StopFlag):
-            stop.scoring = False
-        bar.close()
-        session.release()
-    counts = gather((interrupted, scored, resumed), size, None)  # every rank learns whether any stopped
+        _load_progress(plans, store, size)
+    resumed = sum(p.progress.batches for p in plans)
+
+    def save(plan: Plan, done: Finished) -> None:
+        store.save(plan.name, done.k, done.rows, plan.progress.sums, done.skipped, batch_digest(done.part.indices))
+
+    outcome = session.run(plans, on_batch=save if store is not None else None, stop=stop,
+                          progress=progress and rank == 0)
+    counts = gather((outcome.stopped, outcome.scored, resumed), size, None)  # every rank learns whether any stopped
     scored, resumed = sum(c[1] for c in counts), sum(c[2] for c in counts)
     if any(c[0] for c in counts):
-        done, total = sum(t.progress.batches for t in tasks), sum(t.n_batches for t in tasks)
+        done, total = sum(p.progress.batches for p in plans), sum(p.n_batches for p in plans)
         where = f", saved in {run_dir}" if run_dir else ""
         raise Interrupted(f"interrupted after {done} of {total} batches{' on this rank' if size > 1 else ''}{where}")
 
     results: dict[str, MetricResult | None] = {}
-    stage = _FinalizeBar(tasks, progress and rank == (gather_to or 0))
-    for task in tasks:
-        stage.start(task.name)
+    stage = _FinalizeBar(plans, progress and rank == (gather_to or 0))
+    for plan in plans:
+        stage.start(plan.name)
         # this rank's batches (their rows, then the running sums), then the ranks in order: one reduce
-        mine = (session.merge(task.name, [*task.progress.rows, task.progress.sums or {}]), task.progress.skipped)
-        parts = gather(mine, size, gather_to)
+        parts = gather((session.state(plan), plan.progress.skipped), size, gather_to)
         if parts is None:
-            results[task.name] = None
+            results[plan.name] = None
             continue
-        skipped = dict(task.skipped)
+        skipped = dict(plan.skipped)
         for _, part_skipped in parts:
             skipped.update(part_skipped)
-        results[task.name] = session.finalize(task.name, session.merge(task.name, [p for p, _ in parts]), skipped)
+        results[plan.name] = session.finalize(plan.name, session.merge(plan.name, [p for p, _ in parts]), skipped)
     stage.close()
     n = len(corpus.candidates) if corpus.candidates is not None else 0
     return RunOutcome(results, scored, resumed, n, store.run_id if store is not None else None)
-
-
-def _prepare_corpus(task: _Task) -> None:
-    """The metric's whole-corpus hook, with the text of every sample of the pass (this rank's share), the
-    batches already done included: what it prepares (e.g. BERTScore's texts embedded in chunks, longest first)
-    must not depend on how far a resumed run had got, so that a resumed run ends with the same bits as an
-    uninterrupted one. Skipped when every batch is done."""
-    if task.progress.batches < task.n_batches:
-        task.metric.prepare_corpus(to_batch(dataclasses.replace(task.samples, images=None)))
-
-
-def _score_batch(session: Session, task: _Task, k: int, store: RunStore | None,
-                 ready: prefetch.Prefetched | None = None) -> None:
-    """Feed batch ``k`` of a task (with its images ``ready`` when prefetched), add it to the task's progress
-    (rows kept per batch, sums running) and save it in the run folder."""
-    part = task.parts[k]
-    state, skipped = session.feed(task.name, part, ready)
-    cat = [key for key, want in task.spec.items() if want.reduce == "cat"]
-    sum_keys = [key for key, want in task.spec.items() if want.reduce == "sum"]
-    if state is None:  # every sample skipped
-        rows = {key: task.spec[key].empty() for key in cat}
-        sums = {}
-    else:
-        rows = {key: state[key].cpu() for key in cat}
-        sums = {key: state[key].cpu() for key in sum_keys}
-    if sum_keys:  # the running total: the sums so far, then this batch's (an empty first batch starts at zero)
-        task.progress.sums = merge_states({key: task.spec[key] for key in sum_keys},
-                                          [task.progress.sums or {}, sums])
-    task.progress.rows.append(rows)
-    task.progress.skipped.update(skipped)
-    task.progress.batches = k + 1
-    if store is not None:
-        store.save(task.name, k, rows, task.progress.sums, skipped, batch_digest(part.indices))
-
-
-class _ProgressBar:
-    """One progress bar for a pass over every metric: samples/s and ETA of the slowest metric."""
-
-    def __init__(self, tasks: list[_Task], enabled: bool) -> None:
-        self.total = max((len(t.samples) for t in tasks), default=0)
-        self.bar = None
-        if enabled and self.total:
-            from tqdm.auto import tqdm
-
-            desc = ", ".join(t.name for t in tasks)
-            self.bar = tqdm(total=self.total, initial=self._position(tasks), desc=desc, unit="sample",
-                            dynamic_ncols=True)
-
-    def _position(self, tasks: list[_Task]) -> int:
-        return int(min(t.fraction_done() for t in tasks) * self.total)
-
-    def update(self, tasks: list[_Task]) -> None:
-        if self.bar is not None:
-            self.bar.update(self._position(tasks) - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 class _FinalizeBar:
     """After the batches, the corpus step of every metric (a corpus metric's whole computation, e.g. CIDEr's
     idf or METEOR's Java scorer, happens here): one bar over the metrics, naming the one at work."""
 
-    def __init__(self, tasks: list[_Task], enabled: bool) -> None:
+    def __init__(self, plans: list[Plan], enabled: bool) -> None:
         self.bar = None
         self.started = False  # ours, not tqdm's postfix: a bar disabled by TQDM_DISABLE has none
-        if enabled and tasks:
+        if enabled and plans:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=len(tasks), desc="corpus scores", unit="metric", dynamic_ncols=True)
+            self.bar = tqdm(total=len(plans), desc="corpus scores", unit="metric", dynamic_ncols=True)
 
     def start(self, name: str) -> None:
         if self.bar is not None:
@@ -425,20 +312,6 @@ def finish(run_dir: str | os.PathLike, shard: bool = False, run_id: str | None =
         torch.distributed.barrier()
     if rank == 0:
         RunStore(run_dir).remove(run_id)
-
-
-class StopFlag:
-    """What :func:`stop_on_signals` yields (pass it as ``run(stop=...)``): true once a stop was asked for.
-    While the runner scores batches (``scoring``) a signal asks for a stop after the current batch; anywhere
-    else (validation, digesting inputs, loading models, the corpus step) nothing would poll it, so a signal
-    stops the process at once (KeyboardInterrupt), as does a second one."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.scoring = False
-
-    def __call__(self) -> bool:
-        return self.requested
 
 
 @contextmanager

@@ -304,11 +304,11 @@ def private_cache_folder(tmp_path_factory):
 
 @pytest.fixture
 def no_order_probe(monkeypatch):
-    """Off: the session's row-order probe (session.check_row_order maps a few samples of a metric's first batch
+    """Off: the session's row-order probe (session.mapping.check_row_order maps a few samples of a metric's first batch
     in two orders), for tests that count a metric's calls."""
-    from capeval_plugins import session
+    from capeval_plugins.session import mapping
 
-    monkeypatch.setattr(session, "check_row_order", lambda *args: None)
+    monkeypatch.setattr(mapping, "check_row_order", lambda *args: None)
 
 
 def third_party_metrics() -> list[str]:

@@ -230,7 +230,7 @@ def test_an_interrupted_run_resumes_without_recomputing(tmp_path, no_order_probe
     cands = [f"caption {k}" for k in range(700)]
     Lookup.table = {c: float(k % 17) for k, c in enumerate(cands)}
     data = Ratings(Captions(["i"] * 700, cands, None), np.arange(700, dtype=float) / 700)
-    Lookup.mapped, Lookup.fail_after = 0, 256  # chunks of 256: the second chunk is interrupted
+    Lookup.mapped, Lookup.fail_after = 0, 256  # each finished batch is cached: the run stops after 256 samples
     with pytest.raises(KeyboardInterrupt):
         run_benchmark("nebula", data, {"lookup": Lookup()}, cache=cache, bootstrap=0, progress=False)
     assert Lookup.mapped == 256
@@ -298,6 +298,52 @@ def test_image_metrics_resolve_the_folder_and_text_metrics_need_none(tiny_clip, 
     paths = [str(tmp_path / name) for name in data.captions.images]
     direct = capeval_plugins.load("clipscore", model=tiny_clip)(paths, data.captions.candidates)
     assert report.runs["clip"].scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
+
+
+class Brightness(PointwiseMetric):
+    """Mean pixel value of each sample's image (times a factor): a metric that reads pixels."""
+
+    info = info("brightness", images="always")
+    factor = 1.0
+
+    def score(self, batch):
+        means = [float(np.asarray(img, dtype=np.float64).mean()) * self.factor for img in batch.images]
+        return {"score": torch.tensor([means[i] for i in batch.image_index.tolist()], dtype=torch.float64)}
+
+
+class Darkness(Brightness):
+    info = info("darkness", images="always")
+    factor = -1.0
+
+
+@pytest.mark.parametrize("prefetch", ["0", "1"])
+def test_several_metrics_are_one_pass_each_image_decoded_once(tmp_path, monkeypatch, prefetch):
+    """``capeval bench -m a -m b`` is one pass over the images, as ``capeval score`` is: 13 images, 60 rows, two
+    metrics with different batch sizes, with and without the prefetch thread: each image is decoded once (the
+    prefetch thread leaves the images of the batch being scored to the cache; the row-order probe reads them
+    there), and each metric's scores are its scores alone."""
+    from capeval_plugins.image_sources import ImageSource
+
+    monkeypatch.setenv("CAPEVAL_PREFETCH", prefetch)
+    data = ratings_data(60)
+    for name in sorted(set(data.captions.images)):
+        random_image(len(name) + ord(name[3]), size=(40, 30)).save(tmp_path / name)
+    decoded = []
+    real = ImageSource.load
+    monkeypatch.setattr(ImageSource, "load", lambda self: decoded.append(self.key) or real(self))
+    metrics = {"bright": Brightness(batch_size=4), "dark": Darkness(batch_size=7)}
+    report = run_benchmark("nebula", data, metrics, images=tmp_path, cache=False, bootstrap=0, progress=False)
+    assert len(decoded) == len(set(decoded)) == 13, sorted(decoded)
+    paths = [str(tmp_path / name) for name in data.captions.images]
+    alone = Brightness()(paths, data.captions.candidates).scores.tolist()
+    assert report.runs["bright"].scores.tolist() == alone
+    assert report.runs["dark"].scores.tolist() == [-v for v in alone]
+    decoded.clear()  # capeval score: the same loop
+    from capeval_plugins.runner import score_many
+
+    results = score_many({"bright": Brightness(batch_size=4), "dark": Darkness(batch_size=7)}, paths,
+                         data.captions.candidates)
+    assert len(decoded) == len(set(decoded)) == 13 and results["bright"].scores.tolist() == alone
 
 
 def test_a_reference_metric_on_a_reference_free_file_is_a_clear_error():

@@ -372,10 +372,11 @@ def test_the_runner_embeds_each_distinct_text_of_the_corpus_once(tiny_deberta, m
     from capeval_plugins.adapters.torchmetrics import CapevalMetric
 
     tm = CapevalMetric(metric=metric)
-    for start in range(0, len(CANDIDATES), 2):  # no hook: each update embeds its own distinct texts
+    for start in range(0, len(CANDIDATES), 2):  # each update is a pass of the same loop: its own texts, once
         tm.update(None, CANDIDATES[start:start + 2], REFERENCES[start:start + 2])
     streamed = tm.compute_all()
-    assert calls["batch"] == 3 and len(calls["packed"]) == 1
+    assert calls["batch"] == 0 and len(calls["packed"]) == 1 + 3
+    assert set(calls["packed"][1]) == set(CANDIDATES[:2]) | {r for refs in REFERENCES[:2] for r in refs}
     close(streamed.scores, result.scores, 1e-6)
     close(streamed.extras["precision"], result.extras["precision"], 1e-6)
 

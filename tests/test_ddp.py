@@ -131,3 +131,110 @@ def test_two_processes_equal_one(tiny_clip, tmp_path):
             assert got["mid", flag]["indices"] == mid[flag].indices.tolist()
             assert got["mid", flag]["scores"] == pytest.approx(mid[flag].scores.tolist(), rel=1e-4, abs=1e-4)
             assert got["mid", flag]["score"] == pytest.approx(mid[flag].score, rel=1e-4, abs=1e-4)
+
+
+# -- one reduce: every state kind merged across ranks by contract.merge_states, bit for bit --------------------
+
+EVERY_TEXTS = [f"caption {'word ' * (i % 4)}number {i} {'x' * (3 * i % 7)}" for i in range(9)]
+EVERY_SHARDS = {"uneven": {0: [0, 2, 4, 6, 8], 1: [1, 3, 5, 7]}, "empty_rank": {0: list(range(9)), 1: []}}
+EVERY_GROUPS = [i // 3 for i in range(9)]  # groups that span ranks
+
+
+def _root(text: str) -> float:
+    return (len(text) + 0.1) ** 0.5
+
+
+def _every_state_metric():
+    """A toy metric with a state of every kind: float rows, ragged integer rows, texts, a ``"sum"`` whose bits
+    depend on the order of its additions, and groups (its scores read every member of a group)."""
+    from capeval_plugins.contract import (GROUP, INDEX, TEXT_STATE, Metric, MetricInfo, MetricResult, StateSpec,
+                                          decode_texts, encode_texts)
+
+    class EveryState(Metric):
+        info = MetricInfo(name="every_state", display_name="EveryState", description="", citation="",
+                          references="never", images="never", groups=True)
+
+        def states(self):
+            return {"root": StateSpec("cat", torch.float64), "codes": StateSpec("cat", torch.int64, (-1,)),
+                    "text": TEXT_STATE, "total": StateSpec("sum", torch.float64, (2,))}
+
+        def map(self, batch):
+            root = torch.tensor([_root(c) for c in batch.candidates], dtype=torch.float64)
+            width = max(len(c) for c in batch.candidates)
+            codes = torch.tensor([[ord(ch) for ch in c] + [0] * (width - len(c)) for c in batch.candidates])
+            total = torch.stack([(root * 1e8).sum(), (1.0 / root).sum()])
+            return {"root": root, "codes": codes, "text": encode_texts(batch.candidates), "total": total}
+
+        def finalize(self, state):
+            root, groups = state["root"], state[GROUP]
+            means = {int(g): root[groups == g].mean() for g in torch.unique(groups)}
+            texts = decode_texts(state["text"])
+            scores = torch.stack([root[i] - means[int(g)] + state["codes"][i].sum() * 1e-3 + len(texts[i])
+                                  for i, g in enumerate(groups)])
+            total = state["total"]
+            return MetricResult(self.info.name, float(total[1]), scores, state[INDEX],
+                                corpus_extras={"total0": float(total[0]), "total1": float(total[1])})
+
+    return EveryState()
+
+
+def _every_state_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from capeval_plugins.adapters.torchmetrics import CapevalMetric
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    got = {}
+    for name, shards in EVERY_SHARDS.items():
+        metric = CapevalMetric(metric=_every_state_metric())
+        reductions = {type(fn).__name__ for fn in metric._reductions.values()}
+        shard = shards[rank]
+        for start in range(0, len(shard), 2):
+            part = shard[start:start + 2]
+            metric.update(captions=[EVERY_TEXTS[i] for i in part], ids=part, group_ids=[EVERY_GROUPS[i] for i in part])
+        result = metric.compute_all()
+        got[name] = {"score": result.score.hex(), "scores": [s.hex() for s in result.scores.tolist()],
+                     "indices": result.indices.tolist(),
+                     "extras": {k: v.hex() for k, v in result.corpus_extras.items()},
+                     "reductions": sorted(reductions)}
+    torch.save(got, f"{out}/every{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _sequential(values):
+    total = 0.0
+    for value in values:
+        total += value
+    return total
+
+
+@pytest.mark.slow
+def test_every_state_kind_merges_across_ranks_by_the_one_reduce(tmp_path):
+    """DDP on 2 ranks (gloo), uneven shards and an empty rank: rows, ragged rows, texts and groups come back
+    bit-equal to one process's stream; the ``"sum"`` is each rank's running total (its updates in order) added in
+    rank order, bit for bit, as merge_states adds them (computed here with plain floats). torchmetrics' own
+    "cat"/"sum" reductions are not used: every state is gathered as it is (None) or merged by RankMerge."""
+    from capeval_plugins.adapters.torchmetrics import CapevalMetric
+
+    one = CapevalMetric(metric=_every_state_metric())
+    one.update(captions=EVERY_TEXTS, ids=list(range(9)), group_ids=EVERY_GROUPS)
+    single = one.compute_all()
+    spawn_ranks(_every_state_worker, (2, free_port(), str(tmp_path)))
+    for name, shards in EVERY_SHARDS.items():
+        expected = []
+        for k in (0, 1):  # each rank: the total of each update (one batch of two), added in update order
+            shard = shards[k]
+            updates = [shard[s:s + 2] for s in range(0, len(shard), 2)]
+            roots = [torch.tensor([_root(EVERY_TEXTS[i]) for i in u], dtype=torch.float64) for u in updates]
+            expected.append([_sequential([float((r * 1e8).sum()) for r in roots]),
+                             _sequential([float((1.0 / r).sum()) for r in roots])])
+        totals = [expected[0][j] + expected[1][j] for j in (0, 1)]
+        for rank in (0, 1):
+            got = torch.load(tmp_path / f"every{rank}.pt")[name]
+            assert got["reductions"] == ["NoneType", "RankMerge"], got["reductions"]
+            assert got["indices"] == list(range(9)), name
+            assert got["scores"] == [s.hex() for s in single.scores.tolist()], name  # rows, texts, groups
+            assert got["extras"] == {"total0": totals[0].hex(), "total1": totals[1].hex()}, name
+            assert got["score"] == totals[1].hex()

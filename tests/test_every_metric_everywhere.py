@@ -39,11 +39,13 @@ def test_evaluate_torchmetrics_pycocoevalcap_and_lm_eval_know_it(name):
 
     import capeval_plugins.torchmetrics as tm
 
-    cls = getattr(tm, identifier(info))
+    cls = getattr(tm, identifier(info))  # its own class, named after it alone (PAC-S++: PACSPlusPlus, not PACS)
     assert issubclass(cls, CapevalMetric) and cls.higher_is_better == info.higher_is_better
+    assert cls._capeval_name == name and cls.__name__ == identifier(info) and cls.__name__ in dir(tm)
 
     import capeval_plugins.pycocoevalcap as coco
 
-    assert issubclass(getattr(coco, coco_identifier(info)), CapevalScorer)
+    scorer = getattr(coco, coco_identifier(info))
+    assert issubclass(scorer, CapevalScorer) and scorer._capeval_name == name and scorer.__name__ in dir(coco)
     assert f"capeval/{name}" in lm_registry.metric_registry
     assert lm_registry.get_aggregation(f"capeval/{name}") is not None

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 import capeval_plugins
-from capeval_plugins import session
+from capeval_plugins.session import mapping as session
 from capeval_plugins.inputs import InputError, ImageSource, Samples, image_source
 
 

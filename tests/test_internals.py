@@ -134,3 +134,20 @@ def test_capeval_lm_eval_adds_its_tasks_through_the_one_patch():
     assert Manager(include_path="mine").include_path == ["mine", ROOT]
     assert Manager().include_path == [ROOT]
     assert "include_path" in TaskManager.__init__.__code__.co_varnames
+
+
+def test_torchmetrics_internals_read_no_private_attribute_that_has_a_public_spelling():
+    """A private attribute is read only where torchmetrics has no public one: ``update_count`` (public since 1.0)
+    and ``device`` replace ``_update_count`` and ``_device``. The methods the adapter overrides (``_sync_dist``,
+    ``_apply``, ``_plot``) are hooks, not readings, and their public namesakes do other things."""
+    import ast
+    import inspect
+
+    module = internals("torchmetrics")
+    import torchmetrics
+
+    read = {node.attr for node in ast.walk(ast.parse(inspect.getsource(module)))
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")}
+    read |= set(module.ATTRIBUTES)
+    public = sorted(name for name in read - set(module.METHODS) if hasattr(torchmetrics.Metric, name[1:]))
+    assert not public, f"read through their private names although torchmetrics has public ones: {public}"

@@ -1,6 +1,7 @@
 """Floors only look down. The order is declared once, in pyproject.toml's ``[tool.importlinter]`` (top floor first):
 core <- files <- resources (model loading, tensor files, region files, METEOR's index and JVMs) <- models (the
-inference models) <- contract <- inputs <- session <- runner <- metrics <- bench <- training <- adapters | commands
+inference models) <- contract <- inputs <- session (a package: the one batch loop every entry point feeds) <-
+runner <- metrics <- bench <- training <- adapters | commands
 <- the ecosystems' entry modules and the testing kit <- cli. import-linter (``lint-imports``) checks every import of
 the package's own modules, at module level or inside a function, direct or through other modules, and every
 module must sit on a floor (``exhaustive``). The one named exception: ``Metric.__call__`` scores through the

@@ -269,7 +269,7 @@ def test_a_run_that_finished_no_batch_leaves_nothing_behind(tiny_clip, files, tm
     def fails(*args, **kwargs):
         raise RuntimeError("model load failed")
 
-    monkeypatch.setattr("capeval_plugins.session.full_spec", fails)
+    monkeypatch.setattr("capeval_plugins.session.loop.full_spec", fails)
     with pytest.raises(RuntimeError):
         runner.run(metrics(tiny_clip), corpus_of(files), run_dir=run_dir)
     assert not run_dir.exists()

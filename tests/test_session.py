@@ -166,9 +166,42 @@ def test_mid_reference_fit_streams_through_the_session(tiny_clip, tmp_path):
     mid = capeval_plugins.load("mid", model=tiny_clip, batch_size=7, covariance_eps=1e-3)
     sums = mid.fit_reference(images, references, save_to=str(tmp_path / "fit.npz"))
     session = runner.Session({"mid": mid})
-    state = session.fold(runner.Corpus([f"c {i}" for i in range(n)], images, references))["mid"]
+    state = session.fold(runner.Corpus([f"c {i}" for i in range(n)], images, references))["mid"].state
     for key, name in FIT.items():
         assert torch.allclose(sums[key], state[name], rtol=1e-10, atol=1e-10), key
     assert sums["count"].item() == 2 * n
     later = capeval_plugins.load("mid", model=tiny_clip, reference_gaussian=str(tmp_path / "fit.npz"))
     assert isinstance(later(images[:2], ["a", "b"]), MetricResult)
+
+
+def test_mid_reference_fit_reports_the_samples_it_skips(tiny_clip, tmp_path):
+    """``on_error="skip"`` with 2 unreadable images of 60 (one refused by its header at validation, one whose
+    pixels fail to decode while its batch is built): the fit is the fit of the other 58 pairs, and the two are
+    said in a warning and recorded (the returned sums' ``skipped``, the saved fit's header), as the runner
+    records skipped samples in a result."""
+    from capeval_plugins.core.gaussian import sums_from_bytes
+
+    n, bad = 60, (7, 41)
+    paths, references = [], []
+    for i in range(n):
+        path = tmp_path / f"{i}.png"
+        random_image(i, size=(30 + i % 5, 28)).save(path)
+        paths.append(str(path))
+        references.append([f"{REFERENCES[i % 4][0]} {i}"])
+    (tmp_path / "7.png").write_bytes(b"\x89PNG not really")  # refused by its header
+    (tmp_path / "41.png").write_bytes((tmp_path / "40.png").read_bytes()[:300])  # header fine, pixels truncated
+    mid = capeval_plugins.load("mid", model=tiny_clip, batch_size=16)
+    with pytest.warns(UserWarning, match=r"mid: fit_reference left out 2 of 60 samples \(sample 7: .*; sample 41: "
+                                         r".*\): the Gaussian is fitted on the other 58"):
+        sums = mid.fit_reference(paths, references, save_to=str(tmp_path / "fit.npz"), on_error="skip")
+    assert sorted(sums.skipped) == list(bad)
+    assert "cannot read image" in sums.skipped[41]
+    good = [i for i in range(n) if i not in bad]
+    alone = mid.fit_reference([paths[i] for i in good], [references[i] for i in good])
+    assert alone.skipped == {}
+    for key in ("count", "sum", "outer"):
+        assert torch.allclose(sums[key], alone[key], rtol=1e-10, atol=1e-10), key
+    saved = sums_from_bytes((tmp_path / "fit.npz").read_bytes())
+    assert saved.metadata["n_skipped"] == 2
+    with pytest.raises(InputError, match="sample 7"):  # the default policy refuses, naming the sample
+        mid.fit_reference(paths, references)

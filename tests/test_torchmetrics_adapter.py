@@ -175,7 +175,7 @@ def test_per_sample_scores_of_a_lightning_validation_are_kept_after_it(tiny_clip
     what ``compute_all()`` gives in ``on_validation_epoch_end``; a new epoch's replaces it."""
     module, logged, direct = _lightning_validate(tiny_clip, tmp_path, epochs=2)
     metric = module.clip_s
-    assert metric._update_count == 0  # reset by Lightning
+    assert metric.update_count == 0  # reset by Lightning
     for result in (metric.compute_all(), metric.last_result, *module.epoch_results):
         assert result.indices.tolist() == list(range(N))
         assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-5)

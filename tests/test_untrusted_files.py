@@ -571,7 +571,7 @@ def test_a_400_digit_integer_in_a_score_file_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("value", ["-1", "inf", "nan", "0", "1e9"])
 def test_a_java_timeout_that_is_not_a_positive_finite_number_is_refused_before_any_work(capsys, monkeypatch, value):
     monkeypatch.setenv("CAPEVAL_JAVA_TIMEOUT", value)
-    monkeypatch.setattr(runner, "_run_tasks", lambda *a, **k: pytest.fail("started"))
+    monkeypatch.setattr(runner, "_run_plans", lambda *a, **k: pytest.fail("started"))
     code, _, err = cli(["score", "-m", "cider", "--captions", EXAMPLES / "captions.jsonl", "--quiet"], capsys)
     assert code == 2 and one_line(err) and "CAPEVAL_JAVA_TIMEOUT" in err, err
 
@@ -723,7 +723,7 @@ def test_a_resume_that_fails_before_scoring_keeps_the_saved_progress(tmp_path, m
     def no_model(*args, **kwargs):
         raise ModelLoadError("cannot load model 'x': not there now")
 
-    monkeypatch.setattr("capeval_plugins.session.full_spec", no_model)  # a model folder unmounted for a moment
+    monkeypatch.setattr("capeval_plugins.session.loop.full_spec", no_model)  # a model folder unmounted for a moment
     with pytest.raises(ModelLoadError):
         runner.run(bleu(), corpus, run_dir=run_dir)
     assert tree(run_dir) == before

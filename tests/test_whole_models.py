@@ -260,10 +260,10 @@ def test_a_config_whose_sizes_disagree_with_the_weights_is_refused_before_buildi
 
 
 def test_the_size_check_runs_before_any_work(clip_copy, capsys, monkeypatch):
-    from capeval_plugins import runner
+    from capeval_plugins.session import Session
 
     edit_json(clip_copy / "config.json", lambda c: c["text_config"].__setitem__("vocab_size", 20_000_000))
-    monkeypatch.setattr(runner, "_run_tasks", lambda *a, **k: pytest.fail("started scoring"))
+    monkeypatch.setattr(Session, "run", lambda *a, **k: pytest.fail("started scoring"))  # the one batch loop
     code, _, err = cli(clip_score(clip_copy), capsys)
     assert code == 2 and one_line(err) and "vocab_size = 20000000" in err, err
 

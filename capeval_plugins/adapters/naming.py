@@ -1,7 +1,10 @@
 """Per-metric classes an adapter exposes, named after ``MetricInfo.display_name``.
 
-``CLIPScore`` -> torchmetrics-style ``CLIPScore``; pycocoevalcap-style (``Bleu``, ``Cider``) ``ClipScore``.
-Either spelling, or the registry name, finds the metric.
+``CLIPScore`` -> torchmetrics-style ``CLIPScore``; pycocoevalcap-style (``Bleu``, ``Cider``) ``ClipScore``; a
+``+`` is spelled ``Plus`` (``PAC-S++`` -> ``PACSPlusPlus`` / ``PacSPlusPlus``), so that variants keep names of
+their own (a ``MetricCollection`` keys its metrics by class name). Two registered metrics never share a class
+name: where a plugin's display name spells like one registered before it, its class is named after its
+registry name instead (``my_clip`` -> ``MyClip``). Either spelling, or the registry name, finds the metric.
 """
 from __future__ import annotations
 
@@ -16,24 +19,50 @@ from capeval_plugins.contract import MetricInfo
 _WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z]{2,})|[A-Z]?[a-z]+|[A-Z]+[a-z]?|\d+")
 
 
+def _spelled(display_name: str) -> str:
+    return display_name.replace("+", "Plus")
+
+
 def identifier(info: MetricInfo) -> str:
-    """``display_name`` with non-identifier characters removed: "MSD-Score" -> "MSDScore"."""
-    name = re.sub(r"\W", "", info.display_name)
+    """``display_name`` with non-identifier characters removed, ``+`` spelled out: "MSD-Score" -> "MSDScore",
+    "PAC-S++" -> "PACSPlusPlus"."""
+    name = re.sub(r"\W", "", _spelled(info.display_name))
     return name if name.isidentifier() else "Metric" + name
 
 
 def coco_identifier(info: MetricInfo) -> str:
-    """Capitalised words, as pycocoevalcap names its scorers: "CLIPScore" -> "ClipScore"."""
-    return "".join(w.capitalize() for w in _WORDS.findall(info.display_name)) or identifier(info)
+    """Capitalised words, as pycocoevalcap names its scorers: "CLIPScore" -> "ClipScore", "PAC-S++" ->
+    "PacSPlusPlus"."""
+    return "".join(w.capitalize() for w in _WORDS.findall(_spelled(info.display_name))) or identifier(info)
+
+
+def registry_identifier(name: str) -> str:
+    """A class name from a registry name: "my_clip" -> "MyClip"."""
+    camel = "".join(part.capitalize() for part in re.split(r"[^0-9A-Za-z]+", name) if part)
+    return camel if camel.isidentifier() else "Metric" + camel
+
+
+def class_names(namer: Callable[[MetricInfo], str]) -> dict[str, str]:
+    """Registry name -> class name, for every registered metric (in registration order): ``namer``'s, or the
+    registry name's where an earlier metric has that name already."""
+    out: dict[str, str] = {}
+    for name, entry in registry.metrics().items():
+        wanted = namer(entry.info)
+        out[name] = wanted if wanted not in out.values() else registry_identifier(name)
+    return out
 
 
 def lookup(attribute: str) -> str | None:
     """Registry name of the metric a class attribute refers to (either spelling, the registry name, or any
     capitalisation of them: ``Cider``, ``CIDEr``), or None."""
     folded = attribute.lower().replace("_", "")
-    for name, entry in registry.metrics().items():
-        spellings = (identifier(entry.info), coco_identifier(entry.info), name)
-        if attribute in spellings or folded in {s.lower().replace("_", "") for s in spellings}:
+    torchmetrics_names, coco_names = class_names(identifier), class_names(coco_identifier)
+    candidates = [(name, (torchmetrics_names[name], coco_names[name], name)) for name in registry.metrics()]
+    for name, spellings in candidates:  # an exact spelling first: "PACS" is PAC-S, not a folded "PACs"
+        if attribute in spellings:
+            return name
+    for name, spellings in candidates:
+        if folded in {s.lower().replace("_", "") for s in spellings}:
             return name
     return None
 
@@ -57,7 +86,7 @@ class GeneratedClasses:
             body = {"_capeval_name": name, "__module__": self.module,
                     "__doc__": f"{info.display_name} ({self.module}).\n\n{info.description}",
                     **self.attributes(info)}
-            self._classes[name] = type(self.namer(info), (self.base,), body)
+            self._classes[name] = type(class_names(self.namer)[name], (self.base,), body)
         return self._classes[name]
 
     def attribute(self, attr: str) -> type:
@@ -67,7 +96,7 @@ class GeneratedClasses:
         return self(name)
 
     def names(self) -> list[str]:
-        return sorted(self.namer(entry.info) for entry in registry.metrics().values())
+        return sorted(class_names(self.namer).values())
 
     def module_hooks(self, exported: list[str]) -> tuple[Callable, Callable]:
         """``__getattr__`` and ``__dir__`` for the public module."""

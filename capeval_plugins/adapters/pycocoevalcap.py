@@ -22,7 +22,6 @@ from capeval_plugins import registry, runner
 from capeval_plugins.adapters.naming import GeneratedClasses, coco_identifier
 from capeval_plugins.contract import Metric, MetricResult
 from capeval_plugins.core import jsonio
-from capeval_plugins.core.coco_text import CocoCorpus
 from capeval_plugins.core.messages import require, warn_once
 
 # the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
@@ -301,14 +300,26 @@ def spice_available() -> bool:
 
 
 class _StockCorpus:
-    """The tokenised corpus the fast stock scorers of one ``evaluate()`` share: prepared once for the dicts
-    they are all given (recognised by content, so dicts changed between calls are prepared again)."""
+    """The stock-named scorers of one ``evaluate()`` (or one scorer alone): every classic metric they stand for is
+    scored in one session pass (:func:`capeval_plugins.runner.score_many`: the runner's checks, one batch loop,
+    the PTB-tokenised texts prepared once for all of them), on the first dicts any of them is given; the others
+    read their results (dicts changed between calls are scored again). The texts are the tokens COCOEvalCap
+    hands its scorers, so the metrics take them as they are (``tokenize=False``)."""
 
     def __init__(self) -> None:
+        self.wanted: dict[str, Metric] = {}
         self.key: tuple | None = None
-        self.corpus: CocoCorpus | None = None
+        self.results: dict[str, MetricResult] = {}
 
-    def get(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]) -> tuple[list[Any], CocoCorpus]:
+    def want(self, label: str, name: str, **options: Any) -> str:
+        """Ask for the registered metric ``name`` with ``options`` under ``label`` (results found by it)."""
+        if label not in self.wanted:
+            self.wanted[label] = registry.load(name, tokenize=False, **options)
+            self.key = None  # the next call scores the new metric too
+        return label
+
+    def get(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]) -> dict[str, MetricResult]:
+        """Every wanted metric's result on these dicts (scored now unless they are the last ones scored)."""
         if gts.keys() != res.keys():
             raise ValueError("gts and res must have the same image ids")
         ids = list(gts)
@@ -319,22 +330,23 @@ class _StockCorpus:
                     raise ValueError(f"res[{i!r}] must be a list holding exactly one caption")
                 if not isinstance(gts[i], list) or not gts[i]:
                     raise ValueError(f"gts[{i!r}] must be a non-empty list of captions")
-            self.corpus = CocoCorpus.from_texts([r[0] for r in key[2]], key[1])
+            self.results = runner.score_many(self.wanted, None, [r[0] for r in key[2]], key[1],
+                                             describe=lambda k: f"image id {ids[k]!r}")
             self.key = key
-        return ids, self.corpus
+        return self.results
 
 
 class StockBleu:
     """pycocoevalcap's ``Bleu(4)`` (same arguments, same return values and types), computed by capeval's
-    implementation (:mod:`capeval_plugins.core.coco_text`)."""
+    BLEU-1..n metrics (:mod:`capeval_plugins.metrics.coco`) through the session."""
 
     def __init__(self, n: int = 4, shared: _StockCorpus | None = None) -> None:
         self._n, self.shared = n, shared or _StockCorpus()
+        self._labels = [self.shared.want(f"bleu{k}", f"bleu{k}") for k in range(1, n + 1)]
 
     def compute_score(self, gts, res, verbose=0):
-        _, corpus = self.shared.get(gts, res)
-        score, items = corpus.bleu(self._n)
-        return list(score), [items[:, k].tolist() for k in range(self._n)]
+        results = self.shared.get(gts, res)
+        return [results[k].score for k in self._labels], [results[k].scores.tolist() for k in self._labels]
 
     def method(self) -> str:
         return "Bleu"
@@ -342,23 +354,18 @@ class StockBleu:
 
 class StockMeteor:
     """pycocoevalcap's ``Meteor()``: the same jar and command line, on the process's shared JVM, streamed,
-    every wait bounded (:mod:`capeval_plugins.resources.java`); ``(corpus float, [per-item floats])``.
-    ``paraphrases``: the paraphrase table the JVM loads, ``"corpus"`` (the entries the corpus can use) or
-    ``"full"``; the same scores (metric_cards/meteor)."""
+    every wait bounded (:mod:`capeval_plugins.resources.java`), through capeval's METEOR metric;
+    ``(corpus float, [per-item floats])``. ``paraphrases``: the paraphrase table the JVM loads, ``"corpus"``
+    (the entries the corpus can use) or ``"full"``; the same scores (metric_cards/meteor)."""
 
     def __init__(self, shared: _StockCorpus | None = None, paraphrases: str = "corpus") -> None:
         self.shared = shared or _StockCorpus()
         self.paraphrases = paraphrases
+        self._label = self.shared.want(f"meteor:{paraphrases}", "meteor", paraphrases=paraphrases)
 
     def compute_score(self, gts, res):
-        from capeval_plugins.resources import java
-        from capeval_plugins.metrics.coco import meteor_jar
-
-        _, corpus = self.shared.get(gts, res)
-        rows = corpus.rows
-        return corpus.remember(("meteor",), lambda: java.METEOR.score(meteor_jar(), rows.segments(),
-                                                                        rows.inverse.tolist(),
-                                                                        paraphrases=self.paraphrases))
+        result = self.shared.get(gts, res)[self._label]
+        return float(result.score), result.scores.tolist()
 
     def method(self) -> str:
         return "METEOR"
@@ -369,9 +376,10 @@ class StockRouge:
 
     def __init__(self, shared: _StockCorpus | None = None) -> None:
         self.shared = shared or _StockCorpus()
+        self._label = self.shared.want("rouge_l", "rouge_l")
 
     def compute_score(self, gts, res):
-        return self.shared.get(gts, res)[1].rouge_l()
+        return stock_typed("rouge_l", self.shared.get(gts, res)[self._label])
 
     def method(self) -> str:
         return "Rouge"
@@ -382,9 +390,10 @@ class StockCider:
 
     def __init__(self, n: int = 4, sigma: float = 6.0, shared: _StockCorpus | None = None) -> None:
         self._n, self._sigma, self.shared = n, sigma, shared or _StockCorpus()
+        self._label = self.shared.want(f"cider:{n}:{sigma!r}", "cider", n=n, sigma=sigma)
 
     def compute_score(self, gts, res):
-        return self.shared.get(gts, res)[1].cider(self._n, self._sigma)
+        return stock_typed("cider", self.shared.get(gts, res)[self._label])
 
     def method(self) -> str:
         return "CIDEr"

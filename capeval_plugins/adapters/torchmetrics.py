@@ -1,13 +1,15 @@
 """torchmetrics adapter, generic over the contract.
 
 ``capeval_plugins.torchmetrics.<Class>`` exists for every registered metric (``CLIPScore``, ...). It scores
-through the runner's :class:`~capeval_plugins.runner.Session`, as every entry point does: the metric's paths
-and requirements are checked when it is built, each ``update()`` batch is validated (errors name the ids)
-and fed, ``compute()`` checks the corpus it accumulated (``check_corpus``: MID's fit needs more pairs than
-dimensions; the same error as ``capeval_plugins.load("mid")(...)``) and finalizes. States come from the
-contract: ``"sum"`` statistics and ``"cat"`` rows, plus the sample ids and group ids every metric carries, so
-under DDP the repeats a ``DistributedSampler`` adds are dropped and input order is restored (pass ``ids=``
-with dataset indices). Ids repeated beyond what a padding sampler adds (``world_size - 1``), or one id given
+through a :class:`~capeval_plugins.session.Session`, as every entry point does: the metric's paths and
+requirements are checked when it is built, each ``update()`` batch is validated (errors name the ids) and is
+one pass of the session's loop, ``compute()`` checks the corpus it accumulated (``check_corpus``: MID's fit
+needs more pairs than dimensions; the same error as ``capeval_plugins.load("mid")(...)``) and finalizes. States
+come from the contract: ``"sum"`` statistics and ``"cat"`` rows, plus the sample ids and group ids every metric
+carries, so under DDP the repeats a ``DistributedSampler`` adds are dropped and input order is restored (pass
+``ids=`` with dataset indices). Every merge is :func:`~capeval_plugins.contract.merge_states`: an update's
+batches, the running sums over updates, and the ranks (each state gathered per rank as it is, in rank order;
+torchmetrics' own reductions are not used: :class:`RankMerge`). Ids repeated beyond what a padding sampler adds (``world_size - 1``), or one id given
 for two different samples, are an error naming them, never silently dropped samples.
 
 ``compute()`` returns the corpus score as a scalar tensor (Lightning's ``self.log(name, metric)`` works);
@@ -20,6 +22,7 @@ shared between instances. Where this touches torchmetrics' internals is :mod:`.t
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Sequence
 
@@ -27,8 +30,8 @@ import torch
 
 from capeval_plugins import registry, runner
 from capeval_plugins.adapters.naming import GeneratedClasses, identifier
-from capeval_plugins.contract import (TEXT_STATE, Metric, MetricInfo, MetricResult, PackedTexts, StateSpec, decode_texts,
-                                      encode_texts, merge_states)
+from capeval_plugins.contract import (INDEX, TEXT_STATE, Metric, MetricInfo, MetricResult, PackedTexts, StateSpec,
+                                      decode_texts, encode_texts, merge_states)
 from capeval_plugins.core.messages import require, warn_once
 
 # the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
@@ -44,6 +47,23 @@ internals.check()  # torchmetrics' internals used here are where they were on th
 
 # Samples skipped under on_error="skip": their ids and reasons, synced like any "cat" state.
 SKIPPED_SPEC = {"_skipped_index": StateSpec("cat", torch.int64), "_skipped_reason": TEXT_STATE}
+# One row per update(): 1 where its ids were made up in one process (positions in the order given). When every
+# update's were, compute() numbers the samples afresh in that order, so that states kept apart and merged later
+# (torchmetrics' Running keeps one per update of its window) do not collide.
+MADE_UP_SPEC = {"_made_up_ids": StateSpec("cat", torch.int64)}
+SAMPLE_ID_STATES = (INDEX, "_skipped_index", "_size_index")
+
+
+class RankMerge:
+    """The reduction torchmetrics applies to a ``"sum"`` state's values gathered from every rank (stacked in rank
+    order; or, in its wrappers' ``_reduce_states``, a kept state and a new one): the contract's one reduce,
+    :func:`~capeval_plugins.contract.merge_states`, in that order. A class, not a closure: a metric pickles."""
+
+    def __init__(self, name: str, spec: StateSpec) -> None:
+        self.name, self.spec = name, spec
+
+    def __call__(self, stacked: torch.Tensor) -> torch.Tensor:
+        return merge_states({self.name: self.spec}, ({self.name: row} for row in stacked))[self.name]
 
 
 def _world() -> tuple[int, int]:
@@ -69,16 +89,19 @@ class CapevalMetric(torchmetrics.Metric):
         self._name = self.capeval_metric.info.name
         # paths and requirements (models, Java, extras): checked before the first batch is generated
         self._session = runner.Session({self._name: self.capeval_metric})
-        self._spec = {**self._session.spec(self._name), **SKIPPED_SPEC}
+        self._spec = {**self._session.spec(self._name), **SKIPPED_SPEC, **MADE_UP_SPEC}
         if runner.checks_corpus(self.capeval_metric):  # what compute() needs to check the streamed corpus
             self._spec.update(runner.SIZE_SPEC)
+        # Every rank's states are gathered as they are (rows: one tensor per rank, see _sync_dist; sums: stacked)
+        # and merged by the contract's one reduce, in rank order: merge_states at compute() for rows,
+        # RankMerge for sums. torchmetrics' own "cat" / "sum" reductions are not used.
         for name, spec in self._spec.items():
             if spec.reduce == "cat":
-                # ragged rows are gathered per rank and padded to the widest (see _sync_dist)
-                self.add_state(name, default=[], dist_reduce_fx=None if spec.ragged else "cat")
+                self.add_state(name, default=[], dist_reduce_fx=None)
             else:
-                self.add_state(name, default=spec.empty(), dist_reduce_fx="sum")
+                self.add_state(name, default=spec.empty(), dist_reduce_fx=RankMerge(name, spec))
         self._seen = 0
+        self._positions = 0  # made-up ids in one process: never reset, so that no two updates share one
         self._ids: set[int] = set()  # ids updated on this rank: a repeat here is a user error
         self._guessed_ids = False  # ids made up under DDP: per-sample rows cannot be trusted
         self._last_batch: list[dict[str, torch.Tensor]] = []  # what the latest update() added, for forward
@@ -100,9 +123,12 @@ class CapevalMetric(torchmetrics.Metric):
         group_ids: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         """Score one batch. ``ids`` are global sample ids (e.g. dataset indices): errors name them, repeats are
-        dropped and order restored at ``compute``. Without them, ids follow the interleaving of a non-shuffled
-        ``DistributedSampler`` (``rank + world_size * position``), and the repeats it adds are counted."""
+        dropped and order restored at ``compute``. Without them, in one process a sample's id is its position in
+        the order given (numbered afresh at ``compute``, so that states merged later, as a ``Running`` window's, do
+        not collide); under DDP ids follow the interleaving of a non-shuffled ``DistributedSampler``
+        (``rank + world_size * position``), and the repeats it adds are counted."""
         n = len(captions) if captions is not None and not isinstance(captions, str) else 0
+        guessed = ids is None and _world()[1] == 1
         if ids is None:
             rank, world = _world()
             if world > 1:
@@ -110,18 +136,22 @@ class CapevalMetric(torchmetrics.Metric):
                     f"{self._name}: update() without ids under {world} processes: the samples a "
                     "DistributedSampler repeats to even out the shards cannot be dropped and are counted "
                     "twice; pass ids=<dataset indices of the batch> (e.g. from the dataset's __getitem__)"))
-            ids = [rank + world * (self._seen + i) for i in range(n)]
+                ids = [rank + world * (self._seen + i) for i in range(n)]
+            else:
+                ids = [self._positions + i for i in range(n)]
             self._guessed_ids = self._guessed_ids or world > 1
         corpus = runner.Corpus(captions, images, references, group_ids, ids)
         samples, skipped = self._session.validate(corpus)[self._name]
         self._check_new_ids(corpus.ids)
         self._seen += n
-        added = [self._skipped_rows(skipped)]
+        self._positions += n if guessed else 0
+        # the session's pass over this batch (in the metric's batches; a sample failing: per the policy)
+        plan = self._session.plan(self._name, samples, skipped)
+        self._session.run([plan])
+        added = [{"_made_up_ids": torch.tensor([int(guessed)], dtype=torch.int64)}, self._skipped_rows(plan.skipped)]
         if runner.SIZE_SPEC.keys() <= self._spec.keys():
             added.append(runner.size_rows(samples))
-        for part in self._session.batches(self._name, samples):
-            state, dropped = self._session.feed(self._name, part)  # a sample failing here: per the policy
-            added += [state or {}, self._skipped_rows(dropped)]
+        added += [*plan.progress.rows, plan.progress.sums or {}, self._skipped_rows(plan.progress.skipped)]
         self._last_batch = [a for a in added if a]
         for block in self._last_batch:
             self._add(block)
@@ -167,8 +197,9 @@ class CapevalMetric(torchmetrics.Metric):
             value = (value.padded() if isinstance(value, PackedTexts) else value).to(self.device)
             if self._spec[name].reduce == "cat":
                 getattr(self, name).append(value)
-            else:
-                setattr(self, name, getattr(self, name) + value.to(getattr(self, name).dtype))
+            else:  # the running sum, by the one reduce
+                kept = getattr(self, name)
+                setattr(self, name, merge_states({name: self._spec[name]}, [{name: kept}, {name: value.to(kept.dtype)}])[name])
 
     # -- compute ---------------------------------------------------------------------------------------------
 
@@ -183,6 +214,9 @@ class CapevalMetric(torchmetrics.Metric):
         return merge_states(self._spec, blocks)
 
     def _value(self, state: dict[str, torch.Tensor], keep: bool = True) -> torch.Tensor:
+        guessed = state.pop("_made_up_ids")
+        if len(guessed) and bool((guessed == 1).all()):
+            _number_afresh(state)
         skipped = dict(zip(state.pop("_skipped_index").tolist(), decode_texts(state.pop("_skipped_reason"))))
         if runner.SIZE_SPEC.keys() <= state.keys():
             size = runner.size_of_rows({k: state.pop(k) for k in runner.SIZE_SPEC})
@@ -203,6 +237,7 @@ class CapevalMetric(torchmetrics.Metric):
         return torch.tensor(result.score, dtype=torch.float64, device=self.device)
 
     def compute(self) -> torch.Tensor:
+        _refuse_wrapper(self, "compute")
         return self._value(self._merged_state())
 
     def compute_all(self) -> MetricResult:
@@ -215,7 +250,7 @@ class CapevalMetric(torchmetrics.Metric):
         Under DDP the per-sample rows are filed by the ids given to ``update``; without ids they would follow
         a guess (a non-shuffled sampler's interleaving), wrong for a shuffled one, so they are refused: pass
         ``ids=`` (``compute()``'s corpus score does not depend on them)."""
-        kept = internals.update_count(self) == 0 and self.last_result is not None
+        kept = self.update_count == 0 and self.last_result is not None
         if self._last_guessed if kept else self._guessed_ids:
             raise ValueError(
                 f"{self._name}: per-sample results under torch.distributed need ids=<dataset "
@@ -228,6 +263,11 @@ class CapevalMetric(torchmetrics.Metric):
         return self._result
 
     def reset(self) -> None:
+        # new lists, not torchmetrics' clear() of the old ones in place: a wrapper holding them (Running keeps
+        # each update's states for its window) keeps what it holds
+        for name, spec in self._spec.items():
+            if spec.reduce == "cat":
+                setattr(self, name, [])
         super().reset()
         self._seen = 0
         self._ids = set()
@@ -244,6 +284,10 @@ class CapevalMetric(torchmetrics.Metric):
         """
         return internals.plot(self, val, ax)
 
+    def __getstate__(self) -> dict[str, Any]:
+        _refuse_wrapper(self, "copy")  # BootStrapper deep-copies its metric when it is built
+        return super().__getstate__()
+
     # -- torchmetrics internals ------------------------------------------------------------------------------
 
     def _apply(self, fn: Any, exclude_state: Sequence[str] = ()) -> Any:
@@ -254,6 +298,40 @@ class CapevalMetric(torchmetrics.Metric):
 
     def _sync_dist(self, dist_sync_fn=None, process_group=None) -> None:
         internals.sync_cat_states(self, self._spec, dist_sync_fn, process_group, super()._sync_dist)
+
+
+# torchmetrics wrappers that cannot hold a capeval metric, and why. Running, MinMaxMetric, MetricCollection,
+# MultitaskWrapper (inputs (images, captions)) and the arithmetic of metrics work (tests/test_torchmetrics_wrappers.py).
+REFUSED_WRAPPERS = {
+    "BootStrapper": "it resamples tensor inputs only, so the captions and references (lists) would not follow the "
+                    "images; bootstrap the per-sample scores of compute_all() instead (as capeval bench --bootstrap does)",
+    "ClasswiseWrapper": "it labels the entries of a per-class tensor, and a capeval metric computes one corpus score "
+                        "(compute_all() has the per-sample scores)",
+}
+
+
+def _refuse_wrapper(metric: CapevalMetric, step: str, depth: int = 8) -> None:
+    """One line, where a refused torchmetrics wrapper calls ``metric`` (found among the calling frames' ``self``):
+    when it copies the metric (BootStrapper, as it is built) or computes it (ClasswiseWrapper)."""
+    frame = inspect.currentframe()
+    frame = frame.f_back.f_back if frame is not None and frame.f_back is not None else None  # the caller's caller
+    while frame is not None and depth:
+        owner = frame.f_locals.get("self")
+        name = type(owner).__name__
+        if name in REFUSED_WRAPPERS and owner is not metric and isinstance(owner, torchmetrics.Metric):
+            raise TypeError(f"{type(metric).__name__}: torchmetrics' {name} cannot wrap a capeval metric: "
+                            f"{REFUSED_WRAPPERS[name]}")
+        frame, depth = frame.f_back, depth - 1
+
+
+def _number_afresh(state: dict[str, torch.Tensor]) -> None:
+    """Made-up ids (positions) replaced by their rank among all the state's ids: the same order, one number per
+    sample, whichever updates' states were merged (:data:`MADE_UP_SPEC`)."""
+    keys = [key for key in SAMPLE_ID_STATES if key in state]
+    values = [state[key].reshape(-1) for key in keys]
+    _, dense = torch.unique(torch.cat([v.cpu() for v in values]), return_inverse=True)
+    for key, part in zip(keys, torch.split(dense, [len(v) for v in values])):
+        state[key] = part.to(state[key].device).reshape(state[key].shape)
 
 
 def _class_attributes(info: MetricInfo) -> dict[str, Any]:

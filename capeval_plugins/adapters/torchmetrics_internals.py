@@ -5,9 +5,10 @@ the adapter is imported) says clearly which one moved on a torchmetrics whose in
 the versions in :data:`CHECKED_ON`, instead of a metric that silently syncs, casts or logs wrongly:
 
 * ``Metric._sync_dist(dist_sync_fn, process_group)``: every rank must send one tensor per ``"cat"`` state
-  (torchmetrics' placeholder for an empty rank is a 1-D float32 tensor, and it sends a ragged list item by item);
+  (torchmetrics sends a list state item by item when it does not reduce it itself, and lists differ in length
+  between ranks);
 * ``Metric._apply(fn, exclude_state)``: integer states (sample ids) move with the metric but are never cast;
-* ``Metric._is_synced``, ``Metric._forward_cache`` (what Lightning logs on a step) and ``Metric._update_count``;
+* ``Metric._is_synced`` and ``Metric._forward_cache`` (what Lightning logs on a step);
 * ``Metric._plot(val, ax)``: how torchmetrics' own metrics implement ``plot()``.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ LIBRARY = "torchmetrics"
 # The versions these internals were read and tested on (requirements/main.txt and requirements/lowest.txt pin
 # one each; tests/test_internals.py fails when a pinned version is not listed here: read the internals again).
 CHECKED_ON = ("1.4.0", "1.9.0")
-ATTRIBUTES = ("_is_synced", "_forward_cache", "_update_count", "_defaults", "_device")
+ATTRIBUTES = ("_is_synced", "_forward_cache", "_defaults")
 METHODS = {"_sync_dist": ("dist_sync_fn", "process_group"), "_apply": ("fn", "exclude_state"),
            "_plot": ("val", "ax")}
 
@@ -63,16 +64,12 @@ def set_forward_cache(metric: torchmetrics.Metric, value: Any) -> None:
     metric._forward_cache = value
 
 
-def update_count(metric: torchmetrics.Metric) -> int:
-    return metric._update_count
-
-
 def apply_keeping(metric: torchmetrics.Metric, base_apply: Callable, fn: Callable, exclude_state: Sequence[str],
                   kept: Sequence[str]) -> Any:
     """``Metric._apply`` with the ``kept`` states left out of ``fn`` (a cast) and moved to the metric's new
     device as they are."""
     this = base_apply(fn, exclude_state=(*exclude_state, *kept))
-    device = this._device
+    device = this.device
     for name in kept:
         if name in exclude_state:
             continue
@@ -85,12 +82,13 @@ def apply_keeping(metric: torchmetrics.Metric, base_apply: Callable, fn: Callabl
 def sync_cat_states(metric: torchmetrics.Metric, spec: Mapping[str, StateSpec], dist_sync_fn: Callable | None,
                     process_group: Any, base_sync: Callable) -> None:
     """``Metric._sync_dist`` with every ``"cat"`` state sent as exactly one tensor of its own dtype and
-    trailing shape: torchmetrics' placeholder for a rank with no samples is a 1-D float32 tensor (the gather
-    then fails), and it does not pre-concatenate ragged states, whose per-batch lists differ in length
-    between ranks (one collective per list item would then deadlock)."""
+    trailing shape (an empty rank's too, zero rows; ragged ones zero-padded: the gather pads and trims to each
+    rank's own size): the adapter registers its states without a torchmetrics reduction, and torchmetrics sends
+    such a list item by item, one collective per item, which deadlocks where ranks hold different numbers of
+    blocks. Each rank's tensor comes back in rank order, for the contract's merge."""
     for name, want in spec.items():
         value = getattr(metric, name)
-        if want.reduce == "cat" and isinstance(value, list) and (not value or want.ragged):
+        if want.reduce == "cat" and isinstance(value, list):
             setattr(metric, name, [want.cat_padded(value).to(metric.device)])  # a tensor to gather
     kwargs: dict[str, Any] = {"process_group": process_group}
     if dist_sync_fn is not None:

@@ -1,15 +1,16 @@
 """Score a benchmark with registered metrics and report what papers report.
 
-Pointwise metrics (:class:`~capeval_plugins.contract.PointwiseMetric` without groups) are scored once per
-distinct sample (Flickr8k-Expert's three ratings of a caption share one score), in chunks that each land in the
-cache, so an interrupted run resumes where it stopped. Every other metric (corpus-level such as CIDEr, group
-metrics) is scored on all rows of a corpus in one call, because its per-sample scores depend on the others;
-its scores are cached per corpus.
+Every metric is scored in one pass of a :class:`~capeval_plugins.session.Session` over what the score cache lacks
+(:func:`score_metrics`), as ``capeval score`` scores several metrics: an image is decoded once for all metrics
+that read it and a shared backbone loads once. Pointwise metrics (:class:`~capeval_plugins.contract.PointwiseMetric`
+without groups) are scored once per distinct sample (Flickr8k-Expert's three ratings of a caption share one
+score), each batch landing in the cache as it finishes, so an interrupted run resumes where it stopped. Every
+other metric (corpus-level such as CIDEr, group metrics) is scored on all rows of a corpus together, because its
+per-sample scores depend on the others; its scores are cached per corpus.
 """
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from capeval_plugins import files
 from capeval_plugins.contract import Metric, PointwiseMetric
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import InputError
+from capeval_plugins.session import Corpus, Finished, Plan, Session, corpus_size
 
 
 LABEL_ROWS = 1_000_000  # the records a label file may hold: it may label every split, not only the benchmark's
@@ -154,16 +156,113 @@ def is_pointwise(metric: Metric) -> bool:
     return isinstance(metric, PointwiseMetric) and not metric.info.groups
 
 
-def score_metric(name: str, metric: Metric, captions: Captions, *, images: str | os.PathLike | None = None,
-                 cache: ScoreCache | NoCache | None = None, with_references: bool = False,
-                 progress: bool = True, benchmark: str = "", extras: bool = False,
-                 frames: int | None = None) -> MetricRun:
-    """Per-row scores of one metric (NaN where the metric gave none), through the cache. ``extras``: also its
-    one-value-per-sample extras, which the cache does not hold, so the metric is then scored afresh."""
+@dataclass
+class _Inputs:
+    """What one metric reads of a benchmark: its references (or none), its images at its own frame count (or
+    none), its groups, each row's sample key and the metric's cache key and cache."""
+
+    images: list | None
+    references: list | None
+    groups: list | None
+    keys: list[str]
+    key: str
+    cache: Any
+
+
+@dataclass
+class _Job:
+    """One metric's share of the benchmark's pass: the rows its score cache lacks (a pointwise metric: one row per
+    distinct uncached sample; any other metric: all rows of one corpus whose scores are not cached)."""
+
+    label: str  # the plan's name in the session: the metric's, or "<metric>#<corpus>" for a corpus
+    name: str
+    metric: Metric
+    rows: list[int]
+    inputs: _Inputs
+    corpus_key: str | None = None  # a corpus job: its cache key
+
+    def corpus(self, candidates: list[str]) -> Corpus:
+        """The job's rows as a corpus; ids are benchmark rows, so errors name them and results come back by row."""
+        inputs = self.inputs
+        return Corpus([candidates[r] for r in self.rows], _pick(inputs.images, self.rows),
+                      _pick(inputs.references, self.rows), _pick(inputs.groups, self.rows), ids=self.rows)
+
+
+def score_metric(name: str, metric: Metric, captions: Captions, *, frames: int | None = None,
+                 **kwargs: Any) -> MetricRun:
+    """Per-row scores of one metric (see :func:`score_metrics`)."""
+    return score_metrics({name: metric}, captions, frames={name: frames}, **kwargs)[name]
+
+
+def score_metrics(metrics: Mapping[str, Metric], captions: Captions, *, images: str | os.PathLike | None = None,
+                  cache: ScoreCache | NoCache | None = None, with_references: bool = False, progress: bool = True,
+                  benchmark: str = "", extras: bool = False,
+                  frames: Mapping[str, int | None] | None = None) -> dict[str, MetricRun]:
+    """Per-row scores of every metric (NaN where a metric gave none), through the score cache, in ONE pass of a
+    :class:`~capeval_plugins.session.Session` over what the cache lacks, as ``capeval score`` scores several
+    metrics: each image decoded once for every metric that reads it, a backbone several metrics share loaded
+    once, every metric's batches interleaved.
+
+    A pointwise metric (:class:`~capeval_plugins.contract.PointwiseMetric` without groups) scores each distinct
+    sample once (Flickr8k-Expert's three ratings of a caption share one score), and each of its batches lands in
+    the cache as it finishes, so an interrupted run resumes where it stopped. Any other metric (corpus-level such
+    as CIDEr, group metrics) scores all rows of a corpus together, because a sample's score depends on the
+    others; its scores are cached per corpus. ``extras``: also each metric's one-value-per-sample extras, which
+    the cache does not hold, so the metrics are then scored afresh. ``frames``: each metric's frame count."""
     cache = cache if cache is not None else NoCache()
-    collected: dict[str, dict[int, float]] | None = {} if extras else None
     if extras:
         cache = _WriteOnly(cache)
+    contents = ContentDigests()  # each file hashed once, for every metric
+    jobs: list[_Job] = []
+    inputs: dict[str, _Inputs] = {}
+    found: dict[str, dict[str, float]] = {}  # pointwise: scores by distinct sample key
+    by_row: dict[str, np.ndarray] = {}  # corpus metrics: scores by row
+    counts = {name: [0, 0] for name in metrics}  # rows from the cache, rows computed
+    collected: dict[str, dict[str, dict[Any, float]]] = {name: {} for name in metrics}
+    for name, metric in metrics.items():
+        inputs[name] = mine = _metric_inputs(name, metric, captions, images, with_references, benchmark,
+                                             (frames or {}).get(name), cache, contents)
+        order = _image_order(mine.images, len(mine.keys))
+        if is_pointwise(metric):
+            first: dict[str, int] = {}
+            for row, k in enumerate(mine.keys):
+                first.setdefault(k, row)
+            found[name] = mine.cache.get(mine.key, first)
+            todo = sorted((row for k, row in first.items() if k not in found[name]), key=order.__getitem__)
+            counts[name] = [sum(k in found[name] for k in mine.keys), len(todo)]
+            if todo:
+                jobs.append(_Job(name, name, metric, todo, mine))
+            continue
+        by_row[name] = np.full(len(mine.keys), np.nan)
+        for c, rows in enumerate(captions.corpora()):
+            rows = rows.tolist()
+            # a group metric's scores depend on its groups (one pair each on pairwise benchmarks)
+            corpus_key = digest([mine.keys[i] for i in rows] +
+                                ([] if mine.groups is None else [[mine.groups[i] for i in rows]]))
+            cached = mine.cache.get_corpus(mine.key, corpus_key)
+            if cached is not None and len(cached) == len(rows):
+                by_row[name][rows] = cached
+                counts[name][0] += len(rows)
+            else:
+                counts[name][1] += len(rows)
+                jobs.append(_Job(f"{name}#{c}", name, metric, sorted(rows, key=order.__getitem__), mine, corpus_key))
+    seconds = _run_jobs(jobs, captions.candidates, found, by_row, collected, progress) if jobs else {}
+    runs = {}
+    for name in metrics:
+        keys = inputs[name].keys
+        if name in found:
+            scores = np.array([found[name].get(k, np.nan) for k in keys], dtype=np.float64)
+            extra_rows = {k: np.array([v.get(key, np.nan) for key in keys]) for k, v in collected[name].items()}
+        else:
+            scores = by_row[name]
+            extra_rows = {k: np.array([v.get(row, np.nan) for row in range(len(keys))])
+                          for k, v in collected[name].items()}
+        runs[name] = MetricRun(scores, seconds.get(name, 0.0), counts[name][0], counts[name][1], extra_rows)
+    return runs
+
+
+def _metric_inputs(name: str, metric: Metric, captions: Captions, images: Any, with_references: bool,
+                   benchmark: str, frames: int | None, cache: Any, contents: ContentDigests) -> _Inputs:
     info = metric.info
     use_refs = info.references == "always" or (info.references == "optional" and with_references)
     if use_refs and captions.references is None:
@@ -173,22 +272,76 @@ def score_metric(name: str, metric: Metric, captions: Captions, *, images: str |
     use_images = info.images == "always" or (info.images == "optional" and images is not None)
     image_files = resolve_images(captions.images, images, benchmark, captions.segments, frames) if use_images else None
     refs = captions.references if use_refs else None
-    contents = ContentDigests()  # each file hashed once
     key = metric_key(metric, use_images, use_refs, contents)
     if key is None:  # a hub model not cached yet: its scores cannot be tied to the weights they came from
         cache, key = NoCache(), ""
     keys = sample_keys(captions.candidates, refs, image_files, contents)
-    start = time.perf_counter()
-    inputs = (image_files, captions.candidates, refs)
-    if is_pointwise(metric):
-        scores, from_cache, computed = _pointwise(name, metric, inputs, keys, key, cache, progress, collected)
-        extra_rows = _spread(collected, keys) if extras else {}
-    else:
-        groups = captions.groups if metric.info.groups else None
-        scores, from_cache, computed = _by_corpus(name, metric, inputs, keys, key, cache, captions, progress,
-                                                  collected, groups)
-        extra_rows = {k: np.array([v.get(i, np.nan) for i in range(len(keys))]) for k, v in (collected or {}).items()}
-    return MetricRun(scores, time.perf_counter() - start, from_cache, computed, extra_rows)
+    return _Inputs(image_files, refs, captions.groups if info.groups else None, keys, key, cache)
+
+
+def _image_order(images: list | None, n: int) -> list[int]:
+    """Each row's place in the pass: the first row of its image (then its own), so that every metric meets the
+    images in one order and an image's captions batch together (each image encoded once, and, with several
+    metrics, decoded once)."""
+    if images is None:
+        return list(range(n))
+    first: dict[Any, int] = {}
+    return [first.setdefault(_image_id(images[row]), row) * n + row for row in range(n)]
+
+
+def _run_jobs(jobs: list[_Job], candidates: list[str], found: dict, by_row: dict, collected: dict,
+              progress: bool) -> dict[str, float]:
+    """The pass: one session, every job a plan; each finished batch of a pointwise job lands in its cache, each
+    corpus job is finalized once its batches are done. Returns each metric's seconds."""
+    session = Session({job.label: job.metric for job in jobs})
+    valid = session.validate({job.label: job.corpus(candidates) for job in jobs})
+    session.check_fits({label: corpus_size(samples) for label, (samples, _) in valid.items()})
+    by_label = {job.label: job for job in jobs}
+
+    def cache_batch(plan: Plan, done: Finished) -> None:
+        job = by_label[plan.name]
+        if job.corpus_key is None:
+            state = session.merge(plan.name, [done.rows])
+            _keep_pointwise(job, session.finalize(plan.name, state, done.skipped), found, collected)
+
+    plans = [session.plan(label, samples, skipped) for label, (samples, skipped) in valid.items()]
+    for plan in plans:  # samples validation left out: NaN, cached as such
+        job = by_label[plan.name]
+        if job.corpus_key is None and plan.skipped:
+            _keep_pointwise(job, _skipped_result(job, plan.skipped), found, collected)
+    session.run(plans, on_batch=cache_batch, progress=progress)
+    seconds: dict[str, float] = {}
+    for plan in plans:
+        job = by_label[plan.name]
+        if job.corpus_key is not None:
+            began = time.perf_counter()
+            result = session.finalize(plan.name, session.state(plan), plan.all_skipped())
+            scores = dict(zip(result.indices.tolist(), result.scores.double().cpu().tolist()))
+            values = np.array([scores[row] for row in job.rows], dtype=np.float64)
+            job.inputs.cache.put_corpus(job.inputs.key, job.corpus_key, values)
+            by_row[job.name][job.rows] = values
+            _collect(collected[job.name], result, result.indices.tolist())
+            plan.seconds += time.perf_counter() - began
+        seconds[job.name] = seconds.get(job.name, 0.0) + plan.seconds
+    return seconds
+
+
+def _keep_pointwise(job: _Job, result: Any, found: dict, collected: dict) -> None:
+    """A pointwise batch's scores (and extras) by sample key, in the cache as soon as they exist."""
+    rows = result.indices.tolist()
+    new = {job.inputs.keys[row]: float(s) for row, s in zip(rows, result.scores.double().cpu().tolist())}
+    job.inputs.cache.put(job.inputs.key, new)
+    found[job.name].update(new)
+    _collect(collected[job.name], result, [job.inputs.keys[row] for row in rows])
+
+
+def _skipped_result(job: _Job, skipped: Mapping[int, str]) -> Any:
+    import torch
+
+    from capeval_plugins.contract import MetricResult
+
+    index = torch.tensor(sorted(skipped), dtype=torch.int64)
+    return MetricResult(job.name, float("nan"), torch.full((len(index),), float("nan"), dtype=torch.float64), index)
 
 
 class _WriteOnly:
@@ -210,10 +363,8 @@ class _WriteOnly:
         self.cache.put_corpus(key, corpus_key, values)
 
 
-def _collect(collected: dict | None, result, rows_or_keys) -> None:
+def _collect(collected: dict, result, rows_or_keys) -> None:
     """Keep a result's one-value-per-sample extras by row (or sample key)."""
-    if collected is None:
-        return
     for extra, values in result.extras.items():
         if isinstance(values, list) or values.dim() != 1:
             continue  # texts, or a vector per sample (an embedding, a per-token list), are no table row
@@ -222,73 +373,14 @@ def _collect(collected: dict | None, result, rows_or_keys) -> None:
             by[where] = value
 
 
-def _spread(collected: dict | None, keys: list[str]) -> dict[str, np.ndarray]:
-    """Extras collected per distinct sample -> one value per row."""
-    return {k: np.array([v.get(key, np.nan) for key in keys]) for k, v in (collected or {}).items()}
-
-
 def _pick(values, rows):
     return None if values is None else [values[i] for i in rows]
-
-
-def _pointwise(name, metric, inputs, keys, key, cache, progress, collected=None):
-    images, candidates, refs = inputs
-    first: dict[str, int] = {}
-    for row, k in enumerate(keys):
-        first.setdefault(k, row)
-    found = cache.get(key, first)
-    cached = set(found)
-    todo = [row for k, row in first.items() if k not in cached]
-    if images is not None:  # an image's candidates in one chunk, so each image is encoded once
-        rank: dict[Any, int] = {}
-        todo.sort(key=lambda row: rank.setdefault(_image_id(images[row]), len(rank)))
-    chunk = max(256, 4 * metric.config.batch_size)
-    from tqdm.auto import tqdm
-
-    with tqdm(total=len(todo), desc=name, unit="sample", disable=not progress or not todo) as bar:
-        for begin in range(0, len(todo), chunk):
-            rows = todo[begin : begin + chunk]
-            # ids: errors name benchmark rows; the result comes back in row order
-            result = metric(_pick(images, rows), _pick(candidates, rows), _pick(refs, rows), ids=rows)
-            new = {keys[row]: float(s) for row, s in zip(result.indices.tolist(), result.scores.tolist())}
-            _collect(collected, result, [keys[row] for row in result.indices.tolist()])
-            cache.put(key, new)
-            found.update(new)
-            bar.update(len(rows))
-    scores = np.array([found[k] for k in keys], dtype=np.float64)
-    return scores, sum(k in cached for k in keys), len(todo)
 
 
 def _image_id(image: Any) -> Any:
     if isinstance(image, list):  # a video as frames
         return tuple(image)
     return id(image) if isinstance(image, dict) else image
-
-
-def _by_corpus(name, metric, inputs, keys, key, cache, captions, progress, collected=None, groups=None):
-    images, candidates, refs = inputs
-    scores = np.full(len(keys), np.nan)
-    from_cache = computed = 0
-    for rows in captions.corpora():
-        # a group metric's scores depend on its groups (one pair each on pairwise benchmarks)
-        corpus_key = digest([keys[i] for i in rows] + ([] if groups is None else [[groups[i] for i in rows]]))
-        cached = cache.get_corpus(key, corpus_key)
-        if cached is None or len(cached) != len(rows):
-            if progress:
-                from tqdm.auto import tqdm
-
-                tqdm.write(f"{name}: scoring {len(rows):,} rows as one corpus", file=sys.stderr)
-            result = metric(_pick(images, rows), _pick(candidates, rows), _pick(refs, rows), ids=rows,
-                            group_ids=_pick(groups, rows), progress=progress)
-            by_row = dict(zip(result.indices.tolist(), result.scores.double().cpu().tolist()))
-            _collect(collected, result, result.indices.tolist())
-            cached = np.array([by_row[row] for row in rows], dtype=np.float64)
-            cache.put_corpus(key, corpus_key, cached)
-            computed += len(rows)
-        else:
-            from_cache += len(rows)
-        scores[rows] = cached
-    return scores, from_cache, computed
 
 
 def open_cache(cache: str | os.PathLike | ScoreCache | NoCache | None | bool) -> ScoreCache | NoCache:
@@ -378,11 +470,10 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
         values, file_extras = match_scores(path, data)
         runs[name] = MetricRun(values, time.perf_counter() - begin, 0, 0, file_extras if extras else {}, str(path))
     store = open_cache(cache) if metrics else NoCache()
-    try:
-        for name, metric in metrics.items():
-            runs[name] = score_metric(name, metric, data.captions, images=images, cache=store,
-                                      with_references=with_references, progress=progress, benchmark=bench.name,
-                                      extras=extras, frames=_frames_for(name, frames))
+    try:  # every metric in one pass over the images (the score cache's gaps)
+        runs.update(score_metrics(metrics, data.captions, images=images, cache=store, with_references=with_references,
+                                  progress=progress, benchmark=bench.name, extras=extras,
+                                  frames={name: _frames_for(name, frames) for name in metrics}))
     finally:
         if metrics and not isinstance(cache, (ScoreCache, NoCache)):
             store.close()

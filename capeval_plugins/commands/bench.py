@@ -49,7 +49,8 @@ def add_parser(subparsers) -> None:
                    help="without --data: the fetched file's own human judgments, not the published corrections "
                         "applied by default (Nebula: Spica's corrected scores)")
     p.add_argument("--images", help="image folder (needed only by metrics that score images)")
-    p.add_argument("--metric", action="append", default=[], help="registered metric name (repeatable)")
+    p.add_argument("--metric", "-m", action="append", default=[],
+                   help="registered metric name (repeatable; all of them are scored in one pass over the images)")
     p.add_argument("--scores", action="append", default=[], metavar="NAME=FILE",
                    help="per-sample scores computed elsewhere: JSON Lines / CSV / Parquet with image, caption, "
                         "score (repeatable; compared with the --metric runs)")

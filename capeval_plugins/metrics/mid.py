@@ -248,12 +248,16 @@ class MID(Metric):
         references: Sequence[Any],
         save_to: str | None = None,
         *,
+        on_error: str | None = None,
         progress: bool = False,
-    ) -> dict[str, Tensor]:
+    ) -> "FitSums":
         """Fit the reference Gaussian on (image, reference) pairs only, e.g. a deduplicated corpus or a
         larger one than a later run scores, and optionally save it for ``reference_gaussian=save_to``.
-        Returns the summed statistics. The pairs stream through the runner's session like any corpus: the same
-        checks (a fit on too few pairs is refused before the model loads), batches and merge."""
+        Returns the summed statistics. The pairs stream through a session like any corpus: the same checks (a
+        fit on too few pairs is refused before the model loads), batches, merge and ``on_error`` policy (this
+        call's, else the metric's): under ``"skip"`` the samples left out (an unreadable image) are said in a
+        warning, listed in the result's ``skipped`` (``{index: reason}``) and counted in the saved fit's
+        header (``n_skipped``)."""
         from capeval_plugins import files, runner
 
         if save_to is not None:  # refused now, not after the fit: a link, a folder, the model's own files
@@ -266,12 +270,32 @@ class MID(Metric):
         # each sample's first reference stands for its caption: the fit reads only images and references
         candidates = [r if isinstance(r, str) else (list(r) or [""])[0] for r in references]
         corpus = runner.Corpus(candidates, images, references)
-        state = runner.Session({fit.info.name: fit}).fold(corpus, progress=progress, desc="mid fit")[fit.info.name]
-        sums = {k: state[FIT[k]] for k in gaussian.SUM_KEYS}
+        folded = runner.Session({fit.info.name: fit}, on_error=on_error).fold(corpus, progress=progress)[fit.info.name]
+        sums = FitSums({k: folded.state[FIT[k]] for k in gaussian.SUM_KEYS}, folded.skipped)
+        if sums.skipped:
+            warnings.warn(f"mid: fit_reference left out {len(sums.skipped)} of {len(candidates)} samples "
+                          f"({_reasons(sums.skipped)}): the Gaussian is fitted on the other "
+                          f"{len(candidates) - len(sums.skipped)}", stacklevel=2)
         if save_to is not None:
             files.write_output(save_to, gaussian.sums_to_bytes(sums, self.dim, model=self.config.model,
-                                                               fit_pairs=self.config.fit_pairs), what="saved fit")
+                                                               fit_pairs=self.config.fit_pairs,
+                                                               n_skipped=len(sums.skipped)), what="saved fit")
         return sums
+
+
+class FitSums(dict):
+    """The statistics of a reference fit (``count``, ``sum``, ``outer``: :func:`gaussian.joint_sums` summed), and
+    the samples left out of it under ``on_error="skip"`` (``skipped``: ``{index: reason}``)."""
+
+    def __init__(self, sums: dict[str, Tensor], skipped: dict[int, str]) -> None:
+        super().__init__(sums)
+        self.skipped = dict(skipped)
+
+
+def _reasons(skipped: dict[int, str], shown: int = 3) -> str:
+    items = sorted(skipped.items())
+    text = "; ".join(f"sample {i}: {reason}" for i, reason in items[:shown])
+    return text + (f"; and {len(items) - shown} more" if len(items) > shown else "")
 
 
 class ReferenceFit(Metric):
@@ -300,7 +324,7 @@ class ReferenceFit(Metric):
         return {FIT[k]: v for k, v in sums.items()}
 
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
-        raise NotImplementedError("a reference fit is folded (runner.Session.fold), not finalized")
+        raise NotImplementedError("a reference fit is folded (Session.fold), not finalized")
 
 
 def load_fit(path: str) -> gaussian.SavedSums:

@@ -214,13 +214,30 @@ def _stream(metric: Metric, corpus: runner.Corpus, cuts: Sequence[int]) -> Metri
 
 
 def _feed(session: runner.Session, name: str, parts: Sequence[Any], skipped: dict) -> list[dict[str, Tensor]]:
-    out = []
-    for part in parts:
-        state, left_out = session.feed(name, part)
-        skipped.update(left_out)
-        if state is not None:
-            out.append(state)
+    """``parts`` (batches) scored in one pass of the session's loop, each mapped alone as it comes (no whole-pass
+    hook), and each batch's own state (its rows and its own sums) kept as it finishes."""
+    out: list[dict[str, Tensor]] = []
+    if not parts:
+        return out
+
+    def keep(plan: Any, done: Any) -> None:
+        skipped.update(done.skipped)
+        if len(done.skipped) < len(done.part):  # a batch every sample of which was left out adds nothing
+            out.append({**done.rows, **done.sums})
+
+    session.run([runner.Plan(name, _joined(parts), list(parts))], on_batch=keep, prepare=False)
     return out
+
+
+def _joined(parts: Sequence[Any]) -> Any:
+    """The samples of ``parts`` as one :class:`~capeval_plugins.inputs.Samples`, in their order."""
+    def join(field: str) -> list | None:
+        values = [getattr(part, field) for part in parts]
+        return None if not values or values[0] is None else [v for value in values for v in value]
+
+    first = parts[0]
+    return dataclasses.replace(first, **{f: join(f) for f in ("candidates", "indices", "images", "references",
+                                                               "group_ids")})
 
 
 def check_ddp_merge(factory: Factory, corpus: runner.Corpus, tolerance: Tolerance = Tolerance(),

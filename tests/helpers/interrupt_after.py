@@ -5,12 +5,12 @@ import os
 import signal
 import sys
 
-from capeval_plugins import runner
+from capeval_plugins.session import loop
 from capeval_plugins.cli import main
 
 stop_after = int(os.environ.get("CAPEVAL_TEST_STOP_AFTER", "0"))
 sigints = int(os.environ.get("CAPEVAL_TEST_SIGINTS", "1"))
-original = runner._score_batch
+original = loop._score_batch
 scored = 0
 
 
@@ -23,7 +23,7 @@ def score_batch(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGINT)
 
 
-runner._score_batch = score_batch
+loop._score_batch = score_batch
 code = main(sys.argv[1:])
 print(f"batches mapped by this process: {scored}", file=sys.stderr)
 sys.exit(code)
