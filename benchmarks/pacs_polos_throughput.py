@@ -107,7 +107,7 @@ def run(root: Path) -> None:
         best = [np.max(c.dot(refs[i * args.references:(i + 1) * args.references].T)) for i, c in enumerate(cand)]
         return 2 * pac * np.asarray(best) / (pac + np.asarray(best))
 
-    ours_metric = capeval_plugins.load("pacscore", model=str(root / "pacs"), batch_size=64)
+    ours_metric = capeval_plugins.load("pacscore", model=str(root / "pacs"), batch_size=64, reference_extras=True)
     ours_metric(images[:2], candidates[:2], references[:2])  # load once
     result = ours_metric(images, candidates, references)
     gap = np.abs(result.extras["refpacscore"].numpy() - official_pacs()).max()

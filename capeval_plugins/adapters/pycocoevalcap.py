@@ -190,7 +190,7 @@ class CapevalScorer:
                 raise ValueError(f"res[{image_id!r}] must be a list holding exactly one caption")
             candidates.append(hyp[0])
         info = self.metric.info
-        references = [list(gts[i]) for i in ids] if info.references != "never" else None
+        references = [list(gts[i]) for i in ids] if self.metric.uses_references() else None
         images = [self.resolver(i) for i in ids] if self.resolver is not None and info.images != "never" else None
         return ids, candidates, references, images
 

@@ -162,7 +162,7 @@ def score_metric(name: str, metric: Metric, captions: Captions, *, images: str |
     if extras:
         cache = _WriteOnly(cache)
     info = metric.info
-    use_refs = info.references == "always" or (info.references == "optional" and with_references)
+    use_refs = info.references == "always" or (metric.uses_references() and with_references)
     if use_refs and captions.references is None:
         if info.references == "always":
             raise InputError(f"{name} needs references, and this {benchmark or 'benchmark'} file has none")

@@ -34,6 +34,9 @@ class CLIPScoreConfig(ModelConfig):
     prefix_references: bool = True
     # The paper clamps the reference similarity at 0; the official code does not.
     clamp_reference: bool = True
+    # CLIPScore is reference-free: references are encoded only for the RefCLIPScore extras, when asked for
+    # (the refclipscore metric always computes them; it gives CLIPScore as an extra).
+    reference_extras: bool = False
     # Faster numerics, off by default (they change the scores slightly; the card gives the measured effect):
     # "int8" quantizes the Linear layers' weights (dynamic int8 activations, CPU only); compile runs the
     # towers through torch.compile. dtype="bfloat16" (every ModelConfig) is the third.
@@ -61,7 +64,7 @@ class CLIPScore(PointwiseMetric):
         display_name="CLIPScore",
         description=(
             "Reference-free image-caption compatibility: w * max(cos(CLIP image, CLIP text), 0) with the text "
-            "prefixed by 'A photo depicts'. With references, RefCLIPScore comes as an extra."
+            "prefixed by 'A photo depicts'. With references and reference_extras=True, RefCLIPScore comes as an extra."
         ),
         citation=CITATION,
         references="optional",
@@ -85,6 +88,13 @@ class CLIPScore(PointwiseMetric):
         return loading.shared(("ClipEncoder", spec, cfg.quantize, cfg.compile),
                               lambda: faster(ClipEncoder(spec), cfg.quantize, cfg.compile))
 
+    def uses_references(self) -> bool:
+        return self.info.references == "always" or self.config.reference_extras
+
+    def unused_references_hint(self) -> str:
+        extra = self.optional_extras[-1]
+        return f" (reference_extras=True adds the {extra} extras; or score with the {extra} metric)"
+
     def preprocess_images(self, images) -> None:
         """The image processor on a batch's images ahead of time (capeval_plugins.prefetch; kept by content)."""
         self.encoder.preprocess(images)
@@ -95,7 +105,7 @@ class CLIPScore(PointwiseMetric):
         texts = [with_prefix(cfg.prefix, c) for c in batch.candidates]
         n = len(texts)
         flat_refs, owner = [], []
-        for i, refs in enumerate(batch.references or ()):
+        for i, refs in enumerate((batch.references or ()) if self.uses_references() else ()):
             flat_refs += [with_prefix(cfg.prefix, r) if cfg.prefix_references else r for r in refs]
             owner += [i] * len(refs)
         # Candidates and every reference of the batch in one pass through the text encoder.
