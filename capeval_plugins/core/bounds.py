@@ -13,10 +13,9 @@ import dataclasses
 import functools
 import math
 import numbers
+import sys
 import typing
 from typing import Any, Callable
-
-import numpy as np
 
 # The largest seed every generator takes (torch.manual_seed: below 2**64; numpy: any; int64 everywhere).
 MAX_SEED = 2**63 - 1
@@ -48,16 +47,23 @@ def field_kinds(cls: type) -> dict[str, frozenset[str]]:
     return kinds
 
 
+def _booleans() -> tuple[type, ...]:
+    """bool, and numpy's where numpy is loaded (a numpy bool exists only then: the command line's parsing,
+    which checks its flags here, stays free of numpy's import)."""
+    numpy = sys.modules.get("numpy")
+    return (bool, numpy.bool_) if numpy is not None else (bool,)
+
+
 def value_problem(value: Any, kinds: frozenset[str], limits: dict[str, float]) -> str | None:
     """Why ``value`` is not of ``kinds`` (bool, int, float, None) inside ``limits``, or None."""
     if value is None and "None" in kinds:
         return None
     kinds = kinds - {"None"}
     if kinds == {"bool"}:
-        return None if isinstance(value, (bool, np.bool_)) else f"expects true or false, got {value!r}"
+        return None if isinstance(value, _booleans()) else f"expects true or false, got {value!r}"
     if not kinds or not kinds <= {"int", "float"}:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if isinstance(value, _booleans()) or not isinstance(value, numbers.Real):
         return f"expects {'an integer' if kinds == {'int'} else 'a number'}, got {value!r}"
     if kinds == {"int"} and not isinstance(value, numbers.Integral):
         return f"expects an integer, got {value!r}"
