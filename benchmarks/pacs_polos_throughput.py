@@ -9,6 +9,7 @@ references in batches of 256 and takes each candidate's maximum in a Python loop
 captions, every text of a batch in one pass).
 
     python benchmarks/pacs_polos_throughput.py [--images 16 --captions-per-image 4 --repeats 3 --size base|tiny]
+    make bench-pacs-polos          # the same, after fetching the official code (pinned wheels, never installed)
 
 Random weights of the real architectures (``--size base``: CLIP ViT-B/32 and RoBERTa-base widths; ``tiny``: the
 tests' widths); the ratio is what counts (timings on a shared machine move together).
@@ -16,6 +17,7 @@ tests' widths); the ratio is what counts (timings on a shared machine move toget
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tempfile
 import time
 import warnings
@@ -68,9 +70,14 @@ def run(root: Path) -> None:
     from capeval_plugins.testing.corpus import caption_corpus
     from capeval_plugins.testing.realistic import photo_crops
 
-    modules = official_code.polos_modules()
-    if modules is None:
-        raise SystemExit("needs the polos 0.1.3 wheel (make test downloads it into .cache/reference-wheels)")
+    missing = [name for name in ("ftfy", "pytorch_lightning") if importlib.util.find_spec(name) is None]
+    modules = None if missing else official_code.polos_modules()
+    if modules is None:  # a clear skip, not a failure: the official code is fetched, never vendored
+        why = (f"{', '.join(missing)} not installed (the pacs and lightning extras)" if missing else
+               f"the official code (requirements/reference-code.txt: polos 0.1.3, pytorch-nlp 0.5.0) is not in "
+               f"{official_code.WHEELS}; `make bench-pacs-polos` downloads it there")
+        print(f"pacs_polos_throughput: skipped: {why}")
+        return
     torch.manual_seed(0)
     bpe = official_code.bpe_path()
     shape = (dict(width=768, layers=12, image_size=224, patch_size=32, embed_dim=512) if args.size == "base"
