@@ -224,3 +224,25 @@ def test_text_chunks_sorted_by_length_equal_one_text_at_a_time(tiny_clip):
     lengths = [9, 9, 7, 4, 4, 4, 1]
     chunks = clip_module.length_chunks(lengths, torch.arange(7), 18)
     assert [c.tolist() for c in chunks] == [[0, 1], [2, 3], [4, 5, 6]]
+
+
+def test_int8_and_compile_change_a_model_of_their_own(tiny_clip, images, tmp_path):
+    """quantize="int8" quantizes its own copy of the weights in place (no float copy kept beside the int8 one: the
+    shared float model is not even loaded) and leaves the float model other metrics share as it was."""
+    import shutil
+
+    from capeval_plugins.core import loading
+
+    alone = shutil.copytree(tiny_clip, tmp_path / "clip")
+    assert torch.isfinite(capeval_plugins.load("clipscore", model=str(alone), quantize="int8")(images, CAPTIONS).scores).all()
+    assert not [key for key in loading._cache if key[0] == "model" and str(alone) in str(key)]
+    plain = capeval_plugins.load("clipscore", model=tiny_clip)
+    before = plain(images, CAPTIONS).scores
+    int8 = capeval_plugins.load("clipscore", model=tiny_clip, quantize="int8")
+    assert int8.encoder.model is not plain.encoder.model
+    linears = [m for m in plain.encoder.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.dtype == torch.float32 for m in linears)
+    quantized = [m for m in int8.encoder.model.modules() if "quantized" in type(m).__module__]
+    assert quantized and not any(type(m) is torch.nn.Linear for m in int8.encoder.model.modules())
+    assert torch.isfinite(int8(images, CAPTIONS).scores).all()
+    assert plain(images, CAPTIONS).scores.tolist() == before.tolist()

@@ -46,11 +46,13 @@ class ClipEncoder:
     """Global image and text embeddings of a CLIP-family dual encoder (CLIP, SigLIP, ...) in their joint
     space, L2-normalised, float32."""
 
-    def __init__(self, spec: EncoderSpec):
+    def __init__(self, spec: EncoderSpec, share: bool = True):
+        """``share=False``: a model of its own, not the one other encoders of the same checkpoint share (to be
+        changed in place: quantized, compiled)."""
         from transformers import AutoProcessor
 
         self.spec = spec
-        self.model = loading.load_spec(model_class(spec), spec)
+        self.model = loading.load_spec(model_class(spec), spec, share=share)
         self.processor = loading.load_processor(AutoProcessor, spec.model, **spec.hub())
         self.device = loading.input_device(self.model, spec.device)
         self.dtype = next(self.model.parameters()).dtype
