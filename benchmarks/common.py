@@ -131,7 +131,8 @@ def report_processes(times: dict[str, list], notes: dict[str, str] | None = None
     notes = notes or {}
     sides = list(times)
     first = sides[0]
-    print(f"  {'side':22s} {'CPU s median [min-max]':>26s} {'wall s':>8s} {'peak GB':>8s}   {first} / side: CPU median, best")
+    print(f"  {'side':22s} {'CPU s median [min-max]':>26s} {'wall s':>8s} {'peak GB':>8s}   "
+          f"{first} / side: CPU median, best")
     for side in sides:
         cpu = [c for _, c, _ in times[side]]
         line = (f"  {side:22s} {statistics.median(cpu):10.2f} [{min(cpu):6.2f}-{max(cpu):6.2f}] "

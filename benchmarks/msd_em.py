@@ -151,7 +151,8 @@ def clip_like(pairs: int, patches: int, dim: int, device: str, seed: int = 0) ->
 
 def seeds(data: dict) -> dict:
     """The metric's seeds of every pair: :func:`pixel_seeds` of the pixels, ``content_seeds`` of the token ids."""
-    return {"image_seeds": pixel_seeds(data["pixels"]), "text_seeds": vmf.content_seeds(data["ids"], data["token_mask"])}
+    return {"image_seeds": pixel_seeds(data["pixels"]),
+            "text_seeds": vmf.content_seeds(data["ids"], data["token_mask"])}
 
 
 @torch.inference_mode()  # as MSDScore.map runs it (the official code: under no_grad, main())

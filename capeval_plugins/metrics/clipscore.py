@@ -64,7 +64,8 @@ class CLIPScore(PointwiseMetric):
         display_name="CLIPScore",
         description=(
             "Reference-free image-caption compatibility: w * max(cos(CLIP image, CLIP text), 0) with the text "
-            "prefixed by 'A photo depicts'. With references and reference_extras=True, RefCLIPScore comes as an extra."
+            "prefixed by 'A photo depicts'. With references and reference_extras=True, RefCLIPScore comes as an "
+            "extra."
         ),
         citation=CITATION,
         references="optional",
