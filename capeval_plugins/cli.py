@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def typed_errors() -> tuple[type[Exception], ...]:
     """The errors reported in one line, exit 2. Called by ``_main``'s ``except`` only once something was raised,
     so that a command that needs none of their modules (``capeval list``) does not import them (torch)."""
-    from capeval_plugins.core.loading import ModelLoadError
+    from capeval_plugins.resources.loading import ModelLoadError
     from capeval_plugins.core.messages import DataError, ExternalToolError, MissingExtra, UnknownName
     from capeval_plugins.inputs import InputError
     from capeval_plugins.preflight import RequirementError
@@ -361,6 +361,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return 130
     except typed_errors() as err:
         # typed errors only: an unknown name, a missing optional extra (accelerate, torchvision, ...), bad input
+        from capeval_plugins.inputs import InputError
+
         message = getattr(err, "cli_message", None) or (err.args[0] if err.args else str(err))
         # every rank validates the same input: rank 0 reports that; a rank reports what only it found
         if _rank() == 0 or not isinstance(err, InputError) or getattr(err, "rank_specific", False):

@@ -157,7 +157,7 @@ def test_independent_of_batch_size_and_order(tiny_clip):
 
 
 def test_long_caption_truncated_keeping_end_of_text_and_warned_once(tiny_clip):
-    from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+    from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 
     enc = ClipEncoder.shared(EncoderSpec(tiny_clip))
     long = "a dog runs on the grass " * 40
@@ -180,7 +180,7 @@ def test_the_same_model_is_loaded_once(tiny_clip):
 def test_references_are_not_encoded_unless_their_extras_are_asked_for(tiny_clip, images, monkeypatch):
     """CLIPScore is reference-free: given references, it encodes only the candidates (and warns, naming the
     option), with the same scores; reference_extras=True encodes each distinct reference once."""
-    from capeval_plugins.core.encoders import ClipEncoder
+    from capeval_plugins.models.encoders import ClipEncoder
 
     seen: list[list[str]] = []
     original = ClipEncoder.tokenize
@@ -208,8 +208,8 @@ def test_references_are_not_encoded_unless_their_extras_are_asked_for(tiny_clip,
 def test_text_chunks_sorted_by_length_equal_one_text_at_a_time(tiny_clip):
     """The text tower runs on chunks of similar length cut to their longest text: each embedding equals the
     text's own, alone (no padding), to float rounding; repeated texts come back in place."""
-    from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
-    from capeval_plugins.core.encoders import clip as clip_module
+    from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
+    from capeval_plugins.models.encoders import clip as clip_module
 
     enc = ClipEncoder.shared(EncoderSpec(tiny_clip))
     rng = random.Random(1)
@@ -231,7 +231,7 @@ def test_int8_and_compile_change_a_model_of_their_own(tiny_clip, images, tmp_pat
     shared float model is not even loaded) and leaves the float model other metrics share as it was."""
     import shutil
 
-    from capeval_plugins.core import loading
+    from capeval_plugins.resources import loading
 
     alone = shutil.copytree(tiny_clip, tmp_path / "clip")
     assert torch.isfinite(capeval_plugins.load("clipscore", model=str(alone), quantize="int8")(images, CAPTIONS).scores).all()
@@ -246,3 +246,71 @@ def test_int8_and_compile_change_a_model_of_their_own(tiny_clip, images, tmp_pat
     assert quantized and not any(type(m) is torch.nn.Linear for m in int8.encoder.model.modules())
     assert torch.isfinite(int8(images, CAPTIONS).scores).all()
     assert plain(images, CAPTIONS).scores.tolist() == before.tolist()
+
+
+# --- long captions: the mean over sentences (CaptionEvalKit's --sentence-average) --------------------------------
+
+LONG_CAPTIONS = [
+    "A dog runs on the grass. It chases a red ball!  The sun is out?\nA child watches from the bench.",
+    "Two children play in the park",
+    "",
+    "A red car.\n\n\nNext to a building... with tall windows. ",
+    "   ",
+]
+
+
+def split_like_the_toolkit(caption: str) -> list[str]:
+    """CaptionEvalKit's sentence splitter, written as a character scan (no regular expression): a cut at a
+    whitespace run that follows '.', '!' or '?' (the whole run), or at a run of newlines anywhere; pieces stripped,
+    empty ones dropped; the caption itself when nothing is left."""
+    pieces, current, i = [], "", 0
+    while i < len(caption):
+        ch = caption[i]
+        after_stop = i > 0 and caption[i - 1] in ".!?"
+        if ch.isspace() and (after_stop or ch == "\n"):
+            j = i
+            while j < len(caption) and (caption[j].isspace() if after_stop else caption[j] == "\n"):
+                j += 1
+            pieces.append(current)
+            current, i = "", j
+            continue
+        current += ch
+        i += 1
+    pieces.append(current)
+    kept = [p.strip() for p in pieces if p.strip()]
+    return kept or [caption]
+
+
+def test_the_sentence_splitter_is_the_toolkits():
+    from capeval_plugins.core.clip_score import split_sentences
+
+    texts = LONG_CAPTIONS + CAPTIONS + ["Dr. Smith arrived.Then left", "Wow!!  Really?? yes.\tno", "a\nb \n c. d",
+                                        "end.", "x\u00a0. y", "one. \u2003two"]
+    for text in texts:
+        assert split_sentences(text) == split_like_the_toolkit(text), text
+    assert split_sentences("A dog. A cat!\nA bird") == ["A dog.", "A cat!", "A bird"]
+
+
+def test_sentence_average_equals_a_plain_per_sentence_loop(tiny_clip):
+    """Each candidate's score is the mean over its sentences of w * max(cos, 0), every sentence prefixed and
+    encoded alone; computed here one sentence at a time through transformers, against the metric's one batched
+    pass at two batch sizes. References are given and not used: the reference extras are left out."""
+    model, processor = plain_clip(tiny_clip)
+    pictures = [random_image(20 + i, size=(44 + 3 * i, 38)) for i in range(len(LONG_CAPTIONS))]
+    expected = [np.mean([plain_clipscore(model, processor, img, s) for s in split_like_the_toolkit(cap)])
+                for img, cap in zip(pictures, LONG_CAPTIONS)]
+    refs = [["a dog."]] * len(LONG_CAPTIONS)
+    for batch_size in (2, 16):
+        result = capeval_plugins.load("clipscore", model=tiny_clip, sentence_average=True, batch_size=batch_size)(
+            pictures, LONG_CAPTIONS, refs)
+        assert result.scores.tolist() == pytest.approx(expected, abs=1e-5)
+        assert "refclipscore" not in result.extras and "reference_similarity" not in result.extras
+    whole = capeval_plugins.load("clipscore", model=tiny_clip)(pictures, LONG_CAPTIONS)
+    assert whole.scores[1].item() == pytest.approx(expected[1], abs=1e-5)  # one sentence: the plain score
+    assert not np.allclose(whole.scores.numpy()[[0, 3]], np.asarray(expected)[[0, 3]], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["refclipscore", "refpacscore", "refpacscore_pp"])
+def test_reference_metrics_refuse_the_sentence_average(name):
+    with pytest.raises(ValueError, match="sentence_average is defined for the image-text score only"):
+        capeval_plugins.load(name, sentence_average=True)

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# What each file of METEOR's paraphrase index holds (capeval_plugins/core/meteor_table.py).
+# What each file of METEOR's paraphrase index holds (capeval_plugins/resources/meteor_table.py).
 METEOR_FILES = {
     "meta.json": "the index's metadata: format, sizes, each file's digest (signed with your key)",
     "group_start": "where each run of entries with the same phrase A starts",
@@ -48,7 +48,7 @@ def _size(path: Path) -> int:
 def meteor_entries() -> list[dict[str, Any]]:
     """The METEOR index's files as the marker lists them, with sizes and descriptions."""
     from capeval_plugins import files
-    from capeval_plugins.core import meteor_table as mt
+    from capeval_plugins.resources import meteor_table as mt
 
     root = mt.cache_dir()
     if not (root / ".capeval-owned").is_file():
@@ -80,7 +80,7 @@ def meteor_entries() -> list[dict[str, Any]]:
 
 def stale_tables() -> list[Path]:
     """``capeval-meteor-*`` folders of TMPDIR (some may belong to runs still going)."""
-    from capeval_plugins.core import meteor_table as mt
+    from capeval_plugins.resources import meteor_table as mt
 
     root = Path(tempfile.gettempdir())
     try:
@@ -91,8 +91,8 @@ def stale_tables() -> list[Path]:
 
 def other_caches() -> list[dict[str, Any]]:
     from capeval_plugins.bench.cache import default_cache_path
-    from capeval_plugins.core import paths
-    from capeval_plugins.core.generation import default_cache_dir
+    from capeval_plugins.files import paths
+    from capeval_plugins.models.generation import default_cache_dir
 
     found = []
     for what, path in (("capeval bench score cache (see capeval bench --no-cache / --cache)", default_cache_path()),
@@ -106,7 +106,7 @@ def other_caches() -> list[dict[str, Any]]:
 
 
 def report() -> dict[str, Any]:
-    from capeval_plugins.core import meteor_table as mt
+    from capeval_plugins.resources import meteor_table as mt
 
     entries = meteor_entries()
     tables = stale_tables()
@@ -144,7 +144,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 def clear(args: argparse.Namespace) -> int:
     from capeval_plugins import files
-    from capeval_plugins.core import meteor_table as mt
+    from capeval_plugins.resources import meteor_table as mt
 
     before = report()
     removed_tables = mt.sweep_temp_tables()

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import math
 import numbers
-import sys
 import typing
 from typing import Any, Callable
 
@@ -47,11 +46,11 @@ def field_kinds(cls: type) -> dict[str, frozenset[str]]:
     return kinds
 
 
-def _booleans() -> tuple[type, ...]:
-    """bool, and numpy's where numpy is loaded (a numpy bool exists only then: the command line's parsing,
-    which checks its flags here, stays free of numpy's import)."""
-    numpy = sys.modules.get("numpy")
-    return (bool, numpy.bool_) if numpy is not None else (bool,)
+def _is_bool(value: Any) -> bool:
+    """A bool, or numpy's (known by its type's name: the command line's parsing, which checks its flags here,
+    stays free of numpy's import)."""
+    kind = type(value)
+    return kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
 
 
 def value_problem(value: Any, kinds: frozenset[str], limits: dict[str, float]) -> str | None:
@@ -60,10 +59,10 @@ def value_problem(value: Any, kinds: frozenset[str], limits: dict[str, float]) -
         return None
     kinds = kinds - {"None"}
     if kinds == {"bool"}:
-        return None if isinstance(value, _booleans()) else f"expects true or false, got {value!r}"
+        return None if _is_bool(value) else f"expects true or false, got {value!r}"
     if not kinds or not kinds <= {"int", "float"}:
         return None
-    if isinstance(value, _booleans()) or not isinstance(value, numbers.Real):
+    if _is_bool(value) or not isinstance(value, numbers.Real):
         return f"expects {'an integer' if kinds == {'int'} else 'a number'}, got {value!r}"
     if kinds == {"int"} and not isinstance(value, numbers.Integral):
         return f"expects an integer, got {value!r}"
