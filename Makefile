@@ -150,8 +150,11 @@ bench-bertscore: $(STAMP)
 bench-list: $(STAMP)
 	$(BENCH) benchmarks/list_cost.py
 bench-pacs-polos: $(STAMP) $(REFERENCE_STAMP)
+	$(BENCH) benchmarks/pacs_polos_throughput.py --whole-run --images 8 --captions-per-image 4
 	$(BENCH) benchmarks/pacs_polos_throughput.py
 bench-fleur: $(STAMP)
+	$(BENCH) benchmarks/lvlm_throughput.py --realistic --whole-run --lm-layers 2 --images 11 --captions-per-image 6 \
+		--batch-size 18
 	$(BENCH) benchmarks/lvlm_throughput.py --realistic --lm-layers 2 --images 11 --captions-per-image 6 \
 		--repeats 2 --loop-repeats 1 --batch-size 18
 

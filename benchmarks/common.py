@@ -106,12 +106,13 @@ def run_process(cmd: list[str], env: dict[str, str]) -> tuple[float, float, floa
 
 
 def interleaved_processes(commands: dict[str, Callable[[], list[str]]], env: dict[str, str], rounds: int,
-                          before: Callable[[str], None] = lambda side: None) -> dict[str, list]:
-    """Each side's (wall, CPU, peak GB) per round, after one untimed run of each (bytecode caches, page cache);
-    the sides' order alternates between rounds so a change of load hits them alike. ``before(side)`` runs ahead
-    of each of its runs (e.g. removing the last output)."""
+                          before: Callable[[str], None] = lambda side: None, warm_up: bool = True) -> dict[str, list]:
+    """Each side's (wall, CPU, peak GB) per round, after one untimed run of each (bytecode caches, page cache;
+    ``warm_up=False`` leaves it out, where earlier runs made them); the sides' order alternates between rounds so a
+    change of load hits them alike. ``before(side)`` runs ahead of each of its runs (e.g. removing the last
+    output)."""
     sides = list(commands)
-    for side in sides:
+    for side in sides if warm_up else ():
         before(side)
         run_process(commands[side](), env)
     times: dict[str, list] = {side: [] for side in sides}
