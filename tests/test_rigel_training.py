@@ -244,6 +244,36 @@ def test_save_reload_and_score_gives_identical_scores(splits, short_phase2):
             assert torch.allclose(result.scores, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("damage", ["a lora_B factor missing", "a NaN in a factor", "a factor of another shape"])
+def test_an_adapter_that_is_not_whole_is_refused_naming_the_factor(short_phase2, tmp_path, damage):
+    """Issue 49: peft fills a factor the file lacks with its initial value (lora_B: zero) and scores on, the
+    adapter silently doing nothing; a factor that is not finite or of another shape is refused too."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from capeval_plugins.resources.loading import ModelLoadError, clear_cache
+
+    _, out = short_phase2
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    path = broken / ADAPTER_DIR / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    name = sorted(k for k in tensors if "lora_B" in k)[0]
+    if damage == "a lora_B factor missing":
+        tensors.pop(name)
+    elif damage == "a NaN in a factor":
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] = float("nan")
+    else:
+        tensors[name] = torch.zeros(tensors[name].shape[0] + 1, *tensors[name].shape[1:])
+    save_file(tensors, str(path))
+    clear_cache()
+    with pytest.raises(ModelLoadError, match=name.rsplit(".", 2)[0].replace(".", r"\.")):
+        load_rigel(broken)
+    clear_cache()
+
+
 def test_a_resumed_phase2_run_ends_where_an_uninterrupted_one_does(splits, short_phase1, tmp_path):
     from safetensors.torch import load_file
 
@@ -402,12 +432,24 @@ def test_phase1_with_the_kl_objective_lowers_the_kl_to_the_teacher(splits, tmp_p
 def test_phase2_with_a_random_head_freezes_a_fresh_seeded_head(short_phase1):
     settings = read_settings(short_phase1)
     rigel = build_trainable(spec(), short_phase1, Phase2Config(head_init="random", seed=3))
+    # Expected without the code's own build_head: the head the settings describe (the tiny backbone's 32-wide
+    # hidden state, one 64-wide ReLU layer, five labels) as plain torch Linear layers drawn in order from seed 3,
+    # and its forward pass written out in numpy.
     torch.manual_seed(3)
-    fresh = settings.build_head()
+    plain = [torch.nn.Linear(32, 64), torch.nn.Linear(64, 5)]
+    want = [t.detach() for layer in plain for t in (layer.weight, layer.bias)]
+    got = list(rigel.head.parameters())
+    assert [tuple(t.shape) for t in got] == [(64, 32), (64,), (5, 64), (5,)]
     distilled = load_head(short_phase1, settings)
-    for got, want, phase1 in zip(rigel.head.parameters(), fresh.parameters(), distilled.parameters()):
-        assert torch.equal(got.cpu(), want) and not got.requires_grad
-        assert not torch.equal(got.cpu(), phase1)
+    for mine, fresh, phase1 in zip(got, want, distilled.parameters()):
+        assert torch.equal(mine.cpu(), fresh) and not mine.requires_grad
+        assert not torch.equal(mine.cpu(), phase1)
+    x = np.random.default_rng(0).standard_normal((7, 32))
+    w1, b1, w2, b2 = (t.double().numpy() for t in want)
+    expected = np.maximum(x @ w1.T + b1, 0) @ w2.T + b2
+    with torch.no_grad():
+        logits = rigel.head(torch.from_numpy(x)).double().cpu().numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-5)  # float32 head: 1e-5 is far above its rounding
     with pytest.raises(ValueError, match="head_init"):
         Phase2Config(head_init="distilled")
     with pytest.raises(ValueError, match="lm_softmax"):
