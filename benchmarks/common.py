@@ -1,9 +1,13 @@
 """Helpers the benchmark scripts share (run them as ``python benchmarks/<script>.py``)."""
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def timed(fn: Callable[[], Any], repeats: int, device: str = "cpu",
@@ -74,3 +78,66 @@ def random_llava15_realistic(lm_layers: int = 24, vision_layers: int = 2, seed: 
                    vision_feature_select_strategy="default", num_additional_image_tokens=1,
                    chat_template=LLAVA_15_TEMPLATE).save_pretrained(path)
     return str(path)
+
+
+def process_env(threads: int) -> dict[str, str]:
+    """The environment of a whole-process benchmark side: offline, quiet, ``threads`` torch threads, this checkout
+    importable, and Python's bytecode caches written (an installed package has them)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TQDM_DISABLE="1", OMP_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads),
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    return env
+
+
+def run_process(cmd: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+    """(wall s, CPU s of the process and every descendant it waited for, peak RSS GB) of one process, from the
+    kernel (``wait4``)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err = proc.stderr.read().decode(errors="replace")  # read first: a full pipe would block the child
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    proc.stderr.close()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"{cmd[:6]} failed ({proc.returncode}):\n{err[-3000:]}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 2 ** 20
+
+
+def interleaved_processes(commands: dict[str, Callable[[], list[str]]], env: dict[str, str], rounds: int,
+                          before: Callable[[str], None] = lambda side: None, warm_up: bool = True) -> dict[str, list]:
+    """Each side's (wall, CPU, peak GB) per round, after one untimed run of each (bytecode caches, page cache;
+    ``warm_up=False`` leaves it out, where earlier runs made them); the sides' order alternates between rounds so a
+    change of load hits them alike. ``before(side)`` runs ahead of each of its runs (e.g. removing the last
+    output)."""
+    sides = list(commands)
+    for side in sides if warm_up else ():
+        before(side)
+        run_process(commands[side](), env)
+    times: dict[str, list] = {side: [] for side in sides}
+    for r in range(rounds):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            before(side)
+            times[side].append(run_process(commands[side](), env))
+    return times
+
+
+def report_processes(times: dict[str, list], notes: dict[str, str] | None = None) -> None:
+    """Median [min-max] CPU s, median wall s and peak GB per side, and the first side's CPU over each other's
+    (median and best rounds)."""
+    import statistics
+
+    notes = notes or {}
+    sides = list(times)
+    first = sides[0]
+    print(f"  {'side':22s} {'CPU s median [min-max]':>26s} {'wall s':>8s} {'peak GB':>8s}   "
+          f"{first} / side: CPU median, best")
+    for side in sides:
+        cpu = [c for _, c, _ in times[side]]
+        line = (f"  {side:22s} {statistics.median(cpu):10.2f} [{min(cpu):6.2f}-{max(cpu):6.2f}] "
+                f"{statistics.median(w for w, _, _ in times[side]):8.2f} {max(m for _, _, m in times[side]):8.2f}")
+        if side != first:
+            base = [c for _, c, _ in times[first]]
+            line += f"   {statistics.median(base) / statistics.median(cpu):5.2f}x {min(base) / min(cpu):5.2f}x"
+        print(line + (f"   {notes[side]}" if side in notes else ""), flush=True)

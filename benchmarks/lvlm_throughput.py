@@ -2,6 +2,7 @@
 like the official FLEUR script, same model and inputs, one process; plus the score heads' share of the time.
 
     python benchmarks/lvlm_throughput.py [--model PATH_OR_ID] [--images 16] [--captions-per-image 5]
+    python benchmarks/lvlm_throughput.py --realistic --whole-run [--rounds 3]    # whole processes, see below
 
 Three runs over the same (image, caption) pairs, each answering greedily within the same token budget:
 
@@ -17,11 +18,22 @@ expectation and extras) on the judge's output, over the judge's time plus that (
 0.79 %, Table 12).
 Default model: the tiny random LLaVA-NeXT of the tests (``--image-size`` larger than 32 builds one with more
 image tokens per prompt).
+
+``--realistic --whole-run``: FLEUR as a user runs it, each side a process of its own per round (Python, imports,
+the model load, reading and decoding the image files, scoring, writing): ``capeval score -m fleur`` on a caption
+file against a script running the official loop (each pair's image opened from its file, then ``naive`` above);
+CPU seconds of each process tree (``wait4``), peak memory, interleaved rounds after an untimed run of each, every
+pair's written score compared with capeval's ``fleur.raw_score``.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,7 +56,8 @@ def corpus(n_images: int, per_image: int, size: int):
     return images, [i // per_image for i in range(n_images * per_image)], captions
 
 
-def naive_loop(judge: LVLMJudge, images, index, captions, budget: int, visual_input: VisualInput = VisualInput()):
+def naive_loop(judge: LVLMJudge, images, index, captions, budget: int, visual_input: VisualInput = VisualInput(),
+               answers: list[str] | None = None):
     """One pair per call, as the official FLEUR script: processor, generate, smoothing from its logits."""
     from transformers import GenerationConfig
 
@@ -59,6 +72,8 @@ def naive_loop(judge: LVLMJudge, images, index, captions, budget: int, visual_in
         new = out.sequences[0, enc["input_ids"].shape[1]:].tolist()
         logprobs = torch.stack([torch.log_softmax(x[0].float(), -1) for x in out.logits])[:, digits.to(judge.device)]
         text = judge.tokenizer.decode(new, skip_special_tokens=True)
+        if answers is not None:
+            answers.append(text)
         parsed = DECIMAL.parse(text)  # FLEUR's smoothing needs the score's positions, found per sample
         if not isinstance(parsed, str):
             heads.fleur_smooth(logprobs[2:3], logprobs[3:4], logprobs[1:2], torch.tensor([True]),
@@ -102,7 +117,16 @@ def main() -> None:
     parser.add_argument("--fixed-batches", action="store_true",
                         help="--realistic: also FLEUR with the runner's former batches (fixed-size slices of the "
                              "image-grouped order, which cut images apart), same process")
+    parser.add_argument("--whole-run", action="store_true",
+                        help="--realistic: FLEUR's whole runs, `capeval score` against the official loop's script, "
+                             "each side a process of its own per round")
+    parser.add_argument("--rounds", type=int, default=3, help="--whole-run: rounds")
+    parser.add_argument("--no-warm-up", action="store_true", help="--whole-run: no untimed first run of each side")
+    if sys.argv[1:2] == ["--child-loop"]:  # the official loop's side of a whole run
+        return loop_child(*sys.argv[2:])
     args = parser.parse_args()
+    if args.realistic and args.whole_run:
+        return whole_run(args)
     if args.realistic:
         return realistic(args)
     model = args.model or random_llava_next(args.image_size)
@@ -215,6 +239,64 @@ def realistic(args) -> None:
               f"{(fleur['fleur'].scores - fixed['fleur'].scores).abs().nan_to_num().max().item():.1e}")
     print(f"FLEUR alone vs in the pass with DISCODE: max |diff| "
           f"{(fleur['fleur'].scores - both['fleur'].scores).abs().nan_to_num().max().item():.1e}")
+
+
+
+FLEUR_INPUT = dict(system_prompt=LLAVA_V1_SYSTEM, image_aspect="pad")  # the metrics' defaults
+
+
+def loop_child(model: str, captions: str, folder: str, budget: str, out: str) -> None:
+    """The official loop as a script: the model loaded, each pair's image opened from its file, one ``generate``
+    per pair; the written scores (None where there is none) go to ``out`` as JSON."""
+    torch.set_grad_enabled(False)
+    rows = [json.loads(line) for line in Path(captions).read_text().splitlines()]
+    judge = LVLMJudge.shared(JudgeSpec(model))
+    images = []
+    for row in rows:
+        with Image.open(Path(folder) / row["image"]) as image:
+            images.append(image.convert("RGB"))
+    answers: list[str] = []
+    naive_loop(judge, images, range(len(rows)), [r["caption"] for r in rows], int(budget),
+               VisualInput(**FLEUR_INPUT), answers)
+    written = [DECIMAL.parse(a) for a in answers]
+    Path(out).write_text(json.dumps([None if isinstance(w, str) else w.value for w in written]))
+
+
+def whole_run(args) -> None:
+    """FLEUR's whole runs (see the module's docstring)."""
+    from common import interleaved_processes, process_env, report_processes
+
+    env = process_env(1 if os.environ.get("OMP_NUM_THREADS") is None else int(os.environ["OMP_NUM_THREADS"]))
+    with tempfile.TemporaryDirectory(prefix="capeval-bench-fleur-") as tmp:
+        root = Path(tmp)
+        model = args.model or random_llava15_realistic(args.lm_layers)
+        images, index, captions = corpus(args.images, args.captions_per_image, 400)
+        for k, image in enumerate(images):
+            image.save(root / f"image_{k:03d}.png")
+        path = root / "captions.jsonl"
+        path.write_text("".join(json.dumps({"image": f"image_{g:03d}.png", "caption": c}) + "\n"
+                                for g, c in zip(index, captions)))
+        outs = {side: root / f"{side}.out" for side in ("official-loop", "capeval")}
+        budget = str(args.max_new_tokens)
+        commands = {
+            "official-loop": lambda: [sys.executable, __file__, "--child-loop", model, str(path), str(root), budget,
+                                      str(outs["official-loop"])],
+            "capeval": lambda: [sys.executable, "-m", "capeval_plugins.cli", "score", "-m", "fleur", "--model", model,
+                                "-o", f"max_new_tokens={budget}", "--batch-size", str(args.batch_size), "--captions",
+                                str(path), "--images", str(root), "--out", str(outs["capeval"]), "--quiet"]}
+        times = interleaved_processes(commands, env, args.rounds, before=lambda side: outs[side].unlink(missing_ok=True),
+                                      warm_up=not args.no_warm_up)
+        loop = [np.nan if v is None else v for v in json.loads(outs["official-loop"].read_text())]
+        # a column all None (no answer with a score, as a random model writes) is left out of the file
+        ours = [json.loads(line).get("fleur.raw_score") for line in outs["capeval"].read_text().splitlines()]
+        loop, ours = np.array(loop, dtype=float), np.array([np.nan if v is None else v for v in ours], dtype=float)
+        same = bool(np.array_equal(np.isnan(loop), np.isnan(ours)) and np.allclose(loop, ours, equal_nan=True))
+        print(f"\nFLEUR, random LLaVA-1.5 ({args.lm_layers} LM layers, 576 image tokens), {len(captions)} pairs = "
+              f"{args.images} images x {args.captions_per_image} captions, batch {args.batch_size}, "
+              f"max_new_tokens {budget}, threads {env['OMP_NUM_THREADS']}, {args.rounds} rounds, load average "
+              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        report_processes(times, {"capeval": f"written scores equal to the loop's: {same} "
+                                            f"({int(np.isnan(ours).sum())} answers without one)"})
 
 
 if __name__ == "__main__":

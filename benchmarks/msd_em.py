@@ -8,7 +8,10 @@ side on the same inputs in one process; then the error of each against a float64
 Features have CLIP ViT-L/14's shapes (256 patches, 768 dimensions, 8-40 caption tokens) and a CLIP-like geometry
 (:func:`clip_like`), one image per pair as in the paper's per-pair timing (8.39 ms per pair for EM + KL on an RTX
 A6000, Table VII). Times cover both mixture fits (K_img = 3, K_txt = 2, kappa = 20, 20 EM iterations), the
-bi-directional KL, the length weight and the fusion; feature extraction is not included.
+bi-directional KL, the length weight and the fusion, and on our side the seeding the metric does for every batch
+(each image's seed hashed from its preprocessed pixels, 3 x 224 x 224, each caption's from its token ids; the
+official code draws from torch's global generator inside its loop, also timed); feature extraction is not
+included.
 
 Timing: every repeat times each configuration once, in turn (official, then ours), so a change of load on a
 shared machine hits all of them alike; each line gives the median and the range over the repeats, and
@@ -137,17 +140,25 @@ def clip_like(pairs: int, patches: int, dim: int, device: str, seed: int = 0) ->
     tokens = F.normalize(0.6 * text_axis + 0.45 * said + 0.6 * unit(pairs, width, dim), dim=-1)
     token_mask = torch.arange(width)[None, :] < lengths[:, None]
     ids = torch.randint(0, 49000, token_mask.shape, generator=g)
+    # what the metric seeds each fit from: the image processor's pixels and the caption's token ids
+    pixels = torch.randn(pairs, 3, 224, 224, generator=g)
     data = dict(image_global=F.normalize(local.mean(1) + 0.3 * unit(pairs, dim), dim=-1), patches=local,
                 patch_mask=torch.ones(pairs, patches, dtype=torch.bool),
                 text_global=F.normalize(tokens.mean(1) + 0.3 * unit(pairs, dim), dim=-1), tokens=tokens,
-                token_mask=token_mask,
-                # Seeds come from the pixels and token ids in the metric; made here once, outside the timing.
-                image_seeds=vmf.content_seeds(local), text_seeds=vmf.content_seeds(ids, token_mask))
+                token_mask=token_mask, pixels=pixels, ids=ids)
     return {k: v.to(device) for k, v in data.items()}
 
 
+def seeds(data: dict) -> dict:
+    """The metric's seeds of every pair: :func:`pixel_seeds` of the pixels, ``content_seeds`` of the token ids."""
+    return {"image_seeds": pixel_seeds(data["pixels"]),
+            "text_seeds": vmf.content_seeds(data["ids"], data["token_mask"])}
+
+
+@torch.inference_mode()  # as MSDScore.map runs it (the official code: under no_grad, main())
 def run(data: dict, rows: slice, em_dtype: str) -> dict:
-    """MSD and its KL terms for the pairs in ``rows``, all at once, at the metric's ``em_dtype``."""
+    """MSD and its KL terms for the pairs in ``rows``, all at once, at the metric's ``em_dtype``, with the
+    metric's seeding."""
     part = {k: v[rows] for k, v in data.items()}
     n = len(part["tokens"])
     # trim token padding to this batch's longest caption, as a real batch would be
@@ -156,7 +167,7 @@ def run(data: dict, rows: slice, em_dtype: str) -> dict:
     return msd_components(
         part["image_global"], part["patches"], part["patch_mask"], part["text_global"],
         part["tokens"][:, :width], part["token_mask"][:, :width], torch.arange(n, device=part["tokens"].device),
-        image_seeds=part["image_seeds"], text_seeds=part["text_seeds"], k_image=K_IMAGE, k_text=K_TEXT,
+        **seeds(part), k_image=K_IMAGE, k_text=K_TEXT,
         kappa=KAPPA, iterations=ITERATIONS, lam=LAM, length_l0=L0, length_tau=TAU_L, dtype=dtype,
         product_dtype=product_dtype)
 
@@ -211,10 +222,11 @@ def report_speed(args, data: dict, clock) -> None:
 def matched_settings(data: dict) -> dict:
     """Our initial means and restart points, per pair, for :func:`official_loop`."""
     out = {}
+    drawn = seeds(data)
     for side, mask, k in (("image", "patch_mask", K_IMAGE), ("text", "token_mask", K_TEXT)):
-        seeds, mask = data[f"{side}_seeds"], data[mask]
-        out[f"{side}_init"] = vmf.initial_positions(seeds, mask, k)
-        out[f"{side}_restarts"] = vmf.restart_positions(seeds, mask, mask.sum(1), ITERATIONS, k)
+        row_seeds, mask = drawn[f"{side}_seeds"], data[mask]
+        out[f"{side}_init"] = vmf.initial_positions(row_seeds, mask, k)
+        out[f"{side}_restarts"] = vmf.restart_positions(row_seeds, mask, mask.sum(1), ITERATIONS, k)
     return out
 
 
@@ -261,9 +273,10 @@ def em_update_effect(data: dict, update: str) -> dict:
     mask = torch.cat([data["token_mask"], data["token_mask"][other]])[:, :width]
     text_global = torch.cat([data["text_global"], data["text_global"][other]])
     image_index = torch.cat([torch.arange(n), torch.arange(n)])
+    drawn = seeds(data)
     out = msd_components(
         data["image_global"], data["patches"], data["patch_mask"], text_global, tokens, mask, image_index,
-        image_seeds=data["image_seeds"], text_seeds=torch.cat([data["text_seeds"], data["text_seeds"][other]]),
+        image_seeds=drawn["image_seeds"], text_seeds=torch.cat([drawn["text_seeds"], drawn["text_seeds"][other]]),
         k_image=3, k_text=2, kappa=KAPPA, iterations=ITERATIONS, lam=LAM, dtype=torch.float64, em_update=update)
     out["soft"] = soft_msd_scores(out["cosine"], out["bi_kl"], image_index, LAM, 0.2)
     return out
@@ -271,6 +284,7 @@ def em_update_effect(data: dict, update: str) -> dict:
 
 def report_em_update(data: dict) -> None:
     restart, coco = em_update_effect(data, "restart"), em_update_effect(data, "coco-cf")
+    drawn = seeds(data)
     n = len(data["tokens"])
     print(f"\nCOCO-CF script's EM (no re-initialisation, w = (N_k + 1e-8) / N) against the paper's, {n} images, "
           "each with its caption and the next image's, float64:")
@@ -282,7 +296,7 @@ def report_em_update(data: dict) -> None:
     for side, points, k in (("patches", "patches", K_IMAGE), ("tokens", "tokens", K_TEXT)):
         mask = data["patch_mask" if side == "patches" else "token_mask"]
         fit = vmf.fit_mixture(data[points], mask, n_components=k, kappa=KAPPA, iterations=ITERATIONS,
-                              seeds=data["image_seeds" if side == "patches" else "text_seeds"], track=True)
+                              seeds=drawn["image_seeds" if side == "patches" else "text_seeds"], track=True)
         print(f"  fits of the {side} where the paper's EM re-initialised a component: "
               f"{int((fit.reinitialised.sum(1) > 0).sum())} of {n}")
 
@@ -318,9 +332,9 @@ def main() -> None:
           f"dim={args.dim} tokens=8-40 K=({K_IMAGE},{K_TEXT}) kappa={KAPPA:g} iterations={ITERATIONS} "
           f"chunk={vmf.CHUNK_BYTES / 2 ** 20:g} MiB clock={args.clock}")
     report_speed(args, data, clock)
-    pixels = torch.rand(64, 3, 224, 224, device=args.device)
-    t_seed, _ = timed(lambda: pixel_seeds(pixels), 3, args.device, clock)
-    print(f"seed from an image's pixels (3x224x224, not in the figures above): {t_seed * 1e3 / 64:.3f} ms/image")
+    for size in (1, 64):
+        t_seed, _ = timed(lambda: seeds({k: v[:size] for k, v in data.items()}), 5, args.device, clock)
+        print(f"of which seeding at batch {size} (pixels 3x224x224 and token ids): {t_seed * 1e3 / size:.3f} ms/pair")
     print("paper (RTX A6000, EM + KL): 8.39 ms/pair")
     if args.accuracy_pairs:
         report_accuracy(args, data)

@@ -23,21 +23,17 @@ class UsageError(Exception):
 def cmd_list(args: argparse.Namespace) -> int:
     from capeval_plugins import registry
 
-    entries = sorted(registry.metrics().items())
+    entries = registry.listing()  # imports no metric (and so neither torch nor a model library)
     if args.json:
-        rows = [
-            {"name": name, "display_name": e.info.display_name, "plugin": e.plugin, "distribution": e.distribution,
-             "references": e.info.references, "images": e.info.images, "video": e.info.video,
-             "groups": e.info.groups, "description": e.info.description}
-            for name, e in entries
-        ]
+        rows = [{"name": e.name, "display_name": e.row["display_name"], "plugin": e.plugin,
+                 "distribution": e.distribution, **{k: e.row[k] for k in registry.LISTED[2:]}} for e in entries]
         print(json.dumps(rows, indent=2))
         return 0
     header = ("name", "from", "references", "images", "description")
     rows = [
-        (name, f"{e.distribution or '?'}:{e.plugin}", e.info.references,
-         e.info.images + ("+video" if e.info.video else ""), e.info.description.split(". ")[0])
-        for name, e in entries
+        (e.name, f"{e.distribution or '?'}:{e.plugin}", e.row["references"],
+         e.row["images"] + ("+video" if e.row["video"] else ""), e.row["description"].split(". ")[0])
+        for e in entries
     ]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
     for row in [header, *rows]:
@@ -126,7 +122,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         check_not_an_image(args.out, records.images)
     if not len(records):
         raise UsageError(f"{records.path} holds no captions")
-    uses_references = any(m.info.references != "never" for m in metrics.values())
+    uses_references = any(m.uses_references() for m in metrics.values())
     groups = None
     if any(g is not None for g in records.groups):
         groups = [g if g is not None else img for g, img in zip(records.groups, records.images)]
@@ -343,27 +339,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+def typed_errors() -> tuple[type[Exception], ...]:
+    """The errors reported in one line, exit 2. Called by ``_main``'s ``except`` only once something was raised,
+    so that a command that needs none of their modules (``capeval list``) does not import them (torch)."""
     from capeval_plugins.resources.loading import ModelLoadError
     from capeval_plugins.core.messages import DataError, ExternalToolError, MissingExtra, UnknownName
     from capeval_plugins.inputs import InputError
     from capeval_plugins.preflight import RequirementError
 
+    return (UsageError, InputError, DataError, ExternalToolError, UnknownName, ModelLoadError, MissingExtra,
+            RequirementError)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         with restored_environment():
             return args.func(args)
-    except (UsageError, InputError, DataError, ExternalToolError, UnknownName, ModelLoadError, MissingExtra,
-            RequirementError) as err:
+    except KeyboardInterrupt:  # Ctrl-C outside a run (loading, reading): one line, not a traceback
+        print("capeval: interrupted", file=sys.stderr)
+        return 130
+    except typed_errors() as err:
         # typed errors only: an unknown name, a missing optional extra (accelerate, torchvision, ...), bad input
+        from capeval_plugins.inputs import InputError
+
         message = getattr(err, "cli_message", None) or (err.args[0] if err.args else str(err))
         # every rank validates the same input: rank 0 reports that; a rank reports what only it found
         if _rank() == 0 or not isinstance(err, InputError) or getattr(err, "rank_specific", False):
             print(f"capeval: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C outside a run (loading, reading): one line, not a traceback
-        print("capeval: interrupted", file=sys.stderr)
-        return 130
     except OSError as err:  # the machine's, not a bug: a full disk, a read-only folder, a file left unreadable
         from capeval_plugins.files import is_environment_error
 

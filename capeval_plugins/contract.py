@@ -419,6 +419,17 @@ class Metric(abc.ABC):
         a model's config file is fine); a usage error found here costs the user no wait."""
         return None
 
+    def uses_references(self) -> bool:
+        """Whether this configured metric reads references: entry points pass them only to a metric that does
+        (``info.references`` says what the method may use; an instance can leave them aside, e.g. CLIPScore
+        without its RefCLIPScore extras, so that they cost nothing)."""
+        return self.info.references != "never"
+
+    def unused_references_hint(self) -> str:
+        """What a user who passed references to this configured metric, which leaves them aside, can do instead
+        (shown when they are dropped). Default: nothing."""
+        return ""
+
     @classmethod
     def tiny_recipe(cls) -> dict[str, Any] | None:
         """Options that build this metric on tiny offline models in seconds on a CPU (e.g. a checkpoint from

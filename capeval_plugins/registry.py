@@ -8,6 +8,11 @@ third-party package that declares::
 
 with a module implementing the hook below shows up in ``capeval list``, ``evaluate.load``, torchmetrics,
 pycocoevalcap and lm-eval without any code of ours changing.
+
+Listing names and needs (``capeval list``, :func:`listing`) imports no metric: a plugin that also implements
+``capeval_metric_catalog`` describes its metrics there (plain values), so the listing costs no import of torch or
+of a model library; ours come from ``capeval_plugins/metrics/catalog.json``. This module imports neither (the
+contract, which imports torch, is imported when a metric class is first collected).
 """
 from __future__ import annotations
 
@@ -16,12 +21,14 @@ import importlib.metadata
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from capeval_plugins.contract import Metric, MetricInfo
 from capeval_plugins.core.messages import UnknownName
+
+if TYPE_CHECKING:
+    from capeval_plugins.contract import Metric, MetricInfo
 
 PROJECT = "capeval_plugins"
 BUILTIN = "builtin"
@@ -34,6 +41,11 @@ class HookSpecs:
     def capeval_metrics(self) -> list[type[Metric]]:
         """Return the :class:`~capeval_plugins.contract.Metric` subclasses this plugin provides."""
 
+    @hookspec
+    def capeval_metric_catalog(self) -> list[dict[str, Any]]:
+        """Optional: the same metrics described without importing them, one dict per metric with the
+        :data:`LISTED` fields of its ``MetricInfo`` (see :func:`catalog_row`), for ``capeval list``."""
+
 
 @dataclass(frozen=True)
 class Registered:
@@ -44,6 +56,28 @@ class Registered:
     @property
     def info(self) -> MetricInfo:
         return self.cls.info
+
+
+# What a listing shows of a metric: these fields of its MetricInfo.
+LISTED = ("name", "display_name", "references", "images", "video", "groups", "description")
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One metric as ``capeval list`` shows it: :data:`LISTED` fields, and where it came from."""
+
+    row: dict[str, Any]
+    plugin: str
+    distribution: str | None
+
+    @property
+    def name(self) -> str:
+        return self.row["name"]
+
+
+def catalog_row(info: MetricInfo) -> dict[str, Any]:
+    """The :data:`LISTED` fields of ``info``: what ``capeval_metric_catalog`` returns for one metric."""
+    return {key: getattr(info, key) for key in LISTED}
 
 
 _lock = threading.RLock()
@@ -89,20 +123,34 @@ def refresh() -> None:
         _metrics = None
 
 
+def _builtin_first(pm: pluggy.PluginManager) -> list[Any]:
+    """Built-in first, so a third-party plugin can add names but never replace ours."""
+    return sorted(pm.get_plugins(), key=lambda p: pm.get_name(p) != BUILTIN)
+
+
+def listing() -> list[Listed]:
+    """Every registered metric by name, described without importing a metric where its plugin has a catalog
+    (``capeval_metric_catalog``); the classes of a plugin without one are collected as :func:`metrics` does."""
+    pm = plugin_manager()
+    found: dict[str, Listed] = {}
+    for plugin in _builtin_first(pm):
+        name = pm.get_name(plugin)
+        catalog = getattr(plugin, "capeval_metric_catalog", None)
+        if catalog is not None:
+            rows = [dict(row) for row in catalog() or ()]
+        else:
+            rows = [catalog_row(cls.info) for cls in _classes(plugin, name)]
+        for row in rows:
+            found.setdefault(row["name"], Listed(row, name, _distributions.get(name)))
+    return [found[key] for key in sorted(found)]
+
+
 def _collect() -> dict[str, Registered]:
     pm = plugin_manager()
     found: dict[str, Registered] = {}
-    # Built-in first, so a third-party plugin can add names but never replace ours.
-    plugins = sorted(pm.get_plugins(), key=lambda p: pm.get_name(p) != BUILTIN)
-    for plugin in plugins:
+    for plugin in _builtin_first(pm):
         name = pm.get_name(plugin)
-        impl = getattr(plugin, "capeval_metrics", None)
-        if impl is None:
-            continue
-        for cls in impl() or ():
-            if not (isinstance(cls, type) and issubclass(cls, Metric)) or not hasattr(cls, "info"):
-                warnings.warn(f"capeval plugin {name!r} returned {cls!r}, not a Metric subclass", stacklevel=2)
-                continue
+        for cls in _classes(plugin, name):
             key = cls.info.name
             if key in found:
                 if found[key].cls is not cls:
@@ -113,6 +161,20 @@ def _collect() -> dict[str, Registered]:
                 continue
             found[key] = Registered(cls, name, _distributions.get(name))
     return found
+
+
+def _classes(plugin: Any, name: str) -> list[type[Metric]]:
+    """The Metric subclasses ``plugin`` returns (anything else is reported and left out)."""
+    from capeval_plugins.contract import Metric
+
+    impl = getattr(plugin, "capeval_metrics", None)
+    out = []
+    for cls in (impl() or ()) if impl is not None else ():
+        if not (isinstance(cls, type) and issubclass(cls, Metric)) or not hasattr(cls, "info"):
+            warnings.warn(f"capeval plugin {name!r} returned {cls!r}, not a Metric subclass", stacklevel=3)
+            continue
+        out.append(cls)
+    return out
 
 
 def metrics() -> dict[str, Registered]:

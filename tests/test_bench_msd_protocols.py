@@ -252,6 +252,9 @@ def test_coco_cf_reads_its_official_scripts_layout(tmp_path):
     (folder / "coco_cf_hard.json").write_text(json.dumps({"data": hard}))
     data = load_benchmark("coco-cf", folder)
     assert len(data) == 70 and data.categories == ["coco_cf_easy"] * 40 + ["coco_cf_hard"] * 30
+    # one corpus per file, the pairs' groups their indices there (the script's i: MSD's COCO-CF starting draws)
+    assert [len(rows) for rows in data.captions.corpora()] == [80, 60]
+    assert data.captions.groups == [k for n in (40, 30) for k in range(n) for _ in range(2)]
     assert set(load_benchmark("coco-cf", folder / "coco_cf_hard.json").categories) == {"coco_cf_hard"}
     scores = write_scores(tmp_path / "s.jsonl", data)
     result = run_benchmark("coco-cf", folder, scores={"w": scores}, bootstrap=0, progress=False).to_dict()

@@ -49,10 +49,10 @@ def test_list_names_every_metric_and_its_source():
 
 def test_score_writes_one_row_per_sample_in_input_order(tiny_clip, tmp_path):
     out = tmp_path / "scores.jsonl"
-    proc = run(score_args(tiny_clip, out, extra=["--batch-size", "2"]))
+    proc = run(score_args(tiny_clip, out, extra=["--batch-size", "2", "-o", "reference_extras=true"]))
     summary = strict_json(proc.stdout.strip().splitlines()[-1])
     rows = [strict_json(line) for line in out.read_text().splitlines()]
-    expected = direct(tiny_clip)
+    expected = direct(tiny_clip, reference_extras=True)
     assert [r["index"] for r in rows] == list(range(len(expected)))
     assert [r["clipscore"] for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5)
     assert [r["clipscore.refclipscore"] for r in rows] == pytest.approx(expected.extras["refclipscore"].tolist(), abs=1e-5)
@@ -436,10 +436,10 @@ def test_out_rows_carry_the_input_and_no_repeated_columns(tiny_clip, tmp_path):
     source = [json.loads(line) for line in (EXAMPLES / "captions.jsonl").read_text().splitlines()]
     assert list(rows[0])[:3] == ["index", "image", "caption"]
     assert [r["image"] for r in rows] == [s["image"] for s in source] and [r["caption"] for r in rows] == records.captions
-    # RefCLIPScore's clipscore, cosine and reference_similarity extras repeat CLIPScore's columns; CLIPScore's
-    # refclipscore extra repeats RefCLIPScore's own column: each value once
+    # RefCLIPScore's clipscore and cosine extras repeat CLIPScore's columns: each value once (CLIPScore leaves
+    # the references to RefCLIPScore, whose reference_similarity is its own)
     assert set(rows[0]) == {"index", "image", "caption", "clipscore", "clipscore.cosine",
-                            "clipscore.reference_similarity", "refclipscore"}
+                            "refclipscore.reference_similarity", "refclipscore"}
 
 
 def test_one_model_for_metrics_of_different_kinds_is_refused_before_loading(tiny_clip, tmp_path):

@@ -57,3 +57,14 @@ def test_quiet_in_process_leaves_the_callers_environment_as_it_was(tiny_clip, mo
 
     assert "TQDM_DISABLE" not in os.environ and "CAPEVAL_QUIET" not in os.environ
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+
+
+def test_a_rank_other_than_0_reports_its_typed_error_in_one_line(monkeypatch, capsys):
+    """Under torchrun each rank reaches the error branch: one that is not rank 0 reports an error only it can have
+    found (here an unknown metric name, not an input problem every rank shares) and exits 2, not a traceback."""
+    monkeypatch.setenv("RANK", "1")
+    code = cli.main(["score", "-m", "no_such_metric", "--captions", str(EXAMPLES / "captions.jsonl"),
+                     "--images", str(EXAMPLES / "images")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("capeval: error:") and "no_such_metric" in err and len(err.strip().splitlines()) == 1

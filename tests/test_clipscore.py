@@ -62,15 +62,15 @@ def test_refclipscore_equals_a_plain_loop(tiny_clip, images):
     expected = [plain_refclipscore(model, processor, *row) for row in zip(images, CAPTIONS, REFERENCES)]
     ref = capeval_plugins.load("refclipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
     assert ref.scores.tolist() == pytest.approx(expected, abs=1e-5)
-    both = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
+    both = capeval_plugins.load("clipscore", model=tiny_clip, reference_extras=True)(images, CAPTIONS, REFERENCES)
     assert both.extras["refclipscore"].tolist() == pytest.approx(expected, abs=1e-5)
     assert both.corpus_extras["mean_refclipscore"] == pytest.approx(np.mean(expected), abs=1e-5)
 
 
 def test_reference_options_follow_their_definition(tiny_clip, images):
     model, processor = plain_clip(tiny_clip)
-    result = capeval_plugins.load("clipscore", model=tiny_clip, prefix_references=False, clamp_reference=False)(
-        images, CAPTIONS, REFERENCES)
+    result = capeval_plugins.load("clipscore", model=tiny_clip, prefix_references=False, clamp_reference=False,
+                                  reference_extras=True)(images, CAPTIONS, REFERENCES)
     for i, (cap, refs) in enumerate(zip(CAPTIONS, REFERENCES)):
         cand = plain_embed_text(model, processor, "A photo depicts " + cap)
         best = max(float(cand @ plain_embed_text(model, processor, r)) for r in refs)
@@ -175,6 +175,77 @@ def test_the_same_model_is_loaded_once(tiny_clip):
     a = capeval_plugins.load("clipscore", model=tiny_clip)
     b = capeval_plugins.load("refclipscore", model=tiny_clip, w=1.0)
     assert a.encoder.model is b.encoder.model
+
+
+def test_references_are_not_encoded_unless_their_extras_are_asked_for(tiny_clip, images, monkeypatch):
+    """CLIPScore is reference-free: given references, it encodes only the candidates (and warns, naming the
+    option), with the same scores; reference_extras=True encodes each distinct reference once."""
+    from capeval_plugins.models.encoders import ClipEncoder
+
+    seen: list[list[str]] = []
+    original = ClipEncoder.tokenize
+
+    def recording(self, texts):
+        seen.append(list(texts))
+        return original(self, texts)
+
+    monkeypatch.setattr(ClipEncoder, "tokenize", recording)
+    plain = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS)
+    seen.clear()
+    with pytest.warns(UserWarning, match="reference_extras=True"):
+        given = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
+    assert sum(map(len, seen)) == len(set(CAPTIONS))
+    assert "refclipscore" not in given.extras
+    assert given.scores.tolist() == pytest.approx(plain.scores.tolist(), abs=1e-6)
+    seen.clear()
+    repeated = [REFERENCES[0]] * len(CAPTIONS)  # one image's references for each of its captions
+    capeval_plugins.load("clipscore", model=tiny_clip, reference_extras=True)(images[:1] * len(CAPTIONS), CAPTIONS,
+                                                                              repeated)
+    texts = [t for call in seen for t in call]
+    assert len(texts) == len(set(texts)) == len(set(CAPTIONS)) + len(set(REFERENCES[0]))
+
+
+def test_text_chunks_sorted_by_length_equal_one_text_at_a_time(tiny_clip):
+    """The text tower runs on chunks of similar length cut to their longest text: each embedding equals the
+    text's own, alone (no padding), to float rounding; repeated texts come back in place."""
+    from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
+    from capeval_plugins.models.encoders import clip as clip_module
+
+    enc = ClipEncoder.shared(EncoderSpec(tiny_clip))
+    rng = random.Random(1)
+    words = "a dog cat man runs on the grass near red ball water".split()
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 30))) for _ in range(40)]
+    texts += texts[:5]
+    alone = torch.cat([enc.encode_texts([t]) for t in texts])
+    for tokens in (1, 100, 512, 1 << 16):  # one text a chunk .. all in one
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(clip_module.TEXT_CHUNK_TOKENS, "cpu", tokens)
+            torch.testing.assert_close(enc.encode_texts(texts), alone, atol=2e-6, rtol=0)
+    lengths = [9, 9, 7, 4, 4, 4, 1]
+    chunks = clip_module.length_chunks(lengths, torch.arange(7), 18)
+    assert [c.tolist() for c in chunks] == [[0, 1], [2, 3], [4, 5, 6]]
+
+
+def test_int8_and_compile_change_a_model_of_their_own(tiny_clip, images, tmp_path):
+    """quantize="int8" quantizes its own copy of the weights in place (no float copy kept beside the int8 one: the
+    shared float model is not even loaded) and leaves the float model other metrics share as it was."""
+    import shutil
+
+    from capeval_plugins.resources import loading
+
+    alone = shutil.copytree(tiny_clip, tmp_path / "clip")
+    assert torch.isfinite(capeval_plugins.load("clipscore", model=str(alone), quantize="int8")(images, CAPTIONS).scores).all()
+    assert not [key for key in loading._cache if key[0] == "model" and str(alone) in str(key)]
+    plain = capeval_plugins.load("clipscore", model=tiny_clip)
+    before = plain(images, CAPTIONS).scores
+    int8 = capeval_plugins.load("clipscore", model=tiny_clip, quantize="int8")
+    assert int8.encoder.model is not plain.encoder.model
+    linears = [m for m in plain.encoder.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.dtype == torch.float32 for m in linears)
+    quantized = [m for m in int8.encoder.model.modules() if "quantized" in type(m).__module__]
+    assert quantized and not any(type(m) is torch.nn.Linear for m in int8.encoder.model.modules())
+    assert torch.isfinite(int8(images, CAPTIONS).scores).all()
+    assert plain(images, CAPTIONS).scores.tolist() == before.tolist()
 
 
 # --- long captions: the mean over sentences (CaptionEvalKit's --sentence-average) --------------------------------

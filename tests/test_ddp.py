@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, model: str, out: str) -> None:
     images, captions, references = clip_corpus()
     got: dict = {}
     for name, shards in SHARDS.items():
-        metric = CLIPScore(model=model, batch_size=3)  # built inside the worker
+        metric = CLIPScore(model=model, batch_size=3, reference_extras=True)  # built inside the worker
         _updates(metric, shards[rank], 2, images, captions, references)
         result = metric.compute_all()
         got["clip", name] = {"score": result.score, "scores": result.scores.tolist(), "indices": result.indices.tolist(),
@@ -101,7 +101,7 @@ def test_two_processes_equal_one(tiny_clip, tmp_path):
     from test_mid import corpus as mid_corpus
 
     images, captions, references = clip_corpus()
-    clip = capeval_plugins.load("clipscore", model=tiny_clip)
+    clip = capeval_plugins.load("clipscore", model=tiny_clip, reference_extras=True)
     single = clip(images, captions, references)
     no_refs = clip(images, captions)
     steps = [clip([images[i] for i in part], [captions[i] for i in part]).score

@@ -40,12 +40,13 @@ def test_clip_score_and_ref_clip_score_equal_the_metrics(tiny_clip, images):
     prefixed = lambda texts: enc.encode_texts([with_prefix("A photo depicts", t) for t in texts])  # noqa: E731
     image, text = enc.encode_images(images), prefixed(CAPTIONS)
     refs, mask = padded_references(prefixed([r for refs in REFERENCES for r in refs]), REFERENCES)
-    result = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
+    result = capeval_plugins.load("clipscore", model=tiny_clip, reference_extras=True)(images, CAPTIONS, REFERENCES)
     torch.testing.assert_close(F.clip_score(image, text), result.scores, atol=1e-6, rtol=0)
     torch.testing.assert_close(F.ref_clip_score(image, text, refs, mask), result.extras["refclipscore"], atol=1e-6,
                                rtol=0)
     assert F.clip_score(image, text, w=1.0).tolist() == pytest.approx((result.scores / 2.5).tolist(), abs=1e-6)
-    unclamped = capeval_plugins.load("clipscore", model=tiny_clip, clamp_reference=False)(images, CAPTIONS, REFERENCES)
+    unclamped = capeval_plugins.load("clipscore", model=tiny_clip, clamp_reference=False, reference_extras=True)(
+        images, CAPTIONS, REFERENCES)
     torch.testing.assert_close(F.ref_clip_score(image, text, refs, mask, clamp_reference=False),
                                unclamped.extras["refclipscore"], atol=1e-6, rtol=0)
     # unnormalised features give the same scores (the function normalises them)

@@ -70,9 +70,9 @@ def test_caption_task_scores_the_generations(tiny_clip):
     out = lm_eval.simple_evaluate(model=model, tasks=["capeval_caption"],
                                   task_manager=tasks_only(str(tasks_dir()), metadata=metadata))
     got = out["results"]["capeval_caption"]
-    direct = capeval_plugins.load("clipscore", model=tiny_clip)(records.images, records.captions, records.references)
-    assert got["clipscore,none"] == pytest.approx(direct.score, abs=1e-6)
-    assert got["capeval/refclipscore,none"] == pytest.approx(direct.corpus_extras["mean_refclipscore"], abs=1e-6)
+    direct = capeval_plugins.load("refclipscore", model=tiny_clip)(records.images, records.captions, records.references)
+    assert got["clipscore,none"] == pytest.approx(direct.corpus_extras["mean_clipscore"], abs=1e-6)
+    assert got["capeval/refclipscore,none"] == pytest.approx(direct.score, abs=1e-6)
 
 
 @pytest.mark.slow

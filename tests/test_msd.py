@@ -234,7 +234,9 @@ def test_em_variants_equal_the_plain_pipeline(em, tiny_clip, pictures):
     """The official COCO-CF script's EM (preset="coco-cf": 3 / 2 components too) and Table II's ablations."""
     images, captions = corpus(pictures)
     images, captions = images[:3], captions[:3]
-    options = {"coco-cf": {"preset": "coco-cf"}, "gaussian": {"mixture": "gaussian", "gaussian_sigma": 0.3},
+    # (the COCO-CF script's own starting draws are compared with it in test_coco_cf_preset_equals_the_official_loop)
+    options = {"coco-cf": {"preset": "coco-cf", "draws": "content", "seed": 0},
+               "gaussian": {"mixture": "gaussian", "gaussian_sigma": 0.3},
                "adaptive": {"kappa_mode": "adaptive"}}[em]
     metric = capeval_plugins.load("msd_score", model=tiny_clip, em_dtype="float64", **options)
     assert metric.config.em_update == ("coco-cf" if em == "coco-cf" else "restart")
@@ -510,4 +512,88 @@ def test_coco_cf_bench_runs_msd_with_its_official_script():
 
     added = metric_options("coco-cf", ["msd_score", "soft_msd"], [])
     assert added == ["msd_score.preset=coco-cf", "soft_msd.preset=coco-cf"]
-    assert PRESETS["coco-cf"] == {"k_image": 3, "k_text": 2, "em_update": "coco-cf"}
+    assert PRESETS["coco-cf"] == {"k_image": 3, "k_text": 2, "em_update": "coco-cf", "draws": "coco-cf", "seed": 42}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The official COCO-CF loop (SteinsGateSg/MSDScore, metrics/vMF_MSD_Score/coco_eval_cf.py), written out from what
+# it computes: per pair i (its index in the data list), the image's mixture fitted with a generator seeded
+# seed + 7 i, each caption's with seed + 3 i + 123 (both captions the same), starting means the first K of
+# torch.randperm(N); x / (|x| + 1e-6); no re-initialisation; float32.
+
+
+def official_unit(x: torch.Tensor) -> torch.Tensor:
+    return x / (x.norm(dim=-1, keepdim=True) + 1e-6)
+
+
+def official_fit(x: torch.Tensor, k: int, seed: int, kappa: float = 20.0, iterations: int = 20):
+    x = official_unit(x)
+    n = len(x)
+    k = min(k, n)
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    mu = official_unit(x[torch.randperm(n, generator=generator)[:k]].clone())
+    w = torch.full((k,), 1.0 / k)
+    for _ in range(iterations):
+        post = torch.softmax(kappa * (x @ mu.T) + torch.log(w[None] + 1e-9), dim=1)
+        mass = post.sum(0) + 1e-8
+        mu = official_unit(post.T @ x)
+        w = mass / float(n)
+    return mu, w
+
+
+def official_log_density(x: torch.Tensor, mixture, kappa: float = 20.0) -> torch.Tensor:
+    mu, w = mixture
+    return torch.logsumexp(kappa * (official_unit(x) @ mu.T) + torch.log(w[None] + 1e-9), dim=1)
+
+
+@torch.no_grad()
+def official_pair(model, processor, image, captions, i: int, seed: int) -> dict:
+    pixels = processor(images=image, return_tensors="pt").pixel_values
+    patches = official_unit(model.visual_projection(model.vision_model(pixels).last_hidden_state[:, 1:])[0])
+    image_global = official_unit(model.get_image_features(pixel_values=pixels).pooler_output[0])
+    image_mixture = official_fit(patches, 3, seed + 7 * i)
+    out = {"bi_kl": [], "cosine": []}
+    for caption in captions:
+        tokens = processor(text=caption, return_tensors="pt", padding=True, truncation=True)
+        hidden = model.text_projection(model.text_model(**tokens).last_hidden_state)
+        length = int(tokens.attention_mask.sum())
+        tok = official_unit((hidden[:, 1:length - 1] if length > 2 else hidden[:, :length])[0])
+        text_global = official_unit(model.get_text_features(**tokens).pooler_output[0])
+        text_mixture = official_fit(tok, 2, seed + 3 * i + 123)
+        kl_it = (official_log_density(patches, image_mixture) - official_log_density(patches, text_mixture)).mean()
+        kl_ti = (official_log_density(tok, text_mixture) - official_log_density(tok, image_mixture)).mean()
+        beta = 1.0 / (1.0 + np.exp((len(tok) - 20.0) / 3.0))
+        out["bi_kl"].append(float(beta * kl_it + (1.0 - beta) * kl_ti))
+        out["cosine"].append(float(image_global @ text_global))
+    cos, div = torch.tensor(out["cosine"]), torch.tensor(out["bi_kl"])
+    u = torch.clamp(2.0 * (1.0 - torch.softmax(cos / 0.2, dim=0).max()), 0.0, 1.0)
+    out["soft"] = (cos - 0.1 * u * div).tolist()
+    return out
+
+
+def test_coco_cf_preset_equals_the_official_loop(tiny_clip, pictures):
+    """preset="coco-cf" gives coco_eval_cf.py's per-sample values with its seed (42): its starting draws
+    (torch.randperm of a generator seeded from the pair's index), its EM and its Soft-MSD over the pair; an image
+    in two pairs is fitted once per pair, as there; a pair's values do not depend on the batch. The remaining
+    differences are the script's float32 rounding and its +1e-6 in every norm, each about 1e-6 relative (2e-5 on
+    the KLs near 14 of this tiny CLIP). The content-hash draws (draws="content") start elsewhere (1.6 apart)."""
+    model, processor = plain_model(tiny_clip)
+    pairs = [(0, CANDIDATES[0], CANDIDATES[2]), (1, CANDIDATES[3], CANDIDATES[1]), (0, CANDIDATES[5], CANDIDATES[4]),
+             (2, CANDIDATES[4], CANDIDATES[0])]
+    images = [pictures[k] for k, _, _ in pairs for _ in range(2)]
+    captions = [c for _, pos, neg in pairs for c in (pos, neg)]
+    groups = [i for i in range(len(pairs)) for _ in range(2)]
+    official = [official_pair(model, processor, pictures[k], [pos, neg], i, 42) for i, (k, pos, neg) in enumerate(pairs)]
+    expected = {key: np.array([v for row in official for v in row[key]]) for key in ("bi_kl", "cosine", "soft")}
+    assert np.ptp(expected["bi_kl"]) > 0.01  # the KLs differ between captions: a real comparison
+    metric = capeval_plugins.load("soft_msd", model=tiny_clip, preset="coco-cf")
+    assert (metric.config.draws, metric.config.seed) == ("coco-cf", 42)
+    for batch_size in (64, 1, 3):
+        metric.config.batch_size = batch_size
+        ours = metric(images, captions, group_ids=groups)
+        np.testing.assert_allclose(ours.extras["bi_kl"].numpy(), expected["bi_kl"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ours.scores.numpy(), expected["soft"], rtol=0, atol=1e-5)
+    hashed = capeval_plugins.load("soft_msd", model=tiny_clip, preset="coco-cf", draws="content")(
+        images, captions, group_ids=groups)
+    assert np.abs(hashed.extras["bi_kl"].numpy() - expected["bi_kl"]).max() > 1e-3

@@ -101,7 +101,7 @@ def test_pacs_and_refpacs_equal_the_official_code(released, modules, corpus, kin
     options = {"model": folder, "batch_size": 5}
     if kind == "open_clip":
         options["backbone"] = "open_clip-vit-l-14"
-    ours = capeval_plugins.load("pacscore", **options)(images, candidates, references)
+    ours = capeval_plugins.load("pacscore", reference_extras=True, **options)(images, candidates, references)
     np.testing.assert_allclose(ours.scores.numpy(), pac, atol=2e-5)
     np.testing.assert_allclose(ours.extras["refpacscore"].numpy(), refpac, atol=2e-5)
     ref = capeval_plugins.load("refpacscore", **options)(images, candidates, references)
@@ -126,7 +126,7 @@ def test_pacs_pp_folds_the_lora_factors_as_the_official_scoring_applies_them(rel
     folded["visual.conv1.weight"] = conv + (state["visual.conv1.lora_B"] @ state["visual.conv1.lora_A"]).view(conv.shape) / r
     model = official_code.openai_clip(modules, folded)
     pac, refpac = official_pacs(model, modules, images, candidates, references, OPENAI_MEAN, OPENAI_STD)
-    ours = capeval_plugins.load("pacscore_pp", model=folder)(images, candidates, references)
+    ours = capeval_plugins.load("pacscore_pp", model=folder, reference_extras=True)(images, candidates, references)
     np.testing.assert_allclose(ours.scores.numpy(), pac, atol=2e-5)
     np.testing.assert_allclose(ours.extras["refpacscore_pp"].numpy(), refpac, atol=2e-5)
     merged, _, left_out = merge_lora(state, "merge")

@@ -13,8 +13,8 @@ from capeval_plugins.torchmetrics import CLIPScore, RefCLIPScore
 
 
 def test_batches_equal_one_call(tiny_clip, images):
-    direct = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
-    metric = CLIPScore(model=tiny_clip)
+    direct = capeval_plugins.load("clipscore", model=tiny_clip, reference_extras=True)(images, CAPTIONS, REFERENCES)
+    metric = CLIPScore(model=tiny_clip, reference_extras=True)
     metric.update(images[:1], CAPTIONS[:1], REFERENCES[:1])
     metric.update(images[1:], CAPTIONS[1:], REFERENCES[1:])
     value = metric.compute()

@@ -153,6 +153,21 @@ def test_default_seeds_come_from_the_row_itself():
         np.testing.assert_allclose(batched.means[b].numpy(), alone.means[0].numpy(), atol=1e-12)
 
 
+def test_default_seeds_hash_a_strided_sample_of_the_valid_points():
+    """point_seeds reads every 61st coordinate of each valid point: the same seed wherever the padding is, another
+    one when a sampled value changes."""
+    x = torch.randn(1, 12, 768, dtype=torch.float64)
+    padded_x = torch.cat([torch.full((1, 3, 768), 7.0, dtype=torch.float64), x], 1)
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    padded_mask = torch.cat([torch.zeros(1, 3, dtype=torch.bool), mask], 1)
+    seed = vmf.point_seeds(x, mask)
+    assert seed == vmf.point_seeds(padded_x, padded_mask)
+    assert seed == vmf.content_seeds(x[..., ::61], mask[..., None].expand(1, 12, 13))
+    changed = x.clone()
+    changed[0, 5, 122] += 1.0  # coordinate 122 = 2 * 61 is sampled
+    assert vmf.point_seeds(changed, mask) != seed
+
+
 def test_content_seeds_depend_on_content_only():
     ids = torch.tensor([[5, 6, 7, 0, 0], [0, 5, 6, 7, 0], [5, 6, 8, 0, 0], [6, 5, 7, 0, 0]])
     mask = ids > 0

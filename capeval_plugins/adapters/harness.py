@@ -64,7 +64,7 @@ def score_documents(metrics: Mapping[str, Any], images: Sequence[Any] | None, ca
     from capeval_plugins import runner
 
     needs_images = any(m.info.images != "never" for m in metrics.values())
-    needs_refs = any(m.info.references != "never" for m in metrics.values())
+    needs_refs = any(m.uses_references() for m in metrics.values())
     if references is not None and all(not r for r in references):
         references = None
     return runner.score_many(dict(metrics), images if needs_images else None, list(captions),

@@ -211,7 +211,7 @@ class CapevalScorer:
         if not (gts_written and res_written):
             self._refuse_tokens(gts, res)
         info = self.metric.info
-        references = [list(gts[i]) for i in ids] if info.references != "never" else None
+        references = [list(gts[i]) for i in ids] if self.metric.uses_references() else None
         images = [self.resolver(i) for i in ids] if self.resolver is not None and info.images != "never" else None
         return ids, candidates, references, images
 

@@ -383,13 +383,15 @@ class _PairRows:
         self.first, self.second, self.label, self.categories = [], [], [], []
 
     def add(self, image: Any, captions: Sequence[str], refs: list[str] | None, label: int, category: str,
-            corpus: int) -> None:
+            corpus: int, group: int | None = None) -> None:
+        """``group``: the pair's group id (default: its index among every pair added; one given must be unique
+        within its corpus)."""
         for caption in captions:
             self.images.append(image)
             self.candidates.append(caption)
             self.references.append(refs)
             self.corpus.append(corpus)
-            self.groups.append(len(self.label))
+            self.groups.append(len(self.label) if group is None else group)
         self.first.append(len(self.candidates) - 2)
         self.second.append(len(self.candidates) - 1)
         self.label.append(label)
@@ -485,8 +487,11 @@ def _script_items(data: Any) -> list | None:
 
 
 def _counterfactual_files(path: Path, files: Sequence[Path]) -> Pairs:
+    """Each file in coco_eval_cf.py's layout is a corpus of its own whose pairs' group ids are their indices in the
+    file, as the script numbers them (it runs once per file, and MSD-Score's COCO-CF preset draws from that
+    index)."""
     rows = _PairRows()
-    for file in files:
+    for number, file in enumerate(files, start=1):
         data = load_records(file)
         items = _script_items(data)
         if items is None:
@@ -496,7 +501,7 @@ def _counterfactual_files(path: Path, files: Sequence[Path]) -> Pairs:
             at = f"{file}: item {k}"
             captions = [text(pick(item, (key,), key, at), key, at) for key in ("caption", "negative_caption")]
             image = text(pick(item, ("image_path", "filename"), "image_path", at), "image_path", at)
-            rows.add(image, captions, None, 0, file.stem, corpus=0)
+            rows.add(image, captions, None, 0, file.stem, corpus=number, group=k)
     return rows.build(path)
 
 

@@ -264,7 +264,7 @@ def score_metrics(metrics: Mapping[str, Metric], captions: Captions, *, images: 
 def _metric_inputs(name: str, metric: Metric, captions: Captions, images: Any, with_references: bool,
                    benchmark: str, frames: int | None, cache: Any, contents: ContentDigests) -> _Inputs:
     info = metric.info
-    use_refs = info.references == "always" or (info.references == "optional" and with_references)
+    use_refs = info.references == "always" or (metric.uses_references() and with_references)
     if use_refs and captions.references is None:
         if info.references == "always":
             raise InputError(f"{name} needs references, and this {benchmark or 'benchmark'} file has none")

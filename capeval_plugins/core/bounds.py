@@ -16,8 +16,6 @@ import numbers
 import typing
 from typing import Any, Callable
 
-import numpy as np
-
 # The largest seed every generator takes (torch.manual_seed: below 2**64; numpy: any; int64 everywhere).
 MAX_SEED = 2**63 - 1
 
@@ -48,16 +46,23 @@ def field_kinds(cls: type) -> dict[str, frozenset[str]]:
     return kinds
 
 
+def _is_bool(value: Any) -> bool:
+    """A bool, or numpy's (known by its type's name: the command line's parsing, which checks its flags here,
+    stays free of numpy's import)."""
+    kind = type(value)
+    return kind is bool or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
 def value_problem(value: Any, kinds: frozenset[str], limits: dict[str, float]) -> str | None:
     """Why ``value`` is not of ``kinds`` (bool, int, float, None) inside ``limits``, or None."""
     if value is None and "None" in kinds:
         return None
     kinds = kinds - {"None"}
     if kinds == {"bool"}:
-        return None if isinstance(value, (bool, np.bool_)) else f"expects true or false, got {value!r}"
+        return None if _is_bool(value) else f"expects true or false, got {value!r}"
     if not kinds or not kinds <= {"int", "float"}:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if _is_bool(value) or not isinstance(value, numbers.Real):
         return f"expects {'an integer' if kinds == {'int'} else 'a number'}, got {value!r}"
     if kinds == {"int"} and not isinstance(value, numbers.Integral):
         return f"expects an integer, got {value!r}"

@@ -382,6 +382,7 @@ def fit_mixture(
     kappa: float = 20.0,
     iterations: int = 20,
     seeds: Tensor | None = None,
+    initial: Tensor | None = None,
     reinit_threshold: float = 1e-6,
     dtype: torch.dtype = torch.float64,
     product_dtype: torch.dtype | None = None,
@@ -397,8 +398,10 @@ def fit_mixture(
     updates of the module's docstring.
 
     ``seeds`` (B,) drive the random choices; by default they come from the row's own points
-    (:func:`content_seeds` of their bits), which is exact only when those bits do not depend on the batch:
-    pass seeds derived from discrete content (token ids, pixels) when features may carry float noise.
+    (:func:`point_seeds`: a strided sample of their bits), which is exact only when those bits do not depend on
+    the batch: pass seeds derived from discrete content (token ids, pixels) when features may carry float noise.
+    ``initial`` (B, K) gives the positions of the initial means instead of their draw (another generator's
+    draws, e.g. the official COCO-CF script's); re-initialisations are still drawn from ``seeds``.
     Rows are fitted in chunks of about ``chunk_bytes`` of points (default :data:`CHUNK_BYTES` on a CPU, all rows at
     once elsewhere; 0: all at once), which changes the speed, not the result. ``track`` records the log-likelihood and the collapses of every step.
 
@@ -423,9 +426,13 @@ def fit_mixture(
     B, K, device = len(x), n_components, x.device
     model = _Model(family, float(kappa), adaptive_kappa, float(sigma), update, x.shape[-1])
     if seeds is None:
-        seeds = content_seeds(x, mask[..., None].expand_as(x))
+        seeds = point_seeds(x, mask)
     seeds = seeds.to(device=device, dtype=torch.int64)
     first, restart_at = random_positions(seeds, mask, K, iterations if update == "restart" else None, counts)
+    if initial is not None:
+        if tuple(initial.shape) != (B, K):
+            raise ValueError(f"initial must hold ({B}, {K}) positions, got {tuple(initial.shape)}")
+        first = initial.to(device=device, dtype=torch.int64)
     row = torch.arange(B, device=device)[:, None]
     means = x[row, first].to(dtype) * prepared.scale[row, first][..., None]
     k_eff, log_w, floor = _start(prepared, K, update, reinit_threshold, dtype)
@@ -454,6 +461,17 @@ def fit_mixture(
 
 
 fit_vmf_mixture = fit_mixture
+
+POINT_STRIDE = 61  # every 61st coordinate of each point goes into its row's default seed
+
+
+def point_seeds(x: Tensor, mask: Tensor) -> Tensor:
+    """Default seeds (B,) of :func:`fit_mixture`: :func:`content_seeds` of every :data:`POINT_STRIDE`-th
+    coordinate of each valid point (a seed only has to be a deterministic function of the row's points; hashing
+    all of a ViT-L/14 image's 196,608 values cost more than its EM at one pair a call). Valid points count by
+    their rank, so padding does not move a seed."""
+    sample = x[..., ::POINT_STRIDE]
+    return content_seeds(sample, mask[..., None].expand_as(sample))
 
 
 def _start(at: Points, k: int, update: str, threshold: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:

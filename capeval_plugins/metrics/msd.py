@@ -49,19 +49,24 @@ SETTINGS = {"short": (3, 2), "long": (5, 3)}
 # Option sets of the official evaluation scripts, by name (``preset=``); an option given explicitly wins.
 # "sugarcrepe": the SugarCrepe scripts (SteinsGateSg/MSDScore, metrics/vMF_MSD_Score/sugarcrepe_*.py) call the
 # bi-KL with its defaults, 4 image and 2 text components, not the README's 3 / 2; the rest as the paper.
-# "coco-cf": coco_eval_cf.py, 3 image and 2 text components and its own EM (no re-initialisation, weights
-# (N_k + 1e-8) / N, log(w + 1e-9) in every log-density: core.vmf, update="coco-cf").
+# "coco-cf": coco_eval_cf.py, 3 image and 2 text components, its own EM (no re-initialisation, weights
+# (N_k + 1e-8) / N, log(w + 1e-9) in every log-density: core.vmf, update="coco-cf") and its starting draws
+# (draws="coco-cf", with its default --seed 42).
 PRESETS: dict[str, dict[str, object]] = {
     "paper": {},
     "sugarcrepe": {"k_image": 4, "k_text": 2},
-    "coco-cf": {"k_image": 3, "k_text": 2, "em_update": "coco-cf"},
+    "coco-cf": {"k_image": 3, "k_text": 2, "em_update": "coco-cf", "draws": "coco-cf", "seed": 42},
 }
 # Options of a preset applied through the config (the mixture sizes are resolved with the setting).
-_PRESET_FIELDS = ("em_update",)
+_PRESET_FIELDS = ("em_update", "draws", "seed")
 # Values of the ablation options (the paper's Table II, X, XI; see the card).
 MIXTURES = ("vmf", "gaussian")
 KAPPA_MODES = ("fixed", "adaptive")
 EM_UPDATES = ("restart", "coco-cf")
+# Where the EM's random draws come from: "content", a hash of the sample (its pixels, its token ids) and the
+# seed; "coco-cf", coco_eval_cf.py's torch.randperm seeded with seed + 7 i (the image's mixture) and
+# seed + 3 i + 123 (the caption's), i the pair's index (see official_initial_positions).
+DRAWS = ("content", "coco-cf")
 KL_DIRECTIONS = ("length", "image_to_text", "text_to_image")
 SCORE_TERMS = ("both", "global", "local")
 
@@ -111,6 +116,10 @@ class MSDConfig(ModelConfig):
     siglip_features: str = "hidden"
     long_captions: str = "truncate"
     seed: int = bounded(0, ge=0, le=MAX_SEED)
+    # "content" (a hash of each sample and the seed: a score depends on nothing else) or "coco-cf" (the COCO-CF
+    # script's starting draws, which depend on the pair's index there: the group id, else the sample's id);
+    # the "coco-cf" preset sets it.
+    draws: str = "content"
     # Precision of the EM and KL (core.vmf.PRECISIONS). "mixed": the products of the image patches with the
     # means in float32, everything else (log-weights, normalisers, masses, the tokens' products, KL) in float64:
     # faster than the official float32 code and closer to a float64 computation than it (benchmarks/msd_em.py).
@@ -165,6 +174,8 @@ def length_weighted_divergence(
     *,
     image_seeds: Tensor | None = None,
     text_seeds: Tensor | None = None,
+    image_initial: Tensor | None = None,
+    text_initial: Tensor | None = None,
     k_image: int = 3,
     k_text: int = 2,
     kappa: float = 20.0,
@@ -182,7 +193,8 @@ def length_weighted_divergence(
 ) -> Divergence:
     """vMF mixtures fitted to each image's patches (I, N, D) and each caption's tokens (B, T, D), the Monte
     Carlo KL both ways, and D weighted by caption length. Pair b uses image ``image_index[b]`` (default b);
-    seeds default to the points' own bits (see :func:`~capeval_plugins.core.vmf.fit_mixture`). ``dtype`` is
+    seeds default to the points' own bits (see :func:`~capeval_plugins.core.vmf.fit_mixture`); ``image_initial``
+    and ``text_initial`` (positions of the initial means) replace the seeds' draw of the start. ``dtype`` is
     the precision of the fits and the KL, ``product_dtype`` (default ``dtype``) the one the patches are kept and
     multiplied in; the tokens are multiplied in ``dtype`` (:data:`~capeval_plugins.core.vmf.PRECISIONS`).
     ``em_update``, ``mixture`` ("gaussian": standard deviation ``gaussian_sigma``) and ``kappa_mode`` select the
@@ -192,8 +204,8 @@ def length_weighted_divergence(
     token_points = points(tokens, token_mask, dtype)
     fit = dict(kappa=kappa, iterations=iterations, reinit_threshold=reinit_threshold, dtype=dtype, update=em_update,
                family=mixture, sigma=gaussian_sigma, adaptive_kappa=kappa_mode == "adaptive")
-    image_mixture = fit_mixture(patch_points, n_components=k_image, seeds=image_seeds, **fit)
-    text_mixture = fit_mixture(token_points, n_components=k_text, seeds=text_seeds, **fit)
+    image_mixture = fit_mixture(patch_points, n_components=k_image, seeds=image_seeds, initial=image_initial, **fit)
+    text_mixture = fit_mixture(token_points, n_components=k_text, seeds=text_seeds, initial=text_initial, **fit)
     kl = bi_kl(patch_points, None, image_mixture, token_points, None, text_mixture, image_index)
     n_tokens = token_points.counts.to(dtype)
     if kl_direction == "length":
@@ -352,6 +364,13 @@ class MSDScore(Metric):
         return spec
 
     def map(self, batch: Batch) -> dict[str, Tensor]:
+        # Inference mode: the EM's ~600 small tensor operations a pair cost about a tenth less than under no_grad
+        # (and less than with autograd's bookkeeping on); the rows leave it as ordinary tensors.
+        with torch.inference_mode():
+            out = self._map(batch)
+        return {name: value.to("cpu", copy=True) for name, value in out.items()}
+
+    def _map(self, batch: Batch) -> dict[str, Tensor]:
         cfg, enc = self.config, self.encoder
         if cfg.long_captions == "error":
             refuse_long_captions(enc, batch)
@@ -376,16 +395,28 @@ class MSDScore(Metric):
         if cfg.global_pooling == "mean":
             image_global = mean_pooled(image.local, image.mask)
         dtype, product_dtype = PRECISIONS[cfg.em_dtype]
+        image_index = batch.image_index.to(device)
+        image_seeds = pixel_seeds(pixels, seed=cfg.seed).to(device)
+        text_seeds = content_seeds(text.ids, token_mask, seed=cfg.seed)
+        starts = {}
+        if cfg.draws == "coco-cf":
+            pairs = pair_indices(batch)
+            # the script fits an image once per pair: one fit per (image, pair), not one per image
+            fits, image_index = torch.unique(torch.stack([image_index, pairs.to(device)], 1), dim=0,
+                                             return_inverse=True)
+            image_global, image.local, image.mask = (t[fits[:, 0]] for t in (image_global, image.local, image.mask))
+            image_seeds = image_seeds[fits[:, 0]]
+            k_image, k_text = self.mixture_sizes
+            starts = {"image_initial": official_initial_positions(image.mask, k_image, cfg.seed + 7 * fits[:, 1]),
+                      "text_initial": official_initial_positions(token_mask, k_text, cfg.seed + 3 * pairs + 123)}
         out = msd_components(
-            image_global, image.local, image.mask, text_global, text.local, token_mask,
-            batch.image_index.to(device),
-            image_seeds=pixel_seeds(pixels, seed=cfg.seed).to(device),
-            text_seeds=content_seeds(text.ids, token_mask, seed=cfg.seed),
-            lam=cfg.lam, dtype=dtype, product_dtype=product_dtype, diagnostics=cfg.diagnostics, **self.local_options,
+            image_global, image.local, image.mask, text_global, text.local, token_mask, image_index,
+            image_seeds=image_seeds, text_seeds=text_seeds, lam=cfg.lam, dtype=dtype, product_dtype=product_dtype,
+            diagnostics=cfg.diagnostics, **starts, **self.local_options,
         )
         if cfg.diagnostics:
             out["token_contributions"] = content_first(out["token_contributions"], token_mask)
-        return {name: out[name].cpu() for name in self.states()}
+        return {name: out[name] for name in self.states()}
 
     @property
     def local_options(self) -> dict[str, object]:
@@ -454,12 +485,37 @@ def check_config(cfg: MSDConfig) -> None:
     need(cfg.global_pooling in ("model", "mean"), "global_pooling must be 'model' or 'mean'")
     need(cfg.long_captions in ("truncate", "error"), "long_captions must be 'truncate' or 'error'")
     need(cfg.em_dtype in PRECISIONS, f"em_dtype must be one of {sorted(PRECISIONS)}")
+    need(cfg.draws in DRAWS, f"draws must be one of {list(DRAWS)}, got {cfg.draws!r}")
     for name, allowed in (("em_update", EM_UPDATES), ("mixture", MIXTURES), ("kappa_mode", KAPPA_MODES),
                           ("kl_direction", KL_DIRECTIONS), ("score_terms", SCORE_TERMS)):
         need(getattr(cfg, name) in allowed, f"{name} must be one of {list(allowed)}, got {getattr(cfg, name)!r}")
     need(not (cfg.mixture == "gaussian" and cfg.kappa_mode == "adaptive"), "kappa_mode='adaptive' applies to vMFs")
     need(not (cfg.aligner and cfg.patch_layernorm),
          "patch_layernorm applies to stock CLIP patches; an aligner takes its own CLIP layer")
+
+
+def pair_indices(batch: Batch) -> Tensor:
+    """(B,) the index i of each sample's pair in the COCO-CF script's loop: its group id (a pair's two captions
+    form one group), else its own id (``ids``; a group id below 0 means no group)."""
+    if batch.group_ids is None:
+        return batch.indices.to(torch.int64)
+    groups = batch.group_ids.to(torch.int64)
+    return torch.where(groups >= 0, groups, batch.indices.to(torch.int64))
+
+
+def official_initial_positions(mask: Tensor, k: int, seeds: Tensor) -> Tensor:
+    """(B, k) positions of the initial means as coco_eval_cf.py draws them for each row: its valid points (N of
+    them, in order) permuted by ``torch.randperm(N)`` from a generator on the row's device seeded with the row's
+    seed, the first min(k, N) taken (further components are inactive: position 0). One generator per row, as the
+    script makes one per fit. Seeds are taken mod 2**64 (a generator's range)."""
+    out = torch.zeros((len(mask), k), dtype=torch.int64, device=mask.device)
+    for row, (valid, seed) in enumerate(zip(mask, seeds.tolist())):
+        positions = valid.nonzero().flatten()
+        generator = torch.Generator(device=mask.device)
+        generator.manual_seed(int(seed) % 2 ** 64)
+        draw = torch.randperm(len(positions), generator=generator, device=mask.device)[:k]
+        out[row, :len(draw)] = positions[draw]
+    return out
 
 
 def pixel_seeds(pixels: Tensor, seed: int = 0, stride: int = 61) -> Tensor:

@@ -78,8 +78,8 @@ class PACScore(CLIPScore):
         display_name="PAC-S",
         description=(
             "Reference-free: w * max(cos(image, 'A photo depicts ' + caption), 0), w = 2, on CLIP fine-tuned with "
-            "positive-augmented contrastive learning (the released PAC-S weights). With references, RefPAC-S comes "
-            "as an extra."
+            "positive-augmented contrastive learning (the released PAC-S weights). With references and "
+            "reference_extras=True, RefPAC-S comes as an extra."
         ),
         citation=CITATION,
         references="optional",
@@ -177,7 +177,8 @@ class PACScorePP(PACScore):
         display_name="PAC-S++",
         description=(
             "PAC-S's formula on the CLIP of PAC-S++ (LoRA fine-tuning with positive augmentations and curated "
-            "negatives; the released PAC++ weights). With references, RefPAC-S++ comes as an extra."
+            "negatives; the released PAC++ weights). With references and reference_extras=True, RefPAC-S++ comes as an "
+            "extra."
         ),
         citation=CITATION_PP,
         references="optional",

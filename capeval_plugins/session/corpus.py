@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -96,7 +97,15 @@ def validate(metric: Metric, corpus: Corpus, on_error: str | None = None,
 def _check(metric: Metric, corpus: Corpus, checked: dict | None,
            shared: bool = False) -> tuple[Samples, ProblemReport]:
     """``shared``: the corpus serves several metrics, so inputs this one never uses are not its concern."""
-    references = None if shared and metric.info.references == "never" else corpus.references
+    references = corpus.references
+    if references is not None and not metric.uses_references():
+        if metric.info.references != "never":  # the method could read them, this configuration does not
+            if not shared:
+                warnings.warn(f"{metric.info.name} does not use references as configured; they are ignored"
+                              f"{metric.unused_references_hint()}", stacklevel=5)
+            references = None
+        elif shared:
+            references = None
     return validate_samples(metric.info, corpus.images, corpus.candidates, references, corpus.group_ids,
                             corpus.ids, reader=metric.image_reader(), references_required=metric.references_required(),
                             checked=checked)

@@ -118,9 +118,7 @@ class OfficialClip:
     def text_features(self, texts: Sequence[str]) -> Tensor:
         """(B, D) float32 text embeddings (``encode_text`` of ``clip.tokenize(text, truncate=True)``), not
         normalised."""
-        tokens = self.clip.tokenize([clean_text(t) for t in texts])
-        inputs = {k: v.to(self.device) for k, v in tokens.items() if k in ("input_ids", "attention_mask")}
-        return pooled(self.clip.model.get_text_features(**inputs)).float().to(self.device)
+        return self.clip.text_features([clean_text(t) for t in texts])
 
     # ClipEncoder's interface (L2-normalised embeddings), so CLIPScore's scoring runs on this encoder unchanged.
     def encode_images(self, images: Sequence[Image.Image]) -> Tensor:
