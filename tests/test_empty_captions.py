@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import has_java, random_image
 from test_lvlm import scripted_llava, sharp_llava
-from test_resume_every_metric import rigel_checkpoint
+from test_resume_every_metric import EXPERT_JUDGE, rigel_checkpoint
 
 from capeval_plugins import registry, runner
 from capeval_plugins.testing.corpus import caption_corpus
@@ -60,6 +60,7 @@ def recipes(tiny_root, corpus) -> dict[str, dict]:
         "polos": {"model": models["polos"]}, "vela": {"model": models["vela"]},
         **{name: {} for name in NEEDS_JAVA},
         "fleur": {"model": judge}, "discode": {"model": judge},
+        "expert": {"model": scripted_llava(EXPERT_JUDGE), "max_new_tokens": 8},
         "rigel": {"checkpoint": rigel_checkpoint(sharp_llava())},
         "vilbertscore": {"model": models["vilt"]},
         "dino_cycle": {"model": models["dino"], "generated_images": corpus["drawn"]},

@@ -300,7 +300,7 @@ def test_every_other_output_is_refused_as_a_link_or_an_input(files, tmp_path, ca
     assert cli(["calibrate", "--scores", scores, "--components", "a,b", "--out", scores], capsys)[0] == 2
     assert target.read_text() == "the user's file" and len(scores.read_text().splitlines()) == 9
 
-    data = Ratings(Captions(["a.png", "b.png"], ["x", "y"]), np.array([1.0, 2.0]))
+    data = Ratings(Captions(["a.png", "b.png"], ["x", "y"]), np.array([0.25, 0.5]))  # on Nebula's scale
     theirs = tmp_path / "out" / "theirs.jsonl"
     theirs.parent.mkdir()
     theirs.write_text(json.dumps({"image": "a.png", "caption": "x", "score": 1}) + "\n"

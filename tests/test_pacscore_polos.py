@@ -180,6 +180,20 @@ def test_polos_equals_the_official_estimator(tmp_path, modules, corpus):
     np.testing.assert_allclose(ours.scores.numpy(), expected, atol=2e-5)
     # with equal reference counts the official batch of all samples differs only by its shared statistics
     assert 0 <= ours.scores.min() and ours.scores.max() <= 1
+    # the official README's batched reading, predict(batch_size=8): statistics pooled over each batch of 8 (its
+    # candidates, each reference slot), references cut to the fewest of the batch (1-3 here); ours in batches of
+    # 5 and of 64, which change nothing
+    batched = np.asarray(reference.predict(samples, batch_size=8))
+    assert np.abs(batched - expected).max() > 1e-3  # the two readings differ visibly
+    for batch_size in (5, 64):
+        pooled = capeval_plugins.load("polos", model=str(tmp_path / "polos"), batch_size=batch_size,
+                                      official_batch_size=8)(images, candidates, references)
+        np.testing.assert_allclose(pooled.scores.numpy(), batched, atol=2e-5)
+    from capeval_plugins.torchmetrics import Polos
+
+    streamed = Polos(model=str(tmp_path / "polos"), official_batch_size=8)
+    with pytest.raises(ValueError, match="whole corpus"):
+        streamed.update(images[:4], candidates[:4], references[:4])
 
 
 def test_scores_do_not_depend_on_the_batch(corpus, tiny_root):

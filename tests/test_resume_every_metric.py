@@ -61,7 +61,7 @@ def write_corpus(root: Path) -> tuple[Path, Path]:
 FAMILIES = {
     "clip": ["clipscore", "refclipscore", "mid", "msd_score", "soft_msd"],
     "text": ["bertscore", "bleu4", "rouge_l", "cider", "meteor"],
-    "judges": ["fleur", "discode", "rigel"],
+    "judges": ["fleur", "discode", "rigel", "expert"],
     "pacs_and_polos": ["pacscore", "refpacscore", "pacscore_pp", "refpacscore_pp", "polos", "vela"],
     "regions_and_cycles": ["vilbertscore", "dino_cycle", "redemption_score"],
 }
@@ -86,6 +86,8 @@ def options_of(family: list[str], tiny_root, drawn: Path) -> dict[str, dict]:
         # Rigel reads a random, image-dependent one
         "fleur": lambda: {"model": scripted_llava(JUDGE)}, "discode": lambda: {"model": scripted_llava(JUDGE)},
         "rigel": lambda: {"checkpoint": rigel_checkpoint(sharp_llava())},
+        # EXPERT's conversation ends "###Assistant:"; its answer "0.8" then the end of sequence
+        "expert": lambda: {"model": scripted_llava(EXPERT_JUDGE), "max_new_tokens": 8},
         "vilbertscore": lambda: {"model": model("vilt")},
         "pacscore": lambda: {"model": model("pacs")}, "refpacscore": lambda: {"model": model("pacs")},
         "pacscore_pp": lambda: {"model": model("pacs_pp")}, "refpacscore_pp": lambda: {"model": model("pacs_pp")},
@@ -107,6 +109,7 @@ def options_of(family: list[str], tiny_root, drawn: Path) -> dict[str, dict]:
 
 
 JUDGE = ("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog")
+EXPERT_JUDGE = (":", "▁", "0", ".", "8", "</s>")
 
 
 def same_bits(a, b) -> bool:
@@ -147,7 +150,8 @@ def test_every_metric_resumes_to_the_same_bits(family, tiny_root, corpus_files, 
         again = resumed.results[name]
         assert same_bits(result.scores, again.scores), name
         assert result.extras.keys() == again.extras.keys() and all(
-            same_bits(v, again.extras[k]) for k, v in result.extras.items()), name
+            v == again.extras[k] if isinstance(v, list) else same_bits(v, again.extras[k])  # texts, or tensors
+            for k, v in result.extras.items()), name
         assert result.corpus_extras == again.corpus_extras or str(result.corpus_extras) == str(again.corpus_extras)
         assert (result.score == again.score) or (math.isnan(result.score) and math.isnan(again.score)), name
         assert len(result.scores) == len(rows) and not torch.isnan(result.scores).any(), name  # a number everywhere

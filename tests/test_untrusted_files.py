@@ -115,7 +115,7 @@ def ratings(n=30):
     words = "a dog cat man runs sits on grass red ball".split()
     cands = [" ".join(rng.choice(words, rng.integers(1, 8))) for _ in range(n)]
     human = np.array([len(c.split()) for c in cands], dtype=float) + rng.integers(0, 3, n)
-    return Ratings(Captions([f"img{i % 7}.png" for i in range(n)], cands, [["a dog runs"]] * n), human)
+    return Ratings(Captions([f"img{i % 7}.png" for i in range(n)], cands, [["a dog runs"]] * n), human / 10)
 
 
 def bench(cache):

@@ -16,10 +16,12 @@ that position. :class:`LVLMJudge` does the model work once for all of them:
   positions are recomputed, so the numbers equal those of a one-prompt forward pass up to float rounding,
   whatever the batch size, padding or composition.
 * **Greedy decoding from raw logits**: the next token is the argmax of the model's logits (no generation
-  config, no logits processors, no sampling); the label log-probabilities are a float32 log-softmax over
-  the model's full output vocabulary (padded rows included). A sample stops as soon as its score is written
-  (:meth:`RatingScale.complete`), at an end-of-sequence token, or at the token budget; finished samples
-  leave the batch.
+  config, no logits processors, no sampling); the label log-probabilities are a log-softmax (computed in
+  float64) over the model's output vocabulary: every row of the LM head (a conversion's padded rows
+  included), or its first ``vocab_rows`` (the vocabulary the original checkpoint was trained with:
+  LLaVA-1.5's 32,000 of the 32,064 rows of ``llava-hf/llava-1.5-*-hf``), over which the next token is chosen
+  too. A sample stops as soon as its score is written (:meth:`RatingScale.complete`), at an end-of-sequence
+  token, or at the token budget; finished samples leave the batch.
 * **Per step** ``k`` of the answer: the token, the log-probabilities of the scale's label tokens, and the
   final hidden state ``h`` (the LM head's input) whose logits chose that token, so
   ``softmax(V h)`` over the label rows ``V`` (:meth:`LVLMJudge.lm_head_rows`) is the label distribution at
@@ -53,16 +55,17 @@ from capeval_plugins.resources import loading
 from capeval_plugins.resources.accelerate_internals import dispatch_hook
 from capeval_plugins.models.lvlm_decode import (ImageWork, JudgeOutput, JudgeRun, PrefixDecoder, PromptEnd,
                                                 cache_argument, cat_outputs, empty_output)
-from capeval_plugins.core.lvlm_prompts import (IMAGE_ASPECTS, LLAVA_V1_SYSTEM, SCALES, SYSTEM_PLACEMENTS,
-                                               VIDEO_INPUTS, ChatTemplate, ParsedScore, RatingScale, VisualInput,
-                                               fleur_instruction, get_scale, is_video, normalise_space,
-                                               pad_to_square)
+from capeval_plugins.core.lvlm_prompts import (IMAGE_ASPECTS, LLAVA_CONVERSATIONS, LLAVA_IMAGE, LLAVA_V1_SYSTEM,
+                                               SCALES, SYSTEM_PLACEMENTS, TEMPLATES, VIDEO_INPUTS, ChatTemplate,
+                                               KeywordStop, LlavaConversation, ParsedScore, RatingScale,
+                                               VisualInput, fleur_instruction, get_scale, is_video,
+                                               normalise_space, pad_to_square)
 from capeval_plugins.core.messages import MissingExtra, install_extra
 
-__all__ = ["IMAGE_ASPECTS", "LLAVA_V1_SYSTEM", "SCALES", "SYSTEM_PLACEMENTS", "VIDEO_INPUTS", "ChatTemplate",
-           "JudgeOutput", "JudgeSpec", "LVLMJudge", "ParsedScore", "PromptEnd", "RatingScale", "VisualInput",
-           "cache_argument", "fleur_instruction", "get_scale", "is_video", "load_lvlm_processor", "normalise_space",
-           "pad_to_square"]
+__all__ = ["IMAGE_ASPECTS", "LLAVA_CONVERSATIONS", "LLAVA_IMAGE", "LLAVA_V1_SYSTEM", "SCALES", "SYSTEM_PLACEMENTS",
+           "TEMPLATES", "VIDEO_INPUTS", "ChatTemplate", "JudgeOutput", "JudgeSpec", "KeywordStop", "LVLMJudge",
+           "LlavaConversation", "ParsedScore", "PromptEnd", "RatingScale", "VisualInput", "cache_argument",
+           "fleur_instruction", "get_scale", "is_video", "load_lvlm_processor", "normalise_space", "pad_to_square"]
 
 # Token-level processor outputs (one value per token): padded with the ids, sliced with the prefix.
 TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
@@ -138,6 +141,22 @@ class LVLMJudge(PrefixDecoder):
         """``"video"`` or ``"frames"``: how this judge feeds a video under ``visual_input``."""
         return self.template.video_mode(visual_input)
 
+    @property
+    def is_llava15(self) -> bool:
+        """Whether this is a LLaVA-1.5 checkpoint in the transformers layout (``llava``: one CLIP tile projected
+        into a Llama text model, e.g. ``llava-hf/llava-1.5-13b-hf``): the family LLaVA's own ``llava_v1``
+        conversation and ``tokenizer_image_token`` serve in FLEUR's official script."""
+        config = self.model.config
+        text = getattr(config, "text_config", None)
+        return getattr(config, "model_type", None) == "llava" and getattr(text, "model_type", None) == "llama"
+
+    @property
+    def base_vocab_size(self) -> int:
+        """The tokenizer's base vocabulary (without tokens added to it): for a transformers conversion of LLaVA,
+        the rows the original checkpoint's LM head had (32,000 for LLaVA-1.5), before the conversion added
+        ``<image>``, ``<pad>`` and padding rows (to 32,064)."""
+        return min(int(self.tokenizer.vocab_size), self.vocab_size)
+
     def _adds_special(self, chat: str) -> bool:
         return self.template.adds_special(chat)
 
@@ -186,11 +205,18 @@ class LVLMJudge(PrefixDecoder):
         forced: Sequence[str | None] | None = None,
         keep_hidden: bool = True,
         visual_input: VisualInput = VisualInput(),
+        stop: KeywordStop | None = None,
+        vocab_rows: int | None = None,
     ) -> JudgeOutput:
         """Answer every instruction about its image (``images[image_index[i]]``) greedily and read the score.
 
         ``forced`` (optional, per sample) replaces generation by teacher forcing: that answer is fed token by
-        token and read as if the model had written it (the answer ends with it). Samples are processed in
+        token and read as if the model had written it (the answer ends with it). ``stop`` (optional) makes the
+        answers free text: each ends where the rule says (or at an end-of-sequence token, or the budget), and no
+        score is parsed (``raw`` NaN, no errors): read ``tokens`` and ``label_logprobs``, which hold the scale's
+        labels at every step. ``vocab_rows``: the next token and the log-softmax are taken over the LM head's
+        first ``vocab_rows`` rows only (the vocabulary the checkpoint was trained with, without rows a
+        conversion added after it); None: every row. Samples are processed in
         chunks of ``batch_size`` in the given order (keep the candidates of an image together: their prefix
         is shared within a chunk); a chunk that runs out of memory is split in halves. An image may be a
         video (a list of frames), fed as ``visual_input`` says. The last answers are kept
@@ -200,20 +226,25 @@ class LVLMJudge(PrefixDecoder):
         index = _check_index(image_index, n)
         if max_new_tokens < 1 or batch_size < 1:
             raise ValueError("max_new_tokens and batch_size must be at least 1")
+        if vocab_rows is not None and not 0 < vocab_rows <= self.vocab_size:
+            raise ValueError(f"vocab_rows must lie in 1..{self.vocab_size}, got {vocab_rows}")
         table = self.label_table(scale.labels)
+        if vocab_rows is not None and int(table.max()) >= vocab_rows:
+            raise ValueError(f"the scale's label tokens lie beyond the first {vocab_rows} rows of the LM head")
         if n == 0:
             return empty_output(table, len(scale.labels), len(scale.positions))
 
         def answer() -> JudgeOutput:
             run = self._prepare(images, index, list(instructions), forced, scale, max_new_tokens, keep_hidden,
                                 visual_input)
+            run.stop, run.vocab_rows = stop, vocab_rows
             parts = list(self._chunks(run, batch_size, lambda rows: self._run_chunk(run, rows, table)))
             return cat_outputs(parts, table)
 
         # FLEUR and DISCODE of one pass ask the same questions of the same judge: answered once (an answer
         # kept with its hidden states serves a call without them)
         key = shared_results.digest("judge", images, index, list(instructions), scale, max_new_tokens, batch_size,
-                                    None if forced is None else list(forced), visual_input)
+                                    None if forced is None else list(forced), visual_input, stop, vocab_rows)
         return self.results.get(key, answer, lambda out: out.hidden is not None or not keep_hidden)
 
     def prompt_end(
@@ -248,11 +279,17 @@ class LVLMJudge(PrefixDecoder):
                  visual_input: VisualInput = VisualInput()) -> JudgeRun:
         chats = [self.chat(text, images[g], visual_input) for text, g in zip(instructions, index)]
         special = self._adds_special(chats[0])
-        text_ids = self.tokenizer(chats, add_special_tokens=special)["input_ids"]
+        if visual_input.template == "llava":
+            text_ids = [self._llava_ids(chat) for chat in chats]
+        else:
+            text_ids = self.tokenizer(chats, add_special_tokens=special)["input_ids"]
         work = {}
         for i, g in enumerate(index):
             if g not in work:  # the processor (image preprocessing) runs once per distinct image
-                work[g] = self._encode_image(images[g], chats[i], len(text_ids[i]), i, special, visual_input)
+                if visual_input.template == "llava":
+                    work[g] = self._encode_llava_image(images[g], text_ids[i], i, visual_input)
+                else:
+                    work[g] = self._encode_image(images[g], chats[i], len(text_ids[i]), i, special, visual_input)
         forced_ids: list[list[int] | None] = [None] * len(chats)
         if forced is not None:
             if len(forced) != len(chats):
@@ -275,6 +312,39 @@ class LVLMJudge(PrefixDecoder):
         if "second_per_grid_ts" in enc:  # Qwen2.5-VL video: seconds per temporal patch, a list
             vision["second_per_grid_ts"] = torch.as_tensor(enc["second_per_grid_ts"], dtype=torch.float32).reshape(-1)
         return ImageWork(rep, ids, tokens, vision, len(ids) - text_len)
+
+    def _image_token(self) -> tuple[str, int]:
+        token = getattr(self.processor, "image_token", None)
+        if not token or self.image_token_id is None:
+            raise ValueError("template='llava' needs a processor with an image token (a LLaVA checkpoint)")
+        return token, self.image_token_id
+
+    def _llava_ids(self, prompt: str) -> list[int]:
+        """``prompt`` (written with :data:`LLAVA_IMAGE`) tokenised as LLaVA's ``tokenizer_image_token`` does:
+        each piece around the image on its own with the special tokens; one BOS kept, at the front; the image as
+        the processor's one image token (expanded by :meth:`_encode_llava_image`)."""
+        pieces = [list(self.tokenizer(piece)["input_ids"]) for piece in prompt.split(LLAVA_IMAGE)]
+        bos = self.tokenizer.bos_token_id
+        head = 1 if pieces[0] and bos is not None and pieces[0][0] == bos else 0
+        ids = pieces[0][:head]
+        for k, piece in enumerate(pieces):
+            ids += ([self._image_token()[1]] if k else []) + piece[head:]
+        return ids
+
+    def _encode_llava_image(self, image: Any, text_ids: list[int], rep: int, visual_input: VisualInput) -> ImageWork:
+        """The processor's pixels for ``image`` and its run of image tokens, spliced into LLaVA's tokenisation of
+        the prompt in place of its one image token."""
+        token, token_id = self._image_token()
+        enc = self.processor(text=[token], return_tensors="pt", **self._visual_kwargs(image, visual_input))
+        extra = [k for k in enc if k in TOKEN_KEYS and k not in ("input_ids", "attention_mask")]
+        if extra or self.rope_index is not None:
+            raise ValueError("template='llava' needs a processor whose only token-level output is the input ids "
+                             f"(a LLaVA checkpoint); this one also gives {extra or 'multimodal positions'}")
+        run = int((enc["input_ids"][0] == token_id).sum())
+        at = text_ids.index(token_id)
+        ids = torch.tensor(text_ids[:at] + [token_id] * run + text_ids[at + 1:], dtype=torch.long)
+        vision = {k: v for k, v in enc.items() if k not in TOKEN_KEYS and isinstance(v, Tensor)}
+        return ImageWork(rep, ids, {}, vision, run - 1)
 
     def _visual_kwargs(self, visual: Any, visual_input: VisualInput) -> dict[str, Any]:
         """The processor's visual arguments for one image or video."""

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.resources import loading
-from capeval_plugins.core.lvlm_prompts import RatingScale
+from capeval_plugins.core.lvlm_prompts import KeywordStop, RatingScale
 from capeval_plugins.core.messages import warn_once
 
 # --- what a judge returns -----------------------------------------------------------------------------------
@@ -32,10 +32,12 @@ class JudgeOutput:
     """Per sample (rows in input order) and per answer step ``k`` (columns; ``n_steps`` of them).
 
     - ``texts``: the answers (special tokens dropped); ``tokens`` (B, S) their ids, ``-1`` after the end.
-    - ``label_logprobs`` (B, S, K) float32: log-softmax over the full output vocabulary of the logits that
-      chose token ``k``, at the scale's K label tokens (NaN after the end). Where a tokenizer has a bare and
-      a space-prefixed form of the labels ("A" / " A"), the form of the token written at that step is used
-      (``label_variant`` (B, S) indexes the rows of ``label_table`` (variants, K)).
+    - ``label_logprobs`` (B, S, K) float32: log-softmax over the output vocabulary (every row of the LM head, or
+      the first ``vocab_rows``) of the logits that chose token ``k``, at the scale's K label tokens (NaN after
+      the end). It is computed in float64: in float32, the log-sum-exp of 32,000 logits is off by about 1e-6,
+      the size of differences the metrics' tests resolve; the labels' values keep float32's 6e-8. Where a
+      tokenizer has a bare and a space-prefixed form of the labels ("A" / " A"), the form of the token written
+      at that step is used (``label_variant`` (B, S) indexes the rows of ``label_table`` (variants, K)).
     - ``hidden`` (B, S, d) float32: the final hidden state (LM-head input) that produced those logits, or
       None when not kept.
     - ``raw`` (B,) float64: the parsed score (NaN where there is none, ``errors`` says why);
@@ -168,6 +170,8 @@ class JudgeRun:
     scale: RatingScale | None
     max_new_tokens: int
     keep_hidden: bool
+    stop: KeywordStop | None = None  # free answers, ended by this rule (no score parsed)
+    vocab_rows: int | None = None  # the LM head rows the next token and the log-softmax are taken over
 
 
 @dataclass
@@ -231,7 +235,7 @@ class Answers:
         """The active rows' current step: the token written, the label log-probabilities at its form and that
         form, and the final hidden state (None: not kept)."""
         active, step = self.active, self.step
-        self.label_logprobs[active, step] = label_logprobs
+        self.label_logprobs[active, step] = label_logprobs.to(self.label_logprobs.dtype)
         self.variants[active, step] = variant
         self.tokens[active, step] = chosen
         if hidden is not None:
@@ -333,8 +337,8 @@ class PrefixDecoder:
         return self._decode(run, rows, table, self._prefill(run, rows))
 
     def _end_chunk(self, run: JudgeRun, rows: list[int], table: Tensor) -> PromptEnd:
-        logits, h = self._forward_step(self._prefill(run, rows))
-        return PromptEnd(h, torch.log_softmax(logits, dim=-1)[:, table[0].to(self.device)])
+        logits, h = self._forward_step(self._prefill(run, rows), run.vocab_rows)
+        return PromptEnd(h, torch.log_softmax(logits.double(), dim=-1)[:, table[0].to(self.device)].float())
 
     def _prefill(self, run: JudgeRun, rows: list[int]) -> StepInput:
         """The chunk's shared prefixes through the model, their caches copied to each sample: the input of the
@@ -391,38 +395,40 @@ class PrefixDecoder:
         finally:
             handle.remove()
 
-    def _forward_step(self, step: StepInput) -> tuple[Tensor, Tensor]:
-        """(logits, final hidden state) at the last position, float32, gathered on :attr:`device` (a dispatched
-        model computes its last layers and head elsewhere)."""
+    def _forward_step(self, step: StepInput, vocab_rows: int | None = None) -> tuple[Tensor, Tensor]:
+        """(logits, final hidden state) at the last position, gathered on :attr:`device` (a dispatched model
+        computes its last layers and head elsewhere); the logits of the first ``vocab_rows`` rows only, when
+        given. The hidden state is float32, the logits float32 or the model's wider dtype (float64)."""
         dev = self.device
         with self._capture_hidden() as seen:
             out = self.model(input_ids=step.ids.to(dev), attention_mask=step.mask.to(dev),
                              position_ids=self._step_positions(step.positions).to(dev), use_cache=True,
                              logits_to_keep=1, **{self.cache_arg: step.cache})
-        return out.logits[:, -1].float().to(dev), seen[-1].float().to(dev)
+        logits = out.logits[:, -1, :vocab_rows]
+        return logits.to(dev, torch.promote_types(logits.dtype, torch.float32)), seen[-1].float().to(dev)
 
     def _decode(self, run: JudgeRun, rows: list[int], table: Tensor, step: StepInput) -> JudgeOutput:
         """Greedy answers from raw logits, one step per token, finished samples leaving the batch."""
         answers = Answers.start([run.forced[r] for r in rows], run.max_new_tokens, table.shape[1])
         table_dev = table.to(self.device)
-        logits, h = self._forward_step(step)
+        logits, h = self._forward_step(step, run.vocab_rows)
         while True:
             teacher = answers.forced_ids[answers.active, answers.step]
             chosen = torch.where(teacher >= 0, teacher, logits.argmax(-1).cpu())
-            forms = torch.log_softmax(logits, dim=-1)[:, table_dev]  # (A, variants, K)
+            forms = torch.log_softmax(logits.double(), dim=-1)[:, table_dev]  # (A, variants, K)
             form = (chosen.to(self.device)[:, None, None] == table_dev).any(-1).float().argmax(-1)
             picked = forms[torch.arange(len(answers.active), device=self.device), form]
             answers.record(chosen, picked.cpu(), form.cpu(), h.cpu() if run.keep_hidden else None)
-            keep = ~self._finished(run, answers, chosen)
+            keep = ~self._finished(run, rows, answers, chosen)
             if answers.step + 1 == answers.budget or not bool(keep.any()):
                 break
             answers.advance(keep)
             step = step.advance(keep, chosen, self.index_device)
-            logits, h = self._forward_step(step)
+            logits, h = self._forward_step(step, run.vocab_rows)
         return self._read(run, answers, table)
 
-    def _finished(self, run: JudgeRun, answers: Answers, chosen: Tensor) -> Tensor:
-        """Update the answers of the active rows and say which are complete."""
+    def _finished(self, run: JudgeRun, rows: list[int], answers: Answers, chosen: Tensor) -> Tensor:
+        """Update the answers of the active rows (of the chunk ``rows``) and say which are complete."""
         act, step = answers.active.tolist(), answers.step
         decoded = self.tokenizer.batch_decode([answers.tokens[r, : step + 1].tolist() for r in act],
                                               skip_special_tokens=True)
@@ -433,6 +439,9 @@ class PrefixDecoder:
             forced = answers.forced[r]
             if forced is not None:
                 done[j] = step + 1 >= len(forced)
+            elif run.stop is not None:
+                written = answers.tokens[r, : step + 1].tolist()
+                done[j] = bool(done[j]) or run.stop.done(self.tokenizer, len(run.text_ids[rows[r]]), written)
             elif run.scale.complete(text):
                 done[j] = True
         return done
@@ -446,7 +455,7 @@ class PrefixDecoder:
         labels = torch.full((b, p), -1, dtype=torch.long)
         errors: list[str | None] = [None] * b
         n_steps = int((tokens >= 0).sum(1).max())
-        for i in range(b):
+        for i in range(b if run.stop is None else 0):  # free answers (a stop rule): nothing to parse
             parsed = run.scale.parse(texts[i])
             if isinstance(parsed, str):
                 errors[i] = parsed

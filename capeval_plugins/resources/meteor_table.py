@@ -701,6 +701,9 @@ def _locked(root: Path, work, *args, wait: float = LOCK_WAIT):
 
     folder, _ = files.Folder.open(root, create=True, mine=True)
     with folder:
+        # a folder whose marker is not the user's is refused before the lock file is made in it: a refusal
+        # leaves the folder as it was
+        files.Claim(root, INDEX_KIND).open(create=False).folder.close()
         fd, _ = folder.lock(LOCK)
         try:
             deadline = time.monotonic() + wait

@@ -11,10 +11,12 @@ For a candidate c, a reference r and an image v (``PolosEstimator.forward`` of k
                               |u(r) - u(c)|, u(r) * u(c)]))
     Polos(c, R, v) = max_{r in R} f(c, r, v)
 
-The official ``predict`` takes LN_k's mean and variance over every text of its batch at once (and, in a batch
-whose samples have different numbers of references, uses only as many references as the sample with the
-fewest). Here they are taken over each text's own tokens and every reference is used: the official scores with
-``batch_size=1``, which do not depend on the other samples.
+The official ``predict`` takes LN_k's mean and variance over every text of its batch at once (the candidates
+together, each reference slot together) and, in a batch whose samples have different numbers of references, uses
+only as many references as the sample with the fewest. By default they are taken over each text's own tokens and
+every reference is used: the official scores with ``batch_size=1``, which do not depend on the other samples.
+The batched reading (the metric's ``official_batch_size``) pools them from per-text sums
+(:func:`layer_sums`, :func:`pooled_statistics`).
 """
 from __future__ import annotations
 
@@ -86,31 +88,31 @@ class PolosModel(PreTrainedModel):
             module.weight.data.normal_(mean=0.0, std=0.02)
             module.bias.data.zero_()
 
-    @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "PolosModel":
-        """``PreTrainedModel.from_pretrained``, but a folder missing any parameter is an error, never a model
-        with random parts."""
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
-        if problems or info.get("error_msgs"):
-            raise ValueError(f"{args[0] if args else 'Polos'}: the weights do not match the configuration: "
-                             f"{problems or info['error_msgs']}")
-        return model
-
-    def sentence_embeddings(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def sentence_embeddings(self, input_ids: Tensor, attention_mask: Tensor,
+                            statistics: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """t(x) for a padded batch (B, L): the CLS row of the scalar mix of every hidden state, each normalised
-        by the mean and variance of its text's own token features."""
+        by the mean and variance of its text's own token features, or by ``statistics`` (means, variances:
+        (B, K) each, K = hidden states) given per text (the official batched reading, see
+        :func:`pooled_statistics`)."""
         out = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        mask = attention_mask.to(out.hidden_states[0].dtype)[..., None]          # (B, L, 1)
-        count = mask.sum((1, 2)) * out.hidden_states[0].shape[-1]                # (B,)
+        own = layer_sums(out.hidden_states, attention_mask) if statistics is None else None
         weights = torch.softmax(self.mix_weights, dim=0)
         mixed = 0
-        for weight, hidden in zip(weights, out.hidden_states):
-            masked = hidden * mask
-            mean = masked.sum((1, 2)) / count
-            variance = (((masked - mean[:, None, None]) * mask) ** 2).sum((1, 2)) / count
+        for k, (weight, hidden) in enumerate(zip(weights, out.hidden_states)):
+            if statistics is None:
+                mean, variance = pooled_statistics(*(part[:, k:k + 1] for part in own), groups=None)
+                mean, variance = mean[:, 0], variance[:, 0]
+            else:
+                mean, variance = statistics[0][:, k], statistics[1][:, k]
+            mean, variance = mean.to(hidden.dtype), variance.to(hidden.dtype)
             mixed = mixed + weight * (hidden[:, 0] - mean[:, None]) / torch.sqrt(variance[:, None] + 1e-12)
         return self.mix_gamma * mixed
+
+    @torch.inference_mode()
+    def text_statistics(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per text and hidden state, what the scalar mix's layer norm sums: see :func:`layer_sums`."""
+        out = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return layer_sums(out.hidden_states, attention_mask)
 
     def score(self, candidate: Tensor, references: Tensor, owner: Tensor, image: Tensor, clip_candidate: Tensor,
               clip_references: Tensor) -> Tensor:
@@ -123,6 +125,32 @@ class PolosModel(PreTrainedModel):
                        (refc - mtc).abs(), refc * mtc), dim=1)
         per_reference = torch.sigmoid(self.regressor(x)).squeeze(-1)
         return segment_max(per_reference, owner, len(candidate))
+
+
+def layer_sums(hidden_states: Sequence[Tensor], attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(sum, sum of squares, count)`` of each text's token features per hidden state, in float64: (B, K) each
+    (count: tokens x width). The scalar mix's layer norm over a set of texts is a function of their sums."""
+    mask = attention_mask.to(torch.float64)[..., None]                           # (B, L, 1)
+    totals, squares = [], []
+    for hidden in hidden_states:  # one layer at a time in float64
+        masked = hidden.to(torch.float64) * mask
+        totals.append(masked.sum((1, 2)))
+        squares.append(masked.square().sum((1, 2)))
+    total, squares = torch.stack(totals, 1), torch.stack(squares, 1)
+    count = (mask.sum((1, 2)) * hidden_states[0].shape[-1])[:, None].expand_as(total)
+    return total, squares, count
+
+
+def pooled_statistics(total: Tensor, squares: Tensor, count: Tensor, groups: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Mean and variance of the token features of each group of texts, per hidden state, given per-text
+    :func:`layer_sums` (N, K); ``groups`` (N,) a group id per text (None: each text alone). Returned per text,
+    (N, K) each: the statistics of its group."""
+    if groups is not None:
+        n = int(groups.max()) + 1 if len(groups) else 0
+        pool = lambda x: x.new_zeros((n, x.shape[1])).index_add_(0, groups, x)[groups]  # noqa: E731
+        total, squares, count = pool(total), pool(squares), pool(count)
+    mean = total / count
+    return mean, (squares / count - mean.square()).clamp_min(0)
 
 
 def flatten_references(references: Sequence[Sequence[str]]) -> tuple[list[str], Tensor]:

@@ -1,8 +1,9 @@
 """Contextual token embeddings of a text encoder at one layer (BERT, RoBERTa, DeBERTa, DeBERTa-v2/v3 ...).
 
 Tokenisation follows bert_score: captions are stripped, special tokens added ([CLS] ... [SEP] or <s> ... </s>),
-byte-level BPE tokenizers (GPT-2, RoBERTa) see a leading space so the first word is tokenised like any other,
-and text beyond the tokenizer's limit is truncated (keeping the closing special token) with one warning per
+GPT-2 and RoBERTa tokenizers see a leading space so the first word is tokenised like any other (``prefix_space=
+"paper"``: what bert_score asks for and, under transformers 5, no longer gets; ``"as_saved"``: the tokenizer as
+saved, bert_score's tokens under transformers 5), and text beyond the tokenizer's limit is truncated (keeping the closing special token) with one warning per
 model. The embedding of layer k is the output of the k-th transformer block (``hidden_states[k]``; 0 is the
 embedding layer), which is what bert_score gets by dropping the blocks above k; blocks above k are skipped.
 """
@@ -16,52 +17,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.resources import loading
+from capeval_plugins.models.encoders.bert_score_layers import BERT_SCORE_LAYERS, bert_score_layer  # noqa: F401
 from capeval_plugins.models.encoders.common import EncoderSpec
 from capeval_plugins.core.messages import warn_once
 
-# bert_score's layer choice (best WMT16 correlation) for the models of the families supported here.
-BERT_SCORE_LAYERS = {
-    "bert-base-uncased": 9,
-    "bert-large-uncased": 18,
-    "bert-base-cased-finetuned-mrpc": 9,
-    "bert-base-multilingual-cased": 9,
-    "bert-base-chinese": 8,
-    "roberta-base": 10,
-    "roberta-large": 17,
-    "roberta-large-mnli": 19,
-    "distilroberta-base": 5,
-    "xlm-roberta-base": 9,
-    "xlm-roberta-large": 17,
-    "allenai/scibert_scivocab_uncased": 8,
-    "allenai/scibert_scivocab_cased": 9,
-    "microsoft/deberta-base": 9,
-    "microsoft/deberta-base-mnli": 9,
-    "microsoft/deberta-large": 16,
-    "microsoft/deberta-large-mnli": 18,
-    "microsoft/deberta-xlarge": 18,
-    "microsoft/deberta-xlarge-mnli": 40,
-    "microsoft/deberta-v2-xlarge": 10,
-    "microsoft/deberta-v2-xlarge-mnli": 17,
-    "microsoft/deberta-v2-xxlarge": 21,
-    "microsoft/deberta-v2-xxlarge-mnli": 22,
-    "microsoft/deberta-v3-xsmall": 10,
-    "microsoft/deberta-v3-small": 4,
-    "microsoft/deberta-v3-base": 9,
-    "microsoft/mdeberta-v3-base": 10,
-    "microsoft/deberta-v3-large": 12,
-}
-# Hub organisations that now host the models bert_score names without one.
-_LEGACY_ORGS = ("FacebookAI/", "google-bert/", "distilbert/")
-
-
-def bert_score_layer(model: str) -> int | None:
-    """bert_score's default layer for a hub id, or None for a model it has no entry for (or a path)."""
-    if model in BERT_SCORE_LAYERS:
-        return BERT_SCORE_LAYERS[model]
-    for org in _LEGACY_ORGS:
-        if model.startswith(org) and model[len(org):] in BERT_SCORE_LAYERS:
-            return BERT_SCORE_LAYERS[model[len(org):]]
-    return None
+# How a text is prepared for a byte-level BPE tokenizer (see :func:`bert_score_prefix_space`).
+PREFIX_SPACE = ("paper", "as_saved")
+# The classes bert_score asks for a leading space (``isinstance(tokenizer, (GPT2Tokenizer, RobertaTokenizer))``),
+# with their transformers 4 fast twins, which are no subclasses of them there.
+BERT_SCORE_SPACED_CLASSES = frozenset({"GPT2Tokenizer", "GPT2TokenizerFast", "RobertaTokenizer", "RobertaTokenizerFast"})
 
 
 @dataclass
@@ -188,9 +152,11 @@ def text_encoder_problem(config: dict) -> str | None:
 class TextEncoder:
     """Token embeddings of a BERT-like text encoder at one layer, for greedy matching."""
 
-    def __init__(self, spec: EncoderSpec, num_layers: int | None = None):
+    def __init__(self, spec: EncoderSpec, num_layers: int | None = None, prefix_space: str = "paper"):
         from transformers import AutoModel, AutoTokenizer
 
+        if prefix_space not in PREFIX_SPACE:
+            raise ValueError(f"prefix_space must be one of {PREFIX_SPACE}, got {prefix_space!r}")
         self.spec = spec
         self.tokenizer = loading.load_processor(AutoTokenizer, spec.model, **spec.hub())
         self.model = loading.load_spec(AutoModel, spec)
@@ -200,14 +166,15 @@ class TextEncoder:
             num_layers = bert_score_layer(spec.model)
         self.layer = len(self.blocks) if num_layers is None else resolve_layer(num_layers, len(self.blocks), spec.model)
         self.max_tokens = self._max_tokens()
-        self.prefix_space = _byte_level_bpe(self.tokenizer)
+        self.prefix_space = prefix_space == "paper" and bert_score_prefix_space(self.tokenizer)
         self.special_ids = frozenset(
             i for i in (self.tokenizer.cls_token_id, self.tokenizer.sep_token_id) if i is not None
         )
 
     @classmethod
-    def shared(cls, spec: EncoderSpec, num_layers: int | None = None) -> "TextEncoder":
-        return loading.shared(("TextEncoder", spec, num_layers), lambda: cls(spec, num_layers))
+    def shared(cls, spec: EncoderSpec, num_layers: int | None = None, prefix_space: str = "paper") -> "TextEncoder":
+        return loading.shared(("TextEncoder", spec, num_layers, prefix_space),
+                              lambda: cls(spec, num_layers, prefix_space))
 
     def _max_tokens(self) -> int:
         # The tokenizer's limit (bert_score's); when it sets none, the model's position limit, to stay safe.
@@ -328,22 +295,12 @@ class PackedEmbeddings:
                                self.special.index_select(0, index).view(shape))
 
 
-def _byte_level_bpe(tokenizer: Any) -> bool:
-    """Whether texts need a leading space so that their first word is tokenised like any later word.
-
-    bert_score asks byte-level BPE tokenizers (GPT-2, RoBERTa) for ``add_prefix_space=True``. Which class that
-    is, and whether the per-call request is honoured, changed across transformers versions (4.57 loads
-    ``RobertaTokenizerFast``, not a ``RobertaTokenizer``; 5.x ignores the per-call request), so the rule is
-    decided by behaviour, once per tokenizer: if a word alone is tokenised like the same word after a space,
-    nothing is added (WordPiece, SentencePiece, or a byte-level tokenizer saved with the space setting);
-    if only " word" is, the caller adds the space itself."""
-    def encode(text: str) -> list[int]:
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    head, word = "a", "dog"
-    after = encode(f"{head} {word}")
-    prefix = encode(head)
-    in_context = after[len(prefix):] if after[: len(prefix)] == prefix else None
-    if in_context is None or encode(word) == in_context:
-        return False
-    return encode(" " + word) == in_context
+def bert_score_prefix_space(tokenizer: Any) -> bool:
+    """Whether bert_score gives ``tokenizer`` its texts with a leading space, so that the first word is tokenised
+    like any later one ("ĠA", not "A"): it asks GPT-2 and RoBERTa tokenizers (and their subclasses: BART, and
+    Longformer's in transformers 5) for ``add_prefix_space=True`` and no other (DeBERTa's GPT-2 BPE included).
+    bert_score's authors made the change to reproduce the paper's RoBERTa results (bert_score 0.2.2). Decided by
+    the class, as bert_score decides; adding the space ourselves is what the request did on transformers 4
+    (transformers 5 ignores it), and is harmless for a tokenizer saved with its own prefix-space setting, which
+    adds none to a text that starts with one."""
+    return any(c.__name__ in BERT_SCORE_SPACED_CLASSES for c in type(tokenizer).__mro__)
