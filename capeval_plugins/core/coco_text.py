@@ -65,9 +65,17 @@ def _sums(groups: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(groups, weights=values, minlength=n).astype(np.float64, copy=False)
 
 
+POW_CHUNK = 1 << 16  # values turned into Python floats at a time by _pow
+
+
 def _pow(values: np.ndarray, exponent: float) -> np.ndarray:
-    """``x ** exponent`` for each value through the C library's ``pow``, as Python (and a numpy scalar) does."""
-    return np.fromiter(map(pow, values.tolist(), repeat(exponent)), dtype=np.float64, count=len(values))
+    """``x ** exponent`` for each value through the C library's ``pow``, as Python (and a numpy scalar) does; a
+    chunk at a time (a Python float per value costs four times the array)."""
+    out = np.empty(len(values), dtype=np.float64)
+    for at in range(0, len(values), POW_CHUNK):
+        part = values[at:at + POW_CHUNK].tolist()
+        out[at:at + len(part)] = np.fromiter(map(pow, part, repeat(exponent)), dtype=np.float64, count=len(part))
+    return out
 
 
 @dataclass
@@ -314,28 +322,31 @@ def ngram_orders(flat: np.ndarray, lengths: np.ndarray, n: int) -> Iterator[Ngra
     code, n_codes = flat, vocab
     for k in range(1, n + 1):
         if k > 1:  # a k-gram is a (k-1)-gram and the word after it
-            at = np.flatnonzero(left >= k)
-            code, n_codes = _numbered(code[at].astype(np.int64) * vocab + flat[at + k - 1], at, len(flat))
-            del at
+            code, n_codes = _numbered(code, flat, vocab, np.flatnonzero(left >= k), k)
         yield _entries(code, n_codes, owner, starts, k)
 
 
-def _numbered(keys: np.ndarray, at: np.ndarray, size: int) -> tuple[np.ndarray, int]:
-    """Each key's rank among the distinct keys, put at positions ``at`` of an array of ``size`` (-1 elsewhere),
-    and the number of distinct keys (at least 1)."""
+def _numbered(code: np.ndarray, flat: np.ndarray, vocab: int, at: np.ndarray, k: int) -> tuple[np.ndarray, int]:
+    """The k-gram number of every token at positions ``at`` (each its (k-1)-gram's number ``code`` and the word
+    ``k - 1`` tokens on): its rank among the distinct k-grams, -1 at other positions; and the number of distinct
+    k-grams (at least 1). Each array over the tokens is dropped as soon as it is used (this is the run's peak)."""
+    keys = code[at].astype(np.int64)
+    keys *= vocab
+    keys += flat[at + k - 1]
     order = np.argsort(keys)
     keys = keys[order]
     new = np.empty(len(keys), dtype=bool)
     new[:1] = True
     np.not_equal(keys[1:], keys[:-1], out=new[1:])
     del keys
-    ranks = np.cumsum(new, dtype=np.int64)
+    wide = len(new) >= 2 ** 31
+    ranks = np.cumsum(new, dtype=np.int64 if wide else np.int32)
     n_codes = max(int(ranks[-1]) if len(ranks) else 0, 1)
     del new
     ranks -= 1
-    code = np.full(size, -1, dtype=np.int32 if n_codes < 2 ** 31 else np.int64)
-    code[at[order]] = ranks
-    return code, n_codes
+    numbered = np.full(len(flat), -1, dtype=np.int64 if wide else np.int32)
+    numbered[at[order]] = ranks
+    return numbered, n_codes
 
 
 TEXTS_BLOCK = 1 << 20  # tokens whose entries are counted at a time
@@ -344,7 +355,7 @@ TEXTS_BLOCK = 1 << 20  # tokens whose entries are counted at a time
 def _entries(code: np.ndarray, n_codes: int, owner: np.ndarray, starts: np.ndarray, k: int) -> Ngrams:
     """The table of one order from every token's k-gram number (-1 where fewer than k tokens are left)."""
     n_texts = len(starts) - 1
-    parts: list[tuple[np.ndarray, ...]] = []
+    columns: list[list[np.ndarray]] = [[], [], [], [], []]  # keys, key order, gram, count, owner: per block
     text = 0
     while text < n_texts:
         stop = min(max(int(np.searchsorted(starts, starts[text] + TEXTS_BLOCK, side="right")) - 1, text + 1), n_texts)
@@ -352,23 +363,38 @@ def _entries(code: np.ndarray, n_codes: int, owner: np.ndarray, starts: np.ndarr
         at = np.flatnonzero(code[a:b] >= 0) + a
         keys, first, count = np.unique(owner[at].astype(np.int64) * n_codes + code[at], return_index=True,
                                        return_counts=True)
+        del at
         order = np.argsort(first, kind="stable")  # by text, then first occurrence: pycocoevalcap's dict order
+        del first
         by_entry = keys[order]
-        parts.append((keys, order, by_entry % n_codes, count[order], by_entry // n_codes))
+        for column, values in zip(columns, (keys, _narrow(order, len(order)), _narrow(by_entry % n_codes, n_codes),
+                                            _narrow(count[order], len(owner) + 1),
+                                            _narrow(by_entry // n_codes, n_texts))):
+            column.append(values)
+        del keys, order, count, by_entry
         text = stop
-    size = sum(len(p[0]) for p in parts)
-    keys = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
-    key_entry = np.empty(size, dtype=np.int32 if size < 2 ** 31 else np.int64)
+    keys, gram, count, entry_owner = (_joined(columns[i]) for i in (0, 2, 3, 4))
+    key_entry = np.empty(len(keys), dtype=np.int32 if len(keys) < 2 ** 31 else np.int64)
     at = 0
-    for p in parts:
-        key_entry[at + p[1]] = np.arange(at, at + len(p[1]))
-        at += len(p[1])
-    gram = _narrow(np.concatenate([p[2] for p in parts]) if parts else np.zeros(0, np.int64), n_codes)
-    count = _narrow(np.concatenate([p[3] for p in parts]) if parts else np.zeros(0, np.int64), len(owner) + 1)
-    entry_owner = np.concatenate([p[4] for p in parts]) if parts else np.zeros(0, np.int64)
-    del parts
+    for part in columns[1]:  # each block's entries in key order
+        key_entry[part.astype(np.int64) + at] = np.arange(at, at + len(part))
+        at += len(part)
+    del columns
     return Ngrams(gram=gram, count=count, start=_offsets(np.bincount(entry_owner, minlength=n_texts)), keys=keys,
                   key_entry=key_entry, n_grams=n_codes)
+
+
+def _joined(column: list[np.ndarray]) -> np.ndarray:
+    """A column's blocks one after another; the list is emptied (each block dropped once copied)."""
+    if not column:
+        return np.zeros(0, dtype=np.int64)
+    out = np.empty(sum(len(part) for part in column), dtype=np.result_type(*column))
+    at = 0
+    while column:
+        part = column.pop(0)
+        out[at:at + len(part)] = part
+        at += len(part)
+    return out
 
 
 @dataclass
@@ -458,6 +484,7 @@ def _bleu(corpus: CocoCorpus, n: int) -> tuple[list[float], np.ndarray]:
     for k, table in enumerate(corpus.orders(n)):
         for block in rows.blocks():
             correct[block.start:block.stop, k] = _clipped_matches(block, table, _matches(block, table))
+        del table  # not alive while the next order's table is made
     # sentence BLEU, pycocoevalcap's float operations in its order
     ratios = (correct.astype(np.float64) + BLEU_TINY) / (guess.astype(np.float64) + BLEU_SMALL)
     products = np.cumprod(ratios, axis=1)
@@ -544,6 +571,7 @@ def _cider(corpus: CocoCorpus, n: int, sigma: float) -> tuple[np.float64, np.nda
         vec = table.count.astype(np.float64) * (ref_len - log_df[which][table.gram])  # tf * idf per entry
         del which
         norm = np.sqrt(_sums(table.owner, _pow(vec, 2), len(rows.texts)))
+        m = hyp = ref = val = None
         for block in rows.blocks():
             pair_row = block.pair_row
             pair_cand = block.cand[pair_row]
@@ -561,6 +589,7 @@ def _cider(corpus: CocoCorpus, n: int, sigma: float) -> tuple[np.float64, np.nda
                     penalties[d] = np.e ** (-(float(d) ** 2) / (2 * sigma ** 2))
             val *= np.array([penalties[d] for d in steps.tolist()], dtype=np.float64)[at]
             score[block.start:block.stop, k] = _sums(pair_row, val, len(block.cand))
+        del table, vec, norm, m, hyp, ref, val  # not alive while the next order's table is made
     mean = np.mean(score, axis=1) if orders == n else score.sum(axis=1) / n  # the mean over all n orders
     items = mean / rows.n_refs * 10.0
     items = items[rows.inverse]
