@@ -494,9 +494,10 @@ def score_table(results: Mapping[str, MetricResult], records: CaptionRecords | N
             if int(index) in result.skipped:
                 errors.setdefault(int(index), []).append(f"{name}: {result.skipped[int(index)]}")
     repeated = drop_repeated_columns(list(rows.values()))
+    with_images = records is not None and any(name is not None for name in records.image_names)  # once, not per row
     table = []
     for index in sorted(rows):
-        row = {"index": index, **_input_columns(records, index),
+        row = {"index": index, **_input_columns(records, index, with_images),
                **{k: v for k, v in json_safe(rows[index]).items() if k != "index" and k not in repeated}}
         if index in errors:
             row["error"] = "; ".join(errors[index])
@@ -504,13 +505,13 @@ def score_table(results: Mapping[str, MetricResult], records: CaptionRecords | N
     return table
 
 
-def _input_columns(records: CaptionRecords | None, index: int) -> dict[str, Any]:
+def _input_columns(records: CaptionRecords | None, index: int, with_images: bool) -> dict[str, Any]:
     if records is None or not 0 <= index < len(records):
         return {}
     out: dict[str, Any] = {}
     if records.ids is not None:
         out["image_id"] = records.ids[index]
-    if any(name is not None for name in records.image_names):
+    if with_images:
         out["image"] = records.image_names[index]
     out["caption"] = records.captions[index]
     return json_safe(out)

@@ -12,6 +12,9 @@ import torch
 from torch import Tensor
 
 
+SELECT_BYTES = 1 << 22  # bytes gathered at a time by PackedTexts.select
+
+
 @dataclass(frozen=True)
 class PackedTexts:
     """The merged rows of a text state: ``data``, every row's bytes back to back (uint8), and ``lengths``, each
@@ -23,7 +26,9 @@ class PackedTexts:
 
     @classmethod
     def join(cls, parts: Sequence[Tensor | "PackedTexts"]) -> "PackedTexts":
-        """Zero-padded row blocks and packed parts, concatenated in order."""
+        """Zero-padded row blocks and packed parts, concatenated in order (one packed part: itself)."""
+        if len(parts) == 1 and isinstance(parts[0], PackedTexts):
+            return parts[0]
         data, lengths = [], []
         for part in parts:
             if isinstance(part, PackedTexts):
@@ -52,13 +57,26 @@ class PackedTexts:
         return np.cumsum(lengths) - lengths
 
     def select(self, rows: Tensor) -> "PackedTexts":
-        """The rows at ``rows`` (a 1-D index tensor), in that order."""
+        """The rows at ``rows`` (a 1-D index tensor), in that order (``self`` when that is every row in order).
+        Bytes are gathered a few MB at a time: an index per byte of the whole state would take eight times
+        its size."""
         rows = rows.cpu().numpy().astype(np.int64)
+        if len(rows) == len(self) and np.array_equal(rows, np.arange(len(rows))):
+            return self
         lengths = self.lengths.numpy()[rows]
         starts = self._starts()[rows]
-        # each kept byte's position: its row's start plus its offset inside the row
-        offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        picked = self.data.numpy()[np.repeat(starts, lengths) + offsets]
+        data = self.data.numpy()
+        ends = np.cumsum(lengths)
+        picked = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.uint8)
+        row = 0
+        while row < len(rows):  # rows row:stop hold about SELECT_BYTES bytes (a longer row alone)
+            at = int(ends[row - 1]) if row else 0
+            stop = max(int(np.searchsorted(ends, at + SELECT_BYTES, side="right")), row + 1)
+            n = lengths[row:stop]
+            # each kept byte's position: its row's start plus its offset inside the row
+            offsets = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+            picked[at:at + len(offsets)] = data[np.repeat(starts[row:stop], n) + offsets]
+            row = stop
         return PackedTexts(torch.from_numpy(picked), torch.from_numpy(lengths))
 
     def rows(self) -> list[bytes]:

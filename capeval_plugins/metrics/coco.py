@@ -39,7 +39,7 @@ from capeval_plugins.contract import (INDEX, TEXT_STATE, Batch, Metric, MetricCo
                                       PackedTexts, Requirement, StateSpec, bounded, decode_text_lists, decode_texts,
                                       encode_text_lists, encode_texts)
 from capeval_plugins.resources import java
-from capeval_plugins.core.coco_text import CocoCorpus
+from capeval_plugins.core.coco_text import CocoCorpus, rows_from_ids
 from capeval_plugins.resources.java import QUIET_ENV, require_java
 from capeval_plugins.core.messages import MissingExtra, install_extra
 
@@ -267,16 +267,7 @@ def prepared(candidates: Tensor | PackedTexts, references: Tensor | PackedTexts,
     with _prepared_lock:
         corpus = _prepared.get(key)
         if corpus is None:
-            cands, refs = decode_texts(candidates), decode_text_lists(references)
-            if tokenize:
-                flat = ptb_texts(cands + [r for group in refs for r in group])
-                cands, at = flat[:len(cands)], len(cands)
-                tokenized = []
-                for group in refs:
-                    tokenized.append(flat[at:at + len(group)])
-                    at += len(group)
-                refs = tokenized
-            corpus = CocoCorpus.from_texts(cands, refs)
+            corpus = _corpus_of_state(candidates, references, tokenize)
             _prepared[key] = corpus
             while len(_prepared) > PREPARED_KEPT:
                 _prepared.popitem(last=False)
@@ -284,10 +275,97 @@ def prepared(candidates: Tensor | PackedTexts, references: Tensor | PackedTexts,
     return corpus
 
 
+def _corpus_of_state(candidates: Tensor | PackedTexts, references: Tensor | PackedTexts,
+                     tokenize: bool) -> CocoCorpus:
+    """The corpus of packed states: every distinct text decoded (and PTB-tokenised) once, the rows as arrays of
+    text ids (no Python object per row: the texts are split a block of rows at a time)."""
+    ids: dict[bytes, int] = {}
+    cand = _text_ids(_packed(candidates), ids, item_end=None)
+    refs = _packed(references)
+    _check_text_lists(refs)
+    ref_ids = _text_ids(refs, ids, item_end=ITEM_END)
+    ends = np.flatnonzero(refs.data.numpy() == ITEM_END)  # where each reference ends
+    per_row = np.diff(np.searchsorted(ends, _starts(refs)))  # references of each row
+    texts = [t.decode("utf-8") for t in ids]
+    del ids
+    if tokenize:
+        tokens = ptb_texts(texts)
+        numbers: dict[str, int] = {}
+        renumber = np.fromiter((numbers.setdefault(t, len(numbers)) for t in tokens), np.int64, len(tokens))
+        texts, cand, ref_ids = list(numbers), renumber[cand], renumber[ref_ids]
+    offsets = np.zeros(len(per_row) + 1, dtype=np.int64)
+    np.cumsum(per_row, out=offsets[1:])
+    return CocoCorpus(rows_from_ids(texts, cand, ref_ids, offsets))
+
+
+ITEM_END = 0xFF  # ends every text of a text-list state (contract.encode_text_lists)
+BLOCK_BYTES = 1 << 22  # bytes of a state split into Python strings at a time
+
+
+def _packed(state: Tensor | PackedTexts) -> PackedTexts:
+    return state if isinstance(state, PackedTexts) else PackedTexts.join([state])
+
+
+def _starts(state: PackedTexts) -> np.ndarray:
+    out = np.zeros(len(state) + 1, dtype=np.int64)
+    np.cumsum(state.lengths.numpy(), out=out[1:])
+    return out
+
+
+def _check_text_lists(state: PackedTexts) -> None:
+    """A text-list row ends its last text with 0xFF (a state saved in another format does not)."""
+    data, bounds = state.data.numpy(), _starts(state)
+    filled = np.flatnonzero(np.diff(bounds))
+    if len(filled) and not bool((data[bounds[filled + 1] - 1] == ITEM_END).all()):
+        raise ValueError("a text-list state row does not end its last text with 0xFF (saved in another format?)")
+
+
+def _text_ids(state: PackedTexts, ids: dict[bytes, int], item_end: int | None) -> np.ndarray:
+    """The id in ``ids`` (distinct texts as bytes, numbered as they first appear) of every text of ``state``:
+    one per row (``item_end`` None), or every text ending in byte ``item_end``. A few MB of rows at a time."""
+    data, bounds = state.data.numpy(), _starts(state)
+    out, row = [], 0
+    while row < len(state):
+        stop = max(int(np.searchsorted(bounds, bounds[row] + BLOCK_BYTES, side="right")) - 1, row + 1)
+        stop = min(stop, len(state))
+        chunk = data[bounds[row]:bounds[stop]]
+        if item_end is None:  # rows hold no zero byte: mark each row's end with one
+            marked = np.zeros(len(chunk) + stop - row, dtype=np.uint8)
+            lengths = np.diff(bounds[row:stop + 1])
+            keep = np.ones(len(marked), dtype=bool)
+            keep[np.cumsum(lengths + 1) - 1] = False
+            marked[keep] = chunk
+            items = marked.tobytes().split(b"\x00")[:-1]
+        else:
+            items = chunk.tobytes().split(bytes([item_end]))[:-1]
+        out.append(np.fromiter((ids.setdefault(item, len(ids)) for item in items), np.int64, len(items)))
+        row = stop
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+_last_states: tuple[list, Any, dict[str, Any]] | None = None
+
+
+def _text_states(candidates: list[str], references: Any) -> dict[str, Any]:
+    """A batch's text states. The classic metrics of a pass map the same batch one after another, and get the
+    same state objects (texts equal, compared one by one: the same strings compare at once), so a pass keeps
+    one copy of its texts, not one per metric."""
+    global _last_states
+    last = _last_states
+    if last is not None and last[0] == candidates and last[1] == references:
+        return dict(last[2])
+    states = {"candidate": encode_texts(candidates, packed=True),
+              "references": encode_text_lists(references, packed=True)}
+    _last_states = (list(candidates), [list(r) for r in references] if references is not None else None, states)
+    return dict(states)
+
+
 def forget_prepared() -> None:
-    """Drop the remembered corpora (a fresh run's cost, e.g. in benchmarks)."""
+    """Drop the remembered corpora and batch states (a fresh run's cost, e.g. in benchmarks)."""
+    global _last_states
     with _prepared_lock:
         _prepared.clear()
+        _last_states = None
 
 
 class CocoMetric(Metric):
@@ -312,8 +390,7 @@ class CocoMetric(Metric):
         return {"candidate": TEXT, "references": TEXT}
 
     def map(self, batch: Batch) -> dict[str, Tensor]:
-        return {"candidate": encode_texts(batch.candidates, packed=True),
-                "references": encode_text_lists(batch.references, packed=True)}
+        return _text_states(batch.candidates, batch.references)
 
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
         if not len(state[INDEX]):

@@ -5,7 +5,8 @@ deadline and sees the child's death (end of its output) at once; a writer thread
 request never deadlocks against a full pipe; its stderr is kept (the last 64 KiB, for the error message) and
 shown unless ``CAPEVAL_QUIET=1``. A child that dies, stops answering for :func:`timeout` seconds or answers
 out of protocol is killed and raises :class:`~capeval_plugins.core.messages.ExternalToolError`, which the
-command line reports in one line (exit code 2).
+command line reports in one line (exit code 2). No child outlives the process (:func:`spawn`): on Linux the kernel
+kills it when capeval ends, ``kill -9`` included.
 
 METEOR runs as one long-lived JVM per process (loading its paraphrase tables costs seconds of CPU), shared by
 every call; requests are streamed (every ``SCORE`` line written at once, the answers read as they come, not
@@ -21,12 +22,13 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 from capeval_plugins.core.messages import ExternalToolError
 
@@ -78,8 +80,8 @@ class JavaProcess:
         self._stderr_size = 0
         self._echo = os.environ.get(QUIET_ENV) != "1"
         try:
-            self.proc = subprocess.Popen(list(command), cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE)
+            self.proc = spawn(list(command), cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
         except OSError as err:
             raise ExternalToolError(f"{name}: cannot start {command[0]!r}: {err}") from err
         self._threads = [threading.Thread(target=self._read_stdout, daemon=True, name=f"{name} stdout"),
@@ -172,6 +174,96 @@ class JavaProcess:
                 pipe.close()
             except (OSError, ValueError):
                 pass
+
+
+# ---------------------------------------------------------------------------------------------- children die with us
+
+# A child must not outlive this process: a JVM left behind by ``kill -9`` of capeval keeps its heap and CPU until
+# it notices (METEOR's ends at end of input, but not while it loads its tables or works through queued requests,
+# and never while a forked process still holds its stdin open). On Linux each child is started with
+# PR_SET_PDEATHSIG = SIGKILL, so the kernel kills it when its parent goes. The kernel means the parent *thread*:
+# children are therefore started by one daemon thread that lives as long as the process (:func:`spawn`), never by
+# the caller's thread, which may end (a worker of a thread pool) while the JVM it started is still in use.
+PR_SET_PDEATHSIG = 1
+
+
+def _death_signal_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks the kernel to SIGKILL the child when its parent thread ends (Linux), or None
+    where the platform has no such request. libc's ``prctl`` is looked up here, before any fork: between fork
+    and exec the child may only call it (and ``getppid``), never import or allocate."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+    kill, getppid, exit_now = signal.SIGKILL, os.getppid, os._exit
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, kill, 0, 0, 0)
+        if getppid() != parent:  # the parent died before the request was made: end now, as the kernel would have
+            exit_now(1)
+
+    return hook
+
+
+class _Spawner:
+    """The one thread that starts this process's children (see above); restarted in a forked child process."""
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.requests: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.hook: Callable[[], None] | None = None
+
+    def start(self, command: list[str], **popen) -> subprocess.Popen:
+        with self.lock:
+            if self.pid != os.getpid():  # first use, or a fork's child (which has no such thread)
+                self.pid, self.requests, self.hook = os.getpid(), queue.Queue(), _death_signal_hook()
+                threading.Thread(target=self._serve, args=(self.requests,), daemon=True,
+                                 name="capeval child starter").start()
+        if self.hook is None:
+            return subprocess.Popen(command, **popen)
+        done: queue.Queue = queue.Queue(maxsize=1)
+        self.requests.put((command, popen, done))
+        try:
+            ok, value = done.get()
+        except BaseException:  # interrupted while it starts: the child, once started, is not left behind
+            threading.Thread(target=_kill_when_started, args=(done,), daemon=True).start()
+            raise
+        if not ok:
+            raise value
+        return value
+
+    def _serve(self, requests: queue.Queue) -> None:
+        while True:
+            command, popen, done = requests.get()
+            try:
+                done.put((True, subprocess.Popen(command, preexec_fn=self.hook, **popen)))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread, raised there
+                done.put((False, err))
+
+
+def _kill_when_started(done: queue.Queue) -> None:
+    ok, value = done.get()
+    if ok:
+        value.kill()
+        value.wait()
+
+
+_SPAWNER = _Spawner()
+
+
+def spawn(command: Sequence[str], **popen) -> subprocess.Popen:
+    """``subprocess.Popen(command, **popen)`` for a child that dies with this process (Linux: killed by the
+    kernel when the process ends, however it ends, ``kill -9`` included; elsewhere it ends at end of its
+    input as before)."""
+    return _SPAWNER.start(list(command), **popen)
 
 
 def _echo(chunk: bytes) -> None:
