@@ -126,6 +126,12 @@ def cmd_score(args: argparse.Namespace) -> int:
         check_not_an_image(args.out, records.images)
     if not len(records):
         raise UsageError(f"{records.path} holds no captions")
+    if reads_image_files(metrics.values()):
+        from capeval_plugins.caption_files import no_image_found
+
+        missing = no_image_found(records, args.images)
+        if missing:
+            raise UsageError(missing)
     uses_references = any(m.info.references != "never" for m in metrics.values())
     groups = None
     if any(g is not None for g in records.groups):
@@ -199,6 +205,22 @@ def read_inputs(args: argparse.Namespace) -> Any:
     if args.annotations is not None:
         return read_coco_results(args.captions, args.annotations, args.images)
     return read_captions(args.captions, args.images)
+
+
+def reads_image_files(metrics: Any) -> bool:
+    """Whether any of ``metrics`` reads the records' images as pixel files (not, e.g., as names of precomputed
+    region features)."""
+    from capeval_plugins.inputs import InputError
+
+    for metric in metrics:
+        if metric.info.images == "never":
+            continue
+        try:
+            if metric.image_reader() is None:
+                return True
+        except InputError:  # a reader misconfigured: its own error comes in its turn
+            continue
+    return False
 
 
 def check_out_and_run_dir(out: str, run_dir: str | None) -> None:

@@ -28,19 +28,20 @@ IMAGE_KEYS = ("imgid", "img", "image", "image_path", "image_id")
 
 # ---------------------------------------------------------------------------------------------- file access
 
-def load_records(path: str | Path) -> Any:
-    """A JSON document, JSON Lines (a list of objects), CSV (a list of dicts) or Parquet (a list of dicts)."""
+def load_records(path: str | Path, what: str = "benchmark file") -> Any:
+    """A JSON document, JSON Lines (a list of objects), CSV (a list of dicts) or Parquet (a list of dicts).
+    ``what`` names the file in errors (the training and score readers read through here too)."""
     from capeval_plugins import files
     from capeval_plugins.caption_files import read_table
 
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"benchmark file not found: {path}")
+        raise InputError(f"{what} not found: {path}")
     suffix = path.suffix.lower()
     if suffix == ".csv":
         return read_table(path)  # strict: a quote left open is an error naming its line, never merged rows
     try:
-        data = files.read_input(path, "benchmark file")
+        data = files.read_input(path, what)
     except files.FileError as err:
         raise InputError(str(err)) from None
     if suffix == ".parquet":

@@ -62,9 +62,7 @@ def _text(value: Any, what: str, where: str) -> str:
 def read_score_rows(path: str | os.PathLike) -> list[dict]:
     from capeval_plugins.bench.readers import load_records
 
-    if not Path(path).is_file():
-        raise InputError(f"score file not found: {path}")
-    records = load_records(path)
+    records = load_records(path, "score file")
     if isinstance(records, dict):
         records = [records]
     if not isinstance(records, list) or not records:
