@@ -128,10 +128,11 @@ def cmd_score(args: argparse.Namespace) -> int:
         raise UsageError(f"{records.path} holds no captions")
     if reads_image_files(metrics.values()):
         from capeval_plugins.caption_files import no_image_found
+        from capeval_plugins.inputs import InputError
 
         missing = no_image_found(records, args.images)
         if missing:
-            raise UsageError(missing)
+            raise InputError(missing)  # (under torchrun, said by rank 0 only)
     uses_references = any(m.info.references != "never" for m in metrics.values())
     groups = None
     if any(g is not None for g in records.groups):

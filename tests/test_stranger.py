@@ -43,6 +43,18 @@ def test_forgetting_images_is_one_line_naming_the_folder_searched_and_the_option
     assert "--images" in one_error_line(capeval_in_process([*base, "--on-error", "skip"]))
 
 
+def test_forgetting_images_under_torchrun_is_said_by_rank_0_only(tiny_clip, monkeypatch):
+    """Every rank reads the same caption file and finds the same folder empty: the line is rank 0's, as every
+    other error of the shared input validation is (one line for the run, not one per rank)."""
+    base = ["score", "-m", "clipscore", "--model", tiny_clip, "--captions", EXAMPLES / "photos.jsonl", "--quiet"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    proc = capeval_in_process(base)
+    assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+    monkeypatch.setenv("RANK", "0")
+    assert "--images" in one_error_line(capeval_in_process(base))
+
+
 def test_a_few_missing_images_are_still_each_samples_own_error(tiny_clip, tmp_path):
     """When some images are found, the missing ones are the samples' problems: listed by row, as before."""
     captions = tmp_path / "captions.jsonl"
