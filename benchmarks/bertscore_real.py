@@ -66,7 +66,7 @@ def memoise_forwards() -> None:
     text batch runs once across the idf on/off runs; everything downstream runs as is. Never in --speed."""
     import bert_score
 
-    from capeval_plugins.core.encoders.text import TextEncoder
+    from capeval_plugins.models.encoders.text import TextEncoder
 
     their_forward, our_pack, seen = bert_score.utils.bert_encode, TextEncoder.embed_packed, {}
 

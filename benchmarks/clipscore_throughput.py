@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 import capeval_plugins
-from capeval_plugins.core.encoders import ClipEncoder
+from capeval_plugins.models.encoders import ClipEncoder
 from common import timed
 
 

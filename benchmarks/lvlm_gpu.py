@@ -36,8 +36,9 @@ import torch
 from PIL import Image
 
 import capeval_plugins
-from capeval_plugins.core import heads, loading
-from capeval_plugins.core.lvlm import SCALES, JudgeSpec, LVLMJudge, fleur_instruction
+from capeval_plugins.core import heads
+from capeval_plugins.resources import loading
+from capeval_plugins.models.lvlm import SCALES, JudgeSpec, LVLMJudge, fleur_instruction
 from common import timed
 from lvlm_throughput import naive_loop
 
@@ -244,7 +245,7 @@ def fleur_discode(args, device: torch.device, dtype: torch.dtype, peak: float | 
 def rigel(args, device: torch.device, dtype: torch.dtype) -> None:
     from transformers.utils import is_torchvision_available
 
-    from capeval_plugins.training.model import RigelModel, RigelSettings
+    from capeval_plugins.models.rigel import RigelModel, RigelSettings
     from rigel_throughput import one_sample_loop
 
     if not is_torchvision_available():

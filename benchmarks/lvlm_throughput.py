@@ -29,7 +29,7 @@ from PIL import Image
 
 import capeval_plugins
 from capeval_plugins.core import heads
-from capeval_plugins.core.lvlm import LLAVA_V1_SYSTEM, SCALES, JudgeSpec, LVLMJudge, VisualInput, fleur_instruction
+from capeval_plugins.models.lvlm import LLAVA_V1_SYSTEM, SCALES, JudgeSpec, LVLMJudge, VisualInput, fleur_instruction
 from capeval_plugins.inputs import group_by_image
 from common import random_llava15_realistic, random_llava_next, timed
 

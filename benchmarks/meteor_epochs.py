@@ -8,7 +8,7 @@ What a Lightning ``validation_step`` does with capeval's torchmetrics ``METEOR``
 image with words dropped and swapped (fewer as the epochs go on, as a model's outputs settle), seeded by
 (epoch, image); the references stay (the image's 5). Each side is a process of its own with its own METEOR
 JVMs: ``paraphrases="full"`` (the jar's table, loaded once) against ``"corpus"`` (the table cut down to each
-epoch's corpus; JVMs kept while their table serves, replaced by ones on the union when not; core/java.py).
+epoch's corpus; JVMs kept while their table serves, replaced by ones on the union when not; resources/java.py).
 METEOR's paraphrase index is built beforehand (the steady state). Printed per side: CPU seconds of the
 process and its JVMs (live JVMs read from /proc) after each epoch, in total, and how many JVMs were started;
 the scores of both sides must be equal.
@@ -29,7 +29,7 @@ FLICKR = BENCHDATA / "flickr8k_expert" / "flickr8k.json"
 
 LOOP = r"""
 import json, os, random, resource, sys
-from capeval_plugins.core import java
+from capeval_plugins.resources import java
 from capeval_plugins.torchmetrics import METEOR
 
 flickr, images, epochs, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -75,7 +75,7 @@ print(json.dumps({"epochs": out, "cpu": cpu(), "corpus_tables": java.METEOR.corp
 """
 
 INDEX = r"""
-from capeval_plugins.core import meteor_table
+from capeval_plugins.resources import meteor_table
 from capeval_plugins.metrics.coco import meteor_jar
 assert meteor_table.index_for(meteor_table.default_table(meteor_jar())) is not None
 """

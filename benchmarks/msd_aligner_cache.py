@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from capeval_plugins.testing import scratch_folder, tiny_checkpoint
-from capeval_plugins.training.msd_aligner.model import AlignerSettings
+from capeval_plugins.models.msd_aligner.model import AlignerSettings
 from capeval_plugins.training.msd_aligner.synthetic import synthetic_captions
 from capeval_plugins.training.msd_aligner.train import AlignerConfig, train_aligner
 

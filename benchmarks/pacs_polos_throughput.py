@@ -63,7 +63,7 @@ def run(root: Path) -> None:
 
     import capeval_plugins
     from capeval_plugins.commands.convert_official import convert_pacs, convert_polos, read_released
-    from capeval_plugins.core.encoders.openai_clip import OPENAI_MEAN, OPENAI_STD
+    from capeval_plugins.models.encoders.openai_clip import OPENAI_MEAN, OPENAI_STD
     from capeval_plugins.testing import official, official_code
     from capeval_plugins.testing.corpus import caption_corpus
     from capeval_plugins.testing.realistic import photo_crops

@@ -260,7 +260,7 @@ json.dump(out, open(sys.argv[2], "w"))
 
 # METEOR's paraphrase index, built (or found) in $CAPEVAL_CACHE
 INDEX_SCRIPT = """
-from capeval_plugins.core import meteor_table
+from capeval_plugins.resources import meteor_table
 from capeval_plugins.metrics.coco import meteor_jar
 assert meteor_table.index_for(meteor_table.default_table(meteor_jar())) is not None
 """
@@ -318,7 +318,7 @@ def coco_part(args) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     with tempfile.TemporaryDirectory(prefix="capeval-coco-") as folder:
         folder = Path(folder)
-        # METEOR's paraphrase index (core/meteor_table.py) lives in a cache of the run's: built once beforehand
+        # METEOR's paraphrase index (resources/meteor_table.py) lives in a cache of the run's: built once beforehand
         # (the steady state, timed apart), or, with --coco-first-run, in a new cache every round (each capeval
         # run then builds it, as a machine's very first run does)
         env["CAPEVAL_CACHE"] = str(folder / "cache")

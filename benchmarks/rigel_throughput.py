@@ -27,11 +27,11 @@ import time
 import torch
 
 from capeval_plugins.core import heads
-from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge
+from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge
 from capeval_plugins.inputs import iter_batches, to_batch
 from capeval_plugins.training.data import from_lists
 from capeval_plugins.training.features import extract_features
-from capeval_plugins.training.model import RigelModel, RigelSettings, hidden_size_of
+from capeval_plugins.models.rigel import RigelModel, RigelSettings, hidden_size_of
 from capeval_plugins.training.phase1 import Phase1Config, new_head
 from capeval_plugins.training.state import chunks, epoch_order
 from capeval_plugins.training.synthetic import synthetic_judgments

@@ -30,7 +30,7 @@ import torch
 from PIL import Image
 
 import capeval_plugins
-from capeval_plugins.core.encoders.conditioned import ConditionedEncoder
+from capeval_plugins.models.encoders.conditioned import ConditionedEncoder
 from capeval_plugins.core.matching import greedy_prf
 from capeval_plugins.testing.corpus import caption_corpus
 from capeval_plugins.testing.text_encoders import bert_tokenizer

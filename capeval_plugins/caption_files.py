@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from capeval_plugins import files
-from capeval_plugins.contract import MetricResult
+from capeval_plugins.contract import MetricResult, extra_values
 from capeval_plugins.core import jsonio
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.inputs import InputError
@@ -74,9 +74,7 @@ def read_records(path: str | os.PathLike, with_lines: bool = False) -> list[dict
     string; a Parquet null is left out); errors name the file and line. With ``with_lines``, each record
     comes as ``(line number, record)`` (for Parquet, its row number from 0)."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        kind = files.file_kind(path)  # a FIFO, a device or a folder is there, just not a file to read
-        raise InputError(f"file not found: {path}" if kind is None else f"{path} is a {'folder' if kind == 'dir' else kind}, not a regular file")
+    check_input(path, "caption file")
     fmt = caption_file_format(path)
     if fmt == ".parquet":
         rows = _parquet_rows(path)
@@ -85,6 +83,15 @@ def read_records(path: str | os.PathLike, with_lines: bool = False) -> list[dict
     else:
         rows = _json_lines(path)
     return rows if with_lines else [row for _, row in rows]
+
+
+def check_input(path: str | os.PathLike, what: str) -> None:
+    """An input file named on the command line, refused in one line when it is missing or is a folder, a FIFO or
+    a device (said as such; looked at with ``stat`` only, so a FIFO never blocks)."""
+    try:
+        files.check_input(path, what)
+    except files.FileError as err:
+        raise InputError(str(err)) from None
 
 
 def _read_text(path: str) -> str:
@@ -184,16 +191,14 @@ def read_table(path: str | os.PathLike, delimiter: str = ",") -> list[dict[str, 
 
 
 def _parquet_rows(path: str) -> list[tuple[int, dict[str, Any]]]:
+    """The rows of a Parquet caption file, decoded within bounds (:mod:`capeval_plugins.resources.parquet`)."""
+    from capeval_plugins.resources import parquet
+
     try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise InputError(f"reading .parquet needs pyarrow: {install_extra('parquet')}") from None
-    try:
-        table = pq.read_table(io.BytesIO(files.read_input(path, "caption file")))
-    except Exception as err:  # pyarrow raises several types for a damaged file
-        raise InputError(f"{path}: cannot read Parquet: {err}") from None
-    return [(k, {key: value for key, value in row.items() if value is not None})
-            for k, row in enumerate(table.to_pylist())]
+        rows = parquet.read_rows(files.read_input(path, "caption file"), path)
+    except (parquet.ParquetError, files.FileError) as err:
+        raise InputError(str(err)) from None
+    return [(k, {key: value for key, value in row.items() if value is not None}) for k, row in enumerate(rows)]
 
 
 def references_cell(value: Any, at: str, cell: bool = True) -> list[Any] | None:
@@ -308,16 +313,25 @@ def read_coco_results(results: str | os.PathLike, annotations: str | os.PathLike
     """A COCO results file (``[{"image_id", "caption"}, ...]``, what pycocotools' ``loadRes`` reads) scored
     against a COCO annotation file (``captions_val2014.json``): one record per result, its references the
     annotation's captions of its image, its image the annotation's ``file_name`` under ``images_dir`` (default:
-    the results file's folder). A result whose image id is not in the annotation file is refused by its entry."""
+    the results file's folder).
+
+    Image ids match as pycocotools matches them, by value: ``"42"`` is not ``42`` (a string id where the
+    annotation file has numbers is refused, naming the mismatch). An id the annotation file does not have is
+    refused (``loadRes``: "Results do not correspond to current coco set"), and so is an image given two
+    results: pycocoevalcap's scorers assert one caption per image (``assert(len(hypo) == 1)``)."""
     if images_dir is not None and not os.path.isdir(images_dir):
         raise InputError(f"images folder not found: {images_dir}")
     results, annotations = os.fspath(results), os.fspath(annotations)
     found = _json_file(results, "results file")
     gt = _json_file(annotations, "annotation file")
-    if not isinstance(found, list) or not all(isinstance(r, dict) and "image_id" in r and "caption" in r
-                                               for r in found):
-        raise InputError(other_format(results, json.dumps(found)) if isinstance(found, dict) else
-                         f"{results}: a COCO results file is a JSON array of {{\"image_id\", \"caption\"}} objects")
+    if not isinstance(found, list):
+        raise InputError(other_format(results, json.dumps(found)) if isinstance(found, dict) and "annotations" in found
+                         else f"{results}: a COCO results file is a JSON array of {{\"image_id\", \"caption\"}} "
+                         f"objects, not {_json_kind(found)}")
+    for k, row in enumerate(found):
+        if not isinstance(row, dict) or "image_id" not in row or "caption" not in row:
+            raise InputError(f"{results}: entry {k} is not an {{\"image_id\", \"caption\"}} object (a COCO results "
+                             "file is a JSON array of them)")
     if not isinstance(gt, dict) or not isinstance(gt.get("annotations"), list):
         raise InputError(f"{annotations}: a COCO annotation file is a JSON object with \"images\" and "
                          "\"annotations\" (as captions_val2014.json)")
@@ -325,19 +339,16 @@ def read_coco_results(results: str | os.PathLike, annotations: str | os.PathLike
     for k, image in enumerate(gt.get("images") or []):
         if not isinstance(image, dict) or "id" not in image:
             raise InputError(f"{annotations}: images entry {k} has no id")
-        names[_coco_id(image["id"])] = image.get("file_name")
+        names[_coco_id(image["id"], f"{annotations}: images entry {k}")] = image.get("file_name")
     for k, ann in enumerate(gt["annotations"]):
         if not isinstance(ann, dict) or "image_id" not in ann or not isinstance(ann.get("caption"), str):
             raise InputError(f"{annotations}: annotations entry {k} needs an image_id and a caption string")
-        refs.setdefault(_coco_id(ann["image_id"]), []).append(ann["caption"])
-    unknown = [r["image_id"] for r in found if _coco_id(r["image_id"]) not in names and _coco_id(r["image_id"]) not in refs]
-    if unknown:
-        raise InputError(f"{results}: {len(unknown)} image id(s) are not in {annotations} (first: {unknown[0]!r}); "
-                         "is it the annotation file of the same split?")
+        refs.setdefault(_coco_id(ann["image_id"], f"{annotations}: annotations entry {k}"), []).append(ann["caption"])
+    keys = [_coco_id(row["image_id"], f"{results}: entry {k}") for k, row in enumerate(found)]
+    _check_result_ids(results, annotations, keys, {**names, **refs})
     root = Path(images_dir) if images_dir is not None else Path(results).parent
     records = CaptionRecords(path=results, unit="entry", ids=[])
-    for k, row in enumerate(found):
-        key = _coco_id(row["image_id"])
+    for k, (row, key) in enumerate(zip(found, keys)):
         name = names.get(key)
         records.images.append(str(root / name) if isinstance(name, str) and name else None)
         records.image_names.append(name)
@@ -349,16 +360,52 @@ def read_coco_results(results: str | os.PathLike, annotations: str | os.PathLike
     return records
 
 
-def _coco_id(value: Any) -> str:
-    """COCO ids match however they were written: 42, "42", 42.0."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return str(value)
+def _json_kind(value: Any) -> str:
+    kinds = {dict: "an object", str: "a string", bool: "true or false", type(None): "null"}
+    return kinds.get(type(value), "a number")
+
+
+def _coco_id(value: Any, at: str) -> Any:
+    """An image id as pycocotools compares it (by value, in a set): a number or a string, never true / false."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InputError(f"{at}: image id {json.dumps(value)[:40]} is not a number or a string")
+    return value
+
+
+def _check_result_ids(results: str, annotations: str, keys: Sequence[Any], known: Mapping[Any, Any]) -> None:
+    """Every result's image id is one of the annotation file's, by value (as ``loadRes`` asserts), and no image
+    has two results."""
+    for k, key in enumerate(keys):
+        if key in known:
+            continue
+        other = _other_type(key)
+        if other is not None and other in known:
+            raise InputError(f"{results}: entry {k}: image id {json.dumps(key)} is {_json_kind(key)}, and "
+                             f"{annotations} has {_json_kind(other)} {json.dumps(other)}: pycocotools matches ids by "
+                             "value (\"42\" is not 42), so write the ids as the annotation file does")
+        missing = sum(key not in known for key in keys)
+        raise InputError(f"{results}: {missing} image id(s) are not in {annotations} (first: {json.dumps(key)} in "
+                         f"entry {k}); is it the annotation file of the same split?")
+    first: dict[Any, int] = {}
+    for k, key in enumerate(keys):
+        if key in first:
+            raise InputError(f"{results}: image id {json.dumps(key)} has two results (entries {first[key]} and {k}); a "
+                             "COCO results file holds one caption per image (pycocoevalcap's scorers assert one)")
+        first[key] = k
+
+
+def _other_type(key: Any) -> Any:
+    """``key`` written the other way: the number a string of digits names, or a number's digits as a string."""
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            return None
+    return str(int(key)) if isinstance(key, float) and key.is_integer() else str(key)
 
 
 def _json_file(path: str, what: str) -> Any:
-    if not os.path.isfile(path):
-        raise InputError(f"{what} not found: {path}")
+    check_input(path, what)
     try:
         return jsonio.loads(_read_text(path))
     except json.JSONDecodeError as err:
@@ -370,9 +417,9 @@ def read_text_pairs(candidates: str | os.PathLike, references: Sequence[str | os
     one reference per line, line i for candidate i (several files: several references per candidate). Lines
     end at ``\n`` (``\r\n`` too) and are stripped, as bert-score reads them; an empty line is an empty
     caption (scored). No images: text metrics only."""
-    cands = _text_lines(os.fspath(candidates))
+    cands = _text_lines(os.fspath(candidates), "candidate file (-c)")
     ref_files = [os.fspath(r) for r in references]
-    columns = [_text_lines(r) for r in ref_files]
+    columns = [_text_lines(r, "references file (-r)") for r in ref_files]
     for path, lines in zip(ref_files, columns):
         if len(lines) != len(cands):
             raise InputError(f"{path} has {len(lines)} lines but {candidates} has {len(cands)}: line i of each "
@@ -388,9 +435,8 @@ def read_text_pairs(candidates: str | os.PathLike, references: Sequence[str | os
     return records
 
 
-def _text_lines(path: str) -> list[str]:
-    if not os.path.isfile(path):
-        raise InputError(f"file not found: {path}")
+def _text_lines(path: str, what: str) -> list[str]:
+    check_input(path, what)
     text = _read_text(path)
     lines = text.split("\n")
     if lines and lines[-1] == "":  # the newline that ends the last line
@@ -458,7 +504,7 @@ def score_table(results: Mapping[str, MetricResult], records: CaptionRecords | N
     rows: dict[int, dict[str, Any]] = {}
     errors: dict[int, list[str]] = {}
     for name, result in results.items():
-        columns = {f"{name}.{k}": v.tolist() for k, v in result.extras.items()}
+        columns = {f"{name}.{k}": extra_values(v) for k, v in result.extras.items()}
         for j, (index, score) in enumerate(zip(result.indices.tolist(), result.scores.tolist())):
             row = rows.setdefault(int(index), {"index": int(index)})
             row[name] = score

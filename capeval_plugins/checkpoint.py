@@ -41,7 +41,7 @@ from torch import Tensor
 
 from capeval_plugins import files
 from capeval_plugins.contract import PackedTexts
-from capeval_plugins.core import tensorfile
+from capeval_plugins.resources import tensorfile
 from capeval_plugins.inputs import InputError
 
 FORMAT = 3
@@ -195,7 +195,8 @@ class Progress:
 
 class _Lock:
     """An exclusive ``flock`` on the folder's lock file, held by this process until :meth:`release` (or its
-    death). The pid and host written in the file only name the holder in the message to a second run."""
+    death). The pid and host written in the file (:meth:`announce`, once the run is accepted: a refused run
+    leaves the file as it found it) only name the holder in the message to a second run."""
 
     def __init__(self, folder: files.Folder) -> None:
         self.folder = folder
@@ -228,9 +229,13 @@ class _Lock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
         self.fd = fd
+
+    def announce(self) -> None:
+        """Name this process in the lock file, for the message to a second run."""
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
 
     def release(self, unlink: bool = False) -> None:
         if self.fd is None:
@@ -299,14 +304,16 @@ class RunStore:
             except files.UnsafePath as err:
                 raise _refused(err) from None
             self.had_progress = self._prepare(fingerprint, restart)
+            self.lock.announce()
             return self.had_progress
         except BaseException:
             self._abandon(claim, created_lock=self.lock.created)
             raise
 
     def _abandon(self, claim: files.Claim, created_lock: bool) -> None:
-        """Leave a folder this process could not start a run in as it found it."""
-        self.close(unlink=created_lock and not claim.found)
+        """Leave a folder this process could not start a run in as it found it: the lock file goes when this
+        process made it, and is left unwritten otherwise."""
+        self.close(unlink=created_lock)
         if claim.created_root and not claim.found:
             claim.folder.close()
             try:

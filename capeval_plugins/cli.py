@@ -368,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    from capeval_plugins.core.loading import ModelLoadError
+    from capeval_plugins.resources.loading import ModelLoadError
     from capeval_plugins.core.messages import DataError, ExternalToolError, MissingExtra, UnknownName
     from capeval_plugins.inputs import InputError
     from capeval_plugins.preflight import RequirementError

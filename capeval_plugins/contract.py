@@ -219,9 +219,9 @@ class Requirement:
 class MetricResult:
     """Corpus score, per-sample scores in input order, and named extras.
 
-    ``extras`` are per-sample (one value or row per sample, same order as ``scores``); ``corpus_extras`` are
-    corpus-level numbers (or short strings describing the run, e.g. which features were used). The two never
-    share a key. ``skipped`` maps the index of every sample that was not scored (``on_error="skip"``) to the
+    ``extras`` are per-sample (one value or row per sample, same order as ``scores``): a tensor, or a list of
+    texts (None where a sample has none, e.g. EXPERT's explanations); ``corpus_extras`` are corpus-level numbers
+    (or short strings describing the run, e.g. which features were used). The two never share a key. ``skipped`` maps the index of every sample that was not scored (``on_error="skip"``) to the
     reason; such samples have NaN scores and extras and take no part in the corpus score.
     """
 
@@ -229,7 +229,7 @@ class MetricResult:
     score: float
     scores: Tensor
     indices: Tensor
-    extras: dict[str, Tensor] = field(default_factory=dict)
+    extras: dict[str, Tensor | list[str | None]] = field(default_factory=dict)
     corpus_extras: dict[str, float | str] = field(default_factory=dict)
     skipped: dict[int, str] = field(default_factory=dict)
 
@@ -258,7 +258,10 @@ class MetricResult:
         indices = torch.cat([self.indices.cpu().to(torch.int64), missing])
         order = torch.argsort(indices, stable=True)
 
-        def padded(values: Tensor) -> Tensor:
+        def padded(values: Tensor | list) -> Tensor | list:
+            if isinstance(values, list):  # texts: None for the skipped samples
+                kept = values + [None] * len(missing)
+                return [kept[k] for k in order.tolist()]
             values = values.cpu()
             if not values.is_floating_point():
                 values = values.to(torch.float64)
@@ -278,7 +281,7 @@ class MetricResult:
         """The shape scripts rely on: ``{name: corpus, "scores": [...], **extras, **corpus_extras}`` (and
         ``"skipped": {index: reason}`` when samples were skipped)."""
         out: dict[str, Any] = {self.name: self.score, "scores": self.scores.tolist()}
-        out.update({k: v.tolist() for k, v in self.extras.items()})
+        out.update({k: extra_values(v) for k, v in self.extras.items()})
         out.update(self.corpus_extras)
         if self.skipped:
             out["skipped"] = dict(self.skipped)
@@ -287,7 +290,7 @@ class MetricResult:
     def rows(self) -> list[dict[str, Any]]:
         """One record per sample, in input order: ``index``, ``score``, the per-sample extras, and ``error``
         (the reason) for a skipped sample."""
-        columns = {k: v.tolist() for k, v in self.extras.items()}
+        columns = {k: extra_values(v) for k, v in self.extras.items()}
         rows = []
         for j, (i, s) in enumerate(zip(self.indices.tolist(), self.scores.tolist())):
             row = {"index": int(i), "score": float(s), **{k: col[j] for k, col in columns.items()}}
@@ -295,6 +298,11 @@ class MetricResult:
                 row["error"] = self.skipped[int(i)]
             rows.append(row)
         return rows
+
+
+def extra_values(values: Tensor | list) -> list:
+    """A per-sample extra as a list (one value, row or text per sample)."""
+    return list(values) if isinstance(values, list) else values.tolist()
 
 
 ON_ERROR = ("raise", "skip")
@@ -319,7 +327,7 @@ class MetricConfig:
 
 @dataclass
 class ModelConfig(MetricConfig):
-    """Options of metrics that load a model through :mod:`capeval_plugins.core.loading`.
+    """Options of metrics that load a model through :mod:`capeval_plugins.resources.loading`.
 
     ``device_map`` (``"auto"`` or a module -> device mapping), ``max_memory`` (device -> size) and
     ``offload_folder`` spread a model over several devices or offload part of it to CPU memory or disk
@@ -461,7 +469,7 @@ def build_config(config_cls: type[MetricConfig], values: Mapping[str, Any], name
         if problem:
             raise ValueError(f"{name}: option {option} {problem}")
     if isinstance(config, ModelConfig):  # a dtype or device no machine has: refused before anything loads
-        from capeval_plugins.core.loading import placement_problem
+        from capeval_plugins.resources.loading import placement_problem
 
         problem = placement_problem(config.device, config.dtype, config.device_map, config.max_memory,
                                     config.offload_folder)

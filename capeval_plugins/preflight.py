@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Mapping
 
 from capeval_plugins.contract import Metric, Requirement
-from capeval_plugins.core.loading import local_path_problem
+from capeval_plugins.resources.loading import local_path_problem
 
 HUB_TIMEOUT = 10.0  # seconds for the one hub request of a model that is neither local nor cached
 
@@ -57,7 +57,7 @@ def problems(metrics: Mapping[str, Metric]) -> list[str]:
         out.insert(0, f"{users} need a Java runtime and there is no `java` on PATH: install Java 8 or later "
                       "(e.g. apt-get install default-jre-headless)" + "".join(f", or {r}" for r in remedies))
     if any(need.kind == "java" for need in found):
-        from capeval_plugins.core.java import timeout
+        from capeval_plugins.resources.java import timeout
         from capeval_plugins.core.messages import ExternalToolError
 
         try:
@@ -165,7 +165,7 @@ def problem(need: Requirement) -> str | None:
                 + (f", or {need.remedy}" if need.remedy else ""))
     remedy = f": {need.remedy}" if need.remedy else ""
     if need.kind == "device":
-        from capeval_plugins.core.loading import device_problem
+        from capeval_plugins.resources.loading import device_problem
 
         return device_problem(need.target)
     if need.kind == "module":

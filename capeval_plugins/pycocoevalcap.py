@@ -1,14 +1,16 @@
 """``from capeval_plugins.pycocoevalcap import ClipScore, COCOEvalCap, ImageResolver``.
 
 Every registered metric as a pycocoevalcap scorer, and pycocoevalcap's own scorer names (``Bleu``, ``Meteor``,
-``Rouge``, ``Cider``, ``Spice``) with its signatures, return types and ``method()`` names; importing this module
-makes ``PTBTokenizer().tokenize`` remember the captions as written, so the usual loop gives every capeval scorer
-the captions it should read. See :mod:`capeval_plugins.adapters.pycocoevalcap`.
+``Rouge``, ``Cider``, ``Spice``) with its signatures, return types and ``method()`` names, and ``PTBTokenizer``
+(stock's, whose ``tokenize`` also remembers the captions as written, so the usual loop gives every capeval scorer
+the captions it should read). Importing it changes nothing of pycocoevalcap's. See
+:mod:`capeval_plugins.adapters.pycocoevalcap`.
 """
 from capeval_plugins.adapters.pycocoevalcap import (STOCK_ALIASES, Bleu, COCOEvalCap, CapevalScorer, ImageResolver,
-                                                    TokenizedCaptions, scorer_class)
+                                                    PTBTokenizer, TokenizedCaptions, scorer_class)
 
-__all__ = ["Bleu", "COCOEvalCap", "CapevalScorer", "ImageResolver", "Rouge", "TokenizedCaptions", "scorer_class"]
+__all__ = ["Bleu", "COCOEvalCap", "CapevalScorer", "ImageResolver", "PTBTokenizer", "Rouge", "TokenizedCaptions",
+           "scorer_class"]
 _generated, __dir__ = scorer_class.module_hooks(__all__)
 
 

@@ -183,7 +183,7 @@ def size_of_rows(state: Mapping[str, Tensor]) -> CorpusSize:
 def check_paths(metric: Metric) -> None:
     """Options that name local files or folders (``Config.input_paths``) must exist: a typo fails here, not
     after a long load. Hub ids (``org/name``) are left to the loader."""
-    from capeval_plugins.core.loading import local_path_problem
+    from capeval_plugins.resources.loading import local_path_problem
 
     for key in getattr(metric.config, "input_paths", ()):
         value = getattr(metric.config, key, None)

@@ -22,7 +22,7 @@ from PIL import Image
 from scipy.stats import kendalltau
 
 from capeval_plugins import load
-from capeval_plugins.bench import fetch, load_benchmark, run_benchmark
+from capeval_plugins.bench import fetch, get_benchmark, load_benchmark, run_benchmark
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from hub_server import Hub  # noqa: E402
@@ -54,7 +54,7 @@ def composite_rows() -> list[dict]:
         refs = [f"a photo of thing {image}", f"thing {image} on a table"]
         caption = refs[0] if i == 5 else f"caption {i} about a thing {(i * 7) % 5}"
         rows.append({"img": {"bytes": png(image), "path": f"im{image}.png"}, "cand": caption, "refs": refs,
-                     "human_score": float((i * 5) % 7 + 1), "dataset": ("flickr8k", "coco")[image % 2]})
+                     "human_score": float((i * 3) % 5 + 1), "dataset": ("flickr8k", "coco")[image % 2]})
     return rows
 
 
@@ -225,7 +225,7 @@ def test_a_changed_file_is_refused_unless_refresh(hub, tmp_path):
     refused = one_line_error(capeval(args, env(hub, cache)))
     assert "changed since composite was fetched" in refused and "--refresh" in refused
 
-    rows[0]["human_score"] = 9.0
+    rows[0]["human_score"] = 5.0
     new = hub.commit("yuwd/Composite", {"default/test/0000.parquet": parquet(rows)}, ref=PARQUET)
     refreshed = capeval([*args, "--refresh", "--json", str(tmp_path / "r.json")], env(hub, cache))
     assert refreshed.returncode == 0, refreshed.stderr
@@ -248,7 +248,7 @@ def test_a_changed_file_is_refused_unless_refresh(hub, tmp_path):
     fixed = subprocess.run([sys.executable, "-c", FETCH.replace("progress=False", "refresh=True, progress=False"),
                             "polaris"], env=env(hub, cache), capture_output=True, text=True, timeout=HANG_GUARD)
     assert fixed.returncode == 0, fixed.stderr
-    assert len(load_benchmark("polaris", fixed.stdout.strip()).captions) == 6
+    assert len(get_benchmark("polaris").reader(Path(fixed.stdout.strip())).captions) == 6  # Composite's 1-5 scores
 
 
 def nebula_rows() -> tuple[list[dict], dict[tuple[str, str], list[float]]]:
@@ -385,8 +385,9 @@ def test_flickr8k_layouts_and_docent_read_as_their_public_files(hub, tmp_path):
         entry["human_judgement"].append({"caption": row["cand"], "rating": row["human_score"],
                                          "image_path": row["img"]["path"]})
     (tmp_path / "flickr8k.json").write_text(json.dumps(by_image))
-    for name, path in (("flickr8k-expert", expert), ("flickr8k-cf", crowd)):
-        got, want = load_benchmark(name, path), load_benchmark(name, tmp_path / "flickr8k.json")
+    for name, path in (("flickr8k-expert", expert), ("flickr8k-cf", crowd)):  # the layouts (one set of ratings)
+        read = get_benchmark(name).reader
+        got, want = read(Path(path)), read(tmp_path / "flickr8k.json")
         assert got.captions.candidates == want.captions.candidates
         assert got.captions.references == want.captions.references
         assert got.captions.images == want.captions.images
@@ -418,3 +419,99 @@ def test_the_cache_must_be_private_and_its_manifest_whole(tmp_path, monkeypatch)
         fetch.fetch("composite", root=tmp_path / "own")
     with pytest.raises(fetch.FetchError, match="downloads are off"):
         fetch.fetch("composite", root=tmp_path / "own", refresh=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Issue 49: hostile files from the Hub (bounded Parquet, human scores on the declared scale, one line each)
+
+def repeated_rows(n: int) -> bytes:
+    """A Parquet file of ``n`` identical Polaris rows: dictionary-encoded, 170 KB for a million rows."""
+    index = pa.array(np.zeros(n, np.int32))
+
+    def column(value):
+        return pa.DictionaryArray.from_arrays(index, pa.array([value]))
+
+    table = pa.table({"img": column(png(0)), "cand": column("a caption"), "refs": column('["a reference"]'),
+                      "human_score": pa.array(np.full(n, 0.5))})
+    out = io.BytesIO()
+    pq.write_table(table, out)
+    return out.getvalue()
+
+
+def test_a_million_row_parquet_file_is_refused_from_its_footer(hub, tmp_path):
+    """A 170 KB file of 1,000,000 rows (the issue's 230 KB file grew to 2.33 GB as it was laid out) is refused by
+    its row count, read from the footer before any row is decoded: one line, exit 2, nothing laid out."""
+    data = repeated_rows(1_000_000)
+    assert len(data) < 250_000
+    hub.commit("yuwd/Polaris", {"default/test/0000.parquet": data}, ref=PARQUET)
+    scores = tmp_path / "s.jsonl"
+    scores.write_text(json.dumps({"image": "x", "caption": "a caption", "score": 1}) + "\n")
+    cache = tmp_path / "cache"
+    refused = one_line_error(capeval(["bench", "polaris", "--scores", f"s={scores}", "--quiet"], env(hub, cache)))
+    assert "1,000,000 rows, more than Polaris has by far" in refused and "--data" in refused, refused
+    assert not list(cache.rglob("data.json")) and not list(cache.rglob("images/*"))
+
+
+@pytest.mark.parametrize("content", [b"", b"PAR1" + b"\0" * 64 + b"PAR1", b"not parquet at all" * 10])
+def test_a_malformed_hub_parquet_file_is_one_line(hub, tmp_path, content):
+    """A file that is not Parquet (empty, a bare magic, text) where the conversion should be: exit 2, one line
+    naming the file, for a layout capeval writes (Nebula) and for one handed to its reader as it is (DOCENT)."""
+    hub.commit("Ka2ukiMatsuda/Nebula", {"default/test/0000.parquet": content}, ref=PARQUET)
+    hub.commit("amitha/docent-eval-coarse", {"default/test/0000.parquet": content}, ref=PARQUET)
+    hub.commit("hiranohachiman/Spica", {n: b"imgid,mt,refs,score\n" for n in fetch.SPICA.files}, lfs=False)
+    scores = tmp_path / "s.jsonl"
+    scores.write_text(json.dumps({"image": "x", "caption": "a caption", "score": 1}) + "\n")
+    for benchmark in ("nebula", "docent"):
+        line = one_line_error(capeval(["bench", benchmark, "--scores", f"s={scores}", "--quiet"],
+                                      env(hub, tmp_path / benchmark)))
+        assert "0000.parquet" in line and "Parquet" in line, line
+
+
+def test_a_non_finite_human_score_in_a_fetched_row_is_refused(hub, tmp_path):
+    """A human score of +inf in a fetched row was dropped with "excluded: 0" and the figures computed without
+    it; now the row is named with the benchmark's scale, exit 2 (NaN and a score of 7 on [0, 1] too)."""
+    scores = tmp_path / "s.jsonl"
+    for k, bad in enumerate((float("inf"), float("nan"), 7.0)):
+        rows = [dict(r) for r in longcap_rows("dci_val.desc")]
+        rows[4]["score"] = bad
+        hub.commit("Ka2ukiMatsuda/LongCap-Arena", {"default/dci_val.desc/0000.parquet": parquet(rows)}, ref=PARQUET)
+        scores.write_text("".join(json.dumps({"image": r["file_name"], "caption": " ".join(r["cand"].split()),
+                                              "score": i}) + "\n" for i, r in enumerate(rows)))
+        line = one_line_error(capeval(["bench", "longcaparena-testa-desc", "--scores", f"s={scores}", "--quiet"],
+                                      env(hub, tmp_path / f"cache{k}")))
+        assert "row 4" in line and f"{bad!r}" in line and "scale [0, 1]" in line, line
+
+
+def test_spica_corrections_outside_the_scale_are_refused_before_they_are_averaged(hub, tmp_path):
+    """Corrections of -1e9 and 1e300 gave tau-c 63.0 instead of 19.2 and a Pearson of exactly 0.0 (overflow),
+    exit 0. Each corrected score is checked against Nebula's scale before any is averaged (-1e9 and +1e9 would
+    average to 0, inside it): one line naming the score, exit 2; --no-corrections still runs."""
+    rows, _ = nebula_rows()
+    hub.commit("Ka2ukiMatsuda/Nebula", {"default/test/0000.parquet": parquet(rows)}, ref=PARQUET)
+    scores = tmp_path / "scores.jsonl"
+    scores.write_text("".join(json.dumps({"image": r["file_name"], "caption": r["mt"], "score": (i * 3) % 7}) + "\n"
+                              for i, r in enumerate(rows)))
+    base = ["bench", "nebula", "--scores", f"s={scores}", "--bootstrap", "0", "--quiet"]
+    for k, (low, high) in enumerate(((-1e9, 1e300), (-1e9, 1e9))):
+        spica = {}
+        for split, value in zip(fetch.SPICA.files, (low, high, 0.5)):
+            caption = " ".join(rows[0]["mt"].split())
+            spica[split] = f"imgid,mt,refs,score\n1000,{caption},['x'],{value!r}\n".encode()
+        hub.commit("hiranohachiman/Spica", spica, lfs=False)
+        cache = tmp_path / f"cache{k}"
+        line = one_line_error(capeval(base, env(hub, cache)))
+        assert f"the score {low!r}" in line and "outside Nebula's scale [0, 1]" in line, line
+        assert capeval([*base, "--no-corrections"], env(hub, cache)).returncode == 0
+
+
+def test_a_stalled_download_is_one_line_not_twelve(hub, tmp_path):
+    """A Hub that sends nothing: huggingface_hub retries, and logged two lines a retry (12 before the error); now
+    its retries are silent and the failure is the one line."""
+    hub.commit("yuwd/Polaris", {"default/test/0000.parquet": parquet(composite_rows())}, ref=PARQUET)
+    hub.hang("default/test/0000.parquet")
+    got = capeval(["bench", "polaris", "--metric", "bleu4", "--quiet"],
+                  env(hub, tmp_path / "cache", HF_HUB_DOWNLOAD_TIMEOUT="1"))
+    hub.release()
+    assert "cannot fetch polaris from the Hugging Face dataset yuwd/Polaris" in one_line_error(got)
+    resumed = [entry for entry in hub.log if entry[1].endswith("/default/test/0000.parquet") and entry[0] == "GET"]
+    assert len(resumed) > 1  # it did retry: only the lines went

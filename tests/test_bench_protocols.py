@@ -106,8 +106,8 @@ def test_spearman_and_system_level_correlation_equal_scipy():
     cands = [" ".join(["w"] * int(k)) for k in rng.integers(1, 9, n)]
     human = np.array([len(c.split()) for c in cands]) + rng.normal(0, 2, n)
     data = Ratings(Captions([f"i{i // 5}" for i in range(n)], cands), human, systems=systems)
-    result = run_benchmark("nebula", data, {"len": Length()}, cache=False, bootstrap=0, progress=False
-                           ).to_dict()["results"]["len"]
+    result = run_benchmark("nebula", data, {"len": Length()}, cache=False, bootstrap=0, progress=False,
+                           human_scale=(human.min(), human.max())).to_dict()["results"]["len"]
     words = np.array([len(c.split()) for c in cands], dtype=float)
     assert result["spearman"] == pytest.approx(100 * spearmanr(words, human).statistic, abs=1e-9)
     sys_x = [words[[s == k for s in systems]].mean() for k in sorted(set(systems))]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import BENCHDATA
 
-from capeval_plugins.bench import load_benchmark
+from capeval_plugins.bench import get_benchmark, load_benchmark
 from capeval_plugins.bench.data import Pairs, Ratings, clean, resolve_images
 from capeval_plugins.inputs import InputError
 
@@ -62,6 +62,12 @@ def test_nebula_and_thumb_row_counts():
 
 # ------------------------------------------------------------------------------------ Flickr8k layouts
 
+def read_unchecked(benchmark, path):
+    """The benchmark's reader alone: these files mix the scales of Expert (1-4) and CF (0-1) ratings, which
+    ``load_benchmark`` checks (see test_hostile_benchmark_values)."""
+    return get_benchmark(benchmark).reader(path)
+
+
 def judgement_json(tmp_path, name="f.json"):
     data = {
         "img1": {"ground_truth": ["A dog runs .", "A brown  dog on grass .", "Dog outside"],
@@ -79,7 +85,7 @@ def judgement_json(tmp_path, name="f.json"):
 
 
 def test_expert_drops_candidates_that_are_references_and_nan_ratings(tmp_path):
-    data = load_benchmark("flickr8k-expert", judgement_json(tmp_path))
+    data = read_unchecked("flickr8k-expert", judgement_json(tmp_path))
     assert data.captions.candidates == ["A cat sleeps .", "Kids in a park"]
     assert data.excluded == 2 and data.notes["nan_ratings"] == 1
     assert data.captions.references[0] == ["A dog runs .", "A brown dog on grass .", "Dog outside"]
@@ -87,7 +93,7 @@ def test_expert_drops_candidates_that_are_references_and_nan_ratings(tmp_path):
 
 
 def test_cf_keeps_rows_and_removes_judged_candidates_from_references(tmp_path):
-    data = load_benchmark("flickr8k-cf", judgement_json(tmp_path))
+    data = read_unchecked("flickr8k-cf", judgement_json(tmp_path))
     assert len(data.captions) == 4 and data.excluded == 0
     assert data.captions.references[0] == ["Dog outside"]  # both judged references removed, image-wide
     assert data.human.tolist() == [4.0, 3.0, 1.0, 0.66]
@@ -112,7 +118,7 @@ def test_composite_fleur_layout_with_subsets_and_optional_references(tmp_path):
 
 
 def test_composite_reads_the_clipscore_layout_too(tmp_path):
-    assert len(load_benchmark("composite", judgement_json(tmp_path)).captions) == 2
+    assert len(read_unchecked("composite", judgement_json(tmp_path)).captions) == 2
 
 
 # ---------------------------------------------------------------------------------- Nebula / Polaris

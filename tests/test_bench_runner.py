@@ -81,7 +81,7 @@ def ratings_data(n=60, seed=0) -> Ratings:
     refs = [[" ".join(rng.choice(words, 5))] for _ in range(n)]
     images = [f"img{i % 13}.png" for i in range(n)]
     human = np.array([len(c.split()) for c in cands]) + rng.integers(0, 3, n)
-    return Ratings(Captions(images, cands, refs), human.astype(float))
+    return Ratings(Captions(images, cands, refs), human / 10.0)  # within Nebula's scale [0, 1]
 
 
 # ------------------------------------------------------------------------------------------ the core
@@ -229,7 +229,7 @@ def test_an_interrupted_run_resumes_without_recomputing(tmp_path, no_order_probe
     cache = tmp_path / "scores.sqlite"
     cands = [f"caption {k}" for k in range(700)]
     Lookup.table = {c: float(k % 17) for k, c in enumerate(cands)}
-    data = Ratings(Captions(["i"] * 700, cands, None), np.arange(700, dtype=float))
+    data = Ratings(Captions(["i"] * 700, cands, None), np.arange(700, dtype=float) / 700)
     Lookup.mapped, Lookup.fail_after = 0, 256  # chunks of 256: the second chunk is interrupted
     with pytest.raises(KeyboardInterrupt):
         run_benchmark("nebula", data, {"lookup": Lookup()}, cache=cache, bootstrap=0, progress=False)
@@ -245,7 +245,7 @@ def test_an_interrupted_run_resumes_without_recomputing(tmp_path, no_order_probe
 def test_bootstrap_replicates_are_resampled_images_and_paired():
     data = ratings_data(80, seed=2)
     rng = np.random.default_rng(0)
-    good = data.human + rng.normal(0, 0.5, 80)
+    good = data.human + rng.normal(0, 0.05, 80)  # human scores are tenths here
     noise = rng.normal(0, 1, 80)
     protocol = get_benchmark("nebula").protocol
     scores = {"good": good, "noise": noise, "good_again": good.copy()}

@@ -88,8 +88,8 @@ def test_bert_score_in_batches_differs_only_by_its_zero_padding(tiny_deberta):
     cosine 0: a token whose cosines are all negative gets 0 when the other side is padded in that batch, and
     the result depends on the batch. Here its batched output is reproduced from per-pair best similarities
     with exactly that floor, and no other change (an independent computation of what the option does)."""
-    from capeval_plugins.core.encoders.common import EncoderSpec
-    from capeval_plugins.core.encoders.text import TextEncoder
+    from capeval_plugins.models.encoders.common import EncoderSpec
+    from capeval_plugins.models.encoders.text import TextEncoder
     from capeval_plugins.core.matching import best_similarities, f_measure, weighted_mean
 
     cands = [c for c, refs in zip(CANDIDATES, REFERENCES) for _ in refs]
@@ -212,7 +212,7 @@ def test_an_empty_corpus_finalizes_to_nothing(tiny_deberta, idf):
 def test_default_layers_are_bert_scores():
     from bert_score.utils import model2layers
 
-    from capeval_plugins.core.encoders.text import BERT_SCORE_LAYERS, bert_score_layer
+    from capeval_plugins.models.encoders.text import BERT_SCORE_LAYERS, bert_score_layer
 
     assert all(model2layers[name] == layer for name, layer in BERT_SCORE_LAYERS.items())
     assert bert_score_layer("microsoft/deberta-v3-large") == 12
@@ -323,8 +323,8 @@ def test_roberta_equals_bert_score_with_its_prefix_space_restored(tiny_roberta, 
 def test_roberta_texts_get_the_leading_space(tiny_roberta):
     from transformers import AutoTokenizer
 
-    from capeval_plugins.core.encoders.common import EncoderSpec
-    from capeval_plugins.core.encoders.text import TextEncoder
+    from capeval_plugins.models.encoders.common import EncoderSpec
+    from capeval_plugins.models.encoders.text import TextEncoder
 
     enc = TextEncoder.shared(EncoderSpec(tiny_roberta))
     spaced = AutoTokenizer.from_pretrained(tiny_roberta, add_prefix_space=True)
@@ -337,7 +337,7 @@ def test_roberta_texts_get_the_leading_space(tiny_roberta):
 def test_the_runner_embeds_each_distinct_text_of_the_corpus_once(tiny_deberta, monkeypatch):
     """The runner's prepare_corpus hook: one length-sorted pass over the corpus's distinct texts, then batches
     only gather; the cache is dropped after the pass. Same result as batches embedding their own texts."""
-    from capeval_plugins.core.encoders.text import TextEncoder
+    from capeval_plugins.models.encoders.text import TextEncoder
 
     calls = {"packed": [], "batch": 0}
     packed, per_batch = TextEncoder.embed_packed, TextEncoder.embed

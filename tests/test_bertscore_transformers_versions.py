@@ -3,8 +3,9 @@ installed transformers and (opt-in) on another one, e.g. the lowest the pins all
 
 bert_score asks RoBERTa/GPT-2 tokenizers for ``add_prefix_space=True`` per call. transformers 4.57 honours the
 request (bert_score loads the slow ``RobertaTokenizer``), 5.x ignores it, so there bert_score gets the space only
-from a tokenizer saved with it. Ours decides by the tokenizer's behaviour (``_byte_level_bpe``) and adds the
-space itself, once. The other-version run: ``CAPEVAL_OTHER_TRANSFORMERS_PYTHON=<python of a venv with
+from a tokenizer saved with it. Ours (the default ``prefix_space="paper"``) decides by the tokenizer's class, as
+bert_score does (``bert_score_prefix_space``), and adds the space itself, which a tokenizer saved with the space
+does not double. The other-version run: ``CAPEVAL_OTHER_TRANSFORMERS_PYTHON=<python of a venv with
 transformers==4.57.* and bert_score==0.3.13>`` (see docs/testing.md)."""
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ def robertas(tiny_root, tmp_path_factory) -> dict[str, str]:
 
 
 def encoder(path: str):
-    from capeval_plugins.core.encoders.common import EncoderSpec
-    from capeval_plugins.core.encoders.text import TextEncoder
+    from capeval_plugins.models.encoders.common import EncoderSpec
+    from capeval_plugins.models.encoders.text import TextEncoder
 
     return TextEncoder.shared(EncoderSpec(path))
 
@@ -61,7 +62,7 @@ def test_the_first_word_gets_exactly_one_leading_space(robertas, tiny_root):
     from capeval_plugins.testing import tiny_checkpoint
 
     bare, spaced = encoder(robertas["bare"]), encoder(robertas["spaced"])
-    assert bare.prefix_space and not spaced.prefix_space  # the tokenizer saved with the space adds it itself
+    assert bare.prefix_space and spaced.prefix_space  # RoBERTa's class: spaced, never twice (below)
     for enc in (bare, spaced):
         tokens = enc.tokenizer.convert_ids_to_tokens(enc.tokenize(["  a dog"])[0])
         assert tokens[1:-1] == ["Ġa", "Ġdog"]

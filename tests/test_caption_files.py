@@ -267,7 +267,7 @@ def test_one_json_lines_reader_for_captions_bench_scores_and_indexes(tmp_path):
 
     from capeval_plugins.bench.readers import load_records
     from capeval_plugins.bench.scorefiles import read_score_rows
-    from capeval_plugins.core.generation import read_index
+    from capeval_plugins.models.generation import read_index
 
     captions = ["a dog\u2028runs", "a cat\u0085sleeps", "two\u2029birds", "a\x0cb\x0bc", "plain"]
     rows = [{"image": f"{i}.png", "caption": c, "score": 0.5 + i} for i, c in enumerate(captions)]

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import EXAMPLES, HANG_GUARD, PYTHON, capeval_here, capeval_in_process, free_port, random_image, run
@@ -148,7 +149,7 @@ def not_a_model(tmp_path):
 
 def test_a_corrupt_image_is_named_by_its_row_before_any_model_loads(tmp_path, monkeypatch):
     from capeval_plugins import cli
-    from capeval_plugins.core import loading
+    from capeval_plugins.resources import loading
 
     captions, images = corpus_with_a_corrupt_image(tmp_path)
 
@@ -355,8 +356,12 @@ def test_signals_finish_the_batch_then_stop_and_stop_at_once_outside_the_batches
 
 def _coco_files(tmp_path):
     """A COCO annotation file (captions_val2014.json's shape) over the example images, and a results file
-    ([{"image_id", "caption"}], what pycocotools' loadRes reads) with two captions for one image."""
-    records = read_captions(EXAMPLES / "captions.jsonl", EXAMPLES / "images")
+    ([{"image_id", "caption"}], what pycocotools' loadRes reads) with one caption per image (the first of each
+    image's in the example captions; pycocoevalcap's scorers assert one, and so does capeval)."""
+    everything = read_captions(EXAMPLES / "captions.jsonl", EXAMPLES / "images")
+    first = sorted({Path(p).name: k for k, p in reversed(list(enumerate(everything.images)))}.values())
+    records = SimpleNamespace(**{field: [getattr(everything, field)[k] for k in first]
+                                 for field in ("images", "captions", "references")})
     names = list(dict.fromkeys(Path(p).name for p in records.images))
     refs = {Path(p).name: r for p, r in zip(records.images, records.references)}
     annotations = {"info": {}, "licenses": [], "type": "captions",

@@ -157,7 +157,7 @@ def test_independent_of_batch_size_and_order(tiny_clip):
 
 
 def test_long_caption_truncated_keeping_end_of_text_and_warned_once(tiny_clip):
-    from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+    from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 
     enc = ClipEncoder.shared(EncoderSpec(tiny_clip))
     long = "a dog runs on the grass " * 40
@@ -175,3 +175,71 @@ def test_the_same_model_is_loaded_once(tiny_clip):
     a = capeval_plugins.load("clipscore", model=tiny_clip)
     b = capeval_plugins.load("refclipscore", model=tiny_clip, w=1.0)
     assert a.encoder.model is b.encoder.model
+
+
+# --- long captions: the mean over sentences (CaptionEvalKit's --sentence-average) --------------------------------
+
+LONG_CAPTIONS = [
+    "A dog runs on the grass. It chases a red ball!  The sun is out?\nA child watches from the bench.",
+    "Two children play in the park",
+    "",
+    "A red car.\n\n\nNext to a building... with tall windows. ",
+    "   ",
+]
+
+
+def split_like_the_toolkit(caption: str) -> list[str]:
+    """CaptionEvalKit's sentence splitter, written as a character scan (no regular expression): a cut at a
+    whitespace run that follows '.', '!' or '?' (the whole run), or at a run of newlines anywhere; pieces stripped,
+    empty ones dropped; the caption itself when nothing is left."""
+    pieces, current, i = [], "", 0
+    while i < len(caption):
+        ch = caption[i]
+        after_stop = i > 0 and caption[i - 1] in ".!?"
+        if ch.isspace() and (after_stop or ch == "\n"):
+            j = i
+            while j < len(caption) and (caption[j].isspace() if after_stop else caption[j] == "\n"):
+                j += 1
+            pieces.append(current)
+            current, i = "", j
+            continue
+        current += ch
+        i += 1
+    pieces.append(current)
+    kept = [p.strip() for p in pieces if p.strip()]
+    return kept or [caption]
+
+
+def test_the_sentence_splitter_is_the_toolkits():
+    from capeval_plugins.core.clip_score import split_sentences
+
+    texts = LONG_CAPTIONS + CAPTIONS + ["Dr. Smith arrived.Then left", "Wow!!  Really?? yes.\tno", "a\nb \n c. d",
+                                        "end.", "x\u00a0. y", "one. \u2003two"]
+    for text in texts:
+        assert split_sentences(text) == split_like_the_toolkit(text), text
+    assert split_sentences("A dog. A cat!\nA bird") == ["A dog.", "A cat!", "A bird"]
+
+
+def test_sentence_average_equals_a_plain_per_sentence_loop(tiny_clip):
+    """Each candidate's score is the mean over its sentences of w * max(cos, 0), every sentence prefixed and
+    encoded alone; computed here one sentence at a time through transformers, against the metric's one batched
+    pass at two batch sizes. References are given and not used: the reference extras are left out."""
+    model, processor = plain_clip(tiny_clip)
+    pictures = [random_image(20 + i, size=(44 + 3 * i, 38)) for i in range(len(LONG_CAPTIONS))]
+    expected = [np.mean([plain_clipscore(model, processor, img, s) for s in split_like_the_toolkit(cap)])
+                for img, cap in zip(pictures, LONG_CAPTIONS)]
+    refs = [["a dog."]] * len(LONG_CAPTIONS)
+    for batch_size in (2, 16):
+        result = capeval_plugins.load("clipscore", model=tiny_clip, sentence_average=True, batch_size=batch_size)(
+            pictures, LONG_CAPTIONS, refs)
+        assert result.scores.tolist() == pytest.approx(expected, abs=1e-5)
+        assert "refclipscore" not in result.extras and "reference_similarity" not in result.extras
+    whole = capeval_plugins.load("clipscore", model=tiny_clip)(pictures, LONG_CAPTIONS)
+    assert whole.scores[1].item() == pytest.approx(expected[1], abs=1e-5)  # one sentence: the plain score
+    assert not np.allclose(whole.scores.numpy()[[0, 3]], np.asarray(expected)[[0, 3]], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["refclipscore", "refpacscore", "refpacscore_pp"])
+def test_reference_metrics_refuse_the_sentence_average(name):
+    with pytest.raises(ValueError, match="sentence_average is defined for the image-text score only"):
+        capeval_plugins.load(name, sentence_average=True)

@@ -17,7 +17,7 @@ import torch
 from conftest import BENCHDATA, HANG_GUARD, PYTHON, flickr8k_pairs, free_port, has_java, spawn_ranks
 
 import capeval_plugins
-from capeval_plugins.core import java
+from capeval_plugins.resources import java
 from capeval_plugins.core.messages import ExternalToolError
 from capeval_plugins.inputs import InputError
 from capeval_plugins.preflight import RequirementError
@@ -203,7 +203,7 @@ def test_meteor_takes_the_full_paraphrase_table_for_references_with_its_placehol
     """METEOR's normaliser turns "DOTMULTI" (also written with dots inside) into dots, joining what was around
     it ("dogDOTMULTIs" reads "dog.s"): references holding it get the full paraphrase table; candidates may hold
     it (a paraphrase match needs a phrase of a reference). The jar's own scores either way."""
-    from capeval_plugins.core import meteor_table
+    from capeval_plugins.resources import meteor_table
     from capeval_plugins.metrics.coco import meteor_jar
 
     cands = ["a dogDOTMULTIs run", "two D.O.T.M.U.L.T.I. cats", "a dog runs"]

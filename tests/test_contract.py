@@ -327,7 +327,7 @@ def test_the_bounded_options_are_the_ones_with_a_stated_range():
 def test_training_settings_refuse_what_would_reach_the_weights():
     """Training settings share the metric options' checks (core.bounds): an infinite learning rate, a NaN weight
     decay (which passed a plain ``< 0`` test), a dropout of 1, a non-finite temperature are refused by name."""
-    from capeval_plugins.training.model import RigelSettings
+    from capeval_plugins.models.rigel import RigelSettings
     from capeval_plugins.training.msd_aligner.train import AlignerConfig
     from capeval_plugins.training.phase1 import Phase1Config
     from capeval_plugins.training.phase2 import Phase2Config

@@ -263,7 +263,7 @@ def test_the_cli_refuses_in_one_line_with_exit_2(tmp_path, capsys):
     import builtins
 
     path = archive(tmp_path / "x.pth", {"state_dict": {}, "x": Call(builtins.exec, "1")})
-    for kind in ("pacs", "polos"):
+    for kind in ("pacs", "polos", "vela"):
         assert main(["convert", kind, str(path), str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err.strip()
         assert "builtins.exec" in err and len(err.splitlines()) == 1

@@ -13,8 +13,8 @@ from test_lvlm import CAPTIONS, DECIMAL, IMAGE_OF, images, sharp_llava
 from test_rigel_metric import checkpoint as rigel_checkpoint
 
 import capeval_plugins
-from capeval_plugins.core import loading
-from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, fleur_instruction
+from capeval_plugins.resources import loading
+from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge, fleur_instruction
 
 pytest.importorskip("accelerate")
 answers = test_fleur_discode.answers  # the fixture that makes the judge answer given texts (teacher forcing)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import has_java, random_image
 from test_lvlm import scripted_llava, sharp_llava
-from test_resume_every_metric import rigel_checkpoint
+from test_resume_every_metric import EXPERT_JUDGE, rigel_checkpoint
 
 from capeval_plugins import registry, runner
 from capeval_plugins.testing.corpus import caption_corpus
@@ -49,7 +49,7 @@ def recipes(tiny_root, corpus) -> dict[str, dict]:
     """Options that build every registered metric on tiny models."""
     from capeval_plugins.testing import tiny_checkpoint
 
-    models = {k: str(tiny_checkpoint(k, root=tiny_root)) for k in ("clip", "roberta", "deberta_v3", "vilt", "dino", "pacs", "pacs_pp", "polos")}
+    models = {k: str(tiny_checkpoint(k, root=tiny_root)) for k in ("clip", "roberta", "deberta_v3", "vilt", "dino", "pacs", "pacs_pp", "polos", "vela")}
     judge = scripted_llava(("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog"))
     return {
         "clipscore": {"model": models["clip"]}, "refclipscore": {"model": models["clip"]},
@@ -57,9 +57,10 @@ def recipes(tiny_root, corpus) -> dict[str, dict]:
         "soft_msd": {"model": models["clip"]}, "bertscore": {"model": models["roberta"]},
         "pacscore": {"model": models["pacs"]}, "refpacscore": {"model": models["pacs"]},
         "pacscore_pp": {"model": models["pacs_pp"]}, "refpacscore_pp": {"model": models["pacs_pp"]},
-        "polos": {"model": models["polos"]},
+        "polos": {"model": models["polos"]}, "vela": {"model": models["vela"]},
         **{name: {} for name in NEEDS_JAVA},
         "fleur": {"model": judge}, "discode": {"model": judge},
+        "expert": {"model": scripted_llava(EXPERT_JUDGE), "max_new_tokens": 8},
         "rigel": {"checkpoint": rigel_checkpoint(sharp_llava())},
         "vilbertscore": {"model": models["vilt"]},
         "dino_cycle": {"model": models["dino"], "generated_images": corpus["drawn"]},

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import CAPTIONS, PYTHON, REFERENCES, run
+from conftest import CAPTIONS, HANG_GUARD, PYTHON, REFERENCES, run
 
 import capeval_plugins
 from capeval_plugins import registry
@@ -73,7 +73,7 @@ def test_info_carries_citation_features_and_card(tiny_clip):
 
     metric = evaluate.load("clipscore", model=tiny_clip)
     assert "hessel2021clipscore" in metric.citation
-    assert set(metric.features[0]) == {"predictions", "references", "images"}
+    assert set(metric.features[0]) == {"predictions", "references", "images", "ids"}  # ids: optional
     assert "## How to Use" in metric.inputs_description  # the metric card
     assert "How to Use" in metric.compute.__doc__
 
@@ -249,3 +249,101 @@ def test_a_skipped_sample_is_counted_in_the_output(tiny_clip, images, tmp_path):
                          predictions=[CAPTIONS[0], CAPTIONS[1], ""])
     assert out["n_skipped"] == 1 and list(out["skipped"]) == [1] and "image file not found" in out["skipped"][1]
     assert out["scores"][1] != out["scores"][1] and out["scores"][2] == out["scores"][2]  # NaN; the empty one scored
+
+
+def test_other_adapters_spellings_load_the_metric():
+    """``evaluate.load("CIDEr")`` (pycocoevalcap's method name), ``"ClipScore"``, ``"CLIPScore"`` find the metric
+    the other adapters find under those names; a spelling of a canonical evaluate module stays evaluate's."""
+    import evaluate
+
+    for spelling, name in (("CIDEr", "cider"), ("Cider", "cider"), ("ClipScore", "clipscore"),
+                           ("CLIPScore", "clipscore"), ("capeval/CIDEr", "cider"), ("capeval/METEOR", "meteor")):
+        found = hf_evaluate.importable_module(spelling)
+        assert found is not None and found.module_path.endswith("." + name), spelling
+    for spelling in ("METEOR", "BERTScore", "Meteor"):
+        assert hf_evaluate.importable_module(spelling) is None, spelling
+    preds, refs = ["a dog runs on grass", "", "a red car"], [["a dog on grass", "a brown dog"], ["a cat"],
+                                                             ["a red car parked"]]
+    out = evaluate.load("CIDEr", tokenize=False).compute(predictions=preds, references=refs)
+    direct = capeval_plugins.load("cider", tokenize=False)(None, preds, refs)
+    assert out["scores"] == pytest.approx(direct.scores.tolist(), abs=1e-12)
+
+
+def _process(rank: int, world: int, name: str, idx: list[int], predictions, references, cache_dir: str,
+             with_ids: bool, experiment: str, out: str, main_ready, others_ready) -> None:
+    import warnings
+
+    import evaluate
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = evaluate.load(name, tokenize=False, num_process=world, process_id=rank, cache_dir=cache_dir,
+                               experiment_id=experiment)
+        # evaluate checks, without waiting, that process 0 holds its file when another writes, and that every
+        # process holds its file when process 0 computes: the ranks start in that order
+        if rank:
+            main_ready.wait(timeout=HANG_GUARD)
+        module.add_batch(predictions=[predictions[k] for k in idx], references=[references[k] for k in idx],
+                         **({"ids": idx} if with_ids else {}))
+        if rank:
+            others_ready.set()
+        else:
+            main_ready.set()
+            others_ready.wait(timeout=HANG_GUARD)
+        result = module.compute()
+    with open(f"{out}/rank{rank}.json", "w") as handle:
+        json.dump({"result": result, "warnings": [str(w.message) for w in caught]}, handle)
+
+
+def _processes(name: str, shards: dict[int, list[int]], predictions, references, cache_dir, with_ids: bool,
+               experiment: str) -> dict:
+    """evaluate's ``num_process`` mechanism, one forked process per rank: each adds its shard, process 0 gathers
+    (evaluate synchronises them through lock files in ``cache_dir``, held per process)."""
+    import multiprocessing
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    context = multiprocessing.get_context("fork")
+    main_ready, others_ready = context.Event(), context.Event()  # two ranks: one event for the others is enough
+    procs = [context.Process(target=_process, args=(rank, len(shards), name, shards[rank], predictions, references,
+                                                    str(cache_dir), with_ids, experiment, str(cache_dir), main_ready,
+                                                    others_ready))
+             for rank in sorted(shards)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=HANG_GUARD)
+    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+    return {rank: json.loads((cache_dir / f"rank{rank}.json").read_text()) for rank in shards}
+
+
+def test_num_process_rows_come_back_in_input_order_with_ids(tmp_path):
+    """Two processes (forked) holding interleaved samples (a DistributedSampler's split): given their ids, the
+    per-sample scores come back in input order, equal to one process; without ids, in process order, with a
+    warning that says so. ``add()`` one sample at a time gives the same."""
+    import evaluate
+
+    preds = ["a dog runs on grass", "a cat sleeps", "", "a red car", "two kids play in a park"]
+    refs = [["a dog on grass", "a brown dog"], ["a cat on a sofa"], ["a cat"], ["a red car parked"],
+            ["children playing", "kids in a park"]]
+    single = evaluate.load("cider", tokenize=False).compute(predictions=preds, references=refs)["scores"]
+    order = [3, 0, 4, 1, 2]  # in one process: rows added in any order come back in the order of their ids
+    shuffled = evaluate.load("cider", tokenize=False).compute(predictions=[preds[k] for k in order],
+                                                              references=[refs[k] for k in order], ids=order)
+    assert shuffled["scores"] == pytest.approx(single, abs=1e-12)
+    one_by_one = evaluate.load("cider", tokenize=False)
+    for k in order:
+        one_by_one.add(prediction=preds[k], reference=refs[k], id=k)
+    assert one_by_one.compute()["scores"] == pytest.approx(single, abs=1e-12)
+
+
+def test_the_installed_start_up_hook_is_this_trees():
+    """The wheel installs the hook as a copy (a top-level module the interpreter reads at start-up): a copy older
+    than the source would test, and run, the old hook. `make .venv/.installed` reinstalls when it changes."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("capeval_plugins_evaluate_hook")
+    assert spec is not None and spec.origin, "the evaluate start-up hook is not installed"
+    source = Path(hf_evaluate.__file__).with_name("evaluate_hook.py")
+    assert Path(spec.origin).read_bytes() == source.read_bytes(), (
+        f"{spec.origin} is not this tree's {source}: reinstall the package (make .venv/.installed)")

@@ -11,7 +11,7 @@ from scipy import stats
 from test_lvlm import CAPTIONS, IMAGE_OF, images, scripted_llava, sharp_llava
 
 import capeval_plugins
-from capeval_plugins.core.lvlm import SCALES, LVLMJudge, fleur_instruction
+from capeval_plugins.models.lvlm import SCALES, LVLMJudge, fleur_instruction
 
 REFERENCES = [["A dog on grass."], ["Kids in a park.", "Children playing."], ["A red car."], ["A man on a bench."],
               ["A cat."], ["A dog chasing a ball."]]

@@ -15,7 +15,7 @@ from test_msd import CANDIDATES as MSD_CANDIDATES, IMAGE_OF as MSD_IMAGE_OF
 
 import capeval_plugins
 from capeval_plugins import functional as F
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 
 answers = test_fleur_discode.answers  # the fixture that makes the judge write given answers
 
@@ -78,7 +78,7 @@ def test_mid_equals_the_metric(tiny_clip, reduction):
 def test_bert_score_match_equals_the_metric_with_and_without_idf(tiny_root):
     from test_bertscore import CANDIDATES as CANDS, REFERENCES as REFS
 
-    from capeval_plugins.core.encoders.text import TextEncoder
+    from capeval_plugins.models.encoders.text import TextEncoder
     from capeval_plugins.testing import tiny_checkpoint
 
     path = str(tiny_checkpoint("deberta_v3", root=tiny_root))

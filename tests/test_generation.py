@@ -13,8 +13,8 @@ from conftest import random_image
 from PIL import Image
 
 import capeval_plugins
-from capeval_plugins.core import generation
-from capeval_plugins.core.generation import CachedGenerator, FolderGenerator, MissingImageError, TextToImage
+from capeval_plugins.models import generation
+from capeval_plugins.models.generation import CachedGenerator, FolderGenerator, MissingImageError, TextToImage
 from capeval_plugins.files import CacheFolder
 from capeval_plugins.inputs import InputError
 
@@ -221,7 +221,7 @@ def plain_cls(path: str, images, preprocessing: str = "official") -> np.ndarray:
 @pytest.mark.parametrize("size", [(300, 225), (225, 300), (224, 500), (500, 375), (100, 80), (1000, 227),
                                   (229, 229), (224, 224)])
 def test_official_dino_pixels_equal_the_torchvision_transform(size):
-    from capeval_plugins.core.encoders.dino import official_pixels
+    from capeval_plugins.models.encoders.dino import official_pixels
 
     images = [random_image(3, size=size), random_image(4, size=size).convert("L"),
               random_image(5, size=size).convert("RGBA")]

@@ -299,7 +299,7 @@ def test_every_other_output_is_refused_as_a_link_or_an_input(files, tmp_path, ca
     assert cli(["calibrate", "--scores", scores, "--components", "a,b", "--out", scores], capsys)[0] == 2
     assert target.read_text() == "the user's file" and len(scores.read_text().splitlines()) == 9
 
-    data = Ratings(Captions(["a.png", "b.png"], ["x", "y"]), np.array([1.0, 2.0]))
+    data = Ratings(Captions(["a.png", "b.png"], ["x", "y"]), np.array([0.25, 0.5]))  # on Nebula's scale
     theirs = tmp_path / "out" / "theirs.jsonl"
     theirs.parent.mkdir()
     theirs.write_text(json.dumps({"image": "a.png", "caption": "x", "score": 1}) + "\n"
@@ -821,7 +821,7 @@ def test_caches_never_read_or_write_through_planted_links(tmp_path):
     from PIL import Image
 
     from capeval_plugins.bench.cache import ScoreCache
-    from capeval_plugins.core.generation import CachedGenerator, TextToImage
+    from capeval_plugins.models.generation import CachedGenerator, TextToImage
     from capeval_plugins.files import CacheFolder
     from capeval_plugins.training.features import cached_shards
 
@@ -880,7 +880,7 @@ def _deep_files(tmp_path: Path) -> dict[str, tuple[object, type]]:
     from capeval_plugins.bench.readers import as_list, load_records
     from capeval_plugins.bench.scorefiles import read_score_rows
     from capeval_plugins.caption_files import read_captions
-    from capeval_plugins.core.generation import read_index
+    from capeval_plugins.models.generation import read_index
     from capeval_plugins.core.messages import DataError
     from capeval_plugins.inputs import InputError
     from capeval_plugins.training.data import read_judgments

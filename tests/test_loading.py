@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from capeval_plugins.core import loading
+from capeval_plugins.resources import loading
 
 
 def test_device_and_dtype_resolution():

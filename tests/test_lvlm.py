@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import needs_torchvision, random_image
 
-from capeval_plugins.core.lvlm import SCALES, JudgeSpec, LVLMJudge, fleur_instruction
+from capeval_plugins.models.lvlm import SCALES, JudgeSpec, LVLMJudge, fleur_instruction
 from capeval_plugins.testing import scratch_folder
 
 CAPTIONS = ["A dog runs on the grass.", "Two children play in the park!", "A red car next to a building",
@@ -450,7 +450,7 @@ LLAVA_V1 = ("A chat between a curious human and an artificial intelligence assis
 def test_system_prompt_on_llava_1_5_is_the_official_llava_v1_conversation():
     """The llava-hf LLaVA-1.5 template with a system turn writes exactly what LLaVA's conv_templates["llava_v1"]
     .get_prompt() does for one image and one question: "{system} USER: <image>\\n{question} ASSISTANT:"."""
-    from capeval_plugins.core.lvlm import LLAVA_V1_SYSTEM, VisualInput
+    from capeval_plugins.models.lvlm import LLAVA_V1_SYSTEM, VisualInput
     from capeval_plugins.testing import tiny_checkpoint
 
     assert LLAVA_V1_SYSTEM == LLAVA_V1
@@ -463,7 +463,7 @@ def test_system_prompt_on_llava_1_5_is_the_official_llava_v1_conversation():
 
 
 def test_a_template_without_a_system_turn_gets_the_system_prompt_in_the_user_turn(monkeypatch):
-    from capeval_plugins.core.lvlm import VisualInput
+    from capeval_plugins.models.lvlm import VisualInput
     from capeval_plugins.testing.vision_language import MISTRAL_LLAVA_TEMPLATE
 
     judge = LVLMJudge.shared(JudgeSpec(sharp_llava()))
@@ -490,7 +490,7 @@ def test_a_template_without_a_system_turn_gets_the_system_prompt_in_the_user_tur
 def test_padding_to_a_square_is_llavas_expand2square():
     from PIL import Image
 
-    from capeval_plugins.core.lvlm import VisualInput, pad_to_square
+    from capeval_plugins.models.lvlm import VisualInput, pad_to_square
 
     mean = (0.48145466, 0.4578275, 0.40821073)
     for size in ((40, 28), (27, 40), (33, 33)):

@@ -1,4 +1,4 @@
-"""METEOR's paraphrase table cut down to the corpus (capeval_plugins/core/meteor_table.py) gives the jar's own
+"""METEOR's paraphrase table cut down to the corpus (capeval_plugins/resources/meteor_table.py) gives the jar's own
 statistics and scores. Checked step by step: the n-gram enumeration against a brute force over every choice of
 joins; the table's core strings against a token-by-token computation; the selection against a brute-force
 filter; the argument's key step against the jar's own normaliser (and its character classes and Java's
@@ -25,8 +25,8 @@ from conftest import HANG_GUARD, PYTHON, has_java
 
 import capeval_plugins
 from capeval_plugins import files
-from capeval_plugins.core import java
-from capeval_plugins.core import meteor_table as mt
+from capeval_plugins.resources import java
+from capeval_plugins.resources import meteor_table as mt
 
 needs_java = pytest.mark.skipif(not has_java(), reason="METEOR needs Java")
 SUPPORTED = re.compile(f"[{mt.SUPPORTED}]")
@@ -480,7 +480,7 @@ def test_paraphrases_option_is_checked():
 
 BUILD_SCRIPT = """
 import sys, warnings
-from capeval_plugins.core import meteor_table as mt
+from capeval_plugins.resources import meteor_table as mt
 warnings.simplefilter("error")
 index = mt.index_for(sys.argv[1])
 print(index.entries, index.max_n, index.select(mt.corpus_grams(["a dog runs on the grass"], index.max_n).hashes).tolist())
@@ -597,7 +597,7 @@ def test_a_crafted_or_foreign_meta_file_rebuilds_the_index(tmp_path, monkeypatch
 KILLED_BUILD = """
 import os, signal, sys
 from capeval_plugins import files
-from capeval_plugins.core import meteor_table as mt
+from capeval_plugins.resources import meteor_table as mt
 write = files.Folder.write
 def dying_write(self, name, data, **kw):
     if name == "a_hash":
@@ -631,7 +631,7 @@ def test_a_build_killed_mid_write_leaves_nothing_the_next_build_does_not_remove(
 
 KILLED_RUN = """
 import os, signal
-from capeval_plugins.core import meteor_table as mt
+from capeval_plugins.resources import meteor_table as mt
 path, lock = mt.write_temp_table(b"a table")
 print(path, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)

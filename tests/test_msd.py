@@ -300,7 +300,7 @@ def test_bad_options_are_refused(tiny_clip, bad):
 
 
 def test_global_features_equal_the_existing_encoder_methods(tiny_clip, tiny_siglip, pictures):
-    from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+    from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 
     for path in (tiny_clip, tiny_siglip):
         enc = ClipEncoder.shared(EncoderSpec(path))

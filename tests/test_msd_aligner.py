@@ -19,12 +19,12 @@ from test_msd import plain_msd, unit
 
 import capeval_plugins
 from capeval_plugins.core import vmf
-from capeval_plugins.core.encoders import EncoderSpec
+from capeval_plugins.models.encoders import EncoderSpec
 from capeval_plugins.inputs import InputError, to_batch
 from capeval_plugins.metrics.msd import pixel_seeds
 from capeval_plugins.training.msd_aligner import data as caption_data
-from capeval_plugins.training.msd_aligner.model import (CONFIG_FILE, PROJECTOR_FILE, TOKENS_FILE, AlignerSettings,
-                                                        LocalAligner, load_aligner, read_record, read_settings)
+from capeval_plugins.models.msd_aligner.model import (CONFIG_FILE, PROJECTOR_FILE, TOKENS_FILE, AlignerSettings,
+                                                      LocalAligner, load_aligner, read_record, read_settings)
 from capeval_plugins.training.msd_aligner.synthetic import synthetic_captions
 from capeval_plugins.training.msd_aligner.train import (AlignerConfig, PatchFeatures, build_aligner,
                                                         contrastive_loss, frozen_spec, lr_factor, reconstruction_nll,

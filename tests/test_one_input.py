@@ -74,7 +74,9 @@ def test_one_photo_one_score_through_every_entry_point(tiny_clip, photos, refere
     got["torchmetrics"] = tm.compute_all().extras["cosine"].numpy()
 
     scorer = ClipScore(ImageResolver("/", mapping=dict(enumerate(photos))), model=tiny_clip)
-    scorer.compute_score({i: ["a reference"] for i in range(len(photos))}, {i: [c] for i, c in enumerate(captions)})
+    # lower-case, unpunctuated captions look PTB-tokenised: handed over as COCO holds them (captions as written)
+    scorer.compute_score({i: [{"caption": "a reference"}] for i in range(len(photos))},
+                         {i: [{"caption": c}] for i, c in enumerate(captions)})
     got["pycocoevalcap"] = scorer.last_result.extras["cosine"].numpy()
 
     caption_file = tmp_path / "captions.jsonl"

@@ -21,7 +21,7 @@ from conftest import random_image
 import capeval_plugins
 from capeval_plugins.commands.convert import ConversionError
 from capeval_plugins.commands.convert_official import convert_pacs, convert_polos, read_released
-from capeval_plugins.core.encoders.openai_clip import LAION_MEAN, LAION_STD, OPENAI_MEAN, OPENAI_STD, merge_lora
+from capeval_plugins.models.encoders.openai_clip import LAION_MEAN, LAION_STD, OPENAI_MEAN, OPENAI_STD, merge_lora
 from capeval_plugins.testing import official, official_code
 from capeval_plugins.testing.corpus import caption_corpus
 
@@ -134,6 +134,32 @@ def test_pacs_pp_folds_the_lora_factors_as_the_official_scoring_applies_them(rel
                                               state["transformer.resblocks.0.mlp.c_fc.weight"])
 
 
+@pytest.mark.parametrize("kind", ["pacs", "pacs_pp"])
+def test_sentence_average_equals_the_official_code_one_sentence_at_a_time(released, modules, corpus, kind):
+    """CaptionEvalKit's --sentence-average for PAC-S / PAC-S++: every sentence of a candidate becomes a row of its own
+    (same image), scored by the official PACScore; the candidate's score is the mean of its rows. Here each sentence
+    goes through the official code alone (a plain loop, the splitter re-written in test_clipscore.py); capeval scores
+    all sentences of a batch in one pass."""
+    from test_clipscore import split_like_the_toolkit
+
+    images, candidates, _ = corpus
+    long = [" ".join(candidates[i: i + 3]) + "\n" + candidates[-1 - i] for i in range(len(candidates))]
+    source, folder = released[kind]
+    state = torch.load(source, weights_only=True)["state_dict"]
+    if kind == "pacs_pp":
+        state, _, _ = merge_lora(state)
+    model = official_code.openai_clip(modules, state)
+    expected = []
+    for image, caption in zip(images, long):
+        per = [official_pacs(model, modules, [image], [s], [["x"]], OPENAI_MEAN, OPENAI_STD)[0][0]
+               for s in split_like_the_toolkit(caption)]
+        expected.append(np.mean(per))
+    assert max(len(split_like_the_toolkit(c)) for c in long) >= 3
+    name = "pacscore" if kind == "pacs" else "pacscore_pp"
+    ours = capeval_plugins.load(name, model=folder, batch_size=5, sentence_average=True)(images, long)
+    np.testing.assert_allclose(ours.scores.numpy(), expected, atol=2e-5)
+
+
 def test_polos_equals_the_official_estimator(tmp_path, modules, corpus):
     """The official PolosEstimator's predict (one sample per batch: its layer-norm statistics and reference
     truncation couple the samples of a batch) against polos over the whole corpus in batches of 5."""
@@ -154,6 +180,20 @@ def test_polos_equals_the_official_estimator(tmp_path, modules, corpus):
     np.testing.assert_allclose(ours.scores.numpy(), expected, atol=2e-5)
     # with equal reference counts the official batch of all samples differs only by its shared statistics
     assert 0 <= ours.scores.min() and ours.scores.max() <= 1
+    # the official README's batched reading, predict(batch_size=8): statistics pooled over each batch of 8 (its
+    # candidates, each reference slot), references cut to the fewest of the batch (1-3 here); ours in batches of
+    # 5 and of 64, which change nothing
+    batched = np.asarray(reference.predict(samples, batch_size=8))
+    assert np.abs(batched - expected).max() > 1e-3  # the two readings differ visibly
+    for batch_size in (5, 64):
+        pooled = capeval_plugins.load("polos", model=str(tmp_path / "polos"), batch_size=batch_size,
+                                      official_batch_size=8)(images, candidates, references)
+        np.testing.assert_allclose(pooled.scores.numpy(), batched, atol=2e-5)
+    from capeval_plugins.torchmetrics import Polos
+
+    streamed = Polos(model=str(tmp_path / "polos"), official_batch_size=8)
+    with pytest.raises(ValueError, match="whole corpus"):
+        streamed.update(images[:4], candidates[:4], references[:4])
 
 
 def test_scores_do_not_depend_on_the_batch(corpus, tiny_root):

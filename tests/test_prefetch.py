@@ -11,7 +11,7 @@ from PIL import Image
 
 import capeval_plugins
 from capeval_plugins import prefetch, runner
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 from capeval_plugins.testing.realistic import photo_crops
 
 

@@ -14,7 +14,7 @@ from conftest import EXAMPLES, HANG_GUARD, PYTHON
 import capeval_plugins
 from capeval_plugins import preflight, registry, runner
 from capeval_plugins.contract import ModelConfig, Requirement
-from capeval_plugins.core.loading import local_path_problem
+from capeval_plugins.resources.loading import local_path_problem
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.preflight import RequirementError
 

@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, has_java
+from conftest import EXAMPLES, HANG_GUARD, has_java
 
 import capeval_plugins
 from capeval_plugins.caption_files import read_captions
@@ -100,8 +100,14 @@ def test_cocoevalcap_dropin_keeps_stock_results_and_feeds_raw_text(tiny_clip, tm
     stock.evaluate()
 
     resolver = ImageResolver.from_coco(EXAMPLES / "images", coco)
-    ours = COCOEvalCap(coco, coco_res, scorers=[ClipScore(resolver, model=tiny_clip)], spice=False)
+    ours = COCOEvalCap(coco, coco_res, scorers=[ClipScore(resolver, model=tiny_clip)])  # spice=None: if present
     ours.evaluate()
+    # stock's keys in stock's order (SPICE NaN where its jars are absent), ours after them
+    assert list(ours.eval) == [*stock.eval, "CLIPScore"]
+    assert all(list(ours.imgToEval[i]) == [*stock.imgToEval[i], "CLIPScore"] for i in stock.imgToEval)
+    assert [list(e) for e in ours.evalImgs] == [[*e, "CLIPScore"] for e in stock.evalImgs]
+    if "SPICE" in ours.unavailable:
+        assert np.isnan(ours.eval["SPICE"]) and all(np.isnan(e["SPICE"]) for e in ours.evalImgs)
     for key in ("Bleu_1", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"):  # capeval's stock scorers: same numbers, types
         assert ours.eval[key] == pytest.approx(stock.eval[key], rel=1e-12, abs=0), key
         assert type(ours.eval[key]) is type(stock.eval[key]), key
@@ -173,11 +179,12 @@ LOOP_REFS = {1: ["A red ball on a lawn.", "A small red ball sitting on grass."],
              5: ["Children playing outside.", "Kids in the park."]}
 
 
-def _usual_loop(scorers):
+def _usual_loop(scorers, tokenizer=None):
     """The loop pycocoevalcap's users write (and lmms-eval's COCO tasks run): PTB tokens to every scorer."""
-    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+    if tokenizer is None:
+        from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
-    tokenizer = PTBTokenizer()
+        tokenizer = PTBTokenizer()
     gts = tokenizer.tokenize({i: [{"caption": c} for c in refs] for i, refs in LOOP_REFS.items()})
     res = tokenizer.tokenize({i: [{"caption": c}] for i, c in LOOP_CAPTIONS.items()})
     return {method: scorer.compute_score(gts, res) for scorer, method in scorers}, gts, res
@@ -208,28 +215,110 @@ def test_stock_names_give_stocks_numbers_types_and_methods_in_the_usual_loop(coc
     assert np.asarray(ours["CIDEr"][1])[[1, 3]].tolist() == [0.0, 0.0]
 
 
+LOOP_NAMES = {1: "red_ball.png", 2: "blue_car.png", 3: "blue_car.png", 4: "green_tree.png", 5: "yellow_sun.png"}
+
+
+def _direct_clipscore(tiny_clip, captions):
+    ids = list(LOOP_CAPTIONS)
+    return capeval_plugins.load("clipscore", model=tiny_clip)([EXAMPLES / "images" / LOOP_NAMES[i] for i in ids],
+                                                              [captions[i] for i in ids])
+
+
 @pytest.mark.java
 @pytest.mark.skipif(not has_java(), reason="PTB tokenisation needs Java")
 def test_an_image_text_scorer_in_the_usual_loop_scores_the_captions_as_written(tiny_clip):
-    """CLIPScore added to the usual loop gets the captions before PTB (case and punctuation intact), not the
-    tokens the stock scorers get; a token dict changed after tokenisation is refused naming the fix."""
-    from capeval_plugins.pycocoevalcap import ClipScore, ImageResolver
+    """CLIPScore in the usual loop with capeval's PTBTokenizer (stock's, remembering the captions) gets the
+    captions before PTB (case and punctuation intact), not the tokens the stock scorers get; a token dict changed
+    after tokenisation is refused naming the fix."""
+    from capeval_plugins.pycocoevalcap import ClipScore, ImageResolver, PTBTokenizer
 
-    names = {1: "red_ball.png", 2: "blue_car.png", 3: "blue_car.png", 4: "green_tree.png", 5: "yellow_sun.png"}
-    scorer = ClipScore(ImageResolver(EXAMPLES / "images", mapping=names), model=tiny_clip)
-    ours, gts, res = _usual_loop([(scorer, "CLIPScore")])
-    ids = list(LOOP_CAPTIONS)
-    direct = capeval_plugins.load("clipscore", model=tiny_clip)([EXAMPLES / "images" / names[i] for i in ids],
-                                                                [LOOP_CAPTIONS[i] for i in ids])
+    scorer = ClipScore(ImageResolver(EXAMPLES / "images", mapping=LOOP_NAMES), model=tiny_clip)
+    ours, gts, res = _usual_loop([(scorer, "CLIPScore")], PTBTokenizer())
+    direct = _direct_clipscore(tiny_clip, LOOP_CAPTIONS)
     score, items = ours["CLIPScore"]
     assert type(items) is list and items == pytest.approx(direct.scores.tolist(), abs=1e-6)
     assert score == pytest.approx(direct.score, abs=1e-6)
-    on_tokens = capeval_plugins.load("clipscore", model=tiny_clip)([EXAMPLES / "images" / names[i] for i in ids],
-                                                                   [res[i][0] for i in ids])
+    on_tokens = _direct_clipscore(tiny_clip, {i: res[i][0] for i in LOOP_CAPTIONS})
     assert abs(on_tokens.scores[0] - direct.scores[0]) > 1e-4  # the tokens would have given another number
     res[1] = ["something else"]
     with pytest.raises(ValueError, match="pass CLIPScore the captions before PTBTokenizer"):
         scorer.compute_score(gts, res)
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="PTB tokenisation needs Java")
+def test_stock_tokens_are_refused_in_one_line_and_coco_dicts_are_read_as_written(tiny_clip):
+    """Stock's PTBTokenizer (or a user's subclass of it) hands over tokens only: CLIPScore refuses them in one
+    line naming the fixes rather than scoring them; given the dicts stock's tokenizer takes, it scores the
+    captions as written; told the plain captions are written so, it scores them as given."""
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer as Stock
+
+    from capeval_plugins.pycocoevalcap import ClipScore, ImageResolver, PTBTokenizer
+
+    class UsersTokenizer(Stock):  # e.g. to log: stock's tokens, nothing remembered
+        def tokenize(self, captions_for_image):
+            return super().tokenize(captions_for_image)
+
+    class UsersCapevalTokenizer(PTBTokenizer):
+        pass
+
+    resolver = ImageResolver(EXAMPLES / "images", mapping=LOOP_NAMES)
+    scorer = ClipScore(resolver, model=tiny_clip)
+    direct = _direct_clipscore(tiny_clip, LOOP_CAPTIONS)
+    for tokenizer in (Stock(), UsersTokenizer()):
+        with pytest.raises(ValueError, match=r"looks PTB-tokenised.*capeval_plugins.pycocoevalcap.PTBTokenizer") as err:
+            _usual_loop([(scorer, "CLIPScore")], tokenizer)
+        assert "\n" not in str(err.value)
+    ours, gts, res = _usual_loop([(scorer, "CLIPScore")], UsersCapevalTokenizer())
+    assert ours["CLIPScore"][1] == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    as_coco = ({i: [{"caption": c} for c in refs] for i, refs in LOOP_REFS.items()},
+               {i: [{"caption": c}] for i, c in LOOP_CAPTIONS.items()})
+    assert scorer.compute_score(*as_coco)[1] == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    plain_tokens = {i: list(v) for i, v in res.items()}
+    assumed = ClipScore(resolver, model=tiny_clip, assume_written=True).compute_score(dict(gts), plain_tokens)[1]
+    assert assumed == pytest.approx(_direct_clipscore(tiny_clip, {i: res[i][0] for i in res}).scores.tolist(), abs=1e-6)
+
+
+def test_what_looks_ptb_tokenised():
+    """Only a corpus every caption of which could be PTB output is refused: one capital letter or sentence mark
+    anywhere means captions as written."""
+    from capeval_plugins.adapters.pycocoevalcap import looks_ptb_tokenized
+
+    assert all(map(looks_ptb_tokenized, ["a red ball lies on the green grass", "", "a dog 's bone", "3.5 m"]))
+    assert not any(map(looks_ptb_tokenized, ["A red ball.", "a red ball.", "a dog, running", "a  dog", " a dog",
+                                             "is it a dog ?", "wow!", None]))
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="PTB tokenisation and METEOR need Java")
+@pytest.mark.parametrize("order", ["stock-first", "capeval-first"])
+def test_the_usual_loop_is_the_same_in_both_import_orders(tiny_clip, tmp_path, order):
+    """A fresh interpreter each: stock's PTBTokenizer imported and used before or after
+    capeval_plugins.pycocoevalcap. Either way stock's tokens are refused in one line, the captions as COCO holds
+    them (or through capeval's tokenizer, which gives stock's tokens) score as written, and importing the adapter
+    changes no attribute of pycocoevalcap's classes nor the numbers of stock's own example."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    data = tmp_path / "captions.json"
+    data.write_text(json.dumps({"gts": LOOP_REFS, "res": {i: [c] for i, c in LOOP_CAPTIONS.items()},
+                                "names": LOOP_NAMES}))
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "pycocoevalcap_import_order.py"), order,
+                           tiny_clip, str(EXAMPLES / "images"), str(data)], capture_output=True, text=True, timeout=HANG_GUARD)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    expected = _direct_clipscore(tiny_clip, LOOP_CAPTIONS).scores.tolist()
+    assert out["stock_tokens_type"] == "dict"
+    assert "looks PTB-tokenised" in out["on_stock_tokens"] and "\n" not in out["on_stock_tokens"]
+    for way in ("as_coco_holds_them", "plain_as_written", "capeval_tokenizer"):
+        assert out[way] == pytest.approx(expected, abs=1e-6), way
+    assert out["capeval_tokens_equal_stock"]
+    assert out["on_stock_tokens_assumed_written"] != pytest.approx(expected, abs=1e-4)
+    if order == "stock-first":
+        assert out["stock_classes_unchanged"]
+        assert out["stock_example_after"] == out["stock_example_before"]
 
 
 # Characters Java reads as line breaks: pycocoevalcap writes one caption per line, so each shifts every later row.

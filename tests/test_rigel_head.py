@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT
 
 from capeval_plugins.core import heads
-from capeval_plugins.training.model import paper_prompts, render_prompt
+from capeval_plugins.models.rigel import paper_prompts, render_prompt
 
 PAPER = ROOT.parent / "shared" / "papers" / "rigel.txt"
 

@@ -15,10 +15,11 @@ import torch
 from conftest import needs_torchvision, random_image
 
 import capeval_plugins
-from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, VisualInput
+from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge, VisualInput
 from capeval_plugins.testing import scratch_folder
-from capeval_plugins.training.model import (LABELS, RigelSettings, load_private_backbone, paper_prompts,
-                                            render_prompt, save_checkpoint)
+from capeval_plugins.models.rigel import (LABELS, RigelSettings, load_private_backbone, paper_prompts,
+                                          render_prompt)
+from capeval_plugins.training.checkpoint import save_checkpoint
 
 CAPTIONS = ["A dog runs on the grass.", "Two children play in the park!", "A red car next to a building",
             "a cat", "An old man sits on a bench under a tree."]

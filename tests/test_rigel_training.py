@@ -16,13 +16,13 @@ from conftest import Interrupted, interrupt_at, random_image
 
 from capeval_plugins.core import heads
 from capeval_plugins.core.correlation import kendall_tau
-from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge
+from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge
 from capeval_plugins.inputs import InputError
 from capeval_plugins.testing import scratch_folder
 from capeval_plugins.training import data as judgment_data
 from capeval_plugins.training.features import extract_features
-from capeval_plugins.training.model import (ADAPTER_DIR, HEAD_FILE, RigelModel, RigelSettings, load_head,
-                                            load_rigel, read_record, read_settings, require_peft)
+from capeval_plugins.models.rigel import (ADAPTER_DIR, HEAD_FILE, RigelModel, RigelSettings, load_head,
+                                          load_rigel, read_record, read_settings, require_peft)
 from capeval_plugins.training.phase1 import Phase1Config, head_metrics, new_head, train_phase1
 from capeval_plugins.training.phase2 import Phase2Config, build_trainable, fit, train_phase2
 from capeval_plugins.training.state import expectation, predict
@@ -77,7 +77,7 @@ def short_phase1(splits, tmp_path_factory):
 @pytest.fixture(scope="module")
 def short_phase2(splits, short_phase1, tmp_path_factory):
     """Phase 2 run through its parts, so the in-memory model can be compared with the saved one."""
-    from capeval_plugins.training.model import save_checkpoint
+    from capeval_plugins.training.checkpoint import save_checkpoint
 
     train, val, _ = splits
     config = Phase2Config(epochs=8, lr=1e-2)

@@ -14,7 +14,7 @@ import capeval_plugins
 from capeval_plugins import runner
 from capeval_plugins.checkpoint import RunStore, decode_records, encode_record
 from capeval_plugins.contract import MetricResult
-from capeval_plugins.core import loading
+from capeval_plugins.resources import loading
 from capeval_plugins.inputs import InputError
 
 N = 40

@@ -16,7 +16,7 @@ from capeval_plugins.inputs import InputError
 
 
 def _no_model_loads(monkeypatch):
-    from capeval_plugins.core import loading
+    from capeval_plugins.resources import loading
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the corpus was checked")

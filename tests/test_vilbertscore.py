@@ -112,8 +112,8 @@ def test_blip_equals_a_plain_per_pair_computation(tiny_blip, three_images, how):
 
 @pytest.mark.parametrize("kind", ["vilt", "blip"])
 def test_token_embeddings_change_when_the_image_changes(kind, tiny_vilt, tiny_blip, three_images):
-    from capeval_plugins.core.encoders.common import EncoderSpec
-    from capeval_plugins.core.encoders.conditioned import ConditionedEncoder
+    from capeval_plugins.models.encoders.common import EncoderSpec
+    from capeval_plugins.models.encoders.conditioned import ConditionedEncoder
 
     path = tiny_vilt if kind == "vilt" else tiny_blip
     enc = ConditionedEncoder.shared(EncoderSpec(path))
@@ -172,7 +172,7 @@ def test_references_mean_and_max_follow_single_reference_scores(tiny_vilt, three
 
 
 def test_each_distinct_image_is_encoded_once(tiny_vilt, three_images, monkeypatch):
-    from capeval_plugins.core.encoders.conditioned import ViltConditioned
+    from capeval_plugins.models.encoders.conditioned import ViltConditioned
 
     seen = []
     original = ViltConditioned.encode_images
@@ -188,8 +188,8 @@ def test_each_distinct_image_is_encoded_once(tiny_vilt, three_images, monkeypatc
 
 
 def test_long_caption_truncated_to_the_text_limit_and_warned_once(tiny_vilt, three_images):
-    from capeval_plugins.core.encoders.common import EncoderSpec
-    from capeval_plugins.core.encoders.conditioned import ConditionedEncoder
+    from capeval_plugins.models.encoders.common import EncoderSpec
+    from capeval_plugins.models.encoders.conditioned import ConditionedEncoder
 
     enc = ConditionedEncoder.shared(EncoderSpec(tiny_vilt))
     long = "a dog runs on the grass " * 20

@@ -5,7 +5,7 @@ hook that lets ``evaluate.load("<metric>")`` find registered metrics with no use
 interpreter starts. That only adds a meta-path finder: nothing is imported until ``evaluate.loading`` is,
 and then its ``evaluation_module_factory`` is wrapped so that names registered with capeval (plain, unless
 they are canonical evaluate modules, or ``capeval/<name>``) resolve to a module built in memory, with no
-network call, and ``CombinedEvaluations.compute`` passes each module only the inputs it takes (see
+network call, and ``CombinedEvaluations`` passes each module only the inputs it takes (see
 :func:`patch_combine`). Everything else goes to evaluate unchanged. Any failure here leaves evaluate untouched.
 
 evaluate has no public hook for these, so they are kept here and nowhere else, and :func:`check` says which one
@@ -74,11 +74,15 @@ def patch(loading) -> None:
 
 
 def patch_combine(combined) -> None:
-    """``evaluate.combine([...]).compute(images=...)``: evaluate hands every keyword to every module, so its own
-    modules (``bleu``, ...) fail on an input only ours take. A keyword that is an input (feature) of some module
-    of the combination goes only to the modules that take it; other keywords (compute-time options) still go
-    to every module, as evaluate sends them. ``add``/``add_batch`` already pass each module its own inputs.
-    (Checked on evaluate 0.4.6: ``CombinedEvaluations.compute(predictions, references, **kwargs)``.)"""
+    """``evaluate.combine([...])`` with modules that take different inputs. ``compute(images=...)``: evaluate
+    hands every keyword to every module, so its own modules (``bleu``, ...) fail on an input only ours take; a
+    keyword that is an input (feature) of some module of the combination goes only to the modules that take it,
+    other keywords (compute-time options) still go to every module, as evaluate sends them. ``add`` and
+    ``add_batch``: evaluate hands each module every input it declares, and fails on one the caller left out; an
+    optional input of ours (``ids``, ``group_ids``, ``images`` of a reference-free call) is left out instead and
+    filled by the module as when it is called alone. (Checked on evaluate 0.4.6: ``CombinedEvaluations.compute(
+    predictions, references, **kwargs)``, ``add(prediction, reference, **kwargs)``, ``add_batch(predictions,
+    references, **kwargs)``.)"""
     original = combined.compute
     if getattr(original, "_capeval_wrapped", False):
         return
@@ -92,10 +96,21 @@ def patch_combine(combined) -> None:
             results.append(module.compute(predictions=predictions, references=references, **batch))
         return self._merge_results(results)
 
-    compute._capeval_wrapped = True
-    compute.__wrapped__ = original
-    compute.__doc__ = original.__doc__
-    combined.compute = compute
+    def add_batch(self, predictions=None, references=None, **kwargs):
+        given = {"predictions": predictions, "references": references, **kwargs}
+        for module in self.evaluation_modules:
+            module.add_batch(**{name: given[name] for name in module._feature_names() if name in given})
+
+    def add(self, prediction=None, reference=None, **kwargs):
+        for module in self.evaluation_modules:
+            own = set(module._feature_names())
+            module.add(prediction=prediction, reference=reference, **{k: v for k, v in kwargs.items() if k in own})
+
+    for name, wrapper in (("compute", compute), ("add_batch", add_batch), ("add", add)):
+        wrapper._capeval_wrapped = True
+        wrapper.__wrapped__ = getattr(combined, name)
+        wrapper.__doc__ = getattr(combined, name).__doc__
+        setattr(combined, name, wrapper)
 
 
 def _is_local(path: str) -> bool:

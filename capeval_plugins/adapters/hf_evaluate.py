@@ -19,8 +19,8 @@ from typing import Any
 from capeval_plugins import __version__, registry
 from capeval_plugins.cards import card_body
 from capeval_plugins.contract import MetricInfo
-from capeval_plugins.core import paths
-from capeval_plugins.core.messages import require
+from capeval_plugins.files import paths
+from capeval_plugins.core.messages import require, warn_once
 
 # the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
 evaluate = require("evaluate", "evaluate", "capeval_plugins.adapters.hf_evaluate (evaluate.load)")
@@ -38,6 +38,22 @@ EVALUATE_ARGS = frozenset(
     "max_concurrent_cache_files timeout".split()
 )
 MODULE_PACKAGE = "capeval_plugins.adapters._evaluate_modules"
+NO_ID = -1  # the ``ids`` column of a sample added without one
+SINGULAR = ("image", "group_id", "id")  # add()'s names of add_batch()'s image, group_ids, ids
+
+
+def given_ids(ids: Any) -> list[int] | None:
+    """The sample ids the batches were added with, or None when none was. Per-sample results come back in the
+    order of these ids: the input order of the whole corpus however processes (``num_process``) split it, where
+    evaluate hands process 0 every process's rows one process after the other."""
+    if ids is None or all(i == NO_ID for i in ids):
+        return None
+    if any(i == NO_ID for i in ids):
+        from capeval_plugins.inputs import InputError
+
+        raise InputError("ids: given for some batches (or processes) and not others; give every sample its id, "
+                         "or none")
+    return [int(i) for i in ids]
 
 
 def evaluate_names() -> dict[str, str]:
@@ -76,6 +92,7 @@ def features(info: MetricInfo) -> list[datasets.Features]:
                 spec["images"] = image
             if info.groups:
                 spec["group_ids"] = datasets.Value("int64")
+            spec["ids"] = datasets.Value("int64")  # optional sample ids (-1: not given)
             options.append(datasets.Features(spec))
     return options
 
@@ -123,12 +140,23 @@ class CapevalEvaluationModule(evaluate.Metric):
             inputs["references"] = [[] for _ in range(n)]
         if info.groups and inputs.get("group_ids") is None:
             inputs["group_ids"] = [-1] * n
+        if inputs.get("ids") is None:
+            inputs["ids"] = [NO_ID] * n
+        else:
+            self._capeval_with_ids = True
         images = inputs.get("images")
         if info.images != "never" and images is None:
             inputs["images"] = [None] * n
         elif images is not None:
             inputs["images"] = [_arrow_image(image_source, img, i) for i, img in enumerate(images)]
         return inputs
+
+    def add(self, *, prediction=None, reference=None, **kwargs):
+        """Add one sample (``prediction``, its ``reference(s)`` and ``image``/``group_id``/``id`` as the metric
+        takes them): :meth:`add_batch` of a batch of one, so the inputs it leaves out are filled the same way."""
+        batch = {f"{k}s" if k in SINGULAR else k: [v] for k, v in kwargs.items()}
+        return self.add_batch(predictions=[prediction], references=None if reference is None else [reference],
+                              **batch)
 
     def add_batch(self, *, predictions=None, references=None, **kwargs):
         """Add a batch: ``predictions`` (captions), ``references`` and ``images`` as the metric needs. A batch
@@ -148,6 +176,12 @@ class CapevalEvaluationModule(evaluate.Metric):
         "scores": [per sample, input order], **extras}`` on process 0 (None elsewhere). Whatever happens,
         nothing added so far is kept for the next ``compute()``."""
         try:
+            with_ids = getattr(self, "_capeval_with_ids", False) or kwargs.get("ids") is not None
+            if getattr(self, "num_process", 1) > 1 and self.process_id == 0 and not with_ids:
+                warn_once(("evaluate-ids", self._capeval_name), (
+                    f"{self._capeval_name}: num_process={self.num_process}: per-sample results come back in process "
+                    "order (process 0's samples, then process 1's, ...), which is input order only when each process "
+                    "holds a contiguous part; add the samples with ids=<their dataset indices> for input order"))
             if predictions is None:  # everything was added with add_batch
                 return super().compute(references=references, **kwargs)
             inputs = self._placeholders({"predictions": predictions, "references": references, **kwargs})
@@ -156,7 +190,7 @@ class CapevalEvaluationModule(evaluate.Metric):
             self._discard(err)
             raise
         finally:
-            self._capeval_added = 0
+            self._capeval_added, self._capeval_with_ids = 0, False
 
     def _discard(self, err: Exception) -> None:
         """Drop the batches added so far (evaluate keeps them in a writer until compute() reads them)."""
@@ -168,7 +202,7 @@ class CapevalEvaluationModule(evaluate.Metric):
         if had and hasattr(err, "add_note"):
             err.add_note(f"(the {had} samples added before were discarded: add them again)")
 
-    def _compute(self, predictions, references=None, images=None, group_ids=None, progress: bool = False,
+    def _compute(self, predictions, references=None, images=None, group_ids=None, ids=None, progress: bool = False,
                  **options: Any):
         if references is not None and all(not r for r in references):
             references = None
@@ -176,8 +210,9 @@ class CapevalEvaluationModule(evaluate.Metric):
             images = None
         if group_ids is not None and all(g == -1 for g in group_ids):
             group_ids = None
+        ids = given_ids(ids)
         metric = self._metric_for(options)
-        result = metric(images, predictions, references, group_ids=group_ids, progress=progress)
+        result = metric(images, predictions, references, group_ids=group_ids, ids=ids, progress=progress)
         return result.to_dict()
 
     def _metric_for(self, options: dict[str, Any]) -> Any:
@@ -238,8 +273,11 @@ def _module(name: str) -> types.ModuleType:
 
 
 def importable_module(path: str) -> ImportableModule | None:
-    """What ``evaluation_module_factory`` returns for ``path``, or None if it is not ours."""
-    name = evaluate_names().get(path)
+    """What ``evaluation_module_factory`` returns for ``path``, or None if it is not ours. Besides the registry
+    names, the spellings the other adapters take find a metric (``"CIDEr"``, ``"ClipScore"``, ``"CLIPScore"``),
+    except where they name a canonical evaluate module (``"METEOR"`` stays evaluate's; ``"capeval/METEOR"`` is
+    ours)."""
+    name = evaluate_names().get(path) or _spelling(path)
     if name is None:
         if path.startswith("capeval/"):
             registry.get(path)  # raises KeyError naming the registered metrics
@@ -249,9 +287,22 @@ def importable_module(path: str) -> ImportableModule | None:
     return ImportableModule(module.__name__, digest)
 
 
+def _spelling(path: str) -> str | None:
+    """The registered metric another adapter's spelling of ``path`` names (see :func:`naming.lookup`)."""
+    from capeval_plugins.adapters.naming import lookup
+
+    bare = registry.canonical_name(path)
+    if "/" in bare or not bare:
+        return None
+    name = lookup(bare)
+    if name is None or (not path.startswith("capeval/") and (name in CANONICAL or bare.lower() in CANONICAL)):
+        return None
+    return name
+
+
 def cache_root() -> Path:
     """Where the package writes into the user's cache: ``$CAPEVAL_CACHE``, else ``$XDG_CACHE_HOME/capeval_plugins``,
-    else ``~/.cache/capeval_plugins`` (:func:`capeval_plugins.core.paths.cache_dir`)."""
+    else ``~/.cache/capeval_plugins`` (:func:`capeval_plugins.files.paths.cache_dir`)."""
     return paths.cache_dir()
 
 

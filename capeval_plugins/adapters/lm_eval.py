@@ -191,10 +191,10 @@ class CaptionTask(ConfigurableTask):
         self._capeval_built: dict[str, Any] = {}
         self._capeval_scored: tuple[tuple, dict] | None = None
         for lm_name, name, options in self._capeval_entries:
-            self._aggregation_list[lm_name] = functools.partial(self._capeval_aggregate, lm_name)
-            self._higher_is_better[lm_name] = registry.get(name).info.higher_is_better
-            self._aggregation_list[skip_count_name(lm_name)] = functools.partial(self._capeval_skipped, lm_name)
-            self._higher_is_better[skip_count_name(lm_name)] = False
+            internals.add_task_metric(self, lm_name, functools.partial(self._capeval_aggregate, lm_name),
+                                      registry.get(name).info.higher_is_better)
+            internals.add_task_metric(self, skip_count_name(lm_name), functools.partial(self._capeval_skipped, lm_name),
+                                      False)
             self._capeval_built[lm_name] = registry.load(name, **with_default_policy(options))
         check_tasks(self)
 
@@ -203,14 +203,11 @@ class CaptionTask(ConfigurableTask):
 
     def process_results(self, doc: dict, results: list) -> dict:
         ours = self._capeval_names()
-        others = {m: fn for m, fn in self._metric_fn_list.items() if m not in ours}
+        others = [m for m in internals.task_metric_functions(self) if m not in ours]
         out: dict[str, Any] = {}
         if others or callable(self.config.process_results):  # lm-eval's own metrics, as lm-eval computes them
-            kept, self._metric_fn_list = self._metric_fn_list, others
-            try:
+            with internals.task_metric_functions_limited(self, others):
                 out = {k: v for k, v in super().process_results(doc, results).items() if k not in ours}
-            finally:
-                self._metric_fn_list = kept
         image = doc.get("image_path") or self.doc_to_image(doc)
         if isinstance(image, list):
             image = image[0]
@@ -274,7 +271,7 @@ def check_tasks(tasks: Any) -> None:
         if task.OUTPUT_TYPE != "generate_until":
             problems.append(f"task {name}: capeval metrics score generated captions, but its output_type is "
                             f"{task.OUTPUT_TYPE!r} (use generate_until)")
-        for lm_name, fn in task._metric_fn_list.items():
+        for lm_name, fn in internals.task_metric_functions(task).items():
             if fn is None and task.config.process_results is None:
                 problems.append(f"task {name}: metric {lm_name!r} is neither an lm-eval metric nor an evaluate "
                                 "module")

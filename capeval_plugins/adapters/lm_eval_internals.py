@@ -13,10 +13,11 @@ from those of the versions in :data:`CHECKED_ON`, instead of tasks that silently
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from capeval_plugins.core.messages import InternalsMoved
 
@@ -81,3 +82,27 @@ def check_before_evaluate(evaluator: Any, check: Any) -> None:
 
     evaluate_checked._capeval_check = check  # type: ignore[attr-defined]
     evaluator.evaluate = evaluate_checked
+
+
+def add_task_metric(task: Any, name: str, aggregate: Callable, higher_is_better: bool) -> None:
+    """Give ``task`` (an lm-eval or lmms-eval task) the metric ``name``, aggregated by ``aggregate`` (lm-eval reads
+    a task's aggregations and directions from these tables; there is no public setter)."""
+    task._aggregation_list[name] = aggregate
+    task._higher_is_better[name] = higher_is_better
+
+
+def task_metric_functions(task: Any) -> dict[str, Any]:
+    """The task's per-document metric functions, by the names its metric list gives them."""
+    return task._metric_fn_list
+
+
+@contextlib.contextmanager
+def task_metric_functions_limited(task: Any, names: Any) -> Iterator[None]:
+    """Within the block, ``task`` computes only the metrics ``names`` of its own per-document functions (lm-eval's
+    ``process_results`` runs every function it holds)."""
+    kept = task._metric_fn_list
+    task._metric_fn_list = {m: fn for m, fn in kept.items() if m in names}
+    try:
+        yield
+    finally:
+        task._metric_fn_list = kept

@@ -40,6 +40,7 @@ from capeval_plugins.core.messages import require
 _task = require("lmms_eval.api.task", "lmms", "capeval_plugins.adapters.lmms_eval")
 ConfigurableMessagesTask, ConfigurableTask = _task.ConfigurableMessagesTask, _task.ConfigurableTask
 from capeval_plugins.adapters import lmms_eval_internals as internals  # noqa: E402  (lmms-eval's internals)
+from capeval_plugins.adapters.lm_eval_internals import add_task_metric, task_metric_functions  # noqa: E402
 
 internals.check()  # lmms-eval's internals used here are where they were on the versions checked
 
@@ -103,11 +104,11 @@ class _CapevalMixin:
         self._capeval_metrics: dict[str, Any] | None = None
         self._capeval_scored: tuple[Any, dict] | None = None
         for entry in ours:
-            self._aggregation_list[entry.harness_name] = functools.partial(self._capeval_aggregate, entry.harness_name)
-            self._higher_is_better[entry.harness_name] = registry.get(entry.name).info.higher_is_better
-            count = skip_count_name(entry.harness_name)  # documents the metric left out, in the results table
-            self._aggregation_list[count] = functools.partial(self._capeval_skipped, entry.harness_name)
-            self._higher_is_better[count] = False
+            add_task_metric(self, entry.harness_name, functools.partial(self._capeval_aggregate, entry.harness_name),
+                            registry.get(entry.name).info.higher_is_better)
+            # documents the metric left out, in the results table
+            add_task_metric(self, skip_count_name(entry.harness_name),
+                            functools.partial(self._capeval_skipped, entry.harness_name), False)
         preflight.check(self._metrics())  # the metrics' models, Java and extras: before anything is generated
         self._number_documents()
 
@@ -152,7 +153,7 @@ class _CapevalMixin:
     # -- lmms-eval hooks ---------------------------------------------------------------------------------
 
     def process_results(self, doc: dict, results: list, full_docs: Any = None) -> dict:
-        has_own = callable(self.config.process_results) or bool(self._metric_fn_list)
+        has_own = callable(self.config.process_results) or bool(task_metric_functions(self))
         out = dict(super().process_results(doc, results, full_docs)) if has_own else {}
         caption = results[0] if results else ""
         if isinstance(caption, (list, tuple)):  # repeats: the first generation

@@ -1,7 +1,9 @@
 """pycocoevalcap adapter, generic over the contract.
 
 A scorer per registered metric (``ClipScore``, ...) with ``compute_score(gts, res)`` and ``method()``, so it
-drops into the usual ``for scorer, method in scorers`` loop; image metrics are built with an
+drops into the usual ``for scorer, method in scorers`` loop (taking the captions as COCO holds them, plain, or
+from capeval's :class:`PTBTokenizer`, a subclass of stock's that remembers them as written; no stock class is
+changed); image metrics are built with an
 :class:`ImageResolver` (a metric that finds its images by id itself, such as ViLBERTScore on region features,
 takes the ids when no resolver is given). :class:`COCOEvalCap` runs the stock scorers (by default capeval's
 implementation of them, :class:`StockBleu` ... :class:`StockCider`: pycocoevalcap's numbers and types, faster)
@@ -9,10 +11,9 @@ and adds ours, feeding raw (untokenised) captions to scorers that want them.
 """
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -101,13 +102,20 @@ def same_id(image_id: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The captions as written, in the usual loop (PTB-tokenise, then ``for scorer, method in scorers``)
+# The captions as written, in the usual loop (PTB-tokenise, then ``for scorer, method in scorers``). Nothing of
+# pycocoevalcap's is changed: a scorer finds the captions as written in what it is handed, or refuses tokens.
+
+# pycocoevalcap's tokenizer drops these tokens (its PUNCTUATIONS, pycocoevalcap 1.2)
+PTB_DROPPED = frozenset(["''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-", ".", "?", "!", ",", ":", "-",
+                         "--", "...", ";"])
+SENTENCE_MARKS = (".", ",", "!", "?", ";", ":")
+
 
 class TokenizedCaptions(dict):
-    """What pycocoevalcap's ``PTBTokenizer().tokenize`` returns once this module is imported: the same dict of
-    tokenised captions (a dict: every stock scorer takes it as before), remembering the captions as written, so
-    that a capeval scorer in the usual loop scores those (CLIPScore and the LVLM judges read case and
-    punctuation; the classic metrics tokenise them as their option ``tokenize`` says, as stock does)."""
+    """What :class:`PTBTokenizer` (capeval's, a subclass of pycocoevalcap's) returns: the same dict of tokenised
+    captions (every stock scorer takes it as before), remembering the captions as written, so that a capeval
+    scorer in the usual loop scores those (CLIPScore and the LVLM judges read case and punctuation; the classic
+    metrics tokenise them as their option ``tokenize`` says, as stock does)."""
 
     def __init__(self, tokens: Mapping[Any, list[str]], written: Mapping[Any, list[str]]) -> None:
         super().__init__(tokens)
@@ -120,30 +128,39 @@ class TokenizedCaptions(dict):
         return dict(self._written) if same else None
 
 
-def _remember_written(tokenize: Callable) -> Callable:
-    @functools.wraps(tokenize)
-    def tokenize_remembering(self, captions_for_image):
-        tokens = tokenize(self, captions_for_image)
-        try:
-            written = {k: [c["caption"] for c in v] for k, v in captions_for_image.items()}
-        except (TypeError, KeyError, AttributeError):  # not pycocoevalcap's input format: leave it alone
-            return tokens
-        return TokenizedCaptions(tokens, written)
+def _stock_tokenizer() -> type:
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer as Stock
 
-    tokenize_remembering._capeval = True  # type: ignore[attr-defined]
-    return tokenize_remembering
+    return Stock
 
 
-def _patch_tokenizer() -> None:
-    """pycocoevalcap's ``PTBTokenizer.tokenize`` returns :class:`TokenizedCaptions` (checked on pycocoevalcap
-    1.2: its ``tokenize(captions_for_image)`` takes ``{id: [{"caption": ...}]}``)."""
-    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+class PTBTokenizer(_stock_tokenizer()):
+    """pycocoevalcap's ``PTBTokenizer``, the same tokens, returned as :class:`TokenizedCaptions`: import this one
+    instead of stock's and every capeval scorer in the usual loop scores the captions as written."""
 
-    if not getattr(PTBTokenizer.tokenize, "_capeval", False):
-        PTBTokenizer.tokenize = _remember_written(PTBTokenizer.tokenize)
+    def tokenize(self, captions_for_image):
+        tokens = super().tokenize(captions_for_image)
+        return TokenizedCaptions(tokens, annotation_captions(captions_for_image))
 
 
-_patch_tokenizer()
+def annotation_captions(captions: Mapping[Any, Any]) -> dict[Any, list[str]] | None:
+    """``{id: [caption, ...]}`` from captions as COCO holds them and ``PTBTokenizer().tokenize`` takes them
+    (``{id: [{"caption": ...}, ...]}``), or None for any other shape."""
+    try:
+        return {k: [c["caption"] for c in v] for k, v in captions.items()}
+    except (TypeError, KeyError, AttributeError, IndexError):
+        return None
+
+
+def looks_ptb_tokenized(caption: Any) -> bool:
+    """Whether a caption could be pycocoevalcap's PTB output: lower-case, single spaces, no sentence mark ending
+    it or a word (PTB splits them off and drops them), none of the tokens it drops."""
+    if not isinstance(caption, str) or caption != caption.lower() or caption != " ".join(caption.split()):
+        return False
+    words = caption.split()
+    return not caption.endswith(SENTENCE_MARKS) and not any(
+        w in PTB_DROPPED or (len(w) > 1 and w.endswith(SENTENCE_MARKS[1:])) for w in words)
+
 
 # pycocoevalcap's own names for the classic metrics: method() and the per-item type its scorers return.
 STOCK_METHOD = {"meteor": "METEOR", "rouge_l": "Rouge", "cider": "CIDEr", "spice": "SPICE",
@@ -161,7 +178,8 @@ class CapevalScorer:
 
     _capeval_name: str = ""
 
-    def __init__(self, resolver: ImageResolver | None = None, metric: Metric | None = None, **options: Any):
+    def __init__(self, resolver: ImageResolver | None = None, metric: Metric | None = None, *,
+                 assume_written: bool = False, **options: Any):
         if metric is not None and options:
             raise TypeError("pass either a built metric or its options, not both")
         self.metric = metric if metric is not None else registry.load(self._capeval_name, **options)
@@ -173,6 +191,8 @@ class CapevalScorer:
         self.resolver = resolver
         # the captions as written (a classic metric tokenises them itself unless told the text is tokenised)
         self.wants_raw_text = info.text_input == "raw" or bool(getattr(self.metric.config, "tokenize", False))
+        # plain strings that all look PTB-tokenised are scored as given only when the user says they are written so
+        self.assume_written = assume_written
         self.last_result: MetricResult | None = None
 
     def method(self) -> str:
@@ -182,28 +202,49 @@ class CapevalScorer:
         ids = list(gts.keys())
         if set(ids) != set(res.keys()):
             raise ValueError("gts and res must have the same image ids")
-        gts, res = self._as_written(gts, "gts"), self._as_written(res, "res")
+        (gts, gts_written), (res, res_written) = self._as_written(gts, "gts"), self._as_written(res, "res")
         candidates = []
         for image_id in ids:
             hyp = res[image_id]
             if not isinstance(hyp, (list, tuple)) or len(hyp) != 1:
                 raise ValueError(f"res[{image_id!r}] must be a list holding exactly one caption")
             candidates.append(hyp[0])
+        if not (gts_written and res_written):
+            self._refuse_tokens(gts, res)
         info = self.metric.info
         references = [list(gts[i]) for i in ids] if info.references != "never" else None
         images = [self.resolver(i) for i in ids] if self.resolver is not None and info.images != "never" else None
         return ids, candidates, references, images
 
-    def _as_written(self, captions: Mapping[Any, list[str]], which: str) -> Mapping[Any, list[str]]:
-        """In the usual loop, the captions before PTB tokenisation, for a scorer that reads them as written."""
-        if not self.wants_raw_text or not isinstance(captions, TokenizedCaptions):
-            return captions
+    def _as_written(self, captions: Mapping[Any, Any], which: str) -> tuple[Mapping[Any, list[str]], bool]:
+        """``(captions, known to be as written)``: as written where they were handed over so, as COCO holds them
+        (``{id: [{"caption": ...}]}``, what ``PTBTokenizer().tokenize`` takes) or remembered by capeval's
+        :class:`PTBTokenizer`; plain ``{id: [caption, ...]}`` as they are."""
+        written = annotation_captions(captions)
+        if written is not None:
+            return written, True
+        if not isinstance(captions, TokenizedCaptions) or not self.wants_raw_text:
+            return captions, False
         written = captions.as_written()
         if written is None:
             raise ValueError(f"{self.method()} scores captions as written, but {which} holds PTB tokens changed after "
-                             f"tokenisation: pass {self.method()} the captions before PTBTokenizer().tokenize (a dict "
-                             "{id: [caption, ...]})")
-        return written
+                             f"tokenisation: pass {self.method()} the captions before PTBTokenizer().tokenize, as COCO "
+                             "holds them ({id: [{'caption': ...}]})")
+        return written, True
+
+    def _refuse_tokens(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]) -> None:
+        """A metric that reads captions as written (CLIPScore, the LVLM judges, BERTScore) would silently score
+        PTB tokens in the usual loop: refuse a corpus every caption of which looks tokenised."""
+        if self.metric.info.text_input != "raw" or self.assume_written:
+            return
+        texts = [c for caps in (*gts.values(), *res.values()) if isinstance(caps, (list, tuple)) for c in caps]
+        if texts and all(looks_ptb_tokenized(c) for c in texts):
+            raise ValueError(
+                f"{self.method()} scores captions as written, but every caption of gts and res looks PTB-tokenised "
+                "(lower-case, punctuation dropped): pass it the captions before tokenising, as COCO holds them (the "
+                "{id: [{'caption': ...}]} dicts PTBTokenizer takes), or tokenise with "
+                "capeval_plugins.pycocoevalcap.PTBTokenizer; if these are the captions as written, build the scorer "
+                "with assume_written=True")
 
     def compute_score(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]):
         """``(corpus score, per-item scores in gts order)``, typed as pycocoevalcap's scorers type them."""
@@ -301,7 +342,7 @@ class StockBleu:
 
 class StockMeteor:
     """pycocoevalcap's ``Meteor()``: the same jar and command line, on the process's shared JVM, streamed,
-    every wait bounded (:mod:`capeval_plugins.core.java`); ``(corpus float, [per-item floats])``.
+    every wait bounded (:mod:`capeval_plugins.resources.java`); ``(corpus float, [per-item floats])``.
     ``paraphrases``: the paraphrase table the JVM loads, ``"corpus"`` (the entries the corpus can use) or
     ``"full"``; the same scores (metric_cards/meteor)."""
 
@@ -310,7 +351,7 @@ class StockMeteor:
         self.paraphrases = paraphrases
 
     def compute_score(self, gts, res):
-        from capeval_plugins.core import java
+        from capeval_plugins.resources import java
         from capeval_plugins.metrics.coco import meteor_jar
 
         _, corpus = self.shared.get(gts, res)
@@ -364,6 +405,20 @@ def _stock_scorers(spice: bool, fast: bool = True) -> list[tuple[Any, Any]]:
     if spice:
         scorers.append((Spice(), "SPICE"))
     return scorers
+
+
+class Unavailable:
+    """A stock scorer that could not run: NaN for the corpus and for every image, so ``eval``, ``imgToEval`` and
+    ``evalImgs`` keep stock's keys in stock's order."""
+
+    def __init__(self, method: str) -> None:
+        self._method = method
+
+    def method(self) -> str:
+        return self._method
+
+    def compute_score(self, gts, res):
+        return float("nan"), [float("nan")] * len(gts)
 
 
 SPICE_MISSING = ("SPICE was not run: it needs Stanford CoreNLP jars that pycocoevalcap downloads on first use "
@@ -434,15 +489,16 @@ class COCOEvalCap(StockCOCOEvalCap):
             tok_gts, tok_res = tokenizer.tokenize(gts), tokenizer.tokenize(res)
         print("setting up scorers...")
         spice = spice_available() if self.spice is None else self.spice
+        stock_scorers = _stock_scorers(spice, self.fast) if self.stock else []
         if self.stock and self.spice is None and not spice:
             warn_once(("coco", "spice"), SPICE_MISSING)
             self.unavailable["SPICE"] = SPICE_MISSING
-            self.setEval(float("nan"), "SPICE")
-        scorers = (_stock_scorers(spice, self.fast) if self.stock else []) + self.extra_scorers
+            stock_scorers.append((Unavailable("SPICE"), "SPICE"))  # stock's keys, in stock's order, NaN
+        scorers = stock_scorers + self.extra_scorers
         for scorer, method in scorers:
             print("computing %s score..." % scorer.method())
             raw = getattr(scorer, "wants_raw_text", False)
-            g, r = (raw_gts, raw_res) if raw else (tok_gts, tok_res)
+            g, r = (gts, res) if raw else (tok_gts, tok_res)  # as written: COCO's own annotation dicts
             score, scores = scorer.compute_score(g, r)
             if isinstance(method, list):
                 for sc, scs, m in zip(score, scores, method):

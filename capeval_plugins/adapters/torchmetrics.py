@@ -242,7 +242,7 @@ class CapevalMetric(torchmetrics.Metric):
         >>> values = [metric(images, captions, ids=ids) for images, captions, ids in loader]  # doctest: +SKIP
         >>> fig, ax = metric.plot(values)  # doctest: +SKIP
         """
-        return self._plot(val, ax)
+        return internals.plot(self, val, ax)
 
     # -- torchmetrics internals ------------------------------------------------------------------------------
 

@@ -97,3 +97,7 @@ def sync_cat_states(metric: torchmetrics.Metric, spec: Mapping[str, StateSpec], 
         kwargs["dist_sync_fn"] = dist_sync_fn
     base_sync(**kwargs)
 
+
+def plot(metric: torchmetrics.Metric, val: Any, ax: Any) -> Any:
+    """``metric.plot(val, ax)`` as torchmetrics' own metrics draw it (within the metric's bounds)."""
+    return metric._plot(val, ax)

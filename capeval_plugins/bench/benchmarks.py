@@ -1,6 +1,7 @@
 """The benchmarks ``capeval bench`` knows, by the names scripts rely on, with the protocol each expects."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
@@ -67,6 +68,9 @@ class Variant:
 OFFICIAL = "official"
 
 
+Scale = tuple[float, float]
+
+
 @dataclass(frozen=True)
 class Benchmark:
     name: str
@@ -74,6 +78,13 @@ class Benchmark:
     protocol: Protocol
     reader: Callable[[Path], "Ratings | Pairs"]
     data_format: str
+    # The scale its human scores are published on, (lowest, highest), or one per human column where they differ
+    # (FactVC); None: judgments that are labels, not scores (pairwise benchmarks). A score outside it (or not a
+    # number) is refused with the row that holds it: one such score moves every correlation.
+    human_scale: Scale | Mapping[str, Scale] | None = None
+    # More rows than its published files hold, with room to spare: a file with more is refused before it is read
+    # whole (a 230 KB Parquet file of 1,000,000 repeated rows decodes into GBs).
+    max_rows: int = 200_000
     # Options a metric gets on this benchmark unless the user sets them (``-o``), e.g. the settings of the
     # benchmark's official script: {"msd_score": {"preset": "sugarcrepe"}}. Applied by ``capeval bench`` and
     # :func:`metric_options`; a metric whose Config lacks the key is left as it is.
@@ -84,7 +95,62 @@ class Benchmark:
     variant: str = OFFICIAL
 
     def read(self, path: str | Path) -> "Ratings | Pairs":
-        return self.reader(Path(path))
+        """The benchmark's file read, within its row bound, its human scores checked against its scale."""
+        from capeval_plugins.bench.readers import row_limit
+
+        with row_limit(self.max_rows, self.title):
+            data = self.reader(Path(path))
+        self.check(data, str(path))
+        return data
+
+    def scale(self, column: str = "human") -> Scale | None:
+        """The scale of the human column ``column`` (None: not declared)."""
+        if isinstance(self.human_scale, Mapping):
+            return self.human_scale.get(column)
+        return self.human_scale
+
+    def check(self, data: "Ratings | Pairs", source: str = "") -> None:
+        """Refuse ``data`` with more rows than the benchmark has by far, or a human score outside its scale (or not
+        a number), naming the row; NaN judgments a reader skips by protocol never get here."""
+        import numpy as np
+
+        from capeval_plugins.bench.data import Ratings
+        from capeval_plugins.inputs import InputError
+
+        where = f"{source}: " if source else ""
+        if len(data.captions) > self.max_rows:
+            raise InputError(f"{where}{len(data.captions):,} rows, more than {self.title} has by far (at most "
+                             f"{self.max_rows:,})")
+        if not isinstance(data, Ratings):
+            return
+        for column, values in data.human_columns().items():
+            scale = self.scale(column)
+            if scale is None:
+                continue
+            low, high = scale
+            outside = np.flatnonzero(~((values >= low) & (values <= high)))  # NaN is outside too
+            if len(outside):
+                row = int(outside[0])
+                named = "" if column == "human" else f" ({column})"
+                raise InputError(
+                    f"{where}row {row} (image {data.captions.image_keys()[row][:60]!r}): human score{named} "
+                    f"{float(values[row])!r} is outside {self.title}'s scale [{low:g}, {high:g}] ({len(outside):,} "
+                    f"of {len(values):,} rows are); such a score would move every correlation: fix the file, or give "
+                    "the scale it is on with --human-scale LOW,HIGH")
+
+    def with_scale(self, scale: Scale | None) -> "Benchmark":
+        """This benchmark with its human scores on ``scale`` instead of the published one (None: as it is)."""
+        from capeval_plugins.inputs import InputError
+
+        if scale is None:
+            return self
+        low, high = (float(v) for v in scale)
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            raise InputError(f"--human-scale needs two finite numbers LOW < HIGH, got {low:g}, {high:g}")
+        if isinstance(self.human_scale, Mapping) and len(self.human_scale) > 1:
+            raise InputError(f"--human-scale sets one scale; {self.title} has several human columns "
+                             f"({', '.join(self.human_scale)})")
+        return replace(self, human_scale=(low, high))
 
     def protocols(self) -> list[str]:
         return [OFFICIAL, *self.variants]
@@ -295,12 +361,39 @@ def _longcap_arena(test: str, aspect: str) -> Benchmark:
         _reader("read_rated_rows"),
         f"Hugging Face Ka2ukiMatsuda/LongCap-Arena split {LONGCAP_ARENA_SPLITS[test]}.{aspect} as Parquet (file_name, "
         "image, refs, cand, score), or its rows as CSV / JSON (imgid, cand, refs, score)",
-        metric_defaults=LONG_CAPTION_MSD,
+        metric_defaults={**LONG_CAPTION_MSD, "vela": {"aspect": aspect}},  # VELA scores the judged aspect
         source="Matsuda et al., EMNLP 2025 (VELA, LongCap-Arena); Ka2ukiMatsuda/VELA")
 
 
 BENCHMARKS.update((b.name, b) for b in (_longcap_arena(t, a) for t in LONGCAP_ARENA_SPLITS
                                          for a in LONGCAP_ARENA_ASPECTS))
+
+
+# The scale each rating benchmark's human scores are on, as its public files hold them (checked on every read and
+# on every label set applied; ``capeval bench --human-scale`` names another).
+FACTVC_SCALE = {"paragraph": (1.0, 5.0), "sentence": (-1.0, 0.0), "word": (-1.0, 0.0)}  # negated hallucination rates
+HUMAN_SCALES: dict[str, Scale | Mapping[str, Scale]] = {
+    "flickr8k-expert": (1.0, 4.0),  # expert ratings 1-4 (Hodosh et al., 2013)
+    "flickr8k-cf": (0.0, 1.0),  # the share of CrowdFlower "yes" votes
+    "composite": (1.0, 5.0),  # AMT ratings 1-5 (Aditya et al., 2015)
+    "nebula": (0.0, 1.0),  # ratings normalised to [0, 1]; Spica's corrections are on the same scale
+    "polaris": (0.0, 1.0),  # ratings normalised to [0, 1]
+    "thumb": (-0.5, 5.0),  # (P + R) / 2, P and R 1-5, minus the fluency, conciseness, inclusiveness penalties (<= 0.5)
+    "activitynet-fact": FACTVC_SCALE, "youcook2-fact": FACTVC_SCALE,
+    "vatex-eval": (1.0, 5.0),  # each annotator's rating 1-5
+    **{name: (0.0, 1.0) for name in BENCHMARKS if name.startswith("longcaparena-")},  # aspect scores in [0, 1]
+}
+# Row bounds above the default 200,000 (every benchmark's published split is a quarter of its bound or less).
+MAX_ROWS = {
+    "flickr8k-cf": 500_000,  # 47,830 rated pairs (145k votes)
+    "polaris": 500_000,  # 131,020 rows over its splits
+    "foil": 4_000_000,  # up to ~200k FOIL-COCO pairs, two rows a pair in each of two settings
+    "coco-cf": 2_000_000,  # not public: unknown
+    "mceval": 2_000_000,  # a generic pairwise format
+    "activitynet-foil": 1_000_000,  # one row a sentence of every paragraph
+}
+BENCHMARKS.update((name, replace(b, human_scale=HUMAN_SCALES.get(name), max_rows=MAX_ROWS.get(name, b.max_rows)))
+                  for name, b in list(BENCHMARKS.items()))
 
 
 def benchmark_names() -> list[str]:

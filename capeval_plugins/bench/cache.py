@@ -30,7 +30,7 @@ import numpy as np
 
 from capeval_plugins import files
 from capeval_plugins.contract import Metric
-from capeval_plugins.core import paths
+from capeval_plugins.files import paths
 from capeval_plugins.digests import ContentDigests, unresolved
 
 # SQLite's application_id ("CPEV"): the file is capeval's score cache, whatever its rows say
@@ -45,9 +45,13 @@ CREATE TABLE corpus_scores (metric TEXT, corpus TEXT, scores BLOB, tag TEXT, PRI
 # the tables of version 1 (no application_id, no tags): capeval's own, replaced by a new empty cache
 _VERSION_1 = {"sample_scores": ["metric", "sample", "score"], "corpus_scores": ["metric", "corpus", "scores"]}
 _SQLITE_MAGIC = b"SQLite format 3\0"
-# SQLite's errors that say nothing about the file's content (Python 3.11+ names them)
+# SQLite's errors that say nothing about the file's content (Python 3.11+ names them), by primary code: an
+# extended one (SQLITE_IOERR_DELETE: a journal SQLite may not remove) is its primary's kind
 _NOT_DAMAGE = {"SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_FULL", "SQLITE_CANTOPEN",
                "SQLITE_PERM", "SQLITE_NOMEM", "SQLITE_INTERRUPT"}
+# the files SQLite keeps beside a database and reads as part of it (a hot journal is rolled back into it; a
+# write-ahead log's pages are read as its own)
+SIDECARS = ("-journal", "-wal", "-shm")
 _MAX_FILES = 10_000
 
 
@@ -141,8 +145,11 @@ def sample_keys(candidates: Sequence[str], references: Sequence[Sequence[str]] |
 class ScoreCache:
     """Scores by (metric key, sample key), and per-corpus score vectors by (metric key, corpus key).
 
-    The file must be the user's and writable by no one else (its folder too, unless that folder is sticky,
-    like ``/tmp``), so no one else can plant or change scores in it; it is created whole (mode 0600) with
+    The file must be the user's and writable by no one else, and so must its folder (a sticky one such as
+    ``/tmp`` too: anyone may create there the journal names SQLite reads as part of the cache), so no one else
+    can plant or change scores in it; a journal or write-ahead log beside it that is not the user's own regular
+    file is refused, leaving both as they are (never rolled into the cache, never a reason to set the cache
+    aside); it is created whole (mode 0600) with
     SQLite's application id set to capeval's, and every row carries an HMAC keyed by the user's secret (the
     one run folders use, :func:`capeval_plugins.files.secret`): a row that does not verify (written by hand,
     copied from another account) is never returned, so its score is computed again and the row replaced. A
@@ -161,6 +168,7 @@ class ScoreCache:
                 with contextlib.suppress(FileExistsError):  # another run made it first
                     folder.write(self.path.name, _new_database(), replace=False, mode=0o600)
             self._check_file(folder)
+            _check_sidecars(folder, self.path, os.geteuid())
             with self._guard(folder):  # closes the connection on any refusal
                 self.db = sqlite3.connect(str(self.path), timeout=60)
                 if not self._current():
@@ -204,7 +212,7 @@ class ScoreCache:
                 self.db = None
             if not isinstance(err, sqlite3.DatabaseError):
                 raise
-            if getattr(err, "sqlite_errorname", None) in _NOT_DAMAGE or (
+            if _primary(getattr(err, "sqlite_errorname", None)) in _NOT_DAMAGE or (
                     not hasattr(err, "sqlite_errorname") and isinstance(err, sqlite3.OperationalError)):
                 raise CacheError(f"cannot use the score cache {self.path}: {err}") from None
             raise self._damaged(err, folder) from None
@@ -285,17 +293,49 @@ def _is_tag(value: Any) -> bool:
     return isinstance(value, str) and value.isascii()  # compare_digest takes ASCII text only
 
 
+def _primary(name: str | None) -> str | None:
+    """``SQLITE_IOERR_DELETE`` -> ``SQLITE_IOERR``: the kind of an extended SQLite error."""
+    return "_".join(name.split("_")[:2]) if name else name
+
+
 def _check_folder(folder: files.Folder) -> None:
-    """The cache's folder must not let others replace the file: the user's or root's, and writable by others
-    only when sticky (``/tmp``: no one removes or renames another's file there)."""
+    """The cache's folder must let no one else put files beside the cache: the user's or root's, and not
+    writable by others, sticky or not (in ``/tmp`` anyone may create ``scores.sqlite-journal`` before the
+    owner's run, and SQLite would roll it into the owner's cache)."""
     st = os.fstat(folder.fd)
     if st.st_uid not in (os.geteuid(), 0):
         raise CacheError(f"the score cache's folder {folder.path} belongs to another user (uid {st.st_uid}); give "
                          "--cache FILE in a folder of yours, or --no-cache")
-    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+    if st.st_mode & 0o002:
         raise CacheError(f"the score cache's folder {folder.path} is writable by others (mode "
-                         f"{stat.filemode(st.st_mode)}), who could replace the cache: give --cache FILE in a folder "
-                         "only you can write, or --no-cache")
+                         f"{stat.filemode(st.st_mode)}), who could put journals beside the cache that SQLite reads as "
+                         "part of it: give --cache FILE in a folder only you can write, or --no-cache")
+
+
+def _check_sidecars(folder: files.Folder, path: Path, owner: int) -> None:
+    """Refuse, leaving every file as it is, a journal, write-ahead log or shared-memory file beside the cache
+    that is not ``owner``'s own regular file with one name and writable by no one else: SQLite would read it
+    as part of the cache (roll a hot journal back into it, read a log's pages as its own) or fail on it, and a
+    failure must not set the owner's valid cache aside."""
+    for suffix in SIDECARS:
+        name = path.name + suffix
+        try:
+            st = os.stat(name, dir_fd=folder.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problem = f"is a {files.file_kind(folder.path / name, follow=False)}, not a regular file"
+        elif st.st_uid != owner:
+            problem = f"belongs to another user (uid {st.st_uid})"
+        elif st.st_nlink != 1:
+            problem = f"has {st.st_nlink} names (a hard link)"
+        elif st.st_mode & 0o022:
+            problem = f"is writable by others (mode {stat.filemode(st.st_mode)})"
+        else:
+            continue
+        raise CacheError(f"{folder.path / name}, beside the score cache, {problem}; SQLite would read it as part of "
+                         "the cache, so capeval leaves both as they are: have it removed, or give --cache FILE in a "
+                         "folder only you can write, or --no-cache")
 
 
 def _new_database() -> bytes:

@@ -12,14 +12,14 @@ checked against it on every use, and a copy that changed since it was fetched is
 the benchmark anew, at the revision the Hub now serves). An interrupted download is resumed where it stopped,
 at the commit first resolved; a file that the Hub now serves with other content under that commit is refused.
 
-Every file goes through :mod:`capeval_plugins.files`: the cache is a folder of the user's that no one else can
-write (refused otherwise), files are listed as the package's before they are written, never through a link.
+Each file is downloaded by :mod:`capeval_plugins.resources.downloads` (as released weights are: resumed, checked, redirects
+guarded). Every file goes through :mod:`capeval_plugins.files`: the cache is a folder of the user's that no one else
+can write (refused otherwise), files are listed as the package's before they are written, never through a link.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import hashlib
 import json
 import os
@@ -31,14 +31,14 @@ from typing import Any, Iterator
 import xxhash
 
 from capeval_plugins import files
+from capeval_plugins.resources import downloads
 from capeval_plugins.bench.benchmarks import LONGCAP_ARENA_ASPECTS, LONGCAP_ARENA_SPLITS
-from capeval_plugins.core import paths
-from capeval_plugins.core.messages import DataError, install_extra
+from capeval_plugins.files import paths
+from capeval_plugins.core.messages import DataError
 
 KIND = "benchmark data"
 FORMAT = 1
 PARQUET = "refs/convert/parquet"  # the Hub's Parquet conversion of a dataset: <config>/<split>/NNNN.parquet
-LOCK = ".lock"
 MANIFEST = "manifest.json"
 
 
@@ -108,7 +108,7 @@ class Fetched:
 
 def cache_root() -> Path:
     """``$CAPEVAL_CACHE/benchmarks``, else ``$XDG_CACHE_HOME/capeval_plugins/benchmarks`` (``~/.cache``; see
-    :func:`capeval_plugins.core.paths.cache_dir`)."""
+    :func:`capeval_plugins.files.paths.cache_dir`)."""
     return paths.cache_dir("benchmarks")
 
 
@@ -165,7 +165,26 @@ def fetch(benchmark: str, *, refresh: bool = False, progress: bool = True,
                              f"unset it to fetch {source.repo} from the Hugging Face Hub, or pass the benchmark's "
                              "file with --data PATH")
         resumed = manifest if manifest is not None and not manifest.get("complete") and not refresh else None
-        return _fetch(claim, root, benchmark, source, resumed, progress, replace=manifest is not None and not resumed)
+        with _quiet_hub():
+            return _fetch(claim, root, benchmark, source, resumed, progress,
+                          replace=manifest is not None and not resumed)
+
+
+@contextlib.contextmanager
+def _quiet_hub() -> Iterator[None]:
+    """huggingface_hub's own warnings held back: a stalled download logs two lines for each of its retries (12
+    before the one error). The retries stay; what failed is said once, in the :class:`FetchError`."""
+    import logging
+
+    from huggingface_hub.utils import logging as hub_logging  # sets its level when first imported: import it first
+
+    logger = hub_logging.get_logger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def cached_names(root: str | os.PathLike | None = None) -> list[str]:
@@ -189,24 +208,9 @@ def remove_cached(root: str | os.PathLike | None = None) -> bool:
 
 # ---------------------------------------------------------------------------------------------- the cache
 
-@contextlib.contextmanager
-def _locked(root: Path) -> Iterator[files.Claim]:
+def _locked(root: Path) -> contextlib.AbstractContextManager[files.Claim]:
     """The cache folder, claimed and locked (another process fetching meanwhile: wait for it)."""
-    folder, _ = files.Folder.open(root, create=True, mine=True, mode=0o700)
-    with folder:
-        if os.fstat(folder.fd).st_mode & 0o022:
-            raise FetchError(f"{root} can be written by other users; capeval keeps fetched benchmarks only in a folder "
-                             f"no one else can write: chmod go-w {root}, or set CAPEVAL_CACHE to another folder")
-        fd, _ = folder.lock(LOCK)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            claim = files.Claim(root, KIND).open()
-            try:
-                yield claim
-            finally:
-                claim.folder.close()
-        finally:
-            os.close(fd)
+    return downloads.locked(root, KIND, "fetched benchmarks", FetchError)
 
 
 def _manifest(claim: files.Claim, benchmark: str) -> dict | None:
@@ -333,57 +337,28 @@ def _listing(api: Any, source: Source) -> dict:
 
 
 def _download(claim: files.Claim, benchmark: str, kind: str, source: Source, origin: dict, entry: dict) -> str:
-    """One file of ``origin`` into ``<benchmark>/<kind>/``: appended to a ``.part`` file (resumed where an
-    interrupted download stopped), checked against the digest the listing gave, then renamed into place."""
+    """One file of ``origin`` into ``<benchmark>/<kind>/`` (:func:`capeval_plugins.resources.downloads.download`: resumed where
+    an interrupted download stopped, checked against the digest the listing gave, then renamed into place)."""
     from huggingface_hub import hf_hub_url
-    from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    leaf = entry["path"].replace("/", "--")
-    final, part = f"{benchmark}/{kind}/{leaf}", f"{benchmark}/{kind}/{leaf}.part"
-    if claim.owns(final) and _matches(claim.map(final), entry):
-        return final
-    claim.own([f"{benchmark}/", f"{benchmark}/{kind}/", part])
-    with claim.folder.sub(benchmark, create=True) as top, top.sub(kind, create=True) as where:
-        done = where.size(leaf + ".part")
-        if entry["size"] is not None and done > entry["size"]:
-            where.truncate(leaf + ".part", 0)
-            done = 0
-        url = hf_hub_url(origin["repository"], entry["path"], repo_type="dataset", revision=origin["revision"],
-                         endpoint=endpoint())
-        try:
-            with where.open_append(leaf + ".part") as handle:
-                # no expected_size: a file of another size is refused below, as changed, with the digest check
-                http_get(url, handle, resume_size=done, headers=build_hf_headers(),
-                         displayed_filename=PurePosixPath(entry["path"]).name)
-        except (files.FileError, KeyboardInterrupt):
-            raise
-        except OSError as err:
-            if files.is_environment_error(err):
-                raise
+    url = hf_hub_url(origin["repository"], entry["path"], repo_type="dataset", revision=origin["revision"],
+                     endpoint=endpoint())
+    try:
+        # no expected size for the transfer: a file of another size is refused below, as changed
+        return downloads.download(claim, f"{benchmark}/{kind}", entry["path"].replace("/", "--"), url, _expected(entry),
+                                  headers=build_hf_headers(), display=PurePosixPath(entry["path"]).name)
+    except downloads.DownloadError as err:
+        if err.kind == "failed":
             raise FetchError(_failed(benchmark, source, err)) from None
-        except Exception as err:  # noqa: BLE001
-            raise FetchError(_failed(benchmark, source, err)) from None
-        if not _matches(where.map(leaf + ".part"), entry):
-            where.unlink(leaf + ".part")
-            raise FetchError(f"{origin['repository']} served {entry['path']} at {origin['revision'][:12]} with other "
-                             "content than its listing gives (the file changed under the same name); run again with "
-                             "--refresh to fetch the revision the Hub serves now, or pass the file with --data PATH")
-        claim.own([final])
-        where.rename(leaf + ".part", leaf)
-    claim.remove([part])
-    return final
+        raise FetchError(f"{origin['repository']} served {entry['path']} at {origin['revision'][:12]} with other "
+                         "content than its listing gives (the file changed under the same name); run again with "
+                         "--refresh to fetch the revision the Hub serves now, or pass the file with --data PATH"
+                         ) from None
 
 
-def _matches(data: Any, entry: dict) -> bool:
-    """``data`` is the file the listing describes: its size, its SHA-256 (LFS files) or its git blob id."""
-    if data is None or (entry["size"] is not None and len(data) != entry["size"]):
-        return False
-    if entry.get("sha256"):
-        return hashlib.sha256(data).hexdigest() == entry["sha256"]
-    if entry.get("blob"):
-        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == entry["blob"]
-    return True
+def _expected(entry: dict) -> downloads.Expected:
+    return downloads.Expected(entry["size"], entry.get("sha256"), entry.get("blob"))
 
 
 def _digest(claim: files.Claim, name: str) -> str:
@@ -396,16 +371,10 @@ def _materialise(claim: files.Claim, benchmark: str, layout: str, raw: list[str]
                  progress: bool) -> tuple[dict[str, str], int]:
     """The Parquet rows written as the file the benchmark's reader reads, and their images as files, into a
     staging folder moved into the cache whole. Returns the digests of what was written and the row count."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as err:
-        raise FetchError(f"fetching {benchmark} reads the Hub's Parquet files, which needs pyarrow: "
-                         f"{install_extra('parquet')}") from err
     from tqdm.auto import tqdm
 
-    tables = [pq.ParquetFile(pa.BufferReader(claim.map(name))) for name in raw]
-    bar = tqdm(total=sum(t.metadata.num_rows for t in tables), desc=f"{benchmark}: rows and images", unit="row",
+    tables = _tables(claim, benchmark, raw)
+    bar = tqdm(total=sum(t.rows for t in tables), desc=f"{benchmark}: rows and images", unit="row",
                disable=not progress, file=sys.stderr)
     contents: dict[str, str] = {}
     rows: list[dict] = []
@@ -414,10 +383,11 @@ def _materialise(claim: files.Claim, benchmark: str, layout: str, raw: list[str]
             with top.sub("images", create=True) as folder:
                 images = _Images(folder, f"{benchmark}/images", contents)
                 for name, table in zip(raw, tables):
-                    for batch in table.iter_batches(batch_size=256):
-                        for row in batch.to_pylist():
-                            rows.append(_row(row, images, f"{name} row {len(rows)}"))
-                            bar.update()
+                    with _parquet_errors():
+                        for batch in table.batches():
+                            for row in batch:
+                                rows.append(_row(row, images, f"{name} row {len(rows)}"))
+                                bar.update()
             data = json.dumps(LAYOUTS[layout](rows), ensure_ascii=False).encode()
             top.write("data.json", data)
             contents[f"{benchmark}/data.json"] = xxhash.xxh3_128_hexdigest(data)
@@ -425,6 +395,41 @@ def _materialise(claim: files.Claim, benchmark: str, layout: str, raw: list[str]
     stale = [n for n in claim.files if n.startswith(f"{benchmark}/images/") and n not in contents and n[-1] != "/"]
     claim.remove(stale)
     return contents, len(rows)
+
+
+def _tables(claim: files.Claim, benchmark: str, raw: list[str]) -> list[Any]:
+    """The downloaded Parquet files, each footer read and checked (:mod:`capeval_plugins.resources.parquet`): together
+    at most the rows the benchmark has by far, each decoding to a bounded size, before any row is decoded."""
+    from capeval_plugins.resources import parquet
+    from capeval_plugins.bench.benchmarks import get_benchmark
+
+    bench = get_benchmark(benchmark)
+    tables = []
+    for name in raw:
+        where = str(claim.path / name)
+        with _parquet_errors():
+            tables.append(parquet.ParquetTable(claim.map(name) or b"", where, max_rows=bench.max_rows,
+                                               what=bench.title))
+    total = sum(t.rows for t in tables)
+    if total > bench.max_rows:
+        raise FetchError(f"the Parquet files fetched for {benchmark} hold {total:,} rows, more than {bench.title} has "
+                         f"by far (at most {bench.max_rows:,}); refused before reading them")
+    return tables
+
+
+@contextlib.contextmanager
+def _parquet_errors() -> Iterator[None]:
+    """A Parquet file that cannot be read or would decode out of bounds, as a :class:`FetchError` (one line,
+    saying what to pass instead)."""
+    from capeval_plugins.resources import parquet
+
+    try:
+        yield
+    except parquet.ParquetError as err:
+        if "needs pyarrow" in str(err):
+            raise FetchError(str(err)) from None
+        raise FetchError(f"{err}; run again with --refresh to fetch it anew, or pass the benchmark's file with "
+                         "--data PATH") from None
 
 
 class _Images:

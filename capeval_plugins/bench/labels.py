@@ -64,7 +64,7 @@ def read_labels(path: str | Path) -> LabelSet:
     if path.is_dir():
         for file in sorted(path.iterdir()):
             if file.suffix.lower() == ".txt":  # result texts without labels (rating benchmarks) are skipped
-                if any(line.startswith("label :") for line in file.read_text(encoding="utf-8").splitlines()):
+                if any(line.startswith("label :") for line in _text(file).splitlines()):
                     _read_result_text(file, labels)
             elif file.suffix.lower() in RECORD_SUFFIXES:
                 _read_records(file, labels)
@@ -72,8 +72,6 @@ def read_labels(path: str | Path) -> LabelSet:
             raise InputError(f"{path}: no labels (FLEUR-style result texts with 'label :' lines, or record files "
                              f"{', '.join(RECORD_SUFFIXES)})")
         return labels
-    if not path.is_file():
-        raise InputError(f"label file not found: {path}")
     if path.suffix.lower() == ".txt":
         _read_result_text(path, labels)
     else:
@@ -86,7 +84,7 @@ def read_labels(path: str | Path) -> LabelSet:
 def _read_records(path: Path, labels: LabelSet) -> None:
     from capeval_plugins.bench.readers import load_records
 
-    data = load_records(path)
+    data = load_records(path, "label file")
     if isinstance(data, dict):
         records = [dict(r, category=str(cat)) if isinstance(r, dict) else r
                    for cat, rows in data.items() if isinstance(rows, list) for r in rows]
@@ -102,7 +100,7 @@ def _read_result_text(path: Path, labels: LabelSet) -> None:
     """FLEUR's released result texts: ``image file : X`` (or ``image : X``), ``label : N``, two ``caption :``."""
     category = path.stem.rsplit("_", 1)[-1]
     blocks: list[dict] = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(_text(path).splitlines(), 1):
         head, sep, value = line.partition(" :")
         head, value = head.strip(), value.strip()
         if not sep:
@@ -121,6 +119,17 @@ def _read_result_text(path: Path, labels: LabelSet) -> None:
         if block["label"] is None or len(block["captions"]) != 2:
             raise InputError(f"{path}: line {block['line']}: a pair needs a label and two captions")
         _add_pair(labels, category, block["image"], block["captions"], block["label"])
+
+
+def _text(path: Path) -> str:
+    """A result text (regular files only: a FIFO or a device in a label folder is refused, never opened)."""
+    from capeval_plugins import files
+    from capeval_plugins.core import jsonio
+
+    try:
+        return jsonio.decode_text(files.read_input(path, "label file"), str(path))
+    except (files.FileError, jsonio.JSONLinesError) as err:
+        raise InputError(str(err)) from None
 
 
 def _pick(record: dict, keys: tuple[str, ...]) -> Any:
@@ -160,15 +169,18 @@ def _add_pair(labels: LabelSet, category: Any, image: Any, captions: list, label
         raise InputError(f"{labels.source}: two labels for one pair ({key[1]}: {key[2]!r} / {key[3]!r})")
 
 
-def apply_labels(data: Ratings | Pairs, labels: LabelSet) -> tuple[Ratings | Pairs, dict[str, Any]]:
+def apply_labels(data: Ratings | Pairs, labels: LabelSet, scale: tuple[float, float] | None = None,
+                 benchmark: str = "the benchmark") -> tuple[Ratings | Pairs, dict[str, Any]]:
     """``data`` with its judgments replaced where ``labels`` names the row, and a summary ``{"path", "matched",
-    "changed", "unmatched"}`` (pairs or rows). Nothing matched is an error (the wrong file)."""
+    "changed", "unmatched"}`` (pairs or rows). Nothing matched is an error (the wrong file). ``scale``: the
+    benchmark's human scale; a score of a matched row outside it is refused, each score before any is averaged
+    (-1e9 and +1e9 average to a score inside it)."""
     if isinstance(data, Pairs):
         new, matched = _relabel_pairs(data, labels)
         changed = int((new.label != data.label).sum())
         total = len(data)
     else:
-        new, matched = _rescore_rows(data, labels)
+        new, matched = _rescore_rows(data, labels, scale, benchmark)
         changed = int((new.human != data.human).sum())
         total = len(data.captions)
     if not matched:
@@ -200,7 +212,8 @@ def _relabel_pairs(data: Pairs, labels: LabelSet) -> tuple[Pairs, int]:
     return replace(data, label=new_labels), matched
 
 
-def _rescore_rows(data: Ratings, labels: LabelSet) -> tuple[Ratings, int]:
+def _rescore_rows(data: Ratings, labels: LabelSet, scale: tuple[float, float] | None = None,
+                  benchmark: str = "the benchmark") -> tuple[Ratings, int]:
     if data.targets and len(data.targets) > 1:
         raise InputError("--labels replaces one human score per row: this benchmark has several human columns")
     if not labels.ratings:
@@ -208,8 +221,14 @@ def _rescore_rows(data: Ratings, labels: LabelSet) -> tuple[Ratings, int]:
     caps = data.captions
     human, matched = data.human.copy(), 0
     for i in range(len(caps)):
-        values = labels.ratings.get((image_key(caps.images[i]), caps.candidates[i]))
+        key = (image_key(caps.images[i]), caps.candidates[i])
+        values = labels.ratings.get(key)
         if values:
+            outside = [v for v in values if scale is not None and not scale[0] <= v <= scale[1]]
+            if outside:
+                raise InputError(f"{labels.source}: the score {outside[0]!r} of image {key[0]!r}, caption "
+                                 f"{key[1][:60]!r} is outside {benchmark}'s scale [{scale[0]:g}, {scale[1]:g}]; "
+                                 "such a score would move every correlation")
             human[i] = float(np.mean(values))
             matched += 1
     return replace(data, human=human, targets=None), matched

@@ -118,8 +118,11 @@ def system_stats(scores: np.ndarray, data: Ratings, valid: np.ndarray, average: 
         return {}, len(names)
     count = np.bincount(index, minlength=len(names))
 
-    def means(values: np.ndarray) -> np.ndarray:
-        return np.bincount(index, weights=values[valid], minlength=len(names)) / count
+    def means(values: np.ndarray) -> np.ndarray:  # scaled first: a sum of values near 1e308 would overflow
+        kept = values[valid]
+        top = float(np.abs(kept).max()) if len(kept) else 0.0
+        top = top if 0 < top < np.inf else 1.0
+        return np.bincount(index, weights=kept / top, minlength=len(names)) / count * top
 
     x = means(scores)
     per = {}

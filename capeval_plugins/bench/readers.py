@@ -7,12 +7,13 @@ the record helpers at the top; split, the readers would scatter over modules tha
 from __future__ import annotations
 
 import ast
-import io
+import contextlib
 import json
 import math
 from collections import defaultdict
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,38 +29,79 @@ IMAGE_KEYS = ("imgid", "img", "image", "image_path", "image_id")
 
 # ---------------------------------------------------------------------------------------------- file access
 
+# A caption or reference longer than this is not one (LongCap-Arena's and DOCENT's long descriptions are a few
+# thousand characters): refused, before a tokenizer or an n-gram count meets it.
+MAX_TEXT = 1 << 20
+# The most records a file may hold while a benchmark is read: (rows, the benchmark's title), set by
+# :func:`row_limit` from the benchmark's declaration (``Benchmark.max_rows``); None: any number.
+_ROW_LIMIT: ContextVar[tuple[int, str] | None] = ContextVar("capeval_row_limit", default=None)
+
+
+@contextlib.contextmanager
+def row_limit(rows: int, what: str) -> Iterator[None]:
+    """While the block runs, a file holding more than ``rows`` records is refused (a Parquet file before any
+    row is decoded); ``what`` names the benchmark in the message."""
+    token = _ROW_LIMIT.set((rows, what))
+    try:
+        yield
+    finally:
+        _ROW_LIMIT.reset(token)
+
+
 def load_records(path: str | Path, what: str = "benchmark file") -> Any:
     """A JSON document, JSON Lines (a list of objects), CSV (a list of dicts) or Parquet (a list of dicts).
-    ``what`` names the file in errors (the training and score readers read through here too)."""
+    ``what`` names the file in errors (the training and score readers read through here too). Parquet is decoded
+    within bounds (:mod:`capeval_plugins.resources.parquet`); under :func:`row_limit`, a file with more records
+    than the benchmark has by far is refused."""
     from capeval_plugins import files
-    from capeval_plugins.caption_files import read_table
+    from capeval_plugins.resources import parquet
+    from capeval_plugins.caption_files import check_input, read_table
 
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{what} not found: {path}")
+    check_input(path, what)  # a folder, a FIFO or a device is said as such, never opened
+    limit = _ROW_LIMIT.get()
     suffix = path.suffix.lower()
     if suffix == ".csv":
-        return read_table(path)  # strict: a quote left open is an error naming its line, never merged rows
+        records = read_table(path)  # strict: a quote left open is an error naming its line, never merged rows
+        _check_count(records, path, limit)
+        return records
     try:
         data = files.read_input(path, what)
     except files.FileError as err:
         raise InputError(str(err)) from None
     if suffix == ".parquet":
         try:
-            import pyarrow.parquet as pq
-        except ImportError as err:
-            raise InputError(f"{path}: reading Parquet needs pyarrow") from err
-        return pq.read_table(io.BytesIO(data)).to_pylist()
+            return parquet.read_rows(data, str(path), max_rows=limit[0] if limit else None,
+                                     what=limit[1] if limit else "")
+        except parquet.ParquetError as err:
+            raise InputError(str(err)) from None
     try:
         text = jsonio.decode_text(data, str(path))
     except jsonio.JSONLinesError as err:
         raise InputError(str(err)) from None
     if suffix == ".jsonl":
-        return _json_lines(text, path)
-    try:
-        return jsonio.loads(text)
-    except json.JSONDecodeError:
-        return _json_lines(text, path)  # JSON Lines under a .json name (THumB's references)
+        records = _json_lines(text, path)
+    else:
+        try:
+            records = jsonio.loads(text)
+        except json.JSONDecodeError:
+            records = _json_lines(text, path)  # JSON Lines under a .json name (THumB's references)
+    _check_count(records, path, limit)
+    return records
+
+
+def _check_count(records: Any, path: Path, limit: tuple[int, str] | None) -> None:
+    """Refuse a file with more records (list items, or the entries one level into a JSON object) than the
+    benchmark being read has by far."""
+    if limit is None:
+        return
+    if isinstance(records, dict):
+        count = sum(len(v) if isinstance(v, (list, dict)) else 1 for v in records.values())
+    else:
+        count = len(records) if isinstance(records, list) else 1
+    if count > limit[0]:
+        raise InputError(f"{path}: {count:,} records, more than {limit[1]} has by far (at most {limit[0]:,}); is it "
+                         "the benchmark's file?")
 
 
 def _json_lines(text: str, path: Path) -> list:
@@ -82,21 +124,24 @@ def pick(record: dict, keys: Sequence[str], what: str, where: str, required: boo
 def as_list(value: Any, where: str) -> list[str]:
     """A list of references: a list, one string, or a list written as text (CSV cells: JSON or Python)."""
     if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
+        written = value.strip()
+        if len(written) > 16 * MAX_TEXT:
+            raise InputError(f"{where}: the references are {len(written):,} characters long, more than any list of "
+                             f"captions ({16 * MAX_TEXT:,} at most)")
+        if written.startswith("["):
             for parse in (jsonio.loads, ast.literal_eval):
                 try:
-                    value = parse(text)
+                    value = parse(written)
                     break
                 except (ValueError, SyntaxError, RecursionError, MemoryError):
                     continue
             else:
-                raise InputError(f"{where}: cannot read the list of references {text[:60]!r}")
+                raise InputError(f"{where}: cannot read the list of references {written[:60]!r}")
         else:
             value = [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise InputError(f"{where}: references must be a list of strings")
-    refs = [clean(v) for v in value if clean(v)]
+    refs = [clean(text(v, "a reference", where)) for v in value if v.strip()]
     if not refs:
         raise InputError(f"{where}: no references")
     return refs
@@ -116,9 +161,13 @@ def as_score(value: Any, where: str, what: str = "human score") -> float:
 
 
 def text(value: Any, what: str, where: str) -> str:
-    """A caption or name that must be text: a number or a list is refused rather than turned into its repr."""
+    """A caption or name that must be text: a number or a list is refused rather than turned into its repr, and
+    so is text longer than :data:`MAX_TEXT` characters."""
     if not isinstance(value, str):
         raise InputError(f"{where}: {what} must be text, got {type(value).__name__} {str(value)[:60]!r}")
+    if len(value) > MAX_TEXT:
+        raise InputError(f"{where}: {what} is {len(value):,} characters long, more than any caption ({MAX_TEXT:,} at "
+                         "most)")
     return value
 
 

@@ -27,6 +27,9 @@ from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import InputError
 
 
+LABEL_ROWS = 1_000_000  # the records a label file may hold: it may label every split, not only the benchmark's
+
+
 @dataclass
 class MetricRun:
     """One metric's per-row scores on a benchmark (and its per-sample extras when asked for), what producing
@@ -212,8 +215,8 @@ def _collect(collected: dict | None, result, rows_or_keys) -> None:
     if collected is None:
         return
     for extra, values in result.extras.items():
-        if values.dim() != 1:
-            continue  # a vector per sample (an embedding, a per-token list) is no table row
+        if isinstance(values, list) or values.dim() != 1:
+            continue  # texts, or a vector per sample (an embedding, a per-token list), are no table row
         by = collected.setdefault(extra, {})
         for where, value in zip(rows_or_keys, values.double().cpu().tolist()):
             by[where] = value
@@ -316,7 +319,7 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
                   save_scores: str | os.PathLike | None = None, num_references: int | None = None,
                   tie_margin: float | str | None = None, frames: int | Mapping[str, int] | None = None,
                   protocol: str | None = None, labels: str | os.PathLike | None = None,
-                  shuffle_rounds: int | None = None) -> BenchReport:
+                  shuffle_rounds: int | None = None, human_scale: tuple[float, float] | None = None) -> BenchReport:
     """Read the benchmark (unless ``data`` is already read), score it with every metric and evaluate them.
 
     ``metrics`` maps a label to a built metric; ``scores`` maps a label to a per-sample score file computed
@@ -332,21 +335,27 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     ``protocol`` names one of the benchmark's protocols (default: its official one; e.g. ``"msd-score"`` on
     CapArena and DOCENT). ``labels``: a label set (:mod:`capeval_plugins.bench.labels`) whose judgments replace
     the benchmark file's where it names the same rows. ``shuffle_rounds``: the passes a single-pass Elo averages
-    (MSD-Score's CapArena protocol; default: the protocol's, 1). ``extras``: a metric's
+    (MSD-Score's CapArena protocol; default: the protocol's, 1). ``human_scale``: ``(low, high)``, the scale the
+    file's human scores are on when it is not the benchmark's published one (a score outside the scale is
+    refused, naming its row). ``extras``: a metric's
     one-value-per-sample extras are evaluated as rows of their own (``metric:extra``). ``save_scores``: a
     folder that gets ``<label>.jsonl`` with every row's score and extras, readable back with ``scores``."""
     from capeval_plugins.bench.scorefiles import match_scores, write_scores
 
     started = time.perf_counter()
     bench = benchmark if isinstance(benchmark, Benchmark) else get_benchmark(benchmark)
-    bench = with_shuffle_rounds(bench.with_protocol(protocol), shuffle_rounds)
+    bench = with_shuffle_rounds(bench.with_protocol(protocol), shuffle_rounds).with_scale(human_scale)
     source = "" if isinstance(data, (Ratings, Pairs)) else str(Path(data))
     data = data if isinstance(data, (Ratings, Pairs)) else bench.read(data)
     if labels is not None:
         from capeval_plugins.bench.labels import apply_labels, read_labels
+        from capeval_plugins.bench.readers import row_limit
 
-        data, summary = apply_labels(data, read_labels(labels))
+        with row_limit(max(bench.max_rows, LABEL_ROWS), f"a label set of {bench.title}"):  # may cover every split
+            label_set = read_labels(labels)
+        data, summary = apply_labels(data, label_set, bench.scale(), bench.title)
         data = replace(data, notes={**data.notes, "labels": summary})
+    bench.check(data, source)  # data given already read, and the scores a label set put in
     data = keep_references(data, num_references)
     metrics, scores = dict(metrics or {}), dict(scores or {})
     if not metrics and not scores:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -96,6 +97,10 @@ def add_parser(subparsers) -> None:
                    help="human judgments that replace the benchmark file's where they name the same rows: pair "
                         "labels (JSON / JSON Lines / CSV, or FLEUR's released result texts, e.g. its Pascal-50S "
                         "run) or per-row scores (averaged per image and caption); see docs/bench.md")
+    p.add_argument("--human-scale", type=human_scale, default=None, metavar="LOW,HIGH",
+                   help="rating benchmarks: the scale this file's human scores are on, when it is not the "
+                        "benchmark's published one (a human score outside the scale is refused, naming its row; "
+                        "with a negative LOW write --human-scale=LOW,HIGH)")
     p.add_argument("--with-references", action="store_true",
                    help="also give references to metrics for which they are optional")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -115,6 +120,16 @@ def build_metrics(names: Sequence[str], options: Sequence[str], benchmark: str |
         if added:
             print(f"benchmark defaults: {', '.join(added)} (--option overrides)", file=sys.stderr)
     return build(names, options, {})
+
+
+def human_scale(value: str) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH (two numbers), got {value!r}") from None
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise argparse.ArgumentTypeError(f"expected two finite numbers LOW < HIGH, got {value!r}")
+    return low, high
 
 
 def tie_margin(value: str) -> float | str:
@@ -215,7 +230,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             unit=args.bootstrap_unit, ties=args.ties, with_references=args.with_references, progress=not args.quiet,
             scores=score_files, extras=args.extras, save_scores=args.save_scores,
             num_references=args.num_references, tie_margin=args.tie_margin, frames=parse_frames(args.frames),
-            protocol=args.protocol, labels=args.labels, shuffle_rounds=args.shuffle_rounds)
+            protocol=args.protocol, labels=args.labels, shuffle_rounds=args.shuffle_rounds,
+            human_scale=args.human_scale)
     except RuntimeError as err:  # a missing runtime (Java, SPICE's jars): one line, not a traceback
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2

@@ -79,7 +79,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise ConversionError(f"{path}: no such file")
     if path.suffix == ".safetensors":
-        from capeval_plugins.core.tensorfile import load_file
+        from capeval_plugins.resources.tensorfile import load_file
 
         return dict(load_file(path))
     try:
@@ -157,8 +157,8 @@ def convert_vilbert(
     its dict; None: ``bert_base_6layer_6conect``, checked against the weights)."""
     import torch
 
-    from capeval_plugins.core.encoders.vilbert import (ViLBertModel, map_released_state_dict, released_backbone,
-                                                       released_config)
+    from capeval_plugins.models.encoders.vilbert import (ViLBertModel, map_released_state_dict, released_backbone,
+                                                         released_config)
 
     source, destination = Path(source), Path(destination)
     if destination.is_dir() and any(destination.iterdir()) and not overwrite:
@@ -236,6 +236,10 @@ def add_parser(subparsers) -> None:
     v.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(func=cmd_convert)
-    from capeval_plugins.commands import convert_official  # PAC-S / PAC-S++ and Polos
+    from capeval_plugins.commands import convert_expert, convert_official  # PAC-S / PAC-S++, Polos; EXPERT
 
     convert_official.add_parsers(kinds)
+    from capeval_plugins.commands import convert_vela  # VELA
+
+    convert_vela.add_parsers(kinds)
+    convert_expert.add_parsers(kinds)

@@ -38,7 +38,7 @@ from capeval_plugins import files
 from capeval_plugins.commands.convert import ConversionError
 
 if TYPE_CHECKING:
-    from capeval_plugins.core.encoders.openai_clip import ClipMapping
+    from capeval_plugins.models.encoders.openai_clip import ClipMapping
 
 DEFAULT_CLIP_TOKENIZER = "openai/clip-vit-base-patch32"
 DEFAULT_TEXT_TOKENIZER = "princeton-nlp/sup-simcse-roberta-base"
@@ -341,8 +341,8 @@ def convert_pacs(source: str | os.PathLike, destination: str | os.PathLike | Non
     (default: :func:`default_tokenizer`)."""
     tokenizer = tokenizer or default_tokenizer(source, "clip")
     # imported here: building the ``capeval`` parser must not import torch
-    from capeval_plugins.core.encoders.openai_clip import (LAION_MEAN, LAION_STD, OPENAI_MEAN, OPENAI_STD,
-                                                           converted_model_dir, map_openai_state_dict)
+    from capeval_plugins.models.encoders.openai_clip import (LAION_MEAN, LAION_STD, OPENAI_MEAN, OPENAI_STD,
+                                                             converted_model_dir, map_openai_state_dict)
 
     state, _, stand_ins = released_state_dict(source)
     variant = "pacs_pp" if any("lora_" in k for k in state) else "pacs"
@@ -435,9 +435,9 @@ def convert_polos(source: str | os.PathLike, destination: str | os.PathLike | No
     folder: the Polos model (text encoder, scalar mix, regressor) with its RoBERTa tokenizer, and ``clip/``."""
     import torch
 
-    from capeval_plugins.core.encoders.openai_clip import (OPENAI_MEAN, OPENAI_STD, converted_model_dir,
-                                                           map_openai_state_dict)
-    from capeval_plugins.core.encoders.polos import PolosConfig, PolosModel
+    from capeval_plugins.models.encoders.openai_clip import (OPENAI_MEAN, OPENAI_STD, converted_model_dir,
+                                                             map_openai_state_dict)
+    from capeval_plugins.models.encoders.polos import PolosConfig, PolosModel
 
     source = Path(source)
     text_tokenizer = text_tokenizer or default_tokenizer(source, "text")
@@ -526,7 +526,7 @@ def add_parser(subparsers) -> None:
 
 
 def _default_destination(name: str) -> str:
-    from capeval_plugins.core import paths
+    from capeval_plugins.files import paths
 
     return str(paths.cache_dir("models") / name)
 

@@ -126,8 +126,9 @@ def add_rigel(methods) -> None:
 
 
 def add_msd_aligner(methods) -> None:
-    from capeval_plugins.training.msd_aligner import (DEFAULT_LLM, DEFAULT_VISION, SCHEDULES, TEXT_FEATURES,
-                                                      TEXT_POOLINGS, VISION_FEATURES)
+    from capeval_plugins.models.msd_aligner import (DEFAULT_LLM, DEFAULT_VISION, TEXT_FEATURES, TEXT_POOLINGS,
+                                                    VISION_FEATURES)
+    from capeval_plugins.training.msd_aligner import SCHEDULES
 
     p = methods.add_parser("msd-aligner", help="MSD-Score's local vision-language aligner", epilog=ALIGNER_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -214,7 +215,7 @@ def split_data(args: argparse.Namespace):
 
 
 def settings_from(args: argparse.Namespace):
-    from capeval_plugins.training.model import DEFAULT_BASE_MODEL, RigelSettings, paper_prompts
+    from capeval_plugins.models.rigel import DEFAULT_BASE_MODEL, RigelSettings, paper_prompts
 
     if args.prompts:
         from capeval_plugins.inputs import InputError
@@ -254,7 +255,7 @@ def _one_line_errors(run, args: argparse.Namespace) -> int:
 
 def run_aligner_training(args: argparse.Namespace) -> int:
     from capeval_plugins.training.msd_aligner.data import read_captions
-    from capeval_plugins.training.msd_aligner.model import AlignerSettings
+    from capeval_plugins.models.msd_aligner.model import AlignerSettings
     from capeval_plugins.training.msd_aligner.train import AlignerConfig, train_aligner
 
     data = read_captions(args.train, images=args.images, limit=args.limit)
@@ -278,7 +279,7 @@ def run_aligner_training(args: argparse.Namespace) -> int:
 
 
 def aligner_summary(checkpoint) -> dict:
-    from capeval_plugins.training.msd_aligner.model import read_record, read_settings
+    from capeval_plugins.models.msd_aligner.model import read_record, read_settings
 
     settings, record = read_settings(checkpoint), read_record(checkpoint)
     losses = record.get("losses", [])
@@ -293,7 +294,7 @@ def run_training(args: argparse.Namespace) -> int:
     train, val = split_data(args)
     progress = not args.quiet
     if args.phase == 1:
-        from capeval_plugins.core.lvlm import JudgeSpec
+        from capeval_plugins.models.lvlm import JudgeSpec
         from capeval_plugins.training.phase1 import Phase1Config, train_phase1
 
         settings = settings_from(args)
@@ -325,7 +326,7 @@ def run_training(args: argparse.Namespace) -> int:
 
 
 def summary(checkpoint) -> dict:
-    from capeval_plugins.training.model import read_record, read_settings
+    from capeval_plugins.models.rigel import read_record, read_settings
 
     settings, record = read_settings(checkpoint), read_record(checkpoint)
     history = record.get("history", [])

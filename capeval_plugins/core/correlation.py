@@ -180,13 +180,28 @@ def _merge_levels(ranks: np.ndarray, items: np.ndarray) -> list[tuple[np.ndarray
 
 
 def pearson(x, y, weights=None) -> float:
-    """Pearson's r (weighted by sample multiplicities when given). NaN when a variance is zero."""
+    """Pearson's r (weighted by sample multiplicities when given). NaN when a variance is zero or a value is not
+    finite. Each input is scaled by its largest magnitude first (r does not change): squares and products of
+    values near 1e300 would overflow to inf, and r to 0.0 (scipy's ``pearsonr`` scales the same way)."""
     x = np.asarray(x, dtype=np.float64).ravel()
     y = np.asarray(y, dtype=np.float64).ravel()
     w = np.ones_like(x) if weights is None else np.asarray(weights, dtype=np.float64)
     total = w.sum()
-    if total <= 0:
+    if total <= 0 or not (np.isfinite(x).all() and np.isfinite(y).all()):
         return math.nan
-    dx, dy = x - (w * x).sum() / total, y - (w * y).sum() / total
-    var = (w * dx * dx).sum() * (w * dy * dy).sum()
-    return float((w * dx * dy).sum() / math.sqrt(var)) if var > 0 else math.nan
+    dx, dy = _centred(x, w, total), _centred(y, w, total)
+    sx, sy = math.sqrt((w * dx * dx).sum()), math.sqrt((w * dy * dy).sum())
+    if not (sx > 0 and sy > 0):
+        return math.nan
+    return float(np.clip((w * (dx / sx) * (dy / sy)).sum(), -1.0, 1.0))
+
+
+def _centred(v: np.ndarray, w: np.ndarray, total: float) -> np.ndarray:
+    """``v`` minus its weighted mean, scaled twice by the largest magnitude (before the mean, so the weighted sum
+    cannot overflow, and after, so the squares cannot either nor vanish below the smallest float)."""
+    top = np.abs(v).max() if len(v) else 0.0
+    if top > 0:
+        v = v / top
+    d = v - (w * v).sum() / total
+    spread = np.abs(d).max() if len(d) else 0.0
+    return d / spread if spread > 0 else d

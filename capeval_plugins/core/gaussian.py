@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.core.messages import DataError
-from capeval_plugins.core.tensorfile import npy_header
+from capeval_plugins.core.npy import npy_header
 
 SUM_KEYS = ("count", "sum", "outer")
 REDUCTIONS = ("trace", "mean")

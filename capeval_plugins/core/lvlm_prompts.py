@@ -1,6 +1,6 @@
 """What an LVLM judge is asked and how its answer is read: rating scales, the FLEUR instruction, the visual input
 and the chat template around the instruction (:class:`ChatTemplate`). No model here: the judge
-(:mod:`capeval_plugins.core.lvlm`) tokenises what these build and decodes (:mod:`capeval_plugins.core.lvlm_decode`)."""
+(:mod:`capeval_plugins.models.lvlm`) tokenises what these build and decodes (:mod:`capeval_plugins.models.lvlm_decode`)."""
 from __future__ import annotations
 
 import re
@@ -133,6 +133,8 @@ def fleur_instruction(candidate: str, references: Sequence[str] | None = None,
 VIDEO_INPUTS = ("auto", "video", "frames")
 SYSTEM_PLACEMENTS = ("auto", "system", "user")
 IMAGE_ASPECTS = ("crop", "pad")
+TEMPLATES = ("chat", "llava")
+LLAVA_IMAGE = "<image>"  # LLaVA's DEFAULT_IMAGE_TOKEN: where the image goes in a prompt written LLaVA's way
 # The system sentence of LLaVA's "llava_v1" conversation, which the official FLEUR script uses.
 LLAVA_V1_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. "
                    "The assistant gives helpful, detailed, and polite answers to the human's questions.")
@@ -156,7 +158,15 @@ class VisualInput:
     ``image_aspect``: ``"crop"`` hands images to the processor as they are (its own resizing, e.g. LLaVA-1.5's
     shorter side to 336 and a centre crop); ``"pad"`` first pads each image (and each frame fed as an image)
     to a square with the image processor's mean colour, image centred, as LLaVA's ``expand2square`` does for
-    ``image_aspect_ratio="pad"``. Videos through a video processor are not padded."""
+    ``image_aspect_ratio="pad"``. Videos through a video processor are not padded.
+
+    ``template``: ``"chat"`` puts the instruction into the processor's chat template; ``"llava"`` takes the
+    instruction as the whole prompt, written in one of LLaVA's own conversations (:class:`LlavaConversation`,
+    the image as :data:`LLAVA_IMAGE`), and tokenises it as LLaVA's ``tokenizer_image_token`` does: the text on
+    each side of the image tokenised on its own, the first piece with the tokenizer's special tokens, the
+    others without their first token (the BOS). (With a SentencePiece tokenizer the piece after the image then
+    starts with the dummy-prefix token "▁", which a chat template's one-string tokenisation does not write.)
+    The system prompt is then part of the conversation: ``system_prompt`` must be None."""
 
     video: str = "auto"
     fps: float | None = 2.0
@@ -164,6 +174,7 @@ class VisualInput:
     system_prompt: str | None = None
     system_placement: str = "auto"
     image_aspect: str = "crop"
+    template: str = "chat"
 
     def __post_init__(self) -> None:
         if self.video not in VIDEO_INPUTS:
@@ -174,6 +185,11 @@ class VisualInput:
             raise ValueError(f"system_placement must be one of {SYSTEM_PLACEMENTS}, got {self.system_placement!r}")
         if self.image_aspect not in IMAGE_ASPECTS:
             raise ValueError(f"image_aspect must be one of {IMAGE_ASPECTS}, got {self.image_aspect!r}")
+        if self.template not in TEMPLATES:
+            raise ValueError(f"template must be one of {TEMPLATES}, got {self.template!r}")
+        if self.template == "llava" and self.system_prompt:
+            raise ValueError("a prompt written in LLaVA's conversation holds its own system sentence: "
+                             "system_prompt must be None with template='llava'")
 
 
 def pad_to_square(image: Any, fill: Sequence[float]) -> np.ndarray:
@@ -210,7 +226,11 @@ class ChatTemplate:
         """One user turn (an image, then ``instruction``) in the processor's chat template, ready to answer,
         after the system prompt if :class:`VisualInput` has one (see there for where it goes). With ``visual``
         a video (a list of frames), the video or its frames take the image's place; ``answer_prefix`` ends the
-        text."""
+        text. With ``template="llava"`` the instruction is the prompt (see :class:`VisualInput`)."""
+        if visual_input.template == "llava":
+            if is_video(visual) or instruction.count(LLAVA_IMAGE) != (visual is not None):
+                raise ValueError(f"a prompt in LLaVA's conversation holds one image, as {LLAVA_IMAGE!r}, once")
+            return instruction + visual_input.answer_prefix
         system = visual_input.system_prompt
         where = self.system_placement(system, visual_input.system_placement) if system else None
         text = f"{system}\n\n{instruction}" if where == "user" else instruction
@@ -268,3 +288,79 @@ class ChatTemplate:
         themselves must not get a second one."""
         bos = self.tokenizer.bos_token
         return not (bos and chat.startswith(bos))
+
+
+# --- LLaVA's own conversations and its stop rule -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LlavaConversation:
+    """One of LLaVA's conversation templates (``llava/conversation.py`` of haotian-liu/LLaVA), rendered as its
+    ``get_prompt`` renders it: ``"single"`` style (``llava_v0``: ``{system}###Human: {m}###Assistant: {a}###...``)
+    or ``"two"`` (``llava_v1``: ``{system} USER: {m} ASSISTANT: {a}</s>USER: ...``). The image goes before the
+    first user message, as ``"<image>\\n" + message``. An answer to come is left open (``"Assistant:"``)."""
+
+    name: str
+    system: str
+    roles: tuple[str, str]
+    sep: str
+    sep2: str | None = None
+
+    @property
+    def stop(self) -> str:
+        """The string LLaVA's scripts stop generation at: ``sep`` for the single style, ``sep2`` for two."""
+        return self.sep if self.sep2 is None else self.sep2
+
+    def prompt(self, turns: Sequence[tuple[str, str | None]], image: bool = True) -> str:
+        """``turns``: (user message, assistant answer or None for the one to come), in order."""
+        seps = (self.sep, self.sep if self.sep2 is None else self.sep2)
+        out = self.system + seps[0]
+        messages = []
+        for k, (user, answer) in enumerate(turns):
+            messages += [(self.roles[0], f"{LLAVA_IMAGE}\n{user}" if image and k == 0 else user),
+                         (self.roles[1], answer)]
+        for i, (role, message) in enumerate(messages):
+            out += f"{role}: {message}{seps[i % 2]}" if message else f"{role}:"
+        return out
+
+
+LLAVA_V0_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. "
+                   "The assistant gives helpful, detailed, and polite answers to the human's questions.")
+LLAVA_CONVERSATIONS: dict[str, LlavaConversation] = {
+    "llava_v0": LlavaConversation("llava_v0", LLAVA_V0_SYSTEM, ("Human", "Assistant"), "###"),
+    "llava_v1": LlavaConversation("llava_v1", LLAVA_V0_SYSTEM, ("USER", "ASSISTANT"), " ", "</s>"),
+}
+
+
+@dataclass(frozen=True)
+class KeywordStop:
+    """LLaVA's ``KeywordsStoppingCriteria`` as its scripts run it under transformers 4.37 (where ``generate``
+    from input embeddings returns the BOS, then the new tokens): after each new token, stop when the output
+    ``[BOS] + answer`` ends with a keyword's token ids (the keyword tokenised alone, without its BOS), or when
+    a keyword is in the decoded window ``output[-offset:]``, ``offset = min(len(output) - prompt_len,
+    longest keyword's ids)``. ``prompt_len`` is the prompt's length in LLaVA's tokens (the image one token), so
+    until the answer is about half the prompt long that window starts from the front or is empty: the rule as
+    the scripts apply it, quirk included. Build with :meth:`build`."""
+
+    keywords: tuple[str, ...]
+    keyword_ids: tuple[tuple[int, ...], ...]
+    bos_id: int
+
+    @classmethod
+    def build(cls, keywords: Sequence[str], tokenizer: Any) -> "KeywordStop":
+        ids = []
+        for keyword in keywords:
+            found = list(tokenizer(keyword)["input_ids"])
+            if len(found) > 1 and found[0] == tokenizer.bos_token_id:
+                found = found[1:]
+            ids.append(tuple(int(i) for i in found))
+        bos = tokenizer.bos_token_id
+        return cls(tuple(keywords), tuple(ids), int(bos) if bos is not None else -1)
+
+    def done(self, tokenizer: Any, prompt_len: int, answer_ids: Sequence[int]) -> bool:
+        output = [self.bos_id, *answer_ids]
+        longest = max((len(k) for k in self.keyword_ids), default=0)
+        if any(k and tuple(output[-len(k):]) == k for k in self.keyword_ids):
+            return True
+        offset = min(len(output) - prompt_len, longest)
+        window = tokenizer.decode(output[-offset:], skip_special_tokens=True)
+        return any(keyword in window for keyword in self.keywords)

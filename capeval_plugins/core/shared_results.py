@@ -1,6 +1,6 @@
 """The last results of a shared model, so that metrics putting the same question to it run it once.
 
-Metrics of one pass already share each loaded model (:func:`capeval_plugins.core.loading.shared`: one object per
+Metrics of one pass already share each loaded model (:func:`capeval_plugins.resources.loading.shared`: one object per
 checkpoint and options). When two of them also ask that model the same thing (FLEUR and DISCODE on one judge:
 the same prompts about the same images; CLIPScore and RefCLIPScore: the same images and texts), the second gets
 the first's result: the runner hands every metric the same batches in turn (batch ``k`` of each metric, one

@@ -20,18 +20,19 @@ user can read (:func:`secret`): a marker copied from elsewhere, written by hand 
 ``../victim.txt``) does not verify and is refused.
 
 The layer is split along these seams: :mod:`~capeval_plugins.files.base` (errors, path checks, inputs),
+:mod:`~capeval_plugins.files.paths` (where the per-user folders are: the cache and config roots),
 :mod:`~capeval_plugins.files.secret` (the secret and signed JSON), :mod:`~capeval_plugins.files.folder`
 (:class:`Folder`, scratch leftovers, :class:`CacheFolder`, private folders), :mod:`~capeval_plugins.files.claim`
 (:class:`Claim`) and :mod:`~capeval_plugins.files.outputs`. Each imports only those before it (but for
-:func:`secret`'s import of :class:`Folder` when it makes the key), the standard library, ``core.messages`` and
-``core.paths``. This module is the public face: import from it.
+:func:`secret`'s import of :class:`Folder` when it makes the key), the standard library and ``core.messages``.
+This module is the public face: import from it.
 """
 from __future__ import annotations
 
-from capeval_plugins.core.paths import user_base
+from capeval_plugins.files.paths import user_base
 from capeval_plugins.files.base import (ENVIRONMENT_ERRNOS, STREAMS, Data, FileError, StorageError, UnsafePath,
-                                         check_links, file_kind, is_environment_error, open_input, plain_name,
-                                         read_input, relative_name, same_or_inside, storage_error)
+                                         check_input, check_links, file_kind, is_environment_error, open_input,
+                                         plain_name, read_input, relative_name, same_or_inside, storage_error)
 from capeval_plugins.files.claim import Claim
 from capeval_plugins.files.folder import (LEFTOVER_AGE, CacheFolder, Folder, _hidden_name, private_folder,
                                            remove_private)
@@ -40,7 +41,7 @@ from capeval_plugins.files.secret import (SECRET_FILE, _secret_cache, config_dir
                                            signed_json)
 
 __all__ = ["CacheFolder", "Claim", "Data", "ENVIRONMENT_ERRNOS", "FileError", "Folder", "LEFTOVER_AGE", "SECRET_FILE",
-           "STREAMS", "StorageError", "UnsafePath", "check_links", "check_output", "config_dir", "file_kind",
-           "is_environment_error", "mac", "open_input", "output_kind", "plain_name", "private_folder", "read_input",
+           "STREAMS", "StorageError", "UnsafePath", "check_input", "check_links", "check_output", "config_dir",
+           "file_kind", "is_environment_error", "mac", "open_input", "output_kind", "plain_name", "private_folder", "read_input",
            "read_signed_json", "relative_name", "remove_private", "same_or_inside", "secret", "signed_json",
            "storage_error", "stream_fd", "user_base", "write_output", "_hidden_name", "_secret_cache"]

@@ -137,21 +137,32 @@ def same_or_inside(path: str | os.PathLike, other: str | os.PathLike) -> bool:
 # Inputs: regular files only, never blocking
 
 
+def check_input(path: str | os.PathLike, what: str = "file") -> None:
+    """Refuse, in one line saying what is there, an input path that is missing or is not a regular file (a
+    folder, a FIFO, a device, a socket). Only ``stat`` is used: nothing is opened, so a FIFO never blocks."""
+    kind = file_kind(path)
+    if kind is None:
+        raise UnsafePath(f"{what} not found: {os.fspath(path)}")
+    if kind != "file":
+        raise UnsafePath(_not_a_file(path, kind, what))
+
+
+def _not_a_file(path: str | os.PathLike, kind: str, what: str) -> str:
+    named = "folder" if kind == "dir" else kind
+    return f"{what} {os.fspath(path)} is a {named}, not a regular file"
+
+
 @contextlib.contextmanager
 def open_input(path: str | os.PathLike, what: str = "file") -> Iterator[BinaryIO]:
     """A regular file opened for reading. A FIFO, a device or a socket is refused before it could block or
     stream forever (opened non-blocking, its type checked on the open descriptor)."""
     path = os.fspath(path)
-    kind = file_kind(path)
-    if kind is None:
-        raise UnsafePath(f"{what} not found: {path}")
-    if kind != "file":
-        raise UnsafePath(f"{path} is a {kind}, not a regular file")
+    check_input(path, what)
     fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
     try:
         kind = _kind(os.fstat(fd).st_mode)
         if kind != "file":
-            raise UnsafePath(f"{path} is a {kind}, not a regular file")
+            raise UnsafePath(_not_a_file(path, kind, what))
         if _NONBLOCK:
             os.set_blocking(fd, True)
         f = os.fdopen(fd, "rb")

@@ -386,7 +386,7 @@ def _free(fd: int) -> bool:
 
 class CacheFolder:
     """A cache the package keeps in a folder of its own, as byte entries in subfolders (what the core's caches,
-    e.g. :class:`capeval_plugins.core.generation.CachedGenerator`, are given instead of touching files): an
+    e.g. :class:`capeval_plugins.models.generation.CachedGenerator`, are given instead of touching files): an
     entry is read by descriptor with no link followed, and written as a new file renamed over the old one, so
     concurrent processes can share the folder."""
 

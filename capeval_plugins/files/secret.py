@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from capeval_plugins.core.paths import user_base
+from capeval_plugins.files.paths import user_base
 from capeval_plugins.files.base import _CLOEXEC, _NOFOLLOW, StorageError, UnsafePath, _reported
 
 

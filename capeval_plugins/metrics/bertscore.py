@@ -29,8 +29,9 @@ from torch import Tensor
 
 from capeval_plugins.contract import (INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig, StateSpec, bounded,
                                       nanmean)
-from capeval_plugins.core.encoders.common import EncoderSpec
-from capeval_plugins.core.encoders.text import PackedEmbeddings, TextEncoder, TokenEmbeddings, text_encoder_problem
+from capeval_plugins.models.encoders.common import EncoderSpec
+from capeval_plugins.models.encoders.text import (PREFIX_SPACE, PackedEmbeddings, TextEncoder, TokenEmbeddings,
+                                                text_encoder_problem)
 from capeval_plugins.core.matching import (best_similarities, f_measure, idf_table, reduce_references, token_idf,
                                            weighted_mean)
 
@@ -75,6 +76,11 @@ class BERTScoreConfig(ModelConfig):
     # F where P and R have opposite signs (2PR / (P + R) is then no mean of P and R and explodes as P + R -> 0):
     # "keep" (bert_score's F, flagged) or "zero" (F = 0 there).
     opposite_sign: str = "keep"
+    # GPT-2 and RoBERTa tokenizers: "paper" gives each text the leading space bert_score asks for (its authors' fix
+    # to reproduce the paper's RoBERTa results; its baselines were made so); "as_saved" tokenises as the tokenizer
+    # was saved, which is what bert_score 0.3.13 (and evaluate's bertscore) compute under transformers 5, where
+    # its per-call request is ignored. Other tokenizers: the same tokens either way.
+    prefix_space: str = "paper"
     input_paths: ClassVar[tuple[str, ...]] = ("model", "baseline_path")
 
 
@@ -107,6 +113,8 @@ class BERTScore(Metric):
             raise ValueError(f"bertscore: matching must be one of {MATCHING}, got {cfg.matching!r}")
         if cfg.opposite_sign not in OPPOSITE_SIGN:
             raise ValueError(f"bertscore: opposite_sign must be one of {OPPOSITE_SIGN}, got {cfg.opposite_sign!r}")
+        if cfg.prefix_space not in PREFIX_SPACE:
+            raise ValueError(f"bertscore: prefix_space must be one of {PREFIX_SPACE}, got {cfg.prefix_space!r}")
         if cfg.idf_references is not None and not cfg.idf:
             raise ValueError("bertscore: idf_references is given but idf=False; set idf=True to use them")
         if cfg.idf_references is not None and (isinstance(cfg.idf_references, str) or not cfg.idf_references):
@@ -143,7 +151,7 @@ class BERTScore(Metric):
 
     @property
     def encoder(self) -> TextEncoder:
-        return TextEncoder.shared(EncoderSpec.from_config(self.config), self.config.num_layers)
+        return TextEncoder.shared(EncoderSpec.from_config(self.config), self.config.num_layers, self.config.prefix_space)
 
     @property
     def pair_batch_size(self) -> int:

@@ -2,6 +2,11 @@
 
 CLIP-S(c, v) = w * max(cos(E_img(v), E_txt(prefix + c)), 0), w = 2.5, prefix "A photo depicts ".
 RefCLIP-S(c, R, v) = H-Mean(CLIP-S(c, v), max(max_{r in R} cos(E_txt(c), E_txt(r)), 0)).
+
+``sentence_average=True`` scores a long caption as CaptionEvalKit's ``--sentence-average`` does: the mean of CLIP-S
+over the candidate's sentences (:func:`capeval_plugins.core.clip_score.split_sentences`), each sentence prefixed and
+scored on its own. The toolkit defines no reference-based average, so the Ref- metrics refuse the option and the
+reference extras are left out (NaN) under it.
 """
 from __future__ import annotations
 
@@ -12,10 +17,11 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, bounded
-from capeval_plugins.core import loading
-from capeval_plugins.core.clip_score import best_reference_similarity, clip_s, cosine, harmonic_mean
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
-from capeval_plugins.core.encoders.clip import dual_encoder_problem
+from capeval_plugins.resources import loading
+from capeval_plugins.core.clip_score import (best_reference_similarity, clip_s, cosine, flatten_sentences,
+                                             harmonic_mean, segment_mean)
+from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.models.encoders.clip import dual_encoder_problem
 
 CITATION = """@inproceedings{hessel2021clipscore,
   title     = {{CLIPScore}: A Reference-free Evaluation Metric for Image Captioning},
@@ -39,6 +45,9 @@ class CLIPScoreConfig(ModelConfig):
     # towers through torch.compile. dtype="bfloat16" (every ModelConfig) is the third.
     quantize: str = "none"
     compile: bool = False
+    # Long captions: the mean score over the candidate's sentences (CaptionEvalKit's --sentence-average), not the
+    # whole caption truncated at the text encoder's limit. Image-text score only (no reference-based average).
+    sentence_average: bool = False
 
     def __post_init__(self) -> None:
         if self.quantize not in QUANTIZE:
@@ -77,6 +86,13 @@ class CLIPScore(PointwiseMetric):
     optional_extras: ClassVar[tuple[str, ...]] = ("reference_similarity", "refclipscore")
     mean_extras: ClassVar[tuple[str, ...]] = ("refclipscore",)
 
+    def __init__(self, **config):
+        super().__init__(**config)
+        if self.config.sentence_average and self.info.references == "always":
+            raise ValueError(f"{self.info.name}: sentence_average is defined for the image-text score only "
+                             "(CaptionEvalKit's --sentence-average has no reference-based average); use "
+                             f"{self.info.name.removeprefix('ref')} with sentence_average=True")
+
     @property
     def encoder(self) -> ClipEncoder:
         cfg, spec = self.config, EncoderSpec.from_config(self.config)
@@ -90,6 +106,8 @@ class CLIPScore(PointwiseMetric):
         self.encoder.preprocess(images)
 
     def score(self, batch: Batch) -> dict[str, Tensor]:
+        if self.config.sentence_average:
+            return self.sentence_average(batch)
         cfg, enc = self.config, self.encoder
         image_feats = enc.encode_images(batch.images)[batch.image_index.to(enc.device)]
         texts = [with_prefix(cfg.prefix, c) for c in batch.candidates]
@@ -110,6 +128,19 @@ class CLIPScore(PointwiseMetric):
             ref_sim = best_reference_similarity(cand, text_feats[n:], owner_t, cfg.clamp_reference)
             refclip = self.combine(score, ref_sim)
         return self.arrange(score, cos, ref_sim, refclip)
+
+    def sentence_average(self, batch: Batch) -> dict[str, Tensor]:
+        """The mean score over each candidate's sentences (every sentence of the batch through the text encoder in
+        one pass, each image once); ``cosine`` is the mean sentence cosine. References are not used."""
+        cfg, enc = self.config, self.encoder
+        sentences, owner = flatten_sentences(batch.candidates)
+        owner = owner.to(enc.device)
+        image_feats = enc.encode_images(batch.images)[batch.image_index.to(enc.device)]
+        cos = cosine(image_feats[owner], enc.encode_texts([with_prefix(cfg.prefix, s) for s in sentences]))
+        n = len(batch.candidates)
+        score = segment_mean(clip_s(cos, cfg.w), owner, n)
+        missing = torch.full_like(score, float("nan"))
+        return self.arrange(score, segment_mean(cos, owner, n), missing, missing)
 
     def combine(self, score: Tensor, reference_similarity: Tensor) -> Tensor:
         """The reference-based score from the image-text score and the reference similarity."""

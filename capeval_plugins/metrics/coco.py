@@ -11,7 +11,7 @@ The work is done once per pass, not once per metric: the corpus is prepared (dec
 distinct texts in one Java call, identical rows merged, n-grams numbered) once and remembered by the content
 of its states (:func:`prepared`), so the classic metrics of one pass share it. BLEU, ROUGE-L and CIDEr-D are
 computed by :mod:`capeval_plugins.core.coco_text` (pycocoevalcap's arithmetic, bit for bit, vectorised);
-METEOR and SPICE are the jars pycocoevalcap ships, METEOR through :mod:`capeval_plugins.core.java`
+METEOR and SPICE are the jars pycocoevalcap ships, METEOR through :mod:`capeval_plugins.resources.java`
 (streamed requests, bounded waits). pycocoevalcap provides the jars; it is imported lazily.
 """
 from __future__ import annotations
@@ -38,9 +38,9 @@ from torch import Tensor
 from capeval_plugins.contract import (INDEX, TEXT_STATE, Batch, Metric, MetricConfig, MetricInfo, MetricResult,
                                       PackedTexts, Requirement, StateSpec, bounded, decode_text_lists, decode_texts,
                                       encode_text_lists, encode_texts)
-from capeval_plugins.core import java
+from capeval_plugins.resources import java
 from capeval_plugins.core.coco_text import CocoCorpus
-from capeval_plugins.core.java import QUIET_ENV, require_java
+from capeval_plugins.resources.java import QUIET_ENV, require_java
 from capeval_plugins.core.messages import MissingExtra, install_extra
 
 PYCOCOEVALCAP = "https://github.com/salaniz/pycocoevalcap"
@@ -112,10 +112,10 @@ class BleuConfig(CocoConfig):
 @dataclass
 class MeteorConfig(CocoConfig):
     # METEOR JVMs the distinct segments are spread over, then one EVAL over every segment's statistics; at most
-    # one per CPU the process may use (core/java.py bounded_jvms: a config travels between machines).
+    # one per CPU the process may use (resources/java.py bounded_jvms: a config travels between machines).
     jvms: int = bounded(1, ge=1)
     # The paraphrase table METEOR's JVM loads: "corpus", the entries the corpus can use (the same scores, a
-    # fraction of a second to load; core/meteor_table.py), or "full", the jar's own (6-7 s of CPU to load).
+    # fraction of a second to load; resources/meteor_table.py), or "full", the jar's own (6-7 s of CPU to load).
     paraphrases: str = "corpus"
     # "pycocoevalcap" (METEOR 1.5, Java) or "nltk": NLTK's meteor_score as Hugging Face evaluate's "meteor"
     # runs it (WordNet synonyms, alpha 0.9, beta 3, gamma 0.5, the best reference), the corpus score the mean

@@ -17,20 +17,20 @@ from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, Requirement, bounded
 from capeval_plugins.core.bounds import MAX_SEED
-from capeval_plugins.core import loading
+from capeval_plugins.resources import loading
 from capeval_plugins.core.messages import install_extra
-from capeval_plugins.core.encoders import EncoderSpec
-from capeval_plugins.core.encoders.dino import PREPROCESSINGS, DinoEncoder
-from capeval_plugins.core.generation import (
-    SD3_MODEL,
-    CachedGenerator,
-    FolderGenerator,
-    MissingImageError,
-    StableDiffusion3,
-    TextToImage,
-    caption_seed,
-    default_cache_dir,
-)
+from capeval_plugins.models.encoders import EncoderSpec
+from capeval_plugins.models.encoders.dino import PREPROCESSINGS, DinoEncoder
+from capeval_plugins.models.generation import (
+                                               SD3_MODEL,
+                                               CachedGenerator,
+                                               FolderGenerator,
+                                               MissingImageError,
+                                               StableDiffusion3,
+                                               TextToImage,
+                                               caption_seed,
+                                               default_cache_dir,
+                                               )
 
 CITATION = """@article{dahal2025redemption,
   title   = {Redemption Score: An Evaluation Framework to Rank Image Captions While Redeeming Image Semantics

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, bounded
 from capeval_plugins.core import heads
-from capeval_plugins.core.lvlm import JudgeOutput, RatingScale, get_scale
+from capeval_plugins.models.lvlm import JudgeOutput, RatingScale, get_scale
 from capeval_plugins.metrics.fleur import LVLMJudgeConfig, LVLMJudgeMetric, fleur_scores
 
 CITATION = """@inproceedings{inoue2026discode,

@@ -22,8 +22,8 @@ from torch import Tensor
 from capeval_plugins.contract import (INDEX, Batch, CorpusSize, FitProblem, Metric, MetricInfo, MetricResult,
                                       ModelConfig, StateSpec, bounded)
 from capeval_plugins.core import gaussian
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec
-from capeval_plugins.core.encoders.clip import dual_encoder_problem
+from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
+from capeval_plugins.models.encoders.clip import dual_encoder_problem
 from capeval_plugins.core.messages import warn_once
 
 CITATION = """@inproceedings{kim2022mutual,
@@ -150,7 +150,7 @@ class MID(Metric):
     def _config_dim(self) -> int | None:
         from transformers import AutoConfig
 
-        from capeval_plugins.core.loading import hub_kwargs
+        from capeval_plugins.resources.loading import hub_kwargs
 
         cfg = self.config
         try:

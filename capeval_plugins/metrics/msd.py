@@ -29,9 +29,9 @@ from torch import Tensor
 from capeval_plugins.contract import (GROUP, INDEX, Batch, Metric, MetricInfo, MetricResult, ModelConfig,
                                      Requirement, StateSpec, bounded, nanmean)
 from capeval_plugins.core.bounds import MAX_SEED
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, mean_pooled
+from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec, mean_pooled
 from capeval_plugins.core.vmf import PRECISIONS, BiKL, Points, bi_kl, content_seeds, fit_mixture, points
-from capeval_plugins.training.msd_aligner.model import LocalAligner, read_settings as read_aligner_settings
+from capeval_plugins.models.msd_aligner.model import LocalAligner, read_settings as read_aligner_settings
 
 CITATION = """@misc{kan2026msdscore,
   title         = {{MSD-Score}: Multi-Scale Distributional Scoring for Reference-Free Image Caption Evaluation},

@@ -7,7 +7,7 @@ CLIPScore's formula on a CLIP fine-tuned with positive-augmented contrastive lea
     RefPAC-S(c, R, v)  = 2 p s / (p + s),  p = PAC-S(c, v),  s = max_{r in R} cos(E_txt(pfx + c), E_txt(pfx + r))
 
 (the reference similarity is not clipped at 0 there, unlike RefCLIP-S's paper definition). Images and texts are
-fed as the official ``clip`` / ``open_clip`` code feeds them (:mod:`capeval_plugins.core.encoders.openai_clip`);
+fed as the official ``clip`` / ``open_clip`` code feeds them (:mod:`capeval_plugins.models.encoders.openai_clip`);
 the weights are the released checkpoints converted by ``capeval convert pacs``. PAC-S++ is the same formula on
 its LoRA-tuned CLIP.
 """
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.contract import MetricInfo, Requirement, bounded
-from capeval_plugins.core.encoders import EncoderSpec
-from capeval_plugins.core.encoders.openai_clip import OfficialClip, converted_model_dir
+from capeval_plugins.models.encoders import EncoderSpec
+from capeval_plugins.models.encoders.openai_clip import OfficialClip, converted_model_dir
 from capeval_plugins.core.messages import install_extra
 from capeval_plugins.metrics.clipscore import CLIPScore, CLIPScoreConfig
 
@@ -40,12 +40,6 @@ CITATION_PP = """@article{sarto2025positive,
   year    = {2025}
 }"""
 CODE = ("https://github.com/aimagelab/pacscore",)
-RELEASES = {  # where the README of aimagelab/pacscore links each checkpoint
-    "clip_ViT-B-32.pth": "the Google Drive folder linked from the aimagelab/pacscore README",
-    "openClip_ViT-L-14.pth": "the Google Drive folder linked from the aimagelab/pacscore README",
-    "PAC++_clip_ViT-B-32.pth": "https://ailb-web.ing.unimore.it/publicfiles/pac++/PAC++_clip_ViT-B-32.pth",
-    "PAC++_clip_ViT-L-14.pth": "https://ailb-web.ing.unimore.it/publicfiles/pac++/PAC++_clip_ViT-L-14.pth",
-}
 FILES = {("pacs", "vit-b-32"): "clip_ViT-B-32.pth", ("pacs", "open_clip-vit-l-14"): "openClip_ViT-L-14.pth",
          ("pacs_pp", "vit-b-32"): "PAC++_clip_ViT-B-32.pth", ("pacs_pp", "vit-l-14"): "PAC++_clip_ViT-L-14.pth"}
 
@@ -113,10 +107,13 @@ class PACScore(CLIPScore):
     def requirements(self) -> list[Requirement]:
         needs = super().requirements()
         if not self.config.model:
-            released = FILES[(self.variant, self.config.backbone)]
+            from capeval_plugins.resources.releases import release
+
+            released = release(f"{self.variant}-{self.config.backbone}")
             needs.append(Requirement(
                 "model", self.checkpoint(), f"the {self.info.display_name} weights (backbone {self.config.backbone})",
-                remedy=f"download {released} ({RELEASES[released]}) and run `capeval convert pacs {released}`, or "
+                remedy=f"run `capeval fetch-weights {released.name}` (downloads {released.file} from {released.url}, "
+                       f"checks and converts it), or convert a copy with `capeval convert pacs {released.file}`, or "
                        "pass model=FOLDER"))
         needs.append(Requirement("module", "ftfy", f"{self.info.name}'s text cleaning (as clip.tokenize)",
                                  install_extra("pacs")))

@@ -33,7 +33,7 @@ from capeval_plugins.contract import (
     nanmean,
 )
 from capeval_plugins.core.gaussian import normalize_pmi
-from capeval_plugins.core.generation import SD3_MODEL
+from capeval_plugins.models.generation import SD3_MODEL
 from capeval_plugins.metrics.bertscore import BERTScoreConfig
 from capeval_plugins.metrics.dino_cycle import CITATION, DinoCycleConfig
 from capeval_plugins.metrics.mid import MIDConfig

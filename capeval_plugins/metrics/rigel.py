@@ -17,8 +17,8 @@ from torch import Tensor
 
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, Requirement
 from capeval_plugins.core.messages import install_extra
-from capeval_plugins.training.model import (ADAPTER_DIR, RigelModel, load_rigel, read_settings,
-                                            scores_from_probabilities)
+from capeval_plugins.models.rigel import (ADAPTER_DIR, RigelModel, load_rigel, read_settings,
+                                          scores_from_probabilities)
 
 CITATION = """@article{koyama2026rigel,
   title   = {Rigel: Self-Distilled Score Adaptation for Image and Video Captioning Evaluation},

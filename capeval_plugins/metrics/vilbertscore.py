@@ -31,11 +31,11 @@ from torch import Tensor
 from capeval_plugins.contract import Batch, MetricInfo, ModelConfig, PointwiseMetric, bounded
 from capeval_plugins.core.bounds import MAX_SEED
 from capeval_plugins.core import jsonio
-from capeval_plugins.core.encoders.common import EncoderSpec
-from capeval_plugins.core.encoders.conditioned import FAMILIES, ConditionedEncoder, model_family
+from capeval_plugins.models.encoders.common import EncoderSpec
+from capeval_plugins.models.encoders.conditioned import FAMILIES, ConditionedEncoder, model_family
 from capeval_plugins.core.matching import greedy_prf, reduce_references, to_grid
-from capeval_plugins.core.regions import (DETECTOR_FEATURE_DIM, RegionFeatures, RegionFileError, check_region_file,
-                                          find_region_file, read_region_file)
+from capeval_plugins.resources.regions import (DETECTOR_FEATURE_DIM, RegionFeatures, RegionFileError, check_region_file,
+                                               find_region_file, read_region_file)
 from capeval_plugins.inputs import ImageReader, ImageSource, InputError
 
 CITATION = """@inproceedings{lee2020vilbertscore,

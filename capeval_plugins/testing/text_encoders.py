@@ -1,4 +1,5 @@
-"""Tiny non-generative encoders: DINO ViT, DeBERTa-v3, RoBERTa, ViLT, BLIP (image-text matching) and SigLIP."""
+"""Tiny non-generative encoders: DINO ViT, BERT, DeBERTa (v1, v3), RoBERTa, XLM-R, MPNet, ViLT, BLIP (image-text matching)
+and SigLIP."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -134,3 +135,71 @@ def build_siglip(path: Path, seed: int, image_size: int = 32, patch_size: int = 
     SiglipModel(config).save_pretrained(path)
     image_processor = SiglipImageProcessor(size={"height": image_size, "width": image_size})
     SiglipProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
+
+
+# --- more of bert_score's tokenizer families (tests/test_bertscore_families.py) ------------------------------
+
+
+@builder("bert")
+def build_bert(path: Path, seed: int) -> None:
+    """bert-base-uncased's layout: WordPiece BertTokenizer ([PAD], [UNK], [CLS], [SEP], [MASK] = 0..4)."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    tokenizer = bert_tokenizer()
+    config = BertConfig(**_LAYERS, vocab_size=len(tokenizer), max_position_embeddings=512,
+                        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@builder("deberta")
+def build_deberta(path: Path, seed: int) -> None:
+    """microsoft/deberta-large's layout (DeBERTa v1): GPT-2's byte-level BPE in a DebertaTokenizer with [PAD],
+    [CLS], [SEP], [UNK] = 0..3 and [MASK] last; a byte-level BPE that bert_score gives no leading space."""
+    import torch
+    from transformers import DebertaConfig, DebertaModel, DebertaTokenizer
+
+    vocab, merges = train_gpt2_bpe(caption_corpus(), 500, ["[PAD]", "[CLS]", "[SEP]", "[UNK]"])
+    vocab["[MASK]"] = len(vocab)
+    tokenizer = DebertaTokenizer(vocab=vocab, merges=merges, model_max_length=512)
+    config = DebertaConfig(**_LAYERS, vocab_size=len(tokenizer), max_position_embeddings=512, type_vocab_size=0,
+                           relative_attention=True, max_relative_positions=-1, pos_att_type=["c2p", "p2c"],
+                           position_biased_input=False, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    DebertaModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@builder("mpnet")
+def build_mpnet(path: Path, seed: int) -> None:
+    """microsoft/mpnet-base's layout (all-mpnet-base-v2's): a WordPiece MPNetTokenizer whose [CLS]/[SEP] are
+    <s> and </s>, <pad> = 1 and positions after the padding id, as RoBERTa's."""
+    import torch
+    from transformers import MPNetConfig, MPNetModel, MPNetTokenizer
+
+    tokens = train_wordpiece_deterministic(caption_corpus(), 400, ["<s>", "<pad>", "</s>", "[UNK]"])
+    tokenizer = MPNetTokenizer(vocab={t: i for i, t in enumerate([*tokens, "<mask>"])}, model_max_length=512)
+    config = MPNetConfig(**_LAYERS, vocab_size=len(tokenizer), max_position_embeddings=514,
+                         pad_token_id=tokenizer.pad_token_id, relative_attention_num_buckets=32)
+    torch.manual_seed(seed)
+    MPNetModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@builder("xlm_roberta")
+def build_xlm_roberta(path: Path, seed: int) -> None:
+    """xlm-roberta-large's layout: a SentencePiece Unigram XLMRobertaTokenizer (<s>, <pad>, </s>, <unk> = 0..3,
+    <mask> last) before a RoBERTa encoder."""
+    import torch
+    from transformers import XLMRobertaConfig, XLMRobertaModel, XLMRobertaTokenizer
+
+    vocab = train_unigram(caption_corpus(), 400, ["<s>", "<pad>", "</s>", "<unk>"])
+    tokenizer = XLMRobertaTokenizer(vocab=vocab + [("<mask>", 0.0)], model_max_length=512)
+    config = XLMRobertaConfig(**_LAYERS, vocab_size=len(tokenizer), max_position_embeddings=514, type_vocab_size=1,
+                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    XLMRobertaModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)

@@ -40,7 +40,7 @@ def tiny_vilbert(seed: int, vocab_size: int, task_tokens: bool = True, config: M
     """A random :class:`ViLBertModel` and its released-style state dict (``bert.*`` plus heads)."""
     import torch
 
-    from capeval_plugins.core.encoders.vilbert import ViLBertModel, config_from_released_json
+    from capeval_plugins.models.encoders.vilbert import ViLBertModel, config_from_released_json
 
     model_config, _ = config_from_released_json({**TINY_RELEASED_CONFIG, **(config or {}), "vocab_size": vocab_size})
     model_config.num_task_tokens = TASK_TOKENS if task_tokens else 0

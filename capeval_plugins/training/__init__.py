@@ -6,7 +6,7 @@
 * :func:`~capeval_plugins.training.phase2.train_phase2`: the head frozen, LoRA on the backbone against the
   one-hot of the averaged human score (needs ``peft``: the ``lora`` extra).
 
-Both write a checkpoint directory (:mod:`~capeval_plugins.training.model`) that the ``rigel`` metric loads,
+Both write a checkpoint directory (:mod:`~capeval_plugins.models.rigel`) that the ``rigel`` metric loads,
 save their state as they go and continue an interrupted run. Data: :mod:`~capeval_plugins.training.data`.
 The command line is ``capeval train rigel --phase 1|2 ...``; see docs/training.md.
 """

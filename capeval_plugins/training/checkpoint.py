@@ -1,5 +1,6 @@
-"""Pieces every trained checkpoint directory shares (Rigel's, the MSD aligner's): strict JSON, the output folder
-(written through :mod:`capeval_plugins.files`), and reading a config whose format and version are checked."""
+"""Pieces every trained checkpoint directory's writer shares (Rigel's, the MSD aligner's): strict JSON and the output
+folder (written through :mod:`capeval_plugins.files`). Reading a checkpoint's config is the resources floor's
+(:func:`capeval_plugins.resources.trained.read_checkpoint_config`): the metrics load what training wrote."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from capeval_plugins import files
-from capeval_plugins.core import jsonio
+from capeval_plugins.core import heads
+from capeval_plugins.models.rigel import (ADAPTER_DIR, CONFIG_FILE, FORMAT, FORMAT_VERSION, HEAD_FILE,
+                                          RigelSettings)
 
 
 def json_safe(value: Any) -> Any:
@@ -47,20 +52,19 @@ def json_bytes(value: Any) -> bytes:
     return (json.dumps(json_safe(value), indent=2) + "\n").encode()
 
 
-def read_checkpoint_config(checkpoint: str | os.PathLike, file: str, format: str, version: int, what: str,
-                           how: str) -> dict[str, Any]:
-    """The JSON config of a trained checkpoint directory, its format and version checked; ``what`` names the kind
-    of checkpoint in errors, ``how`` says how to make one."""
-    path = Path(checkpoint)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{what} directory not found: {path}")
-    config = path / file
-    if not config.is_file():
-        raise FileNotFoundError(f"{path} holds no {file}: it is no {what} ({how})")
-    data = jsonio.loads(config.read_text(encoding="utf-8"))
-    if data.get("format") != format:
-        raise ValueError(f"{config}: format {data.get('format')!r}, expected {format!r} ({what})")
-    if int(data.get("version", 0)) > version:
-        raise ValueError(f"{config}: format version {data['version']} is newer than this package reads "
-                         f"({version}); upgrade capeval-plugins")
-    return data
+def save_checkpoint(path: str | os.PathLike, settings: RigelSettings, head: heads.ScoringHead | None,
+                    peft_model: Any = None, record: dict[str, Any] | None = None) -> Path:
+    """Write a Rigel checkpoint directory (see :mod:`capeval_plugins.models.rigel`); files are replaced atomically. No head file
+    for a model scored through the LM head (``head`` None)."""
+    out = output_folder(path)
+    if head is not None:
+        state = {k: v.detach().to("cpu", torch.float32) for k, v in head.state_dict().items()}
+        out.write(HEAD_FILE, tensor_bytes(state))
+    elif out.owns(HEAD_FILE):  # an earlier run's head, which this checkpoint does not use
+        out.remove([HEAD_FILE])
+    if peft_model is not None:
+        with out.staging() as staged:  # peft writes by path: into a private folder, then moved in
+            peft_model.save_pretrained(str(staged / ADAPTER_DIR))
+    out.write(CONFIG_FILE, json_bytes({"format": FORMAT, "version": FORMAT_VERSION, "settings": settings.to_dict(),
+                                       "training": record or {}}))
+    return Path(path)

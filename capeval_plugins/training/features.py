@@ -24,7 +24,7 @@ from capeval_plugins import files
 from capeval_plugins.inputs import iter_batches
 from capeval_plugins.training.checkpoint import tensor_bytes
 from capeval_plugins.training.data import JudgmentSet
-from capeval_plugins.training.model import RigelModel
+from capeval_plugins.models.rigel import RigelModel
 from capeval_plugins.training.state import progress_bar, signature
 
 
@@ -43,7 +43,7 @@ class Features:
 
 def cache_key(model: RigelModel, data: JudgmentSet) -> str:
     judge, settings = model.judge, model.settings
-    backbone = getattr(judge.model.config, "_name_or_path", "") or type(judge.model).__name__
+    backbone = getattr(judge.model.config, "name_or_path", "") or type(judge.model).__name__
     dtype = str(next(judge.model.parameters()).dtype)
     return signature("rigel-features-v1", backbone, settings.revision, dtype, settings.labels, settings.prompts,
                      settings.reference_separator, settings.video_input, settings.video_fps, settings.answer_prefix,
@@ -139,7 +139,7 @@ def _extract(model: RigelModel, part: JudgmentSet, batch_size: int) -> dict[str,
 
 def _valid(path: Path) -> bool:
     """Whether a shard file is whole (a shard cut short by an interruption is not)."""
-    from capeval_plugins.core.tensorfile import check_file
+    from capeval_plugins.resources.tensorfile import check_file
 
     try:
         check_file(path)
@@ -149,7 +149,7 @@ def _valid(path: Path) -> bool:
 
 
 def _read_shard(cache: files.Folder, name: str) -> dict[str, Tensor] | None:
-    from capeval_plugins.core.tensorfile import load_bytes
+    from capeval_plugins.resources.tensorfile import load_bytes
 
     try:
         return load_bytes(cache.read(name), str(cache.path / name))

@@ -19,10 +19,11 @@ import torch
 
 from capeval_plugins.core import heads
 from capeval_plugins.core.bounds import bounded, check_fields
-from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge
+from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge
 from capeval_plugins.training.data import JudgmentSet
 from capeval_plugins.training.features import Features, extract_features
-from capeval_plugins.training.model import RigelModel, RigelSettings, hidden_size_of, save_checkpoint
+from capeval_plugins.models.rigel import RigelModel, RigelSettings, hidden_size_of
+from capeval_plugins.training.checkpoint import save_checkpoint
 from capeval_plugins.training.state import (chunks, correlation, epoch_order, progress_bar, signature,
                                              start_or_resume)
 

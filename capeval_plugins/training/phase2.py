@@ -23,11 +23,11 @@ import torch.nn.functional as F
 
 from capeval_plugins.core import heads
 from capeval_plugins.core.bounds import bounded, check_fields
-from capeval_plugins.core.lvlm import JudgeSpec, LVLMJudge, PromptEnd, load_lvlm_processor
+from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge, PromptEnd, load_lvlm_processor
 from capeval_plugins.training.data import JudgmentSet
-from capeval_plugins.training.model import (RigelModel, RigelSettings, hidden_size_of, load_head,
-                                            load_private_backbone, quiet_peft, read_settings, require_peft,
-                                            save_checkpoint)
+from capeval_plugins.models.rigel import (RigelModel, RigelSettings, hidden_size_of, load_head,
+                                          load_private_backbone, quiet_peft, read_settings, require_peft)
+from capeval_plugins.training.checkpoint import save_checkpoint
 from capeval_plugins.training.state import (batch_of, correlation, expectation, predict, run_steps, signature,
                                             start_or_resume, step_record)
 

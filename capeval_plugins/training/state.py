@@ -24,7 +24,7 @@ from capeval_plugins.core.correlation import kendall_tau
 from capeval_plugins.inputs import iter_batches, to_batch
 from capeval_plugins.training.data import JudgmentSet
 from capeval_plugins.training.checkpoint import json_bytes, output_folder, tensor_bytes
-from capeval_plugins.training.model import CONFIG_FILE, RigelModel
+from capeval_plugins.models.rigel import CONFIG_FILE, RigelModel
 
 STATE_DIR = "training_state"
 
@@ -50,7 +50,7 @@ class RunState:
     def load(self) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]], dict | None]:
         import io
 
-        from capeval_plugins.core.tensorfile import load_bytes
+        from capeval_plugins.resources.tensorfile import load_bytes
 
         where = self._current()
         if where is None:

@@ -20,8 +20,8 @@ def main() -> None:
     import bert_score
     import transformers
 
-    from capeval_plugins.core.encoders.common import EncoderSpec
-    from capeval_plugins.core.encoders.text import TextEncoder
+    from capeval_plugins.models.encoders.common import EncoderSpec
+    from capeval_plugins.models.encoders.text import TextEncoder
     from capeval_plugins.metrics.bertscore import BERTScore  # the class: the package need not be installed there
 
     out = {"transformers": transformers.__version__, "runs": []}

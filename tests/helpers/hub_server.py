@@ -8,7 +8,8 @@ at :attr:`Hub.url`):
 * ``GET`` / ``HEAD /datasets/{repo}/resolve/{rev}/{path}``: the file, with ``Range`` requests answered 206.
 
 Faults for the tests: :meth:`Hub.stall` makes a file's download stop after a number of bytes and hang until
-released (a download interrupted part-way, as when its process is killed); :meth:`Hub.replace_content` serves
+released (a download interrupted part-way, as when its process is killed); :meth:`Hub.hang` makes every download
+of a file send its headers and then nothing (a Hub too slow to answer); :meth:`Hub.replace_content` serves
 other bytes for a file under the same commit (a file changed under the same name). :attr:`Hub.log` records
 every request (method, path, Range header)."""
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Hub:
         self.listed: dict[str, dict[str, bytes]] = {}    # commit -> path -> content its listing describes
         self.lfs: set[str] = set()                       # paths stored as LFS files
         self.stalls: dict[str, int] = {}
+        self.hangs: set[str] = set()
         self.released = threading.Event()
         self.log: list[tuple[str, str, str | None]] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -64,8 +66,14 @@ class Hub:
         self.stalls[path] = after
         self.released.clear()
 
+    def hang(self, path: str) -> None:
+        """Every download of ``path`` (resumed ones too) sends its headers, then nothing until :meth:`release`."""
+        self.hangs.add(path)
+        self.released.clear()
+
     def release(self) -> None:
         self.stalls.clear()
+        self.hangs.clear()
         self.released.set()
 
     # -- answers --
@@ -189,9 +197,9 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             if head:
                 return
-            stop = hub.stalls.get(path)
-            if stop is not None and start < stop:
-                self.wfile.write(body[: stop - start])
+            hanging, stop = path in hub.hangs, hub.stalls.get(path)
+            if hanging or (stop is not None and start < stop):
+                self.wfile.write(b"" if hanging else body[: stop - start])
                 self.wfile.flush()
                 hub.released.wait()  # until the test releases it (or the Hub stops): never on a timer
                 self.close_connection = True

@@ -35,16 +35,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from capeval_plugins.core import loading
+from capeval_plugins.resources import loading
 from capeval_plugins.core.bounds import bounded, check_fields
-from capeval_plugins.core.encoders import ClipEncoder, EncoderSpec, mean_pooled
+from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec, mean_pooled
 from capeval_plugins.inputs import iter_batches, to_batch
+from capeval_plugins.training.checkpoint import json_bytes, output_folder, tensor_bytes
 from capeval_plugins.training.features import ShardedRows, cached_shards
 from capeval_plugins.training.msd_aligner import SCHEDULES
 from capeval_plugins.training.msd_aligner.data import CaptionSet
-from capeval_plugins.training.msd_aligner.model import (CONFIG_FILE, AlignerSettings, LocalAligner, build_projector,
-                                                        load_llm, load_llm_tokenizer, save_aligner, vision_fingerprint,
-                                                        vision_tower)
+from capeval_plugins.models.msd_aligner.model import (CONFIG_FILE, FORMAT, FORMAT_VERSION, PROJECTOR_FILE,
+                                                      TOKENIZER_DIR, TOKENS_FILE, AlignerSettings, LocalAligner,
+                                                      build_projector, load_llm, load_llm_tokenizer,
+                                                      vision_fingerprint, vision_tower)
 from capeval_plugins.training.state import run_steps, signature, start_or_resume, step_record
 
 # Fields that change how a run is carried out, not what it computes: a resumed run may change them.
@@ -341,3 +343,20 @@ def train_aligner(out_dir: str | os.PathLike, data: CaptionSet, *, settings: Ali
     record.update(config=dataclasses.asdict(config), train_samples=len(data),
                   logit_scale=float(run.log_scale.detach().exp()))
     return save_aligner(out_dir, settings, aligner.projector, aligner.tokenizer, aligner.token_table, record)
+
+
+def save_aligner(path: str | os.PathLike, settings: AlignerSettings, projector: torch.nn.Linear, tokenizer: Any,
+                 token_table: Tensor | None = None, record: dict[str, Any] | None = None) -> Path:
+    """Write an aligner directory (see :mod:`capeval_plugins.models.msd_aligner.model`); files are replaced atomically."""
+    if settings.text_features == "input_embeddings" and token_table is None:
+        raise ValueError("an 'input_embeddings' aligner needs the LLM's input-embedding table")
+    out = output_folder(path)
+    state = {k: v.detach().to("cpu", torch.float32) for k, v in projector.state_dict().items()}
+    out.write(PROJECTOR_FILE, tensor_bytes(state))
+    if settings.text_features == "input_embeddings":
+        out.write(TOKENS_FILE, tensor_bytes({"weight": token_table}))
+    with out.staging() as staged:  # the tokenizer writes by path: into a private folder, then moved in
+        tokenizer.save_pretrained(str(staged / TOKENIZER_DIR))
+    out.write(CONFIG_FILE, json_bytes({"format": FORMAT, "version": FORMAT_VERSION, "settings": settings.to_dict(),
+                                       "training": record or {}}))
+    return Path(path)

@@ -1,0 +1,192 @@
+"""Files downloaded into a cache the package owns: the one HTTP path of the fetched benchmarks
+(:mod:`capeval_plugins.bench.fetch`) and of released weights (``capeval fetch-weights``).
+
+A download goes through ``huggingface_hub``'s ``http_get`` (its client, retries, progress bar and resuming by an
+HTTP ``Range`` request) into ``<file>.part`` inside a :class:`capeval_plugins.files.Claim`, appended to what an
+interrupted run left there; once the server says the file is complete, the bytes are checked against what is
+expected (:class:`Expected`: size, SHA-256 or git blob id) and only then renamed into place. Hub tokens are sent
+only where the caller passes them (the Hub); other servers get no credentials.
+
+Redirects (:func:`guarded_redirects`) are followed, up to :data:`MAX_REDIRECTS`, to another host as well (a
+release served from a CDN, Google Drive's download host): the digest, not the host, decides what is accepted.
+A redirect from ``https`` to ``http`` (a downgrade anyone on the path could forge) and one to any scheme but
+``http`` / ``https`` (``file:``, ``ftp:``) are refused before the request is sent.
+
+Failures are :class:`DownloadError` with a ``kind`` the caller turns into its own one-line message: ``"failed"``
+(the server could not be reached or answered an error: the ``.part`` is kept, a later run resumes), ``"short"``
+(the server ended the file before the expected size: kept, a later run resumes), ``"changed"`` (other bytes than
+expected, or a server that has fewer bytes than were already downloaded: the ``.part`` is deleted) and
+``"redirect"`` (a refused redirect)."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlsplit
+
+from capeval_plugins import files
+from capeval_plugins.core.messages import DataError
+
+LOCK = ".lock"
+MAX_REDIRECTS = 10
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a downloaded file must be: its size (None: any), its SHA-256 and / or git blob id (None: unchecked)."""
+
+    size: int | None = None
+    sha256: str | None = None
+    blob: str | None = None
+
+    def matches(self, data: Any) -> bool:
+        if data is None or (self.size is not None and len(data) != self.size):
+            return False
+        if self.sha256:
+            return hashlib.sha256(data).hexdigest() == self.sha256.lower()
+        if self.blob:
+            return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == self.blob
+        return True
+
+
+class DownloadError(DataError):
+    """A download that did not give the expected file; ``kind`` says how (see the module docstring), ``detail``
+    what happened, ``got`` the size and SHA-256 of what arrived (``"changed"``, ``"short"``)."""
+
+    def __init__(self, kind: str, detail: str, got: tuple[int, str] | None = None) -> None:
+        super().__init__(detail)
+        self.kind, self.detail, self.got = kind, detail, got
+
+
+@contextlib.contextmanager
+def locked(root: Path, kind: str, what: str, error: type[DataError] = DataError) -> Iterator[files.Claim]:
+    """The cache folder ``root`` (made if missing, private), claimed for ``kind`` and locked (another process
+    fetching meanwhile: wait for it). A folder others can write is refused (``error``), naming ``what`` it keeps."""
+    folder, _ = files.Folder.open(root, create=True, mine=True, mode=0o700)
+    with folder:
+        if os.fstat(folder.fd).st_mode & 0o022:
+            raise error(f"{root} can be written by other users; capeval keeps {what} only in a folder no one else "
+                            f"can write: chmod go-w {root}, or set CAPEVAL_CACHE to another folder")
+        files.Claim(root, kind).open(create=False).folder.close()  # a foreign marker: refused before the lock is made
+        fd, _ = folder.lock(LOCK)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            claim = files.Claim(root, kind).open()
+            try:
+                yield claim
+            finally:
+                claim.folder.close()
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def guarded_redirects(url: str) -> Iterator[list[str]]:
+    """Every request of the shared ``huggingface_hub`` client checked while the block runs (the first and each
+    redirect): refused when it goes from https to http, to a scheme other than http(s), or past
+    :data:`MAX_REDIRECTS`. Yields the URLs requested, in order."""
+    from huggingface_hub.utils import get_session
+
+    start = urlsplit(url).scheme.lower()
+    seen: list[str] = []
+
+    def check(request: Any) -> None:
+        target = str(request.url)
+        scheme = urlsplit(target).scheme.lower()
+        if scheme not in ("http", "https"):
+            raise DownloadError("redirect", f"a redirect to {target} (only http and https are followed)")
+        if start == "https" and scheme == "http":
+            raise DownloadError("redirect", f"a redirect from https to {target} (a downgrade to plain http)")
+        seen.append(target)
+        if len(seen) > MAX_REDIRECTS + 1:
+            raise DownloadError("redirect", f"more than {MAX_REDIRECTS} redirects")
+
+    session = get_session()
+    hooks = {k: list(v) for k, v in session.event_hooks.items()}
+    session.event_hooks = {**hooks, "request": [*hooks.get("request", []), check]}
+    try:
+        yield seen
+    finally:
+        session.event_hooks = hooks
+
+
+@contextlib.contextmanager
+def progress_bars(show: bool) -> Iterator[None]:
+    """``huggingface_hub``'s progress bars on or off for the block (as they were before, after it)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    if show == was_disabled:
+        (enable_progress_bars if show else disable_progress_bars)()
+    try:
+        yield
+    finally:
+        if show == was_disabled:
+            (disable_progress_bars if was_disabled else enable_progress_bars)()
+
+
+def download(claim: files.Claim, folder: str, leaf: str, url: str, expected: Expected, *,
+             headers: dict[str, str] | None = None, display: str | None = None, progress: bool = True) -> str:
+    """``url`` into ``folder/leaf`` of ``claim`` (``folder``: a relative path, "" for the claim's root): kept when
+    the file is there already and matches ``expected``; else appended to ``leaf.part`` from where an interrupted
+    download stopped (a ``Range`` request), checked, and renamed into place. Returns the file's name in the claim."""
+    from huggingface_hub.file_download import http_get
+
+    parts = [p for p in folder.split("/") if p]
+    final = "/".join([*parts, leaf])
+    part = final + ".part"
+    if claim.owns(final) and expected.matches(claim.map(final)):
+        return final
+    claim.own([*("/".join(parts[: k + 1]) + "/" for k in range(len(parts))), part])
+    with _folder(claim, parts) as where:
+        done = where.size(leaf + ".part")
+        if expected.size is not None and done > expected.size:
+            where.truncate(leaf + ".part", 0)
+            done = 0
+        try:
+            with guarded_redirects(url), progress_bars(progress), where.open_append(leaf + ".part") as handle:
+                http_get(url, handle, resume_size=done, headers=dict(headers or {}),
+                         displayed_filename=display or leaf)
+        except (files.FileError, KeyboardInterrupt, DownloadError):
+            raise
+        except Exception as err:  # noqa: BLE001  (no network, DNS, an HTTP error status, a proxy, ...)
+            if isinstance(err, OSError) and files.is_environment_error(err):  # a full disk: the machine's
+                raise
+            if _status(err) == 416:  # the server has fewer bytes than were downloaded before: not that file
+                where.unlink(leaf + ".part")
+                raise DownloadError("changed", f"the server has fewer than the {done} bytes downloaded before "
+                                               "(416 Range Not Satisfiable)") from None
+            raise DownloadError("failed", _reason(err)) from None
+        data = where.map(leaf + ".part")
+        if not expected.matches(data):
+            got = (len(data or b""), hashlib.sha256(data or b"").hexdigest())
+            if expected.size is not None and got[0] < expected.size:
+                raise DownloadError("short", f"the server ended the file at {got[0]} of {expected.size} bytes", got)
+            where.unlink(leaf + ".part")
+            raise DownloadError("changed", f"got {got[0]} bytes with SHA-256 {got[1]}", got)
+        claim.own([final])
+        where.rename(leaf + ".part", leaf)
+    claim.remove([part])
+    return final
+
+
+@contextlib.contextmanager
+def _folder(claim: files.Claim, parts: list[str]) -> Iterator[files.Folder]:
+    with contextlib.ExitStack() as stack:
+        where = claim.folder
+        for name in parts:
+            where = stack.enter_context(where.sub(name, create=True))
+        yield where
+
+
+def _status(err: BaseException) -> int | None:
+    response = getattr(err, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _reason(err: BaseException) -> str:
+    return " ".join(str(err).split())[:200] or type(err).__name__
