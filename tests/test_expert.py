@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import warnings
 from functools import lru_cache
@@ -236,18 +237,18 @@ def test_the_default_needs_the_converted_weights():
 
 # --- end to end on tiny LLaVA-1.5 checkpoints with the real Llama 2 tokenizer ----------------------------------
 
-TOKENIZERS = Path(__file__).resolve().parent.parent.parent / "shared" / "tokenizers"
+# where test_real_tokenizers.py looks: $CAPEVAL_TOKENIZERS, else ../shared/tokenizers beside the clone
+TOKENIZERS = Path(os.environ.get("CAPEVAL_TOKENIZERS",
+                                 Path(__file__).resolve().parent.parent.parent / "shared" / "tokenizers"))
 
 
 @lru_cache(maxsize=None)
 def llama2_tokenizer():
-    import os
-
     from capeval_plugins.testing import real_tokenizers as rt
 
     pytest.importorskip("sentencepiece", reason="SentencePiece tokenizers need sentencepiece (the test extra)")
     pytest.importorskip("google.protobuf", reason="SentencePiece tokenizers need protobuf (the test extra)")
-    model = Path(os.environ.get("CAPEVAL_TOKENIZERS", TOKENIZERS)) / "llama2" / "tokenizer.model"
+    model = TOKENIZERS / "llama2" / "tokenizer.model"
     if not model.is_file():
         pytest.skip(f"no Llama 2 tokenizer at {model} (tests/test_real_tokenizers.py says how to get it)")
     return rt.sentencepiece_tokenizer(model, scratch_folder("capeval-llama2-tok-"))
