@@ -113,6 +113,7 @@ def test_capeval_cache_lists_and_clears_every_cache_the_package_writes(tmp_path,
     from capeval_plugins import files
     from capeval_plugins.bench import fetch
     from capeval_plugins.bench.cache import ScoreCache, default_cache_path
+    from capeval_plugins.commands import fetch_weights
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("CAPEVAL_CACHE", str(cache))
@@ -124,11 +125,16 @@ def test_capeval_cache_lists_and_clears_every_cache_the_package_writes(tmp_path,
     claim.write(f"composite/{fetch.MANIFEST}", b'{"format": 1}\n')
     claim.write("composite/data.json", b"[]" + b" " * 300_000)
     claim.folder.close()
+    # a release fetch-weights downloaded (written as the downloader writes)
+    claim = files.Claim(fetch_weights.cache_root(), fetch_weights.KIND).open()
+    claim.write("pacs-vit-b-32/clip_ViT-B-32.pth", b"\0" * 200_000)
+    claim.folder.close()
     ScoreCache(default_cache_path()).close()
     # what is not the package's: a folder of the user's beside the models, a file in the benchmarks folder
     (cache / "models" / "mine").mkdir()
     (cache / "models" / "mine" / "weights.bin").write_bytes(b"the user's")
     (cache / "benchmarks" / "notes.txt").write_text("the user's")
+    (cache / "weights" / "notes.txt").write_text("the user's")
 
     shown = capeval_in_process(["cache"])
     assert shown.returncode == 0, shown.stderr
@@ -136,15 +142,20 @@ def test_capeval_cache_lists_and_clears_every_cache_the_package_writes(tmp_path,
     assert "composite: fetched from yuwd/Composite" in shown.stdout and "0.3 MB" in shown.stdout
     assert f"score cache of capeval bench / reproduce (--cache, --no-cache): {default_cache_path()}" in shown.stdout
     assert "mine: not capeval's" in shown.stdout
+    assert "released files downloaded by capeval fetch-weights" in shown.stdout
+    assert "pacs-vit-b-32: clip_ViT-B-32.pth from https://" in shown.stdout
     info = json.loads(capeval_in_process(["cache", "--json"]).stdout)
     assert {e["name"] for e in info["models"]["entries"]} == {"pacs-vit-b-32", "mine"}
     assert info["scores"]["bytes"] > 0 and info["benchmarks"]["bytes"] > 300_000
+    assert [e["name"] for e in info["weights"]["entries"]] == ["pacs-vit-b-32"] and info["weights"]["bytes"] >= 200_000
 
     only = capeval_in_process(["cache", "clear", "--only", "scores"])
     assert only.returncode == 0 and not default_cache_path().exists() and (cache / "models" / "pacs-vit-b-32").is_dir()
     cleared = capeval_in_process(["cache", "clear"])
     assert cleared.returncode == 0, cleared.stderr
     assert "converted models" in cleared.stdout and "fetched benchmarks" in cleared.stdout
+    assert "downloaded weights" in cleared.stdout and not (cache / "weights" / "pacs-vit-b-32").exists()
+    assert (cache / "weights" / "notes.txt").read_text() == "the user's"
     assert not (cache / "models" / "pacs-vit-b-32").exists() and not (cache / "benchmarks" / "composite").exists()
     assert (cache / "models" / "mine" / "weights.bin").read_bytes() == b"the user's"
     assert (cache / "benchmarks" / "notes.txt").read_text() == "the user's"

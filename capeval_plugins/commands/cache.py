@@ -2,16 +2,17 @@
 
     capeval cache                      # every cache, its size and what each entry is
     capeval cache clear                # remove what the package wrote in them
-    capeval cache clear --only models  # one kind: meteor, benchmarks, models, scores
+    capeval cache clear --only models  # one kind: meteor, benchmarks, weights, models, scores
 
 The caches: METEOR's paraphrase index (and the tables of killed METEOR runs in TMPDIR), the benchmarks fetched
-on first use, the released checkpoints ``capeval convert pacs|polos`` converted into the folder the metrics load
-by default, the score cache of ``capeval bench`` / ``reproduce``, the images Redemption Score generates, the
+on first use, the released files ``capeval fetch-weights`` downloaded, the checkpoints ``capeval convert`` (and
+``fetch-weights``) converted into the folder the metrics load by default, the score cache of ``capeval bench`` / ``reproduce``, the images Redemption Score generates, the
 evaluate modules ``capeval evaluate-module`` wrote. All live under ``$CAPEVAL_CACHE`` (else
 ``$XDG_CACHE_HOME/capeval_plugins``, else ``~/.cache/capeval_plugins``).
 
 Only what the package provably wrote is removed, through :mod:`capeval_plugins.files`: the files listed in a
-folder's signed marker (``.capeval-owned``: METEOR's index, the fetched benchmarks, each converted model), the
+folder's signed marker (``.capeval-owned``: METEOR's index, the fetched benchmarks, the downloaded weights, each
+converted model), the
 ``capeval-meteor-*`` folders of TMPDIR whose marker verifies and whose run is over, and the score cache when it
 is an SQLite database of capeval's. The generated images and evaluate modules keep no such list: they are
 shown, with where they are, and left to remove by hand.
@@ -114,6 +115,16 @@ def benchmark_entries() -> list[dict[str, Any]]:
             for name in fetch.cached_names(root)]
 
 
+def weight_entries() -> list[dict[str, Any]]:
+    """The released files ``capeval fetch-weights`` downloaded, each release's folder with its size."""
+    from capeval_plugins.commands import fetch_weights
+    from capeval_plugins.resources.releases import RELEASES
+
+    root = fetch_weights.cache_root()
+    return [{"name": name, "bytes": _size(root / name), "what": f"{RELEASES[name].file} from {RELEASES[name].url}"}
+            for name in fetch_weights.cached_names(root)]
+
+
 def model_entries() -> list[dict[str, Any]]:
     """The converted checkpoints in the folder the metrics load by default, each with its size and source."""
     root = _models_root()
@@ -155,11 +166,12 @@ def other_caches() -> list[dict[str, Any]]:
 def report() -> dict[str, Any]:
     from capeval_plugins.bench import fetch
     from capeval_plugins.bench.cache import default_cache_path
+    from capeval_plugins.commands import fetch_weights
     from capeval_plugins.resources import meteor_table as mt
 
     entries = meteor_entries()
     tables = stale_tables()
-    benchmarks, models = benchmark_entries(), model_entries()
+    benchmarks, weights, models = benchmark_entries(), weight_entries(), model_entries()
     scores = default_cache_path()
     return {
         "meteor": {"path": str(mt.cache_dir()), "bytes": sum(e["bytes"] for e in entries), "files": entries},
@@ -167,6 +179,8 @@ def report() -> dict[str, Any]:
                           "bytes": sum(_size(p) for p in tables)},
         "benchmarks": {"path": str(fetch.cache_root()), "bytes": sum(e["bytes"] for e in benchmarks),
                        "entries": benchmarks},
+        "weights": {"path": str(fetch_weights.cache_root()), "bytes": sum(e["bytes"] for e in weights),
+                    "entries": weights},
         "models": {"path": str(_models_root()), "bytes": sum(e["bytes"] for e in models), "entries": models},
         "scores": {"path": str(scores), "bytes": sum(_file_size(Path(f"{scores}{end}"))
                                                      for end in ("", "-journal", "-wal", "-shm"))},
@@ -197,7 +211,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"{_mb(tables['bytes'])}  METEOR tables in {tables['path']} ({len(tables['folders'])} capeval-meteor-* "
               "folders: runs going on, or killed runs' left for the next run to remove)")
     for key, title in (("benchmarks", "benchmarks fetched on first use (capeval bench / reproduce without --data)"),
-                       ("models", "released checkpoints converted by capeval convert pacs|polos")):
+                       ("weights", "released files downloaded by capeval fetch-weights"),
+                       ("models", "released checkpoints converted by capeval convert (and fetch-weights)")):
         print(f"{_mb(info[key]['bytes'])}  {title}: {info[key]['path']}")
         for entry in info[key]["entries"]:
             print(f"  {_mb(entry['bytes'])}  {entry['name']}: {entry['what']}")
@@ -206,18 +221,19 @@ def cmd_cache(args: argparse.Namespace) -> int:
     for other in info["other"]:
         print(f"{_mb(other['bytes'])}  {other['what']}: {other['path']} (not removed by `capeval cache clear`: "
               "it keeps no list of what capeval wrote; remove it yourself when no run uses it)")
-    total = sum(info[k]["bytes"] for k in ("meteor", "meteor_tables", "benchmarks", "models", "scores"))
+    total = sum(info[k]["bytes"] for k in ("meteor", "meteor_tables", "benchmarks", "weights", "models", "scores"))
     print(f"{_mb(total)}  in all that `capeval cache clear` removes (what capeval wrote; --only KIND for one kind)")
     return 0
 
 
-KINDS = ("meteor", "benchmarks", "models", "scores")
+KINDS = ("meteor", "benchmarks", "weights", "models", "scores")
 
 
 def clear(args: argparse.Namespace) -> int:
     from capeval_plugins import files
     from capeval_plugins.bench import fetch
     from capeval_plugins.bench.cache import default_cache_path, remove_cache
+    from capeval_plugins.commands import fetch_weights
     from capeval_plugins.resources import meteor_table as mt
 
     kinds = args.only or list(KINDS)
@@ -236,6 +252,11 @@ def clear(args: argparse.Namespace) -> int:
             fetch.remove_cached()
         except (OSError, files.FileError, fetch.FetchError) as err:
             problems.append(f"cannot clear {fetch.cache_root()}: {err}")
+    if "weights" in kinds:
+        try:
+            fetch_weights.remove_cached()
+        except (OSError, files.FileError, fetch_weights.WeightsError) as err:
+            problems.append(f"cannot clear {fetch_weights.cache_root()}: {err}")
     if "models" in kinds:
         for entry in before["models"]["entries"]:
             folder = _models_root() / entry["name"]
@@ -277,7 +298,7 @@ def clear(args: argparse.Namespace) -> int:
 
 
 LABELS = ("METEOR's paraphrase index and {tables} table folder(s) of killed runs", "fetched benchmarks",
-          "converted models", "the bench score cache")
+          "downloaded weights", "converted models", "the bench score cache")
 
 
 def add_parser(subparsers) -> None:
