@@ -290,6 +290,24 @@ def read_captions(path: str | os.PathLike, images_dir: str | os.PathLike | None 
     return records
 
 
+def no_image_found(records: CaptionRecords, images_dir: str | os.PathLike | None) -> str | None:
+    """One line when not one of the image files the records name by a relative path exists: then the folder
+    they were looked up in is the mistake (``--images`` forgotten, or the wrong folder), not each sample, so the
+    line names that folder and the option. None when any is found (a few missing files are each sample's own
+    problem, listed by row) or when the records name no image by a relative path."""
+    named = [(name, path) for name, path in zip(records.image_names, records.images)
+             if isinstance(name, str) and name and not os.path.isabs(name) and isinstance(path, str)]
+    if not named or any(os.path.exists(path) for _, path in named):
+        return None
+    count = len(dict.fromkeys(name for name, _ in named))
+    folder = os.fspath(images_dir) if images_dir is not None else (os.path.dirname(records.path) or ".")
+    source = os.path.basename(records.path)
+    where = (f"in the folder --images {folder}" if images_dir is not None else
+             f"in {folder}, the caption file's folder (where relative image paths are looked up without --images)")
+    return (f"none of the {count} image files {source} names (e.g. {named[0][0]}) is {where}: give the folder "
+            "that holds them with --images DIR")
+
+
 def read_coco_results(results: str | os.PathLike, annotations: str | os.PathLike,
                       images_dir: str | os.PathLike | None = None) -> CaptionRecords:
     """A COCO results file (``[{"image_id", "caption"}, ...]``, what pycocotools' ``loadRes`` reads) scored

@@ -122,6 +122,13 @@ def cmd_score(args: argparse.Namespace) -> int:
         check_not_an_image(args.out, records.images)
     if not len(records):
         raise UsageError(f"{records.path} holds no captions")
+    if reads_image_files(metrics.values()):
+        from capeval_plugins.caption_files import no_image_found
+        from capeval_plugins.inputs import InputError
+
+        missing = no_image_found(records, args.images)
+        if missing:
+            raise InputError(missing)  # (under torchrun, said by rank 0 only)
     uses_references = any(m.uses_references() for m in metrics.values())
     groups = None
     if any(g is not None for g in records.groups):
@@ -195,6 +202,22 @@ def read_inputs(args: argparse.Namespace) -> Any:
     if args.annotations is not None:
         return read_coco_results(args.captions, args.annotations, args.images)
     return read_captions(args.captions, args.images)
+
+
+def reads_image_files(metrics: Any) -> bool:
+    """Whether any of ``metrics`` reads the records' images as pixel files (not, e.g., as names of precomputed
+    region features)."""
+    from capeval_plugins.inputs import InputError
+
+    for metric in metrics:
+        if metric.info.images == "never":
+            continue
+        try:
+            if metric.image_reader() is None:
+                return True
+        except InputError:  # a reader misconfigured: its own error comes in its turn
+            continue
+    return False
 
 
 def check_out_and_run_dir(out: str, run_dir: str | None) -> None:

@@ -36,6 +36,7 @@ def problems(metrics: Mapping[str, Metric]) -> list[str]:
     out, java = [], {}
     for name, metric in metrics.items():
         out += [f"{name}: {p}" for p in placement_problems(metric.config)]
+        files: dict[tuple, list[str]] = {}  # missing files of one cause (SPICE's two jars): one line
         for need in metric.requirements():
             if need not in found:
                 found[need] = problem(need)
@@ -43,8 +44,13 @@ def problems(metrics: Mapping[str, Metric]) -> list[str]:
                 continue
             if need.kind == "java":
                 java.setdefault(name, []).append(need)
+            elif need.kind == "file":
+                if (need.why, need.remedy) not in files:
+                    out.append((need.why, need.remedy))
+                files.setdefault((need.why, need.remedy), []).append(need.target)
             else:
                 out.append(f"{name}: {found[need]}")
+        out = [f"{name}: {missing_files(files[p], *p)}" if isinstance(p, tuple) else p for p in out]
     if java:
         users = ", ".join(f"{name} ({', '.join(n.target for n in needs)})" for name, needs in java.items())
         remedies = dict.fromkeys(n.remedy for needs in java.values() for n in needs if n.remedy)
@@ -59,6 +65,18 @@ def problems(metrics: Mapping[str, Metric]) -> list[str]:
         except ExternalToolError as err:
             out.insert(0, str(err))
     return list(dict.fromkeys(out))
+
+
+def missing_files(targets: list[str], why: str | None, remedy: str | None) -> str:
+    """One line for the missing files of one cause: the folder named once when they share it."""
+    if len(targets) == 1:
+        named, verb = targets[0], "does"
+    else:
+        folders = {os.path.dirname(t) for t in targets}
+        names = [os.path.basename(t) for t in targets] if len(folders) == 1 else targets
+        named = ", ".join(names[:-1]) + f" and {names[-1]}" + (f" in {folders.pop()}" if len(folders) == 1 else "")
+        verb = "do"
+    return f"{why or 'this metric'} needs {named}, which {verb} not exist" + (f": {remedy}" if remedy else "")
 
 
 def _gpu_indices(value: object) -> list[int]:

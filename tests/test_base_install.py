@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import HANG_GUARD, ROOT
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -91,7 +91,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1", "HF_DATA
 ENV.pop("PYTHONPATH", None)
 
 
-def run(python: str, args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def run(python: str, args: list[str], cwd: Path, timeout: float = HANG_GUARD) -> subprocess.CompletedProcess:
     return subprocess.run([python, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -213,5 +213,5 @@ def test_lm_eval_wrapper_names_accelerate_before_loading_anything(tmp_path_facto
     cli = "import sys; from capeval_plugins.adapters.lm_eval_cli import main; main(sys.argv[1:])"  # capeval-lm-eval
     proc = run(python, ["-c", cli, "--model", "hf-multimodal", "--model_args",
                         "pretrained=llava-hf/llava-interleave-qwen-0.5b-hf", "--tasks", "capeval_caption"],
-               tmp_path, timeout=120)
+               tmp_path, timeout=HANG_GUARD)
     assert_names_the_extra(proc, "accelerate")

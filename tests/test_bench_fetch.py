@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import HANG_GUARD
 from PIL import Image
 from scipy.stats import kendalltau
 
@@ -69,7 +70,7 @@ def env(hub: Hub | None, cache: Path, **extra: str) -> dict[str, str]:
 
 def capeval(args: list[str], environ: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "capeval_plugins.cli", *args], capture_output=True, text=True,
-                          env=environ, timeout=300)
+                          env=environ, timeout=HANG_GUARD)
 
 
 FETCH = "import sys; from capeval_plugins.bench.fetch import fetch; print(fetch(sys.argv[1], progress=False).data)"
@@ -78,6 +79,19 @@ FETCH = "import sys; from capeval_plugins.bench.fetch import fetch; print(fetch(
 def fetch_child(benchmark: str, environ: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", FETCH, benchmark], env=environ, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def wait_until(condition, child: subprocess.Popen) -> None:
+    """Poll until ``condition()`` holds or ``child`` has ended, however long the machine takes (the hang guard
+    only bounds a real hang; nothing here is about speed)."""
+    give_up = time.monotonic() + HANG_GUARD
+    while not condition() and child.poll() is None and time.monotonic() < give_up:
+        time.sleep(0.1)
+
+
+def downloading(hub: Hub, path: str) -> bool:
+    """Whether a download of ``path`` has reached the Hub."""
+    return any(method == "GET" and "/resolve/" in url and url.endswith("/" + path) for method, url, _ in list(hub.log))
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -167,17 +181,15 @@ def test_an_interrupted_download_resumes_where_it_stopped(hub, tmp_path):
     cache = tmp_path / "cache"
     child = fetch_child("polaris", env(hub, cache))
     part = cache / "benchmarks" / "polaris" / "raw" / "default--test--0000.parquet.part"
-    deadline = time.monotonic() + 60
-    while not (part.is_file() and part.stat().st_size >= 10 << 20) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: part.is_file() and part.stat().st_size >= 10 << 20, child)
     child.send_signal(signal.SIGKILL)
-    child.wait(30)
+    child.wait(HANG_GUARD)
     hub.release()
     written = part.stat().st_size
     assert written >= 10 << 20 and not (cache / "benchmarks" / "polaris" / "data.json").exists()
 
     done = subprocess.run([sys.executable, "-c", FETCH, "polaris"], env=env(hub, cache), capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_GUARD)
     assert done.returncode == 0, done.stderr
     assert ("GET", "/datasets/yuwd/Polaris/resolve/" + hub.refs["yuwd/Polaris"][PARQUET] + "/default/test/0000.parquet",
             f"bytes={written}-") in hub.log
@@ -225,19 +237,16 @@ def test_a_changed_file_is_refused_unless_refresh(hub, tmp_path):
     hub.stall("default/test/0000.parquet", after=1)
     child = fetch_child("polaris", env(hub, cache))
     manifest = cache / "benchmarks" / "polaris" / "manifest.json"
-    deadline = time.monotonic() + 60
-    while not manifest.is_file() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.5)
+    wait_until(lambda: manifest.is_file() and downloading(hub, "default/test/0000.parquet"), child)
     child.kill()
-    child.wait(30)
+    child.wait(HANG_GUARD)
     hub.release()
     hub.replace_content(pinned, "default/test/0000.parquet", parquet(rows[:6]))
     other = one_line_error(capeval(["bench", "polaris", "--scores", f"s={scores}", "--quiet"], env(hub, cache)))
     assert "changed under the same name" in other and "--refresh" in other
     hub.commit("yuwd/Polaris", {"default/test/0000.parquet": parquet(rows[:6])}, ref=PARQUET)
     fixed = subprocess.run([sys.executable, "-c", FETCH.replace("progress=False", "refresh=True, progress=False"),
-                            "polaris"], env=env(hub, cache), capture_output=True, text=True, timeout=120)
+                            "polaris"], env=env(hub, cache), capture_output=True, text=True, timeout=HANG_GUARD)
     assert fixed.returncode == 0, fixed.stderr
     assert len(get_benchmark("polaris").reader(Path(fixed.stdout.strip())).captions) == 6  # Composite's 1-5 scores
 
@@ -367,7 +376,7 @@ def test_flickr8k_layouts_and_docent_read_as_their_public_files(hub, tmp_path):
     script = ("from capeval_plugins.bench.fetch import fetch\n"
               "for b in ('flickr8k-expert', 'flickr8k-cf', 'docent'): print(fetch(b, progress=False).data)")
     done = subprocess.run([sys.executable, "-c", script], env=env(hub, tmp_path / "cache"), capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_GUARD)
     assert done.returncode == 0, done.stderr
     expert, crowd, doc = done.stdout.split()
     by_image: dict[str, dict] = {}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HANG_GUARD
 
 import capeval_plugins
 
@@ -84,7 +85,7 @@ def test_on_another_transformers_version_equals_bert_score_as_installed_there(ro
     python = os.environ["CAPEVAL_OTHER_TRANSFORMERS_PYTHON"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([python, str(HELPER), robertas["bare"], robertas["spaced"]], capture_output=True, text=True,
-                          env=env, timeout=600)
+                          env=env, timeout=HANG_GUARD)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(report)  # the version and tokenizer class it ran with (pytest -s shows it)

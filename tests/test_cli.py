@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import EXAMPLES, PYTHON, capeval_here, capeval_in_process, free_port, random_image, run
+from conftest import EXAMPLES, HANG_GUARD, PYTHON, capeval_here, capeval_in_process, free_port, random_image, run
 
 import capeval_plugins
 from capeval_plugins.caption_files import read_captions
@@ -178,7 +178,7 @@ def test_torchrun_names_row_250_too(tmp_path):
     proc = subprocess.run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m",
                            "capeval_plugins.cli", "score", "-m", "clipscore", "--model", not_a_model(tmp_path),
                            "--captions", str(captions), "--images", str(images), "--quiet"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=HANG_GUARD)
     assert proc.returncode != 0
     assert "sample 250 (captions.jsonl line 251): cannot read image" in proc.stderr
     assert "cannot load model" not in proc.stderr  # the check came first
@@ -204,7 +204,7 @@ def test_skip_scores_the_rest_and_writes_strict_json(tiny_clip, tmp_path):
 
 def interrupted(cmd, stop_after, env):
     """Run ``cmd`` with a real SIGINT after it has scored ``stop_after`` batches (see helpers/interrupt_after.py)."""
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_GUARD,
                           env={**env, "CAPEVAL_TEST_STOP_AFTER": str(stop_after)})
 
 
@@ -263,7 +263,7 @@ def torchrun_whole(tiny_clip, tmp_path_factory):
     folder = tmp_path_factory.mktemp("torchrun")
     captions, images = corpus_with_a_corrupt_image(folder, n=64, bad=-1)
     whole = folder / "whole.jsonl"
-    proc = run(torchrun_score(tiny_clip, captions, images, whole, quiet=False), timeout=600)
+    proc = run(torchrun_score(tiny_clip, captions, images, whole, quiet=False), timeout=HANG_GUARD)
     return captions, images, whole, proc.stderr
 
 
@@ -296,7 +296,7 @@ def test_torchrun_interrupted_and_resumed_equals_an_uninterrupted_torchrun(tiny_
     assert sorted(p.name for p in Path(f"{out}.capeval-run").iterdir()) == [
         "capeval-run.lock", "capeval-run.manifest", "rank-0-of-2", "rank-1-of-2", "run.json"]
     second = subprocess.run(torchrun_score(tiny_clip, captions, images, out, script=(INTERRUPT,)), capture_output=True,
-                            text=True, timeout=600, env=env)
+                            text=True, timeout=HANG_GUARD, env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     assert out.read_text() == whole.read_text()  # bit for bit
     summary = strict_json(second.stdout.strip().splitlines()[-1])
@@ -318,7 +318,7 @@ def test_torchrun_text_states_with_a_long_caption_equal_one_process(tmp_path):
     args = ["score", "-m", "bleu4", "-m", "cider", "-o", "tokenize=false", "--captions", str(captions), "--quiet"]
     capeval_here([*args, "--out", str(tmp_path / "one.jsonl")])
     run([TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "capeval_plugins.cli", *args,
-         "--out", str(tmp_path / "two.jsonl"), "--batch-size", "2"], timeout=600)
+         "--out", str(tmp_path / "two.jsonl"), "--batch-size", "2"], timeout=HANG_GUARD)
     one, two = ([json.loads(line) for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
                 for n in ("one", "two"))
     assert len(one) == len(two) == len(rows)

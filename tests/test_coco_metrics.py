@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import BENCHDATA, PYTHON, flickr8k_pairs, free_port, has_java, spawn_ranks
+from conftest import BENCHDATA, HANG_GUARD, PYTHON, flickr8k_pairs, free_port, has_java, spawn_ranks
 
 import capeval_plugins
 from capeval_plugins.resources import java
@@ -472,7 +472,7 @@ def test_a_megabyte_caption_ends_the_run_with_exit_2_not_a_hang(tmp_path):
     captions.write_text("".join(json.dumps({"caption": c, "references": r}) + "\n" for c, r in rows))
     out = subprocess.run([PYTHON, "-m", "capeval_plugins.cli", "score", "-m", "meteor", "--captions", str(captions),
                           "--out", str(tmp_path / "scores.jsonl"), "--quiet"], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=HANG_GUARD)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "METEOR (Java)" in lines[0] and "sample 1" in lines[0], out.stderr
@@ -490,11 +490,11 @@ def test_quiet_keeps_java_silent_and_progress_covers_the_corpus_step(tmp_path):
     captions.write_text("".join(json.dumps({"caption": c, "references": r}) + "\n" for c, r in zip(cands, refs)))
     base = [PYTHON, "-m", "capeval_plugins.cli", "score", "-m", "bleu4", "-m", "cider", "-m", "rouge_l",
             "--captions", str(captions)]
-    loud = subprocess.run(base + ["--out", str(tmp_path / "a.jsonl")], capture_output=True, text=True, timeout=300)
+    loud = subprocess.run(base + ["--out", str(tmp_path / "a.jsonl")], capture_output=True, text=True, timeout=HANG_GUARD)
     assert loud.returncode == 0, loud.stderr
     assert loud.stderr.count("PTBTokenizer tokenized") == 1  # once for the pass (was 6 lines)
     assert "corpus scores" in loud.stderr and "cider" in loud.stderr
     quiet = subprocess.run(base + ["--out", str(tmp_path / "b.jsonl"), "--quiet"], capture_output=True, text=True,
-                           timeout=300)
+                           timeout=HANG_GUARD)
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stderr.strip() == ""

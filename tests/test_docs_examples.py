@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLES, ROOT, has_java, random_image
+from conftest import EXAMPLES, HANG_GUARD, ROOT, has_java, random_image
 
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")),
          *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "metric_cards").glob("*/README.md"))]
@@ -383,7 +383,7 @@ def _run_bash(body: str, sandbox: Path, tmp_path: Path) -> subprocess.CompletedP
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(["bash", "-e", "-c", body], cwd=sandbox, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=HANG_GUARD)
 
 
 @pytest.mark.slow

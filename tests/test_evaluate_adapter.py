@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import CAPTIONS, PYTHON, REFERENCES, run
+from conftest import CAPTIONS, HANG_GUARD, PYTHON, REFERENCES, run
 
 import capeval_plugins
 from capeval_plugins import registry
@@ -282,14 +282,14 @@ def _process(rank: int, world: int, name: str, idx: list[int], predictions, refe
         # evaluate checks, without waiting, that process 0 holds its file when another writes, and that every
         # process holds its file when process 0 computes: the ranks start in that order
         if rank:
-            main_ready.wait(timeout=300)
+            main_ready.wait(timeout=HANG_GUARD)
         module.add_batch(predictions=[predictions[k] for k in idx], references=[references[k] for k in idx],
                          **({"ids": idx} if with_ids else {}))
         if rank:
             others_ready.set()
         else:
             main_ready.set()
-            others_ready.wait(timeout=300)
+            others_ready.wait(timeout=HANG_GUARD)
         result = module.compute()
     with open(f"{out}/rank{rank}.json", "w") as handle:
         json.dump({"result": result, "warnings": [str(w.message) for w in caught]}, handle)
@@ -311,7 +311,7 @@ def _processes(name: str, shards: dict[int, list[int]], predictions, references,
     for proc in procs:
         proc.start()
     for proc in procs:
-        proc.join(timeout=600)
+        proc.join(timeout=HANG_GUARD)
     assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
     return {rank: json.loads((cache_dir / f"rank{rank}.json").read_text()) for rank in shards}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import warnings
 from functools import lru_cache
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import random_image
+from conftest import HANG_GUARD, random_image
 
 from capeval_plugins.models.lvlm import LLAVA_CONVERSATIONS, KeywordStop
 from capeval_plugins.metrics.expert import (CRITERIA, EXPERT, explanation_prompt, official_score, parse_explanation,
@@ -236,18 +237,18 @@ def test_the_default_needs_the_converted_weights():
 
 # --- end to end on tiny LLaVA-1.5 checkpoints with the real Llama 2 tokenizer ----------------------------------
 
-TOKENIZERS = Path(__file__).resolve().parent.parent.parent / "shared" / "tokenizers"
+# where test_real_tokenizers.py looks: $CAPEVAL_TOKENIZERS, else ../shared/tokenizers beside the clone
+TOKENIZERS = Path(os.environ.get("CAPEVAL_TOKENIZERS",
+                                 Path(__file__).resolve().parent.parent.parent / "shared" / "tokenizers"))
 
 
 @lru_cache(maxsize=None)
 def llama2_tokenizer():
-    import os
-
     from capeval_plugins.testing import real_tokenizers as rt
 
     pytest.importorskip("sentencepiece", reason="SentencePiece tokenizers need sentencepiece (the test extra)")
     pytest.importorskip("google.protobuf", reason="SentencePiece tokenizers need protobuf (the test extra)")
-    model = Path(os.environ.get("CAPEVAL_TOKENIZERS", TOKENIZERS)) / "llama2" / "tokenizer.model"
+    model = TOKENIZERS / "llama2" / "tokenizer.model"
     if not model.is_file():
         pytest.skip(f"no Llama 2 tokenizer at {model} (tests/test_real_tokenizers.py says how to get it)")
     return rt.sentencepiece_tokenizer(model, scratch_folder("capeval-llama2-tok-"))
@@ -571,7 +572,7 @@ def test_every_entry_point_keeps_the_explanations(tmp_path):
     rows.write_text("".join(json.dumps({"image": p, "caption": c}) + "\n" for p, c in zip(paths, captions)))
     done = subprocess.run([_sys.executable, "-m", "capeval_plugins.cli", "score", "-m", "expert", "--captions",
                            str(rows), "--out", str(tmp_path / "out.jsonl"), "-o", f"model={judge}",
-                           "-o", "max_new_tokens=8", "--quiet"], capture_output=True, text=True, timeout=600)
+                           "-o", "max_new_tokens=8", "--quiet"], capture_output=True, text=True, timeout=HANG_GUARD)
     assert done.returncode == 0, done.stderr
     written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["expert.explanation"] for r in written] == direct.extras["explanation"]

@@ -7,6 +7,7 @@ import stat
 import threading
 
 import pytest
+from conftest import HANG_GUARD
 
 from capeval_plugins import files
 
@@ -97,7 +98,7 @@ def test_outputs_by_kind(tmp_path):
     reader = threading.Thread(target=lambda: got.append((tmp_path / "pipe").read_bytes()), daemon=True)
     reader.start()
     files.write_output(tmp_path / "pipe", b"through the pipe")
-    reader.join(30)
+    reader.join(HANG_GUARD)
     assert got == [b"through the pipe"] and stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode)
 
 

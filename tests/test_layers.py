@@ -94,7 +94,7 @@ def test_every_module_of_the_package_sits_on_a_floor():
 CORE_MAY_IMPORT = {"__future__", "typing", "dataclasses", "math", "numbers", "re", "json", "io", "struct",
                    "tokenize", "argparse", "importlib", "threading", "types", "functools", "collections",
                    "itertools", "enum", "warnings", "abc", "contextlib", "bisect", "heapq", "operator", "string",
-                   "unicodedata", "hashlib", "torch", "numpy", "transformers", "xxhash", "scipy", "capeval_plugins"}
+                   "unicodedata", "hashlib", "difflib", "torch", "numpy", "transformers", "xxhash", "scipy", "capeval_plugins"}
 LOADERS = {("np", "load"), ("np", "save"), ("np", "savez"), ("np", "savez_compressed"), ("np", "fromfile"),
            ("torch", "load"), ("torch", "save"), ("io", "open"), ("os", "open")}
 

@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, PYTHON, run
+from conftest import EXAMPLES, HANG_GUARD, PYTHON, run
 
 import capeval_plugins
 from capeval_plugins.caption_files import read_captions
@@ -99,7 +99,7 @@ def test_task_yaml_can_be_included_with_other_options(tiny_clip, tmp_path):
 def test_capeval_lm_eval_lists_the_shipped_task():
     from pathlib import Path
 
-    proc = run([str(Path(PYTHON).parent / "capeval-lm-eval"), "ls", "tasks"], timeout=300)
+    proc = run([str(Path(PYTHON).parent / "capeval-lm-eval"), "ls", "tasks"], timeout=HANG_GUARD)
     assert "capeval_caption" in proc.stdout
 
 
@@ -262,11 +262,11 @@ def test_a_task_that_cannot_score_a_capeval_metric_is_refused_before_generation(
 
 def test_capeval_lm_eval_help_and_a_missing_caption_file_are_one_liners(tmp_path):
     help_run = subprocess.run([str(Path(PYTHON).parent / "capeval-lm-eval"), "--help"], capture_output=True,
-                              text=True, timeout=300)
+                              text=True, timeout=HANG_GUARD)
     assert help_run.returncode == 0 and "capeval metric" in help_run.stdout and "--tasks" in help_run.stdout
     # without lm-eval (help prints, anything else names the extra): tests/test_base_install.py, on a base install
     no_metadata = subprocess.run([str(Path(PYTHON).parent / "capeval-lm-eval"), "--model", "dummy", "--tasks",
-                                  "capeval_caption"], capture_output=True, text=True, timeout=300)
+                                  "capeval_caption"], capture_output=True, text=True, timeout=HANG_GUARD)
     assert no_metadata.returncode == 2 and "Traceback" not in no_metadata.stderr
     assert no_metadata.stderr.strip().splitlines()[-1].startswith("capeval-lm-eval: error: capeval_caption needs a "
                                                                   "caption file: --metadata")

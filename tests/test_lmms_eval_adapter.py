@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, free_port, run
+from conftest import EXAMPLES, HANG_GUARD, free_port, run
 
 import capeval_plugins
 
@@ -189,7 +189,7 @@ def test_two_processes_score_the_corpus_one_process_scores(tiny_llava, tiny_clip
     script.write_text(_DIST_SCRIPT)
     args = [tiny_llava, str(caption_task)]
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(script), *args, str(tmp_path / "out2.json")], timeout=600)
+         str(script), *args, str(tmp_path / "out2.json")], timeout=HANG_GUARD)
     # one process: the same script in this one (what torchrun --nproc_per_node 1 runs, without three interpreters)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", [str(script), *args, str(tmp_path / "out1.json")])

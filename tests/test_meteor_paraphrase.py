@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from conftest import PYTHON, has_java
+from conftest import HANG_GUARD, PYTHON, has_java
 
 import capeval_plugins
 from capeval_plugins import files
@@ -225,10 +225,10 @@ def java_probe(tmp_path: Path, source: str, *args: str, stdin: str = "") -> str:
     name = re.search(r"class (\w+)", source).group(1)
     (tmp_path / f"{name}.java").write_text(source, encoding="utf-8")
     subprocess.run(["javac", "-encoding", "UTF-8", "-cp", jar(), "-d", str(tmp_path), str(tmp_path / f"{name}.java")],
-                   check=True, capture_output=True, timeout=120)
+                   check=True, capture_output=True, timeout=HANG_GUARD)
     out = subprocess.run(["java", "-Dfile.encoding=UTF-8", "-Dsun.stdout.encoding=UTF-8", "-Duser.language=en",
                           "-cp", f"{tmp_path}{os.pathsep}{jar()}", name, *args], input=stdin.encode(),
-                         capture_output=True, check=True, timeout=120)
+                         capture_output=True, check=True, timeout=HANG_GUARD)
     return out.stdout.decode("utf-8")
 
 
@@ -286,7 +286,7 @@ def test_every_normalised_phrase_has_a_core_string_among_the_texts_ngrams():
     out = subprocess.run(["java", "-Dfile.encoding=UTF-8", "-Dsun.stdout.encoding=UTF-8", "-Duser.language=en",
                           "-cp", jar(), "edu.cmu.meteor.util.Normalizer", "en", "true"],
                          input="".join(t + "\n" for t in texts).encode(), capture_output=True, check=True,
-                         timeout=120).stdout.decode("utf-8").split("\n")
+                         timeout=HANG_GUARD).stdout.decode("utf-8").split("\n")
     assert len(out) == len(texts) + 1
     joined = 0
     for text, normalised in zip(texts, out):
@@ -493,12 +493,12 @@ def test_the_index_is_built_once_per_cache_even_by_processes_building_at_once(tm
     env = {**os.environ, "CAPEVAL_CACHE": str(tmp_path / "cache")}
     runs = [subprocess.Popen([PYTHON, "-c", BUILD_SCRIPT, str(table)], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
-    outs = [run.communicate(timeout=300) for run in runs]
+    outs = [run.communicate(timeout=HANG_GUARD) for run in runs]
     assert all(run.returncode == 0 for run in runs), outs
     assert sum("building METEOR's paraphrase index once" in err for _, err in outs) == 1
     assert len({out for out, _ in outs}) == 1 and outs[0][0].startswith("150000 4 [")
     again = subprocess.run([PYTHON, "-c", BUILD_SCRIPT, str(table)], env=env, capture_output=True, text=True,
-                           timeout=300, check=True)
+                           timeout=HANG_GUARD, check=True)
     assert again.stdout == outs[0][0] and "building" not in again.stderr
     root = tmp_path / "cache" / "meteor"
     claim = files.Claim(root, mt.INDEX_KIND).open(create=False)
@@ -617,12 +617,12 @@ def test_a_build_killed_mid_write_leaves_nothing_the_next_build_does_not_remove(
     table = tmp_path / "paraphrase-en.gz"
     table.write_bytes(gzip.compress(synthetic_table(random.Random(9), 20_000)))
     env = {**os.environ, "CAPEVAL_CACHE": str(tmp_path / "cache"), "CAPEVAL_QUIET": "1"}
-    killed = subprocess.run([PYTHON, "-c", KILLED_BUILD, str(table)], env=env, capture_output=True, timeout=300)
+    killed = subprocess.run([PYTHON, "-c", KILLED_BUILD, str(table)], env=env, capture_output=True, timeout=HANG_GUARD)
     assert killed.returncode == -9, killed.stderr
     root = tmp_path / "cache" / "meteor"
     partial = [p for p in root.rglob("*") if p.is_file() and p.stat().st_size and "a_hash" in p.name]
     assert partial, "the killed build left its partial file"
-    subprocess.run([PYTHON, "-c", BUILD_SCRIPT, str(table)], env=env, capture_output=True, timeout=300, check=True)
+    subprocess.run([PYTHON, "-c", BUILD_SCRIPT, str(table)], env=env, capture_output=True, timeout=HANG_GUARD, check=True)
     claim = files.Claim(root, mt.INDEX_KIND).open(create=False)
     on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
     assert on_disk - set(claim.files) == {".capeval-owned", mt.LOCK}
@@ -649,7 +649,7 @@ def test_table_folders_of_killed_runs_are_removed_and_nothing_else(tmp_path, mon
     env = {**os.environ, "TMPDIR": str(tmp)}
 
     def killed_run() -> Path:
-        run = subprocess.run([PYTHON, "-c", KILLED_RUN], env=env, capture_output=True, text=True, timeout=120)
+        run = subprocess.run([PYTHON, "-c", KILLED_RUN], env=env, capture_output=True, text=True, timeout=HANG_GUARD)
         assert run.returncode == -9, run.stderr
         return Path(run.stdout.strip()).parent
 
@@ -704,7 +704,7 @@ def test_capeval_cache_shows_the_index_and_clears_only_the_packages_files(tmp_pa
     root = tmp_path / "cache" / "meteor"
     (root / "notes.txt").write_text("the user's")
     dead = subprocess.run([PYTHON, "-c", KILLED_RUN], env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_GUARD)
     dead_folder = Path(dead.stdout.strip()).parent
     capsys.readouterr()
     assert main(["cache"]) == 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import PYTHON, ROOT, declared_recipe, run, third_party_metrics
+from conftest import HANG_GUARD, PYTHON, ROOT, declared_recipe, run, third_party_metrics
 from test_lvlm import scripted_llava
 from test_resume_every_metric import EXPERT_JUDGE
 
@@ -341,7 +341,7 @@ def test_a_plugin_installed_with_pip_leaves_the_suite_green(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site)}
     proc = subprocess.run([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
                            f"--basetemp={tmp_path / 'inner'}", f"--junitxml={report}", "--rootdir", str(ROOT), *nodes],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     outcomes = {}
     for case in ElementTree.parse(report).iter("testcase"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -113,6 +114,7 @@ def test_uv_installs_from_where_pip_is_configured_to(monkeypatch):
     pairs = list(zip(args[::2], args[1::2]))
     assert pairs == [("--index-url", "https://mirror.example/simple"), ("--extra-index-url", "file:///a/simple"),
                      ("--extra-index-url", "file:///b/simple"), ("--find-links", "/wheels"),
+                     ("--extra-index-url", pins.TORCH_CPU_INDEX),  # none of them has the CPU torch
                      ("--index-strategy", "unsafe-best-match")]
 
 
@@ -161,4 +163,77 @@ def test_uv_gets_each_source_from_where_pip_install_takes_it(tmp_path, monkeypat
     args = pins.uv_sources()
     pairs = list(zip(args[::2], args[1::2]))
     assert pairs == [("--index-url", "https://g.example/simple"), ("--extra-index-url", "file:///c"),
-                     ("--find-links", "/install-wheels"), ("--index-strategy", "unsafe-best-match")]
+                     ("--find-links", "/install-wheels"), ("--extra-index-url", pins.TORCH_CPU_INDEX),
+                     ("--index-strategy", "unsafe-best-match")]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CPU build of torch everywhere: no CUDA package in any environment
+
+
+CUDA = re.compile(r"^(nvidia-.*|cuda-.*|triton)$")
+
+
+@pytest.mark.parametrize("name", sorted(EXTRAS))
+def test_no_lock_holds_a_cuda_package_and_torch_is_the_cpu_build(name):
+    """The suite runs on the CPU: a CUDA build of torch (PyPI's plain version) pulls in 3.5 GB of nvidia-* and
+    triton that nothing uses. Every lock pins the CPU build (its local label says so) and no CUDA package."""
+    versions = pinned(name)
+    assert not [k for k in versions if CUDA.match(k)], f"requirements/{name}.txt holds CUDA packages"
+    assert versions["torch"].local == "cpu", f"requirements/{name}.txt pins torch {versions['torch']}, not a CPU build"
+    assert pins.cuda_packages(pins.read_lock(name)) == []
+
+
+def test_a_resolution_that_brings_in_cuda_stops_naming_it():
+    assert pins.cuda_packages(["torch==2.13.0", "nvidia-cublas==13.1.1.3", "triton==3.7.1", "numpy==2.0",
+                               "cuda-bindings==13.5.0"]) == ["cuda-bindings", "nvidia-cublas", "triton"]
+    with pytest.raises(SystemExit, match="CUDA packages .*nvidia-cublas.*torch resolved to a CUDA build"):
+        pins.refuse_cuda("lowest", ["torch==2.13.0", "nvidia-cublas==13.1.1.3"])
+
+
+def test_the_lowest_resolution_overrides_torch_to_the_cpu_build_from_pips_sources(tmp_path, monkeypatch):
+    """uv resolves the lowest set with torch overridden to the main set's CPU build, looked up where pip finds
+    packages here (PyPI alone has only the CUDA build of a plain version)."""
+    monkeypatch.setattr(pins, "uv_sources", lambda: ["--find-links", "/wheels", "--index-strategy", "x"])
+    cmd = pins.lowest_command(Path("uv"), tmp_path / "override.txt", tmp_path / "floors.txt")
+    assert cmd[cmd.index("--override") + 1] == str(tmp_path / "override.txt")
+    assert cmd[cmd.index("--find-links") + 1] == "/wheels" and "--resolution" in cmd
+    assert pins.TORCH.endswith("+cpu")
+    main_torch = pinned("main")["torch"]
+    assert Version(pins.TORCH.split("==")[1]) == main_torch  # the same build as the main set
+
+
+def test_a_local_copy_of_the_cpu_torch_needs_no_other_index(tmp_path, monkeypatch):
+    """A wheel folder or a file:// index holding the pinned CPU torch is enough; otherwise PyTorch's CPU index is
+    added (on a stranger's machine pip's sources are PyPI, which has no CPU build)."""
+    import os
+
+    version = pins.TORCH.split("==")[1]
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / f"torch-{version}-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    index = tmp_path / "simple" / "torch"
+    index.mkdir(parents=True)
+    (index / "index.html").write_text(f'<a href="torch-{version.replace("+", "%2B")}-cp311.whl">x</a>')
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    assert pins.TORCH_CPU_INDEX not in pins.uv_sources()
+    monkeypatch.delenv("PIP_FIND_LINKS")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", f"file://{tmp_path / 'simple'}")
+    assert pins.TORCH_CPU_INDEX not in pins.uv_sources()
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://mirror.example/simple")
+    assert pins.TORCH_CPU_INDEX in pins.uv_sources()
+
+
+def test_lightning_at_its_floor_imports_without_pkg_resources():
+    """Lightning below 2.4 imports pkg_resources, which setuptools 81 removed (and torch 2.13 needs setuptools >=
+    77): the floor is the first that imports with the rest of the lowest set, where its tests run (not skip)."""
+    floor = next(Version(s.version) for r in wanted(["lightning"]) if canonicalize_name(r.name) == "lightning"
+                 for s in r.specifier if s.operator == ">=")
+    assert floor >= Version("2.4")
+    makefile = (ROOT / "Makefile").read_text()
+    lowest_tests = re.search(r"^LOWEST_TESTS := ((?:.*\\\n)*.*)$", makefile, re.M).group(1)
+    assert "tests/test_torchmetrics_adapter.py" in lowest_tests  # the Lightning tests
+    assert "CAPEVAL_NO_SKIPS=1 $(LOWEST_VENV)/bin/pytest" in makefile

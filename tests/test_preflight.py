@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLES, PYTHON
+from conftest import EXAMPLES, HANG_GUARD, PYTHON
 
 import capeval_plugins
 from capeval_plugins import preflight, registry, runner
@@ -23,7 +23,7 @@ CAPEVAL = str(Path(PYTHON).parent / "capeval")
 
 def score(*args, env=None):
     return subprocess.run([CAPEVAL, "score", *args, "--captions", str(EXAMPLES / "captions.jsonl"), "--images",
-                           str(EXAMPLES / "images"), "--quiet"], capture_output=True, text=True, timeout=300,
+                           str(EXAMPLES / "images"), "--quiet"], capture_output=True, text=True, timeout=HANG_GUARD,
                           env={**os.environ, **(env or {})})
 
 
@@ -56,7 +56,7 @@ def test_a_hub_id_typo_fails_in_one_line_without_retrying_the_hub():
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     proc = subprocess.run([CAPEVAL, "score", "-m", "clipscore", "--model", "tiny-clipp", "--captions",
                            str(EXAMPLES / "captions.jsonl"), "--images", str(EXAMPLES / "images"), "--quiet"],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=HANG_GUARD, env=env)
     line = one_line(proc)
     assert "clipscore: option model: 'tiny-clipp' is not a local folder and not in the Hugging Face cache" in line
     assert "./tiny-clipp" in line and "Retrying" not in proc.stderr
@@ -148,7 +148,7 @@ def test_lm_eval_checks_the_metrics_before_generating():
 
     proc = subprocess.run([str(Path(PYTHON).parent / "capeval-lm-eval"), "--model", "dummy", "--tasks",
                            "capeval_caption", "--metadata", json.dumps(metadata)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_GUARD)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("capeval-lm-eval: error: clipscore: option model: 'org/not-cached'")

@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, has_java
+from conftest import EXAMPLES, HANG_GUARD, has_java
 
 import capeval_plugins
 from capeval_plugins.caption_files import read_captions
@@ -306,7 +306,7 @@ def test_the_usual_loop_is_the_same_in_both_import_orders(tiny_clip, tmp_path, o
     data.write_text(json.dumps({"gts": LOOP_REFS, "res": {i: [c] for i, c in LOOP_CAPTIONS.items()},
                                 "names": LOOP_NAMES}))
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "pycocoevalcap_import_order.py"), order,
-                           tiny_clip, str(EXAMPLES / "images"), str(data)], capture_output=True, text=True, timeout=600)
+                           tiny_clip, str(EXAMPLES / "images"), str(data)], capture_output=True, text=True, timeout=HANG_GUARD)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     expected = _direct_clipscore(tiny_clip, LOOP_CAPTIONS).scores.tolist()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import CAPTIONS, PYTHON, REFERENCES, random_image
+from conftest import CAPTIONS, HANG_GUARD, PYTHON, REFERENCES, random_image
 
 import capeval_plugins
 from capeval_plugins import runner
@@ -78,7 +78,7 @@ def test_mid_on_four_samples_on_the_command_line_is_that_line(tiny_clip, tmp_pat
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = subprocess.run([PYTHON, "-m", "capeval_plugins.cli", "score", "-m", "mid", "--model", tiny_clip,
                            "--captions", str(tmp_path / "c.jsonl"), "--images", str(tmp_path), "--quiet"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_GUARD)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     with pytest.raises(InputError) as err:
@@ -121,7 +121,7 @@ def test_a_metric_class_is_callable_whatever_was_imported_first():
         "import sys\n"
         "assert 'capeval_plugins.runner' not in sys.modules\n"
         "print(Length()(None, ['a', 'bbb']).score)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD)
     assert out.returncode == 0 and out.stdout.strip() == "2.0", out.stderr[-2000:]
 
 

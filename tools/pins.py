@@ -5,9 +5,10 @@
 installed with ``--no-deps``), so one commit builds the same environments on any day. ``main`` and ``lmms`` are
 the newest versions pyproject.toml's ranges allow; ``lowest`` the lowest (every requirement of pyproject.toml at
 the lowest version its range allows, what they pull in at the newest that fit: uv's lowest-direct resolution with
-the floors as constraints), except torch, kept at the CPU build the machines carry (an older torch is a CUDA build of several GB here): the suite's
-fast part runs on it, so a range that claims a version nothing runs on fails there. Upgrading is a deliberate
-step:
+the floors as constraints), except torch, kept at the CPU build the main set pins (an older torch is a CUDA build of
+several GB here): the suite's fast part runs on it, so a range that claims a version nothing runs on fails there.
+No environment holds a CUDA package (``nvidia-*``, ``cuda-*``, ``triton``): a resolution that brings one in stops,
+naming it. Upgrading is a deliberate step:
 
     make lock        # = python3 tools/pins.py refresh, then make test on the new pins
 
@@ -34,10 +35,15 @@ PROJECT = "capeval-plugins"
 LOCKS = ROOT / "requirements"
 SCRATCH = ROOT / ".cache" / "pins"
 
-# The CPU build of torch the machines carry, and the torchvision built for it (installed only so pip keeps
+# The CPU build of torch the machines carry (the local label names the build: PyPI's plain 2.13.0 is the CUDA build,
+# which pulls in 3.5 GB of nvidia-* and triton), and the torchvision built for it (installed only so pip keeps
 # that torch while it resolves lmms-eval, then removed: PyPI's torchvision does not load beside the CPU torch,
 # and lmms-eval's core does not need it).
-TORCH = os.environ.get("TORCH", "torch==2.13.0")
+TORCH = os.environ.get("TORCH", "torch==2.13.0+cpu")
+# Where the CPU builds of torch are published, for a machine whose pip sources hold none (uv_sources).
+TORCH_CPU_INDEX = os.environ.get("TORCH_CPU_INDEX", "https://download.pytorch.org/whl/cpu")
+# Packages of a CUDA build: none belongs in an environment the suite runs on the CPU.
+CUDA_PACKAGES = re.compile(r"^(nvidia-.*|cuda-.*|triton)$")
 LMMS_TORCHVISION = os.environ.get("LMMS_TORCHVISION", "torchvision==0.28.*")
 
 # environment -> (pip install arguments after torch, packages removed afterwards)
@@ -76,7 +82,20 @@ def resolve(name: str) -> list[str]:
     if removals:
         _pip(venv, "uninstall", "-q", "-y", *removals)
     frozen = _pip(venv, "freeze", "--all", "--exclude-editable").splitlines()
-    return sorted((line for line in frozen if line and not line.startswith("#")), key=str.lower)
+    return refuse_cuda(name, sorted((line for line in frozen if line and not line.startswith("#")), key=str.lower))
+
+
+def cuda_packages(pins: list[str]) -> list[str]:
+    """The packages of a CUDA build among ``pins`` (``name==version`` lines)."""
+    return sorted(name for name in _versions(pins) if CUDA_PACKAGES.match(name))
+
+
+def refuse_cuda(name: str, pins: list[str]) -> list[str]:
+    found = cuda_packages(pins)
+    if found:
+        sys.exit(f"[{name}] the resolution brought in CUDA packages ({', '.join(found)}): torch resolved to a CUDA "
+                 f"build. Pin the CPU build (TORCH={TORCH!r}) from a source that has it (TORCH_CPU_INDEX).")
+    return pins
 
 
 def floors() -> list[str]:
@@ -119,17 +138,25 @@ def resolve_lowest() -> list[str]:
     override, constraints = SCRATCH / "lowest-override.txt", SCRATCH / "lowest-floors.txt"
     override.write_text(TORCH + "\n")
     constraints.write_text("\n".join(floors()) + "\n")
-    cmd = [str(venv / "bin" / "uv"), "pip", "compile", "pyproject.toml", *[a for e in LOWEST_EXTRAS for a in ("--extra", e)],
-           "--resolution", "lowest-direct", "--python-version", "{}.{}".format(*sys.version_info[:2]),
-           "--override", str(override), "--constraint", str(constraints), "--no-header", "--no-annotate", "--quiet"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(lowest_command(venv / "bin" / "uv", override, constraints), cwd=ROOT, capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         sys.exit(f"the floors of pyproject.toml do not go together (raise the one named):\n{proc.stderr[-4000:]}")
     pins = [line.strip() for line in proc.stdout.splitlines() if "==" in line and not line.startswith("#")]
     have = {_versions([p]).popitem()[0] for p in pins}
     main = _versions(read_lock("main"))
     pins += [f"{tool}=={main[tool]}" for tool in BUILD_TOOLS if tool not in have and tool in main]
-    return sorted(pins, key=str.lower)
+    return refuse_cuda(LOWEST, sorted(pins, key=str.lower))
+
+
+def lowest_command(uv: Path, override: Path, constraints: Path) -> list[str]:
+    """uv's lowest-direct resolution of pyproject.toml with :data:`LOWEST_EXTRAS`, torch overridden to the CPU
+    build (:data:`TORCH`), from the sources pip is configured with here (:func:`uv_sources`: where the CPU
+    build lies; PyPI alone has only the CUDA build of a plain version)."""
+    return [str(uv), "pip", "compile", "pyproject.toml", *[a for e in LOWEST_EXTRAS for a in ("--extra", e)],
+            "--resolution", "lowest-direct", "--python-version", "{}.{}".format(*sys.version_info[:2]),
+            "--override", str(override), "--constraint", str(constraints), *uv_sources(),
+            "--no-header", "--no-annotate", "--quiet"]
 
 
 def resolve_files() -> list[str]:
@@ -226,7 +253,8 @@ PIP_SCOPES = (":env:", "install", "global")
 def uv_sources() -> list[str]:
     """pip's package sources on this machine (index, extra indexes, wheel folders; from its config files and
     PIP_* variables, each option from where ``pip install`` takes it) as uv arguments, so uv installs the pins
-    from where pip would; uv takes the best match over all of them, as pip does."""
+    from where pip would; uv takes the best match over all of them, as pip does. Where no local source holds
+    the CPU build of torch the locks pin, PyTorch's CPU index (:data:`TORCH_CPU_INDEX`) is added."""
     proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
     found: dict[str, dict[str, list[str]]] = {}
     for line in proc.stdout.splitlines():
@@ -234,13 +262,29 @@ def uv_sources() -> list[str]:
         scope, _, option = key.rpartition(".")
         if scope in PIP_SCOPES:  # not [download], [wheel], ...: sections of other pip commands
             found.setdefault(option, {})[scope] = value.strip().strip("'\"").split()
-    args = []
+    args, sources = [], []
     for option in ("index-url", "extra-index-url", "find-links"):
         by_scope = found.get(option, {})
         values = next((by_scope[s] for s in PIP_SCOPES if s in by_scope), [])
         for item in values[:1] if option == "index-url" else values:
             args += [f"--{option}", item]
+            sources.append(item)
+    if not any(_offers_cpu_torch(source) for source in sources):
+        args += ["--extra-index-url", TORCH_CPU_INDEX]  # PyPI has only the CUDA build of the pinned torch
     return [*args, "--index-strategy", "unsafe-best-match"]
+
+
+def _offers_cpu_torch(source: str) -> bool:
+    """Whether a local wheel folder or ``file://`` simple index among pip's sources holds :data:`TORCH`'s wheel
+    (this machine's copy); a remote source is not asked."""
+    wheel = "torch-" + TORCH.split("==", 1)[1]
+    path = Path(source[len("file://"):] if source.startswith("file://") else source)
+    if "://" in source and not source.startswith("file://"):
+        return False
+    if path.is_dir() and any(path.glob(f"{wheel}-*.whl")):
+        return True
+    listing = path / "torch" / "index.html"
+    return listing.is_file() and any(w in listing.read_text(errors="replace") for w in (wheel, wheel.replace("+", "%2B")))
 
 
 def main(argv: list[str] | None = None) -> None:

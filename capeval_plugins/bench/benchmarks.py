@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from capeval_plugins.core.messages import UnknownName
+from capeval_plugins.core.messages import UnknownName, unknown_name
 
 if TYPE_CHECKING:
     from capeval_plugins.bench.data import Pairs, Ratings
@@ -402,7 +402,7 @@ def benchmark_names() -> list[str]:
 
 def get_benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
-        raise UnknownName(f"no benchmark named {name!r}; known: {benchmark_names()}")
+        raise unknown_name("benchmark", name, benchmark_names())
     return BENCHMARKS[name]
 
 

@@ -65,6 +65,26 @@ def default_cache_path() -> Path:
     return paths.cache_dir("bench") / "scores.sqlite"
 
 
+def remove_cache(path: str | os.PathLike) -> bool:
+    """Remove the score cache at ``path`` (``capeval cache clear``) when it is capeval's (SQLite's header with
+    capeval's application id), with SQLite's journal files beside it; anything else there is left as it is.
+    False when nothing of the package's was there."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with files.Folder.open(path.parent)[0] as folder:
+        if folder.kind(path.name) != "file" or os.stat(path.name, dir_fd=folder.fd).st_uid != os.geteuid():
+            return False
+        with files.open_input(path, "score cache") as f:
+            head = f.read(100)
+        if head[:16] != _SQLITE_MAGIC or int.from_bytes(head[68:72], "big") != APPLICATION_ID:
+            return False
+        for name in (path.name + "-journal", path.name + "-wal", path.name + "-shm", path.name):
+            if folder.kind(name) == "file":
+                folder.unlink(name)
+    return True
+
+
 def digest(payload: Any) -> str:
     text = json.dumps(payload, sort_keys=True, ensure_ascii=False, default=repr)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

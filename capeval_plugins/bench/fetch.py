@@ -187,6 +187,25 @@ def _quiet_hub() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def cached_names(root: str | os.PathLike | None = None) -> list[str]:
+    """The benchmarks with a copy (whole or part-fetched) in the cache, by the folders holding a manifest; no
+    network, nothing verified (``capeval cache``)."""
+    root = Path(root) if root else cache_root()
+    return [name for name in SOURCES if (root / name / MANIFEST).is_file()]
+
+
+def remove_cached(root: str | os.PathLike | None = None) -> bool:
+    """Remove every fetched benchmark from the cache (``capeval cache clear``): under the cache's lock (a fetch
+    going on finishes first), the files the cache's signed list names, and nothing else. False when there is no
+    cache of the package's there."""
+    root = Path(root) if root else cache_root()
+    if not (root / ".capeval-owned").is_file():
+        return False
+    with _locked(root) as claim:
+        claim.remove()
+    return True
+
+
 # ---------------------------------------------------------------------------------------------- the cache
 
 def _locked(root: Path) -> contextlib.AbstractContextManager[files.Claim]:

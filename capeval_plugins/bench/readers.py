@@ -50,8 +50,9 @@ def row_limit(rows: int, what: str) -> Iterator[None]:
 
 def load_records(path: str | Path, what: str = "benchmark file") -> Any:
     """A JSON document, JSON Lines (a list of objects), CSV (a list of dicts) or Parquet (a list of dicts).
-    Parquet is decoded within bounds (:mod:`capeval_plugins.resources.parquet`); under :func:`row_limit`, a file with
-    more records than the benchmark has by far is refused."""
+    ``what`` names the file in errors (the training and score readers read through here too). Parquet is decoded
+    within bounds (:mod:`capeval_plugins.resources.parquet`); under :func:`row_limit`, a file with more records
+    than the benchmark has by far is refused."""
     from capeval_plugins import files
     from capeval_plugins.resources import parquet
     from capeval_plugins.caption_files import check_input, read_table

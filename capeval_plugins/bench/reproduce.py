@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -461,18 +461,37 @@ def legend(values: Sequence[Value]) -> str:
     return "\n".join(f"- [{key}] {named.get(key, key)}" for key in used)
 
 
+class SharedReasons:
+    """Each reason said once: one that several rows share (a missing runtime, a model not in the cache) gets a
+    number, the rows name it (``see [1]``) and its text comes once below the table; a reason of one row stays
+    in its row."""
+
+    def __init__(self, reasons: Iterable[str | None]) -> None:
+        seen = [r for r in reasons if r]
+        shared = [r for r in dict.fromkeys(seen) if seen.count(r) > 1]
+        self.numbers = {reason: k + 1 for k, reason in enumerate(shared)}
+
+    def cell(self, reason: str) -> str:
+        number = self.numbers.get(reason)
+        return reason if number is None else f"see [{number}]"
+
+    def notes(self) -> str:
+        return "".join(f"\n\n[{k}] {reason}" for reason, k in self.numbers.items())
+
+
 def markdown(rows: Sequence[Row], notes: Mapping[str, str] | None = None) -> str:
     """The status table: one line per published statistic, then the sources, the benchmarks' notes and the
     counts."""
     lines = ["| metric | benchmark | statistic | published | measured | status |", "|---|---|---|---|---|---|"]
+    reasons = SharedReasons(r.reason for r in rows)
     for r in rows:
         measured = "–" if r.measured is None else f"{r.measured:.{max(v.decimals for v in r.published)}f}"
-        status = r.status + (f": {r.reason}" if r.reason else "")
+        status = r.status + (f": {reasons.cell(r.reason)}" if r.reason else "")
         lines.append(f"| {r.entry.label} | {r.setting.key} | {r.statistic} | {_values(r.published)} | {measured} "
                      f"| {status} |")
     used = {r.setting.benchmark for r in rows}
     extra = [f"- {bench}: {note}" for bench, note in (notes or {}).items() if bench in used]
-    return ("\n".join(lines) + "\n\n" + legend([v for r in rows for v in r.published])
+    return ("\n".join(lines) + reasons.notes() + "\n\n" + legend([v for r in rows for v in r.published])
             + ("\n" + "\n".join(extra) if extra else "") + "\n\n" + summary_line(rows))
 
 
@@ -491,13 +510,15 @@ def summary_line(rows: Sequence[Row]) -> str:
 def dry_run_markdown(plans: Sequence[Plan], notes: Mapping[str, str]) -> str:
     """The pairs, their published values and what each needs, then the sources and the benchmarks' notes."""
     lines = ["| metric | benchmark | published | data | weights | GPU | runs here |", "|---|---|---|---|---|---|---|"]
+    reasons = SharedReasons(p.problem for p in plans)
     for p in plans:
         weights = ", ".join(p.weights) or ("score file" if p.scores else "–")
-        runs = "yes" + (f" (scores from {p.scores})" if p.scores else "") if p.problem is None else f"no: {p.problem}"
+        runs = ("yes" + (f" (scores from {p.scores})" if p.scores else "") if p.problem is None
+                else f"no: {reasons.cell(p.problem)}")
         lines.append(f"| {p.pair.entry.label} | {p.pair.setting.key} | {_values(p.pair.values, statistic=True)} | "
                      f"{p.data} | {weights} | {'yes' if p.pair.entry.gpu else 'no'} | {runs} |")
     used = {p.pair.setting.benchmark for p in plans}
     extra = [f"- {bench}: {note}" for bench, note in notes.items() if bench in used]
     runnable = sum(p.problem is None for p in plans)
-    return ("\n".join(lines) + "\n\n" + legend([v for p in plans for v in p.pair.values])
+    return ("\n".join(lines) + reasons.notes() + "\n\n" + legend([v for p in plans for v in p.pair.values])
             + ("\n" + "\n".join(extra) if extra else "") + f"\n\n{len(plans)} pairs, {runnable} runnable here")

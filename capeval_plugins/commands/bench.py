@@ -39,7 +39,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="correlation / accuracy of metrics against human judgments on a benchmark",
         description=__doc__, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("benchmark", choices=benchmark_names())
+    # not argparse's choices: a typo gets one line with the close names (did you mean), not the usage
+    p.add_argument("benchmark", metavar="BENCHMARK", help=f"one of: {', '.join(benchmark_names())}")
     p.add_argument("--data", help="the benchmark's file, or the folder holding its files (default: fetched from the "
                                   "benchmark's public home on first use, then read from the cache)")
     p.add_argument("--refresh", action="store_true",
@@ -203,15 +204,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from capeval_plugins.bench.runner import run_benchmark
 
     started = time.perf_counter()
+    from capeval_plugins.bench.benchmarks import get_benchmark
+
+    benchmark = get_benchmark(args.benchmark)  # an unknown name: one line, before anything else
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print(f"capeval: error: --plot needs matplotlib: {install_extra('bench')}", file=sys.stderr)
         return 2
     if not args.metric and not args.scores:
         print("capeval: error: give --metric NAME or --scores NAME=FILE (or both)", file=sys.stderr)
         return 2
-    from capeval_plugins.bench.benchmarks import get_benchmark
-
-    known = get_benchmark(args.benchmark).protocols()
+    known = benchmark.protocols()
     if args.protocol is not None and args.protocol not in known:
         print(f"capeval: error: {args.benchmark} has no protocol {args.protocol!r}; known: {', '.join(known)}",
               file=sys.stderr)

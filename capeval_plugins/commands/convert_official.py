@@ -260,10 +260,29 @@ def clip_tokenizer_from_bpe(path: str | os.PathLike):
     return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges)
 
 
+CLIP_BPE = "bpe_simple_vocab_16e6.txt.gz"  # OpenAI's CLIP BPE, as the official repositories ship it
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json")  # a transformers tokenizer folder holds one of these
+
+
+def default_tokenizer(checkpoint: str | os.PathLike, kind: str) -> str:
+    """The tokenizer beside the released checkpoint when one is there (CLIP: ``bpe_simple_vocab_16e6.txt.gz``;
+    the text encoder: a tokenizer folder's files), else the hub id the released run used (read from the Hugging
+    Face cache, or the hub)."""
+    folder = Path(checkpoint).parent
+    if kind == "clip":
+        return str(folder / CLIP_BPE) if (folder / CLIP_BPE).is_file() else DEFAULT_CLIP_TOKENIZER
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return str(folder)
+    return DEFAULT_TEXT_TOKENIZER
+
+
 def load_tokenizer(source: str, kind: str):
-    """A tokenizer from a folder, a hub id (hub or cache) or, for CLIP, a ``bpe_simple_vocab_16e6.txt.gz``."""
+    """A tokenizer from a folder, a hub id (hub or cache) or, for CLIP, a ``bpe_simple_vocab_16e6.txt.gz`` (or a
+    folder holding it)."""
     from transformers import AutoTokenizer, CLIPTokenizer
 
+    if kind == "clip" and Path(source).is_dir() and (Path(source) / CLIP_BPE).is_file():
+        source = str(Path(source) / CLIP_BPE)
     if kind == "clip" and str(source).endswith(".gz"):
         return clip_tokenizer_from_bpe(source)
     try:
@@ -338,10 +357,12 @@ def pacs_family(variant: str, backbone: str | None, state: Mapping) -> tuple[str
 
 
 def convert_pacs(source: str | os.PathLike, destination: str | os.PathLike | None = None, backbone: str | None = None,
-                 tokenizer: str = DEFAULT_CLIP_TOKENIZER, mlp_lora: str = "ignore",
+                 tokenizer: str | None = None, mlp_lora: str = "ignore",
                  overwrite: bool = False) -> OfficialConversion:
     """Convert a released PAC-S (``clip_ViT-B-32.pth``, ``openClip_ViT-L-14.pth``) or PAC-S++
-    (``PAC++_clip_ViT-*.pth``, LoRA) checkpoint into a transformers CLIP folder."""
+    (``PAC++_clip_ViT-*.pth``, LoRA) checkpoint into a transformers CLIP folder. ``tokenizer``: CLIP's BPE
+    (default: :func:`default_tokenizer`)."""
+    tokenizer = tokenizer or default_tokenizer(source, "clip")
     # imported here: building the ``capeval`` parser must not import torch
     from capeval_plugins.models.encoders.openai_clip import (LAION_MEAN, LAION_STD, OPENAI_MEAN, OPENAI_STD,
                                                              converted_model_dir, map_openai_state_dict)
@@ -457,8 +478,8 @@ def polos_config(hp: Mapping, head: Mapping, text: Mapping, text_source: str) ->
 
 
 def convert_polos(source: str | os.PathLike, destination: str | os.PathLike | None = None,
-                  hparams: str | os.PathLike | None = None, text_tokenizer: str = DEFAULT_TEXT_TOKENIZER,
-                  clip_tokenizer: str = DEFAULT_CLIP_TOKENIZER, overwrite: bool = False) -> OfficialConversion:
+                  hparams: str | os.PathLike | None = None, text_tokenizer: str | None = None,
+                  clip_tokenizer: str | None = None, overwrite: bool = False) -> OfficialConversion:
     """Convert the released Polos checkpoint (``reprod.ckpt``, a Lightning checkpoint of ``PolosEstimator``) into a
     folder: the Polos model (text encoder, scalar mix, regressor) with its RoBERTa tokenizer, and ``clip/``."""
     import torch
@@ -468,6 +489,8 @@ def convert_polos(source: str | os.PathLike, destination: str | os.PathLike | No
     from capeval_plugins.models.encoders.polos import PolosConfig, PolosModel
 
     source = Path(source)
+    text_tokenizer = text_tokenizer or default_tokenizer(source, "text")
+    clip_tokenizer = clip_tokenizer or default_tokenizer(source, "clip")
     state, checkpoint, stand_ins = released_state_dict(source)
     text = {k[len("encoder.model."):]: v for k, v in state.items() if k.startswith("encoder.model.")}
     clip = {k[len("clip."):]: v for k, v in state.items() if k.startswith("clip.")}
@@ -544,17 +567,27 @@ def add_parser(subparsers) -> None:
     by ``commands/convert.py``); ``commands.add_all`` calls this for every module of the package."""
 
 
+def _default_destination(name: str) -> str:
+    from capeval_plugins.files import paths
+
+    return str(paths.cache_dir("models") / name)
+
+
 def add_parsers(kinds) -> None:
     p = kinds.add_parser("pacs", help="PAC-S / PAC-S++ (clip_ViT-B-32.pth, openClip_ViT-L-14.pth, PAC++_clip_*.pth)",
                          description="Convert a released PAC-S or PAC-S++ checkpoint (aimagelab/pacscore) into a "
                                      "transformers CLIP folder that pacscore / pacscore_pp load.")
     p.add_argument("source", help="released checkpoint (.pth)")
-    p.add_argument("destination", nargs="?", help="output folder (default: the folder the metric loads by default)")
+    p.add_argument("destination", nargs="?",
+                   help="output folder (default: the folder the metric loads by default, here "
+                        f"{_default_destination('<pacs|pacs_pp>-<backbone>')}, e.g. "
+                        f"{_default_destination('pacs-vit-b-32')}; $CAPEVAL_CACHE moves it)")
     p.add_argument("--backbone", choices=sorted({b for _, b in PACS_BACKBONES}),
                    help="the architecture (default: read from the weights)")
-    p.add_argument("--tokenizer", default=DEFAULT_CLIP_TOKENIZER,
-                   help="CLIP's BPE: a tokenizer folder, a hub id or bpe_simple_vocab_16e6.txt.gz (default "
-                        f"{DEFAULT_CLIP_TOKENIZER})")
+    p.add_argument("--tokenizer",
+                   help=f"CLIP's BPE: {CLIP_BPE}, a folder holding it, a tokenizer folder or a hub id (default: "
+                        f"{CLIP_BPE} beside the checkpoint when it is there, else the hub id {DEFAULT_CLIP_TOKENIZER}, "
+                        "which needs the Hugging Face cache or the hub)")
     p.add_argument("--mlp-lora", dest="mlp_lora", choices=("ignore", "merge"), default="ignore",
                    help="PAC-S++: apply the MLP layers' LoRA factors too (the official scoring does not)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier conversion's files there")
@@ -564,12 +597,18 @@ def add_parsers(kinds) -> None:
                          description="Convert the released Polos checkpoint (keio-smilab24/Polos) into the folder "
                                      "polos loads.")
     q.add_argument("source", help="released checkpoint (reprod.ckpt)")
-    q.add_argument("destination", nargs="?", help="output folder (default: the folder polos loads by default)")
+    q.add_argument("destination", nargs="?",
+                   help=f"output folder (default: the folder polos loads by default, here {_default_destination('polos')}"
+                        "; $CAPEVAL_CACHE moves it)")
     q.add_argument("--hparams", help="the run's hparams.yaml (default: the one beside the checkpoint)")
-    q.add_argument("--text-tokenizer", dest="text_tokenizer", default=DEFAULT_TEXT_TOKENIZER,
-                   help=f"the RoBERTa tokenizer: a folder or hub id (default {DEFAULT_TEXT_TOKENIZER})")
-    q.add_argument("--clip-tokenizer", dest="clip_tokenizer", default=DEFAULT_CLIP_TOKENIZER,
-                   help="CLIP's BPE: a tokenizer folder, a hub id or bpe_simple_vocab_16e6.txt.gz")
+    q.add_argument("--text-tokenizer", dest="text_tokenizer",
+                   help="the RoBERTa tokenizer (and its configuration): a folder or a hub id (default: the tokenizer "
+                        "files beside the checkpoint when they are there, else the hub id "
+                        f"{DEFAULT_TEXT_TOKENIZER}, the run's pretrained_model, which needs the Hugging Face cache or "
+                        "the hub)")
+    q.add_argument("--clip-tokenizer", dest="clip_tokenizer",
+                   help=f"CLIP's BPE: {CLIP_BPE}, a folder holding it, a tokenizer folder or a hub id (default: "
+                        f"{CLIP_BPE} beside the checkpoint when it is there, else the hub id {DEFAULT_CLIP_TOKENIZER})")
     q.add_argument("--overwrite", action="store_true", help="replace an earlier conversion's files there")
     q.add_argument("--json", action="store_true", help="print the report as JSON")
     q.set_defaults(func=cmd_polos)

@@ -59,6 +59,25 @@ def cache_root() -> Path:
     return paths.cache_dir("weights")
 
 
+def cached_names(root: str | Path | None = None) -> list[str]:
+    """The releases with a download (whole or part-way) in the cache, by their folders; no network, nothing
+    verified (``capeval cache``)."""
+    root = Path(root) if root else cache_root()
+    return [name for name in RELEASES if (root / name).is_dir() and not (root / name).is_symlink()]
+
+
+def remove_cached(root: str | Path | None = None) -> bool:
+    """Remove every downloaded release from the cache (``capeval cache clear``): under the cache's lock (a download
+    going on finishes first), the files the cache's signed list names, and nothing else. False when there is no
+    cache of the package's there."""
+    root = Path(root) if root else cache_root()
+    if not (root / ".capeval-owned").is_file():
+        return False
+    with downloads.locked(root, KIND, "downloaded weights", WeightsError) as claim:
+        claim.remove()
+    return True
+
+
 def expected_digest(found: Release, given: str | None) -> str:
     """The SHA-256 the file must have: the pinned one, else the user's (a refusal when neither is known, or when
     the user's contradicts the pinned one)."""

@@ -70,10 +70,29 @@ def pairs_of(values: list[str], what: str, sep: str = "=") -> dict[str, str]:
     return out
 
 
+def unused_inputs(pairs: list, inputs) -> list[str]:
+    """What the user gave that no selected pair uses (a benchmark without a published value of the selected
+    metrics), one line each: said, never silently ignored."""
+    benchmarks = sorted({p.setting.benchmark for p in pairs})
+    entries = {(p.entry.id, p.setting.benchmark) for p in pairs} | {(p.entry.metric, p.setting.benchmark) for p in pairs}
+    out = []
+    for option, given in (("--data", inputs.data), ("--images", inputs.images)):
+        for bench, path in given.items():
+            if bench not in benchmarks:
+                out.append(f"{option} {bench}={path} is not used: the selected metrics have no published value on "
+                           f"{bench} (they have on: {', '.join(benchmarks)})")
+    for (entry, bench), path in inputs.scores.items():
+        if (entry, bench) not in entries:
+            out.append(f"--scores {entry}:{bench}={path} is not used: no selected metric has a published value "
+                       f"named {entry} on {bench}")
+    return out
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from capeval_plugins import files
     from capeval_plugins.bench import reproduce as rp
     from capeval_plugins.bench.benchmarks import BENCHMARKS
+    from capeval_plugins.core.messages import unknown_name
     from capeval_plugins.inputs import InputError
 
     started = time.perf_counter()
@@ -85,9 +104,9 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         scores[(name, bench)] = path
     inputs = rp.Inputs(data=pairs_of(args.data, "--data"), images=pairs_of(args.images, "--images"), scores=scores,
                        options=args.option)
-    unknown = sorted({b for b in [*args.benchmark, *inputs.data, *inputs.images] if b not in BENCHMARKS})
-    if unknown:
-        raise InputError(f"no benchmark named {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
+    for name in dict.fromkeys([*args.benchmark, *inputs.data, *inputs.images]):
+        if name not in BENCHMARKS:
+            raise unknown_name("benchmark", name, list(BENCHMARKS))
     values = rp.load_published()
     known = {v.entry.id for v in values} | {v.entry.metric for v in values}
     missing = [m for m in args.metric if m not in known]
@@ -96,6 +115,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     pairs = rp.select(values, args.metric, args.benchmark)
     if not pairs:
         raise InputError("no published value for these metrics on these benchmarks")
+    for line in unused_inputs(pairs, inputs):
+        print(f"capeval: note: {line}", file=sys.stderr)
     outputs = [o for o in (args.json_out, args.markdown_out) if o]
     for out in outputs:
         files.check_output(out, [*inputs.data.values(), *inputs.scores.values()])

@@ -28,6 +28,16 @@ class UnknownName(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+def unknown_name(what: str, name: str, known: "list[str] | tuple[str, ...]") -> UnknownName:
+    """``no <what> named '<name>'; did you mean ...?`` (the close known names), or the known names when none is
+    close: one line, for a typo in any name the user gives."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=3)
+    hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known: {', '.join(known)}"
+    return UnknownName(f"no {what} named {name!r}; {hint}")
+
+
 _warn_lock = threading.Lock()
 
 

@@ -566,8 +566,8 @@ class Spice(CocoMetric):
 
     def requirements(self) -> list[Requirement]:
         remedy = ("pycocoevalcap downloads Stanford CoreNLP 3.6.0 on first use (needs network): run "
-                  "`python -c \"from pycocoevalcap.spice.spice import Spice; Spice()\"` once online, or copy the "
-                  "jar from stanford-corenlp-full-2015-12-09.zip into that folder")
+                  "`python -c \"from pycocoevalcap.spice.spice import Spice; Spice()\"` once online, or copy them "
+                  "from stanford-corenlp-full-2015-12-09.zip into that folder")
         needs = super().requirements()
         if importlib.util.find_spec("pycocoevalcap") is None:  # said by the module requirement
             return needs

@@ -188,7 +188,7 @@ def reader_formats() -> list[str]:
 def _read_rows(path: Path, images: str | os.PathLike | None, num_frames: int | None):
     from capeval_plugins.bench.readers import as_list, load_records, pick
 
-    records = load_records(path)
+    records = load_records(path, "training file")
     if isinstance(records, dict):
         records = next((v for v in records.values() if isinstance(v, list)), None)
     if not isinstance(records, list):
@@ -299,6 +299,8 @@ def _read_benchmark(name: str, path: Path, images: str | os.PathLike | None):
 
     if name not in reader_formats():
         raise ValueError(f"unknown judgment format {name!r}; choose one of {reader_formats()}")
+    if not path.exists():  # the benchmark readers would call it a benchmark file
+        raise InputError(f"training file not found: {path} (format {name})")
     data = load_benchmark(name, path)
     if not isinstance(data, Ratings):
         raise InputError(f"{name} is a pairwise benchmark, not human scores")

@@ -123,7 +123,7 @@ def _handler(server: FileServer) -> type[BaseHTTPRequestHandler]:
             if stop is not None and start < stop:
                 self.wfile.write(body[: stop - start])
                 self.wfile.flush()
-                server.released.wait(60)
+                server.released.wait()  # until the test releases it (or the server stops): never on a timer
                 self.close_connection = True
                 return
             self.wfile.write(body)

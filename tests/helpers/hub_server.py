@@ -201,7 +201,7 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
             if hanging or (stop is not None and start < stop):
                 self.wfile.write(b"" if hanging else body[: stop - start])
                 self.wfile.flush()
-                hub.released.wait(60)
+                hub.released.wait()  # until the test releases it (or the Hub stops): never on a timer
                 self.close_connection = True
                 return
             self.wfile.write(body)

@@ -95,7 +95,7 @@ def read_captions(path: str | os.PathLike, *, images: str | os.PathLike | None =
     from capeval_plugins.bench.readers import load_records
 
     path = Path(path)
-    records = load_records(path)
+    records = load_records(path, "training caption file")
     if isinstance(records, dict):
         records = next((v for v in records.values() if isinstance(v, list)), None)
     if not isinstance(records, list):
