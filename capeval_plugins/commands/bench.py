@@ -51,8 +51,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--images", help="image folder (needed only by metrics that score images)")
     p.add_argument("--metric", action="append", default=[], help="registered metric name (repeatable)")
     p.add_argument("--scores", action="append", default=[], metavar="NAME=FILE",
-                   help="per-sample scores computed elsewhere: JSON Lines / CSV / Parquet with image, caption, "
-                        "score (repeatable; compared with the --metric runs)")
+                   help="per-sample scores computed elsewhere: JSON Lines / CSV / Parquet with score and the "
+                        "benchmark row (row), or image (its path, or its file name alone) and caption (repeatable; "
+                        "compared with the --metric runs; which key matched is printed)")
     p.add_argument("--save-scores", metavar="DIR",
                    help="write every metric's per-row scores (and extras) to DIR/<name>.jsonl, readable by --scores")
     p.add_argument("--frames", action="append", default=[], metavar="[METRIC=]N",
@@ -238,6 +239,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report.data = replace(report.data, notes={**report.data.notes, "fetched": fetched.provenance})
         print(f"data: {fetched.provenance['repository']} at {fetched.provenance['revision'][:12]} "
               f"(cached in {fetched.provenance['cache']})")
+    for name, run in report.runs.items():  # which key of each --scores file found its rows
+        if run.source and name in score_files:
+            print(f"{name}: {run.source} matched by {run.matched_by}", file=sys.stderr)
     print(report.markdown())
     if args.plot:
         print(f"\nplot: {plot_report(report, args.plot, inputs)}")
