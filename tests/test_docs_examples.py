@@ -293,9 +293,16 @@ def substitute(body: str, tiny: dict[str, str]) -> str:
     return body.replace("--images DIR", "--images images")
 
 
+# Captioner ids of the examples -> the tiny captioner of the same architecture.
+TINY_CAPTIONERS = {"Salesforce/blip-image-captioning-base": "blip_caption"}
+
+
 @pytest.fixture(scope="module")
-def tiny(tiny_clip) -> dict[str, str]:
-    return {model: tiny_clip for model in TINY}
+def tiny(tiny_clip, tiny_root) -> dict[str, str]:
+    from capeval_plugins.testing import tiny_checkpoint
+
+    captioners = {model: str(tiny_checkpoint(kind, root=tiny_root)) for model, kind in TINY_CAPTIONERS.items()}
+    return {**{model: tiny_clip for model in TINY}, **captioners}
 
 
 # ---------------------------------------------------------------------------------------------------------
