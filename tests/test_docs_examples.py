@@ -40,6 +40,7 @@ NOT_RUN = {
     ("docs/bench.md", "capeval reproduce [--metric NAME ...]"): "the command's synopsis",
     ("docs/bench.md", "capeval bench flickr8k-expert"): "benchmarks' annotation files (tests/test_bench_*.py)",
     ("docs/bench.md", "run_benchmark("): "a benchmark's annotation file (tests/test_bench_runner.py)",
+    ("docs/bench.md", "capeval verify expert.json"): "a benchmark's report (tests/test_verify.py checks reports)",
     ("docs/ecosystems/cli.md", "capeval list [--json]"): "the commands' synopsis",
     ("docs/ecosystems/cli.md", "capeval convert vilbert"): "the released 12-in-1 checkpoint (tests/test_vilbert.py)",
     ("docs/ecosystems/cli.md", "capeval fetch-weights polos"): "downloads a release from its authors' server "
