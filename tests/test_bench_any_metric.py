@@ -149,3 +149,27 @@ def test_capeval_bench_prints_which_key_matched(tmp_path):
                                f"theirs={theirs}", "--bootstrap", "0", "--no-cache", "--quiet"])
     assert proc.returncode == 0, proc.stderr
     assert f"theirs: {theirs} matched by image file name" in proc.stderr and "| theirs | 30 |" in proc.stdout
+
+
+def test_capeval_bench_function_is_evaluated_like_its_scores_file(tmp_path):
+    rows = [{"imgid": f"{k % 7:04d}", "mt": f"a dog {'runs ' * (k % 5)}on grass", "refs": ["a dog"],
+             "score": (k % 5) / 4} for k in range(30)]
+    (tmp_path / "nebula.json").write_text(json.dumps(rows))
+    (tmp_path / "mine.py").write_text("def score(images, candidates, references):\n"
+                                      "    return [len(c) for c in candidates]\n")
+    theirs = write_rows(tmp_path / "theirs.jsonl", [{"image": r["imgid"], "caption": r["mt"], "score": len(r["mt"])}
+                                                    for r in rows])
+    out = tmp_path / "out.json"
+    proc = capeval_in_process(["bench", "nebula", "--data", str(tmp_path / "nebula.json"), "--function",
+                               f"mine={tmp_path / 'mine.py'}:score", "--scores", f"theirs={theirs}", "--bootstrap",
+                               "0", "--no-cache", "--quiet", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert results["mine"]["kendall_tau_c"] == pytest.approx(results["theirs"]["kendall_tau_c"], abs=1e-12)
+    for bad, message in ((["--function", "mine"], "expects NAME=MODULE:FUNCTION"),
+                         (["--function", f"x={tmp_path / 'mine.py'}:nothing"], "has no function 'nothing'"),
+                         (["--function", f"theirs={tmp_path / 'mine.py'}:score", "--scores", f"theirs={theirs}"],
+                          "named both")):
+        proc = capeval_in_process(["bench", "nebula", "--data", str(tmp_path / "nebula.json"), *bad, "--no-cache"])
+        assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+            proc.stderr

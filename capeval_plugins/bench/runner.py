@@ -310,7 +310,8 @@ def run_inputs(source: Any, images: Any, scores: Mapping[str, Any], metrics: Map
     from capeval_plugins.runner import local_inputs
 
     found = [p for p in (source, images, cache) if isinstance(p, (str, os.PathLike)) and os.path.isfile(p)]
-    return found + [str(p) for p in scores.values()] + local_inputs(metrics.values())
+    return found + [str(p) for p in scores.values()] + local_inputs(
+        m for m in metrics.values() if isinstance(m, Metric))  # a scoring function names no model folder
 
 
 def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings | Pairs,

@@ -10,13 +10,10 @@ not captioned again (kept in ``<run dir>.captions``), and scoring resumes as ``c
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from capeval_plugins.core.bounds import cli_number
 
@@ -71,32 +68,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_caption)
 
 
-def load_function(spec: str) -> Callable:
-    """``module:function`` (importable, the current folder first) or ``path/to/file.py:function``."""
-    from capeval_plugins.inputs import InputError
-
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
-        raise InputError(f"--predict expects MODULE:FUNCTION or FILE.py:FUNCTION, got {spec!r}")
-    try:
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise InputError(f"--predict {spec}: no such file: {where}")
-            loader = importlib.util.spec_from_file_location(Path(where).stem, where)
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(where)
-    except ImportError as err:
-        raise InputError(f"--predict {spec}: cannot import {where}: {err}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise InputError(f"--predict {spec}: {where} has no function {name!r}")
-    return fn
-
-
 def read_images(args: argparse.Namespace) -> Any:
     """The records to caption: the --references file's (images, references, ids), or every image of --images."""
     from capeval_plugins.caption_files import CaptionRecords, read_captions
@@ -137,7 +108,9 @@ def cmd_caption(args: argparse.Namespace) -> int:
                                                   ("device", args.device), ("dtype", args.dtype),
                                                   ("on_error", args.on_error)) if value is not None}
     metrics = options.build_metrics(args.metric, args.option or [], shared)
-    predict: Any = load_function(args.predict) if args.predict else args.captioner
+    from capeval_plugins.commands._functions import load_function
+
+    predict: Any = load_function(args.predict, "--predict") if args.predict else args.captioner
     captioner_options = {} if args.predict else {
         "prompt": args.prompt, "max_new_tokens": args.max_new_tokens, "num_beams": args.num_beams,
         "device": args.device, "dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
