@@ -153,6 +153,7 @@ def caption_images(captioner: Captioner, sources: Sequence[ImageSource], batch_s
             store.remove()  # nothing to resume
         raise
     finally:
+        captioner.release()
         if isinstance(stop, StopFlag):
             stop.scoring = False
         if store is not None:

@@ -57,6 +57,31 @@ def test_a_tiny_blip_captions_in_batches_as_it_does_one_image_at_a_time(tiny_bli
     assert done.batches_captioned == 3
 
 
+def test_a_vision_encoder_decoder_without_a_joint_processor_captions_too(tmp_path, photos):
+    from transformers import AutoTokenizer, ViTImageProcessor, VisionEncoderDecoderModel
+
+    from capeval_plugins.testing import build_tiny
+
+    path = str(build_tiny("vit_gpt2_caption", tmp_path / "ved", seed=1))
+    done = caption_and_score(photos, ["cider"], path, REFS, batch_size=3, max_new_tokens=5)
+    model = VisionEncoderDecoderModel.from_pretrained(path).eval()
+    pixels = ViTImageProcessor.from_pretrained(path)(images=photos, return_tensors="pt").pixel_values
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    expected = []
+    for k in range(len(photos)):
+        with torch.no_grad():
+            one = model.generate(pixel_values=pixels[k:k + 1], max_new_tokens=5, do_sample=False)
+        expected.append(tokenizer.batch_decode(one, skip_special_tokens=True)[0].strip())
+    assert done.captions == expected
+    with pytest.raises(ValueError, match="takes no prompt"):
+        caption_and_score(photos, ["cider"], path, REFS, prompt="a photo of")
+    photos[0].save(tmp_path / "a.png")
+    (tmp_path / "refs.csv").write_text("image,references\na.png,a photo\n")
+    proc = capeval_in_process(["caption", "--captioner", path, "--prompt", "a photo of", "--images", str(tmp_path),
+                               "--references", str(tmp_path / "refs.csv"), "-m", "cider", "--quiet"])
+    assert proc.returncode == 2 and "takes no prompt" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_a_prompt_is_blip_s_text_prefix_kept_as_blip_writes_it(tiny_blip, photos):
     done = caption_and_score(photos[:2], ["cider"], tiny_blip, REFS[:2], prompt="a photo of", max_new_tokens=5)
     assert done.captions == [blip_alone(tiny_blip, im, 5, "a photo of") for im in photos[:2]]
@@ -223,7 +248,8 @@ def test_capeval_caption_with_a_tiny_blip_and_every_image_of_a_folder(tmp_path, 
     rows = list(csv.DictReader(out.open()))
     captions = [blip_alone(tiny_blip, im) for im in photos]
     assert [r["caption"] for r in rows] == captions and [r["image"] for r in rows] == ["0.png", "1.png", "2.png"]
-    expected = capeval_plugins.load("clipscore", model=tiny_clip)([str(folder / f"{k}.png") for k in range(3)], captions)
+    files = [str(folder / f"{k}.png") for k in range(3)]
+    expected = capeval_plugins.load("clipscore", model=tiny_clip)(files, captions)
     assert [float(r["clipscore"]) for r in rows] == pytest.approx(expected.scores.tolist(), abs=1e-5)
 
 

@@ -58,7 +58,8 @@ def test_csv_ids_are_kept_as_written(tmp_path):
 @pytest.mark.parametrize("bad", [True, 1.5, [1], {"a": 1}])
 def test_an_id_that_is_not_text_or_an_integer_is_refused_by_its_line(tmp_path, bad):
     captions = tmp_path / "caps.jsonl"
-    captions.write_text(json.dumps({"id": "ok", "caption": "a"}) + "\n" + json.dumps({"id": bad, "caption": "b"}) + "\n")
+    lines = [{"id": "ok", "caption": "a"}, {"id": bad, "caption": "b"}]
+    captions.write_text("".join(json.dumps(r) + "\n" for r in lines))
     proc = capeval_in_process(["score", "-m", "cider", "-o", "tokenize=false", "--captions", str(captions)])
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "caps.jsonl:2: id" in proc.stderr

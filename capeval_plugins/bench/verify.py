@@ -128,7 +128,8 @@ def _leaf(value: float, found: Any, path: str, tolerance: float | None, checks: 
 
 def markdown(checks: list[Check]) -> str:
     """The table ``capeval verify`` prints, then a count."""
-    lines = ["| value | expected | measured | difference | tolerance | status |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| value | expected | measured | difference | tolerance | status |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
     for c in checks:
         measured = "-" if c.measured is None else f"{c.measured:.6g}"
         diff = "-" if c.measured is None else f"{c.measured - c.expected:+.3g}"

@@ -20,9 +20,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from capeval_plugins.core.messages import DataError
 from capeval_plugins.resources import loading
 
 DEFAULT_MAX_NEW_TOKENS = 30  # BLIP's and GIT's captions are well under 30 tokens; an LVLM's long ones are not
+
+
+class CaptionerError(DataError):
+    """A captioner asked for what it cannot do (a prompt to a model that takes none, a bad option): one line."""
 
 
 class Captioner:
@@ -35,6 +40,9 @@ class Captioner:
 
     def caption(self, images: Sequence[Any]) -> Any:
         raise NotImplementedError
+
+    def release(self) -> None:
+        """Free what captioning holds (a model's weights) before the metrics load theirs."""
 
 
 class FunctionCaptioner(Captioner):
@@ -52,13 +60,13 @@ class FunctionCaptioner(Captioner):
 
 class HFCaptioner(Captioner):
     """A Hugging Face image-to-text model and its processor (``AutoModelForImageTextToText``,
-    ``AutoProcessor``)."""
+    ``AutoProcessor``; a VisionEncoderDecoder's ``AutoImageProcessor`` and tokenizer)."""
 
     def __init__(self, model: str, *, prompt: str | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                  num_beams: int = 1, device: str | None = None, dtype: str | None = None,
                  revision: str | None = None, trust_remote_code: bool = False) -> None:
         if max_new_tokens < 1 or num_beams < 1:
-            raise ValueError(f"max_new_tokens and num_beams must be 1 or more, got {max_new_tokens}, {num_beams}")
+            raise CaptionerError(f"max_new_tokens and num_beams must be 1 or more, got {max_new_tokens}, {num_beams}")
         self.model_name, self.prompt = model, prompt
         self.max_new_tokens, self.num_beams = int(max_new_tokens), int(num_beams)
         self.device, self.dtype, self.revision = device, dtype, revision
@@ -72,23 +80,38 @@ class HFCaptioner(Captioner):
         return {"model": ContentDigests().source(self.model_name, self.revision), "prompt": self.prompt,
                 "max_new_tokens": self.max_new_tokens, "num_beams": self.num_beams, "dtype": self.dtype}
 
-    def load(self) -> tuple[Any, Any]:
-        """The model and processor, loaded once (a model not cached while offline: one-line ModelLoadError)."""
+    def load(self) -> tuple[Any, Any, Any]:
+        """The model, what prepares its inputs and what decodes its output, loaded once (a model not cached
+        while offline: one-line ModelLoadError). A VisionEncoderDecoder folder has no joint processor: its
+        image processor and tokenizer are loaded apart."""
         if self._loaded is None:
-            from transformers import AutoModelForImageTextToText, AutoProcessor
+            from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor
 
             hub = {"revision": self.revision, "trust_remote_code": self.trust_remote_code}
             processor = loading.load_processor(AutoProcessor, self.model_name, **hub)
+            decoder = processor
+            if not hasattr(processor, "image_processor") and hasattr(processor, "batch_decode"):
+                if self.prompt is not None:
+                    raise CaptionerError(f"{self.model_name} takes images only (an image processor and a tokenizer): "
+                                     "it takes no prompt")
+                processor = loading.load_processor(AutoImageProcessor, self.model_name, **hub)
+            # a copy of its own (share=False): released once the captions are written, before the metrics load
             model = loading.load_model(AutoModelForImageTextToText, self.model_name, device=self.device,
-                                       dtype=self.dtype, **hub)
-            self._loaded = (model, processor)
+                                       dtype=self.dtype, share=False, **hub)
+            self._loaded = (model, processor, decoder)
         return self._loaded
+
+    def release(self) -> None:
+        self._loaded = None
 
     @torch.inference_mode()
     def caption(self, images: Sequence[Any]) -> list[str]:
-        model, processor = self.load()
-        texts = None if self.prompt is None else [self.prompt] * len(images)
-        inputs = processor(images=list(images), text=texts, return_tensors="pt", padding=texts is not None)
+        model, processor, decoder = self.load()
+        if self.prompt is None:
+            inputs = processor(images=list(images), return_tensors="pt")
+        else:
+            inputs = processor(images=list(images), text=[self.prompt] * len(images), return_tensors="pt",
+                               padding=True)
         device = loading.input_device(model, self.device)
         inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
@@ -99,7 +122,7 @@ class HFCaptioner(Captioner):
         if prompt_ids is not None and out.shape[1] >= prompt_ids.shape[1] and \
                 torch.equal(out[:, :prompt_ids.shape[1]], prompt_ids):
             out = out[:, prompt_ids.shape[1]:]  # a decoder-only model repeats its prompt first
-        return [text.strip() for text in processor.batch_decode(out, skip_special_tokens=True)]
+        return [text.strip() for text in decoder.batch_decode(out, skip_special_tokens=True)]
 
 
 def as_captioner(predict: Any, **options: Any) -> Captioner:
@@ -111,9 +134,9 @@ def as_captioner(predict: Any, **options: Any) -> Captioner:
         return HFCaptioner(predict, **options)
     if callable(predict):
         if options:
-            raise ValueError(f"options {sorted(options)} apply to a Hugging Face model, not to a function")
+            raise CaptionerError(f"options {sorted(options)} apply to a Hugging Face model, not to a function")
         if inspect.isclass(predict):
-            raise ValueError(f"predict is the class {predict.__name__}; give a function or an instance")
+            raise CaptionerError(f"predict is the class {predict.__name__}; give a function or an instance")
         return FunctionCaptioner(predict)
-    raise TypeError(f"predict must be a Hugging Face model id or path, or a function images -> captions; got "
+    raise CaptionerError(f"predict must be a Hugging Face model id or path, or a function images -> captions; got "
                     f"{type(predict).__name__}")
