@@ -432,7 +432,8 @@ def _text_lines(path: str, what: str) -> list[str]:
 
 
 def load_caption_docs(path: str | os.PathLike, images_dir: str | os.PathLike | None, limit: int | None = None) -> list[dict]:
-    """Documents for the lm-eval caption task: ``image_path`` and ``references`` per line. ``limit``: the
+    """Documents for the lm-eval caption task: ``image_path`` and ``references`` per line (and ``input_id``, the
+    line's ``id`` as text, where the file gives ids). ``limit``: the
     first ``limit`` documents (a positive integer; None for all)."""
     limit = _limit(limit)
     records = read_captions(path, images_dir, need_caption=False)  # the task generates the captions
@@ -443,7 +444,10 @@ def load_caption_docs(path: str | os.PathLike, images_dir: str | os.PathLike | N
         for j, ref in enumerate(refs or []):
             if not isinstance(ref, str):
                 raise InputError(f"{records.describe(i)}: reference {j} must be a string, got {type(ref).__name__}")
-        docs.append({"id": i, "image_path": image, "references": refs or []})
+        doc = {"id": i, "image_path": image, "references": refs or []}
+        if records.row_ids is not None:  # the file's own ids, kept in lm-eval's logged samples (text: one column type)
+            doc["input_id"] = None if records.row_ids[i] is None else str(records.row_ids[i])
+        docs.append(doc)
     return docs if limit is None else docs[:limit]
 
 

@@ -129,3 +129,18 @@ def test_predictions_need_exactly_one_references_file_and_no_other_input(tmp_pat
     for extra in ([], ["--references", str(r), str(r)], ["--references", str(r), "--captions", str(p)]):
         proc = capeval_in_process(["score", "-m", "cider", "--predictions", str(p), *extra])
         assert proc.returncode == 2 and "--predictions" in proc.stderr, proc.stderr
+
+
+def test_the_lm_eval_caption_task_keeps_the_file_s_ids(tmp_path):
+    from capeval_plugins.caption_files import load_caption_docs
+    from conftest import random_image
+
+    for k in range(3):
+        random_image(k).save(tmp_path / f"{k}.png")
+    rows = [{"id": i, "image": f"{k}.png", "references": ["a"]} for k, i in enumerate([7, "b", None])]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    docs = load_caption_docs(tmp_path / "docs.jsonl", tmp_path)
+    assert [d["input_id"] for d in docs] == ["7", "b", None] and [d["id"] for d in docs] == [0, 1, 2]
+    import datasets
+
+    assert datasets.Dataset.from_list(docs)["input_id"] == ["7", "b", None]  # one column type for Arrow
