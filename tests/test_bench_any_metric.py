@@ -173,3 +173,20 @@ def test_capeval_bench_function_is_evaluated_like_its_scores_file(tmp_path):
         proc = capeval_in_process(["bench", "nebula", "--data", str(tmp_path / "nebula.json"), *bad, "--no-cache"])
         assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
             proc.stderr
+
+
+def test_a_function_on_a_pairwise_benchmark_equals_its_scores_as_a_file(tmp_path):
+    from capeval_plugins.bench import Pairs
+
+    rng = np.random.default_rng(0)
+    words = "a dog cat man runs sits on grass red ball".split()
+    cands = [" ".join(rng.choice(words, rng.integers(1, 8))) for _ in range(24)]
+    captions = Captions([f"i{k // 2}.jpg" for k in range(24)], cands, None)
+    pairs = Pairs(captions, np.arange(0, 24, 2), np.arange(1, 24, 2), rng.integers(0, 2, 12),
+                  ["HC", "HI", "HM", "MM"] * 3)
+    rows = [{"row": i, "score": s} for i, s in enumerate(word_counts(cands))]
+    path = write_rows(tmp_path / "t.jsonl", rows)
+    report = run_benchmark("pascal50s", pairs, {"fn": lambda i, c, r: word_counts(c)}, scores={"file": path},
+                           cache=False, bootstrap=0, progress=False).to_dict()["results"]
+    assert report["fn"]["accuracy"] == pytest.approx(report["file"]["accuracy"], abs=1e-12)
+    assert report["fn"]["categories"] == report["file"]["categories"]

@@ -314,3 +314,18 @@ def test_capeval_caption_resumes_after_a_real_sigint(tmp_path):
     assert (summary["batches_captioned"], summary["batches_caption_resumed"]) == (1, 2)
     assert (tmp_path / "scores.jsonl").read_text() == (tmp_path / "whole.jsonl").read_text()
     assert not (tmp_path / "scores.jsonl.capeval-run.captions").exists()
+
+
+@pytest.mark.parametrize("where", ["image", "run_dir", "captions_dir"])
+def test_capeval_caption_never_writes_over_an_image_or_into_a_run_folder(tmp_path, where):
+    random_image(0).save(tmp_path / "a.png")
+    (tmp_path / "refs.csv").write_text("image,references\na.png,a photo\n")
+    (tmp_path / "cap.py").write_text("def predict(images):\n    return ['a'] * len(images)\n")
+    run_dir = ["--run-dir", str(tmp_path / "run")]
+    out, extra = {"image": (tmp_path / "a.png", []), "run_dir": (tmp_path / "run", run_dir),
+                  "captions_dir": (tmp_path / "run.captions" / "x.jsonl", run_dir)}[where]
+    before = (tmp_path / "a.png").read_bytes()
+    proc = capeval_in_process(["caption", "--predict", f"{tmp_path / 'cap.py'}:predict", "--images", str(tmp_path),
+                               "--references", str(tmp_path / "refs.csv"), "-m", "cider", "--out", str(out), *extra])
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert (tmp_path / "a.png").read_bytes() == before

@@ -97,6 +97,18 @@ def read_images(args: argparse.Namespace) -> Any:
     return records
 
 
+def check_out_and_run_dirs(out: str, run_dir: str) -> None:
+    """``--out`` is neither run folder nor inside one (their files are deleted when the run ends)."""
+    from capeval_plugins.captioning import caption_folder
+    from capeval_plugins.inputs import InputError
+
+    target = os.path.realpath(out)
+    for folder in (run_dir, caption_folder(run_dir)):
+        real = os.path.realpath(folder)
+        if target == real or target.startswith(real + os.sep):
+            raise InputError(f"--out {out} is (inside) the run folder {folder}; give them different names")
+
+
 def cmd_caption(args: argparse.Namespace) -> int:
     from capeval_plugins import options, runner
     from capeval_plugins.caption_files import check_writable, json_safe, score_table, write_table
@@ -114,11 +126,13 @@ def cmd_caption(args: argparse.Namespace) -> int:
     captioner_options = {} if args.predict else {
         "prompt": args.prompt, "max_new_tokens": args.max_new_tokens, "num_beams": args.num_beams,
         "device": args.device, "dtype": args.dtype, "trust_remote_code": args.trust_remote_code}
-    inputs = [p for p in (args.references, args.captioner) if p and os.path.exists(p)]
-    inputs += runner.local_inputs(metrics.values())
-    kind = check_writable(args.out, inputs) if args.out else None
-    run_dir = args.run_dir or (f"{args.out}.capeval-run" if kind == "file" else None)
     records = read_images(args)
+    inputs = [p for p in (args.references, args.captioner) if p and os.path.exists(p)]
+    inputs += runner.local_inputs(metrics.values()) + [p for p in records.images if isinstance(p, str)]
+    kind = check_writable(args.out, inputs) if args.out else None  # never an input, an image or a model's file
+    run_dir = args.run_dir or (f"{args.out}.capeval-run" if kind == "file" else None)
+    if args.out and run_dir:
+        check_out_and_run_dirs(args.out, run_dir)
     uses_refs = any(m.info.references != "never" for m in metrics.values())
     references = records.references if uses_refs and any(records.references) else None
     try:
