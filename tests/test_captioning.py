@@ -329,3 +329,9 @@ def test_capeval_caption_never_writes_over_an_image_or_into_a_run_folder(tmp_pat
                                "--references", str(tmp_path / "refs.csv"), "-m", "cider", "--out", str(out), *extra])
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert (tmp_path / "a.png").read_bytes() == before
+
+
+def test_capeval_caption_under_several_ranks_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    proc = capeval_in_process(["caption", "--predict", "json:dumps", "--images", str(tmp_path), "-m", "cider"])
+    assert proc.returncode == 2 and "runs in one process" in proc.stderr

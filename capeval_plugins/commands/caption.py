@@ -114,6 +114,11 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from capeval_plugins.caption_files import check_writable, json_safe, score_table, write_table
     from capeval_plugins.captioning import caption_and_score
 
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):
+        from capeval_plugins.inputs import InputError
+
+        raise InputError("capeval caption runs in one process (torchrun / accelerate launch: caption first, then "
+                         "`capeval score` the output's captions under torchrun)")
     if args.quiet:
         os.environ.update({"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "CAPEVAL_QUIET": "1"})
     shared = {key: str(value) for key, value in (("model", args.model), ("batch_size", args.batch_size),
