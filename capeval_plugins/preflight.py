@@ -111,8 +111,6 @@ def placement_problems(config: object) -> list[str]:
 
 def read_model_config(model: str, revision: str | None = None) -> dict | None:
     """A checkpoint's ``config.json`` (a local folder, or the Hugging Face cache; never the network), or None."""
-    import json
-
     path = Path(os.path.expanduser(model)) / "config.json"
     if not path.is_file():
         try:
@@ -124,9 +122,14 @@ def read_model_config(model: str, revision: str | None = None) -> dict | None:
         if not isinstance(found, str):
             return None
         path = Path(found)
+    from capeval_plugins.core import jsonio
+    from capeval_plugins.resources.loading import MAX_TEXT_FILE
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        if path.stat().st_size > MAX_TEXT_FILE:
+            return None  # the loader's folder check names it
+        data = jsonio.loads(path.read_bytes())
+    except (OSError, ValueError):  # unreadable, not UTF-8 JSON or nested too deeply: the loader says which
         return None
     return data if isinstance(data, dict) else None
 
@@ -166,14 +169,17 @@ def problem(need: Requirement) -> str | None:
 
 def model_problem(model: str, revision: str | None = None, local_files_only: bool | None = None) -> str | None:
     """Why checkpoint ``model`` cannot be loaded here, or None: a local path must exist; a hub id must be in
-    the Hugging Face cache, or (downloads allowed) exist on a hub that answers one request."""
+    the Hugging Face cache, or (downloads allowed) exist on a hub that answers one request. A folder found is
+    checked as far as it can be without loading (:func:`capeval_plugins.resources.loading.folder_problem`)."""
+    from capeval_plugins.resources.loading import folder_problem
+
     if os.path.exists(os.path.expanduser(model)):
-        return None
+        return folder_problem(os.path.expanduser(model), revision)  # sizes against weights: before any work
     local = local_path_problem(model)
     if local:
         return local
     if in_hub_cache(model):
-        return None
+        return folder_problem(model, revision)
     from huggingface_hub import constants
 
     where = f"{model!r} is not a local folder and not in the Hugging Face cache ({constants.HF_HUB_CACHE})"

@@ -39,6 +39,7 @@ from torch import Tensor
 from capeval_plugins import prefetch, preflight
 from capeval_plugins.contract import (ON_ERROR, Batch, CorpusSize, Metric, MetricResult, PackedTexts, StateSpec,
                                       content_digest, finalize_state, full_spec, map_batch, merge_states)
+from capeval_plugins.resources.wholeness import ModelLoadError
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import (ImageSource, InputError, ProblemReport, Samples, _reason, image_batches,
                                     to_batch, validate_samples)
@@ -298,8 +299,10 @@ def build_batch(part: Samples, cache: ImageCache, on_error: str,
     return (to_batch(part, lambda source: loaded[source.key]) if len(part) else None), skipped
 
 
-# Failures that say nothing about a sample: not isolated by re-scoring smaller batches.
-NOT_A_SAMPLE_FAULT = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))  # torch < 2.5
+# Failures that say nothing about a sample: not isolated by re-scoring smaller batches (a model that is not whole
+# fails on its first batch and stops the run, whatever --on-error says: no sample is skipped for it).
+NOT_A_SAMPLE_FAULT = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),  # torch < 2.5
+                      ModelLoadError)
 
 
 def map_part(metric: Metric, part: Samples, cache: ImageCache, on_error: str,

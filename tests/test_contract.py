@@ -302,8 +302,10 @@ def test_every_numeric_option_refuses_nan_infinity_a_wrong_type_and_values_outsi
     bad = [math.nan, math.inf, -math.inf, "3", True]
     if kinds == {"int"}:
         bad.append(2.5)
-    step = 1 if kinds == {"int"} else 1e-9
-    bad += [{"ge": lambda b: b - step, "gt": lambda b: b, "le": lambda b: b + step, "lt": lambda b: b}[key](limit)
+    # just outside: one unit for an integer; for a float 1e-9, or a relative 1e-12 of a large bound (1e150 + 1e-9
+    # is 1e150)
+    step = (lambda b: 1) if kinds == {"int"} else (lambda b: max(1e-9, abs(b) * 1e-12))
+    bad += [{"ge": lambda b: b - step(b), "gt": lambda b: b, "le": lambda b: b + step(b), "lt": lambda b: b}[key](limit)
             for key, limit in bounds.items()]
     for value in bad:
         with pytest.raises((ValueError, TypeError), match=rf"\b{option}\b"):

@@ -562,7 +562,8 @@ def test_every_entry_point_keeps_the_explanations(tmp_path):
     assert "image placeholder" in skipped.skipped[2] and skipped.extras["explanation"][:2] == ["0.8", "0.8"]
 
     scorer = coco.Expert(coco.ImageResolver(tmp_path, pattern="{id}.png"), **options)
-    score, items = scorer.compute_score({0: ["r"], 1: ["r"]}, {0: [captions[0]], 1: [captions[1]]})
+    written = {i: [{"caption": c}] for i, c in enumerate(captions)}  # COCO's form: the captions as written
+    score, items = scorer.compute_score({0: [{"caption": "R."}], 1: [{"caption": "R."}]}, written)
     assert items == pytest.approx(direct.scores.tolist(), abs=1e-9)
     assert scorer.last_result.extras["explanation"] == direct.extras["explanation"]
 

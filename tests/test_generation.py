@@ -125,6 +125,11 @@ def test_generation_settings_are_checked():
 @pytest.fixture(scope="module")
 def tiny_sd3(tmp_path_factory) -> str:
     pytest.importorskip("diffusers")
+    return build_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3"))
+
+
+def build_tiny_sd3(path) -> str:
+    """The tiny pipeline saved into ``path`` (tests/test_whole_models.py damages copies of it)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel, T5Tokenizer
 
@@ -154,7 +159,6 @@ def tiny_sd3(tmp_path_factory) -> str:
     pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae,
                                     text_encoder=clip_text(), tokenizer=clip_tok, text_encoder_2=clip_text(),
                                     tokenizer_2=clip_tok, text_encoder_3=t5, tokenizer_3=t5_tok)
-    path = tmp_path_factory.mktemp("tiny_sd3")
     pipe.save_pretrained(path, safe_serialization=True)
     return str(path)
 

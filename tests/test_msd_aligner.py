@@ -20,6 +20,7 @@ from test_msd import plain_msd, unit
 import capeval_plugins
 from capeval_plugins.core import vmf
 from capeval_plugins.models.encoders import EncoderSpec
+from capeval_plugins.resources.loading import ModelLoadError
 from capeval_plugins.inputs import InputError, to_batch
 from capeval_plugins.metrics.msd import pixel_seeds
 from capeval_plugins.training.msd_aligner import data as caption_data
@@ -322,7 +323,7 @@ def test_bad_or_incompatible_aligners_are_refused(backbones, trained, tiny_root,
 
     images, captions = scored_pairs()
     other_clip = str(tiny_checkpoint("clip", root=tiny_root, seed=7))
-    with pytest.raises(ValueError, match="other weights"):
+    with pytest.raises(ModelLoadError, match="other weights"):
         capeval_plugins.load("msd_score", model=other_clip, aligner=str(trained))(images, captions)
     with pytest.raises(ValueError, match="patch_layernorm"):
         capeval_plugins.load("msd_score", model=backbones[0], aligner=str(trained), patch_layernorm=True)
@@ -331,18 +332,18 @@ def test_bad_or_incompatible_aligners_are_refused(backbones, trained, tiny_root,
     broken = tmp_path / "broken"
     shutil.copytree(trained, broken, ignore=shutil.ignore_patterns("training_state", "cache"))
     (broken / TOKENS_FILE).unlink()
-    with pytest.raises(FileNotFoundError, match=TOKENS_FILE):
+    with pytest.raises(ModelLoadError, match=TOKENS_FILE):  # every loader's failure: one typed line
         load_aligner(broken, EncoderSpec(backbones[0]))
     wide = tmp_path / "wide"
     shutil.copytree(trained, wide, ignore=shutil.ignore_patterns("training_state", "cache"))
     table = load_file(str(wide / TOKENS_FILE))["weight"]
     save_file({"weight": torch.cat([table, table], dim=1)}, str(wide / TOKENS_FILE))
-    with pytest.raises(ValueError, match="do not match the projector"):
+    with pytest.raises(ModelLoadError, match="do not match the projector"):
         load_aligner(wide, EncoderSpec(backbones[0]))
     config = json.loads((wide / CONFIG_FILE).read_text())
     config["settings"]["llm_hidden_size"] = 64
     (wide / CONFIG_FILE).write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="LLM hidden size 32, the config says 64"):
+    with pytest.raises(ModelLoadError, match="LLM hidden size 32, the config says 64"):
         load_aligner(wide, EncoderSpec(backbones[0]))
 
 

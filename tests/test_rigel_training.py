@@ -244,6 +244,36 @@ def test_save_reload_and_score_gives_identical_scores(splits, short_phase2):
             assert torch.allclose(result.scores, expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("damage", ["a lora_B factor missing", "a NaN in a factor", "a factor of another shape"])
+def test_an_adapter_that_is_not_whole_is_refused_naming_the_factor(short_phase2, tmp_path, damage):
+    """Issue 49: peft fills a factor the file lacks with its initial value (lora_B: zero) and scores on, the
+    adapter silently doing nothing; a factor that is not finite or of another shape is refused too."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from capeval_plugins.resources.loading import ModelLoadError, clear_cache
+
+    _, out = short_phase2
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    path = broken / ADAPTER_DIR / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    name = sorted(k for k in tensors if "lora_B" in k)[0]
+    if damage == "a lora_B factor missing":
+        tensors.pop(name)
+    elif damage == "a NaN in a factor":
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] = float("nan")
+    else:
+        tensors[name] = torch.zeros(tensors[name].shape[0] + 1, *tensors[name].shape[1:])
+    save_file(tensors, str(path))
+    clear_cache()
+    with pytest.raises(ModelLoadError, match=name.rsplit(".", 2)[0].replace(".", r"\.")):
+        load_rigel(broken)
+    clear_cache()
+
+
 def test_a_resumed_phase2_run_ends_where_an_uninterrupted_one_does(splits, short_phase1, tmp_path):
     from safetensors.torch import load_file
 

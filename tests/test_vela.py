@@ -121,6 +121,30 @@ def test_scores_do_not_depend_on_the_batch(release, corpus):
     np.testing.assert_allclose(one.scores.numpy(), many.scores.numpy()[::-1], atol=1e-5)
 
 
+@pytest.mark.parametrize("part", ["", "llm", "clip"])
+def test_a_converted_folder_missing_a_tensor_never_scores(release, corpus, tmp_path, part):
+    """Each of VELA's three models (head, LLM, Long-CLIP) loads whole or the run is refused in one error naming
+    the tensor: never a score from a randomly initialised part."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from capeval_plugins.resources.loading import ModelLoadError, clear_cache
+
+    _, folder = release
+    damaged = tmp_path / "vela"
+    shutil.copytree(folder, damaged)
+    weights = damaged / part / "model.safetensors"
+    stored = load_file(str(weights))
+    name = sorted(stored)[len(stored) // 2]
+    save_file({k: v for k, v in stored.items() if k != name}, str(weights), metadata={"format": "pt"})
+    clear_cache()
+    images, candidates, references = corpus
+    with pytest.raises(ModelLoadError, match=name.split(".")[-2]):
+        capeval_plugins.load("vela", model=str(damaged))(images[:2], candidates[:2], references[:2])
+    clear_cache()
+
+
 def test_the_conversion_accounts_for_every_tensor(release):
     import json
 

@@ -205,16 +205,26 @@ def convert_vilbert(
     return report
 
 
-def cmd_convert(args: argparse.Namespace) -> int:
+def run_conversion(convert: Any, source: Any, as_json: bool) -> int:
+    """The one boundary of every ``capeval convert`` kind: a :class:`ConversionError` is the converter's own
+    line; anything else a hostile or damaged checkpoint makes a reader or a converter raise (a KeyError, a
+    ZeroDivisionError, a torch error) becomes one line naming the file too (:func:`loader_boundary`)."""
+    from capeval_plugins.resources.wholeness import loader_boundary
     from capeval_plugins.inputs import InputError
 
     try:
-        report = convert_vilbert(args.source, args.destination, args.config,
-                                 None if args.no_tokenizer else args.tokenizer, args.allow_unknown, args.overwrite)
+        with loader_boundary("checkpoint", source, passing=(ConversionError,)):
+            report = convert()
     except ConversionError as err:
         raise InputError(str(err)) from None
-    print(json.dumps(asdict(report)) if args.json else report.summary())
+    print(json.dumps(asdict(report)) if as_json else report.summary())
     return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    return run_conversion(lambda: convert_vilbert(args.source, args.destination, args.config,
+                                                  None if args.no_tokenizer else args.tokenizer, args.allow_unknown,
+                                                  args.overwrite), args.source, args.json)
 
 
 def add_parser(subparsers) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from capeval_plugins import files
-from capeval_plugins.commands.convert import ConversionError, read_checkpoint
+from capeval_plugins.commands.convert import ConversionError, read_checkpoint, run_conversion
 from capeval_plugins.commands.convert_official import claim, sha256
 
 DEFAULT_BASE = "llava-hf/llava-1.5-13b-hf"
@@ -152,14 +152,8 @@ def convert_expert(source: str | Path, destination: str | Path | None = None, ba
 
 
 def cmd_expert(args: argparse.Namespace) -> int:
-    from capeval_plugins.inputs import InputError
-
-    try:
-        report = convert_expert(args.source, args.destination, args.base, args.overwrite, args.dtype)
-    except ConversionError as err:
-        raise InputError(str(err)) from None
-    print(json.dumps(asdict(report)) if args.json else report.summary())
-    return 0
+    return run_conversion(lambda: convert_expert(args.source, args.destination, args.base, args.overwrite, args.dtype),
+                          args.source, args.json)
 
 
 def add_parser(subparsers) -> None:

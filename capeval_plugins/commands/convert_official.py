@@ -29,13 +29,15 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from capeval_plugins import files
-from capeval_plugins.commands.convert import ConversionError
+from capeval_plugins.commands.convert import ConversionError, run_conversion
+from capeval_plugins.commands.polos_hparams import polos_hyperparameters
 
 if TYPE_CHECKING:
     from capeval_plugins.models.encoders.openai_clip import ClipMapping
@@ -67,6 +69,8 @@ class OfficialConversion:
     left_out: dict[str, list[str]] = field(default_factory=dict)
     stand_ins: list[str] = field(default_factory=list)
     tokenizers: dict[str, str] = field(default_factory=dict)
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    hyperparameters_from: str = ""
 
     def summary(self) -> str:
         lines = [f"converted {self.source} -> {self.destination} ({self.kind}"
@@ -81,6 +85,10 @@ class OfficialConversion:
         if self.stand_ins:
             lines.append("  Lightning metadata read as inert stand-ins: " + ", ".join(self.stand_ins))
         lines += [f"  {what} tokenizer: {source}" for what, source in self.tokenizers.items()]
+        if self.hyperparameters_from:
+            from capeval_plugins.commands.polos_hparams import describe
+
+            lines.append(f"  hyper-parameters read: {describe(self.hyperparameters)} (from {self.hyperparameters_from})")
         return "\n".join(lines)
 
 
@@ -191,11 +199,17 @@ def check_weights(state: Mapping[str, Any], path: Path) -> None:
     views together no more bytes than the file (tied weights, one view under two names, count once)."""
     import torch
 
+    # float8 and other exotic floats are refused: no released checkpoint has them, torch's finiteness check fails
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     seen, total = set(), 0
     for name, t in state.items():
-        if t.layout != torch.strided or t.is_quantized or t.device.type != "cpu" or t.is_complex() or t.dtype == torch.bool:
+        if (t.layout != torch.strided or t.is_quantized or t.device.type != "cpu" or t.is_complex() or t.dtype == torch.bool
+                or (t.is_floating_point() and t.dtype not in floats)):
             raise ConversionError(f"{path}: refused: {name} is a {t.layout} {t.dtype} tensor on {t.device}; only "
-                                  "dense CPU float or integer tensors are read")
+                                  "dense CPU tensors of float16, bfloat16, float32, float64 or integers are read")
+        if 0 in t.shape and t.dim() > 1:
+            raise ConversionError(f"{path}: refused: {name} has a zero-size dimension {list(t.shape)} (no released "
+                                  "model has one: a damaged file?)")
         size = t.numel() * t.element_size()
         if size > t.untyped_storage().nbytes() - t.storage_offset() * t.element_size():
             raise ConversionError(f"{path}: refused: {name} declares {tuple(t.shape)} ({size} bytes) over "
@@ -276,11 +290,11 @@ def claim(destination: Path, overwrite: bool) -> files.Claim:
         raise ConversionError(str(err)) from None
 
 
-def save_clip(mapping: ClipMapping, folder: Path, mean, std, tokenizer) -> None:
-    """A transformers CLIP folder: the weights, an image processor of the official size and normalisation, the
-    tokenizer."""
+def clip_model(mapping: ClipMapping, tokenizer) -> Any:
+    """The transformers CLIP the mapped weights make, checked whole (every parameter, no other) and against the
+    tokenizer's vocabulary, before anything is written."""
     import torch
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+    from transformers import CLIPConfig, CLIPModel
 
     config = CLIPConfig(**mapping.config)
     with torch.device("meta"):
@@ -291,6 +305,15 @@ def save_clip(mapping: ClipMapping, folder: Path, mean, std, tokenizer) -> None:
     except RuntimeError as err:
         raise ConversionError(f"the weights do not fit a CLIP ViT: {' '.join(str(err).split())[:600]}") from None
     check_vocabulary(tokenizer, config.text_config.vocab_size, "CLIP")
+    return model
+
+
+def save_clip(model: Any, folder: Path, mean, std, tokenizer) -> None:
+    """A transformers CLIP folder: the weights, an image processor of the official size and normalisation, the
+    tokenizer."""
+    from transformers import CLIPImageProcessor, CLIPProcessor
+
+    config = model.config
     model.save_pretrained(folder)
     size = config.vision_config.image_size
     image = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
@@ -336,11 +359,12 @@ def convert_pacs(source: str | os.PathLike, destination: str | os.PathLike | Non
         raise ConversionError(f"{source}: {len(mapping.unknown)} unknown parameter(s): {', '.join(mapping.unknown)}")
     destination = Path(destination) if destination else converted_model_dir(f"{variant}-{backbone}")
     clip_tokenizer = load_tokenizer(tokenizer, "clip")
+    model = clip_model(mapping, clip_tokenizer)
     out = claim(destination, overwrite)
     mean, std = (LAION_MEAN, LAION_STD) if family == "open_clip" else (OPENAI_MEAN, OPENAI_STD)
     try:
         with out.staging() as staged:
-            save_clip(mapping, staged, mean, std, clip_tokenizer)
+            save_clip(model, staged, mean, std, clip_tokenizer)
     except files.UnsafePath as err:
         raise ConversionError(str(err)) from None
     report = OfficialConversion(
@@ -354,22 +378,39 @@ def convert_pacs(source: str | os.PathLike, destination: str | os.PathLike | Non
 
 # --- Polos -----------------------------------------------------------------------------------------------------------
 
-def polos_hyperparameters(checkpoint: Any, source: Path, hparams: str | os.PathLike | None) -> dict:
-    """The released run's hyper-parameters: ``hparams`` (a YAML file), else ``hparams.yaml`` beside the checkpoint
-    (as the official ``load_checkpoint`` reads it), else the checkpoint's own ``hyper_parameters``."""
-    import yaml
+POLOS_HEAD = re.compile(r"scalar_mix\.(gamma|dropout_mask|dropout_fill|scalar_parameters\.\d{1,3})"
+                        r"|ff\.0\.ff\.linear_\d{1,3}\.(weight|bias)")
 
-    path = Path(hparams) if hparams else source.parent / "hparams.yaml"
-    if path.is_file():
-        values = yaml.safe_load(files.read_input(path, "hparams.yaml").decode("utf-8"))
-        if isinstance(values, Mapping):
-            return dict(values)
-    if hparams:
-        raise ConversionError(f"{hparams}: no such file")
-    saved = checkpoint.get("hyper_parameters") if isinstance(checkpoint, Mapping) else None
-    if isinstance(saved, _Inert):
-        saved = dict(saved) or saved.__dict__.get("state")
-    return dict(saved) if isinstance(saved, Mapping) else {}
+
+def check_polos_head(head: Mapping, layers: int, source: Path) -> list[int]:
+    """The regressor's linear layers in order, after checking the head whole: only the released names, one
+    scalar-mix parameter of one value per hidden state (``layers`` + 1, numbered from 0), a gamma of one value,
+    and each linear layer with a 2-D weight and a bias of its rows, chained input to output."""
+    unknown = sorted(k for k in head if not POLOS_HEAD.fullmatch(k))
+    if unknown:
+        raise ConversionError(f"{source}: not a Polos checkpoint: unknown parameter {unknown[0]}")
+    mix = sorted(int(k.rsplit(".", 1)[1]) for k in head if k.startswith("scalar_mix.scalar_parameters."))
+    if mix != list(range(layers + 1)):
+        raise ConversionError(f"{source}: the scalar mix needs one parameter per hidden state (0 to {layers}), the "
+                              f"checkpoint has {mix if len(mix) < 20 else f'{len(mix)}'}")
+    for name in [f"scalar_mix.scalar_parameters.{i}" for i in mix] + ["scalar_mix.gamma"]:
+        if head[name].numel() != 1:
+            raise ConversionError(f"{source}: {name} holds {list(head[name].shape)} values, not one")
+    linears = sorted({int(k.split("linear_")[1].split(".")[0]) for k in head if k.startswith("ff.")})
+    width = None
+    for i in linears:
+        weight, bias = head.get(f"ff.0.ff.linear_{i}.weight"), head.get(f"ff.0.ff.linear_{i}.bias")
+        if weight is None or bias is None or weight.dim() != 2 or tuple(bias.shape) != (weight.shape[0],):
+            raise ConversionError(f"{source}: the regressor's linear_{i} needs a 2-D weight and a bias of its rows, "
+                                  f"got {None if weight is None else list(weight.shape)} and "
+                                  f"{None if bias is None else list(bias.shape)}")
+        if width is not None and weight.shape[1] != width:
+            raise ConversionError(f"{source}: the regressor's linear_{i} takes {weight.shape[1]} inputs, the layer "
+                                  f"before gives {width}")
+        width = weight.shape[0]
+    if not linears or width != 1:
+        raise ConversionError(f"{source}: the regressor does not end in one output")
+    return linears
 
 
 def polos_config(hp: Mapping, head: Mapping, text: Mapping, text_source: str) -> dict:
@@ -379,11 +420,16 @@ def polos_config(hp: Mapping, head: Mapping, text: Mapping, text_source: str) ->
     (RoBERTa's defaults: layer-norm epsilon 1e-5, heads of 64)."""
     from transformers import AutoConfig
 
+    from capeval_plugins.models.encoders.polos import ACTIVATIONS
+
     if str(hp.get("pool", "cls")) != "cls" or str(hp.get("layer", "mix")) != "mix":
         raise ConversionError(f"only the released Polos configuration (pool=cls, layer=mix) is supported, got "
                               f"pool={hp.get('pool')!r}, layer={hp.get('layer')!r}")
     linears = sorted(int(k.split("linear_")[1].split(".")[0]) for k in head if k.endswith(".weight"))
     hidden = [int(head[f"ff.0.ff.linear_{i}.weight"].shape[0]) for i in linears[:-1]]
+    if "hidden_sizes" in hp and [int(h) for h in str(hp["hidden_sizes"]).split(",") if h.strip()] != hidden:
+        raise ConversionError(f"the hyper-parameters say hidden_sizes={hp['hidden_sizes']!r} but the regressor's "
+                              f"weights have {hidden}")
     final = hp.get("final_activation", False)
     width = text["embeddings.word_embeddings.weight"].shape[1]
     shapes = dict(
@@ -403,8 +449,11 @@ def polos_config(hp: Mapping, head: Mapping, text: Mapping, text_source: str) ->
     text_config.update(shapes)
     text_config = {k: v for k, v in text_config.items() if k not in ("architectures", "_name_or_path",
                                                                      "transformers_version", "dtype", "torch_dtype")}
-    return dict(encoder_config=text_config, hidden_sizes=hidden, activation=str(hp.get("activations", "Tanh")),
-                final_activation=final if isinstance(final, str) and final else None)
+    activation, final = str(hp.get("activations", "Tanh")), final if isinstance(final, str) and final else None
+    for name in (activation, final or "Identity"):
+        if name not in ACTIVATIONS:
+            raise ConversionError(f"the hyper-parameters name the activation {name!r}, not one of {ACTIVATIONS}")
+    return dict(encoder_config=text_config, hidden_sizes=hidden, activation=activation, final_activation=final)
 
 
 def convert_polos(source: str | os.PathLike, destination: str | os.PathLike | None = None,
@@ -431,9 +480,11 @@ def convert_polos(source: str | os.PathLike, destination: str | os.PathLike | No
                 "buffers": sorted(k for k in text if k.endswith("position_ids"))
                 + sorted(k for k in head if k.startswith("scalar_mix.dropout_"))}
     text = {k: v for k, v in text.items() if not k.startswith("pooler.") and not k.endswith("position_ids")}
+    layers = len({k.split(".")[2] for k in text if k.startswith("encoder.layer.")})
+    check_polos_head(head, layers, source)
+    hp, hp_from = polos_hyperparameters(checkpoint, source, hparams)
     try:
-        config = PolosConfig(**polos_config(polos_hyperparameters(checkpoint, source, hparams), head, text,
-                                            text_tokenizer))
+        config = PolosConfig(**polos_config(hp, head, text, text_tokenizer))
         mapping = map_openai_state_dict(clip, "quick_gelu")
     except (KeyError, ValueError) as err:
         raise ConversionError(f"{source}: {err}") from None
@@ -457,19 +508,21 @@ def convert_polos(source: str | os.PathLike, destination: str | os.PathLike | No
     roberta = load_tokenizer(text_tokenizer, "text")
     check_vocabulary(roberta, config.encoder_config["vocab_size"], "the text encoder")
     clip_tok = load_tokenizer(clip_tokenizer, "clip")
+    clip = clip_model(mapping, clip_tok)  # checked whole before anything is written
     destination = Path(destination) if destination else converted_model_dir("polos")
     out = claim(destination, overwrite)
     try:
         with out.staging() as staged:
             model.save_pretrained(staged)
             roberta.save_pretrained(staged)
-            save_clip(mapping, staged / "clip", OPENAI_MEAN, OPENAI_STD, clip_tok)
+            save_clip(clip, staged / "clip", OPENAI_MEAN, OPENAI_STD, clip_tok)
     except files.UnsafePath as err:
         raise ConversionError(str(err)) from None
     report = OfficialConversion(
         source=str(source), sha256=sha256(source), destination=str(destination), kind="polos",
         kept=len(weights) + len(mapping.state), left_out={k: v for k, v in left_out.items() if v},
-        stand_ins=stand_ins, tokenizers={"text": str(text_tokenizer), "CLIP": str(clip_tokenizer)})
+        stand_ins=stand_ins, tokenizers={"text": str(text_tokenizer), "CLIP": str(clip_tokenizer)},
+        hyperparameters={k: v for k, v in hp.items() if isinstance(v, (str, int, float, bool))}, hyperparameters_from=hp_from)
     out.write("conversion.json", (json.dumps(asdict(report), indent=2) + "\n").encode())
     return report
 
@@ -477,24 +530,13 @@ def convert_polos(source: str | os.PathLike, destination: str | os.PathLike | No
 # --- command line ----------------------------------------------------------------------------------------------------
 
 def cmd_pacs(args: argparse.Namespace) -> int:
-    return _run(lambda: convert_pacs(args.source, args.destination, args.backbone, args.tokenizer, args.mlp_lora,
-                                     args.overwrite), args.json)
+    return run_conversion(lambda: convert_pacs(args.source, args.destination, args.backbone, args.tokenizer,
+                                               args.mlp_lora, args.overwrite), args.source, args.json)
 
 
 def cmd_polos(args: argparse.Namespace) -> int:
-    return _run(lambda: convert_polos(args.source, args.destination, args.hparams, args.text_tokenizer,
-                                      args.clip_tokenizer, args.overwrite), args.json)
-
-
-def _run(convert, as_json: bool) -> int:
-    from capeval_plugins.inputs import InputError
-
-    try:
-        report = convert()
-    except ConversionError as err:
-        raise InputError(str(err)) from None
-    print(json.dumps(asdict(report)) if as_json else report.summary())
-    return 0
+    return run_conversion(lambda: convert_polos(args.source, args.destination, args.hparams, args.text_tokenizer,
+                                                args.clip_tokenizer, args.overwrite), args.source, args.json)
 
 
 def add_parser(subparsers) -> None:

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from capeval_plugins import files
-from capeval_plugins.commands.convert import ConversionError
-from capeval_plugins.commands.convert_official import (DEFAULT_CLIP_TOKENIZER, OfficialConversion, _run, check_weights,
-                                                       claim, load_tokenizer, released_state_dict, save_clip, sha256)
+from capeval_plugins.commands.convert import ConversionError, run_conversion
+from capeval_plugins.commands.convert_official import (DEFAULT_CLIP_TOKENIZER, OfficialConversion, check_weights, claim,
+                                                       clip_model, load_tokenizer, released_state_dict, save_clip,
+                                                       sha256)
 
 DEFAULT_LLM = "Qwen/Qwen2.5-3B-Instruct"
 LORA_ALPHA = 16.0  # the released configuration: r = 4, lora_alpha = 16 on q_proj and v_proj
@@ -208,6 +209,7 @@ def convert_vela(source: str | Path, destination: str | Path | None = None, long
         head = VelaHead(config)
     head.load_state_dict({k: v.detach().float().contiguous() for k, v in weights.items()}, strict=True, assign=True)
     clip_tok = load_tokenizer(clip_tokenizer, "clip")
+    clip = clip_model(mapping, clip_tok)  # checked whole before anything is written
     destination = Path(destination) if destination else converted_model_dir("vela")
     out = claim(destination, overwrite)
     try:
@@ -215,7 +217,7 @@ def convert_vela(source: str | Path, destination: str | Path | None = None, long
             head.save_pretrained(staged)
             model.save_pretrained(staged / "llm")
             tokenizer.save_pretrained(staged / "llm")
-            save_clip(mapping, staged / "clip", OPENAI_MEAN, OPENAI_STD, clip_tok)
+            save_clip(clip, staged / "clip", OPENAI_MEAN, OPENAI_STD, clip_tok)
     except files.UnsafePath as err:
         raise ConversionError(str(err)) from None
     left_out = {"an LM head (VELA reads hidden states)": parts["left_out"], "metadata": mapping.metadata}
@@ -231,9 +233,10 @@ def convert_vela(source: str | Path, destination: str | Path | None = None, long
 
 
 def cmd_vela(args: argparse.Namespace) -> int:
-    return _run(lambda: convert_vela(args.source, args.destination, args.long_clip, args.llm, args.clip_tokenizer,
-                                     args.lora_alpha, args.activation, args.output, args.feature_order, args.prompt,
-                                     args.normalize_clip, args.overwrite), args.json)
+    return run_conversion(lambda: convert_vela(args.source, args.destination, args.long_clip, args.llm,
+                                               args.clip_tokenizer, args.lora_alpha, args.activation, args.output,
+                                               args.feature_order, args.prompt, args.normalize_clip, args.overwrite),
+                          args.source, args.json)
 
 
 def add_parser(subparsers) -> None:

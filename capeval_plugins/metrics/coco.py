@@ -91,8 +91,9 @@ class CocoConfig(MetricConfig):
 class CiderConfig(CocoConfig):
     # n-gram orders 1..n; orders past the longest caption add zero terms and are not computed (core/coco_text.py)
     n: int = bounded(4, ge=1, le=1_000_000)
-    # standard deviation of the Gaussian length penalty (CIDEr-D); sigma**2 must not underflow to 0
-    sigma: float = bounded(6.0, ge=1e-150)
+    # standard deviation of the Gaussian length penalty (CIDEr-D); sigma**2 must neither underflow to 0 nor
+    # overflow to infinity (sigma 1e200: an OverflowError inside the scoring)
+    sigma: float = bounded(6.0, ge=1e-150, le=1e150)
 
 
 IMPLEMENTATIONS = ("pycocoevalcap", "nltk")

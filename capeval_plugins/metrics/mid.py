@@ -45,8 +45,10 @@ IMAGE, TEXT = "image_features", "candidate_features"
 @dataclass
 class MIDConfig(ModelConfig):
     model: str = "openai/clip-vit-large-patch14"
-    # Added to the diagonal of the fitted covariance (official MID: 0; Redemption Score's code: 5e-4).
-    covariance_eps: float = bounded(0.0, ge=0)
+    # Added to the diagonal of the fitted covariance (official MID: 0; Redemption Score's code: 5e-4). The features
+    # are unit vectors, so every eigenvalue of their covariance is at most 1 (its trace is): a ridge above 1 swamps
+    # every direction and MID tends to a constant (1e308 overflowed).
+    covariance_eps: float = bounded(0.0, ge=0, le=1)
     # A reference Gaussian saved by MID.fit_reference: score against it instead of fitting on this corpus.
     reference_gaussian: str | None = None
     input_paths: ClassVar[tuple[str, ...]] = ("model", "reference_gaussian")
@@ -148,16 +150,13 @@ class MID(Metric):
         return None
 
     def _config_dim(self) -> int | None:
-        from transformers import AutoConfig
-
-        from capeval_plugins.resources.loading import hub_kwargs
+        from capeval_plugins.resources.loading import load_config
 
         cfg = self.config
         try:
-            config = AutoConfig.from_pretrained(cfg.model, **hub_kwargs(cfg.revision, cfg.local_files_only,
-                                                                        cfg.trust_remote_code))
+            config = load_config(cfg.model, cfg.revision, cfg.local_files_only, cfg.trust_remote_code)
             return feature_dim(config)
-        except Exception:  # unreadable here: the loader reports it when the model loads
+        except Exception:  # unreadable here (ModelLoadError, a config without the sizes): the loader reports it
             return None
 
     def states(self) -> dict[str, StateSpec]:

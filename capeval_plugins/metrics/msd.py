@@ -78,22 +78,26 @@ class MSDConfig(ModelConfig):
     preset: str = "paper"
     k_image: int | None = bounded(None, ge=1, le=1024)
     k_text: int | None = bounded(None, ge=1, le=1024)
-    kappa: float = bounded(20.0, gt=0)
+    # The vMF concentration (paper: 20). At 1e6 a component's angular spread sqrt(D / kappa) is 0.03 rad for D = 768
+    # and every E-step assignment is already hard; the float32 logits kappa * cos lose unit resolution near 2**24,
+    # and larger values only overflow (1e308 gave meaningless scores). The same bound caps the Gaussian ablation's
+    # 1 / sigma**2 (gaussian_sigma >= 1e-3) and the divergence weight lam (lam * D stays finite).
+    kappa: float = bounded(20.0, gt=0, le=1e6)
     em_iterations: int = bounded(20, ge=0, le=10_000)
     # Reference code: a component is re-initialised when N_k < reinit_threshold * N.
-    reinit_threshold: float = bounded(1e-6, ge=0)
+    reinit_threshold: float = bounded(1e-6, ge=0, le=1)  # a fraction of N
     # How the EM updates the weights and handles collapsed components: "restart" (the paper, the reference code)
     # or "coco-cf" (coco_eval_cf.py: no re-initialisation, weights (N_k + 1e-8) / N); the "coco-cf" preset sets it.
     em_update: str = "restart"
     # Ablations of the paper's Table II: "gaussian" = isotropic Gaussians of standard deviation gaussian_sigma
     # instead of vMFs; kappa_mode="adaptive" = each component's kappa re-estimated by the paper's Eq. 12.
     mixture: str = "vmf"
-    gaussian_sigma: float = bounded(0.1, gt=0)
+    gaussian_sigma: float = bounded(0.1, ge=1e-3)
     kappa_mode: str = "fixed"
     # Ablations of Tables X / XI: D from one KL direction only, and scores from one term only (g or -D).
     kl_direction: str = "length"
     score_terms: str = "both"
-    lam: float = bounded(0.1, ge=0)
+    lam: float = bounded(0.1, ge=0, le=1e6)
     length_l0: float = bounded(20.0, ge=0)
     length_tau: float = bounded(3.0, ge=1e-6)
     # "model": the model's own pooled embeddings (methods notes, reference code); "mean": the normalised mean

@@ -20,8 +20,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from capeval_plugins.core import jsonio
-from capeval_plugins.resources import loading
 from capeval_plugins.files import paths
+from capeval_plugins.resources import loading, wholeness
 from capeval_plugins.core.messages import DataError, MissingExtra, install_extra
 
 SD3_MODEL = "stabilityai/stable-diffusion-3-medium-diffusers"
@@ -107,7 +107,7 @@ class StableDiffusion3(TextToImage):
 
     def _load(self):
         diffusers = _require_diffusers()
-        loading.check_source(self.model, self.revision)  # FIFOs, devices, crafted safetensors: one line
+        folder = loading.check_source(self.model, self.revision)  # FIFOs, devices, crafted safetensors: one line
         # diffusers 0.40 renamed from_pretrained's torch_dtype to dtype (earlier releases ignore dtype, later ones
         # warn on torch_dtype)
         from importlib.metadata import version
@@ -120,7 +120,13 @@ class StableDiffusion3(TextToImage):
             kwargs["revision"] = self.revision
         if self.local_files_only is not None:
             kwargs["local_files_only"] = bool(self.local_files_only)
-        pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(self.model, **kwargs).to(self.device)
+        with loading.loader_boundary("the Stable Diffusion 3 pipeline", self.model):
+            parts = wholeness.pipeline_parts(folder) if folder else {}  # sizes against weights, before building
+            pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(self.model, **kwargs)
+            problem = wholeness.pipeline_problem(pipe, parts)  # every part whole, every value finite
+            if problem:
+                raise loading.ModelLoadError(f"cannot load the Stable Diffusion 3 pipeline {self.model!r}: {problem}")
+        pipe = pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.core import heads, jsonio
-from capeval_plugins.resources import loading
+from capeval_plugins.resources import loading, wholeness
 from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge, PromptEnd, VisualInput, is_video, load_lvlm_processor
 from capeval_plugins.core.messages import MissingExtra, install_extra
@@ -319,9 +319,33 @@ def load_head(checkpoint: str | os.PathLike, settings: RigelSettings, device: An
         raise tensorfile.TensorFileError(
             f"{path} does not hold the head {CONFIG_FILE} describes ({differ[0]}: {found.get(differ[0])} in the file, "
             f"{wanted.get(differ[0])} in the settings)")
+    tensors = tensorfile.load_file(path)
+    problem = wholeness.tensors_problem(tensors, wanted, str(path))  # now every value too: finite
+    if problem:
+        raise loading.ModelLoadError(problem)
     head = settings.build_head()
-    head.load_state_dict(tensorfile.load_file(path))
+    head.load_state_dict(tensors)
     return head.to(device).eval().requires_grad_(False)
+
+
+def adapter_problem(model: Any, adapter: Path) -> str | None:
+    """Why the LoRA weights peft put into ``model`` are not exactly the adapter file's (peft fills a factor the
+    file lacks with its initial value and scores on: lora_B is zero, so the adapter silently does nothing), or
+    holds a value that is not finite; None when whole."""
+    from capeval_plugins.resources import tensorfile
+
+    path = adapter / ADAPTER_WEIGHTS
+    found = {name: shape for name, (_, shape) in tensorfile.check_file(path).items()}
+    names = getattr(model, "peft_config", {}) or {"default": None}
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    wanted = {}
+    for name, parameter in lora.items():
+        for adapter_name in names:
+            name = name.replace(f".{adapter_name}.", ".")
+        wanted[name] = tuple(parameter.shape)
+    problem = wholeness.tensors_problem(found, wanted, str(path))
+    broken = next((n for n, p in zip(wanted, lora.values()) if not wholeness.finite(p)), None)
+    return problem or (f"{path}: {broken} holds NaN or infinite values (a damaged file?)" if broken else None)
 
 
 def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, device: str | None = None,
@@ -344,8 +368,11 @@ def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, devic
     def build() -> RigelModel:
         if adapter.is_dir():
             peft = require_peft()
-            with quiet_peft():
+            with quiet_peft(), loading.loader_boundary("Rigel adapter", adapter):
                 backbone = peft.PeftModel.from_pretrained(load_private_backbone(spec), str(adapter))
+                problem = adapter_problem(backbone, adapter)
+                if problem:
+                    raise loading.ModelLoadError(f"cannot load Rigel adapter {str(adapter)!r}: {problem}")
             backbone = backbone.merge_and_unload() if merge_lora else backbone.get_base_model()
             judge = LVLMJudge(backbone.eval(), load_lvlm_processor(spec), spec.device)
         else:
@@ -355,4 +382,8 @@ def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, devic
                              f"{spec.model} has {hidden_size_of(judge)}: wrong base model")
         return RigelModel(judge, load_head(checkpoint, settings, judge.device), settings)
 
-    return loading.shared(key, build)
+    def checked() -> RigelModel:
+        with loading.loader_boundary("Rigel checkpoint", checkpoint):
+            return build()
+
+    return loading.shared(key, checked)

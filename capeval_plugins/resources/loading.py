@@ -21,8 +21,12 @@ from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
+
 from capeval_plugins.core.messages import MissingExtra, install_extra
+from capeval_plugins.resources import wholeness
 from capeval_plugins.resources.accelerate_internals import dispatch_hook, execution_device
+# ModelLoadError is defined beside the checks that raise it; callers keep importing it from here
+from capeval_plugins.resources.wholeness import ModelLoadError, loader_boundary  # noqa: F401
 
 _cache: dict[Hashable, Any] = {}
 _lock = threading.RLock()
@@ -162,6 +166,32 @@ def placement_problem(device: Any, dtype: Any, device_map: Any = None, max_memor
             return "device 'meta' holds no data (nothing can be scored on it); use cpu, cuda or mps"
     if device_map is None and (max_memory is not None or offload_folder is not None):
         return "max_memory and offload_folder only apply with a device_map (e.g. device_map='auto')"
+    return device_map_problem(device_map)
+
+
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def device_map_problem(device_map: Any) -> str | None:
+    """Why ``device_map`` is neither a placement strategy, a device nor a mapping of module names to devices
+    (GPU indices, ``cpu``, ``disk``, device names), or None."""
+    try:
+        frozen = freeze_device_map(device_map)
+    except ValueError as err:
+        return str(err)
+    if frozen is None or (isinstance(frozen, str) and frozen in STRATEGIES):
+        return None
+    for target in ([frozen] if not isinstance(frozen, tuple) else [dev for _, dev in frozen]):
+        if isinstance(target, bool) or (isinstance(target, int) and target < 0):
+            return f"device_map names {target!r}, not a device"
+        if isinstance(target, int) or target == "disk":
+            continue
+        try:
+            torch.device(target)
+        except (RuntimeError, TypeError, ValueError):
+            where = "" if not isinstance(frozen, tuple) else " in it"
+            return (f"device_map {device_map!r}: {target!r}{where} is neither one of {STRATEGIES}, a device (cpu, "
+                    "cuda:1, disk, a GPU index) nor a mapping of module names to devices")
     return None
 
 
@@ -184,6 +214,10 @@ def device_problem(device: Any) -> str | None:
         available = getattr(backend, "is_available", None)
         if callable(available) and not available():
             return f"device {device!r}: no {parsed.type} device is available on this machine"
+        try:  # a type torch parses but this build cannot use (vulkan, opengl, ...): an empty tensor says so
+            torch.empty(0, device=parsed)
+        except Exception as err:  # noqa: BLE001  (RuntimeError, NotImplementedError, AssertionError by backend)
+            return f"device {device!r} cannot be used by this torch build ({type(err).__name__}); use cpu or cuda"
     return None
 
 
@@ -222,11 +256,17 @@ def load_model(
     max_memory: Any = None,
     offload_folder: str | None = None,
     share: bool = True,
+    allow_missing: tuple[str, ...] = (),
     **kwargs: Any,
 ) -> Any:
     """``loader.from_pretrained(name_or_path)`` in eval mode on the resolved device and dtype, without
     gradients; shared with every caller that asks for the same thing, unless ``share=False`` (a model that
     will be changed in place, e.g. by injecting LoRA layers, must be a copy of its own).
+
+    The model is checked whole (:mod:`capeval_plugins.resources.wholeness`): a local folder's config.json against its
+    weights' headers before anything is built, then transformers' loading report and every value; any fault, and
+    any failure of the loader itself, is one :class:`ModelLoadError` naming the file. ``allow_missing``: patterns
+    (regular expressions) of parameters the caller initialises on purpose, which the weights need not hold.
 
     With a ``device_map`` the model is placed by transformers and accelerate (``max_memory`` caps each device,
     ``offload_folder`` holds what goes to disk) and left where it was put; ``device`` then only says where
@@ -242,26 +282,26 @@ def load_model(
     folder = None if offload_folder is None else _folder(offload_folder)
     where = str(dev) if device_map is None else ("device_map", device_map, max_memory, folder)
     key = ("model", loader.__name__, _source_key(name_or_path), revision, where, str(dt), bool(trust_remote_code),
-           tuple(sorted(kwargs.items())))
+           tuple(sorted(kwargs.items())), tuple(allow_missing))
 
     def build() -> Any:
-        check_source(name_or_path, revision)
+        source = check_source(name_or_path, revision)
         placement: dict[str, Any] = {}
         if device_map is not None:
             require_accelerate("a device_map")
             placement = {"device_map": _thaw(device_map), "max_memory": _thaw(max_memory), "offload_folder": folder}
             placement = {k: v for k, v in placement.items() if v is not None}
-        try:
-            model = loader.from_pretrained(
-                name_or_path,
-                dtype=dt,
-                use_safetensors=True,
-                **hub_kwargs(revision, local_files_only, trust_remote_code),
-                **placement,
-                **kwargs,
-            )
-        except OSError as err:  # no such folder, not cached offline, no safetensors weights
-            raise _load_error("model", name_or_path, err) from err
+        hub = hub_kwargs(revision, local_files_only, trust_remote_code)
+        with loader_boundary("model", name_or_path):
+            label = wholeness.WEIGHTS_FILE
+            if source is not None:
+                label = wholeness.check_before_build(loader, name_or_path, source, hub, kwargs, allow_missing)
+            model, info = loader.from_pretrained(name_or_path, dtype=dt, use_safetensors=True, output_loading_info=True,
+                                                 ignore_mismatched_sizes=True, **hub, **placement, **kwargs)
+            problem = (wholeness.loaded_problem(model, info, label, allow_missing)
+                       or wholeness.nonfinite_problem(model, label))
+            if problem:
+                raise ModelLoadError(f"cannot load model {name_or_path!r}: {problem}")
         if device_map is None:  # a dispatched model stays where accelerate put it
             model = model.to(dev)
         return model.eval().requires_grad_(False)
@@ -332,13 +372,12 @@ def load_processor(
     key = ("processor", loader.__name__, _source_key(name_or_path), revision, bool(trust_remote_code),
            tuple(sorted(kwargs.items())))
     def build() -> Any:
-        check_source(name_or_path, revision)
+        folder = check_source(name_or_path, revision)
         hub = hub_kwargs(revision, local_files_only, trust_remote_code)
-        try:
+        with loader_boundary("processor", name_or_path):
             processor = loader.from_pretrained(name_or_path, **hub, **kwargs)
-        except OSError as err:
-            raise _load_error("processor", name_or_path, err) from err
-        check_vocabulary(processor, name_or_path, hub)
+            check_vocabulary(processor, name_or_path, hub)
+            check_tokenizer(processor, name_or_path, folder)
         return processor
 
     return shared(key, build)
@@ -348,10 +387,6 @@ def clear_cache() -> None:
     """Drop every shared model (frees memory once no metric holds them)."""
     with _lock:
         _cache.clear()
-
-
-class ModelLoadError(OSError):
-    """A model or processor that cannot be loaded (no such local folder, not in the cache offline, ...)."""
 
 
 def source_key(name_or_path: str) -> str:
@@ -374,9 +409,11 @@ def local_path_problem(value: str) -> str | None:
     return f"no such file or folder: {value}" if local else None
 
 
-# Text files a loader parses whole (configs, tokenizers, vocabularies): the largest real ones are tens of MB; a
-# sparse file of GBs would be read and parsed into several times its size before anything could check it.
-MAX_TEXT_FILE = 256 * 2**20
+# Text files a loader parses whole (configs, tokenizers, vocabularies, weight indexes). The largest real ones are
+# tokenizer.json files of big vocabularies: Qwen's 18.7 MB, Mistral's Tekken 19.3 MB, Gemma 3's about 33 MB; a
+# parsed JSON file costs about four times its size, so twice the largest real one is the bound (a 200 MB file
+# cost 800 MB, then a traceback).
+MAX_TEXT_FILE = 64 * 2**20
 _TEXT_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".py")
 
 
@@ -402,16 +439,17 @@ def source_folder(name_or_path: str, revision: str | None = None) -> str | None:
     return folder if os.path.isdir(folder) else None
 
 
-def check_source(name_or_path: str, revision: str | None = None) -> None:
+def check_source(name_or_path: str, revision: str | None = None) -> str | None:
     """Refuse, in one line naming the file, a model folder a loader would hang on or be misled by: every entry
     must be a regular file or a folder (a FIFO, a device, a link to ``/dev/zero`` is refused), a text file no
     larger than :data:`MAX_TEXT_FILE`, and every ``.safetensors`` file's header consistent with its size
-    (:mod:`capeval_plugins.resources.tensorfile`). Hidden names (``.git``, ``.cache``) are not read by loaders."""
+    (:mod:`capeval_plugins.resources.tensorfile`). Hidden names (``.git``, ``.cache``) are not read by loaders.
+    Returns the folder checked (None for a hub id not in the cache)."""
     from capeval_plugins.resources import tensorfile
 
     folder = source_folder(name_or_path, revision)
     if folder is None:
-        return
+        return None
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(n for n in names if not n.startswith(".")):
@@ -432,6 +470,57 @@ def check_source(name_or_path: str, revision: str | None = None) -> None:
                     tensorfile.check_file(path)
                 except tensorfile.TensorFileError as err:
                     raise ModelLoadError(f"cannot load {name_or_path!r}: {err}") from None
+    return folder
+
+
+def folder_problem(name_or_path: str, revision: str | None = None) -> str | None:
+    """What can be told of a model folder without loading anything, as one line, or None: :func:`check_source`,
+    then its config.json's sizes against its weights' headers (a diffusers pipeline: each part's). The command
+    line asks before any work (:mod:`capeval_plugins.preflight`); loading asks again."""
+    try:
+        folder = check_source(name_or_path, revision)
+        if folder is None:
+            return None
+        with loader_boundary("model", name_or_path):
+            if os.path.isfile(os.path.join(folder, "model_index.json")):
+                wholeness.pipeline_parts(folder)
+            elif os.path.isfile(os.path.join(folder, "config.json")):
+                wholeness.check_config(name_or_path, folder)
+    except ModelLoadError as err:
+        return str(err)
+    return None
+
+
+def load_config(name_or_path: str, revision: str | None = None, local_files_only: bool | None = None,
+                trust_remote_code: bool = False) -> Any:
+    """A checkpoint's transformers configuration, its folder checked first (:func:`check_source`); any failure is
+    one :class:`ModelLoadError`."""
+    from transformers import AutoConfig
+
+    check_source(name_or_path, revision)
+    with loader_boundary("the configuration of", name_or_path):
+        return AutoConfig.from_pretrained(name_or_path, **hub_kwargs(revision, local_files_only, trust_remote_code))
+
+
+def check_tokenizer(loaded: Any, name_or_path: str, folder: str | None) -> None:
+    """Refuse a tokenizer (or a processor's) whose tokenizer.json is not whole (:func:`wholeness.tokenizer_problem`:
+    e.g. a BPE vocabulary without its merges), naming the file."""
+    tokenizer = _tokenizer_of(loaded)
+    if tokenizer is None:
+        return
+    path = os.path.join(folder, "tokenizer.json") if folder else None
+    if path is not None and os.path.isfile(path):
+        data, where = wholeness.read_tokenizer_json(path), path
+    elif hasattr(tokenizer, "backend_tokenizer"):
+        import json
+
+        data, where = json.loads(tokenizer.backend_tokenizer.to_str()), f"the tokenizer of {name_or_path!r}"
+    else:
+        return
+    problem = wholeness.tokenizer_problem(data)
+    if problem:
+        raise ModelLoadError(f"cannot load the tokenizer of {name_or_path!r}: {where}: {problem}; copy the model "
+                             "folder again")
 
 
 def _tokenizer_of(loaded: Any) -> Any:
@@ -491,8 +580,3 @@ def check_vocabulary(loaded: Any, name_or_path: str, hub: Mapping[str, Any]) -> 
     where = f" ({', '.join(missing)} missing" + (f" in {folder})" if folder else ")") if missing else ""
     raise ModelLoadError(f"cannot load the tokenizer of {name_or_path!r}: {problem}: its vocabulary file is missing "
                          f"or incomplete{where}; copy the model folder again")
-
-
-def _load_error(kind: str, name_or_path: str, err: Exception) -> ModelLoadError:
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return ModelLoadError(f"cannot load {kind} {name_or_path!r}: {first}")

@@ -35,6 +35,27 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _text(value: str) -> bool:
+    """Whether ``value`` is text the safetensors library can take: JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which are not Unicode scalar values."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _fits_64_bits(shape: list[int]) -> bool:
+    """Whether every dimension and each running product of them fits an unsigned 64-bit size, as the library
+    multiplies them (a dimension of 2**64 beside a 0 is no tensor it can read)."""
+    size = 1
+    for dim in shape:
+        size *= dim
+        if dim >= 2**64 or size >= 2**64:
+            return False
+    return True
+
+
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
@@ -69,10 +90,14 @@ def entries_problem(header: Mapping[str, Any], data_size: int) -> str | None:
     if metadata is not None and not (isinstance(metadata, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         return "__metadata__ must map strings to strings"
+    if metadata is not None and not all(_text(k) and _text(v) for k, v in metadata.items()):
+        return "__metadata__ holds a string that is not valid Unicode (a lone surrogate escape)"
     spans = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
+        if not _text(name):
+            return f"tensor name {name!r} is not valid Unicode (a lone surrogate escape)"
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             return f"tensor {name!r} is not an object of dtype, shape and data_offsets"
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
@@ -82,6 +107,8 @@ def entries_problem(header: Mapping[str, Any], data_size: int) -> str | None:
             return f"tensor {name!r} has dtype {dtype!r}, which torch's safetensors loader does not read"
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             return f"tensor {name!r} has a shape that is not a list of non-negative integers: {shape!r}"
+        if not _fits_64_bits(shape):
+            return f"tensor {name!r} has a shape {shape} whose size overflows 64 bits"
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
                 and 0 <= offsets[0] <= offsets[1] <= data_size):
             return f"tensor {name!r} has data offsets {offsets!r} outside its {data_size} bytes of data"

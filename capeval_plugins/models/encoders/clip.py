@@ -208,12 +208,11 @@ def check_siglip_features(value: str) -> None:
 def model_class(spec: EncoderSpec):
     """The transformers class for a checkpoint: BLIP's image-text retrieval model when its configuration names
     it (AutoModel would load a BlipModel and leave its ITM projections untrained), else AutoModel."""
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
     try:
-        config = AutoConfig.from_pretrained(spec.model, **loading.hub_kwargs(spec.revision, spec.local_files_only,
-                                                                             spec.trust_remote_code))
-    except (OSError, ValueError):
+        config = loading.load_config(spec.model, spec.revision, spec.local_files_only, spec.trust_remote_code)
+    except loading.ModelLoadError:
         return AutoModel  # let AutoModel report the problem
     if "BlipForImageTextRetrieval" in (getattr(config, "architectures", None) or []):
         from transformers import BlipForImageTextRetrieval

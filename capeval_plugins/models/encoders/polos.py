@@ -88,17 +88,6 @@ class PolosModel(PreTrainedModel):
             module.weight.data.normal_(mean=0.0, std=0.02)
             module.bias.data.zero_()
 
-    @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "PolosModel":
-        """``PreTrainedModel.from_pretrained``, but a folder missing any parameter is an error, never a model
-        with random parts."""
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
-        if problems or info.get("error_msgs"):
-            raise ValueError(f"{args[0] if args else 'Polos'}: the weights do not match the configuration: "
-                             f"{problems or info['error_msgs']}")
-        return model
-
     def sentence_embeddings(self, input_ids: Tensor, attention_mask: Tensor,
                             statistics: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """t(x) for a padded batch (B, L): the CLS row of the scalar mix of every hidden state, each normalised

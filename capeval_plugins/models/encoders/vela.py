@@ -119,17 +119,6 @@ class VelaHead(PreTrainedModel):
         elif isinstance(module, nn.Embedding):
             module.weight.data.normal_(mean=0.0, std=0.02)
 
-    @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "VelaHead":
-        """``PreTrainedModel.from_pretrained``, but a folder missing any parameter is an error, never a head with
-        random parts."""
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
-        if problems or info.get("error_msgs"):
-            raise ValueError(f"{args[0] if args else 'VELA'}: the weights do not match the configuration: "
-                             f"{problems or info['error_msgs']}")
-        return model
-
     def forward(self, r2c: Tensor, i2c: Tensor) -> Tensor:
         """(N, aspects) scores from the branch features ``r2c`` (N, 2H) and ``i2c`` (N, 2D)."""
         cfg = self.config

@@ -318,18 +318,6 @@ class ViLBertModel(PreTrainedModel):
             module.weight.data.fill_(1.0)
             module.bias.data.zero_()
 
-    @classmethod
-    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "ViLBertModel":
-        """``PreTrainedModel.from_pretrained``, but a folder missing any parameter is an error, never a model
-        with random parts."""
-        want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
-        if problems or info.get("error_msgs"):
-            raise ValueError(f"{args[0] if args else 'ViLBERT'}: the weights do not match the configuration: "
-                             f"{problems or info['error_msgs']}")
-        return (model, info) if want_info else model
-
     def embed_regions(self, features: Tensor, locations: Tensor) -> Tensor:
         """Region embeddings (B, R, v_hidden) of features (B, R, v_feature_size) and locations (B, R, 5)."""
         return self.v_embeddings(features, locations)

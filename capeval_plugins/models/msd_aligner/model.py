@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from capeval_plugins.core import jsonio
-from capeval_plugins.resources import loading
+from capeval_plugins.resources import loading, wholeness
 from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec, LocalFeatures, mean_pooled
 from capeval_plugins.core.messages import warn_once
@@ -293,6 +293,10 @@ def _tensors(path: Path, name: str, keys: Sequence[str]) -> dict[str, Tensor]:
     missing = [k for k in keys if k not in tensors]
     if missing:
         raise ValueError(f"{file}: missing tensor(s) {missing}")
+    wanted = {k: tuple(tensors[k].shape) for k in keys}  # shapes: checked against each other by the caller
+    problem = wholeness.tensors_problem(tensors, wanted, str(file))  # nothing else, every value finite
+    if problem:
+        raise ValueError(problem)
     return tensors
 
 
@@ -304,7 +308,11 @@ def load_aligner(checkpoint: str | os.PathLike, spec: EncoderSpec,
                  settings: AlignerSettings | None = None) -> LocalAligner:
     """Load an aligner directory (not shared; :meth:`LocalAligner.shared` shares it), checking that every file is
     there and every size agrees with the others and with the vision backbone ``spec`` loads."""
-    path = Path(checkpoint)
+    with loading.loader_boundary("MSD aligner", checkpoint):
+        return _load_aligner(Path(checkpoint), spec, settings)
+
+
+def _load_aligner(path: Path, spec: EncoderSpec, settings: AlignerSettings | None) -> LocalAligner:
     settings = settings or read_settings(path)
     where = f"MSD aligner {path}"
     weights = _tensors(path, PROJECTOR_FILE, ("weight", "bias"))
