@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 from capeval_plugins.checkpoint import RunStore, batch_digest
 from capeval_plugins.contract import Metric, MetricResult
 from capeval_plugins.core.textcodec import decode_texts, encode_texts
-from capeval_plugins.digests import ContentDigests
+from capeval_plugins.digests import ContentDigests, unresolved
 from capeval_plugins.inputs import InputError, text_problem
 from capeval_plugins.image_sources import ImageSource, image_source
 from capeval_plugins.models.captioner import Captioner, as_captioner
@@ -67,9 +67,9 @@ def caption_and_score(images: Sequence[Any], metrics: Mapping[str, Metric] | Seq
         raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
     describe = describe or (lambda i: f"sample {i}")
     sources = image_sources(images, describe)
-    # every metric's checks of the images and references, before the captioner loads (captions stand in empty)
+    # every metric's checks of the images and references, before the captioner loads (a caption stands in)
     Session(metrics, on_error=on_error, describe=describe).validate(
-        Corpus([""] * len(sources), list(images), references, describe=describe))
+        Corpus(["a photo"] * len(sources), list(images), references, describe=describe))
     captions, done, resumed = caption_images(captioner, sources, batch_size, describe=describe, progress=progress,
                                              run_dir=None if run_dir is None else caption_folder(run_dir),
                                              restart=restart, stop=stop)
@@ -166,8 +166,12 @@ def _open_store(run_dir: str, captioner: Captioner, sources: Sequence[ImageSourc
                 restart: bool) -> RunStore:
     contents = ContentDigests()
     images = Corpus([None] * len(sources), [s.value for s in sources]).digest(contents)
+    identity = captioner.identity()
+    if unresolved(identity.get("model")):  # a hub model not cached yet: downloaded now, so the run is keyed by
+        captioner.load()                    # its commit (else a resumed run would find another captioner)
+        identity = captioner.identity()
     store = RunStore(run_dir)
-    store.open({"metrics": {CAPTIONS: captioner.identity()}, "inputs": images, "batch_size": batch_size}, restart)
+    store.open({"metrics": {CAPTIONS: identity}, "inputs": images, "batch_size": batch_size}, restart)
     return store
 
 
