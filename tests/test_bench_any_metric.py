@@ -96,7 +96,8 @@ def write_rows(path, rows):
 
 
 @pytest.mark.parametrize("key, matched_by", [("path", "image path"), ("name", "image file name"),
-                                             ("absolute", "image file name"), ("row", "row")])
+                                             ("absolute", "image file name"), ("stem", "image name without suffix"),
+                                             ("row", "row")])
 def test_score_files_match_by_row_path_or_file_name_and_say_which(tmp_path, key, matched_by):
     ratings = data()
     images, cands = ratings.captions.images, ratings.captions.candidates
@@ -104,7 +105,8 @@ def test_score_files_match_by_row_path_or_file_name_and_say_which(tmp_path, key,
     if key == "row":
         rows = [{"row": i, "score": s} for i, s in reversed(list(enumerate(scores)))]  # no image nor caption
     else:
-        name = {"path": lambda p: p, "name": lambda p: p.split("/")[-1], "absolute": lambda p: f"/home/me/{p}"}[key]
+        name = {"path": lambda p: p, "name": lambda p: p.split("/")[-1], "absolute": lambda p: f"/home/me/{p}",
+                "stem": lambda p: p.split("/")[-1].removesuffix(".jpg")}[key]
         rows = [{"image": name(im), "caption": c, "score": s} for im, c, s in zip(images, cands, scores)][::-1]
     path = write_rows(tmp_path / "theirs.jsonl", rows)
     matched = match_score_file(path, ratings)

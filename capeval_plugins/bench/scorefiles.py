@@ -9,8 +9,9 @@ the key of its benchmark row, one of:
   two SugarCrepe pairs);
 - ``image`` and ``caption`` (whitespace-normalised), the image as the benchmark file names it (its path), or
   else by its file name alone (``1000268201.jpg`` for ``Flicker8k_Dataset/1000268201.jpg``; an absolute path
-  of the user's own machine matches so too). A file name that names two of the benchmark's images is refused
-  in one line: key such a file by path or row. ``category`` is matched too when the file has that column
+  of the user's own machine matches so too), or else by that name without its suffix (``0001.jpg`` for
+  Nebula's ``0001``). A short name that names two of the benchmark's images is refused in one line: key such a
+  file by path or row. ``category`` is matched too when the file has that column
   (FOIL's 1-ref and 4-ref settings score one caption twice).
 
 Which key matched is reported (``matched_by``). Every other numeric column is a per-sample extra
@@ -117,12 +118,13 @@ def match_score_file(path: str | os.PathLike, data: Ratings | Pairs) -> Matched:
     else:
         categories = row_categories(data)
         found, how = _by_key(path, rows, images, cands, categories), "image path"
-        if any(k is None for k in found):
-            names = [os.path.basename(name) for name in images]
-            _check_file_names(path, rows, images, names)
-            by_name = _by_key(path, rows, names, cands, categories, basename=True)
+        for label, short in IMAGE_KEYS:  # shorter keys, while rows are left without a score
+            if all(k is not None for k in found):
+                break
+            _check_short_names(path, rows, images, short, label)
+            by_name = _by_key(path, rows, [short(name) for name in images], cands, categories, short)
             if sum(k is not None for k in by_name) > sum(k is not None for k in found):
-                found, how = by_name, "image file name"
+                found, how = by_name, label
     missing = [i for i, k in enumerate(found) if k is None]
     if missing:
         i = missing[0]
@@ -142,17 +144,30 @@ def match_score_file(path: str | os.PathLike, data: Ratings | Pairs) -> Matched:
     return Matched(scores, extras, how)
 
 
-def _check_file_names(path, rows: Sequence[dict], images: list[str], names: list[str]) -> None:
-    """A file name the score file uses that names two of the benchmark's images is refused: its scores could
+def _file_name(image: str) -> str:
+    return os.path.basename(image)
+
+
+def _stem(image: str) -> str:
+    return os.path.splitext(os.path.basename(image))[0]
+
+
+# Shorter keys of an image, tried in turn after its path: its file name (a benchmark's "Flicker8k_Dataset/1.jpg"
+# for a file's "1.jpg" or "/home/me/1.jpg"), then its name without suffix (Nebula's "0001" for "0001.jpg").
+IMAGE_KEYS = (("image file name", _file_name), ("image name without suffix", _stem))
+
+
+def _check_short_names(path, rows: Sequence[dict], images: list[str], short, label: str) -> None:
+    """A short name the score file uses that names two of the benchmark's images is refused: its scores could
     land on the wrong image."""
     paths_of: dict[str, set[str]] = {}
-    for image, name in zip(images, names):
-        paths_of.setdefault(name, set()).add(image)
+    for image in images:
+        paths_of.setdefault(short(image), set()).add(image)
     for k, row in enumerate(rows):
-        name = os.path.basename(_text(row["image"], "image", f"{path}: row {k}"))
+        name = short(_text(row["image"], "image", f"{path}: row {k}"))
         if len(paths_of.get(name, ())) > 1:
             two = sorted(paths_of[name])[:2]
-            raise InputError(f"{path}: row {k}: image file name {name!r} names {len(paths_of[name])} benchmark images "
+            raise InputError(f"{path}: row {k}: {label} {name!r} names {len(paths_of[name])} benchmark images "
                              f"({two[0]!r}, {two[1]!r}, ...); key the scores by the image path or by 'row'")
 
 
@@ -189,13 +204,13 @@ def _row_number(value: Any, where: str) -> int:
 
 
 def _by_key(path, rows: Sequence[dict], images: list[str], cands: list[str],
-            categories: list[str] | None, basename: bool = False) -> list[int | None]:
+            categories: list[str] | None, short=None) -> list[int | None]:
     use_category = categories is not None and all("category" in r for r in rows)
     table: dict[tuple, int] = {}
     for k, row in enumerate(rows):
         where = f"{path}: row {k}"
         image = _text(row["image"], "image", where)
-        key = (os.path.basename(image) if basename else image, clean(_text(row["caption"], "caption", where)))
+        key = (short(image) if short else image, clean(_text(row["caption"], "caption", where)))
         if use_category:
             key += (str(row["category"]),)
         if key in table:
