@@ -53,8 +53,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--metric", action="append", default=[], help="registered metric name (repeatable)")
     p.add_argument("--scores", action="append", default=[], metavar="NAME=FILE",
                    help="per-sample scores computed elsewhere: JSON Lines / CSV / Parquet with score and the "
-                        "benchmark row (row), or image (its path, its file name, or that name without suffix) and caption (repeatable; "
-                        "compared with the --metric runs; which key matched is printed)")
+                        "benchmark row (row), or image (its path, its file name, or that name without suffix) and "
+                        "caption (repeatable; compared with the --metric runs; which key matched is printed)")
     p.add_argument("--function", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
                    help="a scoring function of your own, fn(images, candidates, references) -> one score per row "
                         "(an importable module or a .py file; repeatable; evaluated like a metric)")
