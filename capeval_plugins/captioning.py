@@ -102,8 +102,9 @@ def named_metrics(metrics: Any) -> dict[str, Metric]:
 
 def image_sources(images: Sequence[Any], describe: Callable[[int], str]) -> list[ImageSource]:
     """Every image checked before any model loads; the first bad one is refused naming its sample."""
-    if images is None or isinstance(images, (str, bytes)) or not len(images):
-        raise InputError("images: give a non-empty sequence of images (paths, PIL images, arrays)")
+    if images is None or isinstance(images, (str, bytes, set, frozenset)) or not hasattr(images, "__len__") \
+            or not len(images):
+        raise InputError("images: give a non-empty sequence of images (paths, PIL images, arrays), in order")
     checked: dict = {}
     sources = []
     for i, image in enumerate(images):

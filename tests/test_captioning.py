@@ -197,6 +197,12 @@ def test_a_function_that_answers_wrongly_is_refused_in_one_line(photos, answer, 
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("images", [[], None, "a.png", (p for p in ["a.png"]), {"a.png"}])
+def test_images_that_are_no_sequence_are_refused_in_one_line(images):
+    with pytest.raises(InputError, match="give a non-empty sequence of images"):
+        caption_and_score(images, ["cider"], lambda ims: ["a"] * len(ims), None)
+
+
 def test_missing_references_are_refused_before_any_caption(photos):
     calls = []
     with pytest.raises(InputError, match="cider needs references"):
