@@ -85,16 +85,15 @@ def named_metrics(metrics: Any) -> dict[str, Metric]:
     """``{name: metric}`` from a mapping, one metric or name, or a sequence of metrics and registered names."""
     from capeval_plugins import registry
 
-    if isinstance(metrics, Mapping):
-        return dict(metrics)
     if isinstance(metrics, (str, Metric)):
         metrics = [metrics]
+    pairs = list(metrics.items()) if isinstance(metrics, Mapping) else [(None, m) for m in metrics]
     out: dict[str, Metric] = {}
-    for metric in metrics:
+    for name, metric in pairs:
         metric = registry.load(metric) if isinstance(metric, str) else metric
         if not isinstance(metric, Metric):
             raise InputError(f"metrics: {type(metric).__name__} is not a metric (capeval_plugins.load(name))")
-        out[metric.info.name] = metric
+        out[metric.info.name if name is None else name] = metric
     if not out:
         raise InputError("no metric given")
     return out

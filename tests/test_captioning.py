@@ -203,6 +203,13 @@ def test_images_that_are_no_sequence_are_refused_in_one_line(images):
         caption_and_score(images, ["cider"], lambda ims: ["a"] * len(ims), None)
 
 
+def test_metrics_by_name_or_label_and_a_non_metric_refused(photos):
+    done = caption_and_score(photos[:2], {"mine": "cider"}, lambda ims: ["a dog"] * len(ims), REFS[:2])
+    assert list(done.results) == ["mine"]
+    with pytest.raises(InputError, match="builtin_function_or_method is not a metric"):
+        caption_and_score(photos[:2], {"x": len}, lambda ims: ["a"] * len(ims), REFS[:2])
+
+
 def test_missing_references_are_refused_before_any_caption(photos):
     calls = []
     with pytest.raises(InputError, match="cider needs references"):
