@@ -418,6 +418,16 @@ class Metric(abc.ABC):
         a model's config file is fine); a usage error found here costs the user no wait."""
         return None
 
+    @classmethod
+    def tiny_recipe(cls) -> dict[str, Any] | None:
+        """Options that build this metric on tiny offline models in seconds on a CPU (e.g. a checkpoint from
+        :func:`capeval_plugins.testing.tiny_checkpoint`), for tests: the metric test kit
+        (:mod:`capeval_plugins.testing.kit`) builds a class with them, and the package's own suite runs its
+        per-metric tests on a third-party metric installed beside it with them. ``None`` (the default): no
+        recipe; the suite then skips that metric's per-metric tests, saying so. The package's own metrics keep
+        theirs in its test suite (docs/adding-a-metric.md)."""
+        return None
+
     def references_required(self) -> bool:
         """Whether this configured metric cannot score without references (``info.references`` says what the
         method may use; an instance can need them where the method does not always, e.g. MID without a

@@ -309,3 +309,24 @@ def no_order_probe(monkeypatch):
     from capeval_plugins import session
 
     monkeypatch.setattr(session, "check_row_order", lambda *args: None)
+
+
+def third_party_metrics() -> list[str]:
+    """The registered metrics that come from a plugin installed beside the package, not from the package."""
+    from capeval_plugins import registry
+
+    return sorted(name for name, entry in registry.metrics().items() if entry.plugin != registry.BUILTIN)
+
+
+def declared_recipe(name: str) -> dict:
+    """The tiny recipe a third-party metric declares (``Metric.tiny_recipe``) for the suite's per-metric tests;
+    without one the test is skipped, saying why: the suite tests the package's own metrics on its own recipes and
+    an installed plugin's only on the recipe the plugin gives (docs/adding-a-metric.md)."""
+    from capeval_plugins import registry
+
+    entry = registry.get(name)
+    recipe = entry.cls.tiny_recipe()
+    if recipe is None:
+        pytest.skip(f"{name} comes from the installed plugin {entry.distribution or entry.plugin!r}, which declares no "
+                    "tiny recipe (Metric.tiny_recipe, docs/adding-a-metric.md): its per-metric tests are not run here")
+    return dict(recipe)

@@ -67,6 +67,14 @@ NOT_RUN = {
     ("docs/ecosystems/lmms-eval.md", "pip install -e"): "installs an extra",
     ("docs/testing.md", "venv-tf457"): "builds a venv with another transformers (an opt-in check, see the page)",
     ("docs/testing.md", "make lock"): "resolves both environments anew and runs the suite (tests/test_pins.py)",
+    # the example plugin's files and commands: tests/test_metric_kit.py checks the page shows the files as they are,
+    # installs the plugin with pip and runs its tests and the suite's per-metric tests with it installed
+    ("docs/adding-a-metric.md", "class WordPrecisionConfig"): "a file of examples/plugin (tests/test_metric_kit.py)",
+    ("docs/adding-a-metric.md", "def capeval_metrics"): "a file of examples/plugin (tests/test_metric_kit.py)",
+    ("docs/adding-a-metric.md", "class TestWordPrecision"): "a file of examples/plugin (tests/test_metric_kit.py)",
+    ("docs/adding-a-metric.md", "pip install -e examples/plugin"): "installs the example plugin",
+    ("docs/adding-a-metric.md", 'evaluate.load("word_precision")'): "needs the example plugin installed",
+    ("docs/adding-a-metric.md", "pytest examples/plugin/tests"): "needs the example plugin installed",
     # metric cards: what each needs that is not here (hub weights, released checkpoints, benchmark files)
     ("metric_cards/meteor/README.md", "capeval bench flickr8k-expert --data flickr8k.json --metric meteor"):
         "a benchmark's annotation file (FLEUR's annotations/flickr8k.json; tests/test_bench_*.py)",

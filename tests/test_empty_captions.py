@@ -1,17 +1,20 @@
 """An empty or blank caption is an answer to score, for every registered metric (DESIGN.md: "an empty generation is
 an answer and gets the reference implementation's score"): each metric, built on tiny models, scores a corpus in
 which some captions are "", "   " or "\\t" and gives every sample a finite number in the metric's range, and
-skips none. The reference implementations' own numbers for "" are checked where they run here:
+skips none. The package's metrics run on the tiny recipes below; a metric of a plugin installed beside the package
+runs on the recipe it declares (``Metric.tiny_recipe``) and is skipped, saying so, when it declares none. The
+reference implementations' own numbers for "" are checked where they run here:
 the classic metrics against pycocoevalcap (tests/test_pycocoevalcap_adapter.py), BERTScore against bert_score
 (tests/test_bertscore.py)."""
 from __future__ import annotations
 
 import json
 import math
+from typing import Callable
 
 import pytest
 import torch
-from conftest import has_java, random_image
+from conftest import declared_recipe, has_java, random_image
 from test_lvlm import scripted_llava, sharp_llava
 from test_resume_every_metric import EXPERT_JUDGE, rigel_checkpoint
 
@@ -45,28 +48,28 @@ def corpus(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def recipes(tiny_root, corpus) -> dict[str, dict]:
-    """Options that build every registered metric on tiny models."""
+def recipes(tiny_root, corpus) -> dict[str, Callable[[], dict]]:
+    """Options that build each of the package's metrics on tiny models (built when a test asks for them)."""
     from capeval_plugins.testing import tiny_checkpoint
 
-    models = {k: str(tiny_checkpoint(k, root=tiny_root)) for k in ("clip", "roberta", "deberta_v3", "vilt", "dino", "pacs", "pacs_pp", "polos", "vela")}
-    judge = scripted_llava(("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog"))
+    model = lambda kind: str(tiny_checkpoint(kind, root=tiny_root))  # noqa: E731
+    judge = lambda: scripted_llava(("▁[/INST]", "▁", "0", ".", "8", "A", "▁dog"))  # noqa: E731
     return {
-        "clipscore": {"model": models["clip"]}, "refclipscore": {"model": models["clip"]},
-        "mid": {"model": models["clip"]}, "msd_score": {"model": models["clip"]},
-        "soft_msd": {"model": models["clip"]}, "bertscore": {"model": models["roberta"]},
-        "pacscore": {"model": models["pacs"]}, "refpacscore": {"model": models["pacs"]},
-        "pacscore_pp": {"model": models["pacs_pp"]}, "refpacscore_pp": {"model": models["pacs_pp"]},
-        "polos": {"model": models["polos"]}, "vela": {"model": models["vela"]},
-        **{name: {} for name in NEEDS_JAVA},
-        "fleur": {"model": judge}, "discode": {"model": judge},
-        "expert": {"model": scripted_llava(EXPERT_JUDGE), "max_new_tokens": 8},
-        "rigel": {"checkpoint": rigel_checkpoint(sharp_llava())},
-        "vilbertscore": {"model": models["vilt"]},
-        "dino_cycle": {"model": models["dino"], "generated_images": corpus["drawn"]},
-        "redemption_score": {"clip_model": models["clip"], "dino_model": models["dino"],
-                             "generated_images": corpus["drawn"], "bertscore_model": models["deberta_v3"],
-                             "bertscore_num_layers": 2},
+        "clipscore": lambda: {"model": model("clip")}, "refclipscore": lambda: {"model": model("clip")},
+        "mid": lambda: {"model": model("clip")}, "msd_score": lambda: {"model": model("clip")},
+        "soft_msd": lambda: {"model": model("clip")}, "bertscore": lambda: {"model": model("roberta")},
+        "pacscore": lambda: {"model": model("pacs")}, "refpacscore": lambda: {"model": model("pacs")},
+        "pacscore_pp": lambda: {"model": model("pacs_pp")}, "refpacscore_pp": lambda: {"model": model("pacs_pp")},
+        "polos": lambda: {"model": model("polos")}, "vela": lambda: {"model": model("vela")},
+        **{name: dict for name in NEEDS_JAVA},
+        "fleur": lambda: {"model": judge()}, "discode": lambda: {"model": judge()},
+        "expert": lambda: {"model": scripted_llava(EXPERT_JUDGE), "max_new_tokens": 8},
+        "rigel": lambda: {"checkpoint": rigel_checkpoint(sharp_llava())},
+        "vilbertscore": lambda: {"model": model("vilt")},
+        "dino_cycle": lambda: {"model": model("dino"), "generated_images": corpus["drawn"]},
+        "redemption_score": lambda: {"clip_model": model("clip"), "dino_model": model("dino"),
+                                     "generated_images": corpus["drawn"], "bertscore_model": model("deberta_v3"),
+                                     "bertscore_num_layers": 2},
     }
 
 
@@ -74,8 +77,12 @@ def recipes(tiny_root, corpus) -> dict[str, dict]:
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("name", sorted(registry.metrics()))
 def test_every_metric_scores_an_empty_caption(name, recipes, corpus):
-    if name not in recipes:
+    if registry.get(name).plugin != registry.BUILTIN:  # an installed plugin's metric: on the recipe it declares
+        options = declared_recipe(name)
+    elif name not in recipes:
         pytest.fail(f"{name} has no tiny recipe here: add one, so that its empty-caption score is checked")
+    else:
+        options = recipes[name]()
     if name in NEEDS_JAVA and not has_java():
         pytest.skip("Java is needed for PTB tokenisation")
     if name == "spice":
@@ -83,7 +90,7 @@ def test_every_metric_scores_an_empty_caption(name, recipes, corpus):
 
         if not spice_available():
             pytest.skip("SPICE's CoreNLP jars are fetched online on first use")
-    metric = registry.load(name, **recipes[name])
+    metric = registry.load(name, **options)
     result = runner.score(metric, corpus["images"], corpus["captions"], corpus["references"])
     assert not result.skipped and result.corpus_extras.get("n_skipped", 0) == 0
     assert torch.isfinite(result.scores).all(), (name, result.scores[list(BLANK)])

@@ -470,7 +470,7 @@ def test_an_answer_without_a_score_is_nan_counted_or_an_error():
     assert np.isnan(result.scores.numpy()).all() and result.corpus_extras["n_invalid"] == 2
     assert result.extras["explanation"] == [None, None] and result.extras["raw_score"].tolist() == [2.0, 2.0]
     assert any("outside 0.0-1.0" in str(w.message) for w in caught)
-    with pytest.raises(Exception, match="outside 0.0-1.0"):
+    with pytest.raises(ValueError, match="no valid score in the judge's answer for sample 0: .*outside 0.0-1.0"):
         expert(path, on_invalid="raise")(images[:2], captions[:2])
 
 

@@ -25,6 +25,8 @@ import capeval_plugins
 from capeval_plugins import runner
 from capeval_plugins.checkpoint import FORMAT, LOCK, MANIFEST, RunFolderError
 from capeval_plugins.cli import main
+from capeval_plugins.files import UnsafePath
+from capeval_plugins.inputs import InputError
 
 N = 40
 
@@ -306,7 +308,7 @@ def test_every_other_output_is_refused_as_a_link_or_an_input(files, tmp_path, ca
     theirs.write_text(json.dumps({"image": "a.png", "caption": "x", "score": 1}) + "\n"
                       + json.dumps({"image": "b.png", "caption": "y", "score": 2}) + "\n")
     before = theirs.read_bytes()
-    with pytest.raises(Exception, match="is an input of this run"):  # --save-scores DIR would replace --scores
+    with pytest.raises(InputError, match="is an input of this run"):  # --save-scores DIR would replace --scores
         run_benchmark("nebula", data, scores={"theirs": str(theirs)}, save_scores=theirs.parent, bootstrap=0,
                       progress=False)
     assert theirs.read_bytes() == before
@@ -359,7 +361,7 @@ def test_a_training_output_folder_keeps_the_users_files_and_overwrite_discards_o
     (out / "training_state" / "record.json").write_text("the user's too")
     state, loaded = start_or_resume(out, "sig", overwrite=True)  # --overwrite: nothing of the user's goes
     assert loaded is None and (out / "training_state" / "record.json").read_text() == "the user's too"
-    with pytest.raises(Exception, match="not capeval's"):
+    with pytest.raises(UnsafePath, match="not capeval's"):
         state.save({"signature": "sig"}, {"head": {"w": torch.ones(2)}}, None)
     assert (out / "config.json").read_text() == "the user's"
     fresh = tmp_path / "fresh"
@@ -368,7 +370,7 @@ def test_a_training_output_folder_keeps_the_users_files_and_overwrite_discards_o
     state.save({"signature": "sig", "step": 2}, {"head": {"w": torch.zeros(2)}}, None)
     record, tensors, _ = RunState(fresh).load()
     assert record["step"] == 2 and torch.equal(tensors["head"]["w"], torch.zeros(2))
-    with pytest.raises(Exception, match="not a plain file name"):
+    with pytest.raises(UnsafePath, match="not a plain file name"):
         output_folder(fresh).write("../escape.txt", b"x")
 
 
@@ -759,7 +761,7 @@ def test_caches_never_read_or_write_through_planted_links(tmp_path):
     target.write_bytes(b"the user's file")
     link = tmp_path / "scores.sqlite"
     link.symlink_to(target)
-    with pytest.raises(Exception, match="symbolic link"):
+    with pytest.raises(UnsafePath, match="symbolic link"):
         ScoreCache(link)
 
     class Solid(TextToImage):
@@ -792,10 +794,10 @@ def test_evaluate_module_and_a_diagnostics_png_refuse_links(tmp_path):
     target.write_text("the user's file")
     (tmp_path / "clipscore").mkdir()
     (tmp_path / "clipscore" / "README.md").symlink_to(target)
-    with pytest.raises(Exception, match="symbolic link"):
+    with pytest.raises(UnsafePath, match="symbolic link"):
         module_file("clipscore", tmp_path)
     (tmp_path / "map.png").symlink_to(target)
-    with pytest.raises(Exception, match="symbolic link"):
+    with pytest.raises(UnsafePath, match="symbolic link"):
         render_patch_map(random_image(0), [0.1, 0.5, 0.2, 0.9], path=tmp_path / "map.png", grid=(2, 2))
     assert target.read_text() == "the user's file"
 

@@ -3,6 +3,10 @@ text, corpus, group, composite and LVLM metrics, and the Java ones where Java is
 and run again from its run folder, ends with the same bits as an uninterrupted run. A sample's score must not
 depend on which other samples were still to do (BERTScore's corpus preparation once did).
 
+A metric of a plugin installed beside the package is run by the metric test kit's resume check
+(``capeval_plugins.testing.kit.check_resume``) on the tiny recipe it declares (``Metric.tiny_recipe``); one that
+declares none is skipped, saying so.
+
 The runs are in this process, one metric family per test (the metrics of a family share their backbones, loaded
 once): the interruption stops after a chosen batch of the runner's own plan (``runner.schedule``). The command
 line's real SIGINT and its output bytes are tests/test_cli.py's (test_an_interrupted_run_resumes_to_the_same_bits).
@@ -15,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import StopAfter, has_java, random_image
+from conftest import StopAfter, declared_recipe, has_java, random_image, third_party_metrics
 from test_lvlm import scripted_llava, sharp_llava
 
 from capeval_plugins import registry
@@ -158,3 +162,18 @@ def test_every_metric_resumes_to_the_same_bits(family, tiny_root, corpus_files, 
         bounds = registry.get(name).info.score_range  # every default stays inside the range its paper states
         if bounds is not None:
             assert bounds[0] <= float(result.scores.min()) and float(result.scores.max()) <= bounds[1], (name, bounds)
+
+
+PLUGINS = third_party_metrics() or ["no-plugin-installed"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name", PLUGINS)
+def test_every_plugin_metric_resumes_to_the_same_bits(name):
+    from capeval_plugins.testing import kit
+
+    if name not in registry.metrics():
+        pytest.skip("no third-party metric is installed beside the package")
+    recipe, cls = declared_recipe(name), registry.get(name).cls
+    kit.check_resume(lambda **overrides: cls(**{**recipe, **overrides}), kit.sample_corpus(cls.info))

@@ -16,6 +16,7 @@ from conftest import needs_torchvision, random_image
 
 import capeval_plugins
 from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge, VisualInput
+from capeval_plugins.inputs import InputError
 from capeval_plugins.testing import scratch_folder
 from capeval_plugins.models.rigel import (LABELS, RigelSettings, load_private_backbone, paper_prompts,
                                           render_prompt)
@@ -326,7 +327,7 @@ def test_videos_and_images_score_in_one_call():
     captions = ["A dog runs.", "A cat.", "Two kids play.", "A red car."]
     result = capeval_plugins.load("rigel", checkpoint=checkpoint())(visuals, captions)
     assert torch.allclose(result.scores, independent_scores(visuals, captions), atol=1e-5)
-    with pytest.raises(Exception, match="video has no frames"):
+    with pytest.raises(InputError, match="sample 0: video has no frames"):
         capeval_plugins.load("rigel", checkpoint=checkpoint())([[]], ["x"])
 
 

@@ -432,12 +432,24 @@ def test_phase1_with_the_kl_objective_lowers_the_kl_to_the_teacher(splits, tmp_p
 def test_phase2_with_a_random_head_freezes_a_fresh_seeded_head(short_phase1):
     settings = read_settings(short_phase1)
     rigel = build_trainable(spec(), short_phase1, Phase2Config(head_init="random", seed=3))
+    # Expected without the code's own build_head: the head the settings describe (the tiny backbone's 32-wide
+    # hidden state, one 64-wide ReLU layer, five labels) as plain torch Linear layers drawn in order from seed 3,
+    # and its forward pass written out in numpy.
     torch.manual_seed(3)
-    fresh = settings.build_head()
+    plain = [torch.nn.Linear(32, 64), torch.nn.Linear(64, 5)]
+    want = [t.detach() for layer in plain for t in (layer.weight, layer.bias)]
+    got = list(rigel.head.parameters())
+    assert [tuple(t.shape) for t in got] == [(64, 32), (64,), (5, 64), (5,)]
     distilled = load_head(short_phase1, settings)
-    for got, want, phase1 in zip(rigel.head.parameters(), fresh.parameters(), distilled.parameters()):
-        assert torch.equal(got.cpu(), want) and not got.requires_grad
-        assert not torch.equal(got.cpu(), phase1)
+    for mine, fresh, phase1 in zip(got, want, distilled.parameters()):
+        assert torch.equal(mine.cpu(), fresh) and not mine.requires_grad
+        assert not torch.equal(mine.cpu(), phase1)
+    x = np.random.default_rng(0).standard_normal((7, 32))
+    w1, b1, w2, b2 = (t.double().numpy() for t in want)
+    expected = np.maximum(x @ w1.T + b1, 0) @ w2.T + b2
+    with torch.no_grad():
+        logits = rigel.head(torch.from_numpy(x)).double().cpu().numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-5)  # float32 head: 1e-5 is far above its rounding
     with pytest.raises(ValueError, match="head_init"):
         Phase2Config(head_init="distilled")
     with pytest.raises(ValueError, match="lm_softmax"):

@@ -1,7 +1,9 @@
 """The package's own metrics, registered through the ``capeval_plugins`` entry point like any plugin.
 
-Every module in this package that defines ``METRICS`` (a list of Metric subclasses) is picked up, so adding
-a metric means adding a module, nothing else.
+Every module in this package that defines ``METRICS`` (a list of Metric subclasses) is picked up: registering a
+metric needs no other code. A metric also needs its card (``metric_cards/<name>/README.md``) and its tiny recipes
+in the test suite (tests/test_empty_captions.py, tests/test_resume_every_metric.py): docs/adding-a-metric.md lists
+every file a new metric touches, built in or as a plugin.
 """
 from __future__ import annotations
 

@@ -1,0 +1,4 @@
+"""WordPrecision, an example capeval-plugins metric (docs/adding-a-metric.md)."""
+from word_precision.metric import WordPrecision
+
+__all__ = ["WordPrecision"]
