@@ -378,3 +378,12 @@ def test_the_guide_shows_the_example_plugins_files_as_they_are():
     fragment = re.search(r"```toml\n(.*?)```", text, re.S).group(1)
     for line in fragment.splitlines():
         assert line in project.splitlines(), line
+
+
+def test_the_guide_names_the_metrics_the_kit_runs_on():
+    """docs/adding-a-metric.md lists the package's metrics the kit runs on here: exactly the classes above."""
+    guide = (ROOT / "docs" / "adding-a-metric.md").read_text()
+    listed = re.search(r"the kit runs there on ([^:]+?)\.\n", " ".join(guide.split("\n   "))).group(1)
+    named = {n.strip().lower().replace("-", "") for n in re.split(r",| and ", listed) if n.strip()}
+    classes = {n.removeprefix("TestKitOn").lower() for n in globals() if n.startswith("TestKitOn")}
+    assert named == classes

@@ -283,7 +283,8 @@ def _inside(model: Any, name: str) -> bool:
     """Whether checkpoint name ``name`` falls inside one of ``model``'s own modules, parameters or buffers
     (rather than in a whole head the model does not have)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
-    own = {n for n, _ in model.named_children()} | set(model._parameters) | set(model._buffers)
+    own = {n for part in (model.named_children(), model.named_parameters(recurse=False),
+                          model.named_buffers(recurse=False)) for n, _ in part}
     top = name.split(".", 1)[0]
     if top == prefix and prefix not in own and "." in name:
         top = name.split(".", 2)[1]
