@@ -6,6 +6,9 @@
     clip_s = capeval_plugins.load("clipscore", model="openai/clip-vit-base-patch32")
     result = clip_s(images, candidates, references)   # MetricResult: .score, .scores, .extras
 
+``caption_and_score(images, metrics, predict=...)`` captions images with a Hugging Face image-to-text model or
+any function and scores the captions in the same call.
+
 Importing this package is cheap: it does not import evaluate, lm_eval, pycocoevalcap or Lightning.
 """
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["load", "list_metrics", "score", "Metric", "MetricInfo", "MetricResult", "Batch", "StateSpec", "InputError"]
+__all__ = ["load", "list_metrics", "score", "caption_and_score", "Metric", "MetricInfo", "MetricResult", "Batch", "StateSpec", "InputError"]
 
 
 def load(name: str, **config: Any):
@@ -50,3 +53,13 @@ def score(metric, images=None, candidates=None, references=None, **options: Any)
     from capeval_plugins import runner
 
     return runner.score(metric, images, candidates, references, **options)
+
+
+def caption_and_score(images, metrics, predict, references=None, **options: Any):
+    """Caption ``images`` with ``predict`` (a Hugging Face image-to-text model id or path, or a function
+    ``images -> captions``) and score the captions with ``metrics`` (names or metrics), batched and resumable
+    (``run_dir``): :func:`capeval_plugins.captioning.caption_and_score` (see it for the options). Returns the
+    captions and each metric's result."""
+    from capeval_plugins import captioning
+
+    return captioning.caption_and_score(images, metrics, predict, references, **options)

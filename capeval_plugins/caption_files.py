@@ -46,6 +46,7 @@ class CaptionRecords:
     lines: list[int] = field(default_factory=list)  # each record's line in the file (1-based; Parquet: row)
     image_names: list[Any] = field(default_factory=list)  # each record's image as the file writes it
     ids: list[Any] | None = None  # each record's image id, where the file has one (a COCO results file)
+    row_ids: list[Any] | None = None  # each record's own ``id``, where the input gives ids (kept in the output)
     path: str = ""
     unit: str = "line"  # "row" for Parquet
 
@@ -227,7 +228,7 @@ def _clip(text: str, width: int = 60) -> str:
     return repr(text if len(text) <= width else text[:width] + "...")
 
 
-CAPTION_KEYS = ("image", "caption", "references", "group")
+CAPTION_KEYS = ("image", "caption", "references", "group", "id")
 # Names other tools give our keys: such a key is not read, and saying so beats a silent miss.
 KEY_ALIASES = {"img": "image", "image_path": "image", "image_file": "image", "file_name": "image", "filename": "image",
                "path": "image", "images": "image", "text": "caption", "candidate": "caption", "captions": "caption",
@@ -287,6 +288,10 @@ def read_captions(path: str | os.PathLike, images_dir: str | os.PathLike | None 
         group = row.get("group")
         records.groups.append(None if table and group == "" else group)
         records.lines.append(lineno)
+    if any(row.get("id") is not None for _, row in rows):  # every input id kept in the output (None: none given)
+        from capeval_plugins.caption_ids import check_id
+
+        records.row_ids = [None if row.get("id") is None else check_id(row["id"], f"{path}:{n}") for n, row in rows]
     return records
 
 
@@ -445,7 +450,8 @@ def _text_lines(path: str, what: str) -> list[str]:
 
 
 def load_caption_docs(path: str | os.PathLike, images_dir: str | os.PathLike | None, limit: int | None = None) -> list[dict]:
-    """Documents for the lm-eval caption task: ``image_path`` and ``references`` per line. ``limit``: the
+    """Documents for the lm-eval caption task: ``image_path`` and ``references`` per line (and ``input_id``, the
+    line's ``id`` as text, where the file gives ids). ``limit``: the
     first ``limit`` documents (a positive integer; None for all)."""
     limit = _limit(limit)
     records = read_captions(path, images_dir, need_caption=False)  # the task generates the captions
@@ -456,7 +462,10 @@ def load_caption_docs(path: str | os.PathLike, images_dir: str | os.PathLike | N
         for j, ref in enumerate(refs or []):
             if not isinstance(ref, str):
                 raise InputError(f"{records.describe(i)}: reference {j} must be a string, got {type(ref).__name__}")
-        docs.append({"id": i, "image_path": image, "references": refs or []})
+        doc = {"id": i, "image_path": image, "references": refs or []}
+        if records.row_ids is not None:  # the file's own ids, kept in lm-eval's logged samples (text: one column type)
+            doc["input_id"] = None if records.row_ids[i] is None else str(records.row_ids[i])
+        docs.append(doc)
     return docs if limit is None else docs[:limit]
 
 
@@ -495,7 +504,8 @@ def json_safe(value: Any) -> Any:
 
 
 def score_table(results: Mapping[str, MetricResult], records: CaptionRecords | None = None) -> list[dict[str, Any]]:
-    """One row per sample in index order: ``index``, the sample's ``image_id`` (a COCO results file), ``image``
+    """One row per sample in index order: ``index``, the sample's own ``id`` (where the input gives ids), its
+    ``image_id`` (a COCO results file), ``image``
     (as the input file writes it) and ``caption`` when ``records`` (the input) is given, then ``<metric>`` and
     ``<metric>.<extra>`` for every metric, and ``error`` (the reasons) where a metric skipped the sample. An
     extra that repeats on every row the column it is named after (RefCLIPScore's ``clipscore`` extra beside
@@ -527,6 +537,8 @@ def _input_columns(records: CaptionRecords | None, index: int, with_images: bool
     if records is None or not 0 <= index < len(records):
         return {}
     out: dict[str, Any] = {}
+    if records.row_ids is not None:
+        out["id"] = records.row_ids[index]
     if records.ids is not None:
         out["image_id"] = records.ids[index]
     if with_images:

@@ -180,23 +180,37 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 def input_files(args: argparse.Namespace) -> list[str]:
     """The files the captions come from: a caption file (``--captions``), a COCO results file with its
-    annotation file (``--captions`` and ``--annotations``), or bert-score's text files (``-c`` and ``-r``)."""
+    annotation file (``--captions`` and ``--annotations``), bert-score's text files (``-c`` and ``-r``), or
+    predictions and references joined by id (``--predictions`` and ``--references``)."""
+    if args.predictions is not None:
+        if args.captions is not None or args.annotations is not None or args.candidates is not None:
+            raise UsageError("give either --predictions FILE --references FILE (two files joined by id), "
+                             "--captions or -c/-r, not several")
+        if not args.references or len(args.references) != 1:
+            raise UsageError("--predictions FILE goes with one --references FILE (the references, joined by id)")
+        return [args.predictions, args.references[0]]
     if args.candidates is not None:
         if args.captions is not None or args.annotations is not None:
             raise UsageError("give either -c/-r (plain text files) or --captions (a caption file or a COCO results "
                              "file with --annotations), not both")
         return [args.candidates, *(args.references or [])]
     if args.references:
-        raise UsageError("-r (references, one per line) goes with -c (candidates, one per line)")
+        raise UsageError("-r (references, one per line) goes with -c (candidates, one per line), or --references "
+                         "FILE with --predictions FILE (joined by id)")
     if args.captions is None:
         raise UsageError("give the captions to score: --captions FILE (a caption file; a COCO results file with "
-                         "--annotations), or -c CANDIDATES.txt -r REFERENCES.txt")
+                         "--annotations), -c CANDIDATES.txt -r REFERENCES.txt, or --predictions FILE "
+                         "--references FILE (joined by id)")
     return [args.captions] + ([args.annotations] if args.annotations else [])
 
 
 def read_inputs(args: argparse.Namespace) -> Any:
     from capeval_plugins.caption_files import read_captions, read_coco_results, read_text_pairs
 
+    if args.predictions is not None:
+        from capeval_plugins.caption_ids import read_joined
+
+        return read_joined(args.predictions, args.references[0], args.images)
     if args.candidates is not None:
         return read_text_pairs(args.candidates, args.references or [])
     if args.annotations is not None:
@@ -308,7 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain text, one candidate caption per line (bert-score's -c); instead of --captions")
     p.add_argument("-r", "--references", metavar="TXT", nargs="+", action="extend",
                    help="plain text, one reference per line, line i for candidate i (bert-score's -r; several "
-                        "files give several references)")
+                        "files give several references); with --predictions, the references file joined by id")
+    p.add_argument("--predictions", metavar="FILE",
+                   help='predictions keyed by id ([{"id", "caption"}] or {id: caption}; JSON, JSON Lines, CSV, '
+                        'Parquet), joined by id with --references FILE ([{"id", "references", "image"}] or '
+                        "{id: [refs]}); instead of --captions")
     p.add_argument("--images", help="folder the image paths are relative to (default: the caption file's)")
     p.add_argument("--out", help="per-sample scores: .jsonl, .json (one array), .csv or .parquet (one row per "
                    "sample, input order)")
@@ -426,7 +444,8 @@ examples:
       -o bertscore.model=roberta-large --captions caps.jsonl --out scores.parquet --on-error skip
   capeval score -m cider -m clipscore --model openai/clip-vit-base-patch32 --captions results.json \\
       --annotations annotations/captions_val2014.json --images val2014 --out scores.jsonl
-  capeval score -m bertscore -c cands.txt -r refs.txt --out scores.jsonl"""
+  capeval score -m bertscore -c cands.txt -r refs.txt --out scores.jsonl
+  capeval score -m cider -m bleu4 --predictions preds.json --references refs.json --out scores.jsonl"""
 
 
 if __name__ == "__main__":

@@ -228,7 +228,7 @@ def test_keys_of_other_tools_are_named_not_silently_ignored(tmp_path, capsys):
         read_captions(path)
     message = str(err.value)
     assert "no record has a 'caption' (keys: 'img', 'text', 'refs')" in message
-    assert "a caption file's keys are 'image', 'caption', 'references', 'group'" in message
+    assert "a caption file's keys are 'image', 'caption', 'references', 'group', 'id'" in message
     assert "rename 'img' -> 'image', 'text' -> 'caption', 'refs' -> 'references'" in message
     assert cli.main(["score", "-m", "bleu4", "--captions", str(path), "--quiet"]) == 2
     assert capsys.readouterr().err.count("\n") == 1

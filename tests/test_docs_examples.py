@@ -40,6 +40,7 @@ NOT_RUN = {
     ("docs/bench.md", "capeval reproduce [--metric NAME ...]"): "the command's synopsis",
     ("docs/bench.md", "capeval bench flickr8k-expert"): "benchmarks' annotation files (tests/test_bench_*.py)",
     ("docs/bench.md", "run_benchmark("): "a benchmark's annotation file (tests/test_bench_runner.py)",
+    ("docs/bench.md", "capeval verify expert.json"): "a benchmark's report (tests/test_verify.py checks reports)",
     ("docs/ecosystems/cli.md", "capeval list [--json]"): "the commands' synopsis",
     ("docs/ecosystems/cli.md", "capeval convert vilbert"): "the released 12-in-1 checkpoint (tests/test_vilbert.py)",
     ("docs/ecosystems/cli.md", "capeval fetch-weights polos"): "downloads a release from its authors' server "
@@ -301,9 +302,16 @@ def substitute(body: str, tiny: dict[str, str]) -> str:
     return body.replace("--images DIR", "--images images")
 
 
+# Captioner ids of the examples -> the tiny captioner of the same architecture.
+TINY_CAPTIONERS = {"Salesforce/blip-image-captioning-base": "blip_caption"}
+
+
 @pytest.fixture(scope="module")
-def tiny(tiny_clip) -> dict[str, str]:
-    return {model: tiny_clip for model in TINY}
+def tiny(tiny_clip, tiny_root) -> dict[str, str]:
+    from capeval_plugins.testing import tiny_checkpoint
+
+    captioners = {model: str(tiny_checkpoint(kind, root=tiny_root)) for model, kind in TINY_CAPTIONERS.items()}
+    return {**{model: tiny_clip for model in TINY}, **captioners}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from capeval_plugins.testing import build_tiny, kinds  # noqa: E402
 QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 LVLMS = ["llava_next", *QWEN]
 ENCODERS = ["clip", "dino", "deberta_v3", "roberta", "vilt", "blip_itm", "siglip", "vilbert", "vilbert_pretrained"]
-ALL = ENCODERS + LVLMS + ["llava"]
+CAPTIONERS = ["blip_caption", "vit_gpt2_caption"]  # capeval caption's (tests/test_captioning.py runs them)
+ALL = ENCODERS + LVLMS + ["llava"] + CAPTIONERS
 CAPTION = "A dog runs on the grass."
 needs_torchvision = pytest.mark.skipif(not is_torchvision_available(), reason="the Qwen processors need torchvision")
 

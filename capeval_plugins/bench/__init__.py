@@ -14,7 +14,7 @@ _EXPORTS = {
     "BENCHMARKS": "benchmarks", "Benchmark": "benchmarks", "Protocol": "benchmarks", "benchmark_names": "benchmarks",
     "get_benchmark": "benchmarks", "load_benchmark": "benchmarks", "Captions": "data", "Pairs": "data",
     "Ratings": "data", "BenchReport": "runner", "run_benchmark": "runner", "score_metric": "runner",
-    "score_metrics": "runner",
+    "score_metrics": "runner", "verify_results": "verify",
 }
 __all__ = list(_EXPORTS)
 

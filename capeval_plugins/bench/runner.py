@@ -43,6 +43,7 @@ class MetricRun:
     computed: int
     extras: dict[str, np.ndarray] = field(default_factory=dict)
     source: str = ""
+    matched_by: str = ""  # a score file's key that matched its rows: row, image path or image file name
 
 
 @dataclass
@@ -134,6 +135,7 @@ class BenchReport:
             out["n_invalid"] = ev.n_invalid
         if run.source:
             out["scores_file"] = run.source
+            out["scores_matched_by"] = run.matched_by
         out["seconds"] = round(run.seconds, 3)
         out["from_cache"] = run.from_cache
         out["computed"] = run.computed
@@ -400,7 +402,8 @@ def run_inputs(source: Any, images: Any, scores: Mapping[str, Any], metrics: Map
     from capeval_plugins.runner import local_inputs
 
     found = [p for p in (source, images, cache) if isinstance(p, (str, os.PathLike)) and os.path.isfile(p)]
-    return found + [str(p) for p in scores.values()] + local_inputs(metrics.values())
+    return found + [str(p) for p in scores.values()] + local_inputs(
+        m for m in metrics.values() if isinstance(m, Metric))  # a scoring function names no model folder
 
 
 def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings | Pairs,
@@ -414,7 +417,8 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
                   shuffle_rounds: int | None = None, human_scale: tuple[float, float] | None = None) -> BenchReport:
     """Read the benchmark (unless ``data`` is already read), score it with every metric and evaluate them.
 
-    ``metrics`` maps a label to a built metric; ``scores`` maps a label to a per-sample score file computed
+    ``metrics`` maps a label to a built metric or to a plain function ``(images, candidates, references) ->
+    scores``, one per row (:mod:`capeval_plugins.bench.callables`); ``scores`` maps a label to a per-sample score file computed
     elsewhere (:mod:`capeval_plugins.bench.scorefiles`); both kinds are evaluated and compared together.
     ``images`` is the image (or video frame) folder, needed only by metrics that score images. ``cache``: see
     :func:`open_cache`. ``bootstrap`` replicates (0: none) resample ``unit`` (``"image"`` or ``"row"``) with
@@ -432,7 +436,8 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     refused, naming its row). ``extras``: a metric's
     one-value-per-sample extras are evaluated as rows of their own (``metric:extra``). ``save_scores``: a
     folder that gets ``<label>.jsonl`` with every row's score and extras, readable back with ``scores``."""
-    from capeval_plugins.bench.scorefiles import match_scores, write_scores
+    from capeval_plugins.bench.callables import check_metric_values, is_scoring_function, score_function
+    from capeval_plugins.bench.scorefiles import match_score_file, write_scores
 
     started = time.perf_counter()
     bench = benchmark if isinstance(benchmark, Benchmark) else get_benchmark(benchmark)
@@ -455,20 +460,25 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     clash = sorted(set(metrics) & set(scores))
     if clash:
         raise InputError(f"{clash} named both as a metric and as a score file")
+    check_metric_values(metrics)
+    order = [*scores, *metrics]
+    functions = {n: m for n, m in metrics.items() if is_scoring_function(m)}  # bench/callables.py
+    metrics = {n: m for n, m in metrics.items() if n not in functions}
     inputs = run_inputs(source, images, scores, metrics, cache)
     saved = {}
     if save_scores is not None:  # refused now, not after the metrics ran: a link, an input (a --scores file)
         from capeval_plugins.caption_files import check_writable
 
         files.Folder.open(save_scores, create=True)[0].close()
-        for name in [*scores, *metrics]:
+        for name in order:
             saved[name] = Path(save_scores) / f"{_file_name(name)}.jsonl"
             check_writable(saved[name], inputs, "--save-scores")
     runs: dict[str, MetricRun] = {}
     for name, path in scores.items():
         begin = time.perf_counter()
-        values, file_extras = match_scores(path, data)
-        runs[name] = MetricRun(values, time.perf_counter() - begin, 0, 0, file_extras if extras else {}, str(path))
+        matched = match_score_file(path, data)
+        runs[name] = MetricRun(matched.scores, time.perf_counter() - begin, 0, 0, matched.extras if extras else {},
+                               str(path), matched.matched_by)
     store = open_cache(cache) if metrics else NoCache()
     try:  # every metric in one pass over the images (the score cache's gaps)
         runs.update(score_metrics(metrics, data.captions, images=images, cache=store, with_references=with_references,
@@ -477,6 +487,10 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
     finally:
         if metrics and not isinstance(cache, (ScoreCache, NoCache)):
             store.close()
+    for name, fn in functions.items():
+        runs[name] = score_function(name, fn, data.captions, images=images, benchmark=bench.name,
+                                    frames=_frames_for(name, frames))
+    runs = {name: runs[name] for name in order}
     for name, path in saved.items():
         write_scores(path, data, runs[name].scores, runs[name].extras, inputs)
     table = {n: r.scores for n, r in runs.items()}
@@ -484,11 +498,12 @@ def run_benchmark(benchmark: str | Benchmark, data: str | os.PathLike | Ratings 
         for extra, values in run.extras.items():
             label = f"{name}:{extra}"
             table[label] = values
-            runs[label] = MetricRun(values, 0.0, run.from_cache, run.computed, source=run.source)
+            runs[label] = MetricRun(values, 0.0, run.from_cache, run.computed, source=run.source,
+                                    matched_by=run.matched_by)
     ties = ties or bench.protocol.ties
     tie_margin = bench.protocol.tie_margin if tie_margin is None else tie_margin
     evaluations, comparisons = evaluate(data, bench.protocol, table, replicates=bootstrap, seed=seed, unit=unit,
-                                        ties=ties, compare_only=[n for n in table if n in metrics or n in scores],
+                                        ties=ties, compare_only=[n for n in table if n in order],
                                         tie_margin=tie_margin)
     settings = {"bootstrap": bootstrap, "seed": seed, "unit": unit, "ties": ties, "num_references": num_references,
                 "tie_margin": tie_margin}

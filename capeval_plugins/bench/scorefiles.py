@@ -1,19 +1,27 @@
 """Per-sample scores computed elsewhere (a released per-sample output, another toolkit, a cluster run) read
 back onto a benchmark's rows, and a benchmark run's own per-sample scores written out in the same format.
 
-A score file holds one row per scored input, as JSON Lines, a JSON list, CSV or Parquet, with ``image`` (as the
-benchmark file names it), ``caption`` and ``score``. Rows are matched to the benchmark by image and
-whitespace-normalised caption (and by ``category`` when the file has that column: FOIL's 1-ref and 4-ref
-settings score one caption twice). A file written by ``--save-scores`` also carries ``row``, the benchmark
-row: it is then matched by row, and the image and caption are checked, because a group or corpus metric can
-give one caption two scores (Soft-MSD in two SugarCrepe pairs). Every other numeric column is a per-sample
-extra (``--extras``). Every benchmark row must find its score, else the error says how many did not and
-shows one.
+A score file holds one row per scored input, as JSON Lines, a JSON list, CSV or Parquet, with ``score`` and
+the key of its benchmark row, one of:
+
+- ``row``, the benchmark row number (what ``--save-scores`` writes; ``image`` and ``caption``, where given,
+  are checked against the row, because a group or corpus metric can give one caption two scores: Soft-MSD in
+  two SugarCrepe pairs);
+- ``image`` and ``caption`` (whitespace-normalised), the image as the benchmark file names it (its path), or
+  else by its file name alone (``1000268201.jpg`` for ``Flicker8k_Dataset/1000268201.jpg``; an absolute path
+  of the user's own machine matches so too), or else by that name without its suffix (``0001.jpg`` for
+  Nebula's ``0001``). A short name that names two of the benchmark's images is refused in one line: key such a
+  file by path or row. ``category`` is matched too when the file has that column
+  (FOIL's 1-ref and 4-ref settings score one caption twice).
+
+Which key matched is reported (``matched_by``). Every other numeric column is a per-sample extra
+(``--extras``). Every benchmark row must find its score, else the error says how many did not and shows one.
 """
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -59,6 +67,10 @@ def _text(value: Any, what: str, where: str) -> str:
     return str(value)
 
 
+def _has_row(row: dict) -> bool:
+    return "row" in row and row["row"] is not None and str(row["row"]).strip() != ""
+
+
 def read_score_rows(path: str | os.PathLike) -> list[dict]:
     from capeval_plugins.bench.readers import load_records
 
@@ -66,31 +78,58 @@ def read_score_rows(path: str | os.PathLike) -> list[dict]:
     if isinstance(records, dict):
         records = [records]
     if not isinstance(records, list) or not records:
-        raise InputError(f"{path}: expected rows with image, caption and score (JSON Lines, CSV or Parquet)")
+        raise InputError(f"{path}: expected rows with score and row, or image, caption and score (JSON Lines, CSV or "
+                         "Parquet)")
+    by_row = all(isinstance(row, dict) and _has_row(row) for row in records)
     for k, row in enumerate(records):
         if not isinstance(row, dict):
-            raise InputError(f"{path}: row {k}: expected an object with image, caption and score")
-        missing = [c for c in ("image", "caption", "score") if c not in row]
+            raise InputError(f"{path}: row {k}: expected an object with score and row, or image, caption and score")
+        missing = [c for c in (("score",) if by_row else ("image", "caption", "score")) if c not in row]
         if missing:
-            raise InputError(f"{path}: row {k}: no {', '.join(missing)} column (columns: {sorted(row)})")
+            raise InputError(f"{path}: row {k}: no {', '.join(missing)} column (columns: {sorted(row)}); a score "
+                             "file keys each score by 'row' (the benchmark row) or by 'image' and 'caption'")
     return records
+
+
+@dataclass
+class Matched:
+    """A score file's scores and numeric extras per benchmark row, and the key that matched them: ``row``,
+    ``image path`` or ``image file name``."""
+
+    scores: np.ndarray
+    extras: dict[str, np.ndarray]
+    matched_by: str
 
 
 def match_scores(path: str | os.PathLike, data: Ratings | Pairs) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Per benchmark row: the file's score and its numeric extra columns (NaN where a row has none)."""
+    matched = match_score_file(path, data)
+    return matched.scores, matched.extras
+
+
+def match_score_file(path: str | os.PathLike, data: Ratings | Pairs) -> Matched:
+    """:func:`match_scores`, with the key that matched (see the module docstring)."""
     rows = read_score_rows(path)
     captions = data.captions
     images = [image_name(img) for img in captions.images]
     cands = [clean(c) for c in captions.candidates]
-    if all("row" in r and r["row"] is not None and str(r["row"]).strip() != "" for r in rows):
-        found = _by_row(path, rows, images, cands)
+    if all(_has_row(r) for r in rows):
+        found, how = _by_row(path, rows, images, cands), "row"
     else:
-        found = _by_key(path, rows, images, cands, row_categories(data))
+        categories = row_categories(data)
+        found, how = _by_key(path, rows, images, cands, categories), "image path"
+        for label, short in IMAGE_KEYS:  # shorter keys, while rows are left without a score
+            if all(k is not None for k in found):
+                break
+            _check_short_names(path, rows, images, short, label)
+            by_name = _by_key(path, rows, [short(name) for name in images], cands, categories, short)
+            if sum(k is not None for k in by_name) > sum(k is not None for k in found):
+                found, how = by_name, label
     missing = [i for i, k in enumerate(found) if k is None]
     if missing:
         i = missing[0]
         raise InputError(f"{path}: {len(missing):,} of {len(found):,} benchmark rows have no score, e.g. row {i}: "
-                         f"image {images[i]!r}, caption {cands[i]!r}")
+                         f"image {images[i]!r}, caption {cands[i]!r} (matched by {how})")
     scores = np.array([_number(rows[k]["score"], f"{path}: row {k}") for k in found], dtype=np.float64)
     extras = {}
     for column in rows[0]:
@@ -102,7 +141,34 @@ def match_scores(path: str | os.PathLike, data: Ratings | Pairs) -> tuple[np.nda
             raise
         except InputError:
             continue  # a text column (an id, a model name) is no extra
-    return scores, extras
+    return Matched(scores, extras, how)
+
+
+def _file_name(image: str) -> str:
+    return os.path.basename(image)
+
+
+def _stem(image: str) -> str:
+    return os.path.splitext(os.path.basename(image))[0]
+
+
+# Shorter keys of an image, tried in turn after its path: its file name (a benchmark's "Flicker8k_Dataset/1.jpg"
+# for a file's "1.jpg" or "/home/me/1.jpg"), then its name without suffix (Nebula's "0001" for "0001.jpg").
+IMAGE_KEYS = (("image file name", _file_name), ("image name without suffix", _stem))
+
+
+def _check_short_names(path, rows: Sequence[dict], images: list[str], short, label: str) -> None:
+    """A short name the score file uses that names two of the benchmark's images is refused: its scores could
+    land on the wrong image."""
+    paths_of: dict[str, set[str]] = {}
+    for image in images:
+        paths_of.setdefault(short(image), set()).add(image)
+    for k, row in enumerate(rows):
+        name = short(_text(row["image"], "image", f"{path}: row {k}"))
+        if len(paths_of.get(name, ())) > 1:
+            two = sorted(paths_of[name])[:2]
+            raise InputError(f"{path}: row {k}: {label} {name!r} names {len(paths_of[name])} benchmark images "
+                             f"({two[0]!r}, {two[1]!r}, ...); key the scores by the image path or by 'row'")
 
 
 def _by_row(path, rows: Sequence[dict], images: list[str], cands: list[str]) -> list[int | None]:
@@ -112,7 +178,10 @@ def _by_row(path, rows: Sequence[dict], images: list[str], cands: list[str]) -> 
         index = _row_number(row["row"], where)
         if not 0 <= index < len(images):
             raise InputError(f"{where}: row {index} is outside the benchmark's {len(images):,} rows")
-        image, caption = _text(row["image"], "image", where), clean(_text(row["caption"], "caption", where))
+        if "image" not in row or "caption" not in row:  # keyed by row alone: nothing to check it against
+            image, caption = images[index], cands[index]
+        else:
+            image, caption = _text(row["image"], "image", where), clean(_text(row["caption"], "caption", where))
         if (image, caption) != (images[index], cands[index]):
             raise InputError(f"{where}: benchmark row {index} is image {images[index]!r}, caption "
                              f"{cands[index]!r}, not {image!r}, {caption!r} (a file for another benchmark?)")
@@ -135,12 +204,13 @@ def _row_number(value: Any, where: str) -> int:
 
 
 def _by_key(path, rows: Sequence[dict], images: list[str], cands: list[str],
-            categories: list[str] | None) -> list[int | None]:
+            categories: list[str] | None, short=None) -> list[int | None]:
     use_category = categories is not None and all("category" in r for r in rows)
     table: dict[tuple, int] = {}
     for k, row in enumerate(rows):
         where = f"{path}: row {k}"
-        key = (_text(row["image"], "image", where), clean(_text(row["caption"], "caption", where)))
+        image = _text(row["image"], "image", where)
+        key = (short(image) if short else image, clean(_text(row["caption"], "caption", where)))
         if use_category:
             key += (str(row["category"]),)
         if key in table:

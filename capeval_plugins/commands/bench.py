@@ -28,6 +28,7 @@ EPILOG = """examples:
       --option clipscore.model=openai/clip-vit-base-patch32 --plot plots/
   capeval bench sugarcrepe --data sugar-crepe/data --images val2017 --metric clipscore --save-scores scores/
   capeval bench youcook2-fact --data FactVC/data/youcook2 --scores theirs=their_scores.jsonl --metric cider
+  capeval bench nebula --data nebula_test.json --function mine=my_metric.py:score --metric cider
   capeval bench caparena --data caparena_annots_eval.json --images caparena/images --metric soft_msd \
       --protocol msd-score --option soft_msd.aligner=ALIGNER_DIR
   capeval bench pascal50s --data pascal_50s.json --scores fleur=fleur_pascal.jsonl --labels FLEUR/results"""
@@ -53,8 +54,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--metric", "-m", action="append", default=[],
                    help="registered metric name (repeatable; all of them are scored in one pass over the images)")
     p.add_argument("--scores", action="append", default=[], metavar="NAME=FILE",
-                   help="per-sample scores computed elsewhere: JSON Lines / CSV / Parquet with image, caption, "
-                        "score (repeatable; compared with the --metric runs)")
+                   help="per-sample scores computed elsewhere: JSON Lines / CSV / Parquet with score and the "
+                        "benchmark row (row), or image (its path, its file name, or that name without suffix) and "
+                        "caption (repeatable; compared with the --metric runs; which key matched is printed)")
+    p.add_argument("--function", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
+                   help="a scoring function of your own, fn(images, candidates, references) -> one score per row "
+                        "(an importable module or a .py file; repeatable; evaluated like a metric)")
     p.add_argument("--save-scores", metavar="DIR",
                    help="write every metric's per-row scores (and extras) to DIR/<name>.jsonl, readable by --scores")
     p.add_argument("--frames", action="append", default=[], metavar="[METRIC=]N",
@@ -121,6 +126,24 @@ def build_metrics(names: Sequence[str], options: Sequence[str], benchmark: str |
         if added:
             print(f"benchmark defaults: {', '.join(added)} (--option overrides)", file=sys.stderr)
     return build(names, options, {})
+
+
+def scoring_functions(values: Sequence[str], metrics: dict) -> dict:
+    """``--function NAME=MODULE:FUNCTION`` -> ``{name: function}``; a name given twice, or also a --metric's,
+    is refused."""
+    from capeval_plugins.commands._functions import load_function
+    from capeval_plugins.inputs import InputError
+
+    out: dict = {}
+    for value in values:
+        name, sep, spec = value.partition("=")
+        name = name.strip()
+        if not sep or not name or not spec.strip():
+            raise InputError(f"--function expects NAME=MODULE:FUNCTION, got {value!r}")
+        if name in out or name in metrics:
+            raise InputError(f"--function: {name!r} names two metrics")
+        out[name] = load_function(spec.strip(), "--function")
+    return out
 
 
 def human_scale(value: str) -> tuple[float, float]:
@@ -210,8 +233,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print(f"capeval: error: --plot needs matplotlib: {install_extra('bench')}", file=sys.stderr)
         return 2
-    if not args.metric and not args.scores:
-        print("capeval: error: give --metric NAME or --scores NAME=FILE (or both)", file=sys.stderr)
+    if not args.metric and not args.scores and not args.function:
+        print("capeval: error: give --metric NAME, --function NAME=MODULE:FUNCTION or --scores NAME=FILE",
+              file=sys.stderr)
         return 2
     known = benchmark.protocols()
     if args.protocol is not None and args.protocol not in known:
@@ -223,6 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         score_files = parse_score_args(args.scores)
         metrics = build_metrics(args.metric, args.option, args.benchmark) if args.metric else {}
+        metrics.update(scoring_functions(args.function, metrics))
         fetched = fetched_data(args)
         inputs = check_outputs(args, score_files, metrics)
         report = run_benchmark(
@@ -241,6 +266,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report.data = replace(report.data, notes={**report.data.notes, "fetched": fetched.provenance})
         print(f"data: {fetched.provenance['repository']} at {fetched.provenance['revision'][:12]} "
               f"(cached in {fetched.provenance['cache']})")
+    for name, run in report.runs.items():  # which key of each --scores file found its rows
+        if run.source and name in score_files:
+            print(f"{name}: {run.source} matched by {run.matched_by}", file=sys.stderr)
     print(report.markdown())
     if args.plot:
         print(f"\nplot: {plot_report(report, args.plot, inputs)}")

@@ -25,7 +25,7 @@ from capeval_plugins.testing.corpus import caption_corpus
 __all__ = ["build_tiny", "tiny_checkpoint", "scratch_folder", "kinds", "builder", "caption_corpus"]
 
 _BUILDERS: dict[str, Callable[[Path, int], None]] = {}
-_MODULES = ("clip", "vision_language", "text_encoders", "vilbert", "official", "vela")
+_MODULES = ("clip", "vision_language", "text_encoders", "vilbert", "official", "vela", "captioners")
 _built: dict[tuple[str, str, int], Path] = {}
 _lock = threading.Lock()
 _default_root: Path | None = None
