@@ -11,7 +11,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from conftest import PYTHON, capeval_in_process, random_image
+from conftest import HANG_GUARD, PYTHON, capeval_in_process, random_image
 
 import capeval_plugins
 from capeval_plugins.captioning import caption_and_score, caption_folder
@@ -313,7 +313,7 @@ def test_capeval_caption_resumes_after_a_real_sigint(tmp_path):
                f"{tmp_path / 'cap.py'}:predict", "--images", str(folder), "--references", str(tmp_path / "refs.csv"),
                "-m", "cider", "-o", "tokenize=false", "--caption-batch-size", "2", "--out", str(out), "--quiet"]
         return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "STOP_FLAG": str(flag)},
-                              timeout=300)
+                              timeout=HANG_GUARD)
 
     whole = capeval(tmp_path / "whole.jsonl")
     assert whole.returncode == 0, whole.stderr

@@ -14,6 +14,8 @@ from conftest import ROOT
 PACKAGE = ROOT / "capeval_plugins"
 QUARANTINE = ("_internals.py", "evaluate_hook.py")
 PRIVATE_MODULE = re.compile(r"^[A-Za-z]\w*(\.\w+)*\._[a-z]\w*(\.\w+)*$")
+# Public, documented names that start with an underscore (the exit that runs no clean-up in a forked child)
+DOCUMENTED = {"os._exit"}
 
 
 def sources():
@@ -44,7 +46,7 @@ def foreign_private_names(source: str, own: set[str]) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            if node.attr not in own:
+            if node.attr not in own and ast.unparse(node) not in DOCUMENTED:
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
                 "getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1:
