@@ -115,6 +115,20 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = HANG_GUARD,
     return proc
 
 
+def cli(args: list, capsys) -> tuple[int, str, str]:
+    """``capeval ARGS`` in this process: (exit code, stdout, stderr)."""
+    from capeval_plugins.cli import main
+
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line(err: str) -> bool:
+    """Whether stderr is the promised single ``capeval: error:`` line."""
+    return err.count("\n") == 1 and err.startswith("capeval: error: ")
+
+
 def capeval_in_process(args: list, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     """``capeval ARGS`` through :func:`capeval_plugins.cli.main` in this process, as a finished process would
     report it (exit code, stdout, stderr; argparse's own exits included): the same ``main`` the console script

@@ -13,21 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli, one_line
 
-from capeval_plugins.cli import main
 from capeval_plugins.testing import official
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-def cli(args, capsys):
-    code = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def one_line(err: str) -> bool:
-    return err.count("\n") == 1 and err.startswith("capeval: error: ")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CAPTIONS, HANG_GUARD, PYTHON, StopAfter, free_port, random_image, spawn_ranks, write_corpus
+from conftest import CAPTIONS, HANG_GUARD, PYTHON, StopAfter, cli, free_port, random_image, spawn_ranks, write_corpus
 
 import capeval_plugins
 from capeval_plugins import runner
@@ -33,12 +33,6 @@ N = 40
 @pytest.fixture
 def files(tmp_path):
     return write_corpus(tmp_path, N)
-
-
-def cli(args, capsys):
-    code = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def text_cmd(files, *extra):
@@ -56,7 +50,6 @@ def clip_cmd(model, files, *extra):
 
 def tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
 
 
 def corpus_of(files):

@@ -14,18 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_GUARD, PYTHON, StopAfter, write_corpus
+from conftest import HANG_GUARD, PYTHON, StopAfter, cli, write_corpus
 
 import capeval_plugins
 from capeval_plugins import runner
 from capeval_plugins.caption_files import write_table
 from capeval_plugins.checkpoint import LOCK, MANIFEST, RunFolderError, RunStore
-from capeval_plugins.cli import main
 from capeval_plugins.inputs import InputError
 
 INTERRUPT = str(Path(__file__).parent / "helpers" / "interrupt_after.py")
 N = 40
-
 
 
 @pytest.fixture
@@ -47,12 +45,6 @@ def metrics(model, **options):
 def interrupted_run(model, files, run_dir, after=3, **options):
     with pytest.raises(runner.Interrupted):
         runner.run(metrics(model, **options), corpus_of(files), run_dir=run_dir, stop=StopAfter(after))
-
-
-def cli(args, capsys):
-    code = main(args)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def score_cmd(model, files, out, *extra):

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import HANG_GUARD, StopAfter, write_corpus
+from conftest import HANG_GUARD, StopAfter, cli, one_line, write_corpus
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -34,16 +34,6 @@ from capeval_plugins.resources.loading import ModelLoadError, clear_cache
 
 CAPEVAL = str(Path(sys.executable).with_name("capeval"))
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def cli(args, capsys):
-    code = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def one_line(err: str) -> bool:
-    return err.count("\n") == 1 and err.startswith("capeval: error: ")
 
 
 def clip_score_cmd(model, *extra):
@@ -611,8 +601,9 @@ def test_cider_orders_past_the_longest_caption_add_zeros_and_cost_nothing(monkey
     from capeval_plugins.core import coco_text
 
     asked = []
-    real_tables = coco_text.ngram_tables
-    monkeypatch.setattr(coco_text, "ngram_tables", lambda texts, n: (asked.append(n), real_tables(texts, n))[1])
+    real_orders = coco_text.ngram_orders  # every table of every order is built here
+    monkeypatch.setattr(coco_text, "ngram_orders", lambda flat, lengths, n: (asked.append(n),
+                                                                             real_orders(flat, lengths, n))[1])
 
     def cider(n):
         return capeval_plugins.load("cider", n=n, tokenize=False)(None, cands, refs).scores.numpy()

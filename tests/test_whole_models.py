@@ -17,24 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from conftest import cli, one_line
 
 import capeval_plugins
-from capeval_plugins.cli import main
 from capeval_plugins.resources import loading
 from capeval_plugins.resources import wholeness
 from capeval_plugins.resources.loading import ModelLoadError, clear_cache
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def cli(args, capsys):
-    code = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def one_line(err: str) -> bool:
-    return err.count("\n") == 1 and err.startswith("capeval: error: ")
 
 
 def clip_score(model, *extra):
