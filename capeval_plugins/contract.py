@@ -386,11 +386,18 @@ class Metric(abc.ABC):
         the pass (text only: ``images`` is None; on a resumed run the samples already mapped too, so that what
         is prepared, and every score, does not depend on where the run was interrupted), and
         :meth:`release_corpus` after it. A metric may cache work shared across batches here (e.g. embed each
-        distinct text once); ``map`` must give the same result with or without it, since adapters that stream
-        batches never call it. Default: nothing."""
+        distinct text once); ``map`` must give the same result with or without it (a streaming adapter, e.g.
+        torchmetrics' ``update``, prepares each update's batch alone), unless :meth:`whole_corpus_only` says
+        otherwise. Default: nothing."""
 
     def release_corpus(self) -> None:
         """Drop what :meth:`prepare_corpus` kept. Default: nothing."""
+
+    def whole_corpus_only(self) -> str | None:
+        """Why this configured metric's scores depend on preparing the whole corpus in one pass (then an adapter
+        that streams batches refuses it with this line, rather than score each batch as a corpus of its own);
+        None when a batch prepared alone scores the same. Default: None."""
+        return None
 
     def image_reader(self) -> Any:
         """How this metric reads its images: ``None`` for pixel images (paths, PIL, arrays, videos), or an

@@ -9,8 +9,9 @@ the captions it should read). Importing it changes nothing of pycocoevalcap's. S
 from capeval_plugins.adapters.pycocoevalcap import (STOCK_ALIASES, Bleu, COCOEvalCap, CapevalScorer, ImageResolver,
                                                     PTBTokenizer, TokenizedCaptions, scorer_class)
 
-__all__ = ["Bleu", "COCOEvalCap", "CapevalScorer", "ImageResolver", "PTBTokenizer", "Rouge", "TokenizedCaptions",
-           "scorer_class"]
+# Rouge (and every metric's scorer) comes from the module's __getattr__
+__all__ = ["Bleu", "COCOEvalCap", "CapevalScorer", "ImageResolver", "PTBTokenizer", "Rouge",  # noqa: F822
+           "TokenizedCaptions", "scorer_class"]
 _generated, __dir__ = scorer_class.module_hooks(__all__)
 
 

@@ -66,6 +66,8 @@ NOT_RUN = {
     ("docs/ecosystems/lmms-eval.md", "lmms-eval --model llava_onevision"): "lmms-eval with a real LVLM",
     ("docs/ecosystems/lmms-eval.md", "pip install -e"): "installs an extra",
     ("docs/testing.md", "venv-tf457"): "builds a venv with another transformers (an opt-in check, see the page)",
+    ("docs/testing.md", "make test-under-load"): "the whole suite beside 8 busy processes (tests/test_suite_rules.py "
+                                                 "checks what it runs)",
     ("docs/testing.md", "make lock"): "resolves both environments anew and runs the suite (tests/test_pins.py)",
     # the example plugin's files and commands: tests/test_metric_kit.py checks the page shows the files as they are,
     # installs the plugin with pip and runs its tests and the suite's per-metric tests with it installed

@@ -137,7 +137,7 @@ def test_calibrate_command_errors_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_score_then_calibrate_then_score_again_from_the_cli_s_own_files(models, folder, tmp_path, capsys):
+def test_score_then_calibrate_then_score_again_from_the_cli_s_own_files(models, folder, tmp_path, capsys):  # noqa: F811
     """The documented pipeline on tiny models: ``capeval score -m redemption_score`` writes its components,
     ``capeval calibrate`` reads that very file and returns options, and those options given back to
     ``capeval score`` fuse the components with the calibrated weights."""

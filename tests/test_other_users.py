@@ -178,7 +178,9 @@ def test_a_refused_cache_clear_makes_no_lock_file(tmp_path, monkeypatch, capsys)
     (meteor / "x").write_text("someone's file")
     before = tree(meteor)
     assert main(["cache", "clear"]) == 2
-    assert "cannot clear" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert err.startswith(f"capeval: error: cannot clear {meteor}") and err.count("\n") == 1, err
+    assert "METEOR" not in out, out  # no "removed 0.0 MB" line for what was left alone
     assert tree(meteor) == before
 
 

@@ -87,6 +87,9 @@ class CapevalMetric(torchmetrics.Metric):
             raise TypeError("pass either a built metric or its options, not both")
         self.capeval_metric = metric if metric is not None else registry.load(self._capeval_name, **kwargs)
         self._name = self.capeval_metric.info.name
+        whole_corpus = self.capeval_metric.whole_corpus_only()
+        if whole_corpus:  # each update would be prepared as a corpus of its own: other scores, silently
+            raise ValueError(whole_corpus)
         # paths and requirements (models, Java, extras): checked before the first batch is generated
         self._session = runner.Session({self._name: self.capeval_metric})
         self._spec = {**self._session.spec(self._name), **SKIPPED_SPEC, **MADE_UP_SPEC}

@@ -246,17 +246,17 @@ def clear(args: argparse.Namespace) -> int:
             try:
                 mt.clear_cache()
             except (OSError, files.FileError) as err:
-                problems.append(f"cannot clear {root}: {err}")
+                problems.append(("meteor", f"cannot clear {root}: {err}"))
     if "benchmarks" in kinds:
         try:
             fetch.remove_cached()
         except (OSError, files.FileError, fetch.FetchError) as err:
-            problems.append(f"cannot clear {fetch.cache_root()}: {err}")
+            problems.append(("benchmarks", f"cannot clear {fetch.cache_root()}: {err}"))
     if "weights" in kinds:
         try:
             fetch_weights.remove_cached()
         except (OSError, files.FileError, fetch_weights.WeightsError) as err:
-            problems.append(f"cannot clear {fetch_weights.cache_root()}: {err}")
+            problems.append(("weights", f"cannot clear {fetch_weights.cache_root()}: {err}"))
     if "models" in kinds:
         for entry in before["models"]["entries"]:
             folder = _models_root() / entry["name"]
@@ -278,10 +278,11 @@ def clear(args: argparse.Namespace) -> int:
             if not remove_cache(default_cache_path()) and default_cache_path().exists():
                 kept.append(f"{default_cache_path()} (not a capeval score cache of yours)")
         except (OSError, files.FileError) as err:
-            problems.append(f"cannot remove {default_cache_path()}: {err}")
+            problems.append(("scores", f"cannot remove {default_cache_path()}: {err}"))
     after = report()
+    refused = {kind for kind, _ in problems}
     for kind, label in zip(KINDS, LABELS):
-        if kind in kinds:
+        if kind in kinds and kind not in refused:  # a refused kind was left as it was: its error says so
             freed = before[kind]["bytes"] - after[kind]["bytes"]
             if kind == "meteor":
                 freed += before["meteor_tables"]["bytes"] - after["meteor_tables"]["bytes"]
@@ -292,7 +293,7 @@ def clear(args: argparse.Namespace) -> int:
                     "running capeval, or not provably capeval's)")
     for line in kept:
         print(f"kept {line}")
-    for line in problems:
+    for _, line in problems:
         print(f"capeval: error: {line}", file=sys.stderr)
     return 2 if problems else 0
 

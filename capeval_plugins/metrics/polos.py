@@ -124,6 +124,12 @@ class Polos(PointwiseMetric):
         return self.model.sentence_embeddings(*self.tokens(texts), statistics=statistics)
 
     # --- the official batched reading (official_batch_size) ------------------------------------------------------
+    def whole_corpus_only(self) -> str | None:
+        if self.config.official_batch_size is None:
+            return None
+        return ("polos: official_batch_size pools statistics over batches of the whole corpus: score the corpus in "
+                "one call (capeval score, metric(...), evaluate's compute), not in streamed batches")
+
     def prepare_corpus(self, corpus: Batch) -> None:
         """With ``official_batch_size`` N: the layer-norm statistics of every official batch (input positions
         [kN, kN + N)), its candidates together and each reference slot together, from per-text sums."""
