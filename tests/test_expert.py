@@ -33,6 +33,7 @@ from capeval_plugins.models.lvlm import LLAVA_CONVERSATIONS, KeywordStop
 from capeval_plugins.metrics.expert import (CRITERIA, EXPERT, explanation_prompt, official_score, parse_explanation,
                                             scoring_prompt)
 from capeval_plugins.testing import scratch_folder
+from capeval_plugins.testing.official_code import expand2square
 
 # --- the script's code, ported line by line (its names kept) --------------------------------------------------
 
@@ -298,19 +299,6 @@ def scripted_llava15(chain: tuple[str, ...], soft: tuple[tuple[str, float], ...]
     LlavaProcessor(image_processor=processor, tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
                    num_additional_image_tokens=1, chat_template=rt.LLAVA_15_TEMPLATE).save_pretrained(path)
     return str(path)
-
-
-def expand2square(image, background):
-    """LLaVA's llava/mm_utils.py ``expand2square``."""
-    from PIL import Image
-
-    width, height = image.size
-    if width == height:
-        return image
-    side = max(width, height)
-    result = Image.new(image.mode, (side, side), background)
-    result.paste(image, (0, (side - height) // 2) if width > height else ((side - width) // 2, 0))
-    return result
 
 
 def script_generate(model, processor, image, prompt: str, stop: str, max_new_tokens: int):

@@ -33,6 +33,7 @@ from test_expert import TOKENIZERS, llama2_tokenizer, scripted_llava15
 import capeval_plugins
 from capeval_plugins.inputs import InputError
 from capeval_plugins.testing import scratch_folder
+from capeval_plugins.testing.official_code import expand2square
 
 BOS, EOS = 1, 2
 IMAGE_TOKEN_INDEX = -200  # LLaVA's constants.IMAGE_TOKEN_INDEX, replaced by the image features in the model
@@ -90,18 +91,6 @@ def reffleur_prompt(candidate: str, references: list[str]) -> str:
             "describe the image at all.\n1.0: The caption accurately and clearly describes the image.\n\n"
             f"Reference Captions: {chr(10).join(references)}\n\nCandidate Caption: {' '.join(candidate.split())}"
             "\n\nScore(Choose a rating from 0.0 to 1.0):")
-
-
-def expand2square(image, background):
-    from PIL import Image
-
-    width, height = image.size
-    if width == height:
-        return image
-    side = max(width, height)
-    result = Image.new(image.mode, (side, side), background)
-    result.paste(image, (0, (side - height) // 2) if width > height else ((side - width) // 2, 0))
-    return result
 
 
 def script_score(outputs: str, answer: torch.Tensor, scores: list[torch.Tensor], rate2token: dict) -> float | None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import HANG_GUARD, PYTHON, ROOT, declared_recipe, run, third_party_metrics
 from test_lvlm import scripted_llava
+from test_plugins import PLUGIN
 from test_resume_every_metric import EXPERT_JUDGE
 
 import capeval_plugins
@@ -280,24 +281,7 @@ def test_check_metric_lists_every_failed_check():
 # ---------------------------------------------------------------------------------------------------------
 # A plugin installed beside the package (with pip) leaves the package's suite green
 
-NO_RECIPE = '''
-import torch
-from capeval_plugins.contract import Batch, MetricInfo, PointwiseMetric
-from capeval_plugins.registry import hookimpl
-
-
-class CaptionLength(PointwiseMetric):
-    info = MetricInfo(name="caption_length", display_name="CaptionLength", description="Words per caption.",
-                      citation="@misc{length}", references="never", images="never")
-
-    def score(self, batch: Batch):
-        return {"score": torch.tensor([float(len(c.split())) for c in batch.candidates], dtype=torch.float64)}
-
-
-@hookimpl
-def capeval_metrics():
-    return [CaptionLength]
-'''
+NO_RECIPE = PLUGIN  # a third-party metric declaring no tiny recipe (tests/test_plugins.py's)
 
 NO_RECIPE_PROJECT = '''
 [build-system]

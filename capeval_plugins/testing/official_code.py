@@ -187,3 +187,15 @@ def polos_reference(modules: Namespace, state: dict, text_folder: str, hidden_si
         "masked_global_average_pooling": modules.estimator.PolosEstimator.masked_global_average_pooling,
     })
     return cls(modules, state, text_folder, hidden_sizes)
+
+
+def expand2square(image: Image.Image, background) -> Image.Image:
+    """LLaVA's ``llava/mm_utils.py`` ``expand2square`` (the official FLEUR / EXPERT scripts' padding): the image
+    centred on a square of ``background``, for reference computations beside the package's own padding."""
+    width, height = image.size
+    if width == height:
+        return image
+    side = max(width, height)
+    result = Image.new(image.mode, (side, side), background)
+    result.paste(image, (0, (side - height) // 2) if width > height else ((side - width) // 2, 0))
+    return result
