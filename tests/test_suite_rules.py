@@ -35,10 +35,12 @@ def pytest_run(tmp_path: Path, source: str, *args: str, env: dict | None = None,
                           capture_output=True, text=True, env=full, cwd=tmp_path, timeout=HANG_GUARD)
 
 
+# Based on Hypothesis's "default" profile by name: with no base, a CI machine (CI=true) would lend these settings
+# the "ci" profile, which has no deadline and no too-slow check, and nothing would be left to refuse.
 HYPOTHESIS_CASE = """
 from hypothesis import given, settings, strategies as st
 
-@settings({options})
+@settings(settings.get_profile("default"), {options})
 @given(st.integers())
 def test_it(x):
     assert x == x
