@@ -316,6 +316,52 @@ def test_a_damaged_tokenizer_is_one_line(clip_copy, capsys, case):
     assert code == 2 and one_line(err) and out == "", (case, err)
 
 
+def _image_processor(change):
+    return lambda p: edit_json(p, lambda c: change(c["image_processor"]))
+
+
+# The processor's config beside a whole model, damaged or of another checkpoint: each gave exit 1 and a traceback
+# at the first batch (a CLIP tower takes one size only; a mean of two values fails inside the processor).
+PROCESSOR_CASES = {
+    "a larger crop": _image_processor(lambda c: c.update(crop_size={"height": 64, "width": 64},
+                                                         size={"shortest_edge": 64})),
+    "a smaller crop": _image_processor(lambda c: c.update(crop_size={"height": 16, "width": 16},
+                                                          size={"shortest_edge": 16})),
+    "no crop, the aspect kept": _image_processor(lambda c: c.update(do_center_crop=False)),
+    "an empty image processor (224 by default)": lambda p: edit_json(p, lambda c: c.__setitem__("image_processor", {})),
+    "a mean of two values": _image_processor(lambda c: c.update(image_mean=[0.5, 0.5])),
+    "a standard deviation of 0": _image_processor(lambda c: c.update(image_std=[0.0, 0.0, 0.0])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROCESSOR_CASES))
+def test_an_image_processor_that_cannot_feed_its_model_is_one_line(clip_copy, capsys, case):
+    PROCESSOR_CASES[case](clip_copy / "processor_config.json")
+    code, out, err = cli(clip_score(clip_copy), capsys)
+    assert code == 2 and one_line(err) and out == "", (case, err)
+    assert "processor" in err and str(clip_copy.name) in err, err
+
+
+def test_an_image_processor_that_only_makes_other_numbers_is_the_models_own(clip_copy):
+    """Another mean or no rescaling is a configuration a checkpoint may have: it loads (and scores other numbers)."""
+    edit_json(clip_copy / "processor_config.json", lambda c: c["image_processor"].update(do_normalize=False))
+    assert loading.load_processor(__import__("transformers").AutoProcessor, str(clip_copy)) is not None
+
+
+@pytest.mark.parametrize("kind", ["dino", "llava", "llava_next", "siglip", "blip_itm", "vilt", "vit_gpt2_caption"])
+def test_real_layouts_of_image_processors_pass_the_check(tiny_root, kind):
+    """The probe and the tower's size are read as each family lays them out (DINO interpolates any size; LLaVA's
+    CLIP tower takes one; LLaVA-NeXT tiles; BLIP, ViLT and ViT have their own towers)."""
+    from transformers import AutoConfig, AutoImageProcessor
+
+    from capeval_plugins.testing import tiny_checkpoint
+
+    folder = tiny_checkpoint(kind, root=tiny_root)
+    config = AutoConfig.from_pretrained(folder)
+    assert wholeness.image_processor_problem(AutoImageProcessor.from_pretrained(folder),
+                                             wholeness.vision_tower(config)) is None
+
+
 def test_a_tokenizer_without_its_merges_would_score_otherwise():
     """Why the merges are checked: the same vocabulary without them splits every word into characters."""
     from capeval_plugins.testing.clip import clip_tokenizer

@@ -378,6 +378,7 @@ def load_processor(
             processor = loader.from_pretrained(name_or_path, **hub, **kwargs)
             check_vocabulary(processor, name_or_path, hub)
             check_tokenizer(processor, name_or_path, folder)
+            check_image_processor(processor, name_or_path, hub)
         return processor
 
     return shared(key, build)
@@ -529,16 +530,35 @@ def _tokenizer_of(loaded: Any) -> Any:
     return getattr(loaded, "tokenizer", None)
 
 
-def _config_vocabulary(name_or_path: str, hub: Mapping[str, Any]) -> int | None:
-    """The text model's vocabulary size in the folder's ``config.json`` (None without one)."""
+def check_image_processor(loaded: Any, name_or_path: str, hub: Mapping[str, Any]) -> None:
+    """Refuse a processor whose image processor cannot feed its model's vision tower
+    (:func:`wholeness.image_processor_problem`: e.g. a crop size other than a CLIP tower's), naming the folder."""
+    image_processor = wholeness.image_processor_of(loaded)
+    if image_processor is None:
+        return
+    config = _model_config(name_or_path, hub)
+    problem = wholeness.image_processor_problem(image_processor, wholeness.vision_tower(config))
+    if problem:
+        raise ModelLoadError(f"cannot load the processor of {name_or_path!r}: {problem}; copy the model folder again")
+
+
+def _model_config(name_or_path: str, hub: Mapping[str, Any]) -> Any:
+    """The folder's ``config.json`` as transformers reads it (None without one)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(name_or_path, **hub)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        size = getattr(text, "vocab_size", None)
+        return AutoConfig.from_pretrained(name_or_path, **hub)
     except Exception:  # no config (a processor-only folder), a model type this transformers does not know
         return None
+
+
+def _config_vocabulary(name_or_path: str, hub: Mapping[str, Any]) -> int | None:
+    """The text model's vocabulary size in the folder's ``config.json`` (None without one)."""
+    config = _model_config(name_or_path, hub)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "vocab_size", None)
     return size if isinstance(size, int) and size > 0 else None
 
 

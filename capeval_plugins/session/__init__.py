@@ -26,7 +26,10 @@ a failing batch, the skip policy and the merge are the same everywhere:
 
 What the callers add around a pass: :mod:`capeval_plugins.runner` shards a corpus over ranks, checkpoints each
 batch and gathers the ranks; the torchmetrics adapter keeps each ``update()``'s pass in its states;
-:mod:`capeval_plugins.bench.runner` plans only what its score cache lacks and caches each finished batch.
+:mod:`capeval_plugins.bench.runner` plans only what its score cache lacks and caches each finished batch. Only
+generation runs batches of its own: :mod:`capeval_plugins.captioning` drives a captioner over the distinct images
+(decoding each for the captioner) before its captions enter this loop like any others, and the lm-eval / lmms-eval
+harnesses generate before they score.
 """
 from capeval_plugins.session.corpus import (SIZE_SPEC, Corpus, Describe, check_paths, checks_corpus,  # noqa: F401
                                             corpus_size, policy, size_of_rows, size_rows, validate)
