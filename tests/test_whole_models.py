@@ -362,6 +362,55 @@ def test_real_layouts_of_image_processors_pass_the_check(tiny_root, kind):
                                              wholeness.vision_tower(config)) is None
 
 
+# Settings no weight holds that make every output NaN: each gave exit 0 with every score null (n_invalid = n).
+SETTINGS_CASES = {
+    "a negative layer-norm epsilon": (("text_config", "layer_norm_eps"), -1.0),
+    "a zero layer-norm epsilon": (("vision_config", "layer_norm_eps"), 0.0),
+    "an infinite epsilon": (("text_config", "layer_norm_eps"), float("inf")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SETTINGS_CASES))
+def test_a_setting_that_makes_every_output_nan_is_refused(clip_copy, capsys, case):
+    (section, key), value = SETTINGS_CASES[case]
+    edit_json(clip_copy / "config.json", lambda c: c[section].__setitem__(key, value))
+    code, out, err = cli(clip_score(clip_copy), capsys)
+    assert code == 2 and one_line(err) and out == "" and f"{section}.{key} = " in err, (case, err)
+
+
+def test_real_settings_pass():
+    """Epsilons and rotary bases of real checkpoints (BERT 1e-12, CLIP 1e-5, Llama 1e-6, Qwen2 rope 1e6)."""
+    real = {"layer_norm_eps": 1e-12, "text_config": {"layer_norm_eps": 1e-5, "rms_norm_eps": 1e-6,
+                                                      "rope_theta": 1_000_000.0, "layer_norm_epsilon": 1e-6}}
+    assert wholeness.settings_problem(real) is None
+    assert "rope_theta = 0" in wholeness.settings_problem({"text_config": {"rope_theta": 0}})
+
+
+@pytest.mark.parametrize("eos", [5, 2])
+def test_a_clip_config_that_pools_at_another_token_than_the_tokenizers_end_is_refused(clip_copy, capsys, eos):
+    """CLIP reads a text's features at the configuration's eos_token_id (or, for 2, at the largest id): one of
+    another checkpoint read every caption at another token, exit 0 (CLIPScore 0.577 instead of 0.254 on a
+    tiny model)."""
+    edit_json(clip_copy / "config.json", lambda c: c["text_config"].__setitem__("eos_token_id", eos))
+    code, out, err = cli(clip_score(clip_copy), capsys)
+    assert code == 2 and one_line(err) and out == "" and f"eos_token_id is {eos}" in err, err
+
+
+def test_the_real_clip_tokenizer_with_the_legacy_end_id_passes(tmp_path):
+    """openai/clip-vit-base-patch32's config says eos_token_id 2 (the legacy reading: pool at the largest id),
+    and its tokenizer's end token is its largest id."""
+    from transformers import CLIPTextConfig
+
+    from capeval_plugins.commands.convert_official import clip_tokenizer_from_bpe
+    from capeval_plugins.testing.official import write_bpe
+
+    tokenizer = clip_tokenizer_from_bpe(write_bpe(tmp_path / "bpe_simple_vocab_16e6.txt.gz"))  # OpenAI's layout
+    config = CLIPTextConfig(eos_token_id=2, vocab_size=len(tokenizer))
+    assert wholeness.clip_pooling_problem(tokenizer, config) is None
+    assert wholeness.clip_pooling_problem(tokenizer, CLIPTextConfig(eos_token_id=tokenizer.eos_token_id)) is None
+    assert "is id" in wholeness.clip_pooling_problem(tokenizer, CLIPTextConfig(eos_token_id=tokenizer.eos_token_id - 1))
+
+
 def test_a_tokenizer_without_its_merges_would_score_otherwise():
     """Why the merges are checked: the same vocabulary without them splits every word into characters."""
     from capeval_plugins.testing.clip import clip_tokenizer

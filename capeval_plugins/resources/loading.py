@@ -379,6 +379,7 @@ def load_processor(
             check_vocabulary(processor, name_or_path, hub)
             check_tokenizer(processor, name_or_path, folder)
             check_image_processor(processor, name_or_path, hub)
+            check_pooling_token(processor, name_or_path, hub)
         return processor
 
     return shared(key, build)
@@ -540,6 +541,17 @@ def check_image_processor(loaded: Any, name_or_path: str, hub: Mapping[str, Any]
     problem = wholeness.image_processor_problem(image_processor, wholeness.vision_tower(config))
     if problem:
         raise ModelLoadError(f"cannot load the processor of {name_or_path!r}: {problem}; copy the model folder again")
+
+
+def check_pooling_token(loaded: Any, name_or_path: str, hub: Mapping[str, Any]) -> None:
+    """Refuse a CLIP tokenizer whose end token is not where its model's configuration pools the text
+    (:func:`wholeness.clip_pooling_problem`)."""
+    tokenizer = _tokenizer_of(loaded)
+    config = _model_config(name_or_path, hub) if tokenizer is not None else None
+    problem = wholeness.clip_pooling_problem(tokenizer, config) if config is not None else None
+    if problem:
+        raise ModelLoadError(f"cannot load the tokenizer of {name_or_path!r}: {problem}: the configuration and the "
+                             "tokenizer are not of one checkpoint")
 
 
 def _model_config(name_or_path: str, hub: Mapping[str, Any]) -> Any:

@@ -180,17 +180,37 @@ WIDTHS = ("vocab_size", "hidden_size", "intermediate_size")
 WIDTH_FLOOR = 2**16
 
 
-def _sizes(config: Mapping[str, Any], path: str = "", depth: int = 0) -> Iterator[tuple[str, str, int]]:
-    """(dotted path, key, value) of every integer in a configuration and its nested configurations."""
+def _sizes(config: Mapping[str, Any], path: str = "", depth: int = 0,
+           kinds: tuple[type, ...] = (int,)) -> Iterator[tuple[str, str, Any]]:
+    """(dotted path, key, value) of every integer (or every value of ``kinds``) in a configuration and its nested
+    configurations."""
     if depth > 8:
         return
     for key, value in config.items():
         if isinstance(value, bool):
             continue
-        if isinstance(value, int):
+        if isinstance(value, kinds):
             yield f"{path}{key}", str(key), value
         elif isinstance(value, Mapping):
-            yield from _sizes(value, f"{path}{key}.", depth + 1)
+            yield from _sizes(value, f"{path}{key}.", depth + 1, kinds)
+
+
+# Normalisation epsilons (layer_norm_eps, rms_norm_eps, layer_norm_epsilon, ...) are small positive numbers (real
+# ones 1e-12 to 1e-5); 0 or a negative one divides by zero or takes the root of a negative number in every norm,
+# and the features come out NaN, which a metric can only report as invalid rows (exit 0, every score null).
+EPSILON = re.compile(r"(^|_)(eps|epsilon)$")
+POSITIVE = ("rope_theta",)  # a rotary base of 0 or less makes every angle NaN or infinite
+
+
+def settings_problem(config: Mapping[str, Any]) -> str | None:
+    """Why a setting of ``config`` that no weight holds makes every output non-finite, or None."""
+    for where, key, value in _sizes(config, kinds=(int, float)):
+        if EPSILON.search(key) and not 0 < value < 1:
+            return (f"config.json declares {where} = {value}, but a normalisation epsilon is a small positive number "
+                    "(real ones 1e-12 to 1e-5): every output would be NaN")
+        if key in POSITIVE and not (value > 0 and math.isfinite(value)):
+            return f"config.json declares {where} = {value}, but it must be a positive number: every output would be NaN"
+    return None
 
 
 def config_problem(config: Mapping[str, Any], weights: Weights) -> str | None:
@@ -490,6 +510,30 @@ def image_processor_problem(image_processor: Any, vision: Any = None) -> str | N
     return None
 
 
+def clip_pooling_problem(tokenizer: Any, config: Any) -> str | None:
+    """Why a CLIP text tower (``config``, a model's configuration) would pool its text features at another token
+    than ``tokenizer``'s end token, or None. transformers' CLIP takes the features at the first position holding
+    the configuration's ``eos_token_id``, or, when that is 2 (configurations written before transformers fixed
+    it), at the largest id of the sequence: either must be the tokenizer's end token, else every text is read at
+    its first token (or another word) and every score changes, silently."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    if getattr(text, "model_type", None) != "clip_text_model":
+        return None
+    eos, end = getattr(text, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)
+    if not isinstance(eos, int) or not isinstance(end, int):
+        return None
+    if eos == 2:
+        largest = max(tokenizer.get_vocab().values(), default=end)
+        if end < largest:
+            return (f"config.json's text eos_token_id is 2, so CLIP pools at the largest token id, but the tokenizer's "
+                    f"end token {tokenizer.eos_token!r} is id {end}, not the largest ({largest})")
+        return None
+    if eos != end:
+        return (f"config.json's text eos_token_id is {eos}, where CLIP pools the text, but the tokenizer's end token "
+                f"{tokenizer.eos_token!r} is id {end}")
+    return None
+
+
 def read_tokenizer_json(path: str | os.PathLike) -> Any:
     """A tokenizer.json parsed (its size is bounded by the folder check before any loader reads it)."""
     return _read_json(os.fspath(path))
@@ -526,7 +570,7 @@ def check_config(source: str, folder: str) -> tuple[Mapping[str, Any], Weights |
     if weights is None and os.path.isfile(os.path.join(folder, "pytorch_model.bin")):
         raise ModelLoadError(f"cannot load model {source!r}: {folder} holds pickled weights (pytorch_model.bin) only; "
                              "capeval loads safetensors weights only (a pickle can run code when read)")
-    problem = config_problem(config, weights) if weights is not None else None
+    problem = settings_problem(config) or (config_problem(config, weights) if weights is not None else None)
     if problem:
         raise ModelLoadError(f"cannot load model {source!r}: {problem}")
     return config, weights
@@ -545,7 +589,8 @@ def pipeline_parts(folder: str) -> dict[str, Weights]:
             continue
         config_path = os.path.join(where, "config.json")
         config = _read_json(config_path) if os.path.isfile(config_path) else {}
-        problem = config_problem(config, weights) if isinstance(config, Mapping) else "config.json is not an object"
+        problem = (settings_problem(config) or config_problem(config, weights) if isinstance(config, Mapping)
+                   else "config.json is not an object")
         if problem:
             raise ModelLoadError(f"cannot load {part}/ of {folder!r}: {problem}")
         parts[part] = weights
