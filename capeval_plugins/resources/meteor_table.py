@@ -59,7 +59,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import itertools
-import operator
 import os
 import re
 import sys
@@ -68,7 +67,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -103,6 +102,7 @@ _JOIN = re.compile(f"[{JOINABLE}]+")
 _PUNCT_ASCII = bytes(c for c in range(0x21, 0x7F) if not chr(c).isalnum())
 _PUNCT_WIDE = re.compile(rb"\xc2[\xa0-\xbf]|\xc3[\x97\xb7]|\xe2\x80[\x93\x94\x98\x99\x9c\x9d\xa6]")
 _TOKEN_BREAKS = bytes.maketrans(b"\t\f", b"  ")  # StringTokenizer's separators within a line, as spaces
+_NONZERO = re.compile(rb"[^\0]")
 
 
 class _TooMany(Exception):
@@ -240,76 +240,78 @@ def _core_hashes(lines: Sequence[bytes]) -> np.ndarray:
     return _hashes(phrase_cores(b"\n".join(lines) + b"\n"), len(lines)) if lines else np.zeros(0, np.uint64)
 
 
-def _most_tokens(text: bytes, lines: Sequence[bytes], best: int) -> int:
-    """The most tokens in the core string of one of ``lines`` (``text`` is them joined, each ending in
-    ``\\n``), or ``best`` when none has more. A line's whitespace-separated tokens bound its core's from
-    above, so only the lines that could have more than ``best`` get their cores computed, longest first."""
-    if b"\t" in text or b"\f" in text:
-        text = text.translate(_TOKEN_BREAKS)
-    view = np.frombuffer(text, dtype=np.uint8)
-    ends = np.flatnonzero(view == 10)
-    bound = np.diff(np.searchsorted(np.flatnonzero(view == 32), ends), prepend=0) + 1
-    at = int(bound.max(initial=0))
-    while at > best:
-        cores = phrase_cores(b"\n".join(lines[i] for i in np.flatnonzero(bound == at).tolist()) + b"\n")
-        best = max([best] + [c.count(b" ") + 1 for c in cores if c])
-        at -= 1
-    return best
-
-
 try:  # ISA-L's deflate and inflate (the `fast` extra): the same formats, 2-4 times faster than zlib's
-    from isal import igzip as _gzip_fast, isal_zlib as _zlib_fast
+    from isal import isal_zlib as _zlib_fast
 except ImportError:  # pragma: no cover - the extra is not installed
-    _gzip_fast = _zlib_fast = None
+    _zlib_fast = None
+_zlib = _zlib_fast or zlib
 
 
 def _deflate(data: bytes) -> bytes:
-    return _zlib_fast.compress(data, 1) if _zlib_fast is not None else zlib.compress(data, 1)
+    return _zlib.compress(data, 1)
 
 
-def gunzip(data: bytes) -> bytes:
-    return _gzip_fast.decompress(data) if _gzip_fast is not None else gzip.decompress(data)
+def gunzip_pieces(gz: bytes, size: int = 1 << 22) -> Iterator[bytes]:
+    """The decompressed table, at most ``size`` bytes at a time, as ``gzip.decompress`` reads it (members one
+    after another, zero padding after one skipped), fed a little input at a time: the build never holds the
+    table whole nor copies what is left of the input (half gunzip's CPU is the memory of a whole copy, on the
+    development machine). ValueError when it is not gzip data or is cut short."""
+    view, at, step = memoryview(gz), 0, max(size // 8, 1)
+    try:
+        while at < len(gz):
+            member = _zlib.decompressobj(wbits=31)
+            while not member.eof:
+                feed, at = view[at:at + step], min(at + step, len(gz))
+                while True:  # until the output stops (the last input: until it ends)
+                    piece = member.decompress(feed, size)
+                    feed = member.unconsumed_tail
+                    if piece:
+                        yield piece
+                    if member.eof or not feed and (at < len(gz) or not piece):
+                        break
+                if not member.eof and at == len(gz):
+                    raise ValueError("the paraphrase table's gzip data is cut short")
+            at -= len(member.unused_data)
+            padding = _NONZERO.search(gz, at)
+            at = padding.start() if padding else len(gz)
+    except _zlib.error as err:
+        raise ValueError(f"the paraphrase table is not gzip data ({err})") from None
 
 
-def build_arrays(data: bytes, block: int = BLOCK) -> tuple[dict[str, np.ndarray | bytes], dict]:
-    """The index of a decompressed table (module docstring, point 4): ``group_start`` (the first entry of each
-    run of entries with the same A line, then the number of entries), the A lines' core-string hashes sorted
-    (``a_hash``) with their runs (``a_group``), the runs' A lines (``a_text``, cut at ``a_offsets``), and every
-    entry's B line in zlib blocks of ``block`` entries (``b_blocks``, cut at ``b_offsets``). Returns the arrays
-    and the metadata they imply (entries, runs, block, the most tokens in one core string)."""
-    if b"\r" in data or b"\x0b" in data or not data.endswith(b"\n"):
-        raise ValueError("the paraphrase table is not in the layout the index reads (\\r, \\x0b, or no final line end)")
-    if data.count(b"\n") % 3:
-        raise ValueError("the paraphrase table's lines are not three per entry")
+WINDOW = 1 << 22  # bytes of the table read at once: the build's temporaries stay this small, so their memory
+                  # is reused, not new every time
+_LOW_BYTES = np.array([(1 << 8 * k) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
+
+
+def build_arrays(table: bytes | Iterable[bytes], block: int = BLOCK) -> tuple[dict[str, np.ndarray | bytes], dict]:
+    """The index of a decompressed table (module docstring, point 4), given whole or in pieces
+    (:func:`gunzip_pieces`): ``group_start`` (the first entry of each run of entries with the same A line, then
+    the number of entries), the A lines' core-string hashes sorted (``a_hash``) with their runs (``a_group``), the
+    runs' A lines (``a_text``, cut at ``a_offsets``), and every entry's B line in zlib blocks of ``block``
+    entries (``b_blocks``, cut at ``b_offsets``). Returns the arrays and the metadata they imply (entries, runs,
+    block, the most tokens in one core string). Read a window of whole blocks of entries at a time, with a few
+    vectorised passes each (no Python object per line)."""
     # Bytes that are not UTF-8 need no check: the JVM reads them as U+FFFD, which no supported corpus holds, and
     # their core strings here keep them, so no corpus's core string equals them either: such a phrase matches
     # nothing, in the jar and in the selection alike.
+    whole = table if isinstance(table, (bytes, bytearray)) else None
+    pieces = iter(table) if whole is None else (whole[at:at + WINDOW] for at in range(0, len(whole), WINDOW))
     starts: list[np.ndarray] = []
     heads: list[bytes] = []
     blocks: list[bytes] = []
-    pending: list[bytes] = []  # B lines not yet in a full block
-    most, n, previous, pos = 1, 0, None, 0
-    window = max(3 * block, 1 << 25)
-    while pos < len(data):
-        piece = data[pos:pos + window]
-        lines = piece.split(b"\n")
-        whole = len(lines) - 1  # the last piece is cut by the window (or empty at the end)
-        take = whole - whole % 3 if pos + window >= len(data) else whole - whole % (3 * block) or whole - whole % 3
-        pos += len(piece) - len(b"\n".join(lines[take:]))  # the bytes of the lines taken, line ends included
-        del lines[take:]
-        a, b = lines[1::3], lines[2::3]
-        new = np.fromiter(map(operator.ne, a, itertools.chain([previous], a)), dtype=bool, count=len(a))
-        first = np.flatnonzero(new)
+    most, n, previous = 1, 0, None
+    for data, ends, blanks in _windows(pieces, block):
+        a_start, a_end = ends[0::3] + 1, ends[1::3]  # entry k's probability, A and B lines end at ends[3k:3k + 3]
+        b_start, b_end = a_end + 1, ends[2::3]
+        first = _run_starts(data, a_start, a_end)
+        if data[a_start[0]:a_end[0]] == previous:
+            first = first[1:]  # the window's first entry continues the previous window's last run
+        most = _most_tokens(data, np.concatenate((a_start[first], b_start)), np.concatenate((a_end[first], b_end)),
+                            np.concatenate((blanks[1::3][first], blanks[2::3])) + 1, most)
+        blocks += _b_blocks(data, b_start, b_end, block)
+        heads += [data[s:e] for s, e in zip(a_start[first].tolist(), a_end[first].tolist())]
         starts.append(first + n)
-        heads += itertools.compress(a, new)
-        pending += b
-        full = len(pending) - len(pending) % block if pos < len(data) else len(pending)
-        texts = [b"\n".join(pending[k:k + block]) + b"\n" for k in range(0, full, block)]
-        most = _most_tokens(b"".join(texts), pending[:full], most)
-        blocks += map(_deflate, texts)
-        del pending[:full]
-        previous, n = a[-1], n + len(a)
-    most = _most_tokens(b"\n".join(heads) + b"\n", heads, most)
+        previous, n = data[a_start[-1]:a_end[-1]], n + len(a_start)
     a_hash = _core_hashes(heads)
     order = np.argsort(a_hash, kind="stable")
     arrays = {
@@ -319,6 +321,92 @@ def build_arrays(data: bytes, block: int = BLOCK) -> tuple[dict[str, np.ndarray 
         "b_offsets": _lengths_to_offsets(map(len, blocks), len(blocks)), "b_blocks": b"".join(blocks),
     }
     return arrays, {"entries": n, "groups": len(heads), "block": block, "max_cores": most}
+
+
+def _windows(pieces: Iterator[bytes], block: int) -> Iterator[tuple[bytes, np.ndarray, np.ndarray]]:
+    """The table as windows of whole blocks of entries, the last one what remains, each with its lines'
+    :func:`_scan_lines`. A window takes at least :data:`WINDOW` new bytes, and twice as many as it has while it
+    holds no whole block. ValueError when the table is not in the layout the index reads."""
+    rest, ended, empty = b"", False, True
+    while not ended:
+        parts, wanted = [rest], max(WINDOW, len(rest))
+        while wanted > 0 and not ended:
+            piece = next(pieces, None)
+            ended = piece is None
+            if piece is not None:
+                parts.append(piece)
+                wanted -= len(piece)
+        data = b"".join(parts)
+        if b"\r" in data or b"\x0b" in data or ended and (data or empty) and not data.endswith(b"\n"):
+            raise ValueError("the paraphrase table is not in the layout the index reads (\\r, \\x0b, or no final "
+                             "line end)")
+        ends, blanks = _scan_lines(data)
+        whole = len(ends) if ended else len(ends) - len(ends) % (3 * block)
+        if whole % 3:
+            raise ValueError("the paraphrase table's lines are not three per entry")
+        rest = data[int(ends[whole - 1]) + 1:] if whole else data
+        if whole:
+            empty = False
+            yield data, ends[:whole], blanks[:whole]
+
+
+def _scan_lines(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Where each line of ``data`` ends (its ``\\n``), and how many of its bytes are at most ``b" "`` (``\\n``
+    aside): two vectorised passes. Every StringTokenizer separator (space, tab, form feed) is such a byte, so a
+    line's tokens, and its core string's, are at most that count plus one."""
+    view = np.frombuffer(data, dtype=np.uint8)
+    low = np.flatnonzero(view <= 32)
+    breaks = np.flatnonzero(view[low] == 10)
+    return low[breaks], np.diff(breaks, prepend=-1) - 1
+
+
+def _run_starts(data: bytes, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """The ``k`` whose line ``data[start[k]:end[k]]`` differs from line ``k - 1`` (0 first), sorted: lines of
+    the same length compared eight bytes at a time, all pairs at once (the bytes past a line's end masked)."""
+    length = end - start
+    same = np.zeros(len(start), dtype=bool)
+    same[1:] = length[1:] == length[:-1]
+    near_end = same & (end + 7 > len(data)) & (length > 0)  # an 8-byte read would pass the end: compared as bytes
+    for k in np.flatnonzero(near_end).tolist():
+        same[k] = data[start[k]:end[k]] == data[start[k - 1]:end[k - 1]]
+    k = np.flatnonzero(same & ~near_end & (length > 0))  # (two empty lines are the same)
+    if len(k):
+        words = np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))  # one starting at each byte
+        at, before, left = start[k], start[k - 1], length[k]
+        while len(k):
+            differs = (words[at] ^ words[before]) & _LOW_BYTES[np.minimum(left, 8)] != 0
+            same[k[differs]] = False
+            more = ~differs & (left > 8)
+            k, at, before, left = k[more], at[more] + 8, before[more] + 8, left[more] - 8
+    return np.flatnonzero(~same)
+
+
+def _most_tokens(data: bytes, start: np.ndarray, end: np.ndarray, bound: np.ndarray, best: int) -> int:
+    """The most tokens in the core string of a line ``data[start[i]:end[i]]``, or ``best`` when none has more,
+    given ``bound[i]`` at least that line's: only the lines whose bound exceeds the best found get their cores
+    computed, the highest bounds first, a few thousand lines at a time."""
+    counts = np.bincount(bound)
+    level = len(counts) - 1
+    while level > best:
+        lower, taken = level, int(counts[level])
+        while lower - 1 > best and taken < 4096:
+            lower -= 1
+            taken += int(counts[lower])
+        chosen = np.flatnonzero((bound >= lower) & (bound <= level)).tolist()
+        text = b"".join(data[start[i]:end[i] + 1] for i in chosen)  # each with its line end
+        best = max([best] + [c.count(b" ") + 1 for c in phrase_cores(text) if c])
+        level = lower - 1  # every line with a higher bound is counted
+    return best
+
+
+def _b_blocks(data: bytes, start: np.ndarray, end: np.ndarray, block: int) -> list[bytes]:
+    """The lines ``data[start[k]:end[k] + 1]`` (each with its line end), ``block`` at a time, deflated."""
+    lengths = end + 1 - start
+    text = memoryview(np.frombuffer(data, dtype=np.uint8)[_ranges(start, lengths)].tobytes())
+    cuts = np.cumsum(lengths)[block - 1::block].tolist()
+    if len(lengths) % block:
+        cuts.append(len(text))
+    return [_deflate(text[a:b]) for a, b in zip([0] + cuts[:-1], cuts)]
 
 
 def _lengths_to_offsets(lengths: Iterable[int], count: int) -> np.ndarray:
@@ -779,7 +867,7 @@ def _build_locked(claim, root: Path, source: str, gz: bytes) -> ParaphraseIndex 
         again = claim.owns(f"{source}/meta.json")  # there, but a file did not verify
         print(f"building METEOR's paraphrase index {'again: the one in the cache is damaged' if again else 'once'}"
               f" (about {BUILD_SECONDS} s; kept in {root})", file=sys.stderr, flush=True)
-    arrays, meta = build_arrays(gunzip(gz))
+    arrays, meta = build_arrays(gunzip_pieces(gz))
     claim.remove([name for name in claim.files if not name.startswith(source + "/") or name.endswith(SCRATCH)])
     contents = {name: a if isinstance(a, bytes) else memoryview(np.ascontiguousarray(a)).cast("B")
                 for name, a in arrays.items()}
