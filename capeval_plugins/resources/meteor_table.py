@@ -297,7 +297,8 @@ def build_arrays(table: bytes | Iterable[bytes], block: int = BLOCK) -> tuple[di
     whole = table if isinstance(table, (bytes, bytearray)) else None
     pieces = iter(table) if whole is None else (whole[at:at + WINDOW] for at in range(0, len(whole), WINDOW))
     starts: list[np.ndarray] = []
-    heads: list[bytes] = []
+    heads: list[bytes] = []  # the runs' A lines, each with its line end
+    head_lengths: list[np.ndarray] = []
     blocks: list[bytes] = []
     most, n, previous = 1, 0, None
     for data, ends, blanks in _windows(pieces, block):
@@ -308,19 +309,24 @@ def build_arrays(table: bytes | Iterable[bytes], block: int = BLOCK) -> tuple[di
             first = first[1:]  # the window's first entry continues the previous window's last run
         most = _most_tokens(data, np.concatenate((a_start[first], b_start)), np.concatenate((a_end[first], b_end)),
                             np.concatenate((blanks[1::3][first], blanks[2::3])) + 1, most)
-        blocks += _b_blocks(data, b_start, b_end, block)
-        heads += [data[s:e] for s, e in zip(a_start[first].tolist(), a_end[first].tolist())]
+        blocks += map(_deflate, _lines(data, b_start, b_end, block))
+        heads += _lines(data, a_start[first], a_end[first], max(len(first), 1))
+        head_lengths.append(a_end[first] - a_start[first])
         starts.append(first + n)
         previous, n = data[a_start[-1]:a_end[-1]], n + len(a_start)
-    a_hash = _core_hashes(heads)
+    heads = b"".join(heads)
+    groups = heads.count(b"\n")
+    a_hash = _hashes(phrase_cores(heads), groups)
     order = np.argsort(a_hash, kind="stable")
+    a_offsets = np.zeros(groups + 1, dtype=np.uint64)
+    np.cumsum(np.concatenate(head_lengths), out=a_offsets[1:])
     arrays = {
         "group_start": np.concatenate(starts + [np.array([n])]).astype(np.uint32),
         "a_hash": a_hash[order], "a_group": order.astype(np.uint32),
-        "a_offsets": _lengths_to_offsets(map(len, heads), len(heads)), "a_text": b"".join(heads),
+        "a_offsets": a_offsets, "a_text": heads.replace(b"\n", b""),  # (a line holds no line end)
         "b_offsets": _lengths_to_offsets(map(len, blocks), len(blocks)), "b_blocks": b"".join(blocks),
     }
-    return arrays, {"entries": n, "groups": len(heads), "block": block, "max_cores": most}
+    return arrays, {"entries": n, "groups": groups, "block": block, "max_cores": most}
 
 
 def _windows(pieces: Iterator[bytes], block: int) -> Iterator[tuple[bytes, np.ndarray, np.ndarray]]:
@@ -399,14 +405,14 @@ def _most_tokens(data: bytes, start: np.ndarray, end: np.ndarray, bound: np.ndar
     return best
 
 
-def _b_blocks(data: bytes, start: np.ndarray, end: np.ndarray, block: int) -> list[bytes]:
-    """The lines ``data[start[k]:end[k] + 1]`` (each with its line end), ``block`` at a time, deflated."""
+def _lines(data: bytes, start: np.ndarray, end: np.ndarray, block: int) -> list[memoryview]:
+    """The lines ``data[start[k]:end[k] + 1]`` (each with its line end), ``block`` at a time, gathered by numpy."""
     lengths = end + 1 - start
     text = memoryview(np.frombuffer(data, dtype=np.uint8)[_ranges(start, lengths)].tobytes())
     cuts = np.cumsum(lengths)[block - 1::block].tolist()
     if len(lengths) % block:
         cuts.append(len(text))
-    return [_deflate(text[a:b]) for a, b in zip([0] + cuts[:-1], cuts)]
+    return [text[a:b] for a, b in zip([0] + cuts[:-1], cuts)]
 
 
 def _lengths_to_offsets(lengths: Iterable[int], count: int) -> np.ndarray:
