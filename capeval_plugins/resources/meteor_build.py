@@ -26,6 +26,7 @@ from capeval_plugins.core.coco_text import _ranges
 BLOCK = 1024      # entries per zlib block of B lines in the index
 WINDOW = 1 << 22  # bytes of the table read at once: the build's temporaries stay this small, so their memory
                   # is reused, not new every time
+CORE_BATCH = 4096  # lines whose core strings are computed at once while looking for the most tokens in one
 _LOW_BYTES = np.array([(1 << 8 * k) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
 # A table phrase's characters that are neither alphanumeric nor outside meteor_table.SUPPORTED, in UTF-8 (removed
 # from its cores); characters outside SUPPORTED stay, so a phrase holding one matches no corpus.
@@ -201,12 +202,12 @@ def _run_starts(data: bytes, start: np.ndarray, end: np.ndarray) -> np.ndarray:
 def _most_tokens(data: bytes, start: np.ndarray, end: np.ndarray, bound: np.ndarray, best: int) -> int:
     """The most tokens in the core string of a line ``data[start[i]:end[i]]``, or ``best`` when none has more,
     given ``bound[i]`` at least that line's: only the lines whose bound exceeds the best found get their cores
-    computed, the highest bounds first, a few thousand lines at a time."""
+    computed, the highest bounds first, :data:`CORE_BATCH` lines or more at a time."""
     counts = np.bincount(bound)
     level = len(counts) - 1
     while level > best:
         lower, taken = level, int(counts[level])
-        while lower - 1 > best and taken < 4096:
+        while lower - 1 > best and taken < CORE_BATCH:
             lower -= 1
             taken += int(counts[lower])
         chosen = np.flatnonzero((bound >= lower) & (bound <= level)).tolist()
