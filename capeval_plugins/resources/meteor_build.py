@@ -72,7 +72,7 @@ def gunzip_pieces(gz: bytes, size: int = 1 << 22) -> Iterator[bytes]:
     """The decompressed table, at most ``size`` bytes at a time, as ``gzip.decompress`` reads it (members one
     after another, zero padding after one skipped), fed a little input at a time: the build never holds the
     table whole nor copies what is left of the input (half gunzip's CPU is the memory of a whole copy, on the
-    development machine). ValueError when it is not gzip data or is cut short."""
+    development machine). ValueError when it is not gzip data, is damaged or is cut short."""
     view, at, step = memoryview(gz), 0, max(size // 8, 1)
     try:
         while at < len(gz):
@@ -87,10 +87,10 @@ def gunzip_pieces(gz: bytes, size: int = 1 << 22) -> Iterator[bytes]:
                     if member.eof or not feed and (at < len(gz) or not piece):
                         break
                 if not member.eof and at == len(gz):
-                    raise ValueError("the paraphrase table's gzip data is cut short")
+                    raise ValueError("the paraphrase table's gzip data is cut short or damaged")
             at -= len(member.unused_data)
-            padding = _NONZERO.search(gz, at)
-            at = padding.start() if padding else len(gz)
+            following = _NONZERO.search(gz, at)  # the next member, after any zero padding
+            at = following.start() if following else len(gz)
     except _zlib.error as err:
         raise ValueError(f"the paraphrase table is not gzip data ({err})") from None
 

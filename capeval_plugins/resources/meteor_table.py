@@ -77,7 +77,7 @@ import xxhash
 from capeval_plugins.files import paths
 from capeval_plugins.core.coco_text import _ranges
 from capeval_plugins.core.messages import warn_once
-from capeval_plugins.resources.meteor_build import BLOCK, build_arrays, gunzip_pieces, phrase_cores  # noqa: F401
+from capeval_plugins.resources.meteor_build import BLOCK, build_arrays, gunzip_pieces, phrase_cores
 from capeval_plugins.resources.meteor_build import core_hashes as _core_hashes, hashes as _hashes
 
 FORMAT = 3                  # of the index files; a new format replaces the package's old one
