@@ -39,8 +39,9 @@ the jar's own bytecode):
 The index is built once per machine and table file in the user's cache (``$CAPEVAL_CACHE/meteor``, else
 ``$XDG_CACHE_HOME/capeval_plugins/meteor``, that is ``~/.cache/capeval_plugins/meteor``). The table lists the
 entries of one A phrase together (430,639 runs for 5,274,084 entries in the English table), so the index hashes
-the core string of each run's A line only (:func:`build_arrays`) and keeps the B lines zlib-compressed in blocks
-of :data:`BLOCK` entries: about 37 MB for the English table, built in about 3 CPU-s (``benchmarks/README.md``).
+the core string of each run's A line only (:func:`~.meteor_build.build_arrays`) and keeps the B lines
+zlib-compressed in blocks of :data:`BLOCK` entries: about 37 MB for the English table, built in about 1.5 CPU-s
+(``benchmarks/README.md``).
 A corpus's table takes the runs whose A core string is among the corpus's, decompresses the blocks of their
 entries and keeps those whose B core string is too. Every file goes through :mod:`capeval_plugins.files`: under
 a lock, written whole through a listed scratch name (what a killed build leaves is removed by the next one),
@@ -50,16 +51,16 @@ The tables written for the JVMs go to private folders of TMPDIR (``capeval-meteo
 marker and an in-use lock, so the folders a killed run left are recognised and removed by the next run
 (:func:`sweep_temp_tables`); ``capeval cache`` shows and clears both.
 
-Why one module of ~800 lines: the table's format, the index built from it, the cut for one corpus and the
-cache that keeps the index are one file format read and written together, and the argument above for why the
-cut changes no score is about all of them at once.
+Why one module of ~700 lines: the index's layout, the cut for one corpus and the cache that keeps the index are
+one file format read and written together, and the argument above for why the cut changes no score is about all
+of them at once. How the table file becomes the index's arrays (with no Python object per line) is
+:mod:`.meteor_build`'s.
 """
 from __future__ import annotations
 
 import contextlib
 import gzip
 import itertools
-import operator
 import os
 import re
 import sys
@@ -76,15 +77,16 @@ import xxhash
 from capeval_plugins.files import paths
 from capeval_plugins.core.coco_text import _ranges
 from capeval_plugins.core.messages import warn_once
+from capeval_plugins.resources.meteor_build import BLOCK, build_arrays, gunzip_pieces, phrase_cores
+from capeval_plugins.resources.meteor_build import core_hashes as _core_hashes, hashes as _hashes
 
 FORMAT = 3                  # of the index files; a new format replaces the package's old one
-BLOCK = 1024                # entries per zlib block of B lines in the index
 CACHE_ENV = paths.CACHE_ENV  # relocates every capeval cache: this one is $CAPEVAL_CACHE/meteor
 QUIET_ENV = "CAPEVAL_QUIET"
 INDEX_KIND = "meteor-paraphrase-index"
 LOCK = "build.lock"
 LOCK_WAIT = 900.0           # seconds to wait for another process's build before using the full table
-BUILD_SECONDS = 4           # what the build costs (CPU) on the 2-core development machine (benchmarks/README.md)
+BUILD_SECONDS = 2           # what the build costs (CPU) on the 2-core development machine (benchmarks/README.md)
 
 # The normaliser's alphanumerics (edu.cmu.meteor.util.Normalizer.alnum) within SUPPORTED, as regex ranges.
 ALNUM = r"0-9A-Za-z\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u017e"
@@ -98,11 +100,6 @@ MAX_NGRAMS_PER_RUN = 64          # (a text without joins has at most the longest
 _RUN = re.compile(f"[{ALNUM}]+")
 _UNSUPPORTED = re.compile(f"[^{SUPPORTED}]")
 _JOIN = re.compile(f"[{JOINABLE}]+")
-# A table phrase's characters that are neither alphanumeric nor outside SUPPORTED, in UTF-8 (removed from its
-# cores); characters outside SUPPORTED stay, so a phrase holding one matches no corpus.
-_PUNCT_ASCII = bytes(c for c in range(0x21, 0x7F) if not chr(c).isalnum())
-_PUNCT_WIDE = re.compile(rb"\xc2[\xa0-\xbf]|\xc3[\x97\xb7]|\xe2\x80[\x93\x94\x98\x99\x9c\x9d\xa6]")
-_TOKEN_BREAKS = bytes.maketrans(b"\t\f", b"  ")  # StringTokenizer's separators within a line, as spaces
 
 
 class _TooMany(Exception):
@@ -167,10 +164,6 @@ def text_ngrams(text: str, max_n: int) -> list[str] | None:
     return out
 
 
-def _hashes(strings: Iterable[bytes], count: int = -1) -> np.ndarray:
-    return np.fromiter(map(xxhash.xxh3_64_intdigest, strings), dtype=np.uint64, count=count)
-
-
 def distinct(values: np.ndarray) -> np.ndarray:
     """``np.unique`` by sorting (numpy 2's hashing ``unique`` is 20 times slower on 64-bit hashes)."""
     values = np.sort(values)
@@ -218,113 +211,6 @@ def corpus_grams(texts: Iterable[str], max_n: int) -> CorpusGrams:
             return CorpusGrams(None, why)
         parts.append(hashes)
     return CorpusGrams(distinct(np.concatenate(parts)))
-
-
-# ---------------------------------------------------------------------------------------------- the table
-
-
-def phrase_cores(block: bytes) -> list[bytes]:
-    """The core string (UTF-8) of each line of ``block`` (lines ending in ``\\n``): each token's alphanumerics
-    and unsupported characters, tokens left empty dropped, joined by single spaces."""
-    if not block:
-        return []
-    block = _PUNCT_WIDE.sub(b"", block.translate(_TOKEN_BREAKS, _PUNCT_ASCII))
-    if block.endswith(b"\n"):
-        block = block[:-1]
-    while b"  " in block:
-        block = block.replace(b"  ", b" ")
-    return (b"\n" + block + b"\n").replace(b" \n", b"\n").replace(b"\n ", b"\n").split(b"\n")[1:-1]
-
-
-def _core_hashes(lines: Sequence[bytes]) -> np.ndarray:
-    return _hashes(phrase_cores(b"\n".join(lines) + b"\n"), len(lines)) if lines else np.zeros(0, np.uint64)
-
-
-def _most_tokens(text: bytes, lines: Sequence[bytes], best: int) -> int:
-    """The most tokens in the core string of one of ``lines`` (``text`` is them joined, each ending in
-    ``\\n``), or ``best`` when none has more. A line's whitespace-separated tokens bound its core's from
-    above, so only the lines that could have more than ``best`` get their cores computed, longest first."""
-    if b"\t" in text or b"\f" in text:
-        text = text.translate(_TOKEN_BREAKS)
-    view = np.frombuffer(text, dtype=np.uint8)
-    ends = np.flatnonzero(view == 10)
-    bound = np.diff(np.searchsorted(np.flatnonzero(view == 32), ends), prepend=0) + 1
-    at = int(bound.max(initial=0))
-    while at > best:
-        cores = phrase_cores(b"\n".join(lines[i] for i in np.flatnonzero(bound == at).tolist()) + b"\n")
-        best = max([best] + [c.count(b" ") + 1 for c in cores if c])
-        at -= 1
-    return best
-
-
-try:  # ISA-L's deflate and inflate (the `fast` extra): the same formats, 2-4 times faster than zlib's
-    from isal import igzip as _gzip_fast, isal_zlib as _zlib_fast
-except ImportError:  # pragma: no cover - the extra is not installed
-    _gzip_fast = _zlib_fast = None
-
-
-def _deflate(data: bytes) -> bytes:
-    return _zlib_fast.compress(data, 1) if _zlib_fast is not None else zlib.compress(data, 1)
-
-
-def gunzip(data: bytes) -> bytes:
-    return _gzip_fast.decompress(data) if _gzip_fast is not None else gzip.decompress(data)
-
-
-def build_arrays(data: bytes, block: int = BLOCK) -> tuple[dict[str, np.ndarray | bytes], dict]:
-    """The index of a decompressed table (module docstring, point 4): ``group_start`` (the first entry of each
-    run of entries with the same A line, then the number of entries), the A lines' core-string hashes sorted
-    (``a_hash``) with their runs (``a_group``), the runs' A lines (``a_text``, cut at ``a_offsets``), and every
-    entry's B line in zlib blocks of ``block`` entries (``b_blocks``, cut at ``b_offsets``). Returns the arrays
-    and the metadata they imply (entries, runs, block, the most tokens in one core string)."""
-    if b"\r" in data or b"\x0b" in data or not data.endswith(b"\n"):
-        raise ValueError("the paraphrase table is not in the layout the index reads (\\r, \\x0b, or no final line end)")
-    if data.count(b"\n") % 3:
-        raise ValueError("the paraphrase table's lines are not three per entry")
-    # Bytes that are not UTF-8 need no check: the JVM reads them as U+FFFD, which no supported corpus holds, and
-    # their core strings here keep them, so no corpus's core string equals them either: such a phrase matches
-    # nothing, in the jar and in the selection alike.
-    starts: list[np.ndarray] = []
-    heads: list[bytes] = []
-    blocks: list[bytes] = []
-    pending: list[bytes] = []  # B lines not yet in a full block
-    most, n, previous, pos = 1, 0, None, 0
-    window = max(3 * block, 1 << 25)
-    while pos < len(data):
-        piece = data[pos:pos + window]
-        lines = piece.split(b"\n")
-        whole = len(lines) - 1  # the last piece is cut by the window (or empty at the end)
-        take = whole - whole % 3 if pos + window >= len(data) else whole - whole % (3 * block) or whole - whole % 3
-        pos += len(piece) - len(b"\n".join(lines[take:]))  # the bytes of the lines taken, line ends included
-        del lines[take:]
-        a, b = lines[1::3], lines[2::3]
-        new = np.fromiter(map(operator.ne, a, itertools.chain([previous], a)), dtype=bool, count=len(a))
-        first = np.flatnonzero(new)
-        starts.append(first + n)
-        heads += itertools.compress(a, new)
-        pending += b
-        full = len(pending) - len(pending) % block if pos < len(data) else len(pending)
-        texts = [b"\n".join(pending[k:k + block]) + b"\n" for k in range(0, full, block)]
-        most = _most_tokens(b"".join(texts), pending[:full], most)
-        blocks += map(_deflate, texts)
-        del pending[:full]
-        previous, n = a[-1], n + len(a)
-    most = _most_tokens(b"\n".join(heads) + b"\n", heads, most)
-    a_hash = _core_hashes(heads)
-    order = np.argsort(a_hash, kind="stable")
-    arrays = {
-        "group_start": np.concatenate(starts + [np.array([n])]).astype(np.uint32),
-        "a_hash": a_hash[order], "a_group": order.astype(np.uint32),
-        "a_offsets": _lengths_to_offsets(map(len, heads), len(heads)), "a_text": b"".join(heads),
-        "b_offsets": _lengths_to_offsets(map(len, blocks), len(blocks)), "b_blocks": b"".join(blocks),
-    }
-    return arrays, {"entries": n, "groups": len(heads), "block": block, "max_cores": most}
-
-
-def _lengths_to_offsets(lengths: Iterable[int], count: int) -> np.ndarray:
-    out = np.zeros(count + 1, dtype=np.uint64)
-    np.cumsum(np.fromiter(lengths, dtype=np.uint64, count=count), out=out[1:])
-    return out
 
 
 @dataclass
@@ -779,7 +665,7 @@ def _build_locked(claim, root: Path, source: str, gz: bytes) -> ParaphraseIndex 
         again = claim.owns(f"{source}/meta.json")  # there, but a file did not verify
         print(f"building METEOR's paraphrase index {'again: the one in the cache is damaged' if again else 'once'}"
               f" (about {BUILD_SECONDS} s; kept in {root})", file=sys.stderr, flush=True)
-    arrays, meta = build_arrays(gunzip(gz))
+    arrays, meta = build_arrays(gunzip_pieces(gz))
     claim.remove([name for name in claim.files if not name.startswith(source + "/") or name.endswith(SCRATCH)])
     contents = {name: a if isinstance(a, bytes) else memoryview(np.ascontiguousarray(a)).cast("B")
                 for name, a in arrays.items()}
