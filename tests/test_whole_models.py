@@ -411,6 +411,51 @@ def test_the_real_clip_tokenizer_with_the_legacy_end_id_passes(tmp_path):
     assert "is id" in wholeness.clip_pooling_problem(tokenizer, CLIPTextConfig(eos_token_id=tokenizer.eos_token_id - 1))
 
 
+# A LLaVA processor and a config.json that disagree on the image tokens: each gave exit 1 and a traceback at the
+# first batch (features and tokens do not match, or no image token found).
+LVLM_CASES = {
+    "another image token id": ("config.json", lambda c: c.update(image_token_index=5, image_token_id=5),
+                               "image_token_id is 5"),
+    "another feature strategy": ("config.json", lambda c: c.update(vision_feature_select_strategy="full"),
+                                 "vision_feature_select_strategy"),
+    "another patch size": ("processor_config.json", lambda c: c.update(patch_size=4), "patch_size is 4"),
+}
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", sorted(LVLM_CASES))
+def test_a_vision_language_processor_of_another_checkpoint_is_one_line(tiny_root, tmp_path, capsys, case):
+    from capeval_plugins.testing import tiny_checkpoint
+
+    folder = tmp_path / "llava"
+    shutil.copytree(tiny_checkpoint("llava", root=tiny_root), folder)
+    name, change, words = LVLM_CASES[case]
+    edit_json(folder / name, change)
+    clear_cache()
+    capsys.readouterr()  # the build's own progress bar, if this test built the checkpoint
+    code, out, err = cli(["score", "-m", "fleur", "--model", folder, "--captions", EXAMPLES / "captions.jsonl",
+                          "--images", EXAMPLES / "images", "--quiet"], capsys)
+    assert code == 2 and one_line(err) and out == "" and words in err, (case, err)
+    clear_cache()
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip", "llava", "llava_next", "pacs", "polos", "dino", "blip_itm",
+                                  "vilt", "vit_gpt2_caption", "blip_caption", "roberta", "bert"])
+def test_every_family_s_processor_agrees_with_its_model(tiny_root, kind):
+    """The other side: each family's own processor and model, as the builders save them, pass every check."""
+    from transformers import AutoProcessor
+
+    from capeval_plugins.testing import tiny_checkpoint
+
+    folder = str(tiny_checkpoint(kind, root=tiny_root))
+    clear_cache()
+    try:
+        loaded = AutoProcessor.from_pretrained(folder)
+    except (OSError, ValueError):
+        pytest.skip(f"{kind} has no processor transformers' AutoProcessor loads")  # pragma: no cover
+    loading.check_against_model(loaded, folder, {})
+
+
 def test_a_tokenizer_without_its_merges_would_score_otherwise():
     """Why the merges are checked: the same vocabulary without them splits every word into characters."""
     from capeval_plugins.testing.clip import clip_tokenizer

@@ -378,8 +378,7 @@ def load_processor(
             processor = loader.from_pretrained(name_or_path, **hub, **kwargs)
             check_vocabulary(processor, name_or_path, hub)
             check_tokenizer(processor, name_or_path, folder)
-            check_image_processor(processor, name_or_path, hub)
-            check_pooling_token(processor, name_or_path, hub)
+            check_against_model(processor, name_or_path, hub)
         return processor
 
     return shared(key, build)
@@ -531,27 +530,27 @@ def _tokenizer_of(loaded: Any) -> Any:
     return getattr(loaded, "tokenizer", None)
 
 
-def check_image_processor(loaded: Any, name_or_path: str, hub: Mapping[str, Any]) -> None:
-    """Refuse a processor whose image processor cannot feed its model's vision tower
-    (:func:`wholeness.image_processor_problem`: e.g. a crop size other than a CLIP tower's), naming the folder."""
-    image_processor = wholeness.image_processor_of(loaded)
-    if image_processor is None:
-        return
+def check_against_model(loaded: Any, name_or_path: str, hub: Mapping[str, Any]) -> None:
+    """Refuse a processor (or tokenizer) that disagrees with the model beside it in what no weight holds, naming
+    the folder: an image processor that cannot feed the vision tower (:func:`wholeness.image_processor_problem`),
+    a CLIP tokenizer whose end token is not where the text is pooled (:func:`wholeness.clip_pooling_problem`), a
+    vision-language processor that lays out other image tokens than the model reads
+    (:func:`wholeness.processor_config_problem`). Each gave a traceback at the first batch or other numbers."""
+    image_processor, tokenizer = wholeness.image_processor_of(loaded), _tokenizer_of(loaded)
     config = _model_config(name_or_path, hub)
-    problem = wholeness.image_processor_problem(image_processor, wholeness.vision_tower(config))
-    if problem:
-        raise ModelLoadError(f"cannot load the processor of {name_or_path!r}: {problem}; copy the model folder again")
-
-
-def check_pooling_token(loaded: Any, name_or_path: str, hub: Mapping[str, Any]) -> None:
-    """Refuse a CLIP tokenizer whose end token is not where its model's configuration pools the text
-    (:func:`wholeness.clip_pooling_problem`)."""
-    tokenizer = _tokenizer_of(loaded)
-    config = _model_config(name_or_path, hub) if tokenizer is not None else None
-    problem = wholeness.clip_pooling_problem(tokenizer, config) if config is not None else None
-    if problem:
-        raise ModelLoadError(f"cannot load the tokenizer of {name_or_path!r}: {problem}: the configuration and the "
-                             "tokenizer are not of one checkpoint")
+    checks = []
+    if image_processor is not None:
+        checks.append(("processor", lambda: wholeness.image_processor_problem(image_processor,
+                                                                              wholeness.vision_tower(config))))
+    if config is not None and tokenizer is not None:
+        checks.append(("tokenizer", lambda: wholeness.clip_pooling_problem(tokenizer, config)))
+    if config is not None and image_processor is not None and tokenizer is not None:
+        checks.append(("processor", lambda: wholeness.processor_config_problem(loaded, config)))
+    for what, check in checks:
+        problem = check()
+        if problem:
+            raise ModelLoadError(f"cannot load the {what} of {name_or_path!r}: {problem}: the {what} and the model "
+                                 "are not of one checkpoint")
 
 
 def _model_config(name_or_path: str, hub: Mapping[str, Any]) -> Any:

@@ -506,7 +506,7 @@ def image_processor_problem(image_processor: Any, vision: Any = None) -> str | N
     kind = getattr(vision, "model_type", None)
     if kind in FIXED_SIZE_VISION and isinstance(size, int) and tuple(pixels.shape[-2:]) != (size, size):
         return (f"its image processor makes {pixels.shape[-1]}x{pixels.shape[-2]} images, but the vision tower "
-                f"({kind}) takes {size}x{size} only: the processor and the model are not of one checkpoint")
+                f"({kind}) takes {size}x{size} only")
     return None
 
 
@@ -531,6 +531,30 @@ def clip_pooling_problem(tokenizer: Any, config: Any) -> str | None:
     if eos != end:
         return (f"config.json's text eos_token_id is {eos}, where CLIP pools the text, but the tokenizer's end token "
                 f"{tokenizer.eos_token!r} is id {end}")
+    return None
+
+
+def processor_config_problem(processor: Any, config: Any) -> str | None:
+    """Why a vision-language processor would lay out other image tokens than the model reads, or None: what both
+    sides name must agree: the image token's id, the feature selection strategy (LLaVA: the tower's CLS kept or
+    not), the tower's patch size, Qwen-VL's merge and temporal patch sizes. A disagreement failed at the first
+    batch ("image features and image tokens do not match") or, for the token id, read no image at all."""
+    token, model_id = getattr(processor, "image_token", None), getattr(config, "image_token_id", None)
+    if isinstance(token, str) and isinstance(model_id, int):
+        held = processor.tokenizer.convert_tokens_to_ids(token)
+        if held != model_id:
+            return (f"its image token {token!r} is id {held} in its tokenizer, but config.json's image_token_id is "
+                    f"{model_id}")
+    image, vision = getattr(processor, "image_processor", None), getattr(config, "vision_config", None)
+    pairs = (("vision_feature_select_strategy", processor, "vision_feature_select_strategy", config),
+             ("patch_size", processor, "patch_size", vision), ("patch_size", image, "patch_size", vision),
+             ("merge_size", image, "spatial_merge_size", vision),
+             ("temporal_patch_size", image, "temporal_patch_size", vision))
+    for name, holder, model_name, model_holder in pairs:
+        ours, theirs = getattr(holder, name, None), getattr(model_holder, model_name, None)
+        if ours is not None and theirs is not None and isinstance(ours, (int, str)) and ours != theirs:
+            where = "config.json" if model_holder is config else "config.json's vision_config"
+            return f"its {name} is {ours!r}, but {where} says {model_name} = {theirs!r}"
     return None
 
 
