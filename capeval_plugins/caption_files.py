@@ -28,7 +28,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from capeval_plugins import files
 from capeval_plugins.contract import MetricResult, extra_values
@@ -503,13 +503,15 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def score_table(results: Mapping[str, MetricResult], records: CaptionRecords | None = None) -> list[dict[str, Any]]:
+def score_table(results: Mapping[str, MetricResult], records: CaptionRecords | None = None,
+                metrics: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """One row per sample in index order: ``index``, the sample's own ``id`` (where the input gives ids), its
     ``image_id`` (a COCO results file), ``image``
     (as the input file writes it) and ``caption`` when ``records`` (the input) is given, then ``<metric>`` and
     ``<metric>.<extra>`` for every metric, and ``error`` (the reasons) where a metric skipped the sample. An
     extra that repeats on every row the column it is named after (RefCLIPScore's ``clipscore`` extra beside
-    CLIPScore's own column, Soft-MSD's ``cosine`` beside MSD-Score's, BERTScore's ``f1``) is left out
+    CLIPScore's own column, Soft-MSD's ``cosine`` beside MSD-Score's) is left out, and so is an extra a metric of
+    ``metrics`` (``{name: metric}``) declares a score alias (BERTScore's ``f1``: :attr:`Metric.score_aliases`)
     (:func:`drop_repeated_columns`). NaN is None."""
     rows: dict[int, dict[str, Any]] = {}
     errors: dict[int, list[str]] = {}
@@ -521,7 +523,9 @@ def score_table(results: Mapping[str, MetricResult], records: CaptionRecords | N
             row.update({k: col[j] for k, col in columns.items()})
             if int(index) in result.skipped:
                 errors.setdefault(int(index), []).append(f"{name}: {result.skipped[int(index)]}")
-    repeated = drop_repeated_columns(list(rows.values()))
+    aliases = {f"{name}.{alias}" for name, metric in (metrics or {}).items()
+               for alias in getattr(metric, "score_aliases", ())}
+    repeated = drop_repeated_columns(list(rows.values()), aliases)
     with_images = records is not None and any(name is not None for name in records.image_names)  # once, not per row
     table = []
     for index in sorted(rows):
@@ -547,12 +551,13 @@ def _input_columns(records: CaptionRecords | None, index: int, with_images: bool
     return json_safe(out)
 
 
-def drop_repeated_columns(rows: Sequence[Mapping[str, Any]]) -> set[str]:
+def drop_repeated_columns(rows: Sequence[Mapping[str, Any]], aliases: Collection[str] = ()) -> set[str]:
     """The extra columns that repeat, on every row, a column they are named after: ``m.e`` where ``e`` is
     another metric ``e`` of the run (CLIPScore's ``refclipscore`` beside RefCLIPScore's own column), or an
-    earlier metric's ``n.e`` (RefCLIPScore's ``cosine`` beside CLIPScore's), or ``m.e`` equal to ``m`` itself
-    (BERTScore's ``f1``). A metric's own columns are never compared with each other otherwise (Redemption
-    Score's ``dino_normalized`` may equal its ``dino_raw`` and stays), and score columns always stay."""
+    earlier metric's ``n.e`` (RefCLIPScore's ``cosine`` beside CLIPScore's), or ``m.e`` in ``aliases`` equal to
+    ``m`` itself (BERTScore's ``f1``). A metric's own columns are never compared with each other otherwise: its
+    precision and recall stay even where they equal its score on every row (a caption equal to its reference),
+    Redemption Score's ``dino_normalized`` stays beside its ``dino_raw``, and score columns always stay."""
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k != "index" and k not in columns]
@@ -566,7 +571,7 @@ def drop_repeated_columns(rows: Sequence[Mapping[str, Any]]) -> set[str]:
         named = [extra] if extra in metrics and extra != metric else []
         earlier = [f"{n}.{extra}" for n in metrics[:metrics.index(metric)] if f"{n}.{extra}" in values] \
             if metric in metrics else []
-        for other in [*named, *earlier, metric]:
+        for other in [*named, *earlier, *([metric] if column in aliases else [])]:
             if other in values and other not in repeated and values[other] == values[column]:
                 repeated.add(column)
                 break

@@ -147,7 +147,7 @@ def cmd_score(args: argparse.Namespace) -> int:
             outcome = runner.run(metrics, corpus, run_dir=run_dir, restart=args.restart, progress=not args.quiet,
                                  shard=True, gather_to=0, stop=stop)
         if rank == 0:
-            table = score_table(outcome.results, records)
+            table = score_table(outcome.results, records, metrics)
             if args.out:
                 write_table(args.out, table, inputs)
             print(json.dumps(summary(outcome, table), allow_nan=False))

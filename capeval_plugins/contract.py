@@ -357,6 +357,10 @@ class Metric(abc.ABC):
 
     info: ClassVar[MetricInfo]
     Config: ClassVar[type[MetricConfig]] = MetricConfig
+    # Extras that repeat the per-sample score by definition (BERTScore's ``f1``, kept under the name other
+    # ecosystems give it): score tables leave them out. Declared, never guessed from the values, so that a
+    # table's columns do not depend on the data (precision = recall = F1 on a caption equal to its reference).
+    score_aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **config: Any) -> None:
         self.config = build_config(self.Config, config, self.info.name)

@@ -415,3 +415,46 @@ def test_an_empty_caption_scores_as_bert_score(tiny_deberta, tiny_roberta, encod
     got, result = ours(path, EMPTY_CANDIDATES, refs, idf=idf)
     close(got, expected, 1e-5)
     assert got[[0, 2, 4]].abs().max() == 0 and torch.isfinite(result.scores).all()
+
+
+def test_a_tokenizer_without_a_length_is_held_to_the_models_positions(tiny_roberta, tmp_path, monkeypatch):
+    """A tokenizer_config.json without model_max_length (transformers' "no limit" sentinel) let a RoBERTa text of
+    more than 512 tokens index past the 514-row position table (its positions start at 2): a traceback. It is
+    held to the positions the model has, which is what bert_score does with the same model's 512-token tokenizer."""
+    import shutil
+
+    copy = tmp_path / "roberta"
+    shutil.copytree(tiny_roberta, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    assert config.pop("model_max_length") == 512
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    long = "a dog runs on the grass near a tree " * 80
+    cands, refs = [long, "a dog"], [["a dog on grass"], [long]]
+    restore_prefix_space(monkeypatch)  # bert_score's own reading of RoBERTa (see above)
+    expected = theirs(tiny_roberta, cands, refs, batch_size=1)
+    result = capeval_plugins.load("bertscore", model=str(copy), matching="per_pair")(None, cands, refs)
+    close(torch.stack([result.extras["precision"], result.extras["recall"], result.scores], -1), expected, 1e-5)
+
+
+@pytest.mark.parametrize("length", [0, -5])
+def test_a_tokenizer_length_too_short_for_any_text_is_one_line(tiny_roberta, tmp_path, length):
+    import shutil
+
+    from capeval_plugins.resources.loading import ModelLoadError, clear_cache
+
+    copy = tmp_path / "roberta"
+    shutil.copytree(tiny_roberta, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": length}))
+    clear_cache()
+    with pytest.raises(ModelLoadError, match=f"model_max_length is {length}"):
+        capeval_plugins.load("bertscore", model=str(copy))(None, ["a dog"], [["a dog"]])
+
+
+def test_a_layer_the_model_lacks_is_a_users_error(tiny_roberta):
+    """num_layers past the model's depth is known only once the model loads: an input error (one line, exit 2 on
+    the command line), not a ValueError that the command line reports as a bug."""
+    from capeval_plugins.inputs import InputError
+
+    with pytest.raises(InputError, match="layer 99 does not exist"):
+        capeval_plugins.load("bertscore", model=tiny_roberta, num_layers=99)(None, ["a dog"], [["a dog"]])

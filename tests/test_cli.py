@@ -447,6 +447,25 @@ def test_out_rows_carry_the_input_and_no_repeated_columns(tiny_clip, tmp_path):
                             "refclipscore.reference_similarity", "refclipscore"}
 
 
+def test_a_tables_columns_do_not_depend_on_the_data(tiny_root, tmp_path):
+    """BERTScore's f1 is its score by definition and is left out; its precision and recall stay even where they
+    equal the score on every row (each caption equal to its reference: P = R = F = 1). Before, the table
+    dropped any extra equal to its metric's score on every row, so such a run wrote no precision column."""
+    from capeval_plugins.testing import tiny_checkpoint
+
+    model = tiny_checkpoint("bert", root=tiny_root)
+    captions = tmp_path / "captions.jsonl"
+    texts = ["a dog runs on the grass", "two children play in a park"]
+    captions.write_text("".join(json.dumps({"caption": t, "references": [t]}) + "\n" for t in texts))
+    out = tmp_path / "scores.jsonl"
+    capeval_here(["score", "-m", "bertscore", "--model", str(model), "--captions", str(captions), "--out", str(out),
+                  "--quiet"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(abs(r["bertscore"] - 1) < 1e-5 for r in rows)  # a caption equal to its reference
+    assert {"bertscore", "bertscore.precision", "bertscore.recall"} <= set(rows[0]), rows[0]
+    assert "bertscore.f1" not in rows[0]
+
+
 def test_one_model_for_metrics_of_different_kinds_is_refused_before_loading(tiny_clip, tmp_path):
     code, lines = mistake(score_args(tiny_clip, None, "clipscore", "bertscore"), tmp_path)
     assert code == 2 and len(lines) == 1

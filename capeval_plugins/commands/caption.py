@@ -151,7 +151,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
         print(f"capeval: {err or 'interrupted'}{kept}", file=sys.stderr)
         return 130
     records.captions = list(done.captions)
-    table = score_table(done.results, records)
+    table = score_table(done.results, records, metrics)
     if args.out:
         write_table(args.out, table, inputs)
     metrics_summary = {name: {"score": r.score, "n_skipped": len(r.skipped)} for name, r in done.results.items()}

@@ -102,6 +102,7 @@ class BERTScore(Metric):
         codebase_urls=("https://github.com/Tiiiger/bert_score",),
     )
     Config = BERTScoreConfig
+    score_aliases = ("f1",)
     model_kind_problem = staticmethod(text_encoder_problem)  # a --model shared by several metrics, checked unloaded
 
     def __init__(self, **config) -> None:

@@ -169,6 +169,7 @@ class ViLBERTScore(PointwiseMetric):
     )
     Config = ViLBERTScoreConfig
     extra_names: ClassVar[tuple[str, ...]] = ("precision", "recall", "f1")
+    score_aliases = ("f1",)
     mean_extras: ClassVar[tuple[str, ...]] = ("precision", "recall")
 
     def __init__(self, **config) -> None:

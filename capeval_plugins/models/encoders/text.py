@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from capeval_plugins.image_sources import InputError
 from capeval_plugins.resources import loading
+from capeval_plugins.resources.wholeness import ModelLoadError
 from capeval_plugins.models.encoders.bert_score_layers import BERT_SCORE_LAYERS, bert_score_layer  # noqa: F401
 from capeval_plugins.models.encoders.common import EncoderSpec
 from capeval_plugins.core.messages import warn_once
@@ -72,8 +74,8 @@ def transformer_blocks(module: Any) -> torch.nn.ModuleList:
 def resolve_layer(layer: int, n_blocks: int, name: str) -> int:
     """A layer index in 0..n_blocks (0 = embeddings); negative counts from the end (-1 = last block)."""
     index = layer + n_blocks + 1 if layer < 0 else layer
-    if not 0 <= index <= n_blocks:
-        raise ValueError(f"{name}: layer {layer} does not exist; the model has layers 0..{n_blocks} "
+    if not 0 <= index <= n_blocks:  # an option of the user's that this model cannot take: one line, exit 2
+        raise InputError(f"{name}: layer {layer} does not exist; the model has layers 0..{n_blocks} "
                          f"(or -1..-{n_blocks + 1} from the end)")
     return index
 
@@ -149,6 +151,17 @@ def text_encoder_problem(config: dict) -> str | None:
     return None
 
 
+def position_limit(model: Any) -> int:
+    """How many tokens the model's absolute position table takes: its rows, less the ones before the first
+    position when positions start past the padding index (RoBERTa's family: 514 rows, 512 tokens); a model
+    without such a table (DeBERTa's relative positions), its configuration's max_position_embeddings."""
+    embeddings = getattr(getattr(model, "embeddings", None), "position_embeddings", None)
+    if isinstance(embeddings, torch.nn.Embedding):
+        offset = 0 if embeddings.padding_idx is None else embeddings.padding_idx + 1
+        return embeddings.num_embeddings - offset
+    return int(getattr(model.config, "max_position_embeddings", None) or 512)
+
+
 class TextEncoder:
     """Token embeddings of a BERT-like text encoder at one layer, for greedy matching."""
 
@@ -177,11 +190,15 @@ class TextEncoder:
                               lambda: cls(spec, num_layers, prefix_space))
 
     def _max_tokens(self) -> int:
-        # The tokenizer's limit (bert_score's); when it sets none, the model's position limit, to stay safe.
-        limit = self.tokenizer.model_max_length
-        if limit is None or limit > 100_000:  # "no limit" sentinel of tokenizers without a configured length
-            limit = getattr(self.model.config, "max_position_embeddings", 512)
-        return int(limit)
+        """The tokenizer's limit (bert_score's), never past the positions the model has: a tokenizer that sets
+        none (the "no limit" sentinel) or more than the model holds would index past its position table."""
+        limit, positions = self.tokenizer.model_max_length, position_limit(self.model)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit < 3:
+            raise ModelLoadError(f"cannot load the tokenizer of {self.spec.model!r}: its model_max_length is {limit}, "
+                                 "too short for a text between its special tokens (tokenizer_config.json)")
+        if limit is None or limit > 100_000:
+            return positions
+        return int(min(limit, positions))
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Ids with special tokens, as bert_score's ``sent_encode``; captions over the limit are truncated
