@@ -151,8 +151,8 @@ class RedemptionScore(CompositeMetric):
     Config = RedemptionConfig
     # Component name (prefix of its options and extras) -> registered metric.
     PARTS: ClassVar[dict[str, str]] = {"mid": "mid", "dino": "dino_cycle", "bertscore": "bertscore"}
-    # Component extras that repeat the raw or normalised score.
-    REPEATED: ClassVar[dict[str, tuple[str, ...]]] = {"mid": ("pmi_normalized",), "bertscore": ("f1",)}
+    # Component extras that repeat the raw or normalised score, besides each component's score_aliases.
+    REPEATED: ClassVar[dict[str, tuple[str, ...]]] = {"mid": ("pmi_normalized",)}
 
     def __init__(self, **config) -> None:
         super().__init__(**config)
@@ -179,8 +179,9 @@ class RedemptionScore(CompositeMetric):
             weight = getattr(cfg, f"{name}_weight")
             total += weight * (torch.log(norm.clamp_min(0.0)) if multiplicative else norm)
             extras[f"{name}_raw"], extras[f"{name}_normalized"] = raw, norm
+            repeated = (*self.REPEATED.get(name, ()), *self.components()[name].score_aliases)
             for key, value in result.extras.items():
-                if key not in self.REPEATED.get(name, ()):
+                if key not in repeated:
                     extras.setdefault(f"{name}_{key}", value.cpu())
             corpus[f"mean_{name}_raw"] = nanmean(raw)
             corpus[f"mean_{name}_normalized"] = nanmean(norm)
