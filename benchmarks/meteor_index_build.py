@@ -121,7 +121,8 @@ def whole_run(rows: int, rounds: int, old_ref: str) -> None:
                             encoding="utf-8")
         command = [sys.executable, "-m", "capeval_plugins.cli", "score", "--captions", str(captions),
                    "--out", str(folder / "scores.jsonl"), *[a for m in peers.COCO_METRICS for a in ("-m", m)]]
-        env = {**os.environ, "CAPEVAL_QUIET": "1", "CAPEVAL_CACHE": str(folder / "built")}
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},  # bytecode, as installed
+               "CAPEVAL_QUIET": "1", "CAPEVAL_CACHE": str(folder / "built")}
         peers.run_process([sys.executable, "-c", peers.INDEX_SCRIPT], {**env, "PYTHONPATH": str(ROOT)})
         sides = {f"first run, old ({old_ref})": old_tree, "first run, new": ROOT, "steady state, new": ROOT}
         print(f"capeval score, {len(cands)} rows of Flickr8k-Expert, {', '.join(peers.COCO_METRICS)}; "
