@@ -29,6 +29,7 @@ script's +1e-6 in every norm: about 1e-6 relative). Torch threads are fixed (``-
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -38,10 +39,16 @@ from pathlib import Path
 from common import ROOT, interleaved_processes, process_env, report_processes
 
 sys.path.insert(0, str(ROOT))
+from capeval_plugins.testing import official_msd  # noqa: E402
+
 BENCHDATA = Path(os.environ.get("CAPEVAL_BENCHDATA", ROOT.parent / "shared" / "benchdata"))
 FLICKR = BENCHDATA / "flickr8k_expert" / "flickr8k.json"
 
-# coco_eval_cf.py's loop, from what it computes (argv: model, data json, image folder, output json).
+# coco_eval_cf.py's loop, from what it computes (argv: model, data json, image folder, output json); its EM is the
+# reference port the tests use (capeval_plugins/testing/official_msd.py), pasted in so that this side imports only
+# torch and transformers, as the official code does.
+OFFICIAL_EM = "\n\n".join(inspect.getsource(f) for f in (official_msd.official_unit, official_msd.official_fit,
+                                                          official_msd.official_log_density))
 OFFICIAL_SCRIPT = """
 import json, sys
 import numpy as np
@@ -53,8 +60,8 @@ from transformers import CLIPModel, CLIPProcessor
 K_IMG, K_TXT, KAPPA, ITERATIONS, ALPHA, TAU, L0, TAU_L, SEED = 3, 2, 20.0, 20, 0.1, 0.2, 20.0, 3.0, 42
 
 
-def l2norm(x):
-    return x / (x.norm(dim=-1, keepdim=True) + 1e-6)
+""" + OFFICIAL_EM + """
+l2norm = official_unit
 
 
 def pooled(out):
@@ -66,23 +73,11 @@ class Mixture:
         self.k, self.seed = k, seed
 
     def fit(self, x):
-        x = l2norm(x)
-        n = len(x)
-        k = min(self.k, n)
-        generator = torch.Generator()
-        generator.manual_seed(self.seed)
-        mu = l2norm(x[torch.randperm(n, generator=generator)[:k]].clone())
-        w = torch.full((k,), 1.0 / k)
-        for _ in range(ITERATIONS):
-            post = F.softmax(KAPPA * (x @ mu.T) + torch.log(w[None] + 1e-9), dim=1)
-            mass = post.sum(0) + 1e-8
-            mu = l2norm(post.T @ x)
-            w = mass / float(n)
-        self.mu, self.w = mu, w
+        self.mixture = official_fit(x, self.k, self.seed, KAPPA, ITERATIONS)
         return self
 
     def score(self, x):
-        return torch.logsumexp(KAPPA * (l2norm(x) @ self.mu.T) + torch.log(self.w[None] + 1e-9), dim=1)
+        return official_log_density(x, self.mixture, KAPPA)
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from conftest import cli, one_line
 
 import capeval_plugins
 from capeval_plugins.resources import loading
-from capeval_plugins.resources import wholeness
+from capeval_plugins.resources import agreement, wholeness
 from capeval_plugins.resources.loading import ModelLoadError, clear_cache
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -358,8 +358,8 @@ def test_real_layouts_of_image_processors_pass_the_check(tiny_root, kind):
 
     folder = tiny_checkpoint(kind, root=tiny_root)
     config = AutoConfig.from_pretrained(folder)
-    assert wholeness.image_processor_problem(AutoImageProcessor.from_pretrained(folder),
-                                             wholeness.vision_tower(config)) is None
+    assert agreement.image_processor_problem(AutoImageProcessor.from_pretrained(folder),
+                                             agreement.vision_tower(config)) is None
 
 
 # Settings no weight holds that make every output NaN: each gave exit 0 with every score null (n_invalid = n).
@@ -406,9 +406,9 @@ def test_the_real_clip_tokenizer_with_the_legacy_end_id_passes(tmp_path):
 
     tokenizer = clip_tokenizer_from_bpe(write_bpe(tmp_path / "bpe_simple_vocab_16e6.txt.gz"))  # OpenAI's layout
     config = CLIPTextConfig(eos_token_id=2, vocab_size=len(tokenizer))
-    assert wholeness.clip_pooling_problem(tokenizer, config) is None
-    assert wholeness.clip_pooling_problem(tokenizer, CLIPTextConfig(eos_token_id=tokenizer.eos_token_id)) is None
-    assert "is id" in wholeness.clip_pooling_problem(tokenizer, CLIPTextConfig(eos_token_id=tokenizer.eos_token_id - 1))
+    assert agreement.clip_pooling_problem(tokenizer, config) is None
+    assert agreement.clip_pooling_problem(tokenizer, CLIPTextConfig(eos_token_id=tokenizer.eos_token_id)) is None
+    assert "is id" in agreement.clip_pooling_problem(tokenizer, CLIPTextConfig(eos_token_id=tokenizer.eos_token_id - 1))
 
 
 # A LLaVA processor and a config.json that disagree on the image tokens: each gave exit 1 and a traceback at the

@@ -531,26 +531,10 @@ def _tokenizer_of(loaded: Any) -> Any:
 
 
 def check_against_model(loaded: Any, name_or_path: str, hub: Mapping[str, Any]) -> None:
-    """Refuse a processor (or tokenizer) that disagrees with the model beside it in what no weight holds, naming
-    the folder: an image processor that cannot feed the vision tower (:func:`wholeness.image_processor_problem`),
-    a CLIP tokenizer whose end token is not where the text is pooled (:func:`wholeness.clip_pooling_problem`), a
-    vision-language processor that lays out other image tokens than the model reads
-    (:func:`wholeness.processor_config_problem`). Each gave a traceback at the first batch or other numbers."""
-    image_processor, tokenizer = wholeness.image_processor_of(loaded), _tokenizer_of(loaded)
-    config = _model_config(name_or_path, hub)
-    checks = []
-    if image_processor is not None:
-        checks.append(("processor", lambda: wholeness.image_processor_problem(image_processor,
-                                                                              wholeness.vision_tower(config))))
-    if config is not None and tokenizer is not None:
-        checks.append(("tokenizer", lambda: wholeness.clip_pooling_problem(tokenizer, config)))
-    if config is not None and image_processor is not None and tokenizer is not None:
-        checks.append(("processor", lambda: wholeness.processor_config_problem(loaded, config)))
-    for what, check in checks:
-        problem = check()
-        if problem:
-            raise ModelLoadError(f"cannot load the {what} of {name_or_path!r}: {problem}: the {what} and the model "
-                                 "are not of one checkpoint")
+    """:func:`agreement.check_against_model` with the folder's configuration, read once."""
+    from capeval_plugins.resources import agreement
+
+    agreement.check_against_model(loaded, name_or_path, _model_config(name_or_path, hub), _tokenizer_of(loaded))
 
 
 def _model_config(name_or_path: str, hub: Mapping[str, Any]) -> Any:

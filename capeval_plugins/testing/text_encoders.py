@@ -3,6 +3,7 @@ and SigLIP."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from capeval_plugins.testing import builder
 from capeval_plugins.testing.corpus import caption_corpus, train_gpt2_bpe, train_unigram, train_wordpiece_deterministic
@@ -94,26 +95,35 @@ def build_vilt(path: Path, seed: int, image_size: int = 32, patch_size: int = 8)
     ViltProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
 
 
-@builder("blip_itm")
-def build_blip_itm(path: Path, seed: int, image_size: int = 32, patch_size: int = 8) -> None:
+def save_tiny_blip(model_class: Any, path: Path, seed: int, image_size: int, patch_size: int,
+                   initializer_range: float) -> None:
+    """A tiny BLIP of ``model_class`` (retrieval or captioning head) with its processor: Salesforce/blip-*'s
+    layout, bert-base-uncased plus [DEC] (the BOS) and [ENC] after the vocabulary. BlipVisionConfig's default
+    initializer_range (1e-10) makes a random vision tower whose output hardly depends on the image; the callers
+    choose a wider one."""
     import torch
-    from transformers import BlipConfig, BlipForImageTextRetrieval, BlipImageProcessor, BlipProcessor
+    from transformers import BlipConfig, BlipImageProcessor, BlipProcessor
 
-    # Salesforce/blip-itm-*: bert-base-uncased plus [DEC] (the BOS) and [ENC] after the vocabulary.
     tokenizer = bert_tokenizer(extra_special=("[DEC]", "[ENC]"), bos_token="[DEC]")
     config = BlipConfig(
         text_config=dict(**_LAYERS, vocab_size=len(tokenizer), encoder_hidden_size=32, max_position_embeddings=512,
                          bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
                          sep_token_id=tokenizer.sep_token_id, eos_token_id=tokenizer.sep_token_id),
-        # BlipVisionConfig's default initializer_range (1e-10) makes a random vision tower whose output
-        # hardly depends on the image; tests of image conditioning need it to.
-        vision_config=dict(**_LAYERS, image_size=image_size, patch_size=patch_size, initializer_range=0.02),
+        vision_config=dict(**_LAYERS, image_size=image_size, patch_size=patch_size,
+                           initializer_range=initializer_range),
         projection_dim=16, image_text_hidden_size=16,
     )
     torch.manual_seed(seed)
-    BlipForImageTextRetrieval(config).save_pretrained(path)
+    model_class(config).save_pretrained(path)
     image_processor = BlipImageProcessor(size={"height": image_size, "width": image_size})
     BlipProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
+
+
+@builder("blip_itm")
+def build_blip_itm(path: Path, seed: int, image_size: int = 32, patch_size: int = 8) -> None:
+    from transformers import BlipForImageTextRetrieval
+
+    save_tiny_blip(BlipForImageTextRetrieval, path, seed, image_size, patch_size, initializer_range=0.02)
 
 
 @builder("siglip")
