@@ -231,14 +231,16 @@ COCO_METRICS = ("bleu4", "meteor", "rouge_l", "cider")
 # pycocoevalcap's own loop as COCOEvalCap.evaluate runs it (PTB-tokenise references, then candidates, then each
 # scorer), in a process of its own: argv = captions JSONL (caption, references), output JSON. Its METEOR JVM is
 # stopped and waited for at the end, so that its CPU time is counted with the process's.
-PEER_SCRIPT = """
-import json, sys
+STOCK_IMPORTS = """
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.meteor.meteor import Meteor
 from pycocoevalcap.rouge.rouge import Rouge
 from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
-
+"""
+LOOP_SCRIPT = """
+import json, sys
+{imports}
 rows = [json.loads(line) for line in open(sys.argv[1], encoding="utf-8")]
 gts = {i: [{"caption": r} for r in row["references"]] for i, row in enumerate(rows)}
 res = {i: [{"caption": row["caption"]}] for i, row in enumerate(rows)}
@@ -256,6 +258,11 @@ for scorer, name in ((Bleu(4), "bleu4"), (Meteor(), "meteor"), (Rouge(), "rouge_
         scorer.__del__()
 json.dump(out, open(sys.argv[2], "w"))
 """
+PEER_SCRIPT = LOOP_SCRIPT.replace("{imports}", STOCK_IMPORTS)
+# The same loop as a pycocoevalcap user runs it with capeval's drop-in: the stock imports replaced by one line
+# (their METEOR JVM is the process's, stopped and waited for at exit, so its CPU is counted too).
+DROPIN_SCRIPT = LOOP_SCRIPT.replace(
+    "{imports}", "from capeval_plugins.pycocoevalcap import Bleu, Cider, Meteor, Rouge, PTBTokenizer")
 
 
 # METEOR's paraphrase index, built (or found) in $CAPEVAL_CACHE
@@ -338,6 +345,9 @@ def coco_part(args) -> None:
                    "--captions", str(captions), *[a for o in args.coco_option or () for a in ("-o", o)]]
         sides = {"pycocoevalcap loop": lambda k: [sys.executable, "-c", PEER_SCRIPT, str(captions), str(folder / f"peer{k}.json")],
                  "capeval score": lambda k: capeval + ["--out", str(folder / f"ours{k}.jsonl")]}
+        if args.coco_dropin:
+            sides["capeval drop-in loop"] = lambda k: [sys.executable, "-c", DROPIN_SCRIPT, str(captions),
+                                                       str(folder / f"dropin{k}.json")]
         print(f"[coco] {len(cands)} rows ({len(set(zip(cands, map(tuple, refs))))} distinct) of Flickr8k-Expert, "
               f"{', '.join(COCO_METRICS)}, each side a whole process (Python + its JVMs), {args.rounds} rounds"
               + (f", capeval with -o {' -o '.join(args.coco_option)}" if args.coco_option else "")
@@ -349,14 +359,17 @@ def coco_part(args) -> None:
                         if args.coco_first_run else env)
         for r in range(args.rounds):
             for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-                if args.coco_first_run:
-                    env["CAPEVAL_CACHE"] = str(folder / f"cache{r}")
+                if args.coco_first_run:  # a new cache for each capeval side too: each builds the index itself
+                    env["CAPEVAL_CACHE"] = str(folder / f"cache{r}-{len(times[name])}-{name.replace(' ', '-')}")
                 wall, cpu, printed = run_process(sides[name](r), env)
                 times[name].append((wall, cpu))
                 if name == "capeval score" and r == 0:
                     summary = json.loads(printed.strip().splitlines()[-1])["metrics"]
         print(f"  load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         report(times, "pycocoevalcap loop", "capeval score")
+        if args.coco_dropin:
+            report(times, "pycocoevalcap loop", "capeval drop-in loop")
+            dropin = json.loads((folder / "dropin0.json").read_text())
         theirs = json.loads((folder / "peer0.json").read_text())
         rows = [json.loads(line) for line in (folder / "ours0.jsonl").read_text().splitlines()]
     for name in COCO_METRICS:
@@ -366,6 +379,9 @@ def coco_part(args) -> None:
         print(f"  {name:8s} corpus {summary[name]['score']:.12f} (pycocoevalcap {theirs[name][0]:.12f}, "
               f"{'bit-equal' if summary[name]['score'] == theirs[name][0] else 'differs'}); per item: "
               f"{int((mine != peer).sum())} of {len(peer)} differ, max relative difference {rel.max():.1e}")
+        if args.coco_dropin:
+            same = dropin[name][0] == theirs[name][0] and dropin[name][1] == theirs[name][1]
+            print(f"  {name:8s} drop-in loop: corpus and every item {'bit-equal' if same else 'DIFFER'}")
 
 
 @contextlib.contextmanager
@@ -672,6 +688,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--coco-option", action="append", metavar="KEY=VALUE",
                         help="an option for capeval's side of coco, as `capeval score -o` (e.g. meteor.jvms=2)")
     parser.add_argument("--coco-rows", type=int, metavar="N", help="only the first N rows for coco (e.g. 500)")
+    parser.add_argument("--coco-dropin", action="store_true",
+                        help="coco: also time pycocoevalcap's loop with capeval's drop-in scorers imported instead")
     parser.add_argument("--coco-first-run", action="store_true",
                         help="coco with METEOR's paraphrase index built inside every capeval round (a machine's first "
                              "run) instead of once beforehand")

@@ -498,3 +498,26 @@ def test_quiet_keeps_java_silent_and_progress_covers_the_corpus_step(tmp_path):
                            timeout=HANG_GUARD)
     assert quiet.returncode == 0, quiet.stderr
     assert quiet.stderr.strip() == ""
+
+
+def test_ptb_tokens_are_remembered_so_a_text_meets_the_tokenizer_once(monkeypatch):
+    """A validation loop's references come back every epoch: the second tokenisation starts the tokenizer only
+    for the texts it has not seen, and gives the tokens the first gave (and a fresh process gives)."""
+    from capeval_plugins.metrics import coco
+
+    coco.forget_prepared()
+    calls = []
+    ptb = java.ptb_lines
+    monkeypatch.setattr(java, "ptb_lines", lambda lines, jar: calls.append(list(lines)) or ptb(lines, jar))
+    first = coco.ptb_texts(["A dog runs.", "Two cats!", "A dog runs."])
+    again = coco.ptb_texts(["Two cats!", "A red ball.", "A dog runs."])
+    assert calls == [["A dog runs.", "Two cats!"], ["A red ball."]]
+    coco.forget_prepared()
+    assert first == ["a dog runs", "two cats", "a dog runs"]
+    fresh = coco.ptb_texts(["Two cats!", "A red ball.", "A dog runs."])
+    assert again == fresh == ["two cats", "a red ball", "a dog runs"]
+    assert calls[2] == ["Two cats!", "A red ball.", "A dog runs."] and coco.ptb_texts([]) == []
+    coco.forget_prepared()
+    monkeypatch.setattr(coco, "PTB_KEPT", 2)  # the memory stays within its bound, every text still tokenised
+    assert coco.ptb_texts(["a b", "c d", "e f"]) == ["a b", "c d", "e f"] and len(coco._ptb_known) <= 2
+    assert coco.ptb_texts(["g h", "i j"]) == ["g h", "i j"] and set(coco._ptb_known) == {"g h", "i j"}

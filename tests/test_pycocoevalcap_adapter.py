@@ -368,3 +368,93 @@ def test_cocoevalcap_keeps_rows_aligned_where_stock_shifts_them(tmp_path, monkey
         for i in range(1, len(words) + 1):
             assert ours.imgToEval[i][key] == pytest.approx(spaced.imgToEval[i][key], rel=1e-9, abs=1e-12)
     assert shifted.imgToEval[2]["Bleu_1"] != pytest.approx(spaced.imgToEval[2]["Bleu_1"])  # stock misaligned
+
+
+# --- stock's other methods: Rouge().calc_score, Meteor()._stat / _score / __del__ ----------------------------------
+
+ROUGE_CASES = [(["a dog runs on the grass"], ["a dog is running on grass", "the dog runs"]),
+               ([""], ["a cat"]), (["a  dog"], ["a dog", ""]), (["naïve café 中文 ."], ["café naïve", "中文"]),
+               (["the the the"], ["the"]), (["x"], ["y z"])]
+
+
+def test_rouge_calc_score_is_stocks_on_the_text_as_given():
+    """``Rouge().calc_score`` (per-sample ROUGE-L, as RL rewards call it) is stock's, on random token lists and
+    on the cases its single-space split makes odd (empty strings, double spaces); bad arguments are refused in
+    one line where stock asserts."""
+    from pycocoevalcap.rouge.rouge import Rouge as StockRouge
+
+    from capeval_plugins.pycocoevalcap import Rouge
+
+    rng = random.Random(1)
+    words = "a dog man red ball runs on the grass".split()
+    text = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))  # noqa: E731
+    cases = ROUGE_CASES + [([text()], [text() for _ in range(rng.randint(1, 5))]) for _ in range(200)]
+    ours, stock = Rouge(), StockRouge()
+    for candidate, refs in cases:
+        mine = ours.calc_score(candidate, refs)
+        assert type(mine) is float
+        assert mine == pytest.approx(stock.calc_score(candidate, refs), rel=1e-12, abs=0), (candidate, refs)
+    for candidate, refs in ((["a", "b"], ["a"]), ("a dog", ["a"]), (["a"], []), (["a"], "a dog"), ([1], ["a"])):
+        with pytest.raises(ValueError, match="Rouge.calc_score"):
+            ours.calc_score(candidate, refs)
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="METEOR needs Java")
+def test_meteor_stat_score_and_del_are_stocks(coco_meteor):
+    """``Meteor()._stat`` gives the jar's statistics line stock's gives (its JVM loads the full paraphrase
+    table, ours the corpus's); ``_score`` (broken in stock under Python 3) gives the score stock's
+    ``compute_score`` gives one segment; ``__del__()`` may be called as stock's users do, and the scorer and the
+    process's JVM go on working."""
+    from capeval_plugins.pycocoevalcap import Meteor
+
+    segments = [("a dog runs on the grass", ["a dog is running on grass", "the dog runs"]),
+                ("two kids play", ["children playing outside", "kids in the park"]), ("x", ["a tree in a field"])]
+    ours = Meteor()
+    for hypothesis, refs in segments:
+        assert ours._stat(hypothesis, refs) == coco_meteor._stat(hypothesis, refs)
+        stock_score, _ = coco_meteor.compute_score({0: refs}, {0: [hypothesis]})
+        assert ours._score(hypothesis, refs) == pytest.approx(stock_score, rel=1e-12, abs=0)
+    ours.__del__()
+    assert ours._stat(*segments[0]) == coco_meteor._stat(*segments[0])
+    for bad in ((1, ["a"]), ("a", []), ("a", "a dog"), ("a", [None])):
+        with pytest.raises(ValueError, match="Meteor._stat"):
+            ours._stat(*bad)
+    with pytest.raises(ValueError, match="implementation='nltk'"):
+        Meteor(implementation="nltk")._stat("a", ["a"])
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="PTB tokenisation needs Java")
+def test_the_usual_loop_tokenises_once_unless_stock_shifted_the_captions(monkeypatch):
+    """With capeval's PTBTokenizer the classic scorers, which tokenise the captions as written again, reuse the
+    tokens stock's tokenizer just made (no second Java tokenizer); where a caption holds a line break stock
+    splits on, stock's tokens are shifted, nothing is reused, and each image keeps its own caption's score."""
+    import pycocoevalcap.eval as stock
+
+    from capeval_plugins.metrics import coco
+    from capeval_plugins.pycocoevalcap import Bleu, Cider, PTBTokenizer, Rouge
+    from capeval_plugins.resources import java
+
+    calls = []
+    ptb = java.ptb_lines
+    monkeypatch.setattr(java, "ptb_lines", lambda lines, jar: calls.append(len(lines)) or ptb(lines, jar))
+    coco.forget_prepared()
+    ours, gts, res = _usual_loop([(Bleu(4), "Bleu"), (Rouge(), "Rouge"), (Cider(), "CIDEr")], PTBTokenizer())
+    assert not any(calls)  # stock's own tokenizer ran twice (gts, res) in its own way; ours never
+    gts, res = dict(gts), dict(res)
+    theirs = {"Bleu": stock.Bleu(4).compute_score(gts, res, verbose=0), "Rouge": stock.Rouge().compute_score(gts, res),
+              "CIDEr": stock.Cider().compute_score(gts, res)}
+    for method, (score, items) in ours.items():
+        assert np.asarray(score) == pytest.approx(np.asarray(theirs[method][0]), rel=1e-12, abs=0), method
+        assert np.asarray(items) == pytest.approx(np.asarray(theirs[method][1]), rel=1e-12, abs=0), method
+
+    coco.forget_prepared()
+    broken = {i: [{"caption": c.replace(" ", "\r", 1) if i == 1 else c}] for i, c in LOOP_CAPTIONS.items()}
+    tokens = PTBTokenizer().tokenize(broken)
+    assert tokens[3] != coco.ptb_texts([LOOP_CAPTIONS[3]])  # stock gave image 3 another line's tokens
+    calls.clear()
+    rouge = Rouge().compute_score({i: [{"caption": r} for r in refs] for i, refs in LOOP_REFS.items()}, broken)[1]
+    spaced = {i: [{"caption": c}] for i, c in LOOP_CAPTIONS.items()}
+    assert any(calls) and rouge.tolist() == pytest.approx(
+        Rouge().compute_score({i: [{"caption": r} for r in refs] for i, refs in LOOP_REFS.items()}, spaced)[1].tolist())

@@ -23,6 +23,7 @@ from capeval_plugins.adapters.naming import GeneratedClasses, coco_identifier
 from capeval_plugins.contract import Metric, MetricResult
 from capeval_plugins.core import jsonio
 from capeval_plugins.core.messages import require, warn_once
+from capeval_plugins.resources.java import PTB_LINE_BREAKS
 
 # the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
 StockCOCOEvalCap = require("pycocoevalcap.eval", "pycocoevalcap", "capeval_plugins.pycocoevalcap").COCOEvalCap
@@ -139,7 +140,27 @@ class PTBTokenizer(_stock_tokenizer()):
 
     def tokenize(self, captions_for_image):
         tokens = super().tokenize(captions_for_image)
-        return TokenizedCaptions(tokens, annotation_captions(captions_for_image))
+        written = annotation_captions(captions_for_image)
+        _remember_stock_tokens(written, tokens)
+        return TokenizedCaptions(tokens, written)
+
+
+def _remember_stock_tokens(written: Mapping[Any, list[str]] | None, tokens: Mapping[Any, list[str]]) -> None:
+    """Stock's tokens of captions, remembered as capeval's PTB step would make them, so that a classic scorer of
+    the usual loop, which tokenises the captions as written again, starts no second tokenizer. Stock's tokens
+    are capeval's (the same jar and options, a line per caption) unless a caption holds a character Java reads
+    as a line break beside ``\\n``: then every later caption's tokens are shifted, and nothing is remembered."""
+    from capeval_plugins.metrics.coco import remember_ptb
+
+    if written is None or written.keys() != tokens.keys():
+        return
+    pairs = [(c, t) for k in written for c, t in zip(written[k], tokens[k])]
+    if all(isinstance(c, str) and c.translate(SHIFTING_BREAKS) == c for c, _ in pairs):
+        remember_ptb(dict(pairs))
+
+
+# What Java's tokenizer reads as a line break and stock's PTBTokenizer leaves in a caption (it replaces "\n")
+SHIFTING_BREAKS = {c: None for c in PTB_LINE_BREAKS if c != ord("\n")}
 
 
 def annotation_captions(captions: Mapping[Any, Any]) -> dict[Any, list[str]] | None:
@@ -286,7 +307,66 @@ class Bleu(CapevalScorer):
         return [r.score for r in results.values()], [r.scores.tolist() for r in results.values()]
 
 
-scorer_class = GeneratedClasses(CapevalScorer, "capeval_plugins.pycocoevalcap", coco_identifier)
+def _rouge_calc_score(self, candidate: list[str], refs: list[str]) -> float:
+    """pycocoevalcap's ``Rouge().calc_score``: ROUGE-L of one candidate (a list holding one string) against its
+    references, on the text as given (tokens split on single spaces, as stock's), by the core
+    :meth:`compute_score` uses."""
+    from capeval_plugins.core.coco_text import CocoCorpus
+
+    if not isinstance(candidate, (list, tuple)) or len(candidate) != 1 or not isinstance(candidate[0], str):
+        raise ValueError(f"Rouge.calc_score: candidate must be a list holding one string, got {candidate!r:.80}")
+    _check_references("Rouge.calc_score", refs)
+    return float(CocoCorpus.from_texts([candidate[0]], [list(refs)]).rouge_l()[1][0])
+
+
+def _meteor_stat(self, hypothesis_str: str, reference_list: list[str]) -> str:
+    """pycocoevalcap's ``Meteor()._stat``: the jar's statistics line for one hypothesis and its references, on
+    the text as given (as stock's: no PTB tokenisation), from the process's METEOR JVM."""
+    from capeval_plugins.resources import java
+
+    return java.METEOR.statistics(*_meteor_request(self, "_stat", hypothesis_str, reference_list))[0]
+
+
+def _meteor_score(self, hypothesis_str: str, reference_list: list[str]) -> float:
+    """pycocoevalcap's ``Meteor()._score`` (which writes text to a byte pipe and fails under Python 3): the
+    jar's ``EVAL`` aggregate over this one segment, the score its second answer line gives."""
+    from capeval_plugins.resources import java
+
+    jar, segments, paraphrases = _meteor_request(self, "_score", hypothesis_str, reference_list)
+    return float(java.METEOR.score(jar, segments, paraphrases=paraphrases)[0])
+
+
+def _meteor_request(scorer: CapevalScorer, method: str, hypothesis: str, references: list[str]) -> tuple:
+    from capeval_plugins.metrics.coco import meteor_jar
+
+    config = scorer.metric.config
+    if getattr(config, "implementation", "pycocoevalcap") != "pycocoevalcap":
+        raise ValueError(f"Meteor.{method} asks METEOR's jar, which implementation={config.implementation!r} "
+                         "does not run")
+    if not isinstance(hypothesis, str):
+        raise ValueError(f"Meteor.{method}: the hypothesis must be a string, got {type(hypothesis).__name__}")
+    _check_references(f"Meteor.{method}", references)
+    return meteor_jar(), [(hypothesis, list(references))], config.paraphrases
+
+
+def _check_references(where: str, refs: Any) -> None:
+    if isinstance(refs, str) or not isinstance(refs, (list, tuple)) or not refs or \
+            not all(isinstance(r, str) for r in refs):
+        raise ValueError(f"{where}: the references must be a non-empty list of strings, got {refs!r:.80}")
+
+
+def _meteor_del(self) -> None:
+    """pycocoevalcap's ``Meteor().__del__()`` ends the scorer's own JVM; here the JVM is the process's, shared
+    by every METEOR scorer, and ends with the process (``capeval_plugins.resources.java.METEOR.stop()`` ends it
+    sooner), so calling this changes nothing and costs nothing."""
+
+
+# pycocoevalcap's scorers' other methods, on capeval's scorers of the same metric (its loops and RL rewards call
+# them: Rouge().calc_score per sample, Meteor()._stat, meteor.__del__() to end the JVM)
+STOCK_EXTRA_METHODS = {"rouge_l": {"calc_score": _rouge_calc_score},
+                       "meteor": {"_stat": _meteor_stat, "_score": _meteor_score, "__del__": _meteor_del}}
+scorer_class = GeneratedClasses(CapevalScorer, "capeval_plugins.pycocoevalcap", coco_identifier,
+                                lambda info: STOCK_EXTRA_METHODS.get(info.name, {}))
 # pycocoevalcap's names where they are not a metric's own: ``Rouge`` is ROUGE-L (``Bleu`` is the class above)
 STOCK_ALIASES = {"Rouge": "rouge_l"}
 

@@ -220,19 +220,39 @@ def _pycocoevalcap_file(*parts: str) -> str:
     return str(Path(next(iter(spec.submodule_search_locations)), *parts))
 
 
+PTB_KEPT = 200_000  # texts whose PTB tokens the process remembers (a validation loop's references, every epoch)
+_ptb_known: dict[str, str] = {}
+
+
 def ptb_texts(texts: Sequence[str]) -> list[str]:
     """pycocoevalcap's PTB tokenisation of each text: Stanford PTBTokenizer (lowercased) in one Java call
-    over the distinct texts, then pycocoevalcap's punctuation tokens dropped. Line breaks inside a text
-    become spaces (as pycocoevalcap does for "\\n"; the others would shift every later text onto the
-    wrong row)."""
+    over the distinct texts the process has not tokenised yet, then pycocoevalcap's punctuation tokens dropped.
+    Line breaks inside a text become spaces (as pycocoevalcap does for "\\n"; the others would shift every
+    later text onto the wrong row)."""
     from pycocoevalcap.tokenizer.ptbtokenizer import PUNCTUATIONS
 
-    distinct = list(dict.fromkeys(texts))
-    lines = java.ptb_lines(distinct, _pycocoevalcap_file("tokenizer", "stanford-corenlp-3.4.1.jar"))
+    distinct = dict.fromkeys(texts)
+    tokens = {t: known for t in distinct if (known := _ptb_known.get(t)) is not None}
+    new = [t for t in distinct if t not in tokens]
+    lines = java.ptb_lines(new, _pycocoevalcap_file("tokenizer", "stanford-corenlp-3.4.1.jar"))
     punctuation = frozenset(PUNCTUATIONS)
-    tokens = {text: " ".join(w for w in line.rstrip().split(" ") if w not in punctuation)
-              for text, line in zip(distinct, lines)}
+    found = {text: " ".join(w for w in line.rstrip().split(" ") if w not in punctuation)
+             for text, line in zip(new, lines)}
+    remember_ptb(found)
+    tokens.update(found)
     return [tokens[t] for t in texts]
+
+
+def remember_ptb(tokens: dict[str, str]) -> None:
+    """Remember texts' PTB tokens (as :func:`ptb_texts` gives them), so that the process does not tokenise them
+    again: the jar and its options are fixed, and every line is tokenised on its own (``-preserveLines``). At most
+    :data:`PTB_KEPT` texts are kept: a corpus larger than that is not remembered, a smaller one replaces the
+    texts remembered before it when together they would be more."""
+    if len(tokens) > PTB_KEPT:
+        return
+    if len(_ptb_known) + len(tokens) > PTB_KEPT:
+        _ptb_known.clear()
+    _ptb_known.update(tokens)
 
 
 def ptb_tokenize(texts: dict[Any, list[str]]) -> dict[Any, list[str]]:
@@ -361,11 +381,12 @@ def _text_states(candidates: list[str], references: Any) -> dict[str, Any]:
 
 
 def forget_prepared() -> None:
-    """Drop the remembered corpora and batch states (a fresh run's cost, e.g. in benchmarks)."""
+    """Drop the remembered corpora, batch states and PTB tokens (a fresh run's cost, e.g. in benchmarks)."""
     global _last_states
     with _prepared_lock:
         _prepared.clear()
         _last_states = None
+    _ptb_known.clear()
 
 
 class CocoMetric(Metric):

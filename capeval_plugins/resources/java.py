@@ -515,17 +515,34 @@ class MeteorPool:
         row) and one score per row. ``rows[i]`` is the segment of row ``i`` (default: one row per segment),
         so a segment repeated in many rows is scored once and counted as often as it occurs.
         ``paraphrases``: ``"corpus"`` (the table cut down to the corpus) or ``"full"``; the same scores."""
+        jvms = bounded_jvms(jvms)
+        return self._locked(paraphrases, lambda: self._score(jar, segments, rows, jvms, paraphrases))
+
+    def statistics(self, jar: str, segments: Sequence[tuple[str, Sequence[str]]],
+                   paraphrases: str = "corpus") -> list[str]:
+        """The jar's statistics line of each segment (hypothesis, references): its answer to a ``SCORE`` request,
+        what pycocoevalcap's ``Meteor._stat`` returns."""
+        return self._locked(paraphrases, lambda: self._statistics(jar, segments, paraphrases))
+
+    def _locked(self, paraphrases: str, work: Callable):
+        """``work()``, alone in the process's pool; the JVMs it used are not reused when it fails."""
         if paraphrases not in PARAPHRASES:
             raise ValueError(f"paraphrases must be one of {PARAPHRASES}, got {paraphrases!r}")
         if not self.lock.acquire(timeout=max(STARTUP_TIMEOUT, timeout())):
             raise ExternalToolError("METEOR: another scoring in this process did not finish")
         try:
-            return self._score(jar, segments, rows, bounded_jvms(jvms), paraphrases)
+            return work()
         except BaseException:
             self.stop(kill=True)  # a JVM that failed or was interrupted mid-protocol is not reused
             raise
         finally:
             self.lock.release()
+
+    def _statistics(self, jar: str, segments, paraphrases: str) -> list[str]:
+        lines = [score_line(h, refs) for h, refs in segments]
+        self._choose_table(jar, lines, paraphrases)
+        self._start(jar, 1)
+        return self.jvms[0].stats(lines)
 
     def _score(self, jar: str, segments, rows, jvms: int, paraphrases: str) -> tuple[float, list[float]]:
         lines = [score_line(h, refs) for h, refs in segments]
