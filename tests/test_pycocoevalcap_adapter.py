@@ -458,3 +458,27 @@ def test_the_usual_loop_tokenises_once_unless_stock_shifted_the_captions(monkeyp
     spaced = {i: [{"caption": c}] for i, c in LOOP_CAPTIONS.items()}
     assert any(calls) and rouge.tolist() == pytest.approx(
         Rouge().compute_score({i: [{"caption": r} for r in refs] for i, refs in LOOP_REFS.items()}, spaced)[1].tolist())
+
+
+def test_cider_takes_stocks_signature():
+    """``Cider(test=None, refs=None, n=4, sigma=6.0)``, positionally or by name, gives stock's CIDEr-D (text as
+    given, ``tokenize=False``); a ``test`` or ``refs`` other than None, which stock would silently ignore, is
+    refused in one line."""
+    from pycocoevalcap.cider.cider import Cider as StockCider
+
+    from capeval_plugins.pycocoevalcap import Cider
+
+    rng = random.Random(2)
+    words = "a dog man red ball runs on the grass two kids play".split()
+    text = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(2, 9)))  # noqa: E731
+    gts = {i: [text() for _ in range(rng.randint(1, 5))] for i in range(20)}
+    res = {i: [text()] for i in gts}
+    stock = StockCider().compute_score(gts, res)
+    for scorer in (Cider(None, None, 4, 6.0, tokenize=False), Cider(test=None, refs=None, tokenize=False),
+                   Cider(n=4, sigma=6.0, tokenize=False), Cider(tokenize=False),
+                   Cider(metric=capeval_plugins.load("cider", tokenize=False))):
+        score, items = scorer.compute_score(gts, res)
+        assert score == pytest.approx(stock[0], rel=1e-12) and items == pytest.approx(stock[1], rel=1e-12, abs=1e-15)
+    assert Cider(None, None, 3, 2.0, tokenize=False).metric.config.n == 3
+    with pytest.raises(ValueError, match="test and refs are not used"):
+        Cider(test=gts)

@@ -355,15 +355,27 @@ def _check_references(where: str, refs: Any) -> None:
         raise ValueError(f"{where}: the references must be a non-empty list of strings, got {refs!r:.80}")
 
 
+def _cider_init(self, test: Any = None, refs: Any = None, n: int = 4, sigma: float = 6.0, *,
+                metric: Metric | None = None, assume_written: bool = False, **options: Any) -> None:
+    """pycocoevalcap's ``Cider(test=None, refs=None, n=4, sigma=6.0)``: stock ignores ``test`` and ``refs`` (its
+    ``compute_score`` takes the captions), so any other value than None is refused rather than ignored."""
+    if test is not None or refs is not None:
+        raise ValueError("Cider: test and refs are not used (pycocoevalcap ignores them too): pass the captions to "
+                         "compute_score(gts, res)")
+    if metric is None:
+        options = {"n": n, "sigma": sigma, **options}
+    CapevalScorer.__init__(self, None, metric, assume_written=assume_written, **options)
+
+
 def _meteor_del(self) -> None:
     """pycocoevalcap's ``Meteor().__del__()`` ends the scorer's own JVM; here the JVM is the process's, shared
     by every METEOR scorer, and ends with the process (``capeval_plugins.resources.java.METEOR.stop()`` ends it
     sooner), so calling this changes nothing and costs nothing."""
 
 
-# pycocoevalcap's scorers' other methods, on capeval's scorers of the same metric (its loops and RL rewards call
-# them: Rouge().calc_score per sample, Meteor()._stat, meteor.__del__() to end the JVM)
-STOCK_EXTRA_METHODS = {"rouge_l": {"calc_score": _rouge_calc_score},
+# pycocoevalcap's scorers' other methods and signatures, on capeval's scorers of the same metric (its loops and RL
+# rewards call them: Rouge().calc_score per sample, Meteor()._stat, meteor.__del__() to end the JVM, Cider(n, sigma))
+STOCK_EXTRA_METHODS = {"rouge_l": {"calc_score": _rouge_calc_score}, "cider": {"__init__": _cider_init},
                        "meteor": {"_stat": _meteor_stat, "_score": _meteor_score, "__del__": _meteor_del}}
 scorer_class = GeneratedClasses(CapevalScorer, "capeval_plugins.pycocoevalcap", coco_identifier,
                                 lambda info: STOCK_EXTRA_METHODS.get(info.name, {}))
