@@ -476,7 +476,7 @@ def test_cider_takes_stocks_signature():
     stock = StockCider().compute_score(gts, res)
     for scorer in (Cider(None, None, 4, 6.0, tokenize=False), Cider(test=None, refs=None, tokenize=False),
                    Cider(n=4, sigma=6.0, tokenize=False), Cider(tokenize=False),
-                   Cider(metric=capeval_plugins.load("cider", tokenize=False))):
+                   Cider(metric=capeval_plugins.load("cider", tokenize=False)), Cider(resolver=None, tokenize=False)):
         score, items = scorer.compute_score(gts, res)
         assert score == pytest.approx(stock[0], rel=1e-12) and items == pytest.approx(stock[1], rel=1e-12, abs=1e-15)
     assert Cider(None, None, 3, 2.0, tokenize=False).metric.config.n == 3

@@ -356,7 +356,8 @@ def _check_references(where: str, refs: Any) -> None:
 
 
 def _cider_init(self, test: Any = None, refs: Any = None, n: int = 4, sigma: float = 6.0, *,
-                metric: Metric | None = None, assume_written: bool = False, **options: Any) -> None:
+                resolver: ImageResolver | None = None, metric: Metric | None = None, assume_written: bool = False,
+                **options: Any) -> None:
     """pycocoevalcap's ``Cider(test=None, refs=None, n=4, sigma=6.0)``: stock ignores ``test`` and ``refs`` (its
     ``compute_score`` takes the captions), so any other value than None is refused rather than ignored."""
     if test is not None or refs is not None:
@@ -364,7 +365,7 @@ def _cider_init(self, test: Any = None, refs: Any = None, n: int = 4, sigma: flo
                          "compute_score(gts, res)")
     if metric is None:
         options = {"n": n, "sigma": sigma, **options}
-    CapevalScorer.__init__(self, None, metric, assume_written=assume_written, **options)
+    CapevalScorer.__init__(self, resolver, metric, assume_written=assume_written, **options)
 
 
 def _meteor_del(self) -> None:

@@ -459,7 +459,7 @@ def check_pycocoevalcap(factory: Factory, corpus: runner.Corpus, tolerance: Tole
     if corpus.images is not None and info.images != "never":
         resolver = ImageResolver("/", mapping={i: str(Path(p).resolve()) for i, p in enumerate(corpus.images)})
     gts = {i: list(corpus.references[i]) if corpus.references is not None else [] for i in range(n)}
-    score, items = cls(resolver, metric=as_factory(factory)()).compute_score(
+    score, items = cls(resolver=resolver, metric=as_factory(factory)()).compute_score(
         gts, {i: [c] for i, c in enumerate(corpus.candidates)})
     want = _score(metric, dataclasses.replace(corpus, ids=None))
     _compare_scores(info.name, "pycocoevalcap vs the direct call", list(items), float(score), want, tolerance)
