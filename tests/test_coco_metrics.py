@@ -285,6 +285,27 @@ def test_ptb_tokenisation_keeps_line_breaks_inside_captions_aligned():
     assert out == {0: ["a dog runs", "two cats"], 1: ["a red ball"]}
 
 
+@needs_java
+@pytest.mark.parametrize("empty", ["", "\U0001f436", "\u200b", "...", "\x01", " "])
+def test_a_caption_that_tokenises_to_nothing_scores_like_stocks_wherever_it_falls(empty):
+    """The last line the tokenizer is sent may hold no token (an empty caption, emoji only, the newest caption
+    of a validation loop whose references it already knows): every caption gets stock's tokens, each on its own."""
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    from capeval_plugins.metrics import coco
+
+    texts = ["A dog runs.", empty, "Two cats!", empty]
+    stock = [PTBTokenizer().tokenize({0: [{"caption": t}]})[0][0] for t in texts]
+    for order in (texts, texts[::-1], [empty], [empty, empty]):
+        coco.forget_prepared()
+        assert coco.ptb_texts(order) == [stock[texts.index(t)] for t in order]
+    coco.forget_prepared()
+    refs = [["a dog on grass", "a brown dog"], ["a cat on a sofa"]]
+    cider = capeval_plugins.load("cider")
+    cider(None, ["a dog", "a cat"], refs)  # the references known: only the new captions go to the tokenizer
+    assert cider(None, ["a dog", empty], refs).scores[1].item() == 0.0
+
+
 def test_missing_java_is_a_clear_error(monkeypatch):
     from capeval_plugins.metrics import coco
 

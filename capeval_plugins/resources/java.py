@@ -302,7 +302,9 @@ def ptb_lines(lines: Sequence[str], jar: str) -> list[str]:
     if not lines:
         return []
     require_java("PTB tokenisation", ", or pass tokenize=False for text that is already tokenised")
-    text = "\n".join(line.translate(PTB_LINE_BREAKS) for line in lines)
+    # every line ended, the last one too: the tokenizer writes no line for a last line without a line end that
+    # holds no token (an empty caption, or only emoji), so that caption's tokens would be missing
+    text = "".join(line.translate(PTB_LINE_BREAKS) + "\n" for line in lines)
     child = JavaProcess(ptb_command(jar), os.path.dirname(os.path.abspath(jar)), "the PTB tokenizer (Java)")
     try:
         child.send(text, close=True)
@@ -321,8 +323,6 @@ def ptb_lines(lines: Sequence[str], jar: str) -> list[str]:
         raise
     finally:
         child.close()
-    if len(out) == len(lines) + 1 and out[-1] == "":
-        out.pop()
     if len(out) != len(lines):
         raise ExternalToolError(f"the PTB tokenizer returned {len(out)} lines for {len(lines)} captions")
     return out
