@@ -309,6 +309,36 @@ def tiny_roberta(tiny_root) -> str:
     return str(tiny_checkpoint("roberta", root=tiny_root))
 
 
+def test_roberta_larges_layout_scores_as_the_same_encoder_saved_with_a_pooler(tiny_roberta, tmp_path):
+    """roberta-large (and xlm-roberta-*, mpnet-base) is saved from its masked-LM model: an lm_head, no pooler.
+    BERTScore reads a layer's hidden states, so that checkpoint is whole for it: it scores as the same encoder
+    saved with a pooler would, while a tensor of the encoder itself missing is still refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, RobertaModel
+
+    from capeval_plugins.resources.wholeness import ModelLoadError
+
+    masked = load_file(f"{tiny_roberta}/model.safetensors")
+    assert not any("pooler" in k for k in masked) and any(k.startswith("lm_head.") for k in masked)
+    encoder = {k.removeprefix("roberta."): v for k, v in masked.items() if k.startswith("roberta.")}
+    pooled = tmp_path / "pooled"
+    shutil.copytree(tiny_roberta, pooled)
+    RobertaModel(AutoConfig.from_pretrained(tiny_roberta)).save_pretrained(pooled)  # a pooler of its own
+    save_file({**load_file(f"{pooled}/model.safetensors"), **encoder}, f"{pooled}/model.safetensors",
+              metadata={"format": "pt"})
+    got, _ = ours(tiny_roberta, CANDIDATES, REFERENCES)
+    expected, _ = ours(str(pooled), CANDIDATES, REFERENCES)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_roberta, damaged)
+    save_file({k: v for k, v in masked.items() if not k.endswith("encoder.layer.1.output.dense.weight")},
+              f"{damaged}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"encoder\.layer\.1\.output\.dense\.weight"):
+        ours(str(damaged), CANDIDATES, REFERENCES)
+
+
 def restore_prefix_space(monkeypatch) -> None:
     """bert_score 0.3.13 asks RoBERTa/GPT-2 tokenizers for a leading space per call (``encode(...,
     add_prefix_space=True)``), which transformers 5 ignores: build its tokenizer with the space instead, as

@@ -26,7 +26,7 @@ def release(tmp_path_factory, tiny_root):
 
     root = tmp_path_factory.mktemp("releases")
     bpe = official.write_bpe(root / "bpe.txt.gz")
-    roberta = tiny_checkpoint("roberta", root=tiny_root)
+    roberta = tiny_checkpoint("simcse_roberta", root=tiny_root)
     polos = official.released_polos(root / "reprod", roberta, bpe)
     pacs = official.released_pacs(root / "clip_ViT-B-32.pth", bpe=bpe)
     return {"bpe": bpe, "roberta": roberta, "polos": polos, "pacs": pacs}

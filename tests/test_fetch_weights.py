@@ -53,13 +53,13 @@ def online(monkeypatch, tmp_path):
 def released(tmp_path_factory) -> dict:
     """A tiny PAC-S file as released (clip_ViT-B-32.pth), its BPE, and Polos's reprod.zip."""
     from capeval_plugins.testing.official import released_pacs, released_polos, write_bpe
-    from capeval_plugins.testing.text_encoders import build_roberta
+    from capeval_plugins.testing.text_encoders import build_simcse_roberta
 
     root = tmp_path_factory.mktemp("released")
     bpe = write_bpe(root / "bpe.txt.gz")
     pacs = released_pacs(root / "clip_ViT-B-32.pth", 3, bpe).read_bytes()
     roberta = root / "roberta"
-    build_roberta(roberta, 0)
+    build_simcse_roberta(roberta, 0)
     ckpt = released_polos(root / "reprod", roberta, bpe)
     archive = io.BytesIO()
     with zipfile.ZipFile(archive, "w") as zipped:

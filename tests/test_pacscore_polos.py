@@ -163,11 +163,11 @@ def test_sentence_average_equals_the_official_code_one_sentence_at_a_time(releas
 def test_polos_equals_the_official_estimator(tmp_path, modules, corpus):
     """The official PolosEstimator's predict (one sample per batch: its layer-norm statistics and reference
     truncation couple the samples of a batch) against polos over the whole corpus in batches of 5."""
-    from capeval_plugins.testing.text_encoders import build_roberta
+    from capeval_plugins.testing.text_encoders import build_simcse_roberta
 
     images, candidates, references = corpus
     bpe = official_code.bpe_path()
-    build_roberta(tmp_path / "roberta", 0)
+    build_simcse_roberta(tmp_path / "roberta", 0)
     source = official.released_polos(tmp_path / "reprod", tmp_path / "roberta", bpe, seed=2)
     convert_polos(source, tmp_path / "polos", text_tokenizer=str(tmp_path / "roberta"), clip_tokenizer=str(bpe))
     state = read_released(source)[0]

@@ -227,7 +227,7 @@ def released_polos(tmp_path_factory, tiny_root):
     from capeval_plugins.testing import tiny_checkpoint
 
     root = tmp_path_factory.mktemp("released-polos")
-    roberta = tiny_checkpoint("roberta", root=tiny_root)
+    roberta = tiny_checkpoint("simcse_roberta", root=tiny_root)
     bpe = official.write_bpe(root / "bpe.txt.gz")
     source = official.released_polos(root / "reprod", roberta, bpe)
     convert_polos(source, root / "whole", text_tokenizer=str(roberta), clip_tokenizer=str(bpe))

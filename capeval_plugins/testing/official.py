@@ -178,11 +178,11 @@ def build_pacs_pp(path: Path, seed: int) -> None:
 @builder("polos")
 def build_polos(path: Path, seed: int) -> None:
     from capeval_plugins.commands.convert_official import convert_polos
-    from capeval_plugins.testing.text_encoders import build_roberta
+    from capeval_plugins.testing.text_encoders import build_simcse_roberta
 
     def convert(scratch: Path) -> None:
         roberta = scratch / "roberta"
-        build_roberta(roberta, seed)  # SimCSE-RoBERTa's architecture, tiny
+        build_simcse_roberta(roberta, seed)
         bpe = write_bpe(scratch / "bpe.txt.gz")
         convert_polos(released_polos(scratch / "reprod", roberta, bpe, seed), scratch / "out",
                       text_tokenizer=str(roberta), clip_tokenizer=str(bpe))

@@ -62,11 +62,12 @@ def build_deberta_v3(path: Path, seed: int) -> None:
 
 
 @builder("roberta")
-def build_roberta(path: Path, seed: int) -> None:
+def build_roberta(path: Path, seed: int, masked_lm: bool = True) -> None:
     """roberta-large's layout (BERTScore's default English model): byte-level BPE RobertaTokenizer with <s>,
-    <pad>, </s>, <unk> = 0..3 and <mask> last, and no added prefix space (bert_score asks for one per call)."""
+    <pad>, </s>, <unk> = 0..3 and <mask> last, and no added prefix space (bert_score asks for one per call).
+    ``masked_lm=False``: the encoder alone, with its pooler (SimCSE-RoBERTa's layout, Polos's text model)."""
     import torch
-    from transformers import RobertaConfig, RobertaModel, RobertaTokenizer
+    from transformers import RobertaConfig, RobertaForMaskedLM, RobertaModel, RobertaTokenizer
 
     vocab, merges = train_gpt2_bpe(caption_corpus(), 500, ["<s>", "<pad>", "</s>", "<unk>"])
     vocab["<mask>"] = len(vocab)
@@ -76,8 +77,16 @@ def build_roberta(path: Path, seed: int) -> None:
                            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                            eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    RobertaModel(config).save_pretrained(path)
+    # roberta-large is saved from its masked-LM model: an lm_head beside the encoder, and no pooler
+    (RobertaForMaskedLM if masked_lm else RobertaModel)(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+@builder("simcse_roberta")
+def build_simcse_roberta(path: Path, seed: int) -> None:
+    """princeton-nlp/sup-simcse-roberta-*'s layout (Polos's text model): RoBERTa's tokenizer and
+    encoder, saved as the encoder alone with its pooler."""
+    build_roberta(path, seed, masked_lm=False)
 
 
 @builder("vilt")
@@ -203,7 +212,7 @@ def build_xlm_roberta(path: Path, seed: int) -> None:
     """xlm-roberta-large's layout: a SentencePiece Unigram XLMRobertaTokenizer (<s>, <pad>, </s>, <unk> = 0..3,
     <mask> last) before a RoBERTa encoder."""
     import torch
-    from transformers import XLMRobertaConfig, XLMRobertaModel, XLMRobertaTokenizer
+    from transformers import XLMRobertaConfig, XLMRobertaForMaskedLM, XLMRobertaTokenizer
 
     vocab = train_unigram(caption_corpus(), 400, ["<s>", "<pad>", "</s>", "<unk>"])
     tokenizer = XLMRobertaTokenizer(vocab=vocab + [("<mask>", 0.0)], model_max_length=512)
@@ -211,5 +220,6 @@ def build_xlm_roberta(path: Path, seed: int) -> None:
                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                               eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    XLMRobertaModel(config).save_pretrained(path)
+    # saved from its masked-LM model, as the real one: an lm_head beside the encoder, and no pooler
+    XLMRobertaForMaskedLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
