@@ -52,6 +52,8 @@ def _entries(path: str, what: str) -> list[tuple[str, dict[str, Any]]]:
         text = _read_text(path)
         try:
             data = jsonio.loads(text)
+        except jsonio.RepeatedKeyError as err:  # in a document: an id (or a record's key) given twice
+            raise InputError(f"{path}: {err}") from None
         except json.JSONDecodeError:
             data = None  # JSON Lines
         except RecursionError:

@@ -124,6 +124,37 @@ def test_join_refusals_are_one_line(tmp_path, preds, refs, message):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.parametrize("name, text", [
+    ("preds.json", '{"1": "a dog runs", "2": "a cat sits", "1": "zzz"}'),  # an id keyed twice
+    ("preds.json", '{\n  "1": "a dog runs",\n  "2": "a cat sits",\n  "1": "zzz"\n}\n'),  # written over lines
+    ("refs.json", '{"1": ["a dog running"], "2": ["a cat sitting"], "2": ["a dog"]}'),
+    ("preds.jsonl", '{"id": 1, "caption": "a dog runs", "caption": "zzz"}\n{"id": 2, "caption": "a cat sits"}\n'),
+])
+def test_a_key_given_twice_is_refused_not_the_last_value_kept(tmp_path, name, text):
+    """``json`` keeps an object's last value for a repeated key and drops the other silently: a prediction, a
+    sample's references or a caption replaced, every score still printed. Each such file is refused by name."""
+    paths = {"preds": tmp_path / "preds.json", "refs": tmp_path / "refs.json"}
+    paths["preds"].write_text('{"1": "a dog runs", "2": "a cat sits"}', encoding="utf-8")
+    paths["refs"].write_text('{"1": ["a dog running"], "2": ["a cat sitting"]}', encoding="utf-8")
+    given = tmp_path / name
+    given.write_text(text, encoding="utf-8")
+    paths["refs" if name.startswith("refs") else "preds"] = given
+    with pytest.raises(InputError, match=f"{given.name}.*given twice in one object"):
+        read_joined(paths["preds"], paths["refs"])
+    proc = capeval_in_process(["score", "-m", "cider", "-o", "tokenize=false", "--predictions", str(paths["preds"]),
+                               "--references", str(paths["refs"])])
+    assert proc.returncode == 2 and "given twice in one object" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_caption_file_row_naming_a_key_twice_is_refused_by_its_line(tmp_path):
+    captions = tmp_path / "captions.jsonl"
+    captions.write_text('{"caption": "a dog", "references": ["a dog runs"]}\n'
+                        '{"caption": "a cat", "caption": "zzz", "references": ["a cat sits"]}\n', encoding="utf-8")
+    proc = capeval_in_process(["score", "-m", "cider", "-o", "tokenize=false", "--captions", str(captions)])
+    assert proc.returncode == 2 and f"{captions}:2:" in proc.stderr and '"caption" is given twice' in proc.stderr
+
+
 def test_predictions_need_exactly_one_references_file_and_no_other_input(tmp_path):
     p, r = write_pair(tmp_path, [{"id": 1, "caption": "a"}], [{"id": 1, "references": ["x"]}])
     for extra in ([], ["--references", str(r), str(r)], ["--references", str(r), "--captions", str(p)]):

@@ -1,7 +1,8 @@
 """JSON read from the files users give (caption files, benchmark files, score files, configs), and the one JSON
 Lines reader every such file goes through.
 
-``json``'s decoder follows nesting recursively, so a document nested deeper than Python's recursion limit
+An object that names a key twice is refused (:class:`RepeatedKeyError`): ``json`` would keep the last value and
+drop the other silently. ``json``'s decoder follows nesting recursively, so a document nested deeper than Python's recursion limit
 (``[[[[...]]]]``, crafted or a file of brackets) raises ``RecursionError``, which no reader expects: a traceback.
 :func:`loads` reports it as the ``json.JSONDecodeError`` every reader already turns into a message naming its
 file and line.
@@ -25,9 +26,35 @@ class JSONLinesError(ValueError):
         self.line = line
 
 
+class RepeatedKeyError(json.JSONDecodeError):
+    """An object that names one key twice: ``json`` keeps the last value and drops the other without a word (a
+    prediction, a sample's references, a record's caption lost), so which one is meant cannot be known."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"key {json.dumps(key, ensure_ascii=False)[:80]} is given twice in one object (which value "
+                         "is meant?)", "", 0)
+        self.key = key
+
+    def __str__(self) -> str:
+        return self.msg
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise RepeatedKeyError(key)
+            seen.add(key)
+    return obj
+
+
 def loads(text: str | bytes) -> Any:
+    """``json.loads``, but an object naming a key twice is a :class:`RepeatedKeyError` and a document nested past
+    the recursion limit a ``json.JSONDecodeError`` (both ``JSONDecodeError``: every reader names its file)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply to read", "", 0) from None
 
