@@ -457,6 +457,12 @@ class Metric(abc.ABC):
         saved fit)."""
         return self.info.references == "always"
 
+    def blank_references_allowed(self) -> bool:
+        """Whether a blank reference is text this configured metric scores rather than a missing reference, which
+        is refused by its sample: e.g. a classic metric given PTB tokens, where a blank one is what the tokenizer
+        made of "..." and pycocoevalcap scores it. Default: refused."""
+        return False
+
     def __call__(
         self,
         images: Sequence[Any] | None = None,

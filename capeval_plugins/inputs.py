@@ -122,6 +122,7 @@ def validate_samples(
     *,
     reader: ImageReader | None = None,
     references_required: bool | None = None,
+    blank_references: bool = False,
     checked: dict | None = None,
 ) -> tuple[Samples, ProblemReport]:
     """Check every sample and return the valid ones with a report of the others.
@@ -134,7 +135,8 @@ def validate_samples(
     opened only far enough to read their header (once per file, shared through ``checked``); pixels are
     decoded batch by batch. A group metric (``info.groups``) given no ``group_ids`` groups the candidates of
     each image (:func:`image_group_ids`). ``reader`` (from ``Metric.image_reader()``) replaces the
-    pixel-image validation and loading; ``references_required`` overrides ``info.references == "always"``."""
+    pixel-image validation and loading; ``references_required`` overrides ``info.references == "always"``;
+    ``blank_references``: a blank reference is scored (``Metric.blank_references_allowed``), not refused."""
     cands = _caption_list(candidates)
     n = len(cands)
     ids = check_indices(indices, n)
@@ -144,7 +146,7 @@ def validate_samples(
     for i, message in found:
         problems.add(i, message)
     sources = _image_sources(info, images, ids, reader, problems, {} if checked is None else checked)
-    refs = _reference_lists(info, references, ids, problems, references_required, checked, indices)
+    refs = _reference_lists(info, references, ids, problems, references_required, checked, indices, blank_references)
     groups = check_group_ids(group_ids, n)
     if groups is None and info.groups and sources is not None:
         groups = image_group_ids([s if s is not None else ImageSource("none", None, ("none", i), i)
@@ -276,7 +278,7 @@ def _stable_id(key: Any, salt: str) -> int:
 
 def _reference_lists(info: MetricInfo, references: Sequence[Any] | None, ids: list[int], problems: ProblemReport,
                      required: bool | None, checked: dict | None = None,
-                     indices: Any = None) -> list[list[str]] | None:
+                     indices: Any = None, blank: bool = False) -> list[list[str]] | None:
     n = len(ids)
     required = info.references == "always" if required is None else required
     if references is None:
@@ -298,20 +300,21 @@ def _reference_lists(info: MetricInfo, references: Sequence[Any] | None, ids: li
         out: list[list[str]] = []
         found = []
         for i, refs in zip(ids, references):
-            message = reference_problem(refs)
+            message = reference_problem(refs, blank)
             if message:
                 found.append((i, message))
             out.append([] if message else [refs] if isinstance(refs, str) else [str(r) for r in refs])
         return out, found
 
-    out, found = _once(checked, "references", (given, indices), check)
+    out, found = _once(checked, "references with blanks" if blank else "references", (given, indices), check)
     for i, message in found:
         problems.add(i, message)
     return out
 
 
-def reference_problem(refs: Any) -> str | None:
-    """What is wrong with one sample's references (a list of strings, or one string), or None."""
+def reference_problem(refs: Any, blank: bool = False) -> str | None:
+    """What is wrong with one sample's references (a list of strings, or one string), or None; ``blank``: a
+    blank reference is text to score, not a missing one."""
     if refs is None:
         return "references missing"
     if isinstance(refs, str):
@@ -325,7 +328,7 @@ def reference_problem(refs: Any) -> str | None:
     for j, ref in enumerate(refs):
         if not isinstance(ref, str):
             return f"reference {j} must be a string, got {type(ref).__name__}"
-        if not ref.strip():
+        if not blank and not ref.strip():
             return f"reference {j} is empty"
         problem = text_problem(ref, f"reference {j}")
         if problem:

@@ -377,6 +377,87 @@ ROUGE_CASES = [(["a dog runs on the grass"], ["a dog is running on grass", "the 
                (["the the the"], ["the"]), (["x"], ["y z"])]
 
 
+# Captions whose PTB tokens PTB changes again ("'t was" -> "t was", "y' all" -> "y all") and references PTB empties
+TRICKY_REFS = {1: ["Y'all come to the party", "people come to a party", "..."], 2: ["'Twas a cold night.", "\U0001f436"],
+               3: ["A dog runs!", "a dog running"]}
+TRICKY_CAPTIONS = {1: "Y'all come to the party", 2: "'Twas a cold dark night", 3: "A dog runs."}
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="PTB tokenisation and METEOR need Java")
+def test_stock_tokens_in_plain_dicts_are_scored_as_given_as_stock_scores_them(coco_meteor):
+    """The drop-in with stock's own tokenizer: plain ``{id: [text]}`` dicts are scored as pycocoevalcap's
+    scorers score them, as given. PTB is not the identity on its own tokens, and it empties "..." and emoji:
+    tokenising again gave BLEU-4 1.0 for stock's 0.72, and refused the blank reference stock scores."""
+    from pycocoevalcap.bleu.bleu import Bleu as StockBleu
+    from pycocoevalcap.cider.cider import Cider as StockCider
+    from pycocoevalcap.rouge.rouge import Rouge as StockRouge
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer as StockPTB
+
+    from capeval_plugins.pycocoevalcap import Bleu, Cider, Meteor, Rouge
+
+    tokenizer = StockPTB()
+    gts = tokenizer.tokenize({i: [{"caption": c} for c in refs] for i, refs in TRICKY_REFS.items()})
+    res = tokenizer.tokenize({i: [{"caption": c}] for i, c in TRICKY_CAPTIONS.items()})
+    assert "" in gts[1] and gts[2][1] == "" and "'t" in gts[2][0]  # the cases at stake are in the corpus
+    theirs = {"Bleu": StockBleu(4).compute_score(gts, res, verbose=0), "CIDEr": StockCider().compute_score(gts, res),
+              "Rouge": StockRouge().compute_score(gts, res), "METEOR": coco_meteor.compute_score(gts, res)}
+    ours = {"Bleu": Bleu(4).compute_score(gts, res), "CIDEr": Cider().compute_score(gts, res),
+            "Rouge": Rouge().compute_score(gts, res), "METEOR": Meteor().compute_score(gts, res)}
+    for method, (score, items) in theirs.items():
+        assert np.asarray(ours[method][0]) == pytest.approx(np.asarray(score), rel=1e-12, abs=0), method
+        assert np.asarray(ours[method][1]) == pytest.approx(np.asarray(items), rel=1e-12, abs=0), method
+    # captions known as written (COCO's dicts, or assume_written=True) are tokenised once, by the metric
+    coco = {i: [{"caption": c} for c in refs] for i, refs in TRICKY_REFS.items()}
+    written = Cider().compute_score(coco, {i: [{"caption": c}] for i, c in TRICKY_CAPTIONS.items()})
+    assert written[0] == pytest.approx(theirs["CIDEr"][0], rel=1e-12, abs=0)
+    plain = {i: list(refs) for i, refs in TRICKY_REFS.items()}, {i: [c] for i, c in TRICKY_CAPTIONS.items()}
+    assert Cider(assume_written=True).compute_score(*plain)[0] == pytest.approx(written[0], rel=1e-12, abs=0)
+    assert Cider().compute_score(*plain)[0] == pytest.approx(StockCider().compute_score(*plain)[0], rel=1e-12, abs=0)
+
+
+@pytest.mark.java
+@pytest.mark.skipif(not has_java(), reason="PTB tokenisation and METEOR need Java")
+def test_cocoevalcap_scores_a_reference_ptb_empties_as_stock_does(tmp_path, coco_meteor):
+    """COCOEvalCap hands its scorers PTB tokens, among them the blank string PTB makes of "..." or of emoji:
+    stock scores it; ours refused the sample ("reference 0 is empty")."""
+    from pycocotools.coco import COCO
+
+    images = [{"id": i, "file_name": f"{i}.jpg"} for i in TRICKY_REFS]
+    annotations = [{"image_id": i, "id": 10 * i + j, "caption": c} for i, refs in TRICKY_REFS.items()
+                   for j, c in enumerate(refs)]
+    gt, res = tmp_path / "gt.json", tmp_path / "res.json"
+    gt.write_text(json.dumps({"images": images, "annotations": annotations, "info": {}, "licenses": [],
+                              "type": "captions"}))
+    res.write_text(json.dumps([{"image_id": i, "caption": c} for i, c in TRICKY_CAPTIONS.items()]))
+    coco = COCO(str(gt))
+    coco_res = coco.loadRes(str(res))
+    ours = COCOEvalCap(coco, coco_res, spice=False)
+    ours.evaluate()
+    for key, value in _stock_evaluation(coco, coco_res, coco_meteor).items():
+        assert ours.eval[key] == pytest.approx(value, rel=1e-12, abs=0), key
+
+
+def _stock_evaluation(coco, coco_res, meteor) -> dict:
+    """Stock COCOEvalCap's corpus scores but SPICE's (its jars need a download): its own tokenizer and scorers,
+    in its order."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    ids = coco_res.getImgIds()
+    tokenizer = PTBTokenizer()
+    gts = tokenizer.tokenize({i: coco.imgToAnns[i] for i in ids})
+    res = tokenizer.tokenize({i: coco_res.imgToAnns[i] for i in ids})
+    out = {}
+    for scorer, method in ((Bleu(4), ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4"]), (meteor, "METEOR"),
+                           (Rouge(), "ROUGE_L"), (Cider(), "CIDEr")):
+        score, _ = scorer.compute_score(gts, res)
+        out.update(zip(method, score) if isinstance(method, list) else [(method, score)])
+    return out
+
+
 def test_rouge_calc_score_is_stocks_on_the_text_as_given():
     """``Rouge().calc_score`` (per-sample ROUGE-L, as RL rewards call it) is stock's, on random token lists and
     on the cases its single-space split makes odd (empty strings, double spaces); bad arguments are refused in

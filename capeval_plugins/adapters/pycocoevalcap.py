@@ -11,6 +11,7 @@ and adds ours, feeding raw (untokenised) captions to scorers that want them.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -214,11 +215,28 @@ class CapevalScorer:
         # plain strings that all look PTB-tokenised are scored as given only when the user says they are written so
         self.assume_written = assume_written
         self.last_result: MetricResult | None = None
+        self._as_given: dict[int, Metric] = {}  # id of a metric -> its twin scoring text as given (tokenize=False)
+
+    def _scoring(self, metric: Metric, written: bool) -> Metric:
+        """The metric that scores these dicts. A classic metric handed plain ``{id: [text]}`` (stock's scorer API:
+        the usual loop's PTB tokens from stock's tokenizer) scores the text as given, as pycocoevalcap's scorers
+        do: PTB is not the identity on its own tokens ("'t was" -> "t was"), and a blank token string is what it
+        made of "...". Captions known to be as written, or ``assume_written=True``, are tokenised by the metric."""
+        if written or self.assume_written or not getattr(metric.config, "tokenize", False):
+            return metric
+        if id(metric) not in self._as_given:
+            config = metric.config
+            options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+            self._as_given[id(metric)] = type(metric)(**{**options, "tokenize": False})
+        return self._as_given[id(metric)]
 
     def method(self) -> str:
         return STOCK_METHOD.get(self.metric.info.name, self.metric.info.display_name)
 
-    def _inputs(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]) -> tuple[list, list, Any, Any]:
+    def _inputs(self, gts: Mapping[Any, list[str]],
+                res: Mapping[Any, list[str]]) -> tuple[list, list, Any, Any, bool]:
+        """``(ids, candidates, references, images, written)``: ``written`` when both dicts are known to hold the
+        captions as written."""
         ids = list(gts.keys())
         if set(ids) != set(res.keys()):
             raise ValueError("gts and res must have the same image ids")
@@ -234,7 +252,7 @@ class CapevalScorer:
         info = self.metric.info
         references = [list(gts[i]) for i in ids] if self.metric.uses_references() else None
         images = [self.resolver(i) for i in ids] if self.resolver is not None and info.images != "never" else None
-        return ids, candidates, references, images
+        return ids, candidates, references, images, gts_written and res_written
 
     def _as_written(self, captions: Mapping[Any, Any], which: str) -> tuple[Mapping[Any, list[str]], bool]:
         """``(captions, known to be as written)``: as written where they were handed over so, as COCO holds them
@@ -268,8 +286,8 @@ class CapevalScorer:
 
     def compute_score(self, gts: Mapping[Any, list[str]], res: Mapping[Any, list[str]]):
         """``(corpus score, per-item scores in gts order)``, typed as pycocoevalcap's scorers type them."""
-        ids, candidates, references, images = self._inputs(gts, res)
-        self.last_result = runner.score(self.metric, images, candidates, references,
+        ids, candidates, references, images, written = self._inputs(gts, res)
+        self.last_result = runner.score(self._scoring(self.metric, written), images, candidates, references,
                                         describe=lambda k: f"image id {ids[k]!r}")
         return stock_typed(self.metric.info.name, self.last_result)
 
@@ -300,8 +318,9 @@ class Bleu(CapevalScorer):
         return "Bleu"
 
     def compute_score(self, gts, res, verbose=0):
-        ids, candidates, references, _ = self._inputs(gts, res)
-        results = runner.score_many(self._orders, None, candidates, references,
+        ids, candidates, references, _, written = self._inputs(gts, res)
+        orders = {name: self._scoring(metric, written) for name, metric in self._orders.items()}
+        results = runner.score_many(orders, None, candidates, references,
                                     describe=lambda k: f"image id {ids[k]!r}")
         self.last_result = results[f"bleu{len(self._orders)}"]
         return [r.score for r in results.values()], [r.scores.tolist() for r in results.values()]

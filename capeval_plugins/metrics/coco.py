@@ -410,6 +410,11 @@ class CocoMetric(Metric):
     def states(self) -> dict[str, StateSpec]:
         return {"candidate": TEXT, "references": TEXT}
 
+    def blank_references_allowed(self) -> bool:
+        # text given as PTB tokens: a blank reference is what PTB made of "..." or of emoji only, and pycocoevalcap
+        # scores it (it matches nothing; its length counts in BLEU's closest reference length)
+        return not self.config.tokenize and getattr(self.config, "implementation", "pycocoevalcap") == "pycocoevalcap"
+
     def map(self, batch: Batch) -> dict[str, Tensor]:
         return _text_states(batch.candidates, batch.references)
 
@@ -584,6 +589,9 @@ class Spice(CocoMetric):
         "needs Stanford CoreNLP 3.6.0 jars next to pycocoevalcap's SPICE.",
         SPICE_CITATION, "https://arxiv.org/abs/1607.08822", {"version": "1.0"})
     java_name = "SPICE"
+
+    def blank_references_allowed(self) -> bool:
+        return False  # SPICE parses every reference itself (tokenize does not apply): a blank one is missing
 
     def requirements(self) -> list[Requirement]:
         remedy = ("pycocoevalcap downloads Stanford CoreNLP 3.6.0 on first use (needs network): run "

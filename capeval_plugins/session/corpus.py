@@ -108,7 +108,7 @@ def _check(metric: Metric, corpus: Corpus, checked: dict | None,
             references = None
     return validate_samples(metric.info, corpus.images, corpus.candidates, references, corpus.group_ids,
                             corpus.ids, reader=metric.image_reader(), references_required=metric.references_required(),
-                            checked=checked)
+                            blank_references=metric.blank_references_allowed(), checked=checked)
 
 
 def corpus_size(samples: Samples) -> CorpusSize:
