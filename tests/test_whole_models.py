@@ -89,6 +89,39 @@ def test_weights_that_are_not_whole_are_refused_in_one_line(clip_copy, capsys, c
     assert words in err, (case, err)
 
 
+def zero_filled_from(path: Path, fraction: float) -> None:
+    """What a download cut short into a file allocated whole beforehand (aria2, hfd.sh) leaves: the header and
+    the size right, zeros from where the data stopped."""
+    data = bytearray(path.read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0]  # the tensors' bytes follow the header
+    cut = start + int((len(data) - start) * fraction)
+    data[cut:] = bytes(len(data) - cut)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.9])
+def test_a_download_cut_short_into_a_preallocated_file_is_refused(clip_copy, capsys, fraction):
+    zero_filled_from(clip_copy / "model.safetensors", fraction)
+    code, out, err = cli(clip_score(clip_copy), capsys)
+    assert code == 2 and one_line(err) and out == "", err
+    assert "holds only zeros" in err and "model.safetensors" in err, err
+
+
+def test_an_unfinished_aria2_download_beside_the_weights_is_refused(clip_copy, capsys):
+    (clip_copy / "model.safetensors.aria2").write_bytes(b"\x00\x01")
+    code, out, err = cli(clip_score(clip_copy), capsys)
+    assert code == 2 and one_line(err) and out == "" and "not finished" in err, err
+
+
+def test_a_zero_matrix_is_found_whatever_its_place_and_vectors_of_zeros_are_whole():
+    """Every weight matrix is looked at, and only matrices: a trained model's biases may be zero."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    torch.nn.init.zeros_(model[0].bias)
+    assert wholeness.zeroed_problem(model, "w") is None
+    torch.nn.init.zeros_(model[1].weight)
+    assert "1.weight holds only zeros" in wholeness.zeroed_problem(model, "w")
+
+
 def test_another_models_weights_are_refused(clip_copy, tiny_root, capsys):
     from capeval_plugins.testing import tiny_checkpoint
 

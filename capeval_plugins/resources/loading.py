@@ -299,7 +299,7 @@ def load_model(
             model, info = loader.from_pretrained(name_or_path, dtype=dt, use_safetensors=True, output_loading_info=True,
                                                  ignore_mismatched_sizes=True, **hub, **placement, **kwargs)
             problem = (wholeness.loaded_problem(model, info, label, allow_missing)
-                       or wholeness.nonfinite_problem(model, label))
+                       or wholeness.nonfinite_problem(model, label) or wholeness.zeroed_problem(model, label))
             if problem:
                 raise ModelLoadError(f"cannot load model {name_or_path!r}: {problem}")
         if device_map is None:  # a dispatched model stays where accelerate put it
@@ -440,10 +440,14 @@ def source_folder(name_or_path: str, revision: str | None = None) -> str | None:
     return folder if os.path.isdir(folder) else None
 
 
+UNFINISHED_DOWNLOAD = ".aria2"  # aria2 (and hfd.sh, which drives it) keeps this beside a file until it is whole
+
+
 def check_source(name_or_path: str, revision: str | None = None) -> str | None:
     """Refuse, in one line naming the file, a model folder a loader would hang on or be misled by: every entry
-    must be a regular file or a folder (a FIFO, a device, a link to ``/dev/zero`` is refused), a text file no
-    larger than :data:`MAX_TEXT_FILE`, and every ``.safetensors`` file's header consistent with its size
+    must be a regular file or a folder (a FIFO, a device, a link to ``/dev/zero`` is refused), no download
+    unfinished (:data:`UNFINISHED_DOWNLOAD`), a text file no larger than :data:`MAX_TEXT_FILE`, and every
+    ``.safetensors`` file's header consistent with its size
     (:mod:`capeval_plugins.resources.tensorfile`). Hidden names (``.git``, ``.cache``) are not read by loaders.
     Returns the folder checked (None for a hub id not in the cache)."""
     from capeval_plugins.resources import tensorfile
@@ -466,6 +470,10 @@ def check_source(name_or_path: str, revision: str | None = None) -> str | None:
             if name.endswith(_TEXT_SUFFIXES) and st.st_size > MAX_TEXT_FILE:
                 raise ModelLoadError(f"cannot load {name_or_path!r}: {path} has {st.st_size} bytes, more than any "
                                      f"real model's configuration or tokenizer file ({MAX_TEXT_FILE} at most)")
+            if name.endswith(UNFINISHED_DOWNLOAD):
+                raise ModelLoadError(f"cannot load {name_or_path!r}: {path} says the download of {name[:-6]} is not "
+                                     "finished (aria2's control file; a pre-allocated file holds zeros where it has "
+                                     "no data yet): finish it, or copy the model folder again")
             if name.endswith(".safetensors"):
                 try:
                     tensorfile.check_file(path)

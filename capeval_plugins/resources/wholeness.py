@@ -13,11 +13,11 @@ A model folder is checked at three moments, cheapest first; the first fault refu
    :func:`declared_problem`): each tensor the architecture declares that the weights hold by name must have the
    shape they hold, and the architecture may not declare more values than the files hold, so nothing the loader
    later allocates exceeds what is on disk.
-3. **after loading** (:func:`loaded_problem`, :func:`nonfinite_problem`): transformers' own loading report, with
-   its renamings and tied weights: nothing missing (but what the caller initialises on purpose: ``allow_missing``,
-   said in the metric's card), nothing of another shape, nothing foreign inside the model's own modules (a whole
-   head the model does not have, a checkpoint's ``lm_head`` or ``pooler``, is left out as transformers leaves
-   it), every floating-point value finite.
+3. **after loading** (:func:`loaded_problem`, :func:`nonfinite_problem`, :func:`zeroed_problem`): transformers'
+   own loading report, with its renamings and tied weights: nothing missing (but what the caller initialises on
+   purpose: ``allow_missing``, said in the metric's card), nothing of another shape, nothing foreign inside the
+   model's own modules (a whole head the model does not have, a checkpoint's ``lm_head`` or ``pooler``, is left
+   out as transformers leaves it), every floating-point value finite, no weight matrix all zeros.
 
 Weights files of the package's own making (a trained head, a projector) are checked name by name
 (:func:`tensors_problem`). Tokenizers are checked whole too (:func:`tokenizer_problem`: a BPE vocabulary must
@@ -352,6 +352,18 @@ def nonfinite_problem(model: Any, label: str) -> str | None:
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         if not finite(tensor):
             return f"{label}: {name} holds NaN or infinite values (a damaged file?)"
+    return None
+
+
+def zeroed_problem(model: Any, label: str) -> str | None:
+    """The first weight matrix of ``model`` holding only zeros, as a problem, or None. No trained matrix is all
+    zeros, but a download cut short into a file allocated whole beforehand (aria2, hfd.sh) is zeros from where
+    it stopped: with a valid header and the right size, it scored every caption 0 without a word."""
+    for name, tensor in model.named_parameters():
+        if tensor.ndim >= 2 and tensor.is_floating_point() and tensor.device.type != "meta" \
+                and not bool(tensor.detach().any()):
+            return (f"{label}: {name} holds only zeros (a download cut short into a pre-allocated file?); copy the "
+                    "model folder again")
     return None
 
 
