@@ -125,17 +125,16 @@ class CapevalEvaluationModule(evaluate.Metric):
     def _placeholders(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """Fill optional inputs the user left out (evaluate needs every feature column) and turn tensors
         and arrays into PIL images (Arrow cannot store them)."""
-        from capeval_plugins.inputs import InputError, caption_problem, image_source
+        from capeval_plugins.inputs import InputError, image_source
 
         info = self.capeval_metric.info
         predictions = inputs["predictions"]
         if predictions is None or isinstance(predictions, str):
             raise InputError("predictions must be a list of captions")
-        offset = getattr(self, "_capeval_added", 0)  # samples added by earlier add_batch calls
-        for i, prediction in enumerate(predictions):
-            if not isinstance(prediction, str):  # Arrow would fail first, without saying which
-                raise InputError(f"sample {offset + i}: {caption_problem(prediction)}")
         n = len(predictions)
+        offset = getattr(self, "_capeval_added", 0)  # samples added by earlier add_batch calls
+        _refuse_text_arrow_cannot_store(predictions, inputs.get("references"),
+                                        _sample_names(inputs.get("ids"), offset, n))
         if info.references != "never" and inputs.get("references") is None:
             inputs["references"] = [[] for _ in range(n)]
         if info.groups and inputs.get("group_ids") is None:
@@ -228,6 +227,49 @@ class CapevalEvaluationModule(evaluate.Metric):
         if merged == self._capeval_options:
             return self.capeval_metric
         return registry.load(self._capeval_name, **merged)
+
+
+def _refuse_text_arrow_cannot_store(predictions: Any, references: Any, names: list[int]) -> None:
+    """The core's own checks (``inputs.caption_problem``, ``inputs.reference_problem``) on the samples whose texts
+    Arrow would not store as given, raised as the core raises them: anything but a string (Arrow fails without
+    naming the sample, or stores a number as its digits) and a lone surrogate (a bare UnicodeEncodeError). The
+    other problems (a NUL, an empty reference) Arrow stores; the core finds them at ``compute()``, under the
+    metric's ``on_error``."""
+    from capeval_plugins.inputs import ProblemReport, caption_problem, reference_problem
+
+    found = [(name, caption_problem(prediction)) for name, prediction in zip(names, predictions)
+             if not _arrow_stores(prediction)]
+    for name, refs in zip(names, references if references is not None and not isinstance(references, str) else ()):
+        texts = [refs] if isinstance(refs, str) else list(refs) if isinstance(refs, (list, tuple)) else [refs]
+        if refs is not None and not all(_arrow_stores(text) for text in texts):
+            found.append((name, reference_problem(refs)))
+    report = ProblemReport()
+    for name, problem in found:
+        if problem is not None:  # a numpy array of strings: Arrow stores it, and the core takes it
+            report.add(name, problem)
+    if report:
+        raise report.error()
+
+
+def _arrow_stores(text: Any) -> bool:
+    """Whether Arrow stores ``text`` as the string it is: a string without a lone surrogate."""
+    if not isinstance(text, str):
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _sample_names(ids: Any, first: int, n: int) -> list[int]:
+    """How errors name a batch's samples, as the core does: by the ids given with them, else by their position
+    over all ``add_batch`` calls."""
+    values = ids.tolist() if hasattr(ids, "tolist") else ids
+    if isinstance(values, (list, tuple)) and len(values) == n and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return list(values)
+    return list(range(first, first + n))
 
 
 def _arrow_image(image_source, image: Any, index: int) -> Any:

@@ -49,7 +49,8 @@ internals.check()  # torchmetrics' internals used here are where they were on th
 SKIPPED_SPEC = {"_skipped_index": StateSpec("cat", torch.int64), "_skipped_reason": TEXT_STATE}
 # One row per update(): 1 where its ids were made up in one process (positions in the order given). When every
 # update's were, compute() numbers the samples afresh in that order, so that states kept apart and merged later
-# (torchmetrics' Running keeps one per update of its window) do not collide.
+# (torchmetrics' Running keeps one per update of its window; merge_state moves another instance's past these)
+# do not collide.
 MADE_UP_SPEC = {"_made_up_ids": StateSpec("cat", torch.int64)}
 SAMPLE_ID_STATES = (INDEX, "_skipped_index", "_size_index")
 
@@ -131,9 +132,9 @@ class CapevalMetric(torchmetrics.Metric):
         not collide); under DDP ids follow the interleaving of a non-shuffled ``DistributedSampler``
         (``rank + world_size * position``), and the repeats it adds are counted."""
         n = len(captions) if captions is not None and not isinstance(captions, str) else 0
-        guessed = ids is None and _world()[1] == 1
-        if ids is None:
-            rank, world = _world()
+        rank, world = _world()
+        made_up = ids is None
+        if made_up:
             if world > 1:
                 warn_once(("torchmetrics-ids", self._name), (
                     f"{self._name}: update() without ids under {world} processes: the samples a "
@@ -142,15 +143,19 @@ class CapevalMetric(torchmetrics.Metric):
                 ids = [rank + world * (self._seen + i) for i in range(n)]
             else:
                 ids = [self._positions + i for i in range(n)]
-            self._guessed_ids = self._guessed_ids or world > 1
+        guessed = made_up and world == 1
         corpus = runner.Corpus(captions, images, references, group_ids, ids)
         samples, skipped = self._session.validate(corpus)[self._name]
-        self._check_new_ids(corpus.ids)
-        self._seen += n
-        self._positions += n if guessed else 0
+        new_ids = self._refuse_repeated_ids(corpus.ids)
         # the session's pass over this batch (in the metric's batches; a sample failing: per the policy)
         plan = self._session.plan(self._name, samples, skipped)
         self._session.run([plan])
+        # Only a batch that scored is counted: an update() that raises leaves the metric as it was, so the same
+        # ids can be given again once the input is fixed.
+        self._ids.update(new_ids)
+        self._seen += n
+        self._positions += n if guessed else 0
+        self._guessed_ids = self._guessed_ids or (made_up and world > 1)
         added = [{"_made_up_ids": torch.tensor([int(guessed)], dtype=torch.int64)}, self._skipped_rows(plan.skipped)]
         if runner.SIZE_SPEC.keys() <= self._spec.keys():
             added.append(runner.size_rows(samples))
@@ -169,23 +174,53 @@ class CapevalMetric(torchmetrics.Metric):
         self.update(*args, **kwargs)
         state = self._merged_state(self._last_batch)
         if self.dist_sync_on_step and _world()[1] > 1:
-            state = self._session.merge(self._name, [s for s in runner.gather(state, _world()[1], None)])
+            # every rank's batch in rank order, merged over every state this adapter keeps (the skipped samples and
+            # the made-up-ids flags are its own: the session's spec does not declare them)
+            state = self._merged_state(runner.gather(state, _world()[1], None))
         value = self._value(state, keep=False)
         internals.set_forward_cache(self, value)
         return value
 
-    def _check_new_ids(self, ids: Sequence[int] | torch.Tensor) -> None:
-        """A sample id given again on this rank (in an earlier update) would drop a sample: refuse it. Repeats
-        across ranks are what a padding DistributedSampler adds; compute() drops and counts those."""
+    def _refuse_repeated_ids(self, ids: Sequence[int] | torch.Tensor) -> list[int]:
+        """``ids`` as ints, refused when one was given again on this rank (in an earlier update): it would drop a
+        sample. Repeats across ranks are what a padding DistributedSampler adds; compute() drops and counts those.
+        The caller records them once its batch is scored."""
         from capeval_plugins.inputs import InputError, repeated_ids
 
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
         repeated = repeated_ids(ids, self._ids)
         if repeated:
-            shown = ", ".join(str(i) for i in repeated[:10]) + (f" and {len(repeated) - 10} more" if len(repeated) > 10 else "")
-            raise InputError(f"{self._name}: sample id(s) {shown} already given in an earlier "
+            raise InputError(f"{self._name}: sample id(s) {_shown(repeated)} already given in an earlier "
                              "update() since the last reset(): ids must be unique per process")
-        self._ids.update(ids)
+        return ids
+
+    def merge_state(self, incoming_state: dict[str, Any] | torchmetrics.Metric) -> None:
+        """torchmetrics' ``merge_state``: this metric's samples, then those of ``incoming_state`` (a metric of this
+        class, or its ``metric_state``). Ids made up in one process are positions, from 0 in every instance: when
+        both sides' are, the incoming ones are moved past this metric's, so no two samples share one. An id on
+        both sides is an error naming it (given twice, it would drop a sample)."""
+        if isinstance(incoming_state, type(self)):
+            incoming = {name: getattr(incoming_state, name) for name in self._spec}
+        elif isinstance(incoming_state, dict) and self._spec.keys() <= incoming_state.keys():
+            incoming = dict(incoming_state)
+        else:  # not a state of this metric: torchmetrics' own error
+            return super().merge_state(incoming_state)
+        both_made_up = _all_ones(incoming["_made_up_ids"], empty=False) and _all_ones(self._made_up_ids, empty=True)
+        if both_made_up:
+            incoming.update({key: _shifted(incoming[key], self._positions) for key in SAMPLE_ID_STATES
+                             if key in self._spec})
+        theirs = _sample_ids(incoming)
+        repeated = sorted(_sample_ids({name: getattr(self, name) for name in self._spec}) & theirs)
+        if repeated:
+            from capeval_plugins.inputs import InputError
+
+            raise InputError(f"{self._name}: merge_state(): sample id(s) {_shown(repeated)} are in both states: "
+                             "ids must be unique across the states merged (pass each sample's dataset index)")
+        super().merge_state(incoming)
+        self._ids.update(theirs)  # a later update() giving one of them again is refused as on this rank
+        if both_made_up:  # this metric's next made-up ids follow the merged ones
+            self._positions = max([self._positions, *(i + 1 for i in theirs)])
+        self._guessed_ids = self._guessed_ids or getattr(incoming_state, "_guessed_ids", False)
 
     @staticmethod
     def _skipped_rows(skipped: dict[int, str]) -> dict[str, torch.Tensor]:
@@ -335,6 +370,34 @@ def _number_afresh(state: dict[str, torch.Tensor]) -> None:
     _, dense = torch.unique(torch.cat([v.cpu() for v in values]), return_inverse=True)
     for key, part in zip(keys, torch.split(dense, [len(v) for v in values])):
         state[key] = part.to(state[key].device).reshape(state[key].shape)
+
+
+def _flat_ids(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """An id state (a list of tensors, or one tensor once synced) as one flat tensor on the CPU."""
+    parts = [value] if isinstance(value, torch.Tensor) else list(value)
+    return torch.cat([p.reshape(-1).cpu() for p in parts]) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def _sample_ids(state: dict[str, Any]) -> set[int]:
+    """The ids of a state's samples, scored or skipped."""
+    return set(_flat_ids(state[INDEX]).tolist()) | set(_flat_ids(state["_skipped_index"]).tolist())
+
+
+def _all_ones(flags: torch.Tensor | Sequence[torch.Tensor], empty: bool) -> bool:
+    """Whether every update of a :data:`MADE_UP_SPEC` state made up its ids (``empty``: the answer for none)."""
+    flat = _flat_ids(flags)
+    return bool((flat == 1).all()) if len(flat) else empty
+
+
+def _shifted(value: torch.Tensor | Sequence[torch.Tensor], offset: int) -> Any:
+    """An id state with ``offset`` added to every id: new tensors, the other metric's are left as they are."""
+    return value + offset if isinstance(value, torch.Tensor) else [v + offset for v in value]
+
+
+def _shown(ids: Sequence[int], limit: int = 10) -> str:
+    """``"3, 4, 7"``: the first ``limit`` ids, then how many more."""
+    more = f" and {len(ids) - limit} more" if len(ids) > limit else ""
+    return ", ".join(str(i) for i in ids[:limit]) + more
 
 
 def _class_attributes(info: MetricInfo) -> dict[str, Any]:
