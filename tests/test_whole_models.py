@@ -114,12 +114,32 @@ def test_an_unfinished_aria2_download_beside_the_weights_is_refused(clip_copy, c
 
 
 def test_a_zero_matrix_is_found_whatever_its_place_and_vectors_of_zeros_are_whole():
-    """Every weight matrix is looked at, and only matrices: a trained model's biases may be zero."""
+    """Every weight matrix is looked at, and only matrices: a trained model's biases may be zero, and so may a
+    vector kept in more dimensions (DINOv2's (1, 1, width) mask token)."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
     torch.nn.init.zeros_(model[0].bias)
+    model.register_parameter("mask_token", torch.nn.Parameter(torch.zeros(1, 1, 4)))
     assert wholeness.zeroed_problem(model, "w") is None
     torch.nn.init.zeros_(model[1].weight)
     assert "1.weight holds only zeros" in wholeness.zeroed_problem(model, "w")
+
+
+def test_dinov2_loads_whole_where_dino_is_built_without_a_pooler(tmp_path):
+    """The DINO encoder leaves out a pooler only where the architecture has the option: DINOv2's has none (it
+    raised a TypeError), and its released mask token is zeros (the teacher never trained it)."""
+    from transformers import Dinov2Config, Dinov2Model, ViTImageProcessor
+
+    from capeval_plugins.models.encoders.common import EncoderSpec
+    from capeval_plugins.models.encoders.dino import DinoEncoder
+
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                          image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    Dinov2Model(config).save_pretrained(tmp_path / "dinov2")
+    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(tmp_path / "dinov2")
+    assert not load_file(str(tmp_path / "dinov2" / "model.safetensors"))["embeddings.mask_token"].any()
+    encoder = DinoEncoder(EncoderSpec(str(tmp_path / "dinov2"), device="cpu"))
+    assert type(encoder.model).__name__ == "Dinov2Model"
 
 
 def test_another_models_weights_are_refused(clip_copy, tiny_root, capsys):

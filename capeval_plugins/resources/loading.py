@@ -309,6 +309,23 @@ def load_model(
     return shared(key, build) if share else build()
 
 
+def without_pooler(spec: ModelSpec) -> dict[str, bool]:
+    """``add_pooling_layer=False`` for ``AutoModel`` where the checkpoint's architecture takes it, for an encoder
+    whose pooler is never read: AutoModel would add one at random where the checkpoint ships none, and a model
+    holding a tensor no checkpoint holds is not whole. An architecture without the option (DINOv2) is built as it
+    is."""
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    config = load_config(spec.model, **spec.hub())
+    try:
+        architecture = MODEL_MAPPING[type(config)]
+    except KeyError:  # a configuration transformers does not map (remote code)
+        return {}
+    return {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(architecture).parameters else {}
+
+
 def load_spec(loader: Any, spec: ModelSpec, *, gpu_dtype: torch.dtype = torch.float32, share: bool = True,
               **kwargs: Any) -> Any:
     """:func:`load_model` with everything a :class:`ModelSpec` says (checkpoint, device, dtype, hub options,

@@ -358,10 +358,12 @@ def nonfinite_problem(model: Any, label: str) -> str | None:
 def zeroed_problem(model: Any, label: str) -> str | None:
     """The first weight matrix of ``model`` holding only zeros, as a problem, or None. No trained matrix is all
     zeros, but a download cut short into a file allocated whole beforehand (aria2, hfd.sh) is zeros from where
-    it stopped: with a valid header and the right size, it scored every caption 0 without a word."""
+    it stopped: with a valid header and the right size, it scored every caption 0 without a word. Vectors, of
+    any number of dimensions, may be zeros in a whole checkpoint (a bias; DINOv2's mask token, which its
+    released teacher never trained) and are not looked at."""
     for name, tensor in model.named_parameters():
-        if tensor.ndim >= 2 and tensor.is_floating_point() and tensor.device.type != "meta" \
-                and not bool(tensor.detach().any()):
+        if sum(size > 1 for size in tensor.shape) >= 2 and tensor.is_floating_point() \
+                and tensor.device.type != "meta" and not bool(tensor.detach().any()):
             return (f"{label}: {name} holds only zeros (a download cut short into a pre-allocated file?); copy the "
                     "model folder again")
     return None

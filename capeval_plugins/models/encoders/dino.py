@@ -54,8 +54,8 @@ class DinoEncoder:
         from transformers import AutoImageProcessor, AutoModel
 
         self.spec = spec
-        # DINO checkpoints ship no pooler; without this AutoModel would add a randomly initialised one.
-        self.model = loading.load_spec(AutoModel, spec, add_pooling_layer=False)
+        # DINO checkpoints ship no pooler (facebook/dino-*; DINOv2's architecture has none to leave out)
+        self.model = loading.load_spec(AutoModel, spec, **loading.without_pooler(spec))
         self.processor = loading.load_processor(AutoImageProcessor, spec.model, **spec.hub())
         self.device = loading.input_device(self.model, spec.device)
         self.dtype = next(self.model.parameters()).dtype

@@ -162,22 +162,6 @@ def position_limit(model: Any) -> int:
     return int(getattr(model.config, "max_position_embeddings", None) or 512)
 
 
-def without_pooler(spec: EncoderSpec) -> dict[str, bool]:
-    """``add_pooling_layer=False`` where the architecture takes it. BERTScore reads one layer's hidden states,
-    never the pooler, and roberta-large, xlm-roberta-* and mpnet-base ship none (saved from their masked-LM
-    models): AutoModel would add one at random, and a model with a tensor no checkpoint holds is not whole."""
-    import inspect
-
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING
-
-    config = loading.load_config(spec.model, **spec.hub())
-    try:
-        architecture = MODEL_MAPPING[type(config)]
-    except KeyError:  # a configuration transformers does not map (remote code): built as it is
-        return {}
-    return {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(architecture).parameters else {}
-
-
 class TextEncoder:
     """Token embeddings of a BERT-like text encoder at one layer, for greedy matching."""
 
@@ -188,7 +172,9 @@ class TextEncoder:
             raise ValueError(f"prefix_space must be one of {PREFIX_SPACE}, got {prefix_space!r}")
         self.spec = spec
         self.tokenizer = loading.load_processor(AutoTokenizer, spec.model, **spec.hub())
-        self.model = loading.load_spec(AutoModel, spec, **without_pooler(spec))
+        # BERTScore reads one layer's hidden states, never the pooler; roberta-large, xlm-roberta-* and
+        # mpnet-base ship none (saved from their masked-LM models)
+        self.model = loading.load_spec(AutoModel, spec, **loading.without_pooler(spec))
         self.device = loading.input_device(self.model, spec.device)
         self.blocks = transformer_blocks(self.model)
         if num_layers is None:
