@@ -232,6 +232,41 @@ def test_a_task_mixing_capeval_metrics_with_options_and_lm_evals_bleu(tmp_path, 
     assert plain["cider,none"] == pytest.approx(cider.score, rel=1e-12) and plain["cider_n_skipped,none"] == 0
 
 
+@pytest.mark.slow
+def test_caption_task_reads_one_reference_string_as_one_reference_and_falls_back_to_doc_to_target(tmp_path):
+    """A generic task with ``class: CaptionTask``: a "references" field holding one string is one reference (it
+    was split into characters: CIDEr 0.003 for 1.19), and documents without that field give their references
+    through the task's doc_to_target (they gave none)."""
+    import json
+
+    path, photos, rows = _replay(tmp_path)
+    rows = rows[:6]
+    captions = [r["caption"] for r in rows]
+    (tmp_path / "tasks").mkdir()
+    layouts = {"one_string": ({"references": r["references"][0]} for r in rows), "other_field": (
+        {"refs": r["references"]} for r in rows)}
+    for name, docs in layouts.items():
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps({"id": i, **d}) + "\n" for i, d in enumerate(docs)))
+        (tmp_path / "tasks" / f"{name}.yaml").write_text(
+            f"task: {name}\n"
+            "class: !function capeval_plugins.adapters.lm_eval.CaptionTask\n"
+            f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+            "output_type: generate_until\ndoc_to_text: 'Describe the image.'\n"
+            f"doc_to_target: {'references' if name == 'one_string' else 'refs'}\n"
+            "generation_kwargs:\n  until: ['\\n']\n"
+            "metric_list:\n  - metric: cider\n    aggregation: capeval/cider\n    higher_is_better: true\n"
+            "    tokenize: false\n")
+    out = lm_eval.simple_evaluate(model=_replayer(rows), tasks=list(layouts),
+                                  task_manager=tasks_only(str(tmp_path / "tasks")))
+    cider = capeval_plugins.load("cider", tokenize=False)
+    firsts = cider(None, captions, [[r["references"][0]] for r in rows]).score
+    every = cider(None, captions, [r["references"] for r in rows]).score
+    assert out["results"]["one_string"]["cider,none"] == pytest.approx(firsts, rel=1e-12)
+    assert out["results"]["other_field"]["cider,none"] == pytest.approx(every, rel=1e-12)
+    assert out["results"]["other_field"]["cider_n_skipped,none"] == 0
+
+
 def test_a_task_that_cannot_score_a_capeval_metric_is_refused_before_generation(tmp_path, tiny_clip):
     import json
 

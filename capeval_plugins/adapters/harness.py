@@ -57,6 +57,17 @@ def split_metric_list(metric_list: Sequence[Mapping[str, Any]] | None) -> tuple[
     return ours, others
 
 
+def reference_list(refs: Any) -> list | None:
+    """A document's references as the metrics take them: one string is one reference (``list`` of it would be
+    its characters), a list, tuple or array its items as they are, anything else one item (the metrics' own
+    checks refuse what is not text, naming the document)."""
+    if refs is None:
+        return None
+    if isinstance(refs, (list, tuple)) or hasattr(refs, "tolist"):
+        return list(refs)
+    return [refs]
+
+
 def score_documents(metrics: Mapping[str, Any], images: Sequence[Any] | None, captions: Sequence[str],
                     references: Sequence[Any] | None, ids: Sequence[int], describe=None) -> dict:
     """Score one task's documents with every metric at once (images decoded once, shared backbones loaded

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 
 from capeval_plugins import preflight, registry
 from capeval_plugins.adapters.harness import (capeval_name, score_documents, skip_count_name, split_metric_list,
-                                              warn_skipped, with_default_policy)
+                                              reference_list, warn_skipped, with_default_policy)
 from capeval_plugins.core.messages import install_extra, require
 from capeval_plugins.inputs import InputError
 
@@ -211,8 +211,10 @@ class CaptionTask(ConfigurableTask):
         image = doc.get("image_path") or self.doc_to_image(doc)
         if isinstance(image, list):
             image = image[0]
-        refs = doc.get("references")
-        item = CaptionItem(image, results[0], list(refs) if refs else None)
+        # the document's "references" (every reference; the shipped task's doc_to_target gives the first only),
+        # else what the task's doc_to_target gives
+        refs = doc["references"] if "references" in doc else self.doc_to_target(doc)
+        item = CaptionItem(image, results[0], reference_list(refs) or None)
         for lm_name in self._capeval_names():
             out[lm_name] = item
             out[skip_count_name(lm_name)] = SkipCount(item)

@@ -33,7 +33,7 @@ from typing import Any, Mapping, NamedTuple
 
 from capeval_plugins import preflight, registry
 from capeval_plugins.adapters.harness import (MetricEntry, score_documents, skip_count_name, split_metric_list,
-                                              warn_skipped, with_default_policy)
+                                              reference_list, warn_skipped, with_default_policy)
 from capeval_plugins.core.messages import require
 
 # the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
@@ -126,10 +126,7 @@ class _CapevalMixin:
 
     def _references(self, doc: dict) -> list[str] | None:
         how = self._capeval_references
-        refs = how(doc) if callable(how) else doc[how] if isinstance(how, str) else self.doc_to_target(doc)
-        if refs is None:
-            return None
-        return [refs] if isinstance(refs, str) else [str(r) for r in refs]
+        return reference_list(how(doc) if callable(how) else doc[how] if isinstance(how, str) else self.doc_to_target(doc))
 
     def doc_to_visual(self, doc: dict) -> Any:
         """The task's own ``doc_to_visual``; on rank 0, what it gave the model is kept for scoring, so the
