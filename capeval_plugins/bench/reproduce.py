@@ -306,7 +306,6 @@ def reproduce(plans: Sequence[Plan], inputs: Inputs, *, limit: int | None = None
               progress: bool = True) -> tuple[list[Row], dict[str, Any]]:
     """Run every runnable pair and judge its published values; returns the rows and, per benchmark setting, what
     the run read and how long it took."""
-    from capeval_plugins.bench.benchmarks import get_benchmark
     from capeval_plugins.bench.fetch import Fetched
     from capeval_plugins.bench.runner import open_cache, run_benchmark
 
@@ -322,15 +321,12 @@ def reproduce(plans: Sequence[Plan], inputs: Inputs, *, limit: int | None = None
             key = (bench, setting.protocol, setting.num_references, paths, p.pair.entry.with_references)
             groups.setdefault(key, []).append(p)
     runs: dict[str, Any] = {}
+    read = {key: _read(key, members, limit) for key, members in groups.items()}  # a bad --scores file: before any run
     store = open_cache(cache)
     try:
         for (bench_name, protocol, num_references, (path, images, labels), with_refs), members in groups.items():
             source = sources_of[bench_name]
-            bench = get_benchmark(bench_name).with_protocol(protocol)
-            started = time.perf_counter()
-            data = bench.read(path)
-            if limit is not None:
-                data = head(data, limit)
+            bench, data, started = read[bench_name, protocol, num_references, (path, images, labels), with_refs]
             metrics = {p.pair.entry.id: build(p.pair.entry, bench_name, inputs.options)
                        for p in members if not p.scores}
             scores = {p.pair.entry.id: p.scores for p in members if p.scores}
@@ -412,9 +408,32 @@ def _judge(row: Row, ev: Any, limit: int | None) -> None:
         row.reason = f"{row.measured - nearest.value:+.{nearest.decimals}f} from [{nearest.source}]"
 
 
+def _read(key: tuple, members: Sequence[Plan], limit: int | None) -> tuple[Any, Any, float]:
+    """``(benchmark, its data, when the reading started)`` of a group, every --scores file of it matched to the
+    rows the run scores: a file that does not fit is the user's to fix, refused (InputError) as capeval bench
+    refuses it, never the group's metrics "not runnable here"."""
+    from capeval_plugins.bench.benchmarks import get_benchmark
+    from capeval_plugins.bench.scorefiles import match_score_file
+
+    bench_name, protocol, _, (path, _, _), _ = key
+    started = time.perf_counter()
+    bench = get_benchmark(bench_name).with_protocol(protocol)
+    data = bench.read(path)
+    if limit is not None:
+        data = head(data, limit)
+    for p in members:
+        if p.scores:
+            match_score_file(p.scores, data)
+    return bench, data, started
+
+
 def head(data: Any, n: int) -> Any:
-    """The first ``n`` rows (ratings) or pairs of a benchmark: a smoke pass."""
+    """The first ``n`` rows (ratings) or pairs of a benchmark: a smoke pass. Its notes keep how many rows the
+    benchmark has (``first_rows_of``): a row-keyed score file of the whole benchmark then fits it, its later rows
+    left out (every reader numbers rows pair by pair, so the first pairs' rows are the first rows)."""
     from capeval_plugins.bench.data import Captions, Pairs
+
+    notes = {**data.notes, "first_rows_of": data.notes.get("first_rows_of", len(data.captions))}
 
     if isinstance(data, Pairs):
         keep = np.arange(min(n, len(data)))
@@ -429,13 +448,14 @@ def head(data: Any, n: int) -> Any:
                        human_tie=None if data.human_tie is None else data.human_tie[keep],
                        pair_systems=None if data.pair_systems is None else [data.pair_systems[i] for i in keep],
                        row_units=None if data.row_units is None else data.row_units[used],
-                       graded=None if data.graded is None else {k: v[keep] for k, v in data.graded.items()})
+                       graded=None if data.graded is None else {k: v[keep] for k, v in data.graded.items()},
+                       notes=notes)
     keep = np.arange(min(n, len(data.captions)))
     assert isinstance(data.captions, Captions)
     return replace(data, captions=_take_captions(data.captions, keep), human=data.human[keep],
                    categories=None if data.categories is None else [data.categories[i] for i in keep],
                    targets=None if data.targets is None else {k: np.asarray(v)[keep] for k, v in data.targets.items()},
-                   systems=None if data.systems is None else [data.systems[i] for i in keep])
+                   systems=None if data.systems is None else [data.systems[i] for i in keep], notes=notes)
 
 
 def _take_captions(captions: Any, keep: np.ndarray) -> Any:

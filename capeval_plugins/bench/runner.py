@@ -23,6 +23,7 @@ from capeval_plugins.bench.cache import NoCache, ScoreCache, default_cache_path,
 from capeval_plugins.bench.data import Captions, Pairs, Ratings, resolve_images
 from capeval_plugins.bench.protocols import Evaluation, evaluate
 from capeval_plugins import files
+from capeval_plugins.caption_files import json_safe
 from capeval_plugins.contract import Metric, PointwiseMetric
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import InputError
@@ -63,7 +64,7 @@ class BenchReport:
 
     def to_dict(self) -> dict[str, Any]:
         """``{"benchmark", "protocol", "data", "results": {metric: {...}}, "comparisons", "wall_time_s"}``,
-        every correlation and accuracy on the 0-100 scale."""
+        every correlation and accuracy on the 0-100 scale, None where there is none."""
         protocol = self.benchmark.protocol
         proto = {"name": self.benchmark.name, "variant": self.benchmark.variant, "kind": protocol.kind,
                  "statistic": protocol.primary, "description": protocol.description, "scale": 100,
@@ -88,8 +89,9 @@ class BenchReport:
         if isinstance(self.data, Pairs):
             data["pairs"] = len(self.data)
         results = {name: self._result(name) for name in self.evaluations}
-        return {"benchmark": self.benchmark.name, "protocol": proto, "data": data, "results": results,
-                "comparisons": self.comparisons, "wall_time_s": round(self.wall_time, 3)}
+        # a figure without a value (no valid row, a constant score) is None: strict JSON has no NaN
+        return json_safe({"benchmark": self.benchmark.name, "protocol": proto, "data": data, "results": results,
+                          "comparisons": self.comparisons, "wall_time_s": round(self.wall_time, 3)})
 
     def _result(self, name: str) -> dict[str, Any]:
         ev, run = self.evaluations[name], self.runs[name]
@@ -254,11 +256,12 @@ def score_metrics(metrics: Mapping[str, Metric], captions: Captions, *, images: 
         keys = inputs[name].keys
         if name in found:
             scores = np.array([found[name].get(k, np.nan) for k in keys], dtype=np.float64)
-            extra_rows = {k: np.array([v.get(key, np.nan) for key in keys]) for k, v in collected[name].items()}
+            where = keys  # a pointwise metric's extras are kept by sample key
         else:
-            scores = by_row[name]
-            extra_rows = {k: np.array([v.get(row, np.nan) for row in range(len(keys))])
-                          for k, v in collected[name].items()}
+            scores, where = by_row[name], range(len(keys))
+        # only when asked: the cache holds no extras, so a run from it has them for the recomputed rows alone
+        extra_rows = {k: np.array([v.get(at, np.nan) for at in where])
+                      for k, v in collected[name].items()} if extras else {}
         runs[name] = MetricRun(scores, seconds.get(name, 0.0), counts[name][0], counts[name][1], extra_rows)
     return runs
 

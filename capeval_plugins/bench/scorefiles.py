@@ -4,9 +4,9 @@ back onto a benchmark's rows, and a benchmark run's own per-sample scores writte
 A score file holds one row per scored input, as JSON Lines, a JSON list, CSV or Parquet, with ``score`` and
 the key of its benchmark row, one of:
 
-- ``row``, the benchmark row number (what ``--save-scores`` writes; ``image`` and ``caption``, where given,
-  are checked against the row, because a group or corpus metric can give one caption two scores: Soft-MSD in
-  two SugarCrepe pairs);
+- ``row``, the benchmark row number (what ``--save-scores`` writes, because a group or corpus metric can give
+  one caption two scores: Soft-MSD in two SugarCrepe pairs); ``image`` and ``caption``, where given, are checked
+  against the row, the image by any of the names below;
 - ``image`` and ``caption`` (whitespace-normalised), the image as the benchmark file names it (its path), or
   else by its file name alone (``1000268201.jpg`` for ``Flicker8k_Dataset/1000268201.jpg``; an absolute path
   of the user's own machine matches so too), or else by that name without its suffix (``0001.jpg`` for
@@ -16,6 +16,8 @@ the key of its benchmark row, one of:
 
 Which key matched is reported (``matched_by``). Every other numeric column is a per-sample extra
 (``--extras``). Every benchmark row must find its score, else the error says how many did not and shows one.
+A smoke pass's first rows of a benchmark (``notes["first_rows_of"]``, ``capeval reproduce --limit``) take a
+row-keyed file of the whole benchmark: its rows past the cut are left out.
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ def match_score_file(path: str | os.PathLike, data: Ratings | Pairs) -> Matched:
     images = [image_name(img) for img in captions.images]
     cands = [clean(c) for c in captions.candidates]
     if all(_has_row(r) for r in rows):
-        found, how = _by_row(path, rows, images, cands), "row"
+        found, how = _by_row(path, rows, images, cands, data.notes.get("first_rows_of", len(images))), "row"
     else:
         categories = row_categories(data)
         found, how = _by_key(path, rows, images, cands, categories), "image path"
@@ -171,25 +173,36 @@ def _check_short_names(path, rows: Sequence[dict], images: list[str], short, lab
                              f"({two[0]!r}, {two[1]!r}, ...); key the scores by the image path or by 'row'")
 
 
-def _by_row(path, rows: Sequence[dict], images: list[str], cands: list[str]) -> list[int | None]:
+def _by_row(path, rows: Sequence[dict], images: list[str], cands: list[str], whole: int) -> list[int | None]:
+    """``whole``: the rows of the whole benchmark, of which ``images`` may be the first (a smoke pass)."""
     found: list[int | None] = [None] * len(images)
     for k, row in enumerate(rows):
         where = f"{path}: row {k}"
         index = _row_number(row["row"], where)
-        if not 0 <= index < len(images):
-            raise InputError(f"{where}: row {index} is outside the benchmark's {len(images):,} rows")
-        if "image" not in row or "caption" not in row:  # keyed by row alone: nothing to check it against
-            image, caption = images[index], cands[index]
-        else:
-            image, caption = _text(row["image"], "image", where), clean(_text(row["caption"], "caption", where))
-        if (image, caption) != (images[index], cands[index]):
-            raise InputError(f"{where}: benchmark row {index} is image {images[index]!r}, caption "
-                             f"{cands[index]!r}, not {image!r}, {caption!r} (a file for another benchmark?)")
+        if not 0 <= index < max(whole, len(images)):
+            raise InputError(f"{where}: row {index} is outside the benchmark's {whole:,} rows")
+        if index >= len(images):
+            continue  # a row the smoke pass does not run
+        _check_row(row, index, images, cands, where)
         if found[index] is not None:  # the later one would silently win
             raise InputError(f"{where}: benchmark row {index} is given twice (also in row {found[index]}); a score "
                              "file holds one score per benchmark row")
         found[index] = k
     return found
+
+
+def _check_row(row: dict, index: int, images: list[str], cands: list[str], where: str) -> None:
+    """The image and caption a row-keyed line gives, where it has them, are its benchmark row's: the image by
+    its path or a shorter name, as :func:`match_score_file` matches a file without rows."""
+    image = _text(row["image"], "image", where) if "image" in row else images[index]
+    caption = clean(_text(row["caption"], "caption", where)) if "caption" in row else cands[index]
+    if not _same_image(image, images[index]) or caption != cands[index]:
+        raise InputError(f"{where}: benchmark row {index} is image {images[index]!r}, caption "
+                         f"{cands[index]!r}, not {image!r}, {caption!r} (a file for another benchmark?)")
+
+
+def _same_image(given: str, image: str) -> bool:
+    return given == image or any(short(given) == short(image) for _, short in IMAGE_KEYS)
 
 
 def _row_number(value: Any, where: str) -> int:

@@ -273,7 +273,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"\nplot: {plot_report(report, args.plot, inputs)}")
     if args.json_out:
-        files.write_output(args.json_out, (json.dumps(report.to_dict(), indent=2) + "\n").encode(), inputs, "--json")
+        text = json.dumps(report.to_dict(), indent=2, allow_nan=False)  # strict JSON: no NaN (to_dict says null)
+        files.write_output(args.json_out, (text + "\n").encode(), inputs, "--json")
         print(f"json: {args.json_out}")
     if args.save_scores:
         print(f"scores: {args.save_scores}/")

@@ -46,7 +46,8 @@ def add_parser(subparsers) -> None:
                    help="list the pairs, their published values and what each needs (data, weights, GPU); run "
                         "nothing, fetch nothing")
     p.add_argument("--limit", type=cli_number(int, ge=1), metavar="N",
-                   help="a smoke pass: the first N rows (or pairs) of every benchmark, not compared")
+                   help="a smoke pass: the first N rows (or pairs) of every benchmark, not compared (the later "
+                        "rows of a row-keyed --scores file are left out)")
     p.add_argument("--refresh", action="store_true", help="fetch the benchmarks anew (see capeval bench --refresh)")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the rows and the runs as JSON here")
     p.add_argument("--markdown", dest="markdown_out", metavar="OUT", help="write the status table here")
