@@ -318,6 +318,7 @@ class RunStore:
             claim.folder.close()
             try:
                 os.rmdir(self.root)
+                claim.remove_created_above()
             except OSError:
                 pass
 

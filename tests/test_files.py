@@ -116,3 +116,81 @@ def test_a_claim_lists_what_it_wrote_and_removes_only_that(tmp_path, config):
         files.Claim(root, "other").open()
     again.remove()
     assert sorted(p.name for p in root.iterdir()) == ["mine.txt"]
+
+
+def _cache_folders_named_in_the_source() -> set[str]:
+    """Every ``cache_dir("<sub>")`` the package's modules name, read from their text (independent of the list
+    check_output keeps)."""
+    import re
+    from pathlib import Path
+
+    import capeval_plugins
+
+    root = Path(capeval_plugins.__file__).parent
+    return {m for p in root.rglob("*.py") for m in re.findall(r"""cache_dir\(["']([^"']+)["']\)""", p.read_text())}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("CAPEVAL_CACHE", str(folder))
+    return folder
+
+
+def test_every_cache_of_state_is_kept_from_outputs_but_evaluate_modules():
+    from capeval_plugins.files.outputs import PACKAGE_CACHES
+
+    assert set(PACKAGE_CACHES) == _cache_folders_named_in_the_source() - {"evaluate_modules"}
+
+
+def test_the_secret_key_is_never_an_output_under_any_name(config, tmp_path):
+    """The key replaced by ``--out`` made every resumable run refused: refused as itself, through a link to its
+    folder and as a hard link, under every option name; the key keeps its bytes."""
+    key = files.secret()
+    path = config / files.SECRET_FILE
+    (tmp_path / "via").symlink_to(config)
+    os.link(path, tmp_path / "hard.key")
+    for name in (path, tmp_path / "via" / files.SECRET_FILE, tmp_path / "hard.key"):
+        for what in ("--out", "--json", "--cache", "save_to"):
+            with pytest.raises(files.UnsafePath, match="is your secret key"):
+                files.check_output(name, [], what)
+        with pytest.raises(files.UnsafePath, match="is your secret key"):
+            files.write_output(name, b"{}")
+    assert path.read_bytes() == key and stat.S_IMODE(path.stat().st_mode) == 0o600
+    files.check_output(config / "other.json")  # the folder holds outputs of yours next to it
+
+
+def test_no_file_in_a_cache_of_the_package_is_an_output(config, cache):
+    from capeval_plugins.files.outputs import PACKAGE_CACHES
+
+    for sub in [*PACKAGE_CACHES, "evaluate_modules"]:
+        (cache / sub).mkdir(parents=True)
+    (cache / "bench" / "scores.sqlite").write_bytes(b"SQLite format 3\0")
+    for sub in PACKAGE_CACHES:
+        with pytest.raises(files.UnsafePath, match=f"is inside the package's cache folder {cache / sub}"):
+            files.check_output(cache / sub / "out.jsonl")
+    with pytest.raises(files.UnsafePath, match="cache folder"):
+        files.check_output(cache / "bench" / "scores.sqlite", [], "--json")
+    # the score cache is the package's own file when named as the score cache
+    assert files.check_output(cache / "bench" / "scores.sqlite", what="--cache") == "file"
+    assert files.check_output(cache / "evaluate_modules" / "x.py") == files.check_output(cache / "o.jsonl") == "file"
+
+
+def test_a_folder_opened_with_create_lists_every_folder_it_made_and_only_those_are_removed(tmp_path):
+    """``newdir/sub`` with newdir missing: both are listed (the old code said only that sub was made), removed
+    innermost first while empty; a folder that was there before never is."""
+    from capeval_plugins.files.folder import remove_made
+
+    deep = tmp_path / "new" / "a" / "b"
+    before = [p for p in (deep, *deep.parents) if not p.exists()][::-1]  # the missing ones, outermost first
+    with files.Folder.open(deep, create=True)[0] as folder:
+        assert list(folder.made) == before == [tmp_path / "new", tmp_path / "new" / "a", deep]
+    with files.Folder.open(tmp_path / "new", create=True)[0] as again:
+        assert again.made == ()  # there now: not made by this call
+    (tmp_path / "new" / "a" / "mine.txt").write_text("the user's")
+    assert remove_made(before) == [deep]  # a holds a file of the user's: the walk up stops there
+    (tmp_path / "new" / "a" / "mine.txt").unlink()
+    (tmp_path / "new" / "a" / "b").symlink_to(tmp_path)  # a link in place of a made folder stays
+    assert remove_made(before) == [] and (tmp_path / "new" / "a" / "b").is_symlink()
+    (tmp_path / "new" / "a" / "b").unlink()
+    assert remove_made(before) == [tmp_path / "new" / "a", tmp_path / "new"] and tmp_path.is_dir()

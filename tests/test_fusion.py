@@ -178,3 +178,75 @@ def test_score_then_calibrate_then_score_again_from_the_cli_s_own_files(models, 
 
     again = score(tmp_path / "again.jsonl", *report["options"])
     assert [row["redemption_score"] for row in again] == pytest.approx(fuse(comps, weights).tolist(), abs=1e-9)
+
+
+def _points(k: int, units: int) -> int:
+    """Weight vectors on the simplex, counted by a plain loop (tiny) or stars and bars (large):
+    (units + 1) (units + 2) ... (units + k - 1) / (k - 1)!."""
+    if units <= 12 and k <= 4:
+        return sum(1 for w in itertools.product(range(units + 1), repeat=k) if sum(w) == units)
+    return math.prod(range(units + 1, units + k)) // math.factorial(k - 1)
+
+
+def _no_grid(*args, **kwargs):
+    raise AssertionError("the grid was built")
+
+
+@pytest.mark.parametrize("k, step, n", [(2, 1e-9, 10), (3, 0.0005, 10), (2, 1e-6, 10), (3, 0.001, 1000),
+                                        (3, 0.02, 200_000), (6, 0.01, 10)])
+def test_a_grid_or_fused_matrix_past_the_bound_is_refused_before_it_is_built(monkeypatch, k, step, n):
+    """--step 1e-9 built a grid of a billion rows, then an (N, M) matrix, and the process was killed for
+    memory. Refused now, naming the size, before the grid exists; the step it advises fits, the next finer
+    round step does not."""
+    from capeval_plugins.core import fusion
+
+    units = round(1 / step)
+    points = _points(k, units)
+    assert points > fusion.MAX_GRID_POINTS or n * points > fusion.MAX_FUSED_SCORES
+    monkeypatch.setattr(fusion, "simplex_grid", _no_grid)
+    rng = np.random.default_rng(5)
+    with pytest.raises(ValueError) as refused:
+        fusion.calibrate(rng.random((n, k)), rng.random(n), step=step)
+    said = str(refused.value)
+    assert (f"{points:,} weight vectors" in said) and "\n" not in said, said
+    advised = float(said.rsplit("the finest step that fits is ", 1)[1])
+    fine_units = round(1 / advised)
+    assert _points(k, fine_units) <= fusion.MAX_GRID_POINTS and n * _points(k, fine_units) <= fusion.MAX_FUSED_SCORES
+    finer = fine_units * {"1": 2, "2": 5, "5": 2}[str(fine_units)[0]] // {"1": 1, "2": 2, "5": 1}[str(fine_units)[0]]
+    assert _points(k, finer) > fusion.MAX_GRID_POINTS or n * _points(k, finer) > fusion.MAX_FUSED_SCORES
+
+
+def test_the_largest_grid_within_the_bound_is_still_searched():
+    from capeval_plugins.core import fusion
+
+    assert len(simplex_grid(2, 1 / (fusion.MAX_GRID_POINTS - 1))) == fusion.MAX_GRID_POINTS
+    with pytest.raises(ValueError, match="1,000,001 weight vectors"):
+        simplex_grid(2, 1 / fusion.MAX_GRID_POINTS)
+
+
+def test_calibrate_refuses_a_step_too_fine_in_one_line(tmp_path, capsys, monkeypatch):
+    from capeval_plugins.core import fusion
+
+    monkeypatch.setattr(fusion, "simplex_grid", _no_grid)  # the old code went on to build it: killed, no message
+    _write_jsonl(tmp_path / "s.jsonl", [{"a": i / 7, "b": (i * 3 % 7) / 7, "human": i % 3} for i in range(7)])
+    code = cli.main(["calibrate", "--scores", str(tmp_path / "s.jsonl"), "--rating-key", "human", "--components",
+                     "a,b", "--step", "1e-9"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "step 1e-09 makes a grid of 1,000,000,001 weight vectors for 2 components" in err
+    assert "the finest step that fits is 2e-06" in err
+
+
+@pytest.mark.parametrize("bad, said", [(True, "'a' True is not a number"), ("0.5", "'a' '0.5' is text, not a number"),
+                                       ([0.5], "'a' [0.5] is not a number")])
+@pytest.mark.parametrize("column", ["a", "human"])
+def test_a_component_or_rating_that_is_not_a_number_is_refused_by_its_row(tmp_path, capsys, bad, said, column):
+    """JSON ``true`` was read as 1.0 and ``"0.5"`` as 0.5 without a word; ``capeval bench --scores`` refuses
+    booleans, and calibrate now says the row too (a CSV cell is text, and a number there)."""
+    rows = [{"a": 0.1, "b": 0.2, "human": 1}, {"a": 0.2, "b": 0.3, "human": 2}, {"a": 0.3, "b": 0.1, "human": 3}]
+    rows[1][column] = bad
+    _write_jsonl(tmp_path / "s.jsonl", rows)
+    code = cli.main(["calibrate", "--scores", str(tmp_path / "s.jsonl"), "--components", "a,b"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"s.jsonl: row 2: {said}".replace("'a'", repr(column)) in err, err

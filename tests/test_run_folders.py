@@ -115,9 +115,10 @@ def test_only_what_the_run_wrote_is_deleted_and_an_out_inside_the_run_folder_sta
 
 
 def test_a_run_folder_the_run_made_goes_when_it_is_done(tiny_clip, files, tmp_path):
+    """With the folders the run made above it (empty), never one that was there before."""
     run_dir = tmp_path / "made" / "run"
     runner.score_many(metrics(tiny_clip), *_lists(files), run_dir=run_dir)
-    assert not run_dir.exists() and (tmp_path / "made").is_dir()
+    assert not run_dir.exists() and not (tmp_path / "made").exists() and tmp_path.is_dir()
 
 
 # ---------------------------------------------------------------------------------------------------------

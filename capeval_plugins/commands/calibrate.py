@@ -34,18 +34,24 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
 
 def column(rows: list[dict], key: str, path: str) -> list[float]:
+    """The numbers of column ``key``, by bench's rule (:func:`~capeval_plugins.bench.readers.as_score`): a
+    boolean is refused, not read as 1 / 0; and text is a number only in a CSV or TSV file, where every cell is
+    text (a quoted ``"0.5"`` in JSON Lines is a mistake to say, not a number to guess)."""
+    from capeval_plugins.bench.readers import as_score
+    from capeval_plugins.caption_files import TABLE_DELIMITERS, caption_file_format
     from capeval_plugins.inputs import InputError
 
+    cells_are_text = caption_file_format(path) in TABLE_DELIMITERS
     values = []
     for i, row in enumerate(rows):
+        where = f"{path}: row {i + 1}"
         if key not in row or row[key] in (None, ""):
-            raise InputError(f"{path}: row {i + 1} has no {key!r} (columns: {sorted(row)})")
-        try:
-            value = float(row[key])
-        except (TypeError, ValueError):
-            raise InputError(f"{path}: row {i + 1}: {key!r} is not a number: {row[key]!r}") from None
+            raise InputError(f"{where} has no {key!r} (columns: {sorted(row)})")
+        if isinstance(row[key], str) and not cells_are_text:
+            raise InputError(f"{where}: {key!r} {row[key]!r} is text, not a number (write it without quotes)")
+        value = as_score(row[key], where, repr(key))
         if not math.isfinite(value):
-            raise InputError(f"{path}: row {i + 1}: {key!r} is not finite: {row[key]!r}")
+            raise InputError(f"{where}: {key!r} is not finite: {row[key]!r}")
         values.append(value)
     return values
 

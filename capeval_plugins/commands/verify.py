@@ -36,13 +36,13 @@ def add_parser(subparsers) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from capeval_plugins import files
-    from capeval_plugins.bench.verify import markdown, verify
+    from capeval_plugins.bench.verify import loads_keeping_digits, markdown, verify
     from capeval_plugins.inputs import InputError
 
     expected = args.expected
     if expected.lstrip().startswith("{"):
         try:
-            expected = json.loads(expected)
+            expected = loads_keeping_digits(expected)  # 0.10 keeps the digit that sets its tolerance
         except json.JSONDecodeError as err:
             raise InputError(f"--expected: not valid JSON ({err})") from None
     if args.json_out:

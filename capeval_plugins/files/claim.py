@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from capeval_plugins.files.base import Data, UnsafePath, _reported, file_kind, plain_name, relative_name
-from capeval_plugins.files.folder import Folder
+from capeval_plugins.files.folder import Folder, remove_made
 from capeval_plugins.files.secret import read_signed_json, signed_json
 
 
@@ -29,6 +29,7 @@ class Claim:
         self.folder: Folder | None = None
         self.files: list[str] = []
         self.created_root = False
+        self.created_above: list[str] = []  # the missing folders above it that opening it made (absolute paths)
         self.extra: dict[str, Any] = {}
         self.found = False  # a valid marker was there when opened
 
@@ -40,6 +41,7 @@ class Claim:
         if new_or_empty and self.path.is_dir() and not self.path.is_symlink():
             self._refuse_foreign()  # before anything is made in someone's folder
         self.folder, self.created_root = Folder.open(self.path, create=create, mine=True)
+        self.created_above = [os.path.abspath(p) for p in self.folder.made if p != self.path]
         self.reload(new_or_empty)
         return self
 
@@ -54,7 +56,9 @@ class Claim:
             return
         self.files = list(content["files"])
         self.created_root = bool(content.get("created_root"))
-        self.extra = {k: v for k, v in content.items() if k not in ("kind", "files", "created_root")}
+        above = content.get("created_above")
+        self.created_above = [p for p in above if isinstance(p, str)] if isinstance(above, list) else []
+        self.extra = {k: v for k, v in content.items() if k not in ("kind", "files", "created_root", "created_above")}
 
     def _read_marker(self) -> dict | None:
         assert self.folder is not None
@@ -99,7 +103,8 @@ class Claim:
 
     def _write_marker(self) -> None:
         assert self.folder is not None
-        content = {**self.extra, "kind": self.kind, "created_root": self.created_root, "files": self.files}
+        content = {**self.extra, "kind": self.kind, "created_root": self.created_root,
+                   "created_above": self.created_above, "files": self.files}
         self.folder.write(self.marker, signed_json(content, "marker"), scratch=self.marker + ".tmp")
         self.found = True
 
@@ -196,6 +201,13 @@ class Claim:
             self.folder.close()
             with contextlib.suppress(OSError):
                 os.rmdir(self.path)
+                self.remove_created_above()
+
+    def remove_created_above(self) -> None:
+        """The folders above this one that the package made with it, innermost first, each while empty; only
+        those still above it (a run folder moved elsewhere leaves the old place's alone)."""
+        here = os.path.abspath(self.path)
+        remove_made(p for p in self.created_above if here.startswith(p.rstrip("/") + "/"))
 
     def _exists(self, name: str) -> bool:
         try:

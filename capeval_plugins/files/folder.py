@@ -13,7 +13,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterable
 
 from capeval_plugins.files.base import (_CLOEXEC, _DIRECTORY, _NOFOLLOW, _NONBLOCK, Data, FileError, UnsafePath,
                                          _kind, _reported, check_links, file_kind, plain_name, storage_error)
@@ -25,9 +25,10 @@ class Folder:
     symbolic link (a link planted at one of the names is refused, or replaced by rename, never written
     through). Files are created exclusively; a file is replaced by writing a new one and renaming it over."""
 
-    def __init__(self, fd: int, path: str | os.PathLike) -> None:
+    def __init__(self, fd: int, path: str | os.PathLike, made: tuple[Path, ...] = ()) -> None:
         self.fd = fd
         self.path = Path(path)
+        self.made = made  # the folders :meth:`open` made, outermost first (this one last, when it made it)
 
     # -- opening --
 
@@ -35,21 +36,18 @@ class Folder:
     def open(cls, path: str | os.PathLike, *, create: bool = False, mine: bool = False,
              mode: int = 0o777) -> tuple["Folder", bool]:
         """Open ``path`` (no symbolic link as its last component; parents through links of the user's or root
-        only). ``create``: make it (and its parents) when missing. ``mine``: it must belong to the user.
-        Returns the folder and whether it was made now."""
+        only). ``create``: make it (and its missing parents) when missing; every folder made is listed in
+        :attr:`made`, so that it can be removed again (:func:`remove_made`). ``mine``: it must belong to the
+        user. Returns the folder and whether it was made now."""
         path = Path(path)
         check_links(path)
-        created = False
+        made: list[Path] = []
         if create:
             try:
-                if not path.parent.is_dir():
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                os.mkdir(path, mode)
-                created = True
-            except FileExistsError:
-                pass
+                made = _make_folders(path, mode)
             except OSError as err:
                 raise storage_error(err, path, "create the folder") from None
+        created = path in made
         try:
             fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
         except FileNotFoundError:
@@ -61,7 +59,7 @@ class Folder:
                     " (capeval does not follow symbolic links it did not make: give the folder itself)"
                     if kind == "symlink" else "")) from None
             raise storage_error(err, path, "open the folder") from None
-        folder = cls(fd, path)
+        folder = cls(fd, path, tuple(made))
         if mine and os.fstat(fd).st_uid != os.geteuid():
             folder.close()
             raise UnsafePath(f"{path} belongs to another user; capeval writes only into folders of yours")
@@ -339,6 +337,43 @@ class Folder:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry, dir_fd=sub.fd)
         self.rmdir(name)
+
+
+def _make_folders(path: Path, mode: int) -> list[Path]:
+    """Make ``path`` (with ``mode``) and every missing folder above it; returns those this call made, outermost
+    first (one another process made meanwhile is not listed: it is not ours to remove)."""
+    missing = []
+    for folder in (path, *path.parents):
+        if os.path.lexists(folder):
+            break
+        missing.append(folder)
+    made = []
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, mode if folder == path else 0o777)
+        except FileExistsError:
+            continue
+        made.append(folder)
+    return made
+
+
+def remove_made(made: Iterable[str | os.PathLike]) -> list[Path]:
+    """Remove folders the package made (:attr:`Folder.made`, or such a list kept in a marker), innermost first,
+    each only while it is empty and a folder (a link in its place stays); the first that stays ends the walk
+    up, since every folder above it holds it (one already gone is passed). Returns what went."""
+    gone = []
+    for folder in sorted(map(Path, made), key=lambda p: len(p.parts), reverse=True):
+        if not os.path.lexists(folder):  # removed already (a run folder's own removal)
+            continue
+        try:
+            with Folder.open(folder.parent)[0] as parent:
+                removed = parent.rmdir(folder.name)
+        except (OSError, FileError):
+            removed = False
+        if not removed:
+            break
+        gone.append(folder)
+    return gone
 
 
 LEFTOVER_AGE = 60.0  # seconds: a hidden file this young may be a writer's that has not locked it yet

@@ -14,6 +14,15 @@ from typing import Any, Iterable
 from capeval_plugins.files.base import (_CLOEXEC, _NOFOLLOW, STREAMS, Data, StorageError, UnsafePath, _reported,
                                          check_links, file_kind, same_or_inside, storage_error)
 from capeval_plugins.files.folder import Folder
+from capeval_plugins.files.paths import cache_dir
+from capeval_plugins.files.secret import secret_path
+
+# The package's caches under cache_dir() that hold its state (each module names its own subfolder: bench/cache.py,
+# bench/fetch.py, models/generation.py, resources/meteor_table.py, commands/convert_official.py,
+# commands/fetch_weights.py). evaluate_modules/ is not one: it holds the scripts `capeval evaluate-module` writes
+# as outputs.
+PACKAGE_CACHES = {"bench": "the score cache", "benchmarks": "fetched benchmarks", "generated": "generated images",
+                  "meteor": "METEOR's paraphrase index", "models": "converted models", "weights": "downloaded weights"}
 
 
 def stream_fd(path: str | os.PathLike) -> int | None:
@@ -46,10 +55,23 @@ def output_kind(path: str | os.PathLike) -> str:
     raise UnsafePath(f"{path} is a {kind}; give a file name")
 
 
+def kept_by_the_package(what: str = "--out") -> list[tuple[Path, str]]:
+    """The files and folders the package keeps its own state in, each with what it is: never an output (the
+    secret replaced, every run folder and cache row made with it is refused; a cache replaced, refused or
+    rebuilt). The score cache is a file of the package's when named as one: ``what == "--cache"``."""
+    key = secret_path()
+    kept = [(key, f"your secret key {key} (it signs run folders and cache rows)")]
+    for sub, holds in PACKAGE_CACHES.items():
+        if not (sub == "bench" and what == "--cache"):
+            kept.append((cache_dir(sub), f"the package's cache folder {cache_dir(sub)} ({holds})"))
+    return kept
+
+
 def check_output(path: str | os.PathLike, inputs: Iterable[Any] = (), what: str = "--out") -> str:
     """Refuse, before any work, an output that cannot or must not be written: a folder, a link, a socket,
-    one of the run's ``inputs`` (files, or folders it must not lie in: a model folder), a folder that does
-    not exist or that the user cannot write. Returns :func:`output_kind`."""
+    one of the run's ``inputs`` (files, or folders it must not lie in: a model folder), a file the package
+    keeps (:func:`kept_by_the_package`), a folder that does not exist or that the user cannot write. Returns
+    :func:`output_kind`."""
     path = Path(path)
     if path.is_dir() and stream_fd(path) is None:
         raise UnsafePath(f"{what} {path} is a folder; give a file name")
@@ -60,6 +82,10 @@ def check_output(path: str | os.PathLike, inputs: Iterable[Any] = (), what: str 
         if same_or_inside(path, given):
             relation = "is" if not os.path.isdir(given) or os.path.realpath(path) == os.path.realpath(given) else "is inside"
             raise UnsafePath(f"{what} {path} {relation} an input of this run ({given}); give another file name")
+    for kept, description in kept_by_the_package(what):
+        if same_or_inside(path, kept):  # also through a symbolic link on the way, or a hard link to the file
+            relation = "is inside" if os.path.isdir(kept) else "is"
+            raise UnsafePath(f"{what} {path} {relation} {description}; give another file name")
     if kind == "stream":
         _check_stream(path)
         return kind

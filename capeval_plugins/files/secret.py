@@ -27,6 +27,11 @@ SECRET_FILE = "secret.key"
 _secret_cache: dict[str, bytes] = {}
 
 
+def secret_path() -> Path:
+    """Where the user's secret is kept: ``<config_dir>/secret.key``."""
+    return config_dir() / SECRET_FILE
+
+
 def secret() -> bytes:
     """The user's 32-byte secret, made on first use: ``<config_dir>/secret.key``, created 0600 in a folder
     made 0700. A key file that is a link, not the user's, or readable by others is refused."""
@@ -37,7 +42,7 @@ def secret() -> bytes:
     from capeval_plugins.files.folder import Folder  # imported here: a folder's signed scratch names use the secret
     with _reported(folder, "create the key folder"):
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = folder / SECRET_FILE
+    path = secret_path()
     if not os.path.lexists(path):  # made whole under a private name, then linked in: a racing process
         try:                         # sees no key or the whole key, and the first one made wins
             with Folder.open(folder, mine=True)[0] as where:
