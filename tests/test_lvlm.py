@@ -48,9 +48,10 @@ def sharp_llava() -> str:
 
 @lru_cache(maxsize=None)
 def scripted_llava(chain: tuple[str, ...]) -> str:
-    """A tiny LLaVA-NeXT that writes a fixed answer greedily: the layers add nothing to the residual stream, so
-    the last hidden state is the normalised embedding of the current token, and the LM head maps each token of
-    ``chain`` to the next one (a bigram table). ``chain`` starts with the prompt's last token."""
+    """A tiny LLaVA-NeXT that writes a fixed answer greedily: the layers add nothing to the residual stream (their
+    norms' weights zero: attention and MLP read zeros; a weight matrix of zeros would be refused as a download cut
+    short), so the last hidden state is the normalised embedding of the current token, and the LM head maps each
+    token of ``chain`` to the next one (a bigram table). ``chain`` starts with the prompt's last token."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from capeval_plugins.testing import tiny_checkpoint
@@ -63,8 +64,8 @@ def scripted_llava(chain: tuple[str, ...]) -> str:
     assert len(set(ids[:-1])) == len(ids) - 1, "each token may lead to one next token"
     with torch.no_grad():
         for layer in model.model.language_model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+            layer.input_layernorm.weight.zero_()
+            layer.post_attention_layernorm.weight.zero_()
         embed = model.get_input_embeddings().weight
         head = model.get_output_embeddings().weight
         head.zero_()

@@ -6,25 +6,30 @@
 ``SRC`` is ``pretrained_model.bin`` or ``multi_task_model.bin`` of facebookresearch/vilbert-multi-task (PyTorch
 pickles of a state dict), or a ``.safetensors`` file of the same names. This is the one place in the package
 where a pickle is read, and it is read with ``torch.load(weights_only=True)``: tensors, containers and numbers
-only. A checkpoint holding any other object is refused, never unpickled.
+only. A checkpoint holding any other object is refused, never unpickled. A zip checkpoint (``torch.save``'s format
+since PyTorch 1.6) is checked first, for every kind of ``capeval convert`` (:func:`check_archive`): members stored
+as they are, each matching its CRC-32.
 
 Every released parameter is accounted for: kept (renamed), left out on purpose (heads and parts scoring never
 uses, listed by reason), unknown (an error unless ``--allow-unknown``) or missing (always an error). ``DST``
 gets ``config.json``, ``model.safetensors``, the BERT-base uncased WordPiece tokenizer (from ``--tokenizer``: a
 folder, a ``vocab.txt`` or a hub id; a hub id that cannot be fetched now is recorded and loaded at scoring time)
-and ``conversion.json``, the report.
+and ``conversion.json``, the report. Every kind writes its folder the same way (:func:`converted_folder`): all its
+files, the report included, are staged and moved in only when none would replace a file of the user's.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import pickle
 import tempfile
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from capeval_plugins import files
 from capeval_plugins.core import jsonio
@@ -70,9 +75,67 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since PyTorch 1.6 is a zip archive; earlier ones are bare pickles
+CRC_BLOCK = 1 << 24  # bytes read at a time while the members' CRC-32 are checked
+
+
+def check_archive(path: Path) -> None:
+    """Refuse a zip archive ``torch.save`` could not have written, or one damaged or cut short, before anything
+    reads it. From the central directory first (nothing is inflated): a compressed member (``torch.save`` stores
+    its members as they are; a 2.9 MB file inflated to 256 MB), a name that is absolute or climbs out (``..``),
+    members declaring more bytes than the file holds. Then every member is read once against its CRC-32, which
+    ``torch.load`` never checks: a download cut short into a file allocated whole beforehand (aria2) holds zeros
+    where the data stopped and converted with exit 0. A file that is not a zip (torch's pre-1.6 format, which
+    carries no checksum) is left to ``torch.load``."""
+    with files.open_input(path) as f:
+        zipped = f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
+    if not zipped and not zipfile.is_zipfile(path):
+        return
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, ValueError, EOFError) as err:
+        raise ConversionError(f"{path}: damaged or cut short: its zip listing cannot be read ({err}); fetch it "
+                              "again") from None
+    with archive:
+        members = archive.infolist()
+        _check_listing(path, members)
+        _check_crcs(path, archive, members)
+
+
+def _check_listing(path: Path, members: list[zipfile.ZipInfo]) -> None:
+    """What the central directory says, before any member is read."""
+    for member in members:
+        name = member.filename
+        if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/") or ":" in name.split("/")[0]:
+            raise ConversionError(f"{path}: refused: the archive member {name!r} names a path outside the archive")
+        if member.compress_type != zipfile.ZIP_STORED:
+            raise ConversionError(f"{path}: refused: the archive member {name!r} is compressed (torch.save stores "
+                                  f"its members as they are; {member.file_size} bytes would be inflated)")
+    declared = sum(m.file_size for m in members)
+    if declared > path.stat().st_size:
+        raise ConversionError(f"{path}: refused: its members declare {declared} bytes, more than the file's "
+                              f"{path.stat().st_size}")
+    if all(m.CRC == 0 for m in members) and any(m.file_size for m in members):
+        raise ConversionError(f"{path}: refused: its members record no CRC-32 (saved with torch's compute_crc32 "
+                              "off), so a damaged copy cannot be told from a whole one; use a copy saved with them")
+
+
+def _check_crcs(path: Path, archive: zipfile.ZipFile, members: list[zipfile.ZipInfo]) -> None:
+    """Every member read to its end (zipfile compares the CRC-32 there, and each local header with the listing)."""
+    for member in members:
+        try:
+            with archive.open(member) as data:
+                while data.read(CRC_BLOCK):
+                    pass
+        except (zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError) as err:
+            raise ConversionError(f"{path}: damaged or cut short: the archive member {member.filename!r} is not "
+                                  f"what the archive recorded ({err}); fetch it again") from None
+
+
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """The state dict in ``path``: safetensors, or a PyTorch pickle loaded with ``weights_only=True`` (anything but
-    tensors, containers and numbers is refused). A ``{"state_dict": ...}`` or ``{"model": ...}`` wrapper is opened."""
+    tensors, containers and numbers is refused) after its archive is checked (:func:`check_archive`). A
+    ``{"state_dict": ...}`` or ``{"model": ...}`` wrapper is opened."""
     import torch
 
     path = Path(path)
@@ -82,6 +145,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         from capeval_plugins.resources.tensorfile import load_file
 
         return dict(load_file(path))
+    check_archive(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -101,6 +165,38 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if bad:
         raise ConversionError(f"{path}: {len(bad)} entries are not named tensors, e.g. {bad[:3]}")
     return dict(state)
+
+
+REPORT_FILE = "conversion.json"
+
+
+def claim(destination: Path, overwrite: bool) -> files.Claim:
+    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
+        raise ConversionError(f"{destination} exists and is not empty (use --overwrite)")
+    try:
+        return files.Claim(destination, "converted-checkpoint").open()
+    except files.UnsafePath as err:
+        raise ConversionError(str(err)) from None
+
+
+@contextlib.contextmanager
+def converted_folder(destination: Path, overwrite: bool) -> Iterator[Path]:
+    """The one way every conversion writes ``destination``: into a private staging folder inside it (transformers
+    writes by path), the report too (:func:`write_report`); the staged files are moved in only when none of them
+    would replace a file of the user's (all are checked before any moves), so a refusal leaves the folder as it
+    was and names the file at fault. With ``overwrite`` only an earlier conversion's files are replaced."""
+    out = claim(destination, overwrite)
+    try:
+        with out.staging() as staged:
+            yield staged
+    except files.UnsafePath as err:
+        raise ConversionError(str(err)) from None
+
+
+def write_report(staged: Path, report: Mapping[str, Any]) -> None:
+    """``conversion.json`` into the staging folder, to be published with the files it describes."""
+    with files.Folder.open(staged)[0] as folder:
+        folder.write(REPORT_FILE, (json.dumps(report, indent=2) + "\n").encode(), replace=False)
 
 
 def _has_tokenizer_files(source: str) -> bool:
@@ -132,7 +228,12 @@ def _save_tokenizer(source: str | None, destination: Path, vocab_size: int) -> t
                 private.write("vocab.txt", files.read_input(path, "--tokenizer"), replace=False)
             tokenizer = BertTokenizerFast.from_pretrained(folder, do_lower_case=True)
     elif _has_tokenizer_files(source):
-        tokenizer = BertTokenizerFast.from_pretrained(source)
+        from capeval_plugins.resources import loading
+
+        try:  # checked whole, as every tokenizer the package loads
+            tokenizer = loading.load_processor(BertTokenizerFast, source)
+        except (OSError, ValueError) as err:
+            raise ConversionError(f"--tokenizer {source}: {str(err).splitlines()[0][:400]}") from None
     elif local:
         raise ConversionError(f"--tokenizer {source}: no tokenizer.json or vocab.txt there")
     else:
@@ -183,25 +284,18 @@ def convert_vilbert(
     if problems:
         raise ConversionError(f"{source}: " + "; ".join(problems))
 
-    try:  # only files an earlier conversion wrote are ever replaced (--overwrite); the user's are refused
-        out = files.Claim(destination, "converted-checkpoint").open()
-    except files.UnsafePath as err:
-        raise ConversionError(str(err)) from None
     model.load_state_dict({k: v.detach().clone().contiguous() for k, v in mapping.state.items()}, strict=True,
                           assign=True)
-    try:
-        with out.staging() as staged:  # transformers writes by path: into a private folder, then moved in
-            saved, recorded = _save_tokenizer(tokenizer, staged, model_config.vocab_size)
-            model_config.tokenizer_source = recorded
-            model.save_pretrained(staged)
-    except files.UnsafePath as err:
-        raise ConversionError(str(err)) from None
-    report = ConversionReport(
-        source=str(source), sha256=_sha256(source), destination=str(destination), kept=len(mapping.state),
-        ignored=mapping.ignored, unknown_dropped=mapping.unknown, config_keys_ignored=config_ignored,
-        task_tokens=model_config.num_task_tokens, tokenizer=saved,
-    )
-    out.write("conversion.json", (json.dumps(asdict(report), indent=2) + "\n").encode())
+    with converted_folder(destination, overwrite) as staged:
+        saved, recorded = _save_tokenizer(tokenizer, staged, model_config.vocab_size)
+        model_config.tokenizer_source = recorded
+        model.save_pretrained(staged)
+        report = ConversionReport(
+            source=str(source), sha256=_sha256(source), destination=str(destination), kept=len(mapping.state),
+            ignored=mapping.ignored, unknown_dropped=mapping.unknown, config_keys_ignored=config_ignored,
+            task_tokens=model_config.num_task_tokens, tokenizer=saved,
+        )
+        write_report(staged, asdict(report))
     return report
 
 

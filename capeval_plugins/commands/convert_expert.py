@@ -9,22 +9,25 @@ folder the ``expert`` metric loads.
 ``non_lora_trainables.bin`` (the trained projector). LLaVA's loader (``load_pretrained_model``) adds the projector
 to ``liuhaotian/llava-v1.5-13b`` and merges the LoRA (W + (alpha / r) B A); here the same is done to that model's
 transformers conversion (``--base``, default ``llava-hf/llava-1.5-13b-hf``), whose weights are the same, in float32
-then rounded once to the base's dtype. Pickles are read with ``torch.load(weights_only=True)``. Every released
-tensor is accounted for (a LoRA factor pair of a known layer, or the projector); anything else, a factor without
-its pair, a shape that does not fit, or an adapter option LLaVA's merge does not use (DoRA, a bias, per-layer
-ranks) is refused. Loading a 13B base takes about 26 GB of memory."""
+then rounded once to the base's dtype. Pickles are read with ``torch.load(weights_only=True)`` after their archive
+is checked, each member against its CRC-32; every released tensor must be finite, and no matrix or LoRA factor may
+be only zeros (a safetensors file has no checksum: one cut short into a pre-allocated file is zeros where it
+stopped, and its LoRA would fold in nothing). Every released tensor is accounted for (a LoRA factor pair of a known
+layer, or the projector); anything else, a factor without its pair, a shape that does not fit, or an adapter option
+LLaVA's merge does not use (DoRA, a bias, per-layer ranks) is refused. Loading a 13B base takes about 26 GB of
+memory."""
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from capeval_plugins import files
-from capeval_plugins.commands.convert import ConversionError, read_checkpoint, run_conversion
-from capeval_plugins.commands.convert_official import claim, sha256
+from capeval_plugins.commands.convert import (ConversionError, converted_folder, read_checkpoint, run_conversion,
+                                              write_report)
+from capeval_plugins.commands.convert_official import check_not_zeroed, check_weights, sha256
 
 DEFAULT_BASE = "llava-hf/llava-1.5-13b-hf"
 _LORA = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.((?:self_attn|mlp)\.\w+_proj)\.lora_([AB])(?:\.default)?"
@@ -67,6 +70,15 @@ def adapter_scaling(config: dict[str, Any], where: Path) -> float:
     return alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
 
 
+def read_whole(path: Path) -> dict[str, Any]:
+    """A released weights file, refused unless whole: dense finite tensors backed by their bytes
+    (:func:`check_weights`) and no matrix or LoRA factor of only zeros (:func:`check_not_zeroed`)."""
+    state = read_checkpoint(path)
+    check_weights(state, path)
+    check_not_zeroed(state, path)
+    return state
+
+
 def read_adapter(folder: Path) -> tuple[float, dict[str, tuple[Any, Any]], dict[str, Any], dict[str, str]]:
     """(scaling, {base weight name: (A, B)}, {base weight name: projector tensor}, {file: SHA-256})."""
     from capeval_plugins.core import jsonio
@@ -81,7 +93,7 @@ def read_adapter(folder: Path) -> tuple[float, dict[str, tuple[Any, Any]], dict[
     if weights is None or not extra.is_file():
         raise ConversionError(f"{folder}: expected adapter_model.safetensors (or .bin) and non_lora_trainables.bin")
     factors: dict[str, dict[str, Any]] = {}
-    for key, tensor in read_checkpoint(weights).items():
+    for key, tensor in read_whole(weights).items():
         match = _LORA.match(key)
         if match is None:
             raise ConversionError(f"{weights}: {key} is not a LoRA factor of a language-model layer")
@@ -92,7 +104,7 @@ def read_adapter(folder: Path) -> tuple[float, dict[str, tuple[Any, Any]], dict[
         what = f"LoRA factors without their pair: {', '.join(unpaired)}" if unpaired else "no LoRA factors"
         raise ConversionError(f"{weights}: {what}")
     projector = {}
-    for key, tensor in read_checkpoint(extra).items():
+    for key, tensor in read_whole(extra).items():
         match = _PROJECTOR.match(key)
         if match is None:
             raise ConversionError(f"{extra}: {key} is not the projector (mm_projector.0 / .2), the only trained "
@@ -138,16 +150,12 @@ def convert_expert(source: str | Path, destination: str | Path | None = None, ba
         for name, tensor in projector.items():
             params[name].copy_(tensor.to(params[name].dtype))
     destination = Path(destination) if destination else converted_model_dir("expert")
-    out = claim(destination, overwrite)
-    try:
-        with out.staging() as staged:  # transformers writes by path: into a private folder, then moved in
-            model.save_pretrained(staged)
-            processor.save_pretrained(staged)
-    except files.UnsafePath as err:
-        raise ConversionError(str(err)) from None
-    report = ExpertConversion(source=str(source), base=base, destination=str(destination), scaling=scaling,
-                              merged=len(factors), projector=sorted(projector), digests=digests)
-    out.write("conversion.json", (json.dumps(asdict(report), indent=2) + "\n").encode())
+    with converted_folder(destination, overwrite) as staged:
+        model.save_pretrained(staged)
+        processor.save_pretrained(staged)
+        report = ExpertConversion(source=str(source), base=base, destination=str(destination), scaling=scaling,
+                                  merged=len(factors), projector=sorted(projector), digests=digests)
+        write_report(staged, asdict(report))
     return report
 
 

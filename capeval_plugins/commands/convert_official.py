@@ -10,9 +10,11 @@ checkpoint also names Lightning classes (callback types as keys, hyper-parameter
 those (``pytorch_lightning.*``, ``lightning.*``, ``lightning_fabric.*``, ``argparse.Namespace``), is rebuilt as an
 inert stand-in that never runs code; any other global (``os.system``, ``builtins.eval``, ...) refuses the file.
 
-Before ``torch.load`` reads anything, the archive's own listing is checked: ``torch.save`` stores its members
-uncompressed under plain relative names, so a compressed member (a small file inflating to gigabytes), a name
-with ``..`` or a leading ``/``, or members declaring more bytes than the file holds refuse the file. After it,
+Before ``torch.load`` reads anything, the archive is checked (:func:`capeval_plugins.commands.convert.check_archive`,
+shared by every converter): ``torch.save`` stores its members uncompressed under plain relative names, so a
+compressed member (a small file inflating to gigabytes), a name with ``..`` or a leading ``/``, or members
+declaring more bytes than the file holds refuse the file; then each member must match its CRC-32 (a download cut
+short into a pre-allocated file holds zeros where its data stopped). After it,
 every weight must be a dense CPU tensor of a float or integer type, finite, and no larger than the bytes behind
 it: a stride-0 view of one number declaring a 50,000 x 50,000 matrix costs 10 GB when copied, and is refused
 first (torch checks each storage against its record, offsets and strides against their storage).
@@ -26,17 +28,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
-import json
 import os
 import pickle
 import re
-import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from capeval_plugins import files
-from capeval_plugins.commands.convert import ConversionError, run_conversion
+from capeval_plugins.commands.convert import (ConversionError, check_archive, converted_folder, run_conversion,
+                                              write_report)
 from capeval_plugins.commands.polos_hparams import polos_hyperparameters
 
 if TYPE_CHECKING:
@@ -102,30 +103,6 @@ class _Inert(dict):
 
     def __setstate__(self, state: Any) -> None:
         self.__dict__["state"] = state
-
-
-def check_archive(path: Path) -> None:
-    """Refuse a zip archive ``torch.save`` could not have written, from its central directory alone (nothing is
-    inflated): a compressed member, a name that is absolute or climbs out (``..``), or members that declare more
-    bytes than the file holds. A file that is not a zip (torch's pre-1.6 format) is left to ``torch.load``."""
-    if not zipfile.is_zipfile(path):
-        return
-    try:
-        with zipfile.ZipFile(path) as archive:
-            members = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError) as err:
-        raise ConversionError(f"{path}: not a PyTorch checkpoint ({err})") from None
-    for member in members:
-        name = member.filename
-        if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/") or ":" in name.split("/")[0]:
-            raise ConversionError(f"{path}: refused: the archive member {name!r} names a path outside the archive")
-        if member.compress_type != zipfile.ZIP_STORED:
-            raise ConversionError(f"{path}: refused: the archive member {name!r} is compressed (torch.save stores "
-                                  f"its members as they are; {member.file_size} bytes would be inflated)")
-    declared = sum(m.file_size for m in members)
-    if declared > path.stat().st_size:
-        raise ConversionError(f"{path}: refused: its members declare {declared} bytes, more than the file's "
-                              f"{path.stat().st_size}")
 
 
 def read_released(path: str | os.PathLike) -> tuple[Any, list[str]]:
@@ -225,6 +202,21 @@ def check_weights(state: Mapping[str, Any], path: Path) -> None:
                               f"{path.stat().st_size} (views overlapping one storage)")
 
 
+def check_not_zeroed(state: Mapping[str, Any], path: Path) -> None:
+    """Refuse weights holding a matrix of only zeros (:func:`wholeness.zero_matrix`, the loaders' rule) or a LoRA
+    factor of only zeros, whatever its shape. A safetensors file carries no checksum, and one cut short into a
+    file allocated whole beforehand (aria2) is zeros where its data stopped: a LoRA of zeros folds in nothing,
+    and the converted model would silently be its base."""
+    from capeval_plugins.resources.wholeness import zero_matrix
+
+    for name, tensor in state.items():
+        lora = "lora_" in name and tensor.is_floating_point()
+        if zero_matrix(tensor) or (lora and not bool(tensor.any())):
+            raise ConversionError(f"{path}: refused: {name} holds only zeros, as a download cut short into a "
+                                  f"pre-allocated file does{' (a LoRA factor of zeros adds nothing)' if lora else ''}: "
+                                  "fetch it again")
+
+
 def sha256(path: str | os.PathLike) -> str:
     digest = hashlib.sha256()
     with files.open_input(path) as f:
@@ -281,12 +273,14 @@ def load_tokenizer(source: str, kind: str):
     folder holding it)."""
     from transformers import AutoTokenizer, CLIPTokenizer
 
+    from capeval_plugins.resources import loading
+
     if kind == "clip" and Path(source).is_dir() and (Path(source) / CLIP_BPE).is_file():
         source = str(Path(source) / CLIP_BPE)
     if kind == "clip" and str(source).endswith(".gz"):
         return clip_tokenizer_from_bpe(source)
-    try:
-        return (CLIPTokenizer if kind == "clip" else AutoTokenizer).from_pretrained(source)
+    try:  # checked whole, as every tokenizer the package loads
+        return loading.load_processor(CLIPTokenizer if kind == "clip" else AutoTokenizer, source)
     except (OSError, ValueError) as err:
         hint = (" (the official repositories ship bpe_simple_vocab_16e6.txt.gz: pass its path)" if kind == "clip"
                 else " (pass a folder holding its tokenizer files)")
@@ -299,15 +293,6 @@ def check_vocabulary(tokenizer, size: int, what: str) -> None:
 
 
 # --- writing ----------------------------------------------------------------------------------------------------------
-
-def claim(destination: Path, overwrite: bool) -> files.Claim:
-    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
-        raise ConversionError(f"{destination} exists and is not empty (use --overwrite)")
-    try:
-        return files.Claim(destination, "converted-checkpoint").open()
-    except files.UnsafePath as err:
-        raise ConversionError(str(err)) from None
-
 
 def clip_model(mapping: ClipMapping, tokenizer) -> Any:
     """The transformers CLIP the mapped weights make, checked whole (every parameter, no other) and against the
@@ -381,19 +366,15 @@ def convert_pacs(source: str | os.PathLike, destination: str | os.PathLike | Non
     destination = Path(destination) if destination else converted_model_dir(f"{variant}-{backbone}")
     clip_tokenizer = load_tokenizer(tokenizer, "clip")
     model = clip_model(mapping, clip_tokenizer)
-    out = claim(destination, overwrite)
     mean, std = (LAION_MEAN, LAION_STD) if family == "open_clip" else (OPENAI_MEAN, OPENAI_STD)
-    try:
-        with out.staging() as staged:
-            save_clip(model, staged, mean, std, clip_tokenizer)
-    except files.UnsafePath as err:
-        raise ConversionError(str(err)) from None
-    report = OfficialConversion(
-        source=str(source), sha256=sha256(source), destination=str(destination), kind="pacs", variant=variant,
-        backbone=backbone, kept=len(mapping.state), lora_folded=mapping.lora_merged,
-        lora_left_out=mapping.lora_left_out, left_out={"metadata": mapping.metadata} if mapping.metadata else {},
-        stand_ins=stand_ins, tokenizers={"CLIP": str(tokenizer)})
-    out.write("conversion.json", (json.dumps(asdict(report), indent=2) + "\n").encode())
+    with converted_folder(destination, overwrite) as staged:
+        save_clip(model, staged, mean, std, clip_tokenizer)
+        report = OfficialConversion(
+            source=str(source), sha256=sha256(source), destination=str(destination), kind="pacs", variant=variant,
+            backbone=backbone, kept=len(mapping.state), lora_folded=mapping.lora_merged,
+            lora_left_out=mapping.lora_left_out, left_out={"metadata": mapping.metadata} if mapping.metadata else {},
+            stand_ins=stand_ins, tokenizers={"CLIP": str(tokenizer)})
+        write_report(staged, asdict(report))
     return report
 
 
@@ -533,20 +514,17 @@ def convert_polos(source: str | os.PathLike, destination: str | os.PathLike | No
     clip_tok = load_tokenizer(clip_tokenizer, "clip")
     clip = clip_model(mapping, clip_tok)  # checked whole before anything is written
     destination = Path(destination) if destination else converted_model_dir("polos")
-    out = claim(destination, overwrite)
-    try:
-        with out.staging() as staged:
-            model.save_pretrained(staged)
-            roberta.save_pretrained(staged)
-            save_clip(clip, staged / "clip", OPENAI_MEAN, OPENAI_STD, clip_tok)
-    except files.UnsafePath as err:
-        raise ConversionError(str(err)) from None
-    report = OfficialConversion(
-        source=str(source), sha256=sha256(source), destination=str(destination), kind="polos",
-        kept=len(weights) + len(mapping.state), left_out={k: v for k, v in left_out.items() if v},
-        stand_ins=stand_ins, tokenizers={"text": str(text_tokenizer), "CLIP": str(clip_tokenizer)},
-        hyperparameters={k: v for k, v in hp.items() if isinstance(v, (str, int, float, bool))}, hyperparameters_from=hp_from)
-    out.write("conversion.json", (json.dumps(asdict(report), indent=2) + "\n").encode())
+    with converted_folder(destination, overwrite) as staged:
+        model.save_pretrained(staged)
+        roberta.save_pretrained(staged)
+        save_clip(clip, staged / "clip", OPENAI_MEAN, OPENAI_STD, clip_tok)
+        report = OfficialConversion(
+            source=str(source), sha256=sha256(source), destination=str(destination), kind="polos",
+            kept=len(weights) + len(mapping.state), left_out={k: v for k, v in left_out.items() if v},
+            stand_ins=stand_ins, tokenizers={"text": str(text_tokenizer), "CLIP": str(clip_tokenizer)},
+            hyperparameters={k: v for k, v in hp.items() if isinstance(v, (str, int, float, bool))},
+            hyperparameters_from=hp_from)
+        write_report(staged, asdict(report))
     return report
 
 

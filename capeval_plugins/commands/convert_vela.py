@@ -5,27 +5,28 @@
 The release is three files: ``vela_regressor.safetensors`` (Hugging Face ``Ka2ukiMatsuda/vela``: the LLM's LoRA
 factors, the aspect embedding and the head), ``longclip-L.pt`` (Hugging Face ``BeichenZhang/LongCLIP-L``, a PyTorch
 pickle of Long-CLIP's OpenAI-layout state dict) and the base LLM (``Qwen/Qwen2.5-3B-Instruct``, a hub id or a
-folder). The pickle is read as PAC-S's are (``torch.load(weights_only=True)`` after the archive's listing is
-checked; :mod:`capeval_plugins.commands.convert_official`); a safetensors file's header is checked before it is
-read. Every tensor of the release is accounted for (LoRA factors folded into the LLM as ``W + (alpha / r) B A``,
-the head's layers chained by their shapes, Long-CLIP's two positional tables joined as its text encoder adds them);
+folder). The pickle is read as PAC-S's are (``torch.load(weights_only=True)`` after the archive's listing and its
+members' CRC-32 are checked; :mod:`capeval_plugins.commands.convert_official`); a safetensors file's header is
+checked before it is read, and a matrix or LoRA factor of only zeros refuses it (it has no checksum). The base LLM
+is loaded as every model of the package is, checked whole (:func:`capeval_plugins.resources.loading.load_model`).
+Every tensor of the release is accounted for (LoRA factors folded into the LLM as ``W + (alpha / r) B A``, the
+head's layers chained by their shapes, Long-CLIP's two positional tables joined as its text encoder adds them);
 anything else refuses the file, naming it. Where the weights are silent (the head's activation between layers, its
 closing squashing, the order of its input, the R2C prompt) the options say, and ``conversion.json`` records it.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
 
 from capeval_plugins import files
-from capeval_plugins.commands.convert import ConversionError, run_conversion
-from capeval_plugins.commands.convert_official import (DEFAULT_CLIP_TOKENIZER, OfficialConversion, check_weights, claim,
-                                                       clip_model, load_tokenizer, released_state_dict, save_clip,
-                                                       sha256)
+from capeval_plugins.commands.convert import ConversionError, converted_folder, run_conversion, write_report
+from capeval_plugins.commands.convert_official import (DEFAULT_CLIP_TOKENIZER, OfficialConversion, check_not_zeroed,
+                                                       check_weights, clip_model, load_tokenizer, released_state_dict,
+                                                       save_clip, sha256)
 
 DEFAULT_LLM = "Qwen/Qwen2.5-3B-Instruct"
 LORA_ALPHA = 16.0  # the released configuration: r = 4, lora_alpha = 16 on q_proj and v_proj
@@ -108,7 +109,8 @@ def long_clip_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_release(path: Path) -> dict[str, Any]:
-    """A safetensors file (header checked first) or a PyTorch pickle (read as PAC-S's are), as a state dict."""
+    """A safetensors file (header checked first) or a PyTorch pickle (read as PAC-S's are), as a state dict, with
+    no matrix or LoRA factor of only zeros (:func:`check_not_zeroed`: a safetensors file has no checksum)."""
     from capeval_plugins.resources import tensorfile
 
     if path.suffix == ".safetensors":
@@ -117,8 +119,10 @@ def read_release(path: Path) -> dict[str, Any]:
         except tensorfile.TensorFileError as err:
             raise ConversionError(str(err)) from None
         check_weights(state, path)
-        return state
-    return released_state_dict(path)[0]
+    else:
+        state = released_state_dict(path)[0]
+    check_not_zeroed(state, path)
+    return state
 
 
 def fold_lora(model, lora: Mapping[str, Mapping[str, Any]], alpha: float) -> list[str]:
@@ -140,16 +144,22 @@ def fold_lora(model, lora: Mapping[str, Mapping[str, Any]], alpha: float) -> lis
 
 
 def load_llm(source: str, base: Mapping[str, Any]):
-    """The base LLM (``AutoModel``: its decoder without an LM head) and its tokenizer, from ``source`` (a folder or a
-    hub id); the release's own base weights, when it has them, replace the loaded ones."""
+    """The base LLM (``AutoModel``: its decoder without an LM head) in its configuration's dtype, and its
+    tokenizer, from ``source`` (a folder or a hub id), both checked whole by the package's loaders (a weight
+    missing would be random in the converted folder, which then loads as whole); the release's own base weights,
+    when it has them, replace the loaded ones."""
     from transformers import AutoModel, AutoTokenizer
 
+    from capeval_plugins.resources import loading
+
     try:
-        model = AutoModel.from_pretrained(source, dtype="auto", use_safetensors=True)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        raise ConversionError(f"cannot load the LLM {source!r} here ({str(err).splitlines()[0][:300]}); pass "
-                              "--llm FOLDER (a local copy of Qwen/Qwen2.5-3B-Instruct)") from None
+        config = loading.load_config(source)
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        model = loading.load_model(AutoModel, source, device="cpu", dtype=dtype, share=False)
+        tokenizer = loading.load_processor(AutoTokenizer, source)
+    except (OSError, ValueError) as err:  # a folder's fault is named by the loader; a hub id may not be here
+        hint = "" if Path(source).is_dir() else "; pass --llm FOLDER (a local copy of Qwen/Qwen2.5-3B-Instruct)"
+        raise ConversionError(f"the LLM: {str(err).splitlines()[0][:400]}{hint}") from None
     if base:
         missing = sorted(set(base) - set(model.state_dict()))
         if missing:
@@ -211,24 +221,19 @@ def convert_vela(source: str | Path, destination: str | Path | None = None, long
     clip_tok = load_tokenizer(clip_tokenizer, "clip")
     clip = clip_model(mapping, clip_tok)  # checked whole before anything is written
     destination = Path(destination) if destination else converted_model_dir("vela")
-    out = claim(destination, overwrite)
-    try:
-        with out.staging() as staged:
-            head.save_pretrained(staged)
-            model.save_pretrained(staged / "llm")
-            tokenizer.save_pretrained(staged / "llm")
-            save_clip(clip, staged / "clip", OPENAI_MEAN, OPENAI_STD, clip_tok)
-    except files.UnsafePath as err:
-        raise ConversionError(str(err)) from None
     left_out = {"an LM head (VELA reads hidden states)": parts["left_out"], "metadata": mapping.metadata}
-    report = OfficialConversion(
-        source=str(source), sha256=sha256(source), destination=str(destination), kind="vela",
-        kept=len(weights) + len(mapping.state) + len(model.state_dict()), lora_folded=folded,
-        left_out={k: v for k, v in left_out.items() if v},
-        tokenizers={"LLM": str(llm), "CLIP": str(clip_tokenizer)})
-    out.write("conversion.json", (json.dumps({**asdict(report), "long_clip": str(long_clip or source),
-                                              "lora_alpha": lora_alpha, "head": config.to_diff_dict()}, indent=2)
-                                  + "\n").encode())
+    with converted_folder(destination, overwrite) as staged:
+        head.save_pretrained(staged)
+        model.save_pretrained(staged / "llm")
+        tokenizer.save_pretrained(staged / "llm")
+        save_clip(clip, staged / "clip", OPENAI_MEAN, OPENAI_STD, clip_tok)
+        report = OfficialConversion(
+            source=str(source), sha256=sha256(source), destination=str(destination), kind="vela",
+            kept=len(weights) + len(mapping.state) + len(model.state_dict()), lora_folded=folded,
+            left_out={k: v for k, v in left_out.items() if v},
+            tokenizers={"LLM": str(llm), "CLIP": str(clip_tokenizer)})
+        write_report(staged, {**asdict(report), "long_clip": str(long_clip or source), "lora_alpha": lora_alpha,
+                              "head": config.to_diff_dict()})
     return report
 
 

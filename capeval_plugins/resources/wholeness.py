@@ -362,11 +362,17 @@ def zeroed_problem(model: Any, label: str) -> str | None:
     any number of dimensions, may be zeros in a whole checkpoint (a bias; DINOv2's mask token, which its
     released teacher never trained) and are not looked at."""
     for name, tensor in model.named_parameters():
-        if sum(size > 1 for size in tensor.shape) >= 2 and tensor.is_floating_point() \
-                and tensor.device.type != "meta" and not bool(tensor.detach().any()):
+        if zero_matrix(tensor):
             return (f"{label}: {name} holds only zeros (a download cut short into a pre-allocated file?); copy the "
                     "model folder again")
     return None
+
+
+def zero_matrix(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a floating-point matrix (at least two dimensions larger than 1) of only zeros:
+    :func:`zeroed_problem`'s rule, also applied to released weights files before a conversion folds them in."""
+    return (sum(size > 1 for size in tensor.shape) >= 2 and tensor.is_floating_point()
+            and tensor.device.type != "meta" and not bool(tensor.detach().any()))
 
 
 def tensors_problem(found: Mapping[str, Any], wanted: Mapping[str, tuple[int, ...]], label: str) -> str | None:
