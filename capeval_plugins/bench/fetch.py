@@ -349,7 +349,7 @@ def _download(claim: files.Claim, benchmark: str, kind: str, source: Source, ori
         return downloads.download(claim, f"{benchmark}/{kind}", entry["path"].replace("/", "--"), url, _expected(entry),
                                   headers=build_hf_headers(), display=PurePosixPath(entry["path"]).name)
     except downloads.DownloadError as err:
-        if err.kind == "failed":
+        if err.kind in ("failed", "short"):  # what was downloaded is kept: the next run resumes it
             raise FetchError(_failed(benchmark, source, err)) from None
         raise FetchError(f"{origin['repository']} served {entry['path']} at {origin['revision'][:12]} with other "
                          "content than its listing gives (the file changed under the same name); run again with "

@@ -8,8 +8,9 @@ The download (:mod:`capeval_plugins.resources.downloads`, the benchmark fetch's 
 (``$CAPEVAL_CACHE/weights/<name>/``, else ``~/.cache/capeval_plugins/weights/<name>/``) with a progress bar; an
 interrupted one resumes where it stopped (an HTTP ``Range`` request) at the next run. The file must have the size
 and SHA-256 pinned in :mod:`capeval_plugins.resources.releases`; where none is pinned (this version pins none: see there),
-the user's ``--sha256`` is required and checked, and a pinned digest cannot be overridden. A file that differs is
-deleted and refused. Then ``capeval convert`` runs on it (an archive's checkpoint first extracted beside it), into
+the user's ``--sha256`` is required and checked, and a pinned digest cannot be overridden. A whole file that
+differs is deleted and refused; one the server ended early (short of the size it or the release gives, or with
+no size said and more on the server) is kept for the next run to resume. Then ``capeval convert`` runs on it (an archive's checkpoint first extracted beside it), into
 the folder the metric loads by default (or ``--destination``); a folder already converted from these very bytes
 is left as it is. Redirects are followed to other hosts, never from https to http (see the downloads module).
 ``--url`` fetches the same file from a mirror (the digest is still checked).
@@ -139,7 +140,7 @@ def _refused(found: Release, source: str, err: downloads.DownloadError) -> str:
     if err.kind == "failed":
         return f"cannot fetch {found.file} from {source} ({err.detail}); run again to resume, or pass --url MIRROR"
     if err.kind == "short":
-        return f"{source} ended {found.file} early ({err.detail}); run again to resume where it stopped"
+        return f"{source} ended {found.file} early ({err.detail}); the download is kept: run again to resume it"
     if err.kind == "redirect":
         return f"refused to fetch {found.file} from {source}: {err.detail}"
     size = f"{found.size} bytes" if found.size is not None else "any size"

@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
+from pathlib import Path
 
+import capeval_plugins
 from capeval_plugins.core import jsonio
-from capeval_plugins.core.bounds import cli_number
+from capeval_plugins.core.bounds import MAX_SEED, cli_number
 from capeval_plugins.core.messages import MissingExtra
 
 RIGEL_EPILOG = """examples:
@@ -37,6 +40,7 @@ ALIGNER_EPILOG = """examples:
   capeval train msd-aligner --train pairs.jsonl --llm path/to/llama-7b --cache features/ --epochs 3 --out aligner
   capeval score --metric msd_score -o aligner=msd-aligner --images DIR --captions captions.jsonl"""
 
+PACKAGE = Path(capeval_plugins.__file__).resolve().parent
 FORMATS = ("rows", "flickr8k-expert", "flickr8k-cf", "composite", "nebula", "polaris", "thumb")
 
 
@@ -91,27 +95,34 @@ def add_rigel(methods) -> None:
     model.add_argument("--reference-separator", default="\n", help="between references in the prompt")
     model.add_argument("--answer-prefix", default="", help="text after the generation prompt (default none)")
     model.add_argument("--video-input", choices=("auto", "video", "frames"), default="auto")
-    model.add_argument("--video-fps", type=cli_number(float), default=2.0, help="sampling rate of the given frames")
-    model.add_argument("--temperature", type=cli_number(float), default=1.0, help="distillation temperature tau")
-    model.add_argument("--head-hidden", default="1024,512", help="widths of the head's hidden layers")
+    # bounds: RigelSettings (capeval_plugins/models/rigel.py)
+    model.add_argument("--video-fps", type=cli_number(float, gt=0, le=1000), default=2.0,
+                       help="sampling rate of the given frames")
+    model.add_argument("--temperature", type=cli_number(float, ge=1e-6), default=1.0,
+                       help="distillation temperature tau")
+    model.add_argument("--head-hidden", type=hidden_widths, default=(1024, 512),
+                       help="widths of the head's hidden layers, comma-separated (default 1024,512)")
     model.add_argument("--head-activation", choices=("relu", "gelu", "tanh"), default="relu")
     opt = p.add_argument_group("optimisation (defaults: the paper's, per phase)")
     opt.add_argument("--init", help="phase 2: the phase-1 checkpoint folder")
-    opt.add_argument("--epochs", type=int)
-    opt.add_argument("--batch-size", type=int)
-    opt.add_argument("--lr", type=cli_number(float))
-    opt.add_argument("--weight-decay", type=cli_number(float))
-    opt.add_argument("--patience", type=int, help="phase 1: epochs without a better validation tau-c (5)")
-    opt.add_argument("--seed", type=cli_number(int, ge=0), default=0)
-    opt.add_argument("--extract-batch-size", type=int, help="phase 1: samples per backbone batch (16)")
+    # bounds: Phase1Config and Phase2Config (capeval_plugins/training/phase1.py, phase2.py)
+    opt.add_argument("--epochs", type=cli_number(int, ge=1))
+    opt.add_argument("--batch-size", type=cli_number(int, ge=1))
+    opt.add_argument("--lr", type=cli_number(float, gt=0))
+    opt.add_argument("--weight-decay", type=cli_number(float, ge=0))
+    opt.add_argument("--patience", type=cli_number(int, ge=1),
+                     help="phase 1: epochs without a better validation tau-c (5)")
+    opt.add_argument("--seed", type=cli_number(int, ge=0, le=MAX_SEED), default=0)
+    opt.add_argument("--extract-batch-size", type=cli_number(int, ge=1),
+                     help="phase 1: samples per backbone batch (16)")
     opt.add_argument("--cache", help="phase 1: hidden-state cache folder (default <out>/features)")
-    opt.add_argument("--lora-r", type=int)
-    opt.add_argument("--lora-alpha", type=int)
-    opt.add_argument("--lora-dropout", type=cli_number(float))
+    opt.add_argument("--lora-r", type=cli_number(int, ge=1))
+    opt.add_argument("--lora-alpha", type=cli_number(int, ge=1))
+    opt.add_argument("--lora-dropout", type=cli_number(float, ge=0, lt=1))
     opt.add_argument("--lora-targets", help="regular expression over module names (default: the language "
                                             "model's q_proj and v_proj)")
     opt.add_argument("--ties", choices=("up", "down"), help="phase 2: a mean score half-way between labels")
-    opt.add_argument("--save-every", type=int, help="phase 2: steps between saved states (200)")
+    opt.add_argument("--save-every", type=cli_number(int, ge=1), help="phase 2: steps between saved states (200)")
     ablation = p.add_argument_group("the paper's head ablations (defaults: the method as published)")
     ablation.add_argument("--objective", choices=("emd", "kl"),
                           help="phase 1: distil with the EMD of Eq. 2 (default) or tau x KL (Table 5)")
@@ -145,7 +156,9 @@ def add_msd_aligner(methods) -> None:
     model = p.add_argument_group("backbones (frozen)")
     model.add_argument("--vision-model", default=DEFAULT_VISION, help=f"CLIP checkpoint (default {DEFAULT_VISION})")
     model.add_argument("--vision-revision")
-    model.add_argument("--vision-layer", type=int, default=-2,
+    # bounds: AlignerSettings (capeval_plugins/models/msd_aligner/model.py); a layer the tower lacks is refused
+    # once it is loaded
+    model.add_argument("--vision-layer", type=cli_number(int, ge=-1000, le=1000), default=-2,
                        help="hidden state taken from the vision tower (default -2, the penultimate layer)")
     model.add_argument("--vision-feature", choices=VISION_FEATURES, default="patch",
                        help="patch: drop the class token (default); cls_patch: keep it")
@@ -158,7 +171,7 @@ def add_msd_aligner(methods) -> None:
                        help="the caption's global embedding: the normalised mean of its normalised content tokens "
                             "(default, as the image side) or 'raw': the mean of the raw features over every "
                             "non-padding position, BOS kept (the official scripts)")
-    model.add_argument("--max-length", type=cli_number(int, ge=1), default=2048,
+    model.add_argument("--max-length", type=cli_number(int, ge=2, le=2**20), default=2048,
                        help="LLM context: patches + caption (2048)")
     model.add_argument("--caption-suffix", default="\\n",
                        help="appended to each caption for reconstruction (default \\n, a newline: LLaVA's plain "
@@ -168,25 +181,29 @@ def add_msd_aligner(methods) -> None:
     model.add_argument("--local-files-only", action="store_true")
     model.add_argument("--trust-remote-code", action="store_true")
     opt = p.add_argument_group("optimisation (defaults: LLaVA's projector stage, CLIP's temperature)")
-    opt.add_argument("--epochs", type=int, default=1)
-    opt.add_argument("--batch-size", type=int, default=128, help="pairs per step, the contrastive negatives (128)")
-    opt.add_argument("--micro-batch-size", type=int, default=16,
+    # bounds: AlignerConfig (capeval_plugins/training/msd_aligner/train.py)
+    opt.add_argument("--epochs", type=cli_number(int, ge=1), default=1)
+    opt.add_argument("--batch-size", type=cli_number(int, ge=1), default=128,
+                     help="pairs per step, the contrastive negatives (128)")
+    opt.add_argument("--micro-batch-size", type=cli_number(int, ge=1), default=16,
                      help="pairs per LLM forward pass within a step (16; changes memory use, not the loss)")
-    opt.add_argument("--lr", type=cli_number(float), default=2e-3)
-    opt.add_argument("--weight-decay", type=cli_number(float), default=0.0)
-    opt.add_argument("--warmup-ratio", type=cli_number(float), default=0.03)
+    opt.add_argument("--lr", type=cli_number(float, gt=0), default=2e-3)
+    opt.add_argument("--weight-decay", type=cli_number(float, ge=0), default=0.0)
+    opt.add_argument("--warmup-ratio", type=cli_number(float, ge=0, lt=1), default=0.03)
     opt.add_argument("--schedule", choices=SCHEDULES, default="cosine")
-    opt.add_argument("--contrastive-weight", type=cli_number(float), default=1.0)
-    opt.add_argument("--reconstruction-weight", type=cli_number(float), default=1.0)
-    opt.add_argument("--temperature", type=cli_number(float), default=0.07,
+    opt.add_argument("--contrastive-weight", type=cli_number(float, ge=0), default=1.0)
+    opt.add_argument("--reconstruction-weight", type=cli_number(float, ge=0), default=1.0)
+    opt.add_argument("--temperature", type=cli_number(float, gt=0), default=0.07,
                      help="initial (or fixed) contrastive temperature")
     opt.add_argument("--fixed-temperature", action="store_true", help="do not learn the temperature")
-    opt.add_argument("--max-logit-scale", type=cli_number(float), default=100.0)
+    opt.add_argument("--max-logit-scale", type=cli_number(float, gt=0), default=100.0)
     opt.add_argument("--gradient-checkpointing", action="store_true",
                      help="recompute the LLM's activations in the backward pass (less memory; for 7B LLMs)")
-    opt.add_argument("--seed", type=cli_number(int, ge=0), default=0)
-    opt.add_argument("--save-every", type=int, default=200, help="steps between saved states (200)")
-    opt.add_argument("--extract-batch-size", type=int, default=64, help="images per vision pass of the cache")
+    opt.add_argument("--seed", type=cli_number(int, ge=0, le=MAX_SEED), default=0)
+    opt.add_argument("--save-every", type=cli_number(int, ge=1), default=200,
+                     help="steps between saved states (200)")
+    opt.add_argument("--extract-batch-size", type=cli_number(int, ge=1), default=64,
+                     help="images per vision pass of the cache")
     opt.add_argument("--cache", help="cache the vision features in this folder (about 0.5 MiB per image for "
                                      "ViT-L/14 in 16 bits; default: no cache)")
     p.set_defaults(func=cmd_train_aligner)
@@ -230,11 +247,10 @@ def settings_from(args: argparse.Namespace):
                              "{image, image_ref, video, video_ref}")
     else:
         prompts = paper_prompts(args.prompt_layout)
-    hidden = tuple(int(x) for x in args.head_hidden.split(",") if x.strip())
     return RigelSettings(base_model=args.model or DEFAULT_BASE_MODEL, revision=args.revision, prompts=prompts,
                          reference_separator=args.reference_separator, temperature=args.temperature,
-                         head_hidden=hidden, head_activation=args.head_activation, video_input=args.video_input,
-                         video_fps=args.video_fps, answer_prefix=args.answer_prefix)
+                         head_hidden=args.head_hidden, head_activation=args.head_activation,
+                         video_input=args.video_input, video_fps=args.video_fps, answer_prefix=args.answer_prefix)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -251,6 +267,31 @@ def _one_line_errors(run, args: argparse.Namespace) -> int:
     except (FileExistsError, MissingExtra) as err:  # a used output folder, no peft: one line, not a traceback
         print(f"capeval: error: {err}", file=sys.stderr)
         return 2
+    except ValueError as err:
+        from capeval_plugins.cli import typed_errors
+
+        if isinstance(err, typed_errors()) or not _refused_by_capeval(err):  # cli's own handling, or a bug
+            raise
+        print(f"capeval: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _refused_by_capeval(err: ValueError) -> bool:
+    """Whether the package's own checks raised ``err``: settings or a combination of options the training code
+    refuses, some only once a model is loaded (--vision-layer beyond the tower's layers). A ValueError from a
+    library is a bug, shown with its traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(PACKAGE)
+
+
+def hidden_widths(text: str) -> tuple[int, ...]:
+    """``--head-hidden``: comma-separated widths, each and their number within RigelSettings' bounds."""
+    from capeval_plugins.models.rigel import MAX_LAYERS, MAX_WIDTH
+
+    widths = tuple(cli_number(int, ge=1, le=MAX_WIDTH)(x.strip()) for x in text.split(",") if x.strip())
+    if len(widths) > MAX_LAYERS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_LAYERS} widths, got {len(widths)}")
+    return widths
 
 
 def run_aligner_training(args: argparse.Namespace) -> int:

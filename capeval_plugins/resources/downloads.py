@@ -4,7 +4,8 @@
 A download goes through ``huggingface_hub``'s ``http_get`` (its client, retries, progress bar and resuming by an
 HTTP ``Range`` request) into ``<file>.part`` inside a :class:`capeval_plugins.files.Claim`, appended to what an
 interrupted run left there; once the server says the file is complete, the bytes are checked against what is
-expected (:class:`Expected`: size, SHA-256 or git blob id) and only then renamed into place. Hub tokens are sent
+expected (:class:`Expected`: size, SHA-256 or git blob id) and only then renamed into place; a ``.part`` that
+already matches (a run stopped while checking it) is renamed without a request. Hub tokens are sent
 only where the caller passes them (the Hub); other servers get no credentials.
 
 Redirects (:func:`guarded_redirects`) are followed, up to :data:`MAX_REDIRECTS`, to another host as well (a
@@ -14,9 +15,11 @@ A redirect from ``https`` to ``http`` (a downgrade anyone on the path could forg
 
 Failures are :class:`DownloadError` with a ``kind`` the caller turns into its own one-line message: ``"failed"``
 (the server could not be reached or answered an error: the ``.part`` is kept, a later run resumes), ``"short"``
-(the server ended the file before the expected size: kept, a later run resumes), ``"changed"`` (other bytes than
-expected, or a server that has fewer bytes than were already downloaded: the ``.part`` is deleted) and
-``"redirect"`` (a refused redirect)."""
+(the transfer ended before the file's size, as the server or :class:`Expected` gives it, or with no size given
+by either: kept, a later run resumes), ``"changed"`` (a whole transfer, the size reached or nothing past it on the
+server (416), with other bytes than expected, or a server whose file has another size than expected: the
+``.part`` is deleted) and ``"redirect"`` (a refused redirect). When no size is given and the bytes do not match,
+one more ``Range`` request for what follows them tells a cut transfer from a whole one in the same run."""
 from __future__ import annotations
 
 import contextlib
@@ -42,6 +45,11 @@ class Expected:
     size: int | None = None
     sha256: str | None = None
     blob: str | None = None
+
+    @property
+    def checkable(self) -> bool:
+        """Whether anything is checked: with nothing expected, any bytes match, a part-way download too."""
+        return self.size is not None or bool(self.sha256 or self.blob)
 
     def matches(self, data: Any) -> bool:
         if data is None or (self.size is not None and len(data) != self.size):
@@ -134,44 +142,108 @@ def download(claim: files.Claim, folder: str, leaf: str, url: str, expected: Exp
     """``url`` into ``folder/leaf`` of ``claim`` (``folder``: a relative path, "" for the claim's root): kept when
     the file is there already and matches ``expected``; else appended to ``leaf.part`` from where an interrupted
     download stopped (a ``Range`` request), checked, and renamed into place. Returns the file's name in the claim."""
-    from huggingface_hub.file_download import http_get
-
     parts = [p for p in folder.split("/") if p]
     final = "/".join([*parts, leaf])
     part = final + ".part"
     if claim.owns(final) and expected.matches(claim.map(final)):
         return final
     claim.own([*("/".join(parts[: k + 1]) + "/" for k in range(len(parts))), part])
+    request = _Request(url, dict(headers or {}), display or leaf, progress)
     with _folder(claim, parts) as where:
-        done = where.size(leaf + ".part")
-        if expected.size is not None and done > expected.size:
-            where.truncate(leaf + ".part", 0)
-            done = 0
+        _fill(where, leaf + ".part", expected, request)
+        claim.own([final])
+        where.rename(leaf + ".part", leaf)
+    claim.remove([part])
+    return final
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What to ask for (``url`` with ``headers``) and how to show it (progress bar, file name)."""
+
+    url: str
+    headers: dict[str, str]
+    display: str
+    progress: bool
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What the server said of the file in a transfer that ended: its whole size (None: not said), and whether it
+    had no bytes past those already downloaded (416)."""
+
+    total: int | None
+    nothing_past: bool = False
+
+
+def _fill(where: files.Folder, name: str, expected: Expected, request: _Request) -> None:
+    """``name`` completed from the server until it matches ``expected``; a DownloadError otherwise."""
+    done = where.size(name)
+    if done and expected.checkable and expected.matches(where.map(name)):
+        return  # complete already: a run stopped while it was being checked
+    if expected.size is not None and done > expected.size:
+        where.truncate(name, 0)
+    answer = _transfer(where, name, request)
+    if answer.total is None and not answer.nothing_past and expected.size is None \
+            and not expected.matches(where.map(name)):
+        # no size said: a request for the bytes past the end tells a cut transfer (more, or a size) from a whole
+        # one (416), in this run rather than the next
+        answer = _transfer(where, name, request)
+    _judge(where, name, expected, answer)
+
+
+def _transfer(where: files.Folder, name: str, request: _Request) -> _Answer:
+    """One ``http_get`` appending to ``name`` from its end; what the server said of the file. A DownloadError
+    "failed" when the transfer did not end (unreachable, an error status, a connection lost on the way: what
+    arrived is kept) or "redirect"."""
+    from huggingface_hub.file_download import http_get
+
+    before = where.size(name)
+    with guarded_redirects(request.url), _responses() as responses:
         try:
-            with guarded_redirects(url), progress_bars(progress), where.open_append(leaf + ".part") as handle:
-                http_get(url, handle, resume_size=done, headers=dict(headers or {}),
-                         displayed_filename=display or leaf)
+            with progress_bars(request.progress), where.open_append(name) as handle:
+                http_get(request.url, handle, resume_size=before, headers=request.headers,
+                         displayed_filename=request.display)
         except (files.FileError, KeyboardInterrupt, DownloadError):
             raise
         except Exception as err:  # noqa: BLE001  (no network, DNS, an HTTP error status, a proxy, ...)
             if isinstance(err, OSError) and files.is_environment_error(err):  # a full disk: the machine's
                 raise
-            if _status(err) == 416:  # the server has fewer bytes than were downloaded before: not that file
-                where.unlink(leaf + ".part")
-                raise DownloadError("changed", f"the server has fewer than the {done} bytes downloaded before "
-                                               "(416 Range Not Satisfiable)") from None
+            total = _declared_size(responses[-1]) if responses else None
+            if _status(err) == 416:  # no bytes past ``before``
+                return _Answer(before if total is None else total, nothing_past=True)
+            if type(err) is OSError and err.errno is None:  # http_get's check: the body ended before the size given
+                return _Answer(total)
             raise DownloadError("failed", _reason(err)) from None
-        data = where.map(leaf + ".part")
-        if not expected.matches(data):
-            got = (len(data or b""), hashlib.sha256(data or b"").hexdigest())
-            if expected.size is not None and got[0] < expected.size:
-                raise DownloadError("short", f"the server ended the file at {got[0]} of {expected.size} bytes", got)
-            where.unlink(leaf + ".part")
-            raise DownloadError("changed", f"got {got[0]} bytes with SHA-256 {got[1]}", got)
-        claim.own([final])
-        where.rename(leaf + ".part", leaf)
-    claim.remove([part])
-    return final
+        return _Answer(_declared_size(responses[-1]) if responses else None)
+
+
+def _judge(where: files.Folder, name: str, expected: Expected, answer: _Answer) -> None:
+    """Nothing when ``name`` matches ``expected``; else a DownloadError: "short" (kept) when the server has more of
+    the file or did not say its size, "changed" (deleted) when the transfer was whole or the server's file has
+    another size than expected."""
+    data = where.map(name)
+    if expected.matches(data):
+        return
+    got = (len(data or b""), hashlib.sha256(data or b"").hexdigest())
+    total = answer.total if answer.total is not None else expected.size
+    resized = None not in (answer.total, expected.size) and answer.total != expected.size
+    if not (answer.nothing_past or resized) and (total is None or got[0] < total):
+        said = f"of {total} bytes" if total is not None else "bytes without saying the file's size"
+        raise DownloadError("short", f"the server ended the file at {got[0]} {said}", got)
+    where.unlink(name)
+    raise DownloadError("changed", _difference(got, answer, resized), got)
+
+
+def _difference(got: tuple[int, str], answer: _Answer, resized: bool) -> str:
+    """How a whole transfer differs from the file expected, in words."""
+    if answer.nothing_past and answer.total < got[0]:
+        return (f"the server's file has {answer.total} bytes, fewer than the {got[0]} downloaded before "
+                "(416 Range Not Satisfiable)")
+    if resized:
+        return f"the server's file has {answer.total} bytes"
+    more = "; the server has no more (416 Range Not Satisfiable)" if answer.nothing_past else ""
+    return f"got {got[0]} bytes with SHA-256 {got[1]}{more}"
 
 
 @contextlib.contextmanager
@@ -181,6 +253,33 @@ def _folder(claim: files.Claim, parts: list[str]) -> Iterator[files.Folder]:
         for name in parts:
             where = stack.enter_context(where.sub(name, create=True))
         yield where
+
+
+@contextlib.contextmanager
+def _responses() -> Iterator[list[Any]]:
+    """The responses the shared ``huggingface_hub`` client receives while the block runs (headers read, not the
+    body), in order: the last one is the file's."""
+    from huggingface_hub.utils import get_session
+
+    seen: list[Any] = []
+    session = get_session()
+    hooks = {k: list(v) for k, v in session.event_hooks.items()}
+    session.event_hooks = {**hooks, "response": [*hooks.get("response", []), seen.append]}
+    try:
+        yield seen
+    finally:
+        session.event_hooks = hooks
+
+
+def _declared_size(response: Any) -> int | None:
+    """The whole file's size as ``response`` gives it: Content-Range's total (a 206, a 416), else a 200's
+    Content-Length when the body is not encoded; None when it gives neither."""
+    total = response.headers.get("Content-Range", "").rpartition("/")[2].strip()
+    if total.isdigit():
+        return int(total)
+    length = response.headers.get("Content-Length", "").strip()
+    plain = response.headers.get("Content-Encoding", "identity").lower() == "identity"
+    return int(length) if response.status_code == 200 and plain and length.isdigit() else None
 
 
 def _status(err: BaseException) -> int | None:
