@@ -273,16 +273,23 @@ def _channels_first(shape: Sequence[int], is_torch: bool) -> bool:
     return len(shape) == 3 and shape[0] in _CHANNELS and (shape[-1] not in _CHANNELS or is_torch)
 
 
+def _host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a numpy array; bfloat16, which numpy has no type for, as float32 (exactly)."""
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
 def _array_to_pil(image: np.ndarray | torch.Tensor) -> Image.Image:
     is_torch = isinstance(image, torch.Tensor)
-    arr = image.detach().cpu().numpy() if is_torch else np.asarray(image)
+    arr = _host_array(image) if is_torch else np.asarray(image)
     if arr.ndim == 3:
         if _channels_first(arr.shape, is_torch):
             arr = np.moveaxis(arr, 0, -1)
         if arr.shape[-1] == 1:
             arr = arr[..., 0]
     if np.issubdtype(arr.dtype, np.floating):
-        arr = np.round(arr * 255.0)
+        # in float64: float16's own x * 255 rounds to another 8-bit value for 4 % of the pixels
+        arr = np.round(arr.astype(np.float64) * 255.0)
     arr = arr.astype(np.uint8)
     img = Image.fromarray(arr)
     return img.convert("RGB") if img.mode != "RGB" else img
@@ -305,7 +312,7 @@ def _pixels(image: Any) -> bytes:
             h.update(f"{frame.mode}{frame.size}".encode())
             h.update(frame.tobytes())
         elif isinstance(frame, (torch.Tensor, np.ndarray)):
-            arr = frame.detach().cpu().numpy() if isinstance(frame, torch.Tensor) else frame
+            arr = _host_array(frame) if isinstance(frame, torch.Tensor) else frame
             h.update(f"{arr.dtype}{arr.shape}".encode())
             h.update(np.ascontiguousarray(arr).tobytes())
         else:

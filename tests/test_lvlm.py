@@ -501,16 +501,18 @@ def test_padding_to_a_square_is_llavas_expand2square():
         expected = Image.new("RGB", (side, side), tuple(int(x * 255) for x in mean))  # LLaVA's expand2square
         expected.paste(image, ((side - width) // 2, (side - height) // 2))
         assert (pad_to_square(image, mean) == np.asarray(expected)).all()
-    # What the processor makes of the padded array is what it makes of LLaVA's padded PIL image.
+    # What the processor makes of the padded image is what it makes of LLaVA's padded PIL image, at every size:
+    # a 1, 3 or 4 pixel square as an array was read channels first (a 4 x 4 image scored as another)
     judge = LVLMJudge.shared(JudgeSpec(sharp_llava()))
-    image = images()[2]
-    padded = judge._visual_kwargs(image, VisualInput(image_aspect="pad"))["images"][0]
-    side = max(image.size)
-    canvas = Image.new("RGB", (side, side), tuple(int(x * 255) for x in judge.processor.image_processor.image_mean))
-    canvas.paste(image, ((side - image.size[0]) // 2, (side - image.size[1]) // 2))
-    ours = judge.processor.image_processor(images=[padded], return_tensors="pt")["pixel_values"]
-    theirs = judge.processor.image_processor(images=[canvas], return_tensors="pt")["pixel_values"]
-    assert torch.equal(ours, theirs)
+    for image in (images()[2], *(random_image(k, size=size) for k, size in enumerate(
+            ((1, 1), (3, 3), (4, 4), (3, 1), (1, 3), (4, 2), (5, 2))))):
+        padded = judge._visual_kwargs(image, VisualInput(image_aspect="pad"))["images"][0]
+        side = max(image.size)
+        canvas = Image.new("RGB", (side, side), tuple(int(x * 255) for x in judge.processor.image_processor.image_mean))
+        canvas.paste(image, ((side - image.size[0]) // 2, (side - image.size[1]) // 2))
+        ours = judge.processor.image_processor(images=[padded], return_tensors="pt")["pixel_values"]
+        theirs = judge.processor.image_processor(images=[canvas], return_tensors="pt")["pixel_values"]
+        assert torch.equal(ours, theirs), image.size
     with pytest.raises(ValueError, match="image_aspect"):
         VisualInput(image_aspect="stretch")
     with pytest.raises(ValueError, match="system_placement"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import PYTHON, random_image, run
 from test_matching import plain_prf
 
 import capeval_plugins
+from capeval_plugins.inputs import InputError
 
 CAPTIONS = ["A dog runs on the grass.", "Two children play in the park!", "A red car next to a building"]
 FIVE_REFERENCES = [
@@ -216,6 +218,23 @@ def test_long_caption_truncated_to_the_text_limit_and_warned_once(tiny_vilt, thr
     # tokenizer and the metric, each meeting the long caption, say it exactly once.
     said = json.loads(run([PYTHON, "-c", TRUNCATION_WARNINGS, tiny_vilt]).stdout.splitlines()[-1])
     assert len(said) == 1 and "truncated" in said[0], said
+
+
+def test_an_image_too_elongated_for_vilts_resize_is_its_samples_problem(tiny_vilt, three_images, tmp_path):
+    """ViLT's processor rounds a 2100 x 100 image's shorter side down to 0 and raises: that sample is refused in
+    one line naming it (a chained traceback before), or skipped, the others scored as alone."""
+    from PIL import Image
+
+    Image.new("RGB", (2100, 100), (20, 200, 20)).save(tmp_path / "banner.png")
+    images = [three_images[0], tmp_path / "banner.png", three_images[1]]
+    captions, refs = ["a cat", "a green banner", "a dog"], [["a cat"], ["a banner"], ["a dog"]]
+    with pytest.raises(InputError, match=r"sample 1: .*2100 x 100 image, too elongated") as raised:
+        capeval_plugins.load("vilbertscore", model=tiny_vilt)(images, captions, refs)
+    assert len(str(raised.value).splitlines()) == 1
+    skipped = capeval_plugins.load("vilbertscore", model=tiny_vilt, on_error="skip")(images, captions, refs)
+    alone = capeval_plugins.load("vilbertscore", model=tiny_vilt)(images[::2], captions[::2], refs[::2])
+    assert list(skipped.skipped) == [1] and math.isnan(skipped.scores[1])
+    assert skipped.scores[[0, 2]].tolist() == pytest.approx(alone.scores.tolist(), abs=1e-6)
 
 
 def test_unsupported_model_is_refused(tiny_root, three_images):

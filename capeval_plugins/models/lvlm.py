@@ -367,7 +367,13 @@ class LVLMJudge(PrefixDecoder):
         if mean is None:
             raise ValueError("image_aspect='pad' pads with the image processor's mean colour, but this processor "
                              "has no image_mean; use image_aspect='crop'")
-        return pad_to_square(image, mean)
+        import numpy as np
+        from PIL import Image
+
+        square = pad_to_square(image, mean)
+        # as LLaVA's expand2square hands it over, a PIL image: an (S, S, C) array with S of 1, 3 or 4 is read by
+        # the processor as channels first (a 4 x 4 image scored as another)
+        return Image.fromarray(square) if square.dtype == np.uint8 else square
 
     def _mm_token_types(self, ids: Tensor) -> Tensor:
         # What Qwen-VL processors return: 1 on image tokens, 2 on video tokens, 0 on text.

@@ -98,7 +98,10 @@ def build_vilt(path: Path, seed: int, image_size: int = 32, patch_size: int = 8)
     config = ViltConfig(**_LAYERS, vocab_size=len(tokenizer), max_position_embeddings=40, image_size=image_size,
                         patch_size=patch_size, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    ViltForMaskedLM(config).save_pretrained(path)
+    model = ViltForMaskedLM(config)
+    with torch.no_grad():  # transformers starts the patch positions at zero; a released (trained) ViLT's are not
+        model.vilt.embeddings.position_embeddings.normal_(0.0, config.initializer_range)
+    model.save_pretrained(path)
     # Shorter side to image_size, sides rounded down to whole patches; batches are padded with a pixel mask.
     image_processor = ViltImageProcessor(size={"shortest_edge": image_size}, size_divisor=patch_size)
     ViltProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)

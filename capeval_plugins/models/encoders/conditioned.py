@@ -34,6 +34,7 @@ from capeval_plugins.models.encoders.common import EncoderSpec
 from capeval_plugins.models.encoders.text import (TokenEmbeddings, concat_padded, hidden_state_at, length_order,
                                                   pad_rows, resolve_layer)
 from capeval_plugins.core.messages import warn_once
+from capeval_plugins.image_sources import InputError
 
 
 @dataclass
@@ -196,7 +197,7 @@ class ViltConditioned(ConditionedEncoder):
 
     @torch.inference_mode()
     def encode_images(self, images: Sequence[Any]) -> ImageContext:
-        pixels = self.processor.image_processor(images=list(images), return_tensors="pt")
+        pixels = self._pixels(list(images))
         values = pixels["pixel_values"].to(self.device, self.dtype)
         masks = pixels["pixel_mask"].to(self.device)
         embedded = [self._patches(values[i : i + 1], masks[i : i + 1]) for i in range(len(values))]
@@ -207,6 +208,20 @@ class ViltConditioned(ConditionedEncoder):
             out[i, : e.shape[1]] = e[0]
             mask[i, : m.shape[1]] = m[0]
         return ImageContext(out, mask)
+
+    def _pixels(self, images: list[Any]) -> Any:
+        """ViLT's image processor over ``images``. It scales the shorter side to its size and caps the longer, then
+        rounds both down to whole patches: an image elongated past about 20:1 comes out 0 pixels wide and the
+        processor raises. Alone, such an image is this sample's problem (one line naming it); in a batch, the
+        session scores the samples apart to find it."""
+        try:
+            return self.processor.image_processor(images=images, return_tensors="pt")
+        except ValueError as err:
+            if len(images) != 1 or not hasattr(images[0], "size"):
+                raise
+            width, height = images[0].size
+            raise InputError(f"ViLT's image processor cannot take this {width} x {height} image, too elongated for "
+                             f"its resize ({' '.join(str(err).split())[:120]})") from None
 
     def _patches(self, pixel_values: Tensor, pixel_mask: Tensor) -> tuple[Tensor, Tensor]:
         # ViLT samples patches with torch.multinomial on CPU tensors: draw them for this image alone, from a
