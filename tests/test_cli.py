@@ -447,6 +447,30 @@ def test_out_rows_carry_the_input_and_no_repeated_columns(tiny_clip, tmp_path):
                             "refclipscore.reference_similarity", "refclipscore"}
 
 
+@pytest.mark.parametrize("batch_size", [None, 2, 3])
+def test_refclipscores_clipscore_is_clipscores_own_bits_at_any_batch_size(tiny_clip, batch_size):
+    """RefCLIPScore encoded its candidates with their references: the candidate features came out of other
+    chunks, a float32 step apart (1e-7), so with --batch-size (or a corpus past one batch) the table wrote
+    RefCLIPScore's clipscore and cosine beside CLIPScore's, where the docs say they are one column."""
+    import random
+
+    import torch
+
+    from capeval_plugins import runner
+
+    rng = random.Random(0)
+    words = "a red blue ball car tree sun sky on the road in green yellow big small".split()
+    images = sorted(str(p) for p in (EXAMPLES / "images").iterdir())
+    n = 90
+    sentence = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))  # noqa: E731
+    captions, refs = [sentence() for _ in range(n)], [[sentence() for _ in range(rng.randint(1, 4))] for _ in range(n)]
+    options = {} if batch_size is None else {"batch_size": batch_size}
+    metrics = {name: capeval_plugins.load(name, model=tiny_clip, **options) for name in ("clipscore", "refclipscore")}
+    results = runner.score_many(metrics, [images[i % len(images)] for i in range(n)], captions, refs)
+    clip, ref = results["clipscore"], results["refclipscore"]
+    assert torch.equal(clip.scores, ref.extras["clipscore"]) and torch.equal(clip.extras["cosine"], ref.extras["cosine"])
+
+
 def test_a_tables_columns_do_not_depend_on_the_data(tiny_root, tmp_path):
     """BERTScore's f1 is its score by definition and is left out; its precision and recall stay even where they
     equal the score on every row (each caption equal to its reference: P = R = F = 1). Before, the table

@@ -125,21 +125,21 @@ class CLIPScore(PointwiseMetric):
         cfg, enc = self.config, self.encoder
         image_feats = enc.encode_images(batch.images)[batch.image_index.to(enc.device)]
         texts = [with_prefix(cfg.prefix, c) for c in batch.candidates]
-        n = len(texts)
         flat_refs, owner = [], []
         for i, refs in enumerate((batch.references or ()) if self.uses_references() else ()):
             flat_refs += [with_prefix(cfg.prefix, r) if cfg.prefix_references else r for r in refs]
             owner += [i] * len(refs)
-        # Candidates and every reference of the batch in one pass through the text encoder.
-        text_feats = enc.encode_texts(texts + flat_refs)
-        cand = text_feats[:n]
+        # The candidates alone through the text encoder, then the references: a candidate's features are then
+        # the same bits whether references come along or not (chunks of similar length, float rounding), so
+        # RefCLIPScore's clipscore and cosine are CLIPScore's own in a run of both
+        cand = enc.encode_texts(texts)
         cos = cosine(image_feats, cand)
         score = clip_s(cos, cfg.w)
         ref_sim = torch.full_like(score, float("nan"))
         refclip = torch.full_like(score, float("nan"))
         if flat_refs:
             owner_t = torch.tensor(owner, device=cand.device)
-            ref_sim = best_reference_similarity(cand, text_feats[n:], owner_t, cfg.clamp_reference)
+            ref_sim = best_reference_similarity(cand, enc.encode_texts(flat_refs), owner_t, cfg.clamp_reference)
             refclip = self.combine(score, ref_sim)
         return self.arrange(score, cos, ref_sim, refclip)
 
