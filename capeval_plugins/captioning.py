@@ -13,6 +13,7 @@ run is complete.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -21,10 +22,10 @@ from capeval_plugins.checkpoint import RunStore, batch_digest
 from capeval_plugins.contract import Metric, MetricResult
 from capeval_plugins.core.textcodec import decode_texts, encode_texts
 from capeval_plugins.digests import ContentDigests, unresolved
-from capeval_plugins.inputs import InputError, text_problem
+from capeval_plugins.inputs import InputError, _reason, text_problem
 from capeval_plugins.image_sources import ImageSource, image_source
 from capeval_plugins.models.captioner import Captioner, as_captioner
-from capeval_plugins.runner import Corpus, Interrupted, RunOutcome, Session, StopFlag, finish, run
+from capeval_plugins.runner import Corpus, Interrupted, RunOutcome, Session, StopFlag, finish, policy, run
 
 CAPTIONS = "captioner"  # the captioning stage's name in its run folder
 CAPTION_BATCH = 8
@@ -32,9 +33,10 @@ CAPTION_BATCH = 8
 
 @dataclass
 class CaptionedRun:
-    """The captions (one per image, input order), each metric's result, and what the run did."""
+    """The captions (one per image, input order; None where the image would not decode and ``on_error`` is
+    ``"skip"``), each metric's result, and what the run did."""
 
-    captions: list[str]
+    captions: list[str | None]
     results: dict[str, MetricResult]
     batches_captioned: int = 0
     batches_resumed: int = 0
@@ -59,26 +61,61 @@ def caption_and_score(images: Sequence[Any], metrics: Mapping[str, Metric] | Seq
     ``predict(images) -> captions`` given a batch of decoded RGB PIL images. ``metrics``: ``{name: metric}``,
     metrics, or registered names. ``references``: per image, for reference-based metrics. ``batch_size``:
     images per captioning batch (the metrics batch at their own sizes). ``run_dir``: resumable (see the module
-    docstring); ``restart`` discards what it holds. A caption that is not text, or an answer with another
-    count than its batch, is refused in one line naming the sample."""
+    docstring); ``restart`` discards what it holds. ``on_error``: as ``capeval score``'s; when every metric skips
+    (``"skip"``), a sample whose image does not decode is not captioned (its caption is None) and every metric
+    skips it with that reason, the others scored as if it were not there; else it is refused naming the sample.
+    A caption that is not text, or an answer with another count than its batch, is refused in one line naming
+    the sample."""
     metrics = named_metrics(metrics)
     captioner = as_captioner(predict, **captioner_options)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
     describe = describe or (lambda i: f"sample {i}")
-    sources = image_sources(images, describe)
+    skip = all(policy(metric, on_error) == "skip" for metric in metrics.values())  # else a metric would refuse it
+    sources, unread = image_sources(images, describe, skip)
     # every metric's checks of the images and references, before the captioner loads (a caption stands in)
     Session(metrics, on_error=on_error, describe=describe).validate(
-        Corpus(["a photo"] * len(sources), list(images), references, describe=describe))
-    captions, done, resumed = caption_images(captioner, sources, batch_size, describe=describe, progress=progress,
-                                             run_dir=None if run_dir is None else caption_folder(run_dir),
-                                             restart=restart, stop=stop)
-    corpus = Corpus(captions, list(images), references, describe=describe)
+        Corpus(["a photo"] * len(images), list(images), references, describe=describe))
+    check_some_read(sources, unread, describe)
+    captions, failed, done, resumed = caption_images(
+        captioner, sources, batch_size, describe=describe, skip=skip, progress=progress, restart=restart, stop=stop,
+        run_dir=None if run_dir is None else caption_folder(run_dir))
+    unread.update(failed)
+    check_some_read(captions, unread, describe)
+    corpus = captioned_corpus(captions, images, references, describe)
     outcome = run(metrics, corpus, on_error=on_error, run_dir=run_dir, restart=restart, progress=progress, stop=stop)
     if run_dir is not None:
         finish(run_dir, run_id=outcome.run_id)
         RunStore(caption_folder(run_dir)).remove()
-    return CaptionedRun(captions, outcome.results, done, resumed, outcome)  # type: ignore[arg-type]
+    results = {name: with_unread(result, unread) for name, result in outcome.results.items()}
+    texts = [captions.get(i) for i in range(len(images))]
+    return CaptionedRun(texts, results, done, resumed, outcome)  # type: ignore[arg-type]
+
+
+def check_some_read(read: Mapping[int, Any], unread: Mapping[int, str], describe: Callable[[int], str]) -> None:
+    """Something to caption and score is left once the images that would not decode are skipped."""
+    if not read:
+        first = min(unread)
+        raise InputError(f"no image could be read ({len(unread)} skipped; {describe(first)}: {unread[first]})")
+
+
+def captioned_corpus(captions: Mapping[int, str], images: Sequence[Any], references: Sequence[Any] | None,
+                     describe: Callable[[int], str]) -> Corpus:
+    """The samples that have a caption, known by their own index: scored as if the others were not there."""
+    kept, images = sorted(captions), list(images)
+    if len(kept) == len(images):  # nothing skipped: the corpus as given (ids as positions, as before)
+        return Corpus([captions[i] for i in kept], images, references, describe=describe)
+    refs = None if references is None else list(references)
+    return Corpus([captions[i] for i in kept], [images[i] for i in kept],
+                  None if refs is None else [refs[i] for i in kept], ids=kept, describe=describe)
+
+
+def with_unread(result: MetricResult, unread: Mapping[int, str]) -> MetricResult:
+    """``result`` with the samples whose image would not decode back in place, skipped with that reason."""
+    if not unread:
+        return result
+    whole = result.with_skipped({i: f"{reason} (not captioned)" for i, reason in unread.items()})
+    return dataclasses.replace(whole, corpus_extras={**whole.corpus_extras, "n_skipped": float(len(whole.skipped))})
 
 
 def named_metrics(metrics: Any) -> dict[str, Metric]:
@@ -99,47 +136,57 @@ def named_metrics(metrics: Any) -> dict[str, Metric]:
     return out
 
 
-def image_sources(images: Sequence[Any], describe: Callable[[int], str]) -> list[ImageSource]:
-    """Every image checked before any model loads; the first bad one is refused naming its sample."""
+def image_sources(images: Sequence[Any], describe: Callable[[int], str],
+                  skip: bool = False) -> tuple[dict[int, ImageSource], dict[int, str]]:
+    """Every image checked before any model loads: the sources by sample, and with ``skip`` the reasons of the
+    samples whose image is missing or unreadable; without, the first bad one is refused naming its sample."""
     if images is None or isinstance(images, (str, bytes, set, frozenset)) or not hasattr(images, "__len__") \
             or not len(images):
         raise InputError("images: give a non-empty sequence of images (paths, PIL images, arrays), in order")
     checked: dict = {}
-    sources = []
+    sources, unread = {}, {}
     for i, image in enumerate(images):
         try:
-            sources.append(image_source(image, i, checked=checked))
+            sources[i] = image_source(image, i, checked=checked)
         except InputError as err:
-            raise InputError(str(err).replace(f"sample {i}", describe(i), 1)) from None
-    return sources
+            if not skip:
+                raise InputError(f"{describe(i)}: {_reason(err, i)}") from None
+            unread[i] = _reason(err, i)
+    return sources, unread
 
 
-def caption_images(captioner: Captioner, sources: Sequence[ImageSource], batch_size: int, *,
-                   describe: Callable[[int], str], progress: bool = False, run_dir: str | None = None,
-                   restart: bool = False, stop: Callable[[], bool] | None = None) -> tuple[list[str], int, int]:
-    """One caption per source (an image given twice is captioned once), the batches captioned now and those
-    resumed from ``run_dir``."""
+def caption_images(captioner: Captioner, sources: Mapping[int, ImageSource], batch_size: int, *,
+                   describe: Callable[[int], str], skip: bool = False, progress: bool = False,
+                   run_dir: str | None = None, restart: bool = False,
+                   stop: Callable[[], bool] | None = None) -> tuple[dict[int, str], dict[int, str], int, int]:
+    """A caption for every sample of ``sources`` (an image given twice is captioned once), the reasons of the
+    samples whose image would not decode (``skip``; else the first raises naming its sample), and the batches
+    captioned now and those resumed from ``run_dir``."""
     first: dict[Any, int] = {}
-    for i, source in enumerate(sources):
+    for i, source in sources.items():
         first.setdefault(source.key, i)
     distinct = list(first.values())
     plan = [distinct[k:k + batch_size] for k in range(0, len(distinct), batch_size)]
     store = _open_store(run_dir, captioner, sources, batch_size, restart) if run_dir is not None else None
     texts: list[list[str]] = []
+    unread: dict[int, str] = {}
     captioned = 0
     if isinstance(stop, StopFlag):
         stop.scoring = True  # a signal now stops after the batch at work
     try:
         if store is not None:
-            saved = store.load(CAPTIONS, False, [batch_digest(batch) for batch in plan])
-            texts = [decode_texts(rows["text"]) for rows in saved.rows]
-        bar = _bar(progress, len(distinct), sum(map(len, texts)), captioner.name)
+            texts, unread = _saved_batches(store, plan, skip, describe)
+        bar = _bar(progress, len(distinct), sum(len(batch) for batch in plan[:len(texts)]), captioner.name)
         for k in range(len(texts), len(plan)):
             batch = plan[k]
-            answer = captioner.caption([sources[i].load() for i in batch])
-            texts.append(check_captions(answer, batch, captioner.name, describe))
+            images, failed = read_images(sources, batch, skip, describe)
+            readable = [i for i in batch if i not in failed]
+            answer = captioner.caption(images) if images else []
+            texts.append(check_captions(answer, readable, captioner.name, describe))
+            unread.update(failed)
             if store is not None:
-                store.save(CAPTIONS, k, {"text": encode_texts(texts[-1], packed=True)}, None, {}, batch_digest(batch))
+                store.save(CAPTIONS, k, {"text": encode_texts(texts[-1], packed=True)}, None, failed,
+                           batch_digest(batch))
             captioned += 1
             if bar is not None:
                 bar.update(len(batch))
@@ -158,14 +205,50 @@ def caption_images(captioner: Captioner, sources: Sequence[ImageSource], batch_s
             stop.scoring = False
         if store is not None:
             store.close()
-    by_key = {sources[i].key: text for batch, done in zip(plan, texts) for i, text in zip(batch, done)}
-    return [by_key[source.key] for source in sources], captioned, len(plan) - captioned
+    captions, failed = _by_sample(sources, plan, texts, unread)
+    return captions, failed, captioned, len(plan) - captioned
 
 
-def _open_store(run_dir: str, captioner: Captioner, sources: Sequence[ImageSource], batch_size: int,
+def _saved_batches(store: RunStore, plan: Sequence[Sequence[int]], skip: bool,
+                   describe: Callable[[int], str]) -> tuple[list[list[str]], dict[int, str]]:
+    """The captions of the batches a run saved, and the samples it skipped."""
+    saved = store.load(CAPTIONS, False, [batch_digest(batch) for batch in plan])
+    if saved.skipped and not skip:  # saved by a run under on_error="skip", resumed under "raise"
+        first = min(saved.skipped)
+        raise InputError(f"{describe(first)}: {saved.skipped[first]}")
+    return [decode_texts(rows["text"]) for rows in saved.rows], saved.skipped
+
+
+def _by_sample(sources: Mapping[int, ImageSource], plan: Sequence[Sequence[int]], texts: Sequence[Sequence[str]],
+               unread: Mapping[int, str]) -> tuple[dict[int, str], dict[int, str]]:
+    """Every sample's caption, or the reason its image was not captioned (a repeated image shares both)."""
+    read = [i for batch in plan for i in batch if i not in unread]  # in the order the texts were written
+    text_of = {sources[i].key: text for i, text in zip(read, (text for done in texts for text in done))}
+    reason_of = {sources[i].key: reason for i, reason in unread.items()}
+    captions = {i: text_of[s.key] for i, s in sources.items() if s.key in text_of}
+    return captions, {i: reason_of[s.key] for i, s in sources.items() if s.key in reason_of}
+
+
+def read_images(sources: Mapping[int, ImageSource], batch: Sequence[int], skip: bool,
+                describe: Callable[[int], str]) -> tuple[list[Any], dict[int, str]]:
+    """The decoded images of ``batch`` and, with ``skip``, the reasons of those whose pixels would not decode
+    (a header that decodes is no promise: a truncated file fails only here); without, the first is refused
+    naming its sample."""
+    images, failed = [], {}
+    for i in batch:
+        try:
+            images.append(sources[i].load())
+        except InputError as err:
+            if not skip:
+                raise InputError(f"{describe(i)}: {_reason(err, i)}") from None
+            failed[i] = _reason(err, i)
+    return images, failed
+
+
+def _open_store(run_dir: str, captioner: Captioner, sources: Mapping[int, ImageSource], batch_size: int,
                 restart: bool) -> RunStore:
     contents = ContentDigests()
-    images = Corpus([None] * len(sources), [s.value for s in sources]).digest(contents)
+    images = Corpus([None] * len(sources), [s.value for s in sources.values()]).digest(contents)
     identity = captioner.identity()
     if unresolved(identity.get("model")):  # a hub model not cached yet: downloaded now, so the run is keyed by
         captioner.load()                    # its commit (else a resumed run would find another captioner)

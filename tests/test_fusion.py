@@ -174,7 +174,7 @@ def test_score_then_calibrate_then_score_again_from_the_cli_s_own_files(models, 
     assert report["correlation"] == pytest.approx(kendalltau(fuse(comps, weights), human, variant="c").statistic,
                                                   abs=1e-12)
     parts = ("mid", "dino", "bertscore")
-    assert report["options"] == [f"redemption_score.{k}_weight={w:g}" for k, w in zip(parts, weights)]
+    assert report["options"] == [f"redemption_score.{k}_weight={w!r}" for k, w in zip(parts, weights)]
 
     again = score(tmp_path / "again.jsonl", *report["options"])
     assert [row["redemption_score"] for row in again] == pytest.approx(fuse(comps, weights).tolist(), abs=1e-9)

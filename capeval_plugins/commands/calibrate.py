@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 from typing import Any
 
 from capeval_plugins.core.bounds import cli_number
@@ -60,16 +61,57 @@ def align(scores: list[dict], ratings: list[dict], scores_path: str, ratings_pat
     """Rating rows in the order of the score rows: by ``index`` when both files carry it, else by line."""
     from capeval_plugins.inputs import InputError
 
-    if all("index" in r for r in scores) and all("index" in r for r in ratings):
-        by_index = {int(r["index"]): r for r in ratings}
-        missing = [int(r["index"]) for r in scores if int(r["index"]) not in by_index]
+    if has_index(scores) and has_index(ratings):
+        score_indices, rating_indices = sample_indices(scores, scores_path), sample_indices(ratings, ratings_path)
+        by_index = dict(zip(rating_indices, ratings))
+        missing = [i for i in score_indices if i not in by_index]
         if missing:
             raise InputError(f"{ratings_path}: no rating for sample index {missing[0]} ({len(missing)} missing)")
-        return [by_index[int(r["index"])] for r in scores]
+        return [by_index[i] for i in score_indices]
     if len(scores) != len(ratings):
         raise InputError(f"{scores_path} has {len(scores)} rows but {ratings_path} has {len(ratings)} (and no "
                          "'index' column in both to match them by)")
     return ratings
+
+
+def has_index(rows: list[dict]) -> bool:
+    return any(row.get("index") not in (None, "") for row in rows)
+
+
+def sample_indices(rows: list[dict], path: str) -> list[int]:
+    """The ``index`` column as sample indices. An index is a whole number from 0 (text only in a CSV or TSV file,
+    as :func:`column` reads numbers), on every row, once: a truncated 0.5, or one index on two rows, would pair a
+    rating with another sample's scores."""
+    from capeval_plugins.caption_files import TABLE_DELIMITERS, caption_file_format
+    from capeval_plugins.inputs import InputError, repeated_ids
+
+    for k, row in enumerate(rows):
+        if row.get("index") in (None, ""):
+            raise InputError(f"{path}: row {k + 1} has no 'index' (other rows have one)")
+    cells_are_text = caption_file_format(path) in TABLE_DELIMITERS
+    indices = [sample_index(row["index"], f"{path}: row {k + 1}", cells_are_text) for k, row in enumerate(rows)]
+    repeated = repeated_ids(indices)
+    if repeated:
+        rows_of = [str(k + 1) for k, i in enumerate(indices) if i == repeated[0]]
+        more = f" ({len(repeated)} indices repeated)" if len(repeated) > 1 else ""
+        raise InputError(f"{path}: index {repeated[0]} is given twice (rows {', '.join(rows_of)}){more}; give each "
+                         "sample one row")
+    return indices
+
+
+def sample_index(value: Any, where: str, cells_are_text: bool) -> int:
+    """One ``index`` cell as an integer: an int, an integral float (as pandas and Parquet write integers), or in
+    a CSV or TSV file the digits of one; anything else (``true``, ``0.5``, ``"0a"``) refused naming the row."""
+    from capeval_plugins.inputs import InputError
+
+    if cells_are_text and isinstance(value, str) and re.fullmatch(r"[0-9]+", value.strip()):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InputError(f"{where}: index {json.dumps(value, default=str)[:40]} is not a sample index (a whole "
+                         "number from 0)")
+    return value
 
 
 def component_column(rows: list[dict], name: str, path: str) -> str:
@@ -91,7 +133,8 @@ def component_column(rows: list[dict], name: str, path: str) -> str:
 def weight_options(weights: dict[str, float]) -> list[str]:
     """Options of the metric whose components were fused, one per weight: ``mid_normalized`` ->
     ``mid_weight=...`` (Redemption Score's), ``redemption_score.mid_normalized`` ->
-    ``redemption_score.mid_weight=...`` (``-o`` takes both); none unless every component has a weight option."""
+    ``redemption_score.mid_weight=...`` (``-o`` takes both); none unless every component has a weight option.
+    Each weight is written exactly, so the options sum to 1 as the weights do and the metric accepts them back."""
     from capeval_plugins import registry
     from capeval_plugins.metrics.redemption import RedemptionConfig
 
@@ -105,7 +148,9 @@ def weight_options(weights: dict[str, float]) -> list[str]:
         base = name.removesuffix("_normalized").removesuffix("_raw")
         if f"{base}_weight" not in {f.name for f in dataclasses.fields(config)}:
             return []
-        options.append(f"{metric + '.' if metric else ''}{base}_weight={weight:g}")
+        # repr: the shortest text that reads back as this very float (:g kept 6 digits: three weights of 1/3 read
+        # back as 0.333333 summed to 0.999999, which the metric refuses as not summing to 1)
+        options.append(f"{metric + '.' if metric else ''}{base}_weight={float(weight)!r}")
     return options
 
 

@@ -59,7 +59,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--device", help="where the captioner and the metrics run: cpu, cuda, cuda:1, mps")
     p.add_argument("--dtype", help="weights' dtype of the captioner and the metrics: float32, float16, bfloat16")
     p.add_argument("--on-error", dest="on_error", choices=("raise", "skip"),
-                   help="a sample a metric cannot score: stop before scoring (raise, default) or skip it")
+                   help="a sample whose image does not decode, or that a metric cannot score: stop (raise, "
+                        "default) or skip it (not captioned or not scored; its row kept with the reason)")
     p.add_argument("--out", help="per-sample captions and scores: .jsonl, .json, .csv or .parquet")
     p.add_argument("--run-dir", dest="run_dir", help="checkpoint folder of the scoring (default: <out>.capeval-run); "
                    "the captions' checkpoints go in <run dir>.captions")
@@ -155,7 +156,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
     if args.out:
         write_table(args.out, table, inputs)
     metrics_summary = {name: {"score": r.score, "n_skipped": len(r.skipped)} for name, r in done.results.items()}
-    print(json.dumps(json_safe({"n": len(table), "batches_captioned": done.batches_captioned,
+    print(json.dumps(json_safe({"n": len(table), "n_skipped": sum("error" in row for row in table),
+                                "batches_captioned": done.batches_captioned,
                                 "batches_caption_resumed": done.batches_resumed,
                                 "batches_scored": done.outcome.batches_scored,
                                 "batches_resumed": done.outcome.batches_resumed, "metrics": metrics_summary}),

@@ -22,9 +22,11 @@ from torch import Tensor
 from capeval_plugins.contract import (INDEX, Batch, CorpusSize, FitProblem, Metric, MetricInfo, MetricResult,
                                       ModelConfig, StateSpec, bounded)
 from capeval_plugins.core import gaussian
+from capeval_plugins.digests import ContentDigests, cached_commit
 from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 from capeval_plugins.models.encoders.clip import dual_encoder_problem
-from capeval_plugins.core.messages import warn_once
+from capeval_plugins.core.messages import DataError, warn_once
+from capeval_plugins.resources import loading
 
 CITATION = """@inproceedings{kim2022mutual,
   title     = {Mutual Information Divergence: A Unified Metric for Multimodal Generative Models},
@@ -90,10 +92,67 @@ class MID(Metric):
     def __init__(self, **config: Any) -> None:
         super().__init__(**config)
         self._saved = load_fit(self.config.reference_gaussian) if self.config.reference_gaussian else None
-        fitted_with = self._saved.metadata.get("model") if self._saved is not None else None
+        self._fit_refusal: str | None = None
+        # A hub model not cached yet cannot be identified before it loads: map checks it then.
+        self._fit_model_checked = self._saved is None or self._check_fit_model()
+
+    def _check_fit_model(self, loaded: bool = False) -> bool:
+        """Refuse a saved fit made on features of other model files, or of another dtype, than this metric's
+        (one line, with the fix), whatever the paths; an older fit, which records no digest of its model's files,
+        is checked by name only, with a warning. False when the model cannot be identified yet (a hub id not in
+        the cache and not ``loaded``)."""
+        saved = self._saved.metadata
+        if not isinstance(saved.get("model_digest"), str):
+            self._warn_unverified("the fit records no digest of its model's files (saved by an older version)")
+            return True
+        if not self._check_fit_files(saved, loaded):
+            return False
+        fitted_dtype, dtype = saved.get("feature_dtype"), dtype_name(configured_dtype(self.config))
+        if fitted_dtype is not None and fitted_dtype != dtype:
+            self._refuse_fit(f"was fitted on {fitted_dtype} features of {saved.get('model')}, but this metric "
+                             f"computes {dtype} ones", f"pass dtype={fitted_dtype}")
+        return True
+
+    def _check_fit_files(self, saved: dict[str, Any], loaded: bool) -> bool:
+        """The model's files against the fit's digest (one hub commit: the same files, nothing hashed)."""
+        cfg, recorded = self.config, saved["model_digest"]
+        commit = hub_commit(cfg.model, cfg.revision)
+        if commit is not None and commit == saved.get("model_commit"):
+            return True
+        given = model_files_digest(cfg.model, cfg.revision)
+        if given is None and not loaded:
+            return False
+        if given is None:  # loaded, yet not in the cache this package reads
+            warnings.warn(f"mid: cannot verify that {cfg.model} holds the files the saved reference Gaussian "
+                          f"{cfg.reference_gaussian} was fitted on: it is not in the Hugging Face cache", stacklevel=4)
+        elif given != recorded:
+            self._refuse_fit(f"was fitted on features of {saved.get('model')} (model files {recorded[:12]}), but "
+                             f"the model given, {cfg.model}, holds other files ({given[:12]})",
+                             "pass the model the fit was made with")
+        return True
+
+    def _check_downloaded_fit_model(self) -> None:
+        """The check a hub model not cached at load waits for (its download). A refusal is kept: the session
+        splits a failed batch in search of a faulty sample, and each part is refused without hashing again."""
+        if self._fit_refusal is None:
+            try:
+                self._fit_model_checked = self._check_fit_model(loaded=True)
+                return
+            except DataError as err:
+                self._fit_refusal = str(err)
+        raise DataError(self._fit_refusal)
+
+    def _warn_unverified(self, why: str) -> None:
+        """Today's check by name alone, for a fit whose model files cannot be compared."""
+        fitted_with = self._saved.metadata.get("model")
         if fitted_with not in (None, self.config.model):
-            warnings.warn(f"mid: the reference Gaussian was fitted on features of {fitted_with!r}, but this "
-                          f"metric encodes with {self.config.model!r}", stacklevel=2)
+            warnings.warn(f"mid: the reference Gaussian was fitted on features of {fitted_with!r}, but this metric "
+                          f"encodes with {self.config.model!r}; {why}, so whether they are the same weights "
+                          "cannot be verified (fit again with fit_reference to have it checked)", stacklevel=4)
+
+    def _refuse_fit(self, mismatch: str, fix: str) -> None:
+        need = f"the saved reference Gaussian {self.config.reference_gaussian} {mismatch}"
+        raise DataError(FitProblem(need, ("fit again with fit_reference", fix)).message(self.info.name))
 
     @property
     def encoder(self) -> ClipEncoder:
@@ -178,6 +237,8 @@ class MID(Metric):
 
     def map(self, batch: Batch) -> dict[str, Tensor]:
         enc, n = self.encoder, len(batch)
+        if not self._fit_model_checked:
+            self._check_downloaded_fit_model()
         fit_refs = self._saved is None
         if fit_refs and batch.references is None:
             raise ValueError(
@@ -277,10 +338,19 @@ class MID(Metric):
                           f"({_reasons(sums.skipped)}): the Gaussian is fitted on the other "
                           f"{len(candidates) - len(sums.skipped)}", stacklevel=2)
         if save_to is not None:
-            files.write_output(save_to, gaussian.sums_to_bytes(sums, self.dim, model=self.config.model,
+            files.write_output(save_to, gaussian.sums_to_bytes(sums, self.dim, **self.fit_identity(),
                                                                fit_pairs=self.config.fit_pairs,
                                                                n_skipped=len(sums.skipped)), what="saved fit")
         return sums
+
+    def fit_identity(self) -> dict[str, Any]:
+        """What a saved fit records of its features, for :meth:`_check_fit_model`: the model's name, the digest
+        of its files (a copy elsewhere has the same), a hub id's commit, and the dtype it computed in.
+        covariance_eps is applied when scoring, not to the saved sums; the preprocessing and truncation come
+        from the model's own files."""
+        cfg = self.config
+        return {"model": cfg.model, "model_digest": model_files_digest(cfg.model, cfg.revision),
+                "model_commit": hub_commit(cfg.model, cfg.revision), "feature_dtype": dtype_name(self.encoder.dtype)}
 
 
 class FitSums(dict):
@@ -334,6 +404,29 @@ def load_fit(path: str) -> gaussian.SavedSums:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no saved reference Gaussian at {path}")
     return gaussian.sums_from_bytes(files.read_input(path, "saved reference Gaussian"), str(path))
+
+
+def model_files_digest(model: str, revision: str | None) -> str | None:
+    """XXH3-128 over every file of the folder ``model`` is read from (a local folder, or a hub id's cached
+    snapshot), by relative name and content, as run folders key on: the same for a copy under another path;
+    None when a hub id is not cached."""
+    local = os.path.expanduser(model)
+    folder = local if os.path.exists(local) else loading.source_folder(model, revision)
+    return ContentDigests().source(folder)[-1] if folder else None
+
+
+def hub_commit(model: str, revision: str | None) -> str | None:
+    """The cached commit of a hub id (the files of one commit are the same everywhere); None for a local path."""
+    return None if os.path.exists(os.path.expanduser(model)) else cached_commit(model, revision or "main")
+
+
+def configured_dtype(config: MIDConfig) -> torch.dtype:
+    """The dtype the encoder will compute in, as its loader resolves it (float32 unless ``dtype`` is given)."""
+    return loading.resolve_dtype(config.dtype, loading.resolve_device(config.device))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def feature_dim(config: Any) -> int:
