@@ -235,7 +235,7 @@ def _run_plans(session: Session, plans: list[Plan], corpus: Corpus, store: RunSt
     if any(c[0] for c in counts):
         done, total = sum(p.progress.batches for p in plans), sum(p.n_batches for p in plans)
         where = f", saved in {run_dir}" if run_dir else ""
-        raise Interrupted(f"interrupted after {done} of {total} batches{' on this rank' if size > 1 else ''}{where}")
+        raise Interrupted(f"interrupted after {done} of {total} batches{_stopped_ranks(counts, rank)}{where}")
 
     results: dict[str, MetricResult | None] = {}
     stage = _FinalizeBar(plans, progress and rank == (gather_to or 0))
@@ -253,6 +253,16 @@ def _run_plans(session: Session, plans: list[Plan], corpus: Corpus, store: RunSt
     stage.close()
     n = len(corpus.candidates) if corpus.candidates is not None else 0
     return RunOutcome(results, scored, resumed, n, store.run_id if store is not None else None)
+
+
+def _stopped_ranks(counts: Sequence[tuple], rank: int) -> str:
+    """Under several ranks, which were asked to stop: rank 0 alone prints, and its own count ("38 of 38") may be
+    of a rank that finished everything."""
+    if len(counts) == 1:
+        return ""
+    stopped = [str(r) for r, c in enumerate(counts) if c[0]]
+    asked = f"rank {stopped[0]} was" if len(stopped) == 1 else f"ranks {', '.join(stopped)} were"
+    return f" on this rank, rank {rank} ({asked} asked to stop)"
 
 
 class _FinalizeBar:

@@ -238,3 +238,37 @@ def test_every_state_kind_merges_across_ranks_by_the_one_reduce(tmp_path):
             assert got["scores"] == [s.hex() for s in single.scores.tolist()], name  # rows, texts, groups
             assert got["extras"] == {"total0": totals[0].hex(), "total1": totals[1].hex()}, name
             assert got["score"] == totals[1].hex()
+
+
+def _one_rank_stops_worker(rank: int, world: int, port: int, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from capeval_plugins import runner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    texts = [f"caption number {i}" for i in range(12)]
+    metric = capeval_plugins.load("cider", tokenize=False, batch_size=2)
+    corpus = runner.Corpus(texts, None, [[t, "a reference"] for t in texts])
+    try:
+        runner.run({"cider": metric}, corpus, shard=True, stop=lambda: rank == 1)
+        message = None
+    except runner.Interrupted as err:
+        message = str(err)
+    dist.destroy_process_group()
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(message, f)
+
+
+@pytest.mark.slow
+def test_a_stop_on_one_rank_is_named_on_every_rank(tmp_path):
+    """SIGINT to one rank of torchrun: every rank stops, and rank 0, which alone prints, said only its own count
+    ("3 of 3 batches on this rank": it had finished), never which rank was asked to stop."""
+    import json
+
+    spawn_ranks(_one_rank_stops_worker, (2, free_port(), str(tmp_path)))
+    messages = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert "after 3 of 3 batches on this rank, rank 0 (rank 1 was asked to stop)" in messages[0], messages
+    assert "after 1 of 3 batches on this rank, rank 1 (rank 1 was asked to stop)" in messages[1], messages
