@@ -34,6 +34,7 @@ os.environ.setdefault("CAPEVAL_JAVA_TIMEOUT", str(int(HANG_GUARD)))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 from suite_rules import pytest_collection_modifyitems, pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401
+from file_server import FileServer  # noqa: E402
 
 try:  # Hypothesis: no wall-clock checks (tests/helpers/suite_rules.py)
     from hypothesis import HealthCheck
@@ -365,3 +366,25 @@ def declared_recipe(name: str) -> dict:
         pytest.skip(f"{name} comes from the installed plugin {entry.distribution or entry.plugin!r}, which declares no "
                     "tiny recipe (Metric.tiny_recipe, docs/adding-a-metric.md): its per-metric tests are not run here")
     return dict(recipe)
+
+
+# A local HTTP server on 127.0.0.1 and downloads switched on: what talks to a hub or a release host is tested
+# through the real client against it (tests/test_fetch_weights.py, test_download_regressions.py).
+
+@pytest.fixture
+def server():
+    with FileServer() as running:
+        yield running
+
+
+@pytest.fixture
+def online(monkeypatch, tmp_path):
+    """Downloads on in this process (the suite runs with HF_HUB_OFFLINE=1), the package's cache in tmp_path."""
+    import huggingface_hub.constants
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "5")
+    return tmp_path / "cache"

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,29 +21,8 @@ from capeval_plugins.resources import downloads
 from capeval_plugins.resources.releases import RELEASES
 from test_fetch_weights import capeval, pinned
 
-sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-from file_server import FileServer  # noqa: E402
 
 FILE = "clip_ViT-B-32.pth"
-
-
-@pytest.fixture
-def server():
-    with FileServer() as running:
-        yield running
-
-
-@pytest.fixture
-def online(monkeypatch, tmp_path):
-    """Downloads on in this process (the suite runs with HF_HUB_OFFLINE=1), the package's cache in tmp_path."""
-    import huggingface_hub.constants
-
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "5")
-    return tmp_path / "cache"
 
 
 @pytest.fixture(scope="module")

@@ -30,25 +30,6 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from file_server import FileServer  # noqa: E402
 
 
-@pytest.fixture
-def server():
-    with FileServer() as running:
-        yield running
-
-
-@pytest.fixture
-def online(monkeypatch, tmp_path):
-    """Downloads on in this process (the suite runs with HF_HUB_OFFLINE=1), the package's cache in tmp_path."""
-    import huggingface_hub.constants
-
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "5")
-    return tmp_path / "cache"
-
-
 @pytest.fixture(scope="module")
 def released(tmp_path_factory) -> dict:
     """A tiny PAC-S file as released (clip_ViT-B-32.pth), its BPE, and Polos's reprod.zip."""
