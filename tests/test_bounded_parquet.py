@@ -153,6 +153,17 @@ def test_a_caption_file_of_repeated_rows_is_one_line(tmp_path, capsys):
     assert err.startswith("capeval: error: ") and "\n" not in err and "as Python objects" in err, err
 
 
+def test_a_column_named_twice_is_refused_not_one_value_kept(tmp_path, capsys):
+    """Parquet allows two columns of one name; each row kept one of the two captions and scored it with exit 0
+    (as json keeps an object's last key): every Parquet file read is refused so, in one line."""
+    twice = tmp_path / "captions.parquet"
+    twice.write_bytes(written(pa.Table.from_arrays([pa.array(["a dog"]), pa.array([["a dog runs"]]), pa.array(["zzz"])],
+                                                   names=["caption", "references", "caption"])))
+    assert main(["score", "-m", "bleu1", "-o", "tokenize=false", "--captions", str(twice), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a column name appears twice" in err and "\n" not in err, err
+
+
 def test_a_benchmark_file_beyond_its_rows_is_refused(tmp_path):
     """--data: a Parquet file by its footer, a JSON file by its records (before its rows are built), naming the
     benchmark; a caption longer than any caption is refused by its row."""

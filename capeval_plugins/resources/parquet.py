@@ -175,6 +175,9 @@ class ParquetTable:
             values = sum(max(0, int(chunk.num_values)) for chunk in chunks)
         except Exception as err:  # noqa: BLE001  (pyarrow raises several types for a damaged footer)
             raise ParquetError(f"{where}: not a readable Parquet file ({_reason(err)})") from None
+        names = self.file.schema_arrow.names
+        if len(set(names)) != len(names):  # each row would keep one of the two values, silently (as json would)
+            raise ParquetError(f"{where}: a column name appears twice: {names}")
         self._check(declared, values)
         self.largest_dictionary = self._check_pages(data, chunks)
 
