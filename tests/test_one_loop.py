@@ -87,7 +87,7 @@ def _evaluate():
 
 
 def _pycocoevalcap():
-    from capeval_plugins.adapters.pycocoevalcap import StockCider
+    from capeval_plugins.adapters.coco_eval_stock import StockCider
     from capeval_plugins.pycocoevalcap import Bleu, RougeL
 
     gts, res = {i: r for i, r in enumerate(REFERENCES)}, {i: [c] for i, c in enumerate(CAPTIONS)}
