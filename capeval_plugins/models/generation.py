@@ -103,7 +103,7 @@ class StableDiffusion3(TextToImage):
     def pipeline(self):
         source = os.path.realpath(self.model) if os.path.isdir(self.model) else self.model
         key = ("StableDiffusion3Pipeline", source, self.revision, str(self.device), str(self.dtype))
-        return loading.shared(key, self._load)
+        return loading.shared(key, self._load, (self.model,))
 
     def _load(self):
         diffusers = _require_diffusers()
@@ -123,10 +123,12 @@ class StableDiffusion3(TextToImage):
         with loading.loader_boundary("the Stable Diffusion 3 pipeline", self.model):
             parts = wholeness.pipeline_parts(folder) if folder else {}  # sizes against weights, before building
             pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(self.model, **kwargs)
-            problem = wholeness.pipeline_problem(pipe, parts)  # every part whole, every value finite
+            problem = wholeness.pipeline_problem(pipe, parts)  # every part exactly its folder's weights
+            if problem is None:
+                pipe = pipe.to(self.device)
+                problem = wholeness.pipeline_values_problem(pipe, parts)  # finite, no zero matrix, not mapped
             if problem:
                 raise loading.ModelLoadError(f"cannot load the Stable Diffusion 3 pipeline {self.model!r}: {problem}")
-        pipe = pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -362,8 +362,7 @@ def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, devic
     settings = read_settings(checkpoint)
     spec = JudgeSpec(model or settings.base_model, device, dtype, revision or settings.revision, local_files_only,
                      trust_remote_code, device_map, max_memory, offload_folder)
-    key = ("rigel", os.path.realpath(checkpoint), (Path(checkpoint) / CONFIG_FILE).stat().st_mtime_ns, spec,
-           merge_lora)
+    key = ("rigel", os.path.realpath(checkpoint), spec, merge_lora)
 
     def build() -> RigelModel:
         if adapter.is_dir():
@@ -386,4 +385,4 @@ def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, devic
         with loading.loader_boundary("Rigel checkpoint", checkpoint):
             return build()
 
-    return loading.shared(key, checked)
+    return loading.shared(key, checked, (checkpoint,))

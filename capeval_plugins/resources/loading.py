@@ -22,7 +22,7 @@ from typing import Any, Callable, Hashable, Mapping
 import torch
 
 
-from capeval_plugins.core.messages import MissingExtra, install_extra
+from capeval_plugins.core.messages import MissingExtra, install_extra, warn_once
 from capeval_plugins.resources import wholeness
 from capeval_plugins.resources.accelerate_internals import dispatch_hook, execution_device
 # ModelLoadError is defined beside the checks that raise it; callers keep importing it from here
@@ -234,12 +234,61 @@ def hub_kwargs(revision: str | None, local_files_only: bool | None, trust_remote
     return kwargs
 
 
-def shared(key: Hashable, factory: Callable[[], Any]) -> Any:
-    """Build once per process per key; later callers get the same object."""
+STAMP_ENTRIES = 4096  # files of a model folder looked at for its stamp (a model folder holds a few dozen)
+
+
+def shared(key: Hashable, factory: Callable[[], Any], sources: tuple[str | os.PathLike, ...] = ()) -> Any:
+    """Build once per process per key; later callers get the same object while the local files it was built
+    from are unchanged: ``sources`` and the ``model`` of every :class:`ModelSpec` in ``key``, stamped by each
+    file's size, modification time and inode (:func:`files_stamp`). A model folder rewritten since (new weights
+    saved over the old ones) is loaded again and checked whole, never scored with what the process held before;
+    a warning says that scores before and after come from different weights."""
+    stamp = tuple(files_stamp(path) for path in (*sources, *_spec_models(key)))
     with _lock:
+        held = _cache.get(key)
+        if held is not None and held[0] != stamp:
+            del _cache[key]  # freed before the new one is built
+            warn_once(("reloaded", _named(sources, key), stamp), f"the files of {_named(sources, key)} changed since this process "
+                      "loaded them: loaded again (checked whole); scores before and after come from different "
+                      "weights")
         if key not in _cache:
-            _cache[key] = factory()
-        return _cache[key]
+            _cache[key] = (stamp, factory())
+        return _cache[key][1]
+
+
+def _spec_models(key: Any) -> list[str]:
+    if isinstance(key, ModelSpec):
+        return [key.model]
+    return [m for item in key for m in _spec_models(item)] if isinstance(key, tuple) else []
+
+
+def _named(sources: tuple, key: Any) -> str:
+    names = [os.fspath(path) for path in (*sources, *_spec_models(key))]
+    return ", ".join(dict.fromkeys(names)) or "a model"
+
+
+def files_stamp(path: str | os.PathLike) -> tuple | None:
+    """What changes when the local file or folder ``path`` is rewritten: (name, size, modification time,
+    inode) of each file, links followed (a hub snapshot links to its blobs); None for a hub id."""
+    path = os.fspath(path)
+    try:
+        if not os.path.isdir(path):
+            st = os.stat(path)
+            return ((os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino),)
+    except OSError:
+        return None
+    found: list[tuple] = []
+    for root, folders, files in os.walk(path, followlinks=False):
+        folders.sort()
+        for name in sorted(files):
+            try:
+                st = os.stat(os.path.join(root, name))
+            except OSError:
+                continue
+            found.append((os.path.relpath(os.path.join(root, name), path), st.st_size, st.st_mtime_ns, st.st_ino))
+            if len(found) >= STAMP_ENTRIES:
+                return tuple(found)
+    return tuple(found)
 
 
 def load_model(
@@ -298,15 +347,16 @@ def load_model(
                 label = wholeness.check_before_build(loader, name_or_path, source, hub, kwargs, allow_missing)
             model, info = loader.from_pretrained(name_or_path, dtype=dt, use_safetensors=True, output_loading_info=True,
                                                  ignore_mismatched_sizes=True, **hub, **placement, **kwargs)
-            problem = (wholeness.loaded_problem(model, info, label, allow_missing)
-                       or wholeness.nonfinite_problem(model, label) or wholeness.zeroed_problem(model, label))
+            problem = wholeness.loaded_problem(model, info, label, allow_missing)
+            if problem is None:
+                if device_map is None:  # (a dispatched model stays where accelerate put it)
+                    model = model.to(dev)  # first: a model bound for a GPU needs no copy of its own on the CPU
+                problem = wholeness.values_problem(model, label)  # the values checked are the values scored
             if problem:
                 raise ModelLoadError(f"cannot load model {name_or_path!r}: {problem}")
-        if device_map is None:  # a dispatched model stays where accelerate put it
-            model = model.to(dev)
         return model.eval().requires_grad_(False)
 
-    return shared(key, build) if share else build()
+    return shared(key, build, (name_or_path,)) if share else build()
 
 
 def without_pooler(spec: ModelSpec) -> dict[str, bool]:
@@ -398,7 +448,7 @@ def load_processor(
             check_against_model(processor, name_or_path, hub)
         return processor
 
-    return shared(key, build)
+    return shared(key, build, (name_or_path,))
 
 
 def clear_cache() -> None:

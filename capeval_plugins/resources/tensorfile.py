@@ -198,8 +198,10 @@ def load_bytes(data: bytes, what: str) -> dict[str, Any]:
 
 
 def load_file(path: str | os.PathLike, what: str | None = None) -> dict[str, Any]:
-    """The tensors of the safetensors file ``path`` (on the CPU), its header checked first (:func:`check_file`)."""
-    from safetensors.torch import load_file as load
-
-    check_file(path, what)
-    return load(os.fspath(path))
+    """The tensors of the safetensors file ``path`` (on the CPU), read once into memory and its header checked
+    (:func:`load_bytes`). Not mapped: safetensors' own ``load_file`` maps the file, so a file rewritten in place
+    later (a training run saving over it, a copy in progress) would change tensors already checked and in use."""
+    name = what or os.fspath(path)
+    with _open_regular(path, name) as f:
+        data = f.read()
+    return load_bytes(data, name)

@@ -347,6 +347,26 @@ def finite(tensor: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(FINITE_CHUNK))
 
 
+def detach_from_files(model: Any) -> Any:
+    """``model`` with every parameter and buffer on the CPU copied into the process's own memory. Loaders map
+    safetensors files (transformers, diffusers): the tensors are the file's pages, so a file rewritten in place
+    after the load (a training run saving over its checkpoint, a copy in progress) changed a model already
+    checked and in use, and a file cut shorter killed the process (SIGBUS). Called before the checks below, so
+    the values checked are the values scored. Tied weights stay tied (one Parameter, copied once)."""
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.clone()
+    return model
+
+
+def values_problem(model: Any, label: str) -> str | None:
+    """The values of a loaded model, copied out of its mapped files first (:func:`detach_from_files`): a
+    non-finite value or a weight matrix of only zeros, as a problem, or None."""
+    detach_from_files(model)
+    return nonfinite_problem(model, label) or zeroed_problem(model, label)
+
+
 def nonfinite_problem(model: Any, label: str) -> str | None:
     """The first parameter or buffer of ``model`` holding NaN or an infinity, as a problem, or None."""
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
@@ -533,12 +553,23 @@ def pipeline_parts(folder: str) -> dict[str, Weights]:
 
 
 def pipeline_problem(pipeline: Any, parts: Mapping[str, Weights]) -> str | None:
-    """Why a loaded pipeline's parts are not exactly their folders' weights (:func:`module_problem`, values
-    finite), or None."""
+    """Why a loaded pipeline's parts are not exactly their folders' weights (:func:`module_problem`), or None:
+    checked before the pipeline moves to its device (a missing tensor is still on ``meta`` there)."""
     for part, weights in parts.items():
         module = getattr(pipeline, part, None)
         if isinstance(module, torch.nn.Module):
-            problem = module_problem(module, weights) or nonfinite_problem(module, f"{part}/{weights.label}")
+            problem = module_problem(module, weights)
             if problem:
                 return problem if problem.startswith(f"{part}/") else f"{part}/{problem}"
+    return None
+
+
+def pipeline_values_problem(pipeline: Any, parts: Mapping[str, Weights]) -> str | None:
+    """:func:`values_problem` of each of a pipeline's parts, on the device it scores on, or None."""
+    for part, weights in parts.items():
+        module = getattr(pipeline, part, None)
+        if isinstance(module, torch.nn.Module):
+            problem = values_problem(module, f"{part}/{weights.label}")
+            if problem:
+                return problem
     return None

@@ -268,8 +268,8 @@ class LocalAligner:
         ``spec`` (the metric's ``model``), which must be the backbone it was trained on."""
         path = Path(checkpoint)
         settings = read_settings(path)  # checks the directory before anything is loaded
-        key = ("msd_aligner", os.path.realpath(path), (path / CONFIG_FILE).stat().st_mtime_ns, spec)
-        return loading.shared(key, lambda: load_aligner(path, spec, settings))
+        key = ("msd_aligner", os.path.realpath(path), spec)
+        return loading.shared(key, lambda: load_aligner(path, spec, settings), (path,))
 
 
 def read_settings(checkpoint: str | os.PathLike) -> AlignerSettings:

@@ -1,0 +1,93 @@
+"""A model folder rewritten while a process holds the model: what was checked is what scores.
+
+Loaders map safetensors files, so a loaded model was the file's pages: a checkpoint saved over in place (a
+training run, a copy in progress) changed a model already checked, mid-run and unchecked. And the process kept a
+model by its folder's path, so loading the metric again after saving new weights there scored the old ones."""
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import capeval_plugins
+from capeval_plugins.resources import loading, tensorfile
+from capeval_plugins.resources.loading import ModelLoadError, clear_cache
+from capeval_plugins.testing import build_tiny
+
+CAPTIONS = ["a dog on the grass", "two cats asleep", "a red car", "a man rides a horse"]
+
+
+@pytest.fixture
+def folder(tiny_clip, tmp_path):
+    clear_cache()
+    copy = tmp_path / "clip"
+    shutil.copytree(tiny_clip, copy)
+    yield copy
+    clear_cache()
+
+
+def zero_tail(path, keep: float = 0.5) -> None:
+    """Zeros from ``keep`` of the file on, written in place (same inode): a download cut short or rewritten."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(int(size * keep))
+        f.write(bytes(size - int(size * keep)))
+
+
+def cosines(model: str, images) -> list[float]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return capeval_plugins.load("clipscore", model=model)(images, CAPTIONS).extras["cosine"].tolist()
+
+
+def test_a_loaded_model_keeps_the_values_it_was_checked_with(folder):
+    from transformers import AutoModel
+
+    model = loading.load_model(AutoModel, str(folder))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    zero_tail(folder / "model.safetensors")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_weights_file_read_by_the_package_is_not_mapped(tmp_path):
+    path = tmp_path / "head.safetensors"
+    save_file({"weight": torch.arange(40_000, dtype=torch.float32).reshape(200, 200)}, str(path))
+    tensors = tensorfile.load_file(path)
+    zero_tail(path, keep=0.1)
+    assert torch.equal(tensors["weight"], torch.arange(40_000, dtype=torch.float32).reshape(200, 200))
+
+
+def test_new_weights_saved_over_a_loaded_model_are_loaded_again(folder, images, tmp_path):
+    first = cosines(str(folder), images)
+    other = tmp_path / "other"
+    build_tiny("clip", other, seed=7)
+    shutil.copy(other / "model.safetensors", folder / "model.safetensors")
+    with pytest.warns(UserWarning, match="changed since this process loaded them"):
+        capeval_plugins.load("clipscore", model=str(folder))(images, CAPTIONS)
+    again = cosines(str(folder), images)
+    clear_cache()
+    fresh = cosines(str(folder), images)  # what a new process loads
+    assert again == pytest.approx(fresh, abs=1e-12) and again != pytest.approx(first, abs=1e-6)
+
+
+def test_a_model_folder_damaged_after_the_load_is_refused_not_scored(folder, images):
+    metric = capeval_plugins.load("clipscore", model=str(folder))
+    assert len(metric(images, CAPTIONS).scores) == len(CAPTIONS)
+    zero_tail(folder / "model.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ModelLoadError, match="holds only zeros|not a valid safetensors"):
+            metric(images, CAPTIONS)
+
+
+def test_an_unchanged_folder_is_one_model_and_the_stamp_sees_each_file(folder):
+    from transformers import AutoModel
+
+    model = loading.load_model(AutoModel, str(folder))
+    assert loading.load_model(AutoModel, str(folder)) is model
+    stamp = loading.files_stamp(folder)
+    assert {entry[0] for entry in stamp} == {p.name for p in folder.iterdir()}
+    assert loading.files_stamp("openai/clip-vit-base-patch32") is None  # a hub id: nothing local to stamp
