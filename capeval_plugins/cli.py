@@ -102,7 +102,7 @@ def restored_environment() -> Iterator[None]:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    if args.quiet or _rank() != 0:  # under torchrun only rank 0 draws progress bars
+    if _rank() != 0:  # under torchrun only rank 0 draws progress bars (--quiet: _main, for every command)
         quiet_libraries()
     from capeval_plugins import options, runner
     from capeval_plugins.caption_files import check_writable, score_table, write_table
@@ -396,6 +396,8 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with restored_environment():
+            if getattr(args, "quiet", False):  # every command's --quiet: the libraries' bars and Java lines too
+                quiet_libraries()
             return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C outside a run (loading, reading): one line, not a traceback
         print("capeval: interrupted", file=sys.stderr)

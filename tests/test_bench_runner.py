@@ -416,3 +416,26 @@ def test_importing_the_harness_imports_neither_matplotlib_nor_pycocoevalcap():
     code = ("import argparse, sys; from capeval_plugins.commands.bench import add_parser; "
             "add_parser(argparse.ArgumentParser().add_subparsers()); print('torch' in sys.modules)")
     assert run([PYTHON, "-c", code]).stdout.strip() == "False"
+
+
+@pytest.mark.skipif(not has_java(), reason="the PTB tokenizer needs Java")
+def test_quiet_silences_the_java_tools_in_every_command(tmp_path, capfd):
+    """``--quiet`` means the same for every command: the PTB tokenizer's line was printed by ``capeval bench``.
+    Each call has texts of its own (a process tokenizes a text once)."""
+    from conftest import cli
+
+    def commands(word: str) -> list[list]:
+        entries = {f"{i}.jpg": {"image_path": f"{i}.jpg", "ground_truth": [f"a {word} number {i}", f"the {word} {i}"],
+                                "human_judgement": [{"caption": f"a {word} {i} {w}", "rating": 1 + (i + k) % 4}
+                                                    for k, w in enumerate(("runs", "sits"))]} for i in range(6)}
+        (tmp_path / f"{word}.json").write_text(json.dumps(entries))
+        (tmp_path / f"{word}.jsonl").write_text("".join(json.dumps({"caption": f"a {word} {i}", "references": [
+            f"the {word} {i}"]}) + "\n" for i in range(3)))
+        return [["bench", "flickr8k-expert", "--data", tmp_path / f"{word}.json", "--metric", "bleu4", "--bootstrap",
+                 "0", "--no-cache"],
+                ["score", "-m", "bleu4", "--captions", tmp_path / f"{word}.jsonl", "--out", tmp_path / f"{word}.out.jsonl"]]
+
+    for quiet, word in ((False, "dog"), (True, "cat")):
+        for args in commands(word):
+            code, _, err = cli(args + ["--quiet"] * quiet, capfd)
+            assert code == 0 and ("PTBTokenizer" in err) is not quiet, err

@@ -277,6 +277,9 @@ def sandbox(tmp_path_factory, tiny_clip) -> Path:
             random_image(i, size=(40, 32)).save(root / folder / name)
     for folder in (root, root / "data"):
         (folder / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # predictions and references joined by id (README: --predictions preds.json --references refs.json)
+    (root / "preds.json").write_text(json.dumps({str(i): r["caption"] for i, r in enumerate(rows)}))
+    (root / "refs.json").write_text(json.dumps({str(i): r["references"] for i, r in enumerate(rows)}))
     for name in ("dog.jpg", "cat.jpg"):
         random_image(len(name), size=(40, 32)).save(root / name, format="PNG")
     _coco_files(root, names)

@@ -4,8 +4,8 @@ the protocol each benchmark's official evaluation code uses.
 
 Prints a markdown table (and the paired comparisons when several metrics run), writes the JSON report with
 ``--json`` and a PNG with ``--plot``. Per-sample scores are cached (``--cache``, ``--no-cache``). Without ``--data``,
-a benchmark with a public home (Flickr8k-Expert / CF, Composite, Nebula, Polaris, DOCENT) is fetched from the
-Hugging Face Hub on first use and read from the cache afterwards (``--refresh`` fetches it anew)."""
+a benchmark with a public home (Flickr8k-Expert / CF, Composite, Nebula, Polaris, DOCENT, LongCap-Arena) is fetched
+from the Hugging Face Hub on first use and read from the cache afterwards (``--refresh`` fetches it anew)."""
 from __future__ import annotations
 
 import argparse
