@@ -244,7 +244,8 @@ def test_save_reload_and_score_gives_identical_scores(splits, short_phase2):
             assert torch.allclose(result.scores, expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("damage", ["a lora_B factor missing", "a NaN in a factor", "a factor of another shape"])
+@pytest.mark.parametrize("damage", ["a lora_B factor missing", "a NaN in a factor", "a factor of another shape",
+                                    "a factor of only zeros"])
 def test_an_adapter_that_is_not_whole_is_refused_naming_the_factor(short_phase2, tmp_path, damage):
     """Issue 49: peft fills a factor the file lacks with its initial value (lora_B: zero) and scores on, the
     adapter silently doing nothing; a factor that is not finite or of another shape is refused too."""
@@ -265,11 +266,33 @@ def test_an_adapter_that_is_not_whole_is_refused_naming_the_factor(short_phase2,
     elif damage == "a NaN in a factor":
         tensors[name] = tensors[name].clone()
         tensors[name].view(-1)[0] = float("nan")
+    elif damage == "a factor of only zeros":  # a download cut short into a pre-allocated file: the base model
+        tensors[name] = torch.zeros_like(tensors[name])
     else:
         tensors[name] = torch.zeros(tensors[name].shape[0] + 1, *tensors[name].shape[1:])
     save_file(tensors, str(path))
     clear_cache()
     with pytest.raises(ModelLoadError, match=name.rsplit(".", 2)[0].replace(".", r"\.")):
+        load_rigel(broken)
+    clear_cache()
+
+
+def test_a_head_of_zeros_is_refused_not_scored_as_a_uniform_distribution(short_phase1, tmp_path):
+    """A head cut short into a pre-allocated file gave every sample the uniform distribution's 0.5, exit 0."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from capeval_plugins.models.rigel import HEAD_FILE
+    from capeval_plugins.resources.loading import ModelLoadError, clear_cache
+
+    broken = tmp_path / "broken"
+    shutil.copytree(short_phase1, broken)
+    tensors = load_file(str(broken / HEAD_FILE))
+    name = sorted(k for k, v in tensors.items() if v.ndim == 2)[-1]
+    save_file({**tensors, name: torch.zeros_like(tensors[name])}, str(broken / HEAD_FILE))
+    clear_cache()
+    with pytest.raises(ModelLoadError, match=f"{name.replace('.', '[.]')} holds only zeros"):
         load_rigel(broken)
     clear_cache()
 

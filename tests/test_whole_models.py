@@ -588,9 +588,16 @@ def test_a_stable_diffusion_part_missing_a_tensor_or_holding_nan_is_refused(tmp_
 
     whole = tiny_sd3_folder(tmp_path / "sd3")
     for part, damage in (("transformer", "missing"), ("vae", "nan"), ("text_encoder_3", "missing"),
-                         ("transformer", "zeros"), ("text_encoder", "zeros")):
+                         ("transformer", "zeros"), ("text_encoder", "zeros"), ("tokenizer_3", "gone")):
         folder = tmp_path / f"{part}-{damage}"
         shutil.copytree(whole, folder)
+        if damage == "gone":  # diffusers built a default tokenizer in its place and generated on
+            shutil.rmtree(folder / part)
+            clear_cache()
+            sd3 = generation.StableDiffusion3(str(folder), steps=1, height=32, width=32, device="cpu")
+            with pytest.raises(ModelLoadError, match=f"{part}/ is missing, though model_index.json names it"):
+                sd3.pipeline  # noqa: B018
+            continue
         name = "diffusion_pytorch_model.safetensors" if part in ("transformer", "vae") else "model.safetensors"
         stored = load_file(str(folder / part / name))
         if damage == "zeros":  # a download cut short into a pre-allocated file: the last matrix all zeros

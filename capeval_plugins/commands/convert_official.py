@@ -207,14 +207,11 @@ def check_not_zeroed(state: Mapping[str, Any], path: Path) -> None:
     factor of only zeros, whatever its shape. A safetensors file carries no checksum, and one cut short into a
     file allocated whole beforehand (aria2) is zeros where its data stopped: a LoRA of zeros folds in nothing,
     and the converted model would silently be its base."""
-    from capeval_plugins.resources.wholeness import zero_matrix
+    from capeval_plugins.resources.wholeness import zeroed, zeroed_message
 
     for name, tensor in state.items():
-        lora = "lora_" in name and tensor.is_floating_point()
-        if zero_matrix(tensor) or (lora and not bool(tensor.any())):
-            raise ConversionError(f"{path}: refused: {name} holds only zeros, as a download cut short into a "
-                                  f"pre-allocated file does{' (a LoRA factor of zeros adds nothing)' if lora else ''}: "
-                                  "fetch it again")
+        if zeroed(name, tensor):
+            raise ConversionError(f"refused: {zeroed_message(str(path), name)}")
 
 
 def sha256(path: str | os.PathLike) -> str:

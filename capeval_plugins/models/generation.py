@@ -123,7 +123,7 @@ class StableDiffusion3(TextToImage):
         with loading.loader_boundary("the Stable Diffusion 3 pipeline", self.model):
             parts = wholeness.pipeline_parts(folder) if folder else {}  # sizes against weights, before building
             pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(self.model, **kwargs)
-            problem = wholeness.pipeline_problem(pipe, parts)  # every part exactly its folder's weights
+            problem = wholeness.pipeline_problem(pipe, parts, folder)  # every part there, exactly its weights
             if problem is None:
                 pipe = pipe.to(self.device)
                 problem = wholeness.pipeline_values_problem(pipe, parts)  # finite, no zero matrix, not mapped

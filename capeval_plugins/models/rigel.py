@@ -331,7 +331,7 @@ def load_head(checkpoint: str | os.PathLike, settings: RigelSettings, device: An
 def adapter_problem(model: Any, adapter: Path) -> str | None:
     """Why the LoRA weights peft put into ``model`` are not exactly the adapter file's (peft fills a factor the
     file lacks with its initial value and scores on: lora_B is zero, so the adapter silently does nothing), or
-    holds a value that is not finite; None when whole."""
+    holds a value that is not finite or a factor of only zeros (:func:`wholeness.zeroed`); None when whole."""
     from capeval_plugins.resources import tensorfile
 
     path = adapter / ADAPTER_WEIGHTS
@@ -345,7 +345,9 @@ def adapter_problem(model: Any, adapter: Path) -> str | None:
         wanted[name] = tuple(parameter.shape)
     problem = wholeness.tensors_problem(found, wanted, str(path))
     broken = next((n for n, p in zip(wanted, lora.values()) if not wholeness.finite(p)), None)
-    return problem or (f"{path}: {broken} holds NaN or infinite values (a damaged file?)" if broken else None)
+    zeros = next((n for n, p in zip(wanted, lora.values()) if wholeness.zeroed(n, p)), None)
+    return problem or (f"{path}: {broken} holds NaN or infinite values (a damaged file?)" if broken else None) or (
+        wholeness.zeroed_message(str(path), zeros) if zeros else None)
 
 
 def load_rigel(checkpoint: str | os.PathLike, *, model: str | None = None, device: str | None = None,

@@ -382,9 +382,8 @@ def zeroed_problem(model: Any, label: str) -> str | None:
     any number of dimensions, may be zeros in a whole checkpoint (a bias; DINOv2's mask token, which its
     released teacher never trained) and are not looked at."""
     for name, tensor in model.named_parameters():
-        if zero_matrix(tensor):
-            return (f"{label}: {name} holds only zeros (a download cut short into a pre-allocated file?); copy the "
-                    "model folder again")
+        if zeroed(name, tensor):
+            return zeroed_message(label, name)
     return None
 
 
@@ -395,9 +394,26 @@ def zero_matrix(tensor: torch.Tensor) -> bool:
             and tensor.device.type != "meta" and not bool(tensor.detach().any()))
 
 
+def zeroed(name: str, tensor: torch.Tensor) -> bool:
+    """:func:`zero_matrix`, or a LoRA factor (``lora_`` in its name) of only zeros whatever its shape: a LoRA of
+    zeros adds nothing, so the model would silently be its base. The one rule for loaders, trained weights files
+    and converters."""
+    if zero_matrix(tensor):
+        return True
+    return ("lora_" in name and tensor.is_floating_point() and tensor.device.type != "meta"
+            and not bool(tensor.detach().any()))
+
+
+def zeroed_message(label: str, name: str) -> str:
+    lora = " (a LoRA factor of zeros adds nothing)" if "lora_" in name else ""
+    return (f"{label}: {name} holds only zeros{lora}, as a download cut short into a pre-allocated file does; "
+            "copy the model folder again")
+
+
 def tensors_problem(found: Mapping[str, Any], wanted: Mapping[str, tuple[int, ...]], label: str) -> str | None:
     """Why a weights file of the package's own making (``found``: name -> tensor, or -> shape from its header)
-    is not exactly the ``wanted`` names and shapes with finite values, or None."""
+    is not exactly the ``wanted`` names and shapes with finite values and no matrix or LoRA factor of only zeros
+    (:func:`zeroed`), or None."""
     def shape(value: Any) -> tuple[int, ...]:
         return tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(value)
 
@@ -412,6 +428,8 @@ def tensors_problem(found: Mapping[str, Any], wanted: Mapping[str, tuple[int, ..
             return f"{label} holds {name} of shape {list(shape(found[name]))}, not {list(wanted[name])}"
         if isinstance(found[name], torch.Tensor) and not finite(found[name]):
             return f"{label}: {name} holds NaN or infinite values (a damaged file?)"
+        if isinstance(found[name], torch.Tensor) and zeroed(name, found[name]):
+            return zeroed_message(label, name)
     return None
 
 
@@ -552,9 +570,18 @@ def pipeline_parts(folder: str) -> dict[str, Weights]:
     return parts
 
 
-def pipeline_problem(pipeline: Any, parts: Mapping[str, Weights]) -> str | None:
-    """Why a loaded pipeline's parts are not exactly their folders' weights (:func:`module_problem`), or None:
-    checked before the pipeline moves to its device (a missing tensor is still on ``meta`` there)."""
+def pipeline_problem(pipeline: Any, parts: Mapping[str, Weights], folder: str | None = None) -> str | None:
+    """Why a loaded pipeline's parts are not exactly their folders' weights (:func:`module_problem`), or a part
+    ``model_index.json`` names has no folder (diffusers then leaves it None, or builds a default in its place: SD3
+    without its T5 tokenizer's folder generated with a tokenizer of 104 tokens), or None: checked before the pipeline
+    moves to its device (a missing tensor is still on ``meta`` there)."""
+    index_file = os.path.join(folder, "model_index.json") if folder else ""
+    index = _read_json(index_file) if index_file and os.path.isfile(index_file) else None
+    for name, spec in (index.items() if isinstance(index, Mapping) else ()):
+        named = isinstance(spec, list) and len(spec) == 2 and all(isinstance(v, str) for v in spec)
+        if named and not name.startswith("_") and (getattr(pipeline, name, None) is None
+                                                   or not os.path.isdir(os.path.join(folder, name))):
+            return f"{name}/ is missing, though model_index.json names it ({spec[1]}): copy the model folder again"
     for part, weights in parts.items():
         module = getattr(pipeline, part, None)
         if isinstance(module, torch.nn.Module):
