@@ -344,7 +344,11 @@ def read_coco_results(results: str | os.PathLike, annotations: str | os.PathLike
     for k, image in enumerate(gt.get("images") or []):
         if not isinstance(image, dict) or "id" not in image:
             raise InputError(f"{annotations}: images entry {k} has no id")
-        names[_coco_id(image["id"], f"{annotations}: images entry {k}")] = image.get("file_name")
+        key = _coco_id(image["id"], f"{annotations}: images entry {k}")
+        if key in names and names[key] != image.get("file_name"):  # which one an image metric reads is unknown
+            raise InputError(f"{annotations}: images entry {k} gives image id {image['id']!r} again, with another "
+                             f"file_name ({names[key]!r}, then {image.get('file_name')!r})")
+        names[key] = image.get("file_name")
     for k, ann in enumerate(gt["annotations"]):
         if not isinstance(ann, dict) or "image_id" not in ann or not isinstance(ann.get("caption"), str):
             raise InputError(f"{annotations}: annotations entry {k} needs an image_id and a caption string")
@@ -442,7 +446,9 @@ def read_text_pairs(candidates: str | os.PathLike, references: Sequence[str | os
 
 def _text_lines(path: str, what: str) -> list[str]:
     check_input(path, what)
-    text = _read_text(path)
+    # line ends as bert-score's open() reads them (universal newlines: \r\n, \r, \n; not str.splitlines, which
+    # also splits on U+2028 and the like): a file with old-Mac \r ends was one merged sample
+    text = _read_text(path).replace("\r\n", "\n").replace("\r", "\n")
     lines = text.split("\n")
     if lines and lines[-1] == "":  # the newline that ends the last line
         lines.pop()

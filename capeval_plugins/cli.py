@@ -392,9 +392,25 @@ def typed_errors() -> tuple[type[Exception], ...]:
             RequirementError)
 
 
+# Options naming a file or folder: an empty one (``--out "$OUT"`` with OUT unset) is refused, not read as absent.
+PATH_OPTIONS = ("out", "run_dir", "json_out", "markdown_out", "plot", "cache", "captions", "images", "references",
+                "predictions", "annotations", "data", "scores", "expected", "destination", "ratings")
+
+
+def empty_path_option(args: argparse.Namespace) -> str | None:
+    for dest in PATH_OPTIONS:
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and not value.strip():
+            return "--" + (dest.removesuffix("_out") if dest.endswith("_out") else dest).replace("_", "-")
+    return None
+
+
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        empty = empty_path_option(args)
+        if empty:
+            raise UsageError(f"{empty}: an empty path (an unset variable?); give a file or folder")
         with restored_environment():
             if getattr(args, "quiet", False):  # every command's --quiet: the libraries' bars and Java lines too
                 quiet_libraries()

@@ -348,3 +348,21 @@ def test_capeval_caption_under_several_ranks_is_refused_in_one_line(tmp_path, mo
     monkeypatch.setenv("WORLD_SIZE", "2")
     proc = capeval_in_process(["caption", "--predict", "json:dumps", "--images", str(tmp_path), "-m", "cider"])
     assert proc.returncode == 2 and "runs in one process" in proc.stderr
+
+
+def test_a_file_name_that_is_not_utf8_is_refused_before_any_work(tmp_path):
+    """The image column is text: a folder holding ``b_\\xff.png`` was captioned and scored whole, then the CSV or
+    Parquet table could not be written (a traceback, every result lost), and JSON Lines held a lone surrogate."""
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    random_image(0).save(folder / "a.png")
+    random_image(1).save(os.fsdecode(bytes(folder) + b"/b_\xff.png"))
+    calls = tmp_path / "calls"
+    (tmp_path / "mycap.py").write_text(f"def predict(images):\n    open({str(calls)!r}, 'a').write('x')\n"
+                                       "    return ['a photo'] * len(images)\n")
+    for out in ("scores.csv", "scores.jsonl"):
+        proc = capeval_in_process(["caption", "--predict", f"{tmp_path / 'mycap.py'}:predict", "--images", str(folder),
+                                   "-m", "bleu4", "-o", "tokenize=false", "--out", str(tmp_path / out), "--quiet"])
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "not UTF-8" in proc.stderr and r"b_\xff.png" in proc.stderr
+        assert not calls.exists() and not (tmp_path / out).exists()

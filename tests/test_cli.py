@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import EXAMPLES, HANG_GUARD, PYTHON, capeval_here, capeval_in_process, free_port, random_image, run
+from conftest import EXAMPLES, HANG_GUARD, PYTHON, capeval_here, capeval_in_process, cli, free_port, one_line, random_image, run
 
 import capeval_plugins
 from capeval_plugins.caption_files import read_captions
@@ -403,8 +403,8 @@ def test_bert_score_plain_text_files(tmp_path):
     cands = ["a dog runs on the grass", "", "a red car"]
     refs = [["a dog on grass", "a cat sits", "a red car parked"], ["a brown dog", "two cats", "a car"]]
     (tmp_path / "cands.txt").write_text("\n".join(cands) + "\n")
-    for k, column in enumerate(refs):
-        (tmp_path / f"refs{k}.txt").write_text("\r\n".join(column) + "\r\n")
+    for k, (column, end) in enumerate(zip(refs, ("\r\n", "\r"))):  # Windows, then old-Mac line ends (bert-score's
+        (tmp_path / f"refs{k}.txt").write_bytes((end.join(column) + end).encode())  # universal newlines read both)
     out = tmp_path / "scores.jsonl"
     capeval_here(["score", "-m", "cider", "-o", "tokenize=false", "-c", str(tmp_path / "cands.txt"),
                   "-r", str(tmp_path / "refs0.txt"), str(tmp_path / "refs1.txt"), "--out", str(out), "--quiet"])
@@ -499,3 +499,28 @@ def test_one_model_for_metrics_of_different_kinds_is_refused_before_loading(tiny
 def test_realistic_photos_help_prints_help_and_writes_nothing(tmp_path):
     proc = run([PYTHON, "-m", "capeval_plugins.testing.realistic", "--help"], cwd=str(tmp_path))
     assert proc.stdout.startswith("usage:") and not any(tmp_path.iterdir())
+
+
+def test_an_image_id_given_twice_with_two_file_names_is_refused(tmp_path, capsys):
+    """pycocotools keeps the last entry; an image metric silently scored the caption against that file."""
+    results, annotations, _ = _coco_files(tmp_path)
+    gt = json.loads(annotations.read_text())
+    gt["images"].append({"id": gt["images"][0]["id"], "file_name": "another.jpg"})
+    annotations.write_text(json.dumps(gt))
+    code, _, err = cli(["score", "-m", "bleu4", "-o", "tokenize=false", "--captions", results, "--annotations",
+                        annotations, "--quiet"], capsys)
+    assert code == 2 and one_line(err) and "gives image id 100 again, with another file_name" in err, err
+    gt["images"][-1]["file_name"] = gt["images"][0]["file_name"]  # the same entry twice: one image, as given
+    annotations.write_text(json.dumps(gt))
+    assert cli(["score", "-m", "bleu4", "-o", "tokenize=false", "--captions", results, "--annotations", annotations,
+                "--quiet"], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("args", [["score", "-m", "bleu4", "--captions", str(EXAMPLES / "captions.jsonl"), "--out", ""],
+                                  ["score", "-m", "bleu4", "--captions", str(EXAMPLES / "captions.jsonl"),
+                                   "--run-dir", " "],
+                                  ["bench", "composite", "--json", ""], ["score", "-m", "bleu4", "--captions", ""]])
+def test_an_empty_path_is_refused_not_read_as_absent(args, capsys):
+    """``--out "$OUT"`` with OUT unset scored, wrote nothing and said nothing (exit 0)."""
+    code, _, err = cli(args, capsys)
+    assert code == 2 and one_line(err) and "an empty path" in err, err

@@ -868,10 +868,13 @@ def test_evaluate_module_and_a_diagnostics_png_refuse_links(tmp_path):
 # --- JSON nested deeper than Python's recursion limit ----------------------------------------------------------
 
 DEEP = "[" * 100_000 + "]" * 100_000
+HUGE = "9" * 5000  # past Python's 4,300-digit limit for int(): json raised a bare ValueError mid-parse
+HOSTILE = {"nested": (DEEP, "nested too deeply"), "huge integer": (HUGE, "an integer of more than")}
 
 
-def _deep_files(tmp_path: Path) -> dict[str, tuple[object, type]]:
-    """Every reader of a user's JSON, each given a document of 100,000 nested brackets: (call, error type)."""
+def _deep_files(tmp_path: Path, doc: str = DEEP) -> dict[str, tuple[object, type]]:
+    """Every reader of a user's JSON, each given ``doc`` (100,000 nested brackets, an integer of 5,000 digits):
+    (call, error type)."""
     from capeval_plugins.bench.readers import as_list, load_records
     from capeval_plugins.bench.scorefiles import read_score_rows
     from capeval_plugins.caption_files import read_captions
@@ -881,8 +884,8 @@ def _deep_files(tmp_path: Path) -> dict[str, tuple[object, type]]:
     from capeval_plugins.training.data import read_judgments
 
     ok = json.dumps({"caption": "a dog", "references": ["a dog"]})
-    files_ = {"captions.jsonl": ok + "\n" + DEEP + "\n", "refs.jsonl": ok[:-1] + ', "x": ' + DEEP + "}\n",
-              "bench.json": DEEP, "scores.jsonl": DEEP + "\n", "index.json": DEEP, "judgments.json": DEEP}
+    files_ = {"captions.jsonl": ok + "\n" + doc + "\n", "refs.jsonl": ok[:-1] + ', "x": ' + doc + "}\n",
+              "bench.json": doc, "scores.jsonl": doc + "\n", "index.json": doc, "judgments.json": doc}
     for name, text in files_.items():
         (tmp_path / name).write_text(text)
     return {
@@ -890,22 +893,44 @@ def _deep_files(tmp_path: Path) -> dict[str, tuple[object, type]]:
         "caption file field": (lambda: read_captions(tmp_path / "refs.jsonl"), InputError),
         "benchmark file": (lambda: load_records(tmp_path / "bench.json"), InputError),
         "bench --scores file": (lambda: read_score_rows(tmp_path / "scores.jsonl"), InputError),
-        "references cell": (lambda: as_list("[" * 60_000 + "]" * 60_000, "row 1"), InputError),
+        "references cell": (lambda: as_list("[" * 60_000 + "]" * 60_000 if doc == DEEP else f"[{doc}]", "row 1"),
+                            InputError),
         "generated-image index": (lambda: read_index(tmp_path / "index.json"), DataError),
         "training judgments": (lambda: read_judgments(tmp_path / "judgments.json"), InputError),
     }
 
 
-def test_json_nested_deeper_than_the_recursion_limit_is_refused_by_its_file_not_a_traceback(tmp_path):
+@pytest.mark.parametrize("hostile", sorted(HOSTILE))
+def test_json_nested_deeper_than_the_recursion_limit_is_refused_by_its_file_not_a_traceback(tmp_path, hostile):
     """json's decoder recurses: [[[[...]]]] 100,000 deep raised RecursionError (a traceback, exit 1) in every
-    reader of a user's JSON. Each now refuses it as bad input naming its file (core.jsonio)."""
-    for what, (call, error) in _deep_files(tmp_path).items():
+    reader of a user's JSON, and an integer of 5,000 digits a bare ValueError. Each now refuses it as bad input
+    naming its file (core.jsonio)."""
+    doc, said = HOSTILE[hostile]
+    for what, (call, error) in _deep_files(tmp_path, doc).items():
         with pytest.raises(error) as caught:
             call()
-        assert "nested too deeply" in str(caught.value) or "cannot read" in str(caught.value), what
+        text = str(caught.value)
+        assert said in text or "cannot read" in text or "JSON list of strings" in text, (what, text)
 
 
 def test_the_command_line_reports_a_deeply_nested_caption_file_in_one_line(tmp_path, capsys):
     (tmp_path / "c.jsonl").write_text(DEEP + "\n")
     assert main(["score", "-m", "bleu4", "-o", "tokenize=false", "--captions", str(tmp_path / "c.jsonl")]) == 2
     assert "c.jsonl:1: not valid JSON: nested too deeply" in capsys.readouterr().err
+
+
+def test_capeval_cache_counts_only_the_model_folders_clear_removes(tmp_path, monkeypatch, capsys):
+    """A folder with no marker and one with a forged marker were shown in the total `clear` removes (and the
+    forged one as "converted by capeval convert"); `clear` kept both, rightly."""
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
+    models = tmp_path / "cache" / "models"
+    for name, size in (("foo", 5_000_000), ("bar", 3_000_000)):
+        (models / name).mkdir(parents=True)
+        (models / name / "weights.bin").write_bytes(bytes(size))
+    (models / "bar" / ".capeval-owned").write_text('{"forged": true}')
+    assert main(["cache", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["models"]["bytes"] == 0
+    assert all("not capeval's" in e["what"] for e in info["models"]["entries"])
+    assert main(["cache", "clear", "--only", "models"]) == 0
+    assert (models / "foo" / "weights.bin").exists() and (models / "bar" / "weights.bin").exists()

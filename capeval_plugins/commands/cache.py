@@ -130,8 +130,9 @@ def model_entries() -> list[dict[str, Any]]:
     root = _models_root()
     out = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()) if root.is_dir() else []:
-        what = "not capeval's: no .capeval-owned marker (left as it is)"
-        if (folder / ".capeval-owned").is_file():
+        ours = _converted(folder)
+        what = "not capeval's: no .capeval-owned marker of yours (left as it is)"
+        if ours:
             what = "converted by capeval convert"
             report = folder / "conversion.json"
             if report.is_file():
@@ -139,8 +140,23 @@ def model_entries() -> list[dict[str, Any]]:
                     what += f" from {json.loads(report.read_text(encoding='utf-8')).get('source')}"
                 except (OSError, ValueError, AttributeError):
                     pass
-        out.append({"name": folder.name, "bytes": _size(folder), "what": what})
+        out.append({"name": folder.name, "bytes": _size(folder), "what": what, "ours": ours})
     return out
+
+
+def _converted(folder: Path) -> bool:
+    """Whether ``folder`` holds a marker this user's capeval signed, as ``clear`` checks it before removing."""
+    from capeval_plugins import files
+
+    try:
+        claim = files.Claim(folder, "converted-checkpoint").open(create=False)
+    except (OSError, files.FileError):
+        return False
+    try:
+        return bool(claim.found)
+    finally:
+        if claim.folder is not None:
+            claim.folder.close()
 
 
 def _models_root() -> Path:
@@ -181,7 +197,7 @@ def report() -> dict[str, Any]:
                        "entries": benchmarks},
         "weights": {"path": str(fetch_weights.cache_root()), "bytes": sum(e["bytes"] for e in weights),
                     "entries": weights},
-        "models": {"path": str(_models_root()), "bytes": sum(e["bytes"] for e in models), "entries": models},
+        "models": {"path": str(_models_root()), "bytes": sum(e["bytes"] for e in models if e["ours"]), "entries": models},
         "scores": {"path": str(scores), "bytes": sum(_file_size(Path(f"{scores}{end}"))
                                                      for end in ("", "-journal", "-wal", "-shm"))},
         "other": other_caches(),

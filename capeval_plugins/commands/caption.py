@@ -87,6 +87,10 @@ def read_images(args: argparse.Namespace) -> Any:
                    and os.path.isfile(os.path.join(args.images, n)))
     if not names:
         raise InputError(f"--images {args.images}: no image files ({', '.join(IMAGE_SUFFIXES)})")
+    undecodable = [os.fsencode(n) for n in names if not _utf8(n)]
+    if undecodable:  # the output's image column is text: such a name failed the run when its table was written
+        raise InputError(f"--images {args.images}: {len(undecodable)} file name(s) are not UTF-8, which the output "
+                         f"(text) cannot name (e.g. {undecodable[0]!r}); rename them")
     records = CaptionRecords(path=args.images, unit="image")
     for k, name in enumerate(names):
         records.images.append(os.path.join(args.images, name))
@@ -96,6 +100,14 @@ def read_images(args: argparse.Namespace) -> Any:
         records.groups.append(None)
         records.lines.append(k)
     return records
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # os.listdir's surrogate escapes of bytes that are not UTF-8
+        return False
+    return True
 
 
 def check_out_and_run_dirs(out: str, run_dir: str) -> None:

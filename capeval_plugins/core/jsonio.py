@@ -15,6 +15,7 @@ is a :class:`JSONLinesError` naming the file and line.
 from __future__ import annotations
 
 import json
+import sys
 from typing import IO, Any
 
 
@@ -51,12 +52,17 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def loads(text: str | bytes) -> Any:
-    """``json.loads``, but an object naming a key twice is a :class:`RepeatedKeyError` and a document nested past
-    the recursion limit a ``json.JSONDecodeError`` (both ``JSONDecodeError``: every reader names its file)."""
+    """``json.loads``, but an object naming a key twice is a :class:`RepeatedKeyError`, and a document nested past
+    the recursion limit or holding an integer past Python's digit limit a ``json.JSONDecodeError`` (all
+    ``JSONDecodeError``: every reader names its file)."""
     try:
         return json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply to read", "", 0) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as err:  # an integer past Python's digit limit (4,300): int() refuses it mid-parse
+        raise json.JSONDecodeError(f"an integer of more than {sys.get_int_max_str_digits():,} digits", "", 0) from None
 
 
 def load(file: IO) -> Any:
