@@ -299,11 +299,13 @@ def image_identity(key: Any, image: Any) -> bytes:
     """What makes two images the same one in any process: a file's resolved path, encoded bytes' hash, or
     for an image given in memory (known here only by object identity) its decoded pixels."""
     if _in_memory(key):
-        return b"pixels:" + _pixels(image)
+        return b"pixels:" + pixel_digest(image)
     return repr(key).encode()
 
 
-def _pixels(image: Any) -> bytes:
+def pixel_digest(image: Any) -> bytes:
+    """The digest of an image given in memory (PIL, a numpy array or a tensor, or a video's frames) by its
+    pixels, their type and shape: the same image in any form, batch or process gives the same one."""
     import xxhash
 
     h = xxhash.xxh3_128()

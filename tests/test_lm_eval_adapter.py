@@ -305,3 +305,21 @@ def test_capeval_lm_eval_help_and_a_missing_caption_file_are_one_liners(tmp_path
     assert no_metadata.returncode == 2 and "Traceback" not in no_metadata.stderr
     assert no_metadata.stderr.strip().splitlines()[-1].startswith("capeval-lm-eval: error: capeval_caption needs a "
                                                                   "caption file: --metadata")
+
+
+def test_aggregate_scores_images_in_every_form_the_core_takes(tiny_clip):
+    """Its corpus key read any object with ``tobytes`` and ``size`` as a PIL image: numpy images raised
+    AttributeError; the key is now the contract's pixel digest, one for every form of one image."""
+    import numpy as np
+    import torch
+
+    from capeval_plugins.lm_eval import CaptionItem, aggregate
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, (30, 30, 3), dtype=np.uint8) for _ in range(3)]
+    cands, refs = ["a dog runs", "a cat sits", "a red car"], [["a dog"], ["a cat"], ["a car"]]
+    direct = capeval_plugins.load("refclipscore", model=tiny_clip)(arrays, cands, refs).score
+    for images in (arrays, [torch.from_numpy(a) for a in arrays]):
+        got = aggregate("refclipscore", [CaptionItem(im, c, r) for im, c, r in zip(images, cands, refs)],
+                        model=tiny_clip)
+        assert got == pytest.approx(direct, abs=1e-6)

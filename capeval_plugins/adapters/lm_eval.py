@@ -74,11 +74,9 @@ def _image_key(image: Any) -> Any:
     """A path as itself; an image given decoded by its pixels (items gathered from other ranks are copies)."""
     if image is None or isinstance(image, str):
         return image
-    if hasattr(image, "tobytes") and hasattr(image, "size"):
-        import xxhash
+    from capeval_plugins.image_sources import pixel_digest
 
-        return ("pixels", image.mode, tuple(image.size), xxhash.xxh3_128_hexdigest(image.tobytes()))
-    return ("object", id(image))
+    return ("pixels", pixel_digest(image))  # PIL, numpy, tensors: the contract's one identity of an image
 
 
 def _options_key(options: Mapping[str, Any] | tuple) -> str:
