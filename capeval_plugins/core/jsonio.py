@@ -61,7 +61,7 @@ def loads(text: str | bytes) -> Any:
         raise json.JSONDecodeError("nested too deeply to read", "", 0) from None
     except json.JSONDecodeError:
         raise
-    except ValueError as err:  # an integer past Python's digit limit (4,300): int() refuses it mid-parse
+    except ValueError:  # an integer past Python's digit limit (4,300): int() refuses it mid-parse
         raise json.JSONDecodeError(f"an integer of more than {sys.get_int_max_str_digits():,} digits", "", 0) from None
 
 
