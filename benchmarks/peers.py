@@ -10,7 +10,7 @@ distinct crop of one of seven real photos (scikit-image's astronaut, chelsea, co
 camera; matplotlib's grace_hopper), cycled. Parts (each skipped with a message when its data or peer is
 missing):
 
-  clipscore  capeval `clipscore` with w=100 and no prompt (torchmetrics' definition, 100 cos) against
+  clipscore  capeval `clipscore` with w=100, no prompt and the processor (torchmetrics' definition, 100 cos) against
              torchmetrics' CLIPScore (updates of --batch-size rows), same model and image tensors.
   coco       `capeval score -m bleu4 -m meteor -m rouge_l -m cider` against pycocoevalcap's own loop as
              COCOEvalCap.evaluate runs it (PTB-tokenise references, then candidates, then each scorer), each side
@@ -184,7 +184,8 @@ def clipscore_part(args, models: "Models") -> None:
     images, captions = row_images(pairs, PHOTO_SIDE, as_tensor=True), pairs.candidates
     theirs = TMCLIPScore(model_name_or_path=lambda: torchmetrics_clip(clip, processor))
     seen = recorded_torchmetrics_scores()
-    ours = capeval_plugins.load("clipscore", model=model, w=100.0, prefix="", batch_size=args.batch_size)
+    ours = capeval_plugins.load("clipscore", model=model, w=100.0, prefix="", preprocessing="transformers",
+                                batch_size=args.batch_size)
 
     def peer():
         seen.clear()

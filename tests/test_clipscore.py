@@ -50,7 +50,7 @@ def plain_refclipscore(model, processor, image, caption, refs, w=2.5):
 
 def test_clipscore_equals_a_plain_per_sample_loop(tiny_clip, images):
     model, processor = plain_clip(tiny_clip)
-    result = capeval_plugins.load("clipscore", model=tiny_clip)(images, CAPTIONS)
+    result = capeval_plugins.load("clipscore", model=tiny_clip, preprocessing="transformers")(images, CAPTIONS)
     expected = [plain_clipscore(model, processor, img, cap) for img, cap in zip(images, CAPTIONS)]
     assert result.scores.tolist() == pytest.approx(expected, abs=1e-5)
     assert result.score == pytest.approx(np.mean(expected), abs=1e-5)
@@ -60,9 +60,10 @@ def test_clipscore_equals_a_plain_per_sample_loop(tiny_clip, images):
 def test_refclipscore_equals_a_plain_loop(tiny_clip, images):
     model, processor = plain_clip(tiny_clip)
     expected = [plain_refclipscore(model, processor, *row) for row in zip(images, CAPTIONS, REFERENCES)]
-    ref = capeval_plugins.load("refclipscore", model=tiny_clip)(images, CAPTIONS, REFERENCES)
+    ref = capeval_plugins.load("refclipscore", model=tiny_clip, preprocessing="transformers")(images, CAPTIONS, REFERENCES)
     assert ref.scores.tolist() == pytest.approx(expected, abs=1e-5)
-    both = capeval_plugins.load("clipscore", model=tiny_clip, reference_extras=True)(images, CAPTIONS, REFERENCES)
+    both = capeval_plugins.load("clipscore", model=tiny_clip, reference_extras=True, preprocessing="transformers")(
+        images, CAPTIONS, REFERENCES)
     assert both.extras["refclipscore"].tolist() == pytest.approx(expected, abs=1e-5)
     assert both.corpus_extras["mean_refclipscore"] == pytest.approx(np.mean(expected), abs=1e-5)
 
@@ -70,6 +71,7 @@ def test_refclipscore_equals_a_plain_loop(tiny_clip, images):
 def test_reference_options_follow_their_definition(tiny_clip, images):
     model, processor = plain_clip(tiny_clip)
     result = capeval_plugins.load("clipscore", model=tiny_clip, prefix_references=False, clamp_reference=False,
+                                  preprocessing="transformers",
                                   reference_extras=True)(images, CAPTIONS, REFERENCES)
     for i, (cap, refs) in enumerate(zip(CAPTIONS, REFERENCES)):
         cand = plain_embed_text(model, processor, "A photo depicts " + cap)
@@ -105,7 +107,8 @@ def test_agrees_with_torchmetrics_clipscore(tiny_clip, images):
     theirs = TMCLIPScore(model_name_or_path=load)
     theirs.update(tensors, CAPTIONS)
     per_sample, _ = _clip_score_update(tensors, CAPTIONS, *load())
-    ours = capeval_plugins.load("clipscore", model=tiny_clip, w=100.0, prefix="")(tensors, CAPTIONS)
+    ours = capeval_plugins.load("clipscore", model=tiny_clip, w=100.0, prefix="", preprocessing="transformers")(
+        tensors, CAPTIONS)
     assert (100 * ours.extras["cosine"]).tolist() == pytest.approx(per_sample.tolist(), abs=1e-3)
     assert ours.scores.tolist() == pytest.approx(per_sample.clamp_min(0).tolist(), abs=1e-3)
     assert max(100 * ours.extras["cosine"].mean().item(), 0.0) == pytest.approx(float(theirs.compute()), abs=1e-3)
@@ -133,7 +136,8 @@ def test_agrees_with_torchmetrics_clipscore_on_flickr8k_expert_and_real_photos(t
     for start in range(0, len(captions), 64):
         theirs.update(tensors[start:start + 64], captions[start:start + 64])
     per_sample = torch.cat([score for score, _ in per_sample]).double()
-    ours = capeval_plugins.load("clipscore", model=tiny_clip, w=100.0, prefix="", batch_size=64)(tensors, captions)
+    ours = capeval_plugins.load("clipscore", model=tiny_clip, w=100.0, prefix="", batch_size=64,
+                                preprocessing="transformers")(tensors, captions)
     cos100 = 100 * ours.extras["cosine"].double()
     assert cos100.tolist() == pytest.approx(per_sample.tolist(), abs=1e-4)
     assert float(cos100.std()) > 1.0  # the scores spread: agreement is not of near-constant values
@@ -174,7 +178,7 @@ def test_long_caption_truncated_keeping_end_of_text_and_warned_once(tiny_clip):
 def test_the_same_model_is_loaded_once(tiny_clip):
     a = capeval_plugins.load("clipscore", model=tiny_clip)
     b = capeval_plugins.load("refclipscore", model=tiny_clip, w=1.0)
-    assert a.encoder.model is b.encoder.model
+    assert a.encoder.clip.model is b.encoder.clip.model
 
 
 def test_references_are_not_encoded_unless_their_extras_are_asked_for(tiny_clip, images, monkeypatch):
@@ -239,11 +243,11 @@ def test_int8_and_compile_change_a_model_of_their_own(tiny_clip, images, tmp_pat
     plain = capeval_plugins.load("clipscore", model=tiny_clip)
     before = plain(images, CAPTIONS).scores
     int8 = capeval_plugins.load("clipscore", model=tiny_clip, quantize="int8")
-    assert int8.encoder.model is not plain.encoder.model
-    linears = [m for m in plain.encoder.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert int8.encoder.clip.model is not plain.encoder.clip.model
+    linears = [m for m in plain.encoder.clip.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(m.weight.dtype == torch.float32 for m in linears)
-    quantized = [m for m in int8.encoder.model.modules() if "quantized" in type(m).__module__]
-    assert quantized and not any(type(m) is torch.nn.Linear for m in int8.encoder.model.modules())
+    quantized = [m for m in int8.encoder.clip.model.modules() if "quantized" in type(m).__module__]
+    assert quantized and not any(type(m) is torch.nn.Linear for m in int8.encoder.clip.model.modules())
     assert torch.isfinite(int8(images, CAPTIONS).scores).all()
     assert plain(images, CAPTIONS).scores.tolist() == before.tolist()
 
@@ -301,11 +305,11 @@ def test_sentence_average_equals_a_plain_per_sentence_loop(tiny_clip):
                 for img, cap in zip(pictures, LONG_CAPTIONS)]
     refs = [["a dog."]] * len(LONG_CAPTIONS)
     for batch_size in (2, 16):
-        result = capeval_plugins.load("clipscore", model=tiny_clip, sentence_average=True, batch_size=batch_size)(
-            pictures, LONG_CAPTIONS, refs)
+        result = capeval_plugins.load("clipscore", model=tiny_clip, sentence_average=True, batch_size=batch_size,
+                                      preprocessing="transformers")(pictures, LONG_CAPTIONS, refs)
         assert result.scores.tolist() == pytest.approx(expected, abs=1e-5)
         assert "refclipscore" not in result.extras and "reference_similarity" not in result.extras
-    whole = capeval_plugins.load("clipscore", model=tiny_clip)(pictures, LONG_CAPTIONS)
+    whole = capeval_plugins.load("clipscore", model=tiny_clip, preprocessing="transformers")(pictures, LONG_CAPTIONS)
     assert whole.scores[1].item() == pytest.approx(expected[1], abs=1e-5)  # one sentence: the plain score
     assert not np.allclose(whole.scores.numpy()[[0, 3]], np.asarray(expected)[[0, 3]], atol=1e-4)
 

@@ -89,6 +89,28 @@ def released(tmp_path_factory, modules):
     return out
 
 
+def test_clipscore_and_refclipscore_equal_the_official_clipscore_code(released, modules, corpus):
+    """jmhessel/clipscore feeds OpenAI's CLIP through clip.load's transform and clip.tokenize: a centre crop at
+    round((extent - size) / 2) (transformers' processor floors it: one pixel off at 640x427) and ftfy with HTML
+    entities unescaped twice ("“quoted”", "&amp;", "ﬁ" were other tokens). PAC-S's formula at w = 2.5 is
+    CLIP-S; its reference term, unclamped, is the official code's RefCLIP-S."""
+    images, candidates, references = corpus
+    images = images + [random_image(11, size=(61, 35)), random_image(12, size=(640, 427))]
+    candidates = candidates + AWKWARD[:2]
+    references = references + [AWKWARD[2:], AWKWARD[:1]]
+    source, folder = released["pacs"]
+    model = official_code.openai_clip(modules, torch.load(source, weights_only=True)["state_dict"])
+    clip_s, refclip_s = official_pacs(model, modules, images, candidates, references, OPENAI_MEAN, OPENAI_STD, w=2.5)
+    ours = capeval_plugins.load("clipscore", model=folder, reference_extras=True, clamp_reference=False,
+                                batch_size=5)(images, candidates, references)
+    np.testing.assert_allclose(ours.scores.numpy(), clip_s, atol=2e-5)
+    np.testing.assert_allclose(ours.extras["refclipscore"].numpy(), refclip_s, atol=2e-5)
+    ref = capeval_plugins.load("refclipscore", model=folder, clamp_reference=False)(images, candidates, references)
+    np.testing.assert_allclose(ref.scores.numpy(), refclip_s, atol=2e-5)
+    processor = capeval_plugins.load("clipscore", model=folder, preprocessing="transformers")(images, candidates)
+    assert np.abs(processor.scores.numpy() - clip_s).max() > 1e-3  # the processor's numbers are torchmetrics'
+
+
 @pytest.mark.parametrize("kind", ["pacs", "open_clip"])
 def test_pacs_and_refpacs_equal_the_official_code(released, modules, corpus, kind):
     images, candidates, references = corpus
@@ -212,8 +234,8 @@ def test_pacscore_and_clipscore_on_one_checkpoint_share_the_model(tiny_root):
     folder = str(tiny_checkpoint("pacs", root=tiny_root))
     pacs = capeval_plugins.load("pacscore", model=folder)
     clip = capeval_plugins.load("clipscore", model=folder)
-    assert pacs.encoder.clip is clip.encoder
-    assert pacs.encoder.clip.model is clip.encoder.model
+    assert pacs.encoder is clip.encoder  # CLIPScore feeds an OpenAI CLIP as the official code does, as PAC-S
+    assert pacs.encoder.clip.model is capeval_plugins.load("clipscore", model=folder, preprocessing="transformers").encoder.model
 
 
 def test_a_pickle_that_would_run_code_is_refused_without_running_it(tmp_path):

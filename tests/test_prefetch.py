@@ -24,29 +24,34 @@ def files_of(tmp_path, count: int) -> list[str]:
     return paths
 
 
-def test_prefetching_changes_no_score_and_runs_ahead(tmp_path, tiny_clip, monkeypatch):
+@pytest.mark.parametrize("preprocessing", ["official", "transformers"])
+def test_prefetching_changes_no_score_and_runs_ahead(tmp_path, tiny_clip, monkeypatch, preprocessing):
+    from capeval_plugins.models.encoders.openai_clip import OfficialClip
+
     paths = files_of(tmp_path, 6)
     captions = [f"a photo number {k} of something" for k in range(12)]
     images = [paths[k // 2] for k in range(12)]
     threads: list[str] = []
-    real = ClipEncoder.pixel_values
+    feed = OfficialClip if preprocessing == "official" else ClipEncoder
+    real = feed.pixel_values
 
     def spy(self, batch):
         threads.append(threading.current_thread().name)
         return real(self, batch)
 
-    monkeypatch.setattr(ClipEncoder, "pixel_values", spy)
-    monkeypatch.setattr(ClipEncoder, "preprocess", spy)
+    monkeypatch.setattr(feed, "pixel_values", spy)
+    monkeypatch.setattr(feed, "preprocess", spy)
     results = {}
     for flag in ("0", "1"):
         monkeypatch.setenv(prefetch.ENV, flag)
-        ClipEncoder.shared(EncoderSpec(tiny_clip)).pixels.clear()
-        metrics = {"clipscore": capeval_plugins.load("clipscore", model=tiny_clip, batch_size=4),
-                   "refclipscore": capeval_plugins.load("refclipscore", model=tiny_clip, batch_size=4)}
+        options = {"model": tiny_clip, "batch_size": 4, "preprocessing": preprocessing}
+        metrics = {"clipscore": capeval_plugins.load("clipscore", **options),
+                   "refclipscore": capeval_plugins.load("refclipscore", **options)}
+        metrics["clipscore"].encoder.pixels.clear()
         results[flag] = runner.score_many(metrics, images, captions, [[c] for c in captions[::-1]])
     for name in results["0"]:  # bit-equal: the same pixels reach the same model
         assert torch.equal(results["0"][name].scores, results["1"][name].scores)
-    assert any(t.startswith("capeval-prefetch") for t in threads)  # the processor ran ahead, in its thread
+    assert any(t.startswith("capeval-prefetch") for t in threads)  # the pixels were made ahead, in its thread
 
 
 def test_prefetched_pixels_are_the_processors(tiny_clip):

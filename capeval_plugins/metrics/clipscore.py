@@ -22,6 +22,7 @@ from capeval_plugins.core.clip_score import (best_reference_similarity, clip_s, 
                                              harmonic_mean, segment_mean)
 from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 from capeval_plugins.models.encoders.clip import dual_encoder_problem
+from capeval_plugins.models.encoders.openai_clip import OfficialClip
 
 CITATION = """@inproceedings{hessel2021clipscore,
   title     = {{CLIPScore}: A Reference-free Evaluation Metric for Image Captioning},
@@ -51,13 +52,23 @@ class CLIPScoreConfig(ModelConfig):
     # Long captions: the mean score over the candidate's sentences (CaptionEvalKit's --sentence-average), not the
     # whole caption truncated at the text encoder's limit. Image-text score only (no reference-based average).
     sentence_average: bool = False
+    # How images and texts become the model's inputs. "official": as the official code feeds OpenAI's CLIP
+    # (clip.load's transform: a centre crop at round((extent - size) / 2), where transformers' processor floors it,
+    # one pixel off at 640x427; clip.tokenize's ftfy fixes and HTML entities unescaped twice: "“red”", "&amp;" and
+    # "ﬁ" are other tokens without them), for a checkpoint of CLIP's architecture; another architecture (SigLIP)
+    # is fed by its own processor either way. "transformers": the checkpoint's processor and tokenizer as they
+    # are (torchmetrics' CLIPScore).
+    preprocessing: str = "official"
 
     def __post_init__(self) -> None:
         if self.quantize not in QUANTIZE:
             raise ValueError(f"clipscore: quantize must be one of {QUANTIZE}, got {self.quantize!r}")
+        if self.preprocessing not in PREPROCESSING:
+            raise ValueError(f"clipscore: preprocessing must be one of {PREPROCESSING}, got {self.preprocessing!r}")
 
 
 QUANTIZE = ("none", "int8")
+PREPROCESSING = ("official", "transformers")
 
 
 def with_prefix(prefix: str, text: str) -> str:
@@ -98,12 +109,19 @@ class CLIPScore(PointwiseMetric):
                              f"{self.info.name.removeprefix('ref')} with sentence_average=True")
 
     @property
-    def encoder(self) -> ClipEncoder:
+    def encoder(self) -> ClipEncoder | OfficialClip:
         cfg, spec = self.config, EncoderSpec.from_config(self.config)
+        key: tuple = ("ClipEncoder", spec)
         if cfg.quantize == "none" and not cfg.compile:
-            return ClipEncoder.shared(spec)
-        return loading.shared(("ClipEncoder", spec, cfg.quantize, cfg.compile),
-                              lambda: faster(ClipEncoder(spec, share=False), cfg.quantize, cfg.compile))
+            clip = ClipEncoder.shared(spec)
+        else:
+            key = ("ClipEncoder", spec, cfg.quantize, cfg.compile)
+            clip = loading.shared(key, lambda: faster(ClipEncoder(spec, share=False), cfg.quantize, cfg.compile))
+        if cfg.preprocessing != "official" or clip.model.config.model_type != "clip":
+            return clip
+        if len(key) == 2:
+            return OfficialClip.shared(spec)  # the one PAC-S of the same checkpoint uses
+        return loading.shared(("OfficialClip", key), lambda: OfficialClip(spec, clip))
 
     def uses_references(self) -> bool:
         # under sentence_average the reference extras are left out (NaN), so references are never read

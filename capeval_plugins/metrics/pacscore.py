@@ -64,6 +64,13 @@ class PACScoreConfig(CLIPScoreConfig):
     prefix_references: bool = True
     clamp_reference: bool = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # PAC-S runs its CLIP as the official code does, always: CLIPScore's other choices would be ignored
+        if self.preprocessing != "official" or self.quantize != "none" or self.compile:
+            raise ValueError("pacscore: preprocessing, quantize and compile are CLIPScore's options; PAC-S feeds its "
+                             "CLIP as its official code does (preprocessing='official', no quantize, no compile)")
+
 
 @dataclass
 class PACScorePPConfig(PACScoreConfig):

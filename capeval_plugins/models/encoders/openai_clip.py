@@ -27,6 +27,7 @@ from torch import Tensor
 
 from capeval_plugins.resources import loading
 from capeval_plugins.files import paths
+from capeval_plugins.core import shared_results
 from capeval_plugins.models.encoders.clip import ClipEncoder
 from capeval_plugins.models.encoders.common import EncoderSpec, pooled
 
@@ -90,14 +91,15 @@ class OfficialClip:
     mean and standard deviation are the checkpoint's image processor's (its ``crop_size``, ``image_mean``,
     ``image_std``); the resize, crop and text cleaning are the official code's."""
 
-    def __init__(self, spec: EncoderSpec):
-        self.clip = ClipEncoder.shared(spec)
+    def __init__(self, spec: EncoderSpec, clip: ClipEncoder | None = None):
+        self.clip = clip if clip is not None else ClipEncoder.shared(spec)  # (a quantized or compiled copy: given)
         processor = self.clip.processor.image_processor
         crop = getattr(processor, "crop_size", None) or {}
         self.size = int(crop.get("height", 0) or crop.get("shortest_edge", 0)
                         or self.clip.model.config.vision_config.image_size)
         self.mean = tuple(float(x) for x in processor.image_mean)
         self.std = tuple(float(x) for x in processor.image_std)
+        self.pixels = shared_results.Results()  # the latest images' pixels, by content (prefetch, then the batch)
 
     @classmethod
     def shared(cls, spec: EncoderSpec) -> "OfficialClip":
@@ -107,10 +109,24 @@ class OfficialClip:
     def device(self) -> torch.device:
         return self.clip.device
 
+    @property
+    def model(self):
+        """The transformers model both feeds share (one load)."""
+        return self.clip.model
+
+    def pixel_values(self, images: Sequence[Image.Image]) -> Tensor:
+        """:func:`official_pixels` of ``images``, kept by content: what the runner's prefetch thread prepared for a
+        batch (:meth:`preprocess`) is not computed again."""
+        images = list(images)
+        return self.pixels.get(shared_results.digest("official-pixels", images),
+                               lambda: official_pixels(images, self.size, self.mean, self.std))
+
+    preprocess = pixel_values  # what capeval_plugins.prefetch runs ahead for the next batch
+
     @torch.inference_mode()
     def image_features(self, images: Sequence[Image.Image]) -> Tensor:
         """(B, D) float32 image embeddings (``encode_image``), not normalised."""
-        pixels = official_pixels(images, self.size, self.mean, self.std)
+        pixels = self.pixel_values(images)
         feats = pooled(self.clip.model.get_image_features(pixel_values=pixels.to(self.device, self.clip.dtype)))
         return feats.float().to(self.device)
 
