@@ -869,7 +869,7 @@ def test_evaluate_module_and_a_diagnostics_png_refuse_links(tmp_path):
 
 DEEP = "[" * 100_000 + "]" * 100_000
 HUGE = "9" * 5000  # past Python's 4,300-digit limit for int(): json raised a bare ValueError mid-parse
-HOSTILE = {"nested": (DEEP, "nested too deeply"), "huge integer": (HUGE, "an integer of more than")}
+HOSTILE = {"nested": (DEEP, "nested too deeply"), "huge integer": (HUGE, "an integer of more digits than Python reads")}
 
 
 def _deep_files(tmp_path: Path, doc: str = DEEP) -> dict[str, tuple[object, type]]:

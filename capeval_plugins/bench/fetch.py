@@ -276,8 +276,8 @@ def _fetch(claim: files.Claim, root: Path, benchmark: str, source: Source, resum
     if progress:
         print(f"fetching {benchmark} from {source.describe()} at {origin['revision'][:12]} "
               f"({len(origin['files'])} files, {size / 1e6:.1f} MB) into {root / benchmark}", file=sys.stderr)
-    raw = [_download(claim, benchmark, "raw", source, origin, entry) for entry in origin["files"]]
-    labels = [_download(claim, benchmark, "labels", source.corrections, fixes, entry)
+    raw = [_download(claim, benchmark, "raw", source, origin, entry, progress) for entry in origin["files"]]
+    labels = [_download(claim, benchmark, "labels", source.corrections, fixes, entry, progress)
               for entry in (fixes["files"] if fixes else [])]
     if source.layout == "raw":
         contents = {name: _digest(claim, name) for name in raw}
@@ -336,7 +336,8 @@ def _listing(api: Any, source: Source) -> dict:
                       for e in entries]}
 
 
-def _download(claim: files.Claim, benchmark: str, kind: str, source: Source, origin: dict, entry: dict) -> str:
+def _download(claim: files.Claim, benchmark: str, kind: str, source: Source, origin: dict, entry: dict,
+              progress: bool = True) -> str:
     """One file of ``origin`` into ``<benchmark>/<kind>/`` (:func:`capeval_plugins.resources.downloads.download`: resumed where
     an interrupted download stopped, checked against the digest the listing gave, then renamed into place)."""
     from huggingface_hub import hf_hub_url
@@ -347,7 +348,8 @@ def _download(claim: files.Claim, benchmark: str, kind: str, source: Source, ori
     try:
         # no expected size for the transfer: a file of another size is refused below, as changed
         return downloads.download(claim, f"{benchmark}/{kind}", entry["path"].replace("/", "--"), url, _expected(entry),
-                                  headers=build_hf_headers(), display=PurePosixPath(entry["path"]).name)
+                                  headers=build_hf_headers(), display=PurePosixPath(entry["path"]).name,
+                                  progress=progress)
     except downloads.DownloadError as err:
         if err.kind in ("failed", "short"):  # what was downloaded is kept: the next run resumes it
             raise FetchError(_failed(benchmark, source, err)) from None

@@ -15,7 +15,6 @@ is a :class:`JSONLinesError` naming the file and line.
 from __future__ import annotations
 
 import json
-import sys
 from typing import IO, Any
 
 
@@ -62,7 +61,7 @@ def loads(text: str | bytes) -> Any:
     except json.JSONDecodeError:
         raise
     except ValueError:  # an integer past Python's digit limit (4,300): int() refuses it mid-parse
-        raise json.JSONDecodeError(f"an integer of more than {sys.get_int_max_str_digits():,} digits", "", 0) from None
+        raise json.JSONDecodeError("an integer of more digits than Python reads (4,300 unless configured)", "", 0) from None
 
 
 def load(file: IO) -> Any:

@@ -125,8 +125,10 @@ def guarded_redirects(url: str) -> Iterator[list[str]]:
 @contextlib.contextmanager
 def progress_bars(show: bool) -> Iterator[None]:
     """``huggingface_hub``'s progress bars on or off for the block (as they were before, after it)."""
+    from huggingface_hub import constants
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
+    show = show and constants.HF_HUB_DISABLE_PROGRESS_BARS is not True  # the variable (--quiet) has priority
     was_disabled = are_progress_bars_disabled()
     if show == was_disabled:
         (enable_progress_bars if show else disable_progress_bars)()
