@@ -18,8 +18,8 @@ scoring, writing the output):
                  ``CLIPScore`` updated with ``--batch-size`` rows at a time (one image tensor per row), its
                  per-sample 100 cos recorded as it computes them (its model wrapped only to unwrap transformers
                  5's output objects)
-  capeval        ``capeval score -m clipscore -o w=100 -o prefix= -o preprocessing=transformers`` (torchmetrics' definition: 100 cos, no
-                 prompt) on the caption file, ``--out`` a JSON Lines file (a resumable run: its run folder,
+  capeval        ``capeval score -m clipscore -o w=100 -o prefix= -o preprocessing=transformers`` (torchmetrics'
+                 definition: 100 cos, no prompt, the checkpoint's processor) on the caption file, ``--out`` a JSON Lines file (a resumable run: its run folder,
                  checkpoints and fingerprint included)
   capeval-bf16, capeval-int8, capeval-compile
                  the same with ``--dtype bfloat16``, ``-o quantize=int8``, ``-o compile=true``
@@ -125,8 +125,8 @@ def command(side: str, args, model: str, captions: Path, folder: Path, out: Path
     if side == "torchmetrics":
         return [sys.executable, str(folder / "torchmetrics_clipscore.py"), model, str(captions), str(folder),
                 str(args.batch_size), str(out)]
-    return [sys.executable, "-m", "capeval_plugins.cli", "score", "-m", "clipscore", "-o", "w=100", "-o", "prefix=", "-o", "preprocessing=transformers",
-            "--model", model, "--captions", str(captions), "--images", str(folder), "--batch-size",
+    return [sys.executable, "-m", "capeval_plugins.cli", "score", "-m", "clipscore", "-o", "w=100", "-o", "prefix=",
+            "-o", "preprocessing=transformers", "--model", model, "--captions", str(captions), "--images", str(folder), "--batch-size",
             str(args.batch_size), "--out", str(out), "--quiet", *CAPEVAL_SIDES[side]]
 
 

@@ -248,9 +248,9 @@ def shared(key: Hashable, factory: Callable[[], Any], sources: tuple[str | os.Pa
         held = _cache.get(key)
         if held is not None and held[0] != stamp:
             del _cache[key]  # freed before the new one is built
-            warn_once(("reloaded", _named(sources, key), stamp), f"the files of {_named(sources, key)} changed since this process "
-                      "loaded them: loaded again (checked whole); scores before and after come from different "
-                      "weights")
+            named = _named(sources, key)
+            warn_once(("reloaded", named, stamp), f"the files of {named} changed since this process loaded them: "
+                      "loaded again (checked whole); scores before and after come from different weights")
         if key not in _cache:
             _cache[key] = (stamp, factory())
         return _cache[key][1]
