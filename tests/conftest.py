@@ -299,22 +299,32 @@ LARGE_PHOTO_CAPTIONS = ["a portrait of a woman in a naval uniform", "a strip of 
 
 
 def reference_clip_cosines(model: str, images: list, captions: list[str],
-                           prefix: str = "A photo depicts ") -> np.ndarray:
-    """CLIPScore's cosine computed without capeval: the model's own processor on each image exactly as given
-    (a path is opened and converted to RGB, nothing else), one forward pass per image and per text."""
+                           prefix: str = "A photo depicts ", official: bool = True) -> np.ndarray:
+    """CLIPScore's cosine computed without capeval's pipeline, one forward pass per image and per text, each image
+    exactly as given (a path is opened and converted to RGB, nothing else). ``official``: fed as the official
+    code feeds OpenAI's CLIP (clip.load's transform, written out in capeval_plugins.testing.official_code, and
+    clip.tokenize's cleaning), CLIPScore's default; else the model's own processor and tokenizer."""
     import torch
     from transformers import CLIPModel, CLIPProcessor
 
+    from capeval_plugins.models.encoders.openai_clip import clean_text
+    from capeval_plugins.testing.official_code import torchvision_transform
+
     clip, processor = CLIPModel.from_pretrained(model).eval(), CLIPProcessor.from_pretrained(model)
+    crop = processor.image_processor.crop_size["height"]
+    transform = torchvision_transform(crop, processor.image_processor.image_mean, processor.image_processor.image_std)
     out = []
     with torch.inference_mode():
         for image, caption in zip(images, captions):
             if not isinstance(image, Image.Image):
                 with Image.open(image) as opened:
                     image = opened.convert("RGB")
-            pixels = processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+            if official:
+                pixels, text = transform(image)[None], clean_text(prefix + caption)
+            else:
+                pixels, text = processor.image_processor(images=[image], return_tensors="pt")["pixel_values"], prefix + caption
             image_feats = clip.get_image_features(pixel_values=pixels)
-            text_feats = clip.get_text_features(**processor.tokenizer([prefix + caption], return_tensors="pt"))
+            text_feats = clip.get_text_features(**processor.tokenizer([text], return_tensors="pt"))
             image_feats, text_feats = (getattr(f, "pooler_output", f) for f in (image_feats, text_feats))
             out.append(float(torch.nn.functional.cosine_similarity(image_feats, text_feats)[0]))
     return np.asarray(out)

@@ -36,7 +36,9 @@ def padded_references(flat, references):
 def test_clip_score_and_ref_clip_score_equal_the_metrics(tiny_clip, images):
     from capeval_plugins.metrics.clipscore import with_prefix
 
-    enc = ClipEncoder.shared(EncoderSpec(tiny_clip))
+    from capeval_plugins.models.encoders.openai_clip import OfficialClip
+
+    enc = OfficialClip.shared(EncoderSpec(tiny_clip))  # the features CLIPScore computes (the official code's inputs)
     prefixed = lambda texts: enc.encode_texts([with_prefix("A photo depicts", t) for t in texts])  # noqa: E731
     image, text = enc.encode_images(images), prefixed(CAPTIONS)
     refs, mask = padded_references(prefixed([r for refs in REFERENCES for r in refs]), REFERENCES)

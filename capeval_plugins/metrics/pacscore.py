@@ -68,8 +68,9 @@ class PACScoreConfig(CLIPScoreConfig):
         super().__post_init__()
         # PAC-S runs its CLIP as the official code does, always: CLIPScore's other choices would be ignored
         if self.preprocessing != "official" or self.quantize != "none" or self.compile:
-            raise ValueError("pacscore: preprocessing, quantize and compile are CLIPScore's options; PAC-S feeds its "
-                             "CLIP as its official code does (preprocessing='official', no quantize, no compile)")
+            raise ValueError("PAC-S: preprocessing, quantize and compile are CLIPScore's options; PAC-S and PAC-S++ "
+                             "feed their CLIP as their official code does (preprocessing='official', no quantize, "
+                             "no compile)")
 
 
 @dataclass
