@@ -40,6 +40,7 @@ class Samples:
     images: list[ImageSource] | None = None
     references: list[list[str]] | None = None
     group_ids: list[int] | None = None
+    groups_from_images: bool = False  # group_ids made from the images (inputs.image_group_ids), not given
 
     def __len__(self) -> int:
         return len(self.candidates)
@@ -52,6 +53,7 @@ class Samples:
             images=pick(self.images),
             references=pick(self.references),
             group_ids=pick(self.group_ids),
+            groups_from_images=self.groups_from_images,
         )
 
 
@@ -151,7 +153,8 @@ def validate_samples(
     if groups is None and info.groups and sources is not None:
         groups = image_group_ids([s if s is not None else ImageSource("none", None, ("none", i), i)
                                   for i, s in zip(ids, sources)])
-    samples = Samples(candidates=cands, indices=ids, images=sources, references=refs, group_ids=groups)
+    samples = Samples(candidates=cands, indices=ids, images=sources, references=refs, group_ids=groups,
+                      groups_from_images=groups is not None and group_ids is None)
     if problems:
         bad = problems.by_index
         samples = samples.subset([p for p, i in enumerate(ids) if i not in bad])
@@ -441,6 +444,7 @@ def to_batch(samples: Samples, load: Callable[[ImageSource], Any] | None = None)
         image_index=image_index,
         references=samples.references,
         group_ids=groups,
+        groups_from_images=samples.groups_from_images,
     )
     identities = None if images is None else [image_identity(s.key, img) for s, img in zip(unique, images)]
     batch.digests = text_digests(batch, identities)

@@ -541,3 +541,17 @@ def test_coco_cf_preset_equals_the_official_loop(tiny_clip, pictures):
     hashed = capeval_plugins.load("soft_msd", model=tiny_clip, preset="coco-cf", draws="content")(
         images, captions, group_ids=groups)
     assert np.abs(hashed.extras["bi_kl"].numpy() - expected["bi_kl"]).max() > 1e-3
+
+
+def test_soft_msd_coco_cf_draws_are_seeded_by_the_sample_when_no_group_is_given(tiny_clip, pictures):
+    """The COCO-CF seeds are seed + 7 i with i the given group id, else the sample's id. Soft-MSD's groups made from
+    the images were taken as i: hashes salted per call for images in memory, so one corpus scored three times gave
+    three different results. With no groups given its draws are MSD-Score's (the same i), run after run."""
+    import capeval_plugins
+
+    images, captions = corpus(pictures)
+    soft = [capeval_plugins.load("soft_msd", model=tiny_clip, draws="coco-cf")(images, captions) for _ in range(3)]
+    assert all(torch.equal(soft[0].scores, other.scores) for other in soft[1:])
+    plain = capeval_plugins.load("msd_score", model=tiny_clip, draws="coco-cf")(images, captions)
+    for key in ("kl_image_text", "kl_text_image"):
+        torch.testing.assert_close(soft[0].extras[key], plain.extras[key], rtol=0, atol=1e-12)
