@@ -151,3 +151,14 @@ def test_a_hub_model_cached_only_when_it_loads_is_checked_then(tiny_clip, tmp_pa
     with pytest.raises(DataError, match="holds other files"):
         metric(images[:8], candidates[:8])
     assert len(hashed) == 1  # once, not again for each part of the batch split in search of a faulty sample
+
+
+def test_a_fit_of_other_pairs_is_refused_not_scored_under_another_name(tiny_clip, tmp_path):
+    """fit_pairs selects the pairs summed into a fit; with a saved fit it was accepted and ignored: the fit's own
+    pairs scored while the configuration said otherwise."""
+    fit = fit_on(tiny_clip, tmp_path / "fit.npz")
+    assert load_fit(fit).metadata["fit_pairs"] == "all_references"
+    capeval_plugins.load("mid", model=tiny_clip, reference_gaussian=fit, fit_pairs="all_references")
+    with pytest.raises(DataError, match=r"fitted on fit_pairs='all_references', but this metric selects "
+                                        r"'first_reference'; .*pass fit_pairs='all_references'"):
+        capeval_plugins.load("mid", model=tiny_clip, reference_gaussian=fit, fit_pairs="first_reference")

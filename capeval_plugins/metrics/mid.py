@@ -102,6 +102,10 @@ class MID(Metric):
         is checked by name only, with a warning. False when the model cannot be identified yet (a hub id not in
         the cache and not ``loaded``)."""
         saved = self._saved.metadata
+        fitted_pairs = saved.get("fit_pairs")
+        if isinstance(fitted_pairs, str) and fitted_pairs != self.config.fit_pairs:  # the fit's sums are its pairs'
+            self._refuse_fit(f"was fitted on fit_pairs={fitted_pairs!r}, but this metric selects "
+                             f"{self.config.fit_pairs!r}", f"pass fit_pairs={fitted_pairs!r}")
         if not isinstance(saved.get("model_digest"), str):
             self._warn_unverified("the fit records no digest of its model's files (saved by an older version)")
             return True
