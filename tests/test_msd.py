@@ -296,7 +296,9 @@ def test_a_caption_without_content_tokens_scores_on_its_boundary_tokens(tiny_cli
                                  {"long_captions": "chunk"}, {"em_dtype": "float16"}, {"tau": -1.0},
                                  {"em_update": "never"}, {"mixture": "student"}, {"kappa_mode": "learned"},
                                  {"kl_direction": "both"}, {"score_terms": "neither"}, {"gaussian_sigma": 0.0},
-                                 {"mixture": "gaussian", "kappa_mode": "adaptive"}])
+                                 {"mixture": "gaussian", "kappa_mode": "adaptive"},
+                                 # a setting only sizes the mixtures, which these presets fix: it changed nothing
+                                 {"setting": "long", "preset": "sugarcrepe"}, {"setting": "long", "preset": "coco-cf"}])
 def test_bad_options_are_refused(tiny_clip, bad):
     with pytest.raises(ValueError):
         capeval_plugins.load("soft_msd", model=tiny_clip, **bad)

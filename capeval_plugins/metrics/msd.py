@@ -481,6 +481,11 @@ def check_config(cfg: MSDConfig) -> None:
 
     need(cfg.setting in SETTINGS, f"setting must be one of {sorted(SETTINGS)}, got {cfg.setting!r}")
     need(cfg.preset in PRESETS, f"preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
+    fixed = PRESETS[cfg.preset]
+    # a setting only chooses the mixture sizes: under a preset that fixes them it would change nothing
+    need(cfg.setting == "short" or "k_image" not in fixed,
+         f"setting={cfg.setting!r} chooses the mixture sizes, which preset={cfg.preset!r} fixes (k_image="
+         f"{fixed.get('k_image')}, k_text={fixed.get('k_text')}); give k_image / k_text to change them")
     need(cfg.siglip_features in ("hidden", "head"), f"siglip_features must be 'hidden' or 'head', got {cfg.siglip_features!r}")
     need(cfg.global_pooling in ("model", "mean"), "global_pooling must be 'model' or 'mean'")
     need(cfg.long_captions in ("truncate", "error"), "long_captions must be 'truncate' or 'error'")
