@@ -193,6 +193,19 @@ def test_bad_options_are_refused(bad):
         capeval_plugins.load("redemption_score", **bad)
 
 
+@pytest.mark.parametrize("name", ["dino_cycle", "redemption_score"])
+@pytest.mark.parametrize("unused", [dict(steps=1), dict(seed=123), dict(image_size=16), dict(cache=False),
+                                    dict(generator_revision="main"), dict(cache_dir="/elsewhere")])
+def test_generator_options_beside_a_folder_of_generated_images_are_refused(name, unused, tmp_path):
+    """A folder of images made earlier replaces the generator: its options were accepted and changed nothing."""
+    with pytest.raises(ValueError, match=f"{next(iter(unused))}: options of the generator, which generated_images"):
+        capeval_plugins.load(name, generated_images=str(tmp_path), **unused)
+    capeval_plugins.load(name, generated_images=str(tmp_path))  # the folder alone
+    if "cache_dir" in unused:
+        with pytest.raises(ValueError, match="cache=False caches none"):
+            capeval_plugins.load(name, cache=False, **unused)
+
+
 @needs_bertscore
 def test_torchmetrics_batches_equal_one_call(models, folder, direct):
     from capeval_plugins.torchmetrics import RedemptionScore

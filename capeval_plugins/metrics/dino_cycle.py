@@ -9,6 +9,7 @@ runs; a folder of images generated earlier can replace the generator.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -76,6 +77,18 @@ class DinoCycleConfig(ModelConfig):
             raise ValueError(f"preprocessing must be one of {PREPROCESSINGS}, got {self.preprocessing!r}")
         if self.reference_choice not in REFERENCE_CHOICES:
             raise ValueError(f"reference_choice must be one of {REFERENCE_CHOICES}, got {self.reference_choice!r}")
+        unused = [name for name in GENERATION if getattr(self, name) != _DEFAULTS[name]] if self.generated_images else []
+        if unused:  # a folder of images made earlier replaces the generator: these would change nothing
+            raise ValueError(f"{', '.join(unused)}: options of the generator, which generated_images replaces (the "
+                             f"images are read from {self.generated_images}); drop them, or generate instead")
+        if self.cache_dir is not None and not self.cache:
+            raise ValueError("cache_dir is where generated images are cached, and cache=False caches none")
+
+
+# The options of the generator, which a folder of generated images replaces.
+GENERATION = ("generator", "cache", "cache_dir", "steps", "image_size", "guidance_scale", "seed", "seed_per_caption",
+              "generator_batch_size", "generator_dtype", "generator_revision")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DinoCycleConfig) if f.name in GENERATION}
 
 
 def build_generator(cfg: DinoCycleConfig) -> TextToImage:
