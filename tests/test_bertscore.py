@@ -112,6 +112,12 @@ def test_other_layer_equals_bert_score(tiny_deberta):
     expected = theirs(tiny_deberta, CANDIDATES, REFERENCES, num_layers=1)
     got, _ = ours(tiny_deberta, CANDIDATES, REFERENCES, num_layers=1)
     close(got, expected, 1e-5)
+    # the card's other spellings, refused by the option's bound (>= 1) before: -1 = the last block, 0 = the
+    # embeddings (bert_score's own num_layers=0 fails inside transformers 5's DeBERTa; hidden_state_at reads it)
+    close(ours(tiny_deberta, CANDIDATES, REFERENCES, num_layers=-1)[0],
+          ours(tiny_deberta, CANDIDATES, REFERENCES, num_layers=LAST_LAYER)[0], 0)
+    embeddings = ours(tiny_deberta, CANDIDATES, REFERENCES, num_layers=0)[0]
+    assert torch.isfinite(embeddings).all() and not torch.allclose(embeddings.double(), got.double(), atol=1e-3)
 
 
 def test_idf_references_equal_bert_scores_idf_dict(tiny_deberta):
@@ -237,6 +243,8 @@ def test_bad_options_are_refused(tiny_deberta):
         capeval_plugins.load("bertscore", model=tiny_deberta, multi_reference="min")
     with pytest.raises(ValueError, match="idf=True"):
         capeval_plugins.load("bertscore", model=tiny_deberta, idf_references=["a dog"])
+    with pytest.raises(ValueError, match="rescale_with_baseline=True"):  # it was accepted and changed nothing
+        capeval_plugins.load("bertscore", model=tiny_deberta, baseline_path="baseline.tsv")
     metric = capeval_plugins.load("bertscore", model=tiny_deberta, rescale_with_baseline=True)
     with pytest.raises(FileNotFoundError, match="baseline_path"):
         metric(None, CANDIDATES[:1], REFERENCES[:1])

@@ -56,7 +56,9 @@ class BERTScoreConfig(ModelConfig):
     # bert_score's default English model (lang="en").
     model: str = "roberta-large"
     # None: bert_score's layer for known models (roberta-large: 17; microsoft/deberta-v3-large: 12), else the last.
-    num_layers: int | None = bounded(None, ge=1)
+    # 0 = the embeddings, k = block k, negative from the end (-1 = the last block); a layer the model lacks is
+    # refused when it loads
+    num_layers: int | None = bounded(None, ge=-4096, le=4096)
     idf: bool = False
     # Sentences to count idf over instead of the corpus's references (bert_score's idf dict; fixed weights).
     idf_references: Sequence[str] | None = None
@@ -118,6 +120,9 @@ class BERTScore(Metric):
             raise ValueError(f"bertscore: prefix_space must be one of {PREFIX_SPACE}, got {cfg.prefix_space!r}")
         if cfg.idf_references is not None and not cfg.idf:
             raise ValueError("bertscore: idf_references is given but idf=False; set idf=True to use them")
+        if cfg.baseline_path is not None and not cfg.rescale_with_baseline:
+            raise ValueError("bertscore: baseline_path is given but rescale_with_baseline=False; set "
+                             "rescale_with_baseline=True to use it")
         if cfg.idf_references is not None and (isinstance(cfg.idf_references, str) or not cfg.idf_references):
             raise ValueError("bertscore: idf_references must be a non-empty list of sentences")
         self._baseline: Tensor | None = None
