@@ -12,6 +12,7 @@ import io
 import os
 import pickle
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -311,3 +312,18 @@ def test_converter_accounts_for_every_parameter(tmp_path):
         warnings.simplefilter("ignore")
         with pytest.raises(ConversionError, match="not empty"):
             convert_pacs(source, tmp_path / "out", "vit-b-32", str(bpe))
+
+
+def test_a_backbone_given_beside_a_folder_of_another_is_refused(tiny_root):
+    """With ``model`` given, the folder decides what runs: another ``backbone`` beside it changed nothing."""
+    import json as _json
+
+    from capeval_plugins.testing import tiny_checkpoint
+
+    folder = str(tiny_checkpoint("pacs", root=tiny_root))
+    recorded = _json.loads((Path(folder) / "conversion.json").read_text())["backbone"]
+    other = "open_clip-vit-l-14" if recorded != "open_clip-vit-l-14" else "vit-b-32"
+    images = [random_image(1, size=(40, 30))]
+    assert len(capeval_plugins.load("pacscore", model=folder, backbone=recorded)(images, ["a dog"]).scores) == 1
+    with pytest.raises(ValueError, match=f"holds {recorded} weights .*not backbone='{other}'"):
+        capeval_plugins.load("pacscore", model=folder, backbone=other)(images, ["a dog"])

@@ -13,6 +13,7 @@ its LoRA-tuned CLIP.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,18 +135,25 @@ class PACScore(CLIPScore):
         return OfficialClip.shared(EncoderSpec.from_config(self.config, model=folder))
 
     def _check_variant(self, folder: str) -> None:
-        """A folder `capeval convert pacs` wrote names its variant: PAC-S weights under pacscore_pp (or the
-        reverse) are refused."""
+        """A folder `capeval convert pacs` wrote names its variant and backbone: PAC-S weights under pacscore_pp
+        (or the reverse) are refused, and so is a ``backbone`` given beside ``model`` that the folder's is not
+        (the folder decides what runs: the option changed nothing)."""
         record = Path(folder) / "conversion.json"
         if not record.is_file():
             return
         try:
-            variant = json.loads(record.read_text()).get("variant")
-        except (OSError, ValueError):
+            found = json.loads(record.read_text())
+            variant, backbone = found.get("variant"), found.get("backbone")
+        except (OSError, ValueError, AttributeError):
             return
         if variant and variant != self.variant:
             raise ValueError(f"{self.info.name}: {folder} holds {variant} weights; use "
                              f"{'pacscore_pp' if variant == 'pacs_pp' else 'pacscore'}")
+        default = next(f.default for f in dataclasses.fields(self.Config) if f.name == "backbone")
+        if backbone and backbone != self.config.backbone and self.config.backbone != default:
+            raise ValueError(f"{self.info.name}: {folder} holds {backbone} weights (its conversion.json), not "
+                             f"backbone={self.config.backbone!r}; drop backbone (the folder decides) or give that "
+                             "backbone's folder")
 
     def combine(self, score: Tensor, reference_similarity: Tensor) -> Tensor:
         return official_harmonic_mean(score, reference_similarity)
