@@ -347,3 +347,18 @@ def test_the_installed_start_up_hook_is_this_trees():
     source = Path(hf_evaluate.__file__).with_name("evaluate_hook.py")
     assert Path(spec.origin).read_bytes() == source.read_bytes(), (
         f"{spec.origin} is not this tree's {source}: reinstall the package (make .venv/.installed)")
+
+
+def test_a_load_argument_named_like_a_metric_option_reaches_the_metric_or_says_why_not(tiny_clip, images, tmp_path):
+    """``evaluate.load(name, seed=3)`` set evaluate's seed and left the metric's at its default, without a word;
+    ``cache_dir`` is evaluate.load's own (the module's cache): the metric's goes to compute, and a warning says so."""
+    import evaluate
+
+    metric = evaluate.load("msd_score", model=tiny_clip, seed=3)
+    assert metric.capeval_metric.config.seed == 3
+    direct = capeval_plugins.load("msd_score", model=tiny_clip, seed=3)(images, CAPTIONS)
+    out = metric.compute(images=images, predictions=CAPTIONS)
+    assert out["scores"] == pytest.approx(direct.scores.tolist(), abs=1e-12)
+    with pytest.warns(UserWarning, match="cache_dir given to evaluate.load is evaluate's cache"):
+        module = evaluate.load("dino_cycle", cache_dir=str(tmp_path / "evaluate-cache"))
+    assert module.capeval_metric.config.cache_dir is None

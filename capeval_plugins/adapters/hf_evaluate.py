@@ -10,9 +10,11 @@ hook is ``evaluate.load(module_file("clipscore"))``.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -104,9 +106,23 @@ class CapevalEvaluationModule(evaluate.Metric):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = {k: kwargs.pop(k) for k in list(kwargs) if k not in EVALUATE_ARGS}
+        options.update(self._clashing_options(kwargs))
         self.capeval_metric = registry.load(self._capeval_name, **options)  # unknown options fail here
         self._capeval_options = options
         super().__init__(*args, **kwargs)
+
+    @classmethod
+    def _clashing_options(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Arguments of ``evaluate.load`` named like one of the metric's options: ``seed`` is the metric's too
+        (evaluate's own seeds the global generators around ``compute``, which capeval's metrics never read);
+        ``cache_dir`` stays evaluate's, with a warning that the metric's goes to ``compute``. Either reached
+        evaluate alone before, and the metric kept its default without a word."""
+        fields = {f.name for f in dataclasses.fields(registry.get(cls._capeval_name).cls.Config)}
+        given = {k: v for k, v in kwargs.items() if k in fields and v is not None}
+        if "cache_dir" in given:
+            warnings.warn(f"{cls._capeval_name}: cache_dir given to evaluate.load is evaluate's cache; the metric's "
+                          "own cache_dir goes to compute(cache_dir=...)", stacklevel=4)
+        return {k: v for k, v in given.items() if k == "seed"}
 
     def _info(self) -> evaluate.MetricInfo:
         entry = registry.get(self._capeval_name)
