@@ -57,8 +57,10 @@ def test_clip_score_and_ref_clip_score_equal_the_metrics(tiny_clip, images):
 
 @pytest.mark.parametrize("reduction", ["trace", "mean"])
 def test_mid_equals_the_metric(tiny_clip, reduction):
+    from capeval_plugins.models.encoders.openai_clip import fed
+
     images, candidates, references = mid_corpus()
-    enc = ClipEncoder.shared(EncoderSpec(tiny_clip))
+    enc = fed(EncoderSpec(tiny_clip), "official")  # the features MID computes (the official code's inputs)
     # As the metric encodes one batch of N <= batch_size samples: every text in one pass (float32 features are
     # then bit-identical; a fit on few pairs amplifies any difference in them).
     flat = [r for refs in references for r in refs]

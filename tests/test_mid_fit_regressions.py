@@ -22,8 +22,8 @@ from capeval_plugins.testing import build_tiny
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
 
 
-def fit_on(model: str, path) -> str:
-    capeval_plugins.load("mid", model=model).fit_reference(corpus()[0], corpus()[2], save_to=str(path))
+def fit_on(model: str, path, **options) -> str:
+    capeval_plugins.load("mid", model=model, **options).fit_reference(corpus()[0], corpus()[2], save_to=str(path))
     return str(path)
 
 
@@ -77,17 +77,25 @@ def test_the_same_files_under_another_path_are_accepted_without_a_warning(tiny_c
 
 def test_an_older_fit_without_the_digest_is_checked_by_name_and_says_it_cannot_be_verified(tiny_clip, expected,
                                                                                           tmp_path):
-    saved = load_fit(fit_on(tiny_clip, tmp_path / "fit.npz"))
-    old = tmp_path / "old.npz"  # the header this package wrote before the digest
+    fit = fit_on(tiny_clip, tmp_path / "fit.npz", preprocessing="transformers")  # inputs as older versions made
+    saved = load_fit(fit)
+    old = tmp_path / "old.npz"  # the header this package wrote before the digest (and before preprocessing)
     old.write_bytes(sums_to_bytes(saved.sums, saved.dim_x, model=tiny_clip, fit_pairs="all_references", n_skipped=0))
     other = tmp_path / "other"
     shutil.copytree(tiny_clip, other)
-    _, said = fit_warnings(lambda: capeval_plugins.load("mid", model=str(other), reference_gaussian=str(old)))
+    _, said = fit_warnings(lambda: capeval_plugins.load("mid", model=str(other), reference_gaussian=str(old),
+                                                        preprocessing="transformers"))
     assert len(said) == 1 and tiny_clip in said[0] and "cannot be verified" in said[0], said
-    same, said = fit_warnings(lambda: capeval_plugins.load("mid", model=tiny_clip, reference_gaussian=str(old)))
+    same, said = fit_warnings(lambda: capeval_plugins.load("mid", model=tiny_clip, reference_gaussian=str(old),
+                                                           preprocessing="transformers"))
     assert said == []
     images, candidates, _ = corpus()
-    assert same(images[:3], candidates[:3]).scores.tolist() == pytest.approx(expected[:3].tolist(), **TOL)
+    recorded = capeval_plugins.load("mid", model=tiny_clip, reference_gaussian=fit, preprocessing="transformers")
+    assert same(images[:3], candidates[:3]).scores.tolist() == pytest.approx(
+        recorded(images[:3], candidates[:3]).scores.tolist(), **TOL)
+    with pytest.raises(DataError, match="fed as preprocessing='transformers', but this metric feeds them as "
+                                        "'official'; .*pass preprocessing='transformers'"):
+        capeval_plugins.load("mid", model=tiny_clip, reference_gaussian=str(old))  # an older fit: the processor's
 
 
 def test_a_fit_of_float32_features_is_refused_for_bfloat16_ones(tiny_clip, tmp_path):

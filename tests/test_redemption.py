@@ -255,8 +255,8 @@ def test_every_option_of_every_part_is_an_option_of_the_composite_and_reaches_it
                      "seed", "seed_per_caption", "generator_batch_size", "generator_dtype", "generator_revision",
                      "reference_choice"),
             "bertscore": ()}
-    paper = {("mid", "covariance_eps"): 5e-4, ("bertscore", "model"): "microsoft/deberta-v3-large",
-             ("bertscore", "num_layers"): 12}
+    paper = {("mid", "covariance_eps"): 5e-4, ("mid", "preprocessing"): "transformers",
+             ("bertscore", "model"): "microsoft/deberta-v3-large", ("bertscore", "num_layers"): 12}
     fixed = {("mid", "per_sample"): True, ("bertscore", "multi_reference"): "max"}
     shared = ("batch_size", "device", "dtype", "local_files_only", "device_map", "max_memory", "offload_folder")
     given, expected = {}, {}

@@ -22,7 +22,7 @@ from capeval_plugins.core.clip_score import (best_reference_similarity, clip_s, 
                                              harmonic_mean, segment_mean)
 from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 from capeval_plugins.models.encoders.clip import dual_encoder_problem
-from capeval_plugins.models.encoders.openai_clip import OfficialClip
+from capeval_plugins.models.encoders.openai_clip import OfficialClip, check_preprocessing, fed
 
 CITATION = """@inproceedings{hessel2021clipscore,
   title     = {{CLIPScore}: A Reference-free Evaluation Metric for Image Captioning},
@@ -63,12 +63,10 @@ class CLIPScoreConfig(ModelConfig):
     def __post_init__(self) -> None:
         if self.quantize not in QUANTIZE:
             raise ValueError(f"clipscore: quantize must be one of {QUANTIZE}, got {self.quantize!r}")
-        if self.preprocessing not in PREPROCESSING:
-            raise ValueError(f"clipscore: preprocessing must be one of {PREPROCESSING}, got {self.preprocessing!r}")
+        check_preprocessing("clipscore", self.preprocessing)
 
 
 QUANTIZE = ("none", "int8")
-PREPROCESSING = ("official", "transformers")
 
 
 def with_prefix(prefix: str, text: str) -> str:
@@ -111,17 +109,11 @@ class CLIPScore(PointwiseMetric):
     @property
     def encoder(self) -> ClipEncoder | OfficialClip:
         cfg, spec = self.config, EncoderSpec.from_config(self.config)
-        key: tuple = ("ClipEncoder", spec)
         if cfg.quantize == "none" and not cfg.compile:
-            clip = ClipEncoder.shared(spec)
-        else:
-            key = ("ClipEncoder", spec, cfg.quantize, cfg.compile)
-            clip = loading.shared(key, lambda: faster(ClipEncoder(spec, share=False), cfg.quantize, cfg.compile))
-        if cfg.preprocessing != "official" or clip.model.config.model_type != "clip":
-            return clip
-        if len(key) == 2:
-            return OfficialClip.shared(spec)  # the one PAC-S of the same checkpoint uses
-        return loading.shared(("OfficialClip", key), lambda: OfficialClip(spec, clip))
+            return fed(spec, cfg.preprocessing)
+        key = ("ClipEncoder", spec, cfg.quantize, cfg.compile)
+        clip = loading.shared(key, lambda: faster(ClipEncoder(spec, share=False), cfg.quantize, cfg.compile))
+        return fed(spec, cfg.preprocessing, clip, key)
 
     def uses_references(self) -> bool:
         # under sentence_average the reference extras are left out (NaN), so references are never read

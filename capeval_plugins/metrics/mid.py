@@ -25,6 +25,7 @@ from capeval_plugins.core import gaussian
 from capeval_plugins.digests import ContentDigests, cached_commit
 from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 from capeval_plugins.models.encoders.clip import dual_encoder_problem
+from capeval_plugins.models.encoders.openai_clip import OfficialClip, check_preprocessing, fed
 from capeval_plugins.core.messages import DataError, warn_once
 from capeval_plugins.resources import loading
 
@@ -61,8 +62,13 @@ class MIDConfig(ModelConfig):
     corpus_reduction: str = "trace"
     # False: no per-sample PMI; only sums of the candidate pairs are kept (state and DDP sync O(D^2), not O(N D)).
     per_sample: bool = True
+    # "official": CLIP fed as OpenAI's clip package feeds it, as the official code does (clip.load, and
+    # clip.tokenize's ftfy and HTML unescaping); "transformers": the checkpoint's processor and tokenizer (what
+    # Redemption Score's code feeds its MID part). See the card for the official code's text-to-image transform.
+    preprocessing: str = "official"
 
     def __post_init__(self) -> None:
+        check_preprocessing("mid", self.preprocessing)
         if self.fit_pairs not in FIT_PAIRS:
             raise ValueError(f"fit_pairs must be one of {FIT_PAIRS}, got {self.fit_pairs!r}")
         if self.corpus_reduction not in gaussian.REDUCTIONS:
@@ -102,6 +108,10 @@ class MID(Metric):
         is checked by name only, with a warning. False when the model cannot be identified yet (a hub id not in
         the cache and not ``loaded``)."""
         saved = self._saved.metadata
+        fed_as = saved.get("preprocessing", "transformers")  # a fit saved before the option: the processor's
+        if fed_as != self.config.preprocessing:
+            self._refuse_fit(f"was fitted on features of inputs fed as preprocessing={fed_as!r}, but this metric "
+                             f"feeds them as {self.config.preprocessing!r}", f"pass preprocessing={fed_as!r}")
         fitted_pairs = saved.get("fit_pairs")
         if isinstance(fitted_pairs, str) and fitted_pairs != self.config.fit_pairs:  # the fit's sums are its pairs'
             self._refuse_fit(f"was fitted on fit_pairs={fitted_pairs!r}, but this metric selects "
@@ -159,8 +169,8 @@ class MID(Metric):
         raise DataError(FitProblem(need, ("fit again with fit_reference", fix)).message(self.info.name))
 
     @property
-    def encoder(self) -> ClipEncoder:
-        return ClipEncoder.shared(EncoderSpec.from_config(self.config))
+    def encoder(self) -> ClipEncoder | OfficialClip:
+        return fed(EncoderSpec.from_config(self.config), self.config.preprocessing)
 
     def references_required(self) -> bool:
         return self._saved is None  # the Gaussian is fitted on the corpus's references
@@ -350,11 +360,12 @@ class MID(Metric):
     def fit_identity(self) -> dict[str, Any]:
         """What a saved fit records of its features, for :meth:`_check_fit_model`: the model's name, the digest
         of its files (a copy elsewhere has the same), a hub id's commit, and the dtype it computed in.
-        covariance_eps is applied when scoring, not to the saved sums; the preprocessing and truncation come
-        from the model's own files."""
+        covariance_eps is applied when scoring, not to the saved sums; the inputs are fed as ``preprocessing``
+        says (recorded), truncated at the model's own length."""
         cfg = self.config
         return {"model": cfg.model, "model_digest": model_files_digest(cfg.model, cfg.revision),
-                "model_commit": hub_commit(cfg.model, cfg.revision), "feature_dtype": dtype_name(self.encoder.dtype)}
+                "model_commit": hub_commit(cfg.model, cfg.revision), "feature_dtype": dtype_name(self.encoder.dtype),
+                "preprocessing": cfg.preprocessing}
 
 
 class FitSums(dict):

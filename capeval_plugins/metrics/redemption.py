@@ -103,8 +103,9 @@ PART_CONFIGS: dict[str, Part] = {
                 names={"model": "clip_model", "covariance_eps": "covariance_eps",
                        "reference_gaussian": "reference_gaussian", "fit_pairs": "fit_pairs"},
                 # Redemption Score's code adds 5e-4 to the covariance's diagonal (scripts/get_gaussian.py,
-                # GaussianEstimator(reg=5e-4)); the official MID adds nothing.
-                defaults={"covariance_eps": 5e-4},
+                # GaussianEstimator(reg=5e-4)); the official MID adds nothing. Its code feeds CLIP through
+                # transformers' CLIPProcessor, where the official MID feeds it as OpenAI's clip package does.
+                defaults={"covariance_eps": 5e-4, "preprocessing": "transformers"},
                 fixed={"per_sample": True}),  # RS fuses the per-sample PMI
     "dino": Part(DinoCycleConfig, "dino_",
                  names={o: o for o in ("generator", "generated_images", "cache", "cache_dir", "steps", "image_size",

@@ -114,6 +114,10 @@ class OfficialClip:
         """The transformers model both feeds share (one load)."""
         return self.clip.model
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.clip.dtype
+
     def pixel_values(self, images: Sequence[Image.Image]) -> Tensor:
         """:func:`official_pixels` of ``images``, kept by content: what the runner's prefetch thread prepared for a
         batch (:meth:`preprocess`) is not computed again."""
@@ -142,6 +146,29 @@ class OfficialClip:
 
     def encode_texts(self, texts: Sequence[str]) -> Tensor:
         return torch.nn.functional.normalize(self.text_features(texts), dim=-1)
+
+
+# How a metric's ``preprocessing`` option feeds a CLIP: "official", as OpenAI's clip package feeds it (the
+# official code of CLIPScore, PAC-S and MID), for a checkpoint of CLIP's architecture; "transformers", the
+# checkpoint's own processor and tokenizer (torchmetrics). Other architectures (SigLIP) get their processor.
+PREPROCESSING = ("official", "transformers")
+
+
+def check_preprocessing(metric: str, value: str) -> None:
+    if value not in PREPROCESSING:
+        raise ValueError(f"{metric}: preprocessing must be one of {PREPROCESSING}, got {value!r}")
+
+
+def fed(spec: EncoderSpec, preprocessing: str, clip: ClipEncoder | None = None,
+        key: tuple | None = None) -> "ClipEncoder | OfficialClip":
+    """The encoder a metric scores with: ``clip`` (the shared one of ``spec`` unless given: a quantized or
+    compiled copy, shared under ``key``) fed as ``preprocessing`` says."""
+    base = clip if clip is not None else ClipEncoder.shared(spec)
+    if preprocessing != "official" or base.model.config.model_type != "clip":
+        return base
+    if clip is None:
+        return OfficialClip.shared(spec)  # one per checkpoint: CLIPScore, PAC-S and MID on it share it
+    return loading.shared(("OfficialClip", key), lambda: OfficialClip(spec, clip))
 
 
 # --- OpenAI / open_clip state dicts -> transformers CLIPModel -----------------------------------------------------
