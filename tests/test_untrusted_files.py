@@ -299,8 +299,10 @@ def test_a_saved_fit_of_another_dimension_is_refused_before_the_model_loads(tiny
     path = tmp_path / "fit.npz"
     path.write_bytes(npz(saved_fit(2 * 7)))  # 7-dimensional features; the tiny CLIP gives others
     assert load_sums(path).dim_x == 7
-    code, _, err = cli(["score", "-m", "mid", "--model", tiny_clip, "-o", f"reference_gaussian={path}", "--captions",
-                        EXAMPLES / "captions.jsonl", "--images", EXAMPLES / "images", "--quiet"], capsys)
+    # (a header without "preprocessing" is an older fit's: the processor's inputs)
+    code, _, err = cli(["score", "-m", "mid", "--model", tiny_clip, "-o", f"reference_gaussian={path}", "-o",
+                        "preprocessing=transformers", "--captions", EXAMPLES / "captions.jsonl", "--images",
+                        EXAMPLES / "images", "--quiet"], capsys)
     assert code == 2 and one_line(err) and "7-dimensional" in err, err
 
 
