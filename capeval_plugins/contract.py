@@ -25,7 +25,6 @@ import abc
 import dataclasses
 import hashlib
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Literal, Mapping, Sequence
 
@@ -669,12 +668,12 @@ def finalize_state(metric: Metric, state: Mapping[str, Tensor], allowed_repeats:
     spec = full_spec(metric)
     ordered, repeats = canonical_state(spec, state, allowed_repeats)
     if repeats and any(s.reduce == "sum" for s in metric.states().values()):
-        warnings.warn(
-            f"{metric.info.name}: {repeats} repeated sample index(es) were dropped from per-sample rows, but "
-            "this metric also keeps summed statistics that still include them (use a sampler that does "
-            "not repeat samples, e.g. drop_last or an even split)",
-            stacklevel=2,
-        )
+        # a sum cannot give back one sample's part: the number would count the repeats (MID's fit moved by 3.2
+        # per sample on 40 samples over 3 ranks), so none is given
+        raise RepeatedSamples(
+            f"{metric.info.name}: {repeats} sample(s) came twice (a DistributedSampler's padding repeats samples "
+            "to even the ranks); their per-sample rows can be dropped, but this metric's summed statistics "
+            "count them: use a sampler that does not repeat samples (drop_last=True, or an even split)")
     result = metric.finalize(ordered)
     if repeats:  # a padding DistributedSampler's repeats: dropped, and said so
         result = dataclasses.replace(result, corpus_extras={**result.corpus_extras, "n_repeats_dropped": float(repeats)})

@@ -183,3 +183,25 @@ def test_per_sample_scores_of_a_lightning_validation_are_kept_after_it(tiny_clip
     assert metric.compute_all() is module.epoch_results[-1] is not module.epoch_results[0]
     metric.update(_corpus()[0][:2], _corpus()[1][:2], ids=[0, 1])  # a new update: the state, not the kept result
     assert len(metric.compute_all()) == 2
+
+
+def test_a_padding_repeat_in_a_metric_of_summed_statistics_is_refused_not_counted(tiny_clip):
+    """A DistributedSampler's padding repeats a sample on another rank. Per-sample rows drop it, but MID's summed
+    fit statistics counted it twice, and the number came with a warning only (3 ranks, 40 samples: per-sample PMI
+    off by up to 3.2). The two ranks' states are merged here as the adapter merges them after its gather."""
+    from test_mid import corpus as mid_corpus
+
+    from capeval_plugins.contract import RepeatedSamples, finalize_state, full_spec, map_batch, merge_states
+    from capeval_plugins.inputs import to_batch, validate_samples
+
+    images, candidates, references = mid_corpus()
+    metric = capeval_plugins.load("mid", model=tiny_clip)
+    rows = list(range(len(candidates)))
+    parts = [map_batch(metric, to_batch(validate_samples(metric.info, [images[i] for i in share],
+                                                         [candidates[i] for i in share],
+                                                         [references[i] for i in share], indices=share)[0]))
+             for share in (rows, [0])]  # rank 1 repeats sample 0
+    merged = merge_states(full_spec(metric), parts)
+    with pytest.raises(RepeatedSamples, match="summed statistics count them"):
+        finalize_state(metric, merged, allowed_repeats=1)
+    assert finalize_state(metric, merge_states(full_spec(metric), parts[:1]), allowed_repeats=1).scores.numel() == 40
