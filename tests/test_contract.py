@@ -91,11 +91,14 @@ def test_canonical_state_sorts_and_drops_repeats():
     assert float(state["s"]) == 7.0
 
 
-def test_repeats_with_sum_state_warn():
+def test_repeats_with_sum_state_are_refused():
+    """A sum cannot give back one sample's part: a number would count the repeat (it came with a warning)."""
+    from capeval_plugins.contract import RepeatedSamples
+
     metric = SumOfLengths()
     spec = full_spec(metric)
     part = map_batch(metric, Batch(candidates=["aa", "aa"], indices=torch.tensor([0, 0])))
-    with pytest.warns(UserWarning, match="summed statistics"):
+    with pytest.raises(RepeatedSamples, match="summed statistics count them"):
         finalize_state(metric, merge_states(spec, [part]))
 
 
