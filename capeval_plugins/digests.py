@@ -111,3 +111,14 @@ def cached_commit(repo_id: str, revision: str = "main") -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+def model_files_digest(model: str, revision: str | None) -> str | None:
+    """XXH3-128 over every file of the folder ``model`` is read from (a local folder, or a hub id's cached
+    snapshot), by relative name and content, as run folders key on: the same for a copy under another path;
+    None when a hub id is not cached. What a saved fit or a training run binds itself to."""
+    from capeval_plugins.resources import loading
+
+    local = os.path.expanduser(model)
+    folder = local if os.path.exists(local) else loading.source_folder(model, revision)
+    return ContentDigests().source(folder)[-1] if folder else None

@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import BENCHDATA
+from conftest import BENCHDATA, random_image
 
 from capeval_plugins.bench import get_benchmark, load_benchmark
 from capeval_plugins.bench.data import Pairs, Ratings, clean, resolve_images
@@ -329,3 +329,17 @@ def test_foil_flag_must_be_a_boolean(tmp_path):
     (tmp_path / "captions_val2014.json").write_text(json.dumps({"annotations": [{"image_id": 1, "caption": "r"}]}))
     with pytest.raises(InputError, match="annotation 10: 'foil' must be true or false, got 'false'"):
         load_benchmark("foil", tmp_path)
+
+
+@pytest.mark.parametrize("name", ["", ".", "  ", "./"])
+def test_an_empty_image_name_names_no_file_not_the_whole_folder(tmp_path, name):
+    """``images / ""`` is the images folder itself, and its files were read as one video of every image (a
+    training row with ``"image": ""`` trained on it)."""
+    from capeval_plugins.bench.data import _find
+    from capeval_plugins.inputs import InputError
+
+    for k in range(3):
+        random_image(k).save(tmp_path / f"frame{k}.png")
+    with pytest.raises(InputError, match="names no file"):
+        _find(name, tmp_path, 2, "train.jsonl")
+    assert _find("frame1", tmp_path, 2, "train.jsonl").endswith("frame1.png")

@@ -568,3 +568,35 @@ def test_phase2_against_the_lm_head_trains_eq3_on_its_label_tokens(tmp_path, sof
             float((probs * torch.arange(1, 6, dtype=torch.float64)).sum() - 1) / 4, abs=1e-5)
     with pytest.raises(ValueError, match="no scoring head"):
         capeval_plugins.load("rigel", checkpoint=str(out), head="scoring")
+
+
+def test_a_run_resumed_or_features_reused_on_other_weights_is_refused(splits, short_phase1, tmp_path):
+    """Runs were keyed by the backbone's path: phase 2 resumed with another ``model`` trained one LoRA on two
+    models, and new weights saved at the same path reused the old weights' cached features. The backbone's files,
+    by content, are now in both keys."""
+    import shutil
+
+    from transformers import AutoModelForImageTextToText
+
+    from capeval_plugins.resources.loading import clear_cache
+    from capeval_plugins.training.features import cache_key
+
+    train = splits[0].subset(range(12))
+    config = Phase2Config(epochs=1, lr=1e-2, save_every=1)
+    with pytest.raises(Interrupted):
+        train_phase2(tmp_path / "cut", short_phase1, train, config=config, progress=False, on_step_end=interrupt_at(2))
+    other = tmp_path / "other-backbone"
+    shutil.copytree(spec().model, other)
+    model = AutoModelForImageTextToText.from_pretrained(other)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(2)
+    model.save_pretrained(other)
+    with pytest.raises(FileExistsError, match="holds the state of a different training run"):
+        train_phase2(tmp_path / "cut", short_phase1, train, config=config, progress=False, model=str(other))
+    clear_cache()
+    before = cache_key(load_rigel(short_phase1, model=str(other)), train)
+    model.get_output_embeddings().weight.data.mul_(3)
+    model.save_pretrained(other)  # new weights at the same path
+    clear_cache()
+    assert cache_key(load_rigel(short_phase1, model=str(other)), train) != before
+    clear_cache()

@@ -221,11 +221,14 @@ def _find(name: str, root: str | os.PathLike | None, row: int, benchmark: str) -
     if root is None:
         raise InputError(f"{benchmark}: this metric scores images: pass the image folder (--images DIR)")
     base = Path(root)
+    if not name.strip() or os.path.normpath(name) in (".", os.curdir) or Path(name).name in ("", ".", ".."):
+        # base / "" is the images folder itself, whose frames were read as one video of every image
+        raise InputError(f"{benchmark}: row {row}: image name {name!r} names no file")
     stems = [name, Path(name).name]
     tried = []
     for stem in dict.fromkeys(stems):
         folder = base / stem
-        if folder.is_dir():
+        if folder.is_dir() and folder.resolve() != base.resolve():
             frames = frame_files(folder)
             if frames:
                 return frames

@@ -22,7 +22,7 @@ from torch import Tensor
 from capeval_plugins.contract import (INDEX, Batch, CorpusSize, FitProblem, Metric, MetricInfo, MetricResult,
                                       ModelConfig, StateSpec, bounded)
 from capeval_plugins.core import gaussian
-from capeval_plugins.digests import ContentDigests, cached_commit
+from capeval_plugins.digests import cached_commit, model_files_digest
 from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec
 from capeval_plugins.models.encoders.clip import dual_encoder_problem
 from capeval_plugins.models.encoders.openai_clip import OfficialClip, check_preprocessing, fed
@@ -419,15 +419,6 @@ def load_fit(path: str) -> gaussian.SavedSums:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no saved reference Gaussian at {path}")
     return gaussian.sums_from_bytes(files.read_input(path, "saved reference Gaussian"), str(path))
-
-
-def model_files_digest(model: str, revision: str | None) -> str | None:
-    """XXH3-128 over every file of the folder ``model`` is read from (a local folder, or a hub id's cached
-    snapshot), by relative name and content, as run folders key on: the same for a copy under another path;
-    None when a hub id is not cached."""
-    local = os.path.expanduser(model)
-    folder = local if os.path.exists(local) else loading.source_folder(model, revision)
-    return ContentDigests().source(folder)[-1] if folder else None
 
 
 def hub_commit(model: str, revision: str | None) -> str | None:

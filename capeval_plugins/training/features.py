@@ -22,6 +22,7 @@ from torch import Tensor
 
 from capeval_plugins import files
 from capeval_plugins.inputs import iter_batches
+from capeval_plugins.digests import model_files_digest
 from capeval_plugins.training.checkpoint import tensor_bytes
 from capeval_plugins.training.data import JudgmentSet
 from capeval_plugins.models.rigel import RigelModel
@@ -45,7 +46,10 @@ def cache_key(model: RigelModel, data: JudgmentSet) -> str:
     judge, settings = model.judge, model.settings
     backbone = getattr(judge.model.config, "name_or_path", "") or type(judge.model).__name__
     dtype = str(next(judge.model.parameters()).dtype)
-    return signature("rigel-features-v1", backbone, settings.revision, dtype, settings.labels, settings.prompts,
+    # the backbone's files by content: new weights saved at the same path made other features (a path alone
+    # reused the old ones)
+    weights = model_files_digest(backbone, settings.revision)
+    return signature("rigel-features-v2", backbone, weights, settings.revision, dtype, settings.labels, settings.prompts,
                      settings.reference_separator, settings.video_input, settings.video_fps, settings.answer_prefix,
                      data.fingerprint())[:32]
 

@@ -20,6 +20,7 @@ import torch
 from capeval_plugins.core import heads
 from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge
+from capeval_plugins.digests import model_files_digest
 from capeval_plugins.training.data import JudgmentSet
 from capeval_plugins.training.features import Features, extract_features
 from capeval_plugins.models.rigel import RigelModel, RigelSettings, hidden_size_of
@@ -166,7 +167,7 @@ def train_phase1(out_dir: str | os.PathLike, train: JudgmentSet, val: JudgmentSe
         model, val, cache, batch_size=config.extract_batch_size, shard_size=config.shard_size, progress=progress,
         desc="backbone (validation)")
     run = signature("rigel-phase1", settings.to_dict(), dataclasses.asdict(config), train.fingerprint(),
-                    None if val is None else val.fingerprint())
+                    None if val is None else val.fingerprint(), model_files_digest(spec.model, spec.revision))
     head, record = train_head(train_features, val_features, settings, config, out_dir, progress=progress,
                               overwrite=overwrite, run_signature=run, on_epoch_end=on_epoch_end)
     record.update(config=dataclasses.asdict(config), train_samples=len(train),

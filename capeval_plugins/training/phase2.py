@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from capeval_plugins.core import heads
 from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.models.lvlm import JudgeSpec, LVLMJudge, PromptEnd, load_lvlm_processor
+from capeval_plugins.digests import model_files_digest
 from capeval_plugins.training.data import JudgmentSet
 from capeval_plugins.models.rigel import (RigelModel, RigelSettings, hidden_size_of, load_head,
                                           load_private_backbone, quiet_peft, read_settings, require_peft)
@@ -103,8 +104,12 @@ def train_phase2(out_dir: str | os.PathLike, init: str | os.PathLike | None, tra
     spec = JudgeSpec(model or settings.base_model, device, dtype, settings.revision, local_files_only,
                      trust_remote_code)
     rigel = build_trainable(spec, init, config, settings)
+    # the backbone actually loaded (``model`` may replace the one ``init`` names), by its files and dtype: a run
+    # resumed on other weights would train one LoRA on two models
+    dtype = str(next(rigel.judge.model.parameters()).dtype)
+    backbone = (spec.model, model_files_digest(spec.model, spec.revision), dtype)
     run = signature("rigel-phase2", rigel.settings.to_dict(), dataclasses.asdict(config), train.fingerprint(),
-                    None if val is None else val.fingerprint(), _head_digest(rigel.head))
+                    None if val is None else val.fingerprint(), _head_digest(rigel.head), backbone)
     record = fit(rigel, train, val, config, out_dir, run, progress=progress, overwrite=overwrite,
                  on_step_end=on_step_end)
     settings = dataclasses.replace(rigel.settings, phase=2, lora=config.lora())
