@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import io
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -54,7 +55,7 @@ class ImageSource:
             return _decode(self.kind, self.value)
         except Exception as err:  # a corrupt file or buffer, or pixels out of range: name the sample, keep the cause
             where = f" {self.value}" if self.kind == "path" else ""
-            raise InputError(f"sample {self.index}: cannot read image{where}: {err}") from err
+            raise InputError(f"sample {self.index}: cannot read image{where}: {pil_reason(err)}") from err
 
     def decoded_bytes(self) -> int:
         """Memory the decoded RGB image (or all frames) will take, from its size alone (a file's header, an
@@ -171,7 +172,7 @@ def _header_problem(stream: Any) -> str | None:
             width, height = img.size
             mode = img.mode
     except Exception as err:  # PIL raises many types for a bad header
-        return str(err) or type(err).__name__
+        return pil_reason(err)
     if not (width > 0 and height > 0):
         return f"image has size {width}x{height}"
     return mode_problem(mode)
@@ -293,6 +294,15 @@ def _array_to_pil(image: np.ndarray | torch.Tensor) -> Image.Image:
     arr = arr.astype(np.uint8)
     img = Image.fromarray(arr)
     return img.convert("RGB") if img.mode != "RGB" else img
+
+
+_FILE_OBJECT = re.compile(r"\s*<_io\.\w+ name=[^>]*>")
+
+
+def pil_reason(err: BaseException) -> str:
+    """PIL's message without the file object it names (``<_io.BufferedReader name=3>``: a descriptor number, so
+    the same bad image read another message in another process or rank)."""
+    return _FILE_OBJECT.sub("", str(err)).strip() or type(err).__name__
 
 
 def image_identity(key: Any, image: Any) -> bytes:

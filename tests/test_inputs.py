@@ -253,3 +253,22 @@ def test_an_empty_or_blank_caption_is_an_answer_not_a_problem():
     captions = ["", "   ", "\t\n", "a dog", "\u3000"]
     samples, problems = validate_samples(REFS, None, captions, [["r"]] * 5)
     assert not problems and samples.candidates == captions and samples.indices == [0, 1, 2, 3, 4]
+
+
+def test_a_bad_image_reads_the_same_message_in_every_process(tmp_path):
+    """PIL names the file object it read (``<_io.BufferedReader name=3>``, a descriptor number), so one bad image
+    wrote another ``error`` text in each process or rank of a run."""
+    from PIL import UnidentifiedImageError
+
+    from capeval_plugins.image_sources import pil_reason
+
+    assert pil_reason(UnidentifiedImageError("cannot identify image file <_io.BufferedReader name=3>")) == \
+        pil_reason(UnidentifiedImageError("cannot identify image file <_io.BufferedReader name=10>")) == \
+        "cannot identify image file"
+    from capeval_plugins.image_sources import ImageSource
+
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"not an image")
+
+    with pytest.raises(Exception, match=r"cannot read image .*bad\.jpg: cannot identify image file$"):
+        ImageSource("path", str(bad), str(bad), 0).load()
