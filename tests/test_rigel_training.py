@@ -600,3 +600,32 @@ def test_a_run_resumed_or_features_reused_on_other_weights_is_refused(splits, sh
     clear_cache()
     assert cache_key(load_rigel(short_phase1, model=str(other)), train) != before
     clear_cache()
+
+
+def test_training_refuses_links_and_folders_of_the_users_before_it_writes_or_moves_anything(splits, tmp_path):
+    """The feature cache was written through an output folder that was a link (then refused) and through a link
+    at ``<out>/features``; the state swap renamed a folder of the user's (``training_state.tmp/``) with its
+    files, and failed with a traceback on the user's note in ``training_state/``."""
+    from capeval_plugins.files import UnsafePath
+
+    train, val, _ = splits
+    settings = RigelSettings(prompts=SHORT, head_hidden=(16,))
+    run = lambda out: train_phase1(out, train.subset(range(8)), None, settings=settings,  # noqa: E731
+                                   config=Phase1Config(**{**FAST_PHASE1, "epochs": 1}), spec=spec(), progress=False)
+    target = tmp_path / "users"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    (tmp_path / "linked").symlink_to(target)
+    with pytest.raises(UnsafePath, match="is a symlink"):
+        run(tmp_path / "linked")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "features").symlink_to(target)
+    with pytest.raises(UnsafePath, match="is a symlink"):
+        run(tmp_path / "out")
+    assert sorted(p.name for p in target.iterdir()) == ["keep.txt"]
+    scratch = tmp_path / "out2" / "training_state.tmp"
+    scratch.mkdir(parents=True)
+    (scratch / "a.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds files capeval did not write"):
+        run(tmp_path / "out2")
+    assert (scratch / "a.txt").read_text() == "mine" and not (tmp_path / "out2" / "training_state.old").exists()

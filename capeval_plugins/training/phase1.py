@@ -160,6 +160,11 @@ def train_phase1(out_dir: str | os.PathLike, train: JudgmentSet, val: JudgmentSe
     judge = LVLMJudge.shared(spec)
     settings.hidden_size, settings.phase, settings.lora = hidden_size_of(judge), 1, None
     model = RigelModel(judge, settings.build_head(), settings)
+    if cache_dir is None:  # the cache goes inside the output folder: both refused as outputs (a symbolic link at
+        from capeval_plugins import files  # either) before anything is written
+
+        for folder in (Path(out_dir), Path(out_dir) / "features"):
+            files.Folder.open(folder, create=True, mine=True)[0].close()
     cache = Path(cache_dir) if cache_dir is not None else Path(out_dir) / "features"
     train_features = extract_features(model, train, cache, batch_size=config.extract_batch_size,
                                       shard_size=config.shard_size, progress=progress, desc="backbone (train)")

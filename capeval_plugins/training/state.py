@@ -74,6 +74,8 @@ class RunState:
             torch.save(optimizer, buffer)
             contents["optimizer.pt"] = buffer.getvalue()
         contents["record.json"] = json_bytes(record)
+        for name in (STATE_DIR, self._tmp, self._old):  # whole folders are renamed below: only ours may be in them
+            self._refuse_foreign(name)
         self._discard(self._tmp)
         for name, data in contents.items():
             self.claim.write(f"{self._tmp}/{name}", data)
@@ -86,6 +88,23 @@ class RunState:
             folder.rename(STATE_DIR, self._old)
         folder.rename(self._tmp, STATE_DIR)
         self._discard(self._old)
+
+    def _refuse_foreign(self, name: str) -> None:
+        """FileExistsError (one line) when the folder ``name`` holds an entry this run did not write: the state
+        swap renames whole folders, which moved a user's notes (and a folder of the user's named like the
+        scratch one) aside, or failed with a traceback on a folder not empty."""
+        folder = self.claim.folder
+        if folder.kind(name) is None:
+            return
+        if folder.kind(name) != "dir":
+            raise FileExistsError(f"{folder.path / name} is not a folder of capeval's training state; move it out "
+                                  "or choose another output folder")
+        with folder.sub(name) as sub:
+            foreign = sorted(n for n in sub.names() if f"{name}/{n}" not in self.claim.files)
+        if foreign:
+            raise FileExistsError(f"{folder.path / name} holds files capeval did not write ({', '.join(foreign[:3])}"
+                                  f"{', ...' if len(foreign) > 3 else ''}); move them out or choose another output "
+                                  "folder")
 
     def _discard(self, name: str) -> None:
         self.claim.remove([n for n in self.claim.files if n.startswith(name + "/")] + [name + "/"])
