@@ -348,8 +348,9 @@ def test_rows_reader_averages_ratings_and_normalises_scores(tmp_path):
     assert data.samples.references == [["A dog.", "A puppy."], [], []]
     assert data.samples.images[2].value.endswith("7.jpg")
     assert heads.gold_labels(torch.from_numpy(data.scores), 5).tolist() == [3, 2, 4]  # 3.5 -> 4, 2.67 -> 3
-    with pytest.raises(InputError, match="not in \\[0, 1\\]"):
-        judgment_data.read_judgments(path, images=tmp_path / "img")  # 1-5 scores read as 0-1
+    # 1-5 scores read as 0-1: named by the file's row as written (it named the merged sample's normalised mean)
+    with pytest.raises(InputError, match=r"train\.jsonl: row 0: human score 3 is outside the score range \[0, 1\]"):
+        judgment_data.read_judgments(path, images=tmp_path / "img")
 
 
 def test_rows_reader_takes_videos_as_frame_lists_or_folders(tmp_path):

@@ -171,12 +171,24 @@ def read_judgments(path: str | os.PathLike, *, format: str = "rows", images: str
     ``average``: average the ratings of identical (visual, candidate, references) rows."""
     if format == "rows":
         visuals, candidates, references, ratings = _read_rows(Path(path), images, num_frames)
+        _check_range(path, ratings, score_range)  # by the file's row, before rows are merged
     else:
         visuals, candidates, references, ratings = _read_benchmark(format, Path(path), images)
     if average:
         visuals, candidates, references, ratings = _average(visuals, candidates, references, ratings)
     means = [float(np.mean(r)) for r in ratings]
     return from_lists(visuals, candidates, means, references, score_range, [len(r) for r in ratings])
+
+
+def _check_range(path: str | os.PathLike, ratings: Sequence[Sequence[float]], score_range: tuple[float, float]) -> None:
+    """A rating outside ``score_range``, named by its row and as written (after the rows of one sample are
+    merged, only the merged sample's normalised mean could be named)."""
+    lo, hi = score_range
+    slack = 1e-9 * abs(hi - lo)
+    for row, values in enumerate(ratings):
+        outside = [v for v in values if not lo - slack <= v <= hi + slack]
+        if outside and hi > lo:
+            raise InputError(f"{path}: row {row}: human score {outside[0]:g} is outside the score range [{lo:g}, {hi:g}]")
 
 
 def reader_formats() -> list[str]:
