@@ -122,3 +122,30 @@ def model_files_digest(model: str, revision: str | None) -> str | None:
     local = os.path.expanduser(model)
     folder = local if os.path.exists(local) else loading.source_folder(model, revision)
     return ContentDigests().source(folder)[-1] if folder else None
+
+
+STAMP_ENTRIES = 4096  # files of a model folder looked at for its stamp (a model folder holds a few dozen)
+
+
+def files_stamp(path: str | os.PathLike) -> tuple | None:
+    """What changes when the local file or folder ``path`` is rewritten: (name, size, modification time,
+    inode) of each file, links followed (a hub snapshot links to its blobs); None for a hub id."""
+    path = os.fspath(path)
+    try:
+        if not os.path.isdir(path):
+            st = os.stat(path)
+            return ((os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino),)
+    except OSError:
+        return None
+    found: list[tuple] = []
+    for root, folders, files in os.walk(path, followlinks=False):
+        folders.sort()
+        for name in sorted(files):
+            try:
+                st = os.stat(os.path.join(root, name))
+            except OSError:
+                continue
+            found.append((os.path.relpath(os.path.join(root, name), path), st.st_size, st.st_mtime_ns, st.st_ino))
+            if len(found) >= STAMP_ENTRIES:
+                return tuple(found)
+    return tuple(found)

@@ -398,3 +398,37 @@ def online(monkeypatch, tmp_path):
     monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "5")
     return tmp_path / "cache"
+
+
+def words_metric():
+    """A toy pointwise metric (words per caption, characters as an extra; no model), defined on first use so that
+    conftest imports no capeval module: the tests of composites and of bench's extras."""
+    import torch
+
+    from capeval_plugins.contract import MetricInfo, PointwiseMetric
+
+    class Words(PointwiseMetric):
+        info = MetricInfo(name="words", display_name="Words", description="", citation="", references="never",
+                          images="never")
+        extra_names = ("chars",)
+
+        def score(self, batch):
+            return {"score": torch.tensor([float(len(c.split())) for c in batch.candidates], dtype=torch.float64),
+                    "chars": torch.tensor([float(len(c)) for c in batch.candidates], dtype=torch.float64)}
+
+    return Words
+
+
+@pytest.fixture
+def clip_copy(tiny_clip, tmp_path):
+    """A copy of the tiny CLIP to damage or rewrite (the shared one stays whole), the process's models dropped
+    before and after."""
+    import shutil
+
+    from capeval_plugins.resources.loading import clear_cache
+
+    clear_cache()
+    copy = tmp_path / "clip"
+    shutil.copytree(tiny_clip, copy)
+    yield copy
+    clear_cache()

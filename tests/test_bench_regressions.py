@@ -10,14 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from conftest import BENCHDATA, cli, one_line
+from conftest import BENCHDATA, cli, one_line, words_metric
 from scipy.stats import kendalltau
 from test_reproduce import flickr_file
 
 from capeval_plugins.bench import Captions, Ratings, run_benchmark
 from capeval_plugins.bench.scorefiles import match_score_file
-from capeval_plugins.contract import MetricInfo, PointwiseMetric
 from capeval_plugins.inputs import InputError
 
 EXPERT = BENCHDATA / "flickr8k_expert" / "flickr8k.json"
@@ -138,16 +136,7 @@ def test_a_bad_score_file_is_refused_before_anything_runs(offline_cache, capsys,
 
 # ------------------------------------------------------------------ extras: rows only when asked, cache-proof
 
-class Length(PointwiseMetric):
-    """Words in the candidate, with an extra: its characters."""
-
-    info = MetricInfo(name="length", display_name="length", description="", citation="", references="never",
-                      images="never")
-    extra_names = ("chars",)
-
-    def score(self, batch):
-        return {"score": torch.tensor([float(len(c.split())) for c in batch.candidates], dtype=torch.float64),
-                "chars": torch.tensor([float(len(c)) for c in batch.candidates], dtype=torch.float64)}
+Length = words_metric()  # words per caption, characters as its extra
 
 
 def ratings(n: int = 40) -> Ratings:

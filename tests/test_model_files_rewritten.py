@@ -13,20 +13,12 @@ import torch
 from safetensors.torch import save_file
 
 import capeval_plugins
+from capeval_plugins.digests import files_stamp
 from capeval_plugins.resources import loading, tensorfile
 from capeval_plugins.resources.loading import ModelLoadError, clear_cache
 from capeval_plugins.testing import build_tiny
 
 CAPTIONS = ["a dog on the grass", "two cats asleep", "a red car", "a man rides a horse"]
-
-
-@pytest.fixture
-def folder(tiny_clip, tmp_path):
-    clear_cache()
-    copy = tmp_path / "clip"
-    shutil.copytree(tiny_clip, copy)
-    yield copy
-    clear_cache()
 
 
 def zero_tail(path, keep: float = 0.5) -> None:
@@ -43,12 +35,12 @@ def cosines(model: str, images) -> list[float]:
         return capeval_plugins.load("clipscore", model=model)(images, CAPTIONS).extras["cosine"].tolist()
 
 
-def test_a_loaded_model_keeps_the_values_it_was_checked_with(folder):
+def test_a_loaded_model_keeps_the_values_it_was_checked_with(clip_copy):
     from transformers import AutoModel
 
-    model = loading.load_model(AutoModel, str(folder))
+    model = loading.load_model(AutoModel, str(clip_copy))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    zero_tail(folder / "model.safetensors")
+    zero_tail(clip_copy / "model.safetensors")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
@@ -60,34 +52,34 @@ def test_a_weights_file_read_by_the_package_is_not_mapped(tmp_path):
     assert torch.equal(tensors["weight"], torch.arange(40_000, dtype=torch.float32).reshape(200, 200))
 
 
-def test_new_weights_saved_over_a_loaded_model_are_loaded_again(folder, images, tmp_path):
-    first = cosines(str(folder), images)
+def test_new_weights_saved_over_a_loaded_model_are_loaded_again(clip_copy, images, tmp_path):
+    first = cosines(str(clip_copy), images)
     other = tmp_path / "other"
     build_tiny("clip", other, seed=7)
-    shutil.copy(other / "model.safetensors", folder / "model.safetensors")
+    shutil.copy(other / "model.safetensors", clip_copy / "model.safetensors")
     with pytest.warns(UserWarning, match="changed since this process loaded them"):
-        capeval_plugins.load("clipscore", model=str(folder))(images, CAPTIONS)
-    again = cosines(str(folder), images)
+        capeval_plugins.load("clipscore", model=str(clip_copy))(images, CAPTIONS)
+    again = cosines(str(clip_copy), images)
     clear_cache()
-    fresh = cosines(str(folder), images)  # what a new process loads
+    fresh = cosines(str(clip_copy), images)  # what a new process loads
     assert again == pytest.approx(fresh, abs=1e-12) and again != pytest.approx(first, abs=1e-6)
 
 
-def test_a_model_folder_damaged_after_the_load_is_refused_not_scored(folder, images):
-    metric = capeval_plugins.load("clipscore", model=str(folder))
+def test_a_model_folder_damaged_after_the_load_is_refused_not_scored(clip_copy, images):
+    metric = capeval_plugins.load("clipscore", model=str(clip_copy))
     assert len(metric(images, CAPTIONS).scores) == len(CAPTIONS)
-    zero_tail(folder / "model.safetensors")
+    zero_tail(clip_copy / "model.safetensors")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(ModelLoadError, match="holds only zeros|not a valid safetensors"):
             metric(images, CAPTIONS)
 
 
-def test_an_unchanged_folder_is_one_model_and_the_stamp_sees_each_file(folder):
+def test_an_unchanged_folder_is_one_model_and_the_stamp_sees_each_file(clip_copy):
     from transformers import AutoModel
 
-    model = loading.load_model(AutoModel, str(folder))
-    assert loading.load_model(AutoModel, str(folder)) is model
-    stamp = loading.files_stamp(folder)
-    assert {entry[0] for entry in stamp} == {p.name for p in folder.iterdir()}
-    assert loading.files_stamp("openai/clip-vit-base-patch32") is None  # a hub id: nothing local to stamp
+    model = loading.load_model(AutoModel, str(clip_copy))
+    assert loading.load_model(AutoModel, str(clip_copy)) is model
+    stamp = files_stamp(clip_copy)
+    assert {entry[0] for entry in stamp} == {p.name for p in clip_copy.iterdir()}
+    assert files_stamp("openai/clip-vit-base-patch32") is None  # a hub id: nothing local to stamp

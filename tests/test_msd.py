@@ -556,4 +556,4 @@ def test_soft_msd_coco_cf_draws_are_seeded_by_the_sample_when_no_group_is_given(
     assert all(torch.equal(soft[0].scores, other.scores) for other in soft[1:])
     plain = capeval_plugins.load("msd_score", model=tiny_clip, draws="coco-cf")(images, captions)
     for key in ("kl_image_text", "kl_text_image"):
-        torch.testing.assert_close(soft[0].extras[key], plain.extras[key], rtol=0, atol=1e-12)
+        torch.testing.assert_close(soft[0].extras[key], plain.extras[key], rtol=0, atol=1e-9)

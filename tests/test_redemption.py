@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import random_image
+from conftest import random_image, words_metric
 from test_generation import tiny_sd3  # noqa: F401  (the tiny Stable Diffusion 3 fixture)
 
 import capeval_plugins
@@ -20,7 +20,6 @@ from capeval_plugins.contract import (
     Metric,
     MetricInfo,
     MetricResult,
-    PointwiseMetric,
     StateSpec,
     full_spec,
 )
@@ -31,16 +30,7 @@ needs_bertscore = pytest.mark.skipif("bertscore" not in registry.metrics(), reas
 N = 40  # MID's fit on the tiny CLIP (16-dimensional features) needs more than 32 (image, reference) pairs
 
 
-class Words(PointwiseMetric):
-    """Toy pointwise part: words per caption, characters as an extra."""
-
-    info = MetricInfo(name="words", display_name="Words", description="", citation="", references="never",
-                      images="never")
-    extra_names = ("chars",)
-
-    def score(self, batch):
-        return {"score": torch.tensor([float(len(c.split())) for c in batch.candidates], dtype=torch.float64),
-                "chars": torch.tensor([float(len(c)) for c in batch.candidates], dtype=torch.float64)}
+Words = words_metric()
 
 
 class Centred(Metric):

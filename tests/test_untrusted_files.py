@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import sqlite3
 import struct
 import subprocess
@@ -30,7 +29,7 @@ import capeval_plugins
 from capeval_plugins import files, runner
 from capeval_plugins.cli import main
 from capeval_plugins.resources import tensorfile
-from capeval_plugins.resources.loading import ModelLoadError, clear_cache
+from capeval_plugins.resources.loading import ModelLoadError
 
 CAPEVAL = str(Path(sys.executable).with_name("capeval"))
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -42,13 +41,8 @@ def clip_score_cmd(model, *extra):
 
 
 @pytest.fixture
-def model_copy(tiny_clip, tmp_path):
-    """A copy of the tiny CLIP to damage (the shared one stays whole)."""
-    clear_cache()
-    copy = tmp_path / "clip"
-    shutil.copytree(tiny_clip, copy)
-    yield copy
-    clear_cache()
+def model_copy(clip_copy):
+    return clip_copy  # (conftest's)
 
 
 # ---------------------------------------------------------------------------------------------------------

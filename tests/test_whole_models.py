@@ -32,15 +32,6 @@ def clip_score(model, *extra):
             EXAMPLES / "captions.jsonl", "--images", EXAMPLES / "images", "--quiet", *extra]
 
 
-@pytest.fixture
-def clip_copy(tiny_clip, tmp_path):
-    clear_cache()
-    copy = tmp_path / "clip"
-    shutil.copytree(tiny_clip, copy)
-    yield copy
-    clear_cache()
-
-
 def rewrite(folder: Path, change, name: str = "model.safetensors") -> None:
     tensors = load_file(str(folder / name))
     save_file(change(dict(tensors)), str(folder / name), metadata={"format": "pt"})

@@ -23,6 +23,7 @@ import torch
 
 
 from capeval_plugins.core.messages import MissingExtra, install_extra, warn_once
+from capeval_plugins.digests import files_stamp
 from capeval_plugins.resources import wholeness
 from capeval_plugins.resources.accelerate_internals import dispatch_hook, execution_device
 # ModelLoadError is defined beside the checks that raise it; callers keep importing it from here
@@ -234,9 +235,6 @@ def hub_kwargs(revision: str | None, local_files_only: bool | None, trust_remote
     return kwargs
 
 
-STAMP_ENTRIES = 4096  # files of a model folder looked at for its stamp (a model folder holds a few dozen)
-
-
 def shared(key: Hashable, factory: Callable[[], Any], sources: tuple[str | os.PathLike, ...] = ()) -> Any:
     """Build once per process per key; later callers get the same object while the local files it was built
     from are unchanged: ``sources`` and the ``model`` of every :class:`ModelSpec` in ``key``, stamped by each
@@ -265,30 +263,6 @@ def _spec_models(key: Any) -> list[str]:
 def _named(sources: tuple, key: Any) -> str:
     names = [os.fspath(path) for path in (*sources, *_spec_models(key))]
     return ", ".join(dict.fromkeys(names)) or "a model"
-
-
-def files_stamp(path: str | os.PathLike) -> tuple | None:
-    """What changes when the local file or folder ``path`` is rewritten: (name, size, modification time,
-    inode) of each file, links followed (a hub snapshot links to its blobs); None for a hub id."""
-    path = os.fspath(path)
-    try:
-        if not os.path.isdir(path):
-            st = os.stat(path)
-            return ((os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino),)
-    except OSError:
-        return None
-    found: list[tuple] = []
-    for root, folders, files in os.walk(path, followlinks=False):
-        folders.sort()
-        for name in sorted(files):
-            try:
-                st = os.stat(os.path.join(root, name))
-            except OSError:
-                continue
-            found.append((os.path.relpath(os.path.join(root, name), path), st.st_size, st.st_mtime_ns, st.st_ino))
-            if len(found) >= STAMP_ENTRIES:
-                return tuple(found)
-    return tuple(found)
 
 
 def load_model(
