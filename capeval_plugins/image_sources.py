@@ -315,12 +315,16 @@ def image_identity(key: Any, image: Any) -> bytes:
 
 def pixel_digest(image: Any) -> bytes:
     """The digest of an image given in memory (PIL, a numpy array or a tensor, or a video's frames) by its
-    pixels, their type and shape: the same image in any form, batch or process gives the same one."""
+    pixels, their type and shape: the same pixels in any batch or process give the same one, and an RGB PIL
+    image the same as its (H, W, 3) uint8 array."""
     import xxhash
 
     h = xxhash.xxh3_128()
     for frame in image if isinstance(image, (list, tuple)) else [image]:
-        if isinstance(frame, Image.Image):
+        if isinstance(frame, Image.Image) and frame.mode == "RGB":  # its bytes are the (H, W, 3) uint8 array's
+            h.update(f"uint8{(frame.height, frame.width, 3)}".encode())
+            h.update(frame.tobytes())
+        elif isinstance(frame, Image.Image):
             h.update(f"{frame.mode}{frame.size}".encode())
             h.update(frame.tobytes())
         elif isinstance(frame, (torch.Tensor, np.ndarray)):

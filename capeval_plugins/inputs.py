@@ -40,7 +40,7 @@ class Samples:
     images: list[ImageSource] | None = None
     references: list[list[str]] | None = None
     group_ids: list[int] | None = None
-    groups_from_images: bool = False  # group_ids made from the images (inputs.image_group_ids), not given
+    group_ids_are_names: bool = False  # group_ids made from the images or hashed from names (check_group_ids)
 
     def __len__(self) -> int:
         return len(self.candidates)
@@ -53,7 +53,7 @@ class Samples:
             images=pick(self.images),
             references=pick(self.references),
             group_ids=pick(self.group_ids),
-            groups_from_images=self.groups_from_images,
+            group_ids_are_names=self.group_ids_are_names,
         )
 
 
@@ -149,12 +149,12 @@ def validate_samples(
         problems.add(i, message)
     sources = _image_sources(info, images, ids, reader, problems, {} if checked is None else checked)
     refs = _reference_lists(info, references, ids, problems, references_required, checked, indices, blank_references)
-    groups = check_group_ids(group_ids, n)
+    groups, named = check_group_ids(group_ids, n)
     if groups is None and info.groups and sources is not None:
-        groups = image_group_ids([s if s is not None else ImageSource("none", None, ("none", i), i)
-                                  for i, s in zip(ids, sources)])
+        groups, named = image_group_ids([s if s is not None else ImageSource("none", None, ("none", i), i)
+                                         for i, s in zip(ids, sources)]), True
     samples = Samples(candidates=cands, indices=ids, images=sources, references=refs, group_ids=groups,
-                      groups_from_images=groups is not None and group_ids is None)
+                      group_ids_are_names=named)
     if problems:
         bad = problems.by_index
         samples = samples.subset([p for p, i in enumerate(ids) if i not in bad])
@@ -247,36 +247,69 @@ def describe_repeats(repeated: Sequence[int], ids: Sequence[int], limit: int = 1
     return "; ".join(parts) + more
 
 
-def check_group_ids(group_ids: Sequence[Any] | None, n: int) -> list[int] | None:
-    """Group ids as non-negative ints; other hashables (e.g. image file names) are numbered in order of
-    first appearance, which is only meaningful within one call."""
+NAMED_GROUPS = 1 << 62  # group ids given as names are hashed into [2**62, 2**63); integer ids stay below
+
+
+def check_group_ids(group_ids: Sequence[Any] | None, n: int) -> tuple[list[int] | None, bool]:
+    """Group ids as non-negative ints, and whether they are names. An integer id below 2**62 is kept (an index,
+    e.g. a COCO-CF pair's); any other (a string such as an image file name, bytes, a negative integer, a tuple
+    of these) is a name, hashed into [2**62, 2**63), so one name gives one group in every call, batch and
+    process."""
     if group_ids is None:
-        return None
+        return None, False
     values = group_ids.tolist() if isinstance(group_ids, (torch.Tensor, np.ndarray)) else list(group_ids)
     if len(values) != n:
         raise InputError(f"got {len(values)} group ids for {n} captions")
-    if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in values):
-        return [int(v) for v in values]
-    numbering: dict[Any, int] = {}
-    try:
-        return [numbering.setdefault(v, len(numbering)) for v in values]
-    except TypeError as err:
-        raise InputError(f"group ids must be integers or hashable: {err}") from err
+    out, named = [], False
+    for position, value in enumerate(values):
+        if _integer(value) and 0 <= value < NAMED_GROUPS:
+            out.append(int(value))
+            continue
+        name = _group_name(value)
+        if name is None:
+            raise InputError(f"group id at position {position} must be an integer or a name (str, bytes, a "
+                             f"tuple of these), got {type(value).__name__} {value!r:.60}")
+        named = True
+        out.append(NAMED_GROUPS | _stable_id(name) >> 1)
+    return out, named
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _group_name(value: Any) -> bytes | None:
+    """A name's bytes, the same in every process (tagged by type, so 7 and "7" are two names)."""
+    if _integer(value):
+        return b"int:%d" % int(value)
+    if isinstance(value, str):
+        return b"str:" + value.encode("utf-8", "surrogatepass")
+    if isinstance(value, bytes):
+        return b"bytes:" + value
+    if isinstance(value, tuple):
+        parts = [_group_name(v) for v in value]
+        if None in parts:
+            return None
+        return b"tuple:" + b"".join(b"%d:%s" % (len(p), p) for p in parts)
+    return None
 
 
 def image_group_ids(sources: Sequence[ImageSource]) -> list[int]:
-    """One group per image: a non-negative 63-bit hash of the image's key. A file path (resolved) or the bytes
-    of an encoded image give the same id in every call, batch and process, so candidates of one image split
-    across ``update()`` calls or DDP ranks still form one group. An in-memory image (PIL image, array, tensor)
-    is known only by object identity, so its candidates group only within one call (its ids are salted per
-    call so they never collide with another call's); pass ``group_ids``, paths or bytes to group across calls."""
-    salt = os.urandom(8).hex()
-    return [_stable_id(src.key, salt) for src in sources]
+    """One group per image: a non-negative 63-bit hash of what makes it the same image in any process
+    (:func:`~capeval_plugins.image_sources.image_identity`: a file's resolved path, encoded bytes' hash, an
+    in-memory image's pixels). Candidates of one image split across ``update()`` calls or DDP ranks still form
+    one group, whichever form the image is given in."""
+    return [_stable_id(_identity(src)) for src in sources]
 
 
-def _stable_id(key: Any, salt: str) -> int:
-    text = f"{salt}:{key!r}" if _in_memory(key) else repr(key)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+def _identity(src: ImageSource) -> bytes:
+    if src.kind == "video":  # frames are sources of their own
+        return b"video:" + b"|".join(_identity(frame) for frame in src.value)
+    return image_identity(src.key, src.value)
+
+
+def _stable_id(identity: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(identity, digest_size=8).digest(), "big") >> 1
 
 
 def _reference_lists(info: MetricInfo, references: Sequence[Any] | None, ids: list[int], problems: ProblemReport,
@@ -444,7 +477,7 @@ def to_batch(samples: Samples, load: Callable[[ImageSource], Any] | None = None)
         image_index=image_index,
         references=samples.references,
         group_ids=groups,
-        groups_from_images=samples.groups_from_images,
+        group_ids_are_names=samples.group_ids_are_names,
     )
     identities = None if images is None else [image_identity(s.key, img) for s, img in zip(unique, images)]
     batch.digests = text_digests(batch, identities)

@@ -213,8 +213,13 @@ def test_text_batches_are_consecutive_slices():
         image_batches(samples, 0)
 
 
-def test_group_ids_numbered_and_checked():
-    assert prepare_samples(IMG, [np.zeros((2, 2))] * 3, ["a", "b", "c"], group_ids=["x", "y", "x"]).group_ids == [0, 1, 0]
+def test_group_ids_named_and_checked():
+    named = prepare_samples(IMG, [np.zeros((2, 2))] * 3, ["a", "b", "c"], group_ids=["x", "y", "x"])
+    assert named.group_ids[0] == named.group_ids[2] != named.group_ids[1] and named.group_ids_are_names
+    again = prepare_samples(IMG, [np.zeros((2, 2))], ["d"], group_ids=["y"])  # another call: the same group
+    assert again.group_ids == named.group_ids[1:2]
+    kept = prepare_samples(IMG, [np.zeros((2, 2))] * 2, ["a", "b"], group_ids=[5, 5])
+    assert kept.group_ids == [5, 5] and not kept.group_ids_are_names
     with pytest.raises(InputError, match="group ids"):
         prepare_samples(IMG, [np.zeros((2, 2))] * 2, ["a", "b"], group_ids=[1])
 

@@ -411,16 +411,39 @@ def test_soft_msd_gate_is_invariant_to_candidate_order():
     assert u2.tolist() == pytest.approx([1 - 2 * abs(p - 0.5)] * 2, abs=1e-12)
 
 
-def test_image_group_ids_are_stable_for_files_and_bytes_only(picture_files, pictures):
+def test_image_group_ids_are_stable_in_every_form(picture_files, pictures):
     sources = [image_source(p, i) for i, p in enumerate(picture_files + picture_files[:1])]
     first = image_group_ids(sources)
     assert first[0] == first[3] and len(set(first)) == 3 and all(0 <= g < 2 ** 63 for g in first)
     assert image_group_ids(sources) == first  # another call (or process) gives the same ids
     data = Path(picture_files[1]).read_bytes()
     assert image_group_ids([image_source(data, 0)]) == image_group_ids([image_source({"bytes": data}, 0)])
-    memory = [image_source(pictures[0], 0), image_source(pictures[0], 1)]
-    within = image_group_ids(memory)
-    assert within[0] == within[1] and image_group_ids(memory) != within  # grouped only within one call
+    # an image in memory is known by its pixels: the same group in any call, copy or form
+    copy = pictures[0].copy()
+    memory = [image_source(pictures[0], 0), image_source(copy, 1), image_source(np.asarray(pictures[0]), 2),
+              image_source(pictures[1], 3)]
+    ids = image_group_ids(memory)
+    assert ids[0] == ids[1] == ids[2] and ids[3] != ids[0]
+    assert image_group_ids([image_source(pictures[0], 7)]) == ids[:1]
+    clip = [image_source([pictures[0], pictures[1]], 0, video_ok=True), image_source([copy, pictures[1]], 1,
+                                                                                      video_ok=True)]
+    assert len(set(image_group_ids(clip))) == 1 and image_group_ids(clip)[0] not in ids
+
+
+def test_group_ids_given_as_names_are_the_same_group_in_every_call():
+    from capeval_plugins.inputs import NAMED_GROUPS, check_group_ids
+
+    first, named = check_group_ids(["a.jpg", "b.jpg", "a.jpg", ("x", 1), -1, 7], 6)
+    assert named and first[0] == first[2] != first[1] and first[5] == 7
+    assert all(NAMED_GROUPS <= g < 2 * NAMED_GROUPS for g in first[:5])
+    again, _ = check_group_ids(["b.jpg", -1, ("x", 1), "7"], 4)
+    assert again[:3] == [first[1], first[4], first[3]] and again[3] != 7  # "7" is a name, not the integer 7
+    assert check_group_ids(np.array([3, 0, 3]), 3) == ([3, 0, 3], False)
+    big, named = check_group_ids([NAMED_GROUPS], 1)  # an integer this large is a name too: no id is ambiguous
+    assert named and big != [NAMED_GROUPS] and big == check_group_ids([NAMED_GROUPS], 1)[0]
+    for bad in ([1.5], [None], [object()], [("a", 2.0)]):
+        with pytest.raises(InputError, match="group id at position 0 must be an integer or a name"):
+            check_group_ids(bad, 1)
 
 
 def test_torchmetrics_groups_across_batches(tiny_clip, picture_files, pictures):
@@ -434,13 +457,18 @@ def test_torchmetrics_groups_across_batches(tiny_clip, picture_files, pictures):
     result = metric.compute_all()
     assert result.extras["group_size"].tolist() == [3, 3, 3, 1, 2, 2]
     assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
-    # in-memory images with explicit group ids group across batches too
+    # in-memory images group across batches too: with explicit group ids, and by their pixels without them
+    # (each batch given its own copies, as a data loader makes them)
     images = [pictures[i] for i in IMAGE_OF]
-    metric = SoftMSD(model=tiny_clip)
-    for part in ([0, 3], [1, 2, 4, 5]):
-        metric.update([images[i] for i in part], [CANDIDATES[i] for i in part], ids=part,
-                      group_ids=[IMAGE_OF[i] for i in part])
-    assert metric.compute_all().scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    names = [f"COCO_{g:012d}.jpg" for g in IMAGE_OF]  # names: numbered per call, they grouped image 0 with 1
+    for group_ids in (IMAGE_OF, None, names):
+        metric = SoftMSD(model=tiny_clip)
+        for part in ([0, 3], [1, 2, 4, 5]):
+            metric.update([images[i].copy() for i in part], [CANDIDATES[i] for i in part], ids=part,
+                          group_ids=None if group_ids is None else [group_ids[i] for i in part])
+        result = metric.compute_all()
+        assert result.extras["group_size"].tolist() == [3, 3, 3, 1, 2, 2]
+        assert result.scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
 
 
 def test_pycocoevalcap_scorer_equals_a_direct_call(tiny_clip, picture_files):
