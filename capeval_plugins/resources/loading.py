@@ -24,7 +24,7 @@ import torch
 
 from capeval_plugins.core.messages import MissingExtra, install_extra, warn_once
 from capeval_plugins.digests import files_stamp
-from capeval_plugins.resources import wholeness
+from capeval_plugins.resources import image_processors, wholeness
 from capeval_plugins.resources.accelerate_internals import dispatch_hook, execution_device
 # ModelLoadError is defined beside the checks that raise it; callers keep importing it from here
 from capeval_plugins.resources.wholeness import ModelLoadError, loader_boundary  # noqa: F401
@@ -417,6 +417,9 @@ def load_processor(
         hub = hub_kwargs(revision, local_files_only, trust_remote_code)
         with loader_boundary("processor", name_or_path):
             processor = loader.from_pretrained(name_or_path, **hub, **kwargs)
+            if image_processors.torchvision_backend(processor) and \
+                    not image_processors.saved_fast(source_folder(name_or_path, revision)):
+                processor = loader.from_pretrained(name_or_path, **hub, **kwargs, **image_processors.pil_backend())
             check_vocabulary(processor, name_or_path, hub)
             check_tokenizer(processor, name_or_path, folder)
             check_against_model(processor, name_or_path, hub)
