@@ -1,8 +1,11 @@
 """Images as the user gives them, before any batch: :func:`image_source` validates one (a file's header, an
 array's layout, dtype and range, a video's frames) without decoding its pixels and returns an
 :class:`ImageSource`, which decodes it later, pixel for pixel, each mode by its own range (:func:`to_rgb`);
-:func:`image_identity` is what makes two images the same one in any process. A metric that takes its images
-another way gives an :class:`ImageReader`.
+:func:`image_identity` is what makes two images the same one in any process. Within a process a source's
+``key`` says it: the object itself for an image in memory (:class:`ObjectKey`, never its bare ``id()``, which a
+freed object hands on), a file's real path with its size, modification time and inode (a file written again is
+another image), the hash of encoded bytes. A metric that takes its images another way gives an
+:class:`ImageReader`.
 
 :class:`InputError` lives here, the lowest of the input modules; every caller imports it, and all of these
 names, from :mod:`capeval_plugins.inputs`, which turns whole corpora into validated samples and batches.
@@ -97,6 +100,37 @@ class ImageReader:
         raise NotImplementedError
 
 
+class ObjectKey:
+    """The key of an image given in memory: the object itself, compared by identity. It holds the object, so
+    while a key is kept (an image cache outliving one ``update()`` call) no other object can take its ``id()``
+    and be taken for it."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectKey) and other.obj is self.obj
+
+    def __repr__(self) -> str:
+        return f"<{type(self.obj).__name__} at {id(self.obj):#x}>"
+
+
+def _file_version(path: str) -> tuple | None:
+    """What changes when a file is written again (size, modification time, inode): a path's key holds it, so a
+    file overwritten between two calls (a training loop's ``sample.png``) is read again, not served from a
+    cache."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
 def _in_memory(key: Any) -> bool:
     return key[0] == "obj" or (key[0] == "video" and any(_in_memory(frame) for frame in key[1]))
 
@@ -118,10 +152,11 @@ def image_source(image: Any, index: int, video_ok: bool = False, checked: dict |
         problem = mode_problem(image.mode)
         if problem:
             raise InputError(f"sample {index}: {problem}")
-        return ImageSource("pil", image, ("obj", id(image)), index)
+        return ImageSource("pil", image, ("obj", ObjectKey(image)), index)
     if isinstance(image, (str, os.PathLike)):
         path = os.fspath(image)
-        key = ("path", os.path.realpath(path))
+        real = os.path.realpath(path)
+        key = ("path", real, _file_version(real))
         if checked is None or key not in checked:
             problem = _file_problem(path)
             if checked is not None:
@@ -145,7 +180,7 @@ def image_source(image: Any, index: int, video_ok: bool = False, checked: dict |
         return ImageSource("bytes", data, ("bytes", hashlib.sha1(data).hexdigest()), index)
     if isinstance(image, (np.ndarray, torch.Tensor)):
         check_array(image, index)
-        return ImageSource("array", image, ("obj", id(image)), index)
+        return ImageSource("array", image, ("obj", ObjectKey(image)), index)
     raise InputError(f"sample {index}: unsupported image type {type(image).__name__}")
 
 
