@@ -148,9 +148,6 @@ class Batch:
     references: list[list[str]] | None = None
     group_ids: Tensor | None = None
     digests: Tensor | None = None  # (B,) int64 content digest per sample (see inputs.to_batch); None: by text
-    # group_ids that name a group and are no index: made from the images (one group per image, for a metric with
-    # MetricInfo.groups, when none are given), or hashed from ids given as names (inputs.check_group_ids)
-    group_ids_are_names: bool = False
 
     def __len__(self) -> int:
         return len(self.candidates)

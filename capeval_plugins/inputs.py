@@ -40,7 +40,6 @@ class Samples:
     images: list[ImageSource] | None = None
     references: list[list[str]] | None = None
     group_ids: list[int] | None = None
-    group_ids_are_names: bool = False  # group_ids made from the images or hashed from names (check_group_ids)
 
     def __len__(self) -> int:
         return len(self.candidates)
@@ -53,7 +52,6 @@ class Samples:
             images=pick(self.images),
             references=pick(self.references),
             group_ids=pick(self.group_ids),
-            group_ids_are_names=self.group_ids_are_names,
         )
 
 
@@ -149,12 +147,17 @@ def validate_samples(
         problems.add(i, message)
     sources = _image_sources(info, images, ids, reader, problems, {} if checked is None else checked)
     refs = _reference_lists(info, references, ids, problems, references_required, checked, indices, blank_references)
-    groups, named = check_group_ids(group_ids, n)
-    if groups is None and info.groups and sources is not None:
-        groups, named = image_group_ids([s if s is not None else ImageSource("none", None, ("none", i), i)
-                                         for i, s in zip(ids, sources)]), True
-    samples = Samples(candidates=cands, indices=ids, images=sources, references=refs, group_ids=groups,
-                      group_ids_are_names=named)
+    groups = check_group_ids(group_ids, n)
+    by_image = [p for p in range(n) if groups is None or groups[p] is None]
+    if by_image and info.groups and sources is not None:  # no group given: the candidates of one image
+        made = image_group_ids([sources[p] if sources[p] is not None else ImageSource("none", None, ("none", ids[p]),
+                                                                                       ids[p]) for p in by_image])
+        groups = [None] * n if groups is None else groups
+        for p, group in zip(by_image, made):
+            groups[p] = group
+    elif groups is not None and by_image:
+        groups = [-1 if g is None else g for g in groups]
+    samples = Samples(candidates=cands, indices=ids, images=sources, references=refs, group_ids=groups)
     if problems:
         bad = problems.by_index
         samples = samples.subset([p for p, i in enumerate(ids) if i not in bad])
@@ -247,31 +250,40 @@ def describe_repeats(repeated: Sequence[int], ids: Sequence[int], limit: int = 1
     return "; ".join(parts) + more
 
 
-NAMED_GROUPS = 1 << 62  # group ids given as names are hashed into [2**62, 2**63); integer ids stay below
+NAMED_GROUPS = 1 << 62  # group ids that are names, not indices: [2**62, 2**63) (is_name_group)
 
 
-def check_group_ids(group_ids: Sequence[Any] | None, n: int) -> tuple[list[int] | None, bool]:
-    """Group ids as non-negative ints, and whether they are names. An integer id below 2**62 is kept (an index,
-    e.g. a COCO-CF pair's); any other (a string such as an image file name, bytes, a negative integer, a tuple
-    of these) is a name, hashed into [2**62, 2**63), so one name gives one group in every call, batch and
-    process."""
+def is_name_group(group_id: int) -> bool:
+    """Whether a checked group id names a group (a name given, or an image) rather than being an index."""
+    return group_id >= NAMED_GROUPS
+
+
+def check_group_ids(group_ids: Sequence[Any] | None, n: int) -> list[int | None] | None:
+    """Group ids as ints. An integer id in [0, 2**62) is kept (an index, e.g. a COCO-CF pair's); a negative
+    integer means no group (a group of its own, as in ``soft_msd_gate``) and becomes -1; None leaves the sample
+    to be grouped by its image (:func:`prepare_samples`); any other id (a string such as an image file name,
+    bytes, a tuple of these, a larger integer) is a name, hashed into [2**62, 2**63), so one name gives one group
+    in every call, batch and process."""
     if group_ids is None:
-        return None, False
+        return None
     values = group_ids.tolist() if isinstance(group_ids, (torch.Tensor, np.ndarray)) else list(group_ids)
     if len(values) != n:
         raise InputError(f"got {len(values)} group ids for {n} captions")
-    out, named = [], False
+    out: list[int | None] = []
     for position, value in enumerate(values):
-        if _integer(value) and 0 <= value < NAMED_GROUPS:
-            out.append(int(value))
+        if value is None or _integer(value) and value < NAMED_GROUPS:
+            out.append(None if value is None else max(int(value), -1))
             continue
         name = _group_name(value)
         if name is None:
-            raise InputError(f"group id at position {position} must be an integer or a name (str, bytes, a "
-                             f"tuple of these), got {type(value).__name__} {value!r:.60}")
-        named = True
-        out.append(NAMED_GROUPS | _stable_id(name) >> 1)
-    return out, named
+            raise InputError(f"group id at position {position} must be an integer, a name (str, bytes, a tuple of "
+                             f"these) or None, got {type(value).__name__} {value!r:.60}")
+        out.append(_name_id(name))
+    return out
+
+
+def _name_id(name: bytes) -> int:
+    return NAMED_GROUPS | _stable_id(name) >> 1
 
 
 def _integer(value: Any) -> bool:
@@ -295,11 +307,11 @@ def _group_name(value: Any) -> bytes | None:
 
 
 def image_group_ids(sources: Sequence[ImageSource]) -> list[int]:
-    """One group per image: a non-negative 63-bit hash of what makes it the same image in any process
+    """One group per image: a name (:data:`NAMED_GROUPS`), the hash of what makes it the same image in any process
     (:func:`~capeval_plugins.image_sources.image_identity`: a file's resolved path, encoded bytes' hash, an
     in-memory image's pixels). Candidates of one image split across ``update()`` calls or DDP ranks still form
     one group, whichever form the image is given in."""
-    return [_stable_id(_identity(src)) for src in sources]
+    return [_name_id(_identity(src)) for src in sources]
 
 
 def _identity(src: ImageSource) -> bytes:
@@ -477,7 +489,6 @@ def to_batch(samples: Samples, load: Callable[[ImageSource], Any] | None = None)
         image_index=image_index,
         references=samples.references,
         group_ids=groups,
-        group_ids_are_names=samples.group_ids_are_names,
     )
     identities = None if images is None else [image_identity(s.key, img) for s, img in zip(unique, images)]
     batch.digests = text_digests(batch, identities)

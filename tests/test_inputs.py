@@ -214,12 +214,15 @@ def test_text_batches_are_consecutive_slices():
 
 
 def test_group_ids_named_and_checked():
+    from capeval_plugins.inputs import is_name_group
+
     named = prepare_samples(IMG, [np.zeros((2, 2))] * 3, ["a", "b", "c"], group_ids=["x", "y", "x"])
-    assert named.group_ids[0] == named.group_ids[2] != named.group_ids[1] and named.group_ids_are_names
+    assert named.group_ids[0] == named.group_ids[2] != named.group_ids[1]
+    assert all(is_name_group(g) for g in named.group_ids)
     again = prepare_samples(IMG, [np.zeros((2, 2))], ["d"], group_ids=["y"])  # another call: the same group
     assert again.group_ids == named.group_ids[1:2]
-    kept = prepare_samples(IMG, [np.zeros((2, 2))] * 2, ["a", "b"], group_ids=[5, 5])
-    assert kept.group_ids == [5, 5] and not kept.group_ids_are_names
+    kept = prepare_samples(IMG, [np.zeros((2, 2))] * 3, ["a", "b", "c"], group_ids=[5, 5, -7])
+    assert kept.group_ids == [5, 5, -1]  # (IMG is no group metric: None would be no group, -1, too)
     with pytest.raises(InputError, match="group ids"):
         prepare_samples(IMG, [np.zeros((2, 2))] * 2, ["a", "b"], group_ids=[1])
 

@@ -431,19 +431,34 @@ def test_image_group_ids_are_stable_in_every_form(picture_files, pictures):
 
 
 def test_group_ids_given_as_names_are_the_same_group_in_every_call():
-    from capeval_plugins.inputs import NAMED_GROUPS, check_group_ids
+    from capeval_plugins.inputs import NAMED_GROUPS, check_group_ids, is_name_group
 
-    first, named = check_group_ids(["a.jpg", "b.jpg", "a.jpg", ("x", 1), -1, 7], 6)
-    assert named and first[0] == first[2] != first[1] and first[5] == 7
-    assert all(NAMED_GROUPS <= g < 2 * NAMED_GROUPS for g in first[:5])
-    again, _ = check_group_ids(["b.jpg", -1, ("x", 1), "7"], 4)
-    assert again[:3] == [first[1], first[4], first[3]] and again[3] != 7  # "7" is a name, not the integer 7
-    assert check_group_ids(np.array([3, 0, 3]), 3) == ([3, 0, 3], False)
-    big, named = check_group_ids([NAMED_GROUPS], 1)  # an integer this large is a name too: no id is ambiguous
-    assert named and big != [NAMED_GROUPS] and big == check_group_ids([NAMED_GROUPS], 1)[0]
-    for bad in ([1.5], [None], [object()], [("a", 2.0)]):
-        with pytest.raises(InputError, match="group id at position 0 must be an integer or a name"):
+    first = check_group_ids(["a.jpg", "b.jpg", "a.jpg", ("x", 1), -5, 7, None], 7)
+    assert first[0] == first[2] != first[1] and first[4:] == [-1, 7, None]  # no group; an index; by image
+    assert all(is_name_group(g) for g in first[:4]) and not is_name_group(7)
+    again = check_group_ids(["b.jpg", ("x", 1), "7"], 3)
+    assert again[:2] == [first[1], first[3]] and again[2] != 7  # "7" is a name, not the integer 7
+    assert check_group_ids(np.array([3, 0, 3]), 3) == [3, 0, 3]
+    big = check_group_ids([NAMED_GROUPS], 1)  # an integer this large is a name too: no id is ambiguous
+    assert is_name_group(big[0]) and big != [NAMED_GROUPS] and big == check_group_ids([NAMED_GROUPS], 1)
+    for bad in ([1.5], [object()], [("a", 2.0)]):
+        with pytest.raises(InputError, match="group id at position 0 must be an integer, a name"):
             check_group_ids(bad, 1)
+
+
+def test_samples_without_a_group_id_are_grouped_by_image_beside_those_with_one(tiny_clip, picture_files):
+    """An evaluate ``add_batch`` without group ids beside one with them: the first batch's samples group by
+    their images, as they would alone, not all together (the adapter's "no group" filler was once one group)."""
+    import evaluate
+
+    files = [picture_files[i] for i in IMAGE_OF]
+    alone = capeval_plugins.load("soft_msd", model=tiny_clip)(files[3:], CANDIDATES[3:])
+    module = evaluate.load("capeval/soft_msd", model=tiny_clip)
+    module.add_batch(predictions=CANDIDATES[:3], images=files[:3], group_ids=[0, 0, 0])
+    module.add_batch(predictions=CANDIDATES[3:], images=files[3:])
+    mixed = module.compute()
+    assert mixed["group_size"] == [3, 3, 3, 1, 2, 2]
+    assert mixed["scores"][3:] == pytest.approx(alone.scores.tolist(), abs=1e-6)
 
 
 def test_torchmetrics_groups_across_batches(tiny_clip, picture_files, pictures):

@@ -154,7 +154,7 @@ class CapevalEvaluationModule(evaluate.Metric):
         if info.references != "never" and inputs.get("references") is None:
             inputs["references"] = [[] for _ in range(n)]
         if info.groups and inputs.get("group_ids") is None:
-            inputs["group_ids"] = [-1] * n
+            inputs["group_ids"] = [None] * n  # grouped by image, as when no batch gives group ids
         if inputs.get("ids") is None:
             inputs["ids"] = [NO_ID] * n
         else:
@@ -223,7 +223,7 @@ class CapevalEvaluationModule(evaluate.Metric):
             references = None
         if images is not None and all(img is None for img in images):
             images = None
-        if group_ids is not None and all(g == -1 for g in group_ids):
+        if group_ids is not None and all(g is None for g in group_ids):
             group_ids = None
         ids = given_ids(ids)
         metric = self._metric_for(options)

@@ -501,13 +501,16 @@ def check_config(cfg: MSDConfig) -> None:
 
 def pair_indices(batch: Batch) -> Tensor:
     """(B,) the index i of each sample's pair in the COCO-CF script's loop: its group id (a pair's two captions
-    form one group), else its own id (``ids``; a group id below 0 means no group). Groups made from the images
-    (Soft-MSD's, when none are given) are hashes of the images: they name a group, they are no index, so the
-    sample's own id is i then."""
-    if batch.group_ids is None or batch.group_ids_are_names:
-        return batch.indices.to(torch.int64)
+    form one group), else its own id (``ids``). A group id below 0 means no group, and one that names a group
+    (a name given, or an image's group when none is given: ``inputs.is_name_group``) is no index: the sample's own
+    id is i then too."""
+    from capeval_plugins.inputs import NAMED_GROUPS
+
+    ids = batch.indices.to(torch.int64)
+    if batch.group_ids is None:
+        return ids
     groups = batch.group_ids.to(torch.int64)
-    return torch.where(groups >= 0, groups, batch.indices.to(torch.int64))
+    return torch.where((groups >= 0) & (groups < NAMED_GROUPS), groups, ids)
 
 
 def official_initial_positions(mask: Tensor, k: int, seeds: Tensor) -> Tensor:
