@@ -402,6 +402,12 @@ class Metric(abc.ABC):
         None when a batch prepared alone scores the same. Default: None."""
         return None
 
+    def seeded_by_ids(self) -> str | None:
+        """Why this configured metric's scores depend on the values of the sample ids (a draw seeded by a sample's
+        index, as an official script's loop index), or None (the default): an adapter whose made-up ids change with
+        its history (torchmetrics' ``update`` without ``ids``) then refuses to make them up."""
+        return None
+
     def image_reader(self) -> Any:
         """How this metric reads its images: ``None`` for pixel images (paths, PIL, arrays, videos), or an
         :class:`~capeval_plugins.inputs.ImageReader` for another form (e.g. ids of precomputed features)."""

@@ -446,6 +446,33 @@ def test_group_ids_given_as_names_are_the_same_group_in_every_call():
             check_group_ids(bad, 1)
 
 
+def test_coco_cf_draws_refuse_made_up_ids_in_a_stream(tiny_clip, picture_files):
+    """Draws seeded by the pair's index: ids the torchmetrics adapter makes up continue across reset(), so the
+    same epoch drew anew each time; with ids (or integer group ids) every epoch equals a direct call."""
+    from capeval_plugins.inputs import InputError
+    from capeval_plugins.torchmetrics import MSDScore
+
+    files = [picture_files[i] for i in IMAGE_OF]
+    direct = capeval_plugins.load("msd_score", model=tiny_clip, preset="coco-cf")(files, CANDIDATES)
+    metric = MSDScore(model=tiny_clip, preset="coco-cf")
+    for group_ids in (None, ["a"] * 6, [-1] * 6):
+        with pytest.raises(InputError, match="draws='coco-cf' seeds each fit by its pair's index"):
+            metric.update(files, CANDIDATES, group_ids=group_ids)
+    for _ in range(2):  # two epochs
+        metric.update(files, CANDIDATES, ids=list(range(6)))
+        assert metric.compute_all().scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
+        metric.reset()
+    pairs = [0, 0, 1, 1, 2, 2]
+    paired = capeval_plugins.load("msd_score", model=tiny_clip, preset="coco-cf")(files, CANDIDATES, group_ids=pairs)
+    for _ in range(2):
+        metric.update(files, CANDIDATES, group_ids=pairs)
+        assert metric.compute_all().scores.tolist() == pytest.approx(paired.scores.tolist(), abs=1e-6)
+        metric.reset()
+    plain = MSDScore(model=tiny_clip)  # content-seeded draws: made-up ids are fine
+    plain.update(files, CANDIDATES)
+    assert len(plain.compute_all().scores) == 6
+
+
 def test_samples_without_a_group_id_are_grouped_by_image_beside_those_with_one(tiny_clip, picture_files):
     """An evaluate ``add_batch`` without group ids beside one with them: the first batch's samples group by
     their images, as they would alone, not all together (the adapter's "no group" filler was once one group)."""

@@ -146,6 +146,8 @@ class CapevalMetric(torchmetrics.Metric):
         guessed = made_up and world == 1
         corpus = runner.Corpus(captions, images, references, group_ids, ids)
         samples, skipped = self._session.validate(corpus)[self._name]
+        if made_up:
+            self._refuse_made_up_seeds(samples.group_ids)
         new_ids = self._refuse_repeated_ids(corpus.ids)
         # the session's pass over this batch (in the metric's batches; a sample failing: per the policy)
         plan = self._session.plan(self._name, samples, skipped)
@@ -299,6 +301,16 @@ class CapevalMetric(torchmetrics.Metric):
         self.compute()
         assert self._result is not None
         return self._result
+
+    def _refuse_made_up_seeds(self, group_ids: list[int] | None) -> None:
+        """A metric whose draws are seeded by sample ids (``Metric.seeded_by_ids``) is refused made-up ids (they
+        continue across ``reset()``, so each epoch would draw anew), unless every sample's group id is the index."""
+        from capeval_plugins.inputs import InputError, is_name_group
+
+        why = self.capeval_metric.seeded_by_ids()
+        if why and (group_ids is None or any(g < 0 or is_name_group(g) for g in group_ids)):
+            raise InputError(f"{self._name}: {why}; pass ids=<dataset indices> (or integer group_ids) to update(): "
+                             "the ids it would make up change with the metric's history, and so would the scores")
 
     def reset(self) -> None:
         # new lists, not torchmetrics' clear() of the old ones in place: a wrapper holding them (Running keeps

@@ -330,6 +330,12 @@ class MSDScore(Metric):
             if "revision" not in config:
                 cfg.revision = settings.vision_revision
 
+    def seeded_by_ids(self) -> str | None:
+        if self.config.draws == "coco-cf":
+            return ("draws='coco-cf' seeds each fit by its pair's index, as coco_eval_cf.py's loop does: the group "
+                    "id where it is an integer, else the sample's id")
+        return None
+
     def requirements(self) -> list[Requirement]:
         """CLIP (the aligner's backbone with an aligner), and the aligner's language model where it reads text
         features from the model rather than from its saved embedding table."""
