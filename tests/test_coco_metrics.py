@@ -382,7 +382,9 @@ def test_one_pass_prepares_the_corpus_once_and_as_each_metric_alone_would(monkey
     names = ("bleu1", "bleu4", "rouge_l", "cider")
     results = runner.score_many({n: capeval_plugins.load(n) for n in names}, None, cands, refs)
     assert len(calls) == 1  # was two per metric
-    assert calls[0] == len(set(cands) | {r for rs in refs for r in rs})  # each distinct text once
+    lines = [[r for rs in refs for r in rs], cands]  # pycocoevalcap's two calls: each line in its context once
+    keys = len({key for seq in lines for key in zip(seq, coco.ptb_contexts(seq))})
+    assert keys <= calls[0] <= keys + sum(len(set(seq)) for seq in lines) + 4
     assert len(checked) == len(cands)  # was once per metric
     for name in names:  # the same numbers as each metric on its own
         coco.forget_prepared()
@@ -521,24 +523,83 @@ def test_quiet_keeps_java_silent_and_progress_covers_the_corpus_step(tmp_path):
     assert quiet.stderr.strip() == ""
 
 
-def test_ptb_tokens_are_remembered_so_a_text_meets_the_tokenizer_once(monkeypatch):
-    """A validation loop's references come back every epoch: the second tokenisation starts the tokenizer only
-    for the texts it has not seen, and gives the tokens the first gave (and a fresh process gives)."""
+def test_ptb_tokens_are_remembered_so_a_line_meets_the_tokenizer_once(monkeypatch):
+    """A validation loop's references come back every epoch: the same lines in the same order start no tokenizer
+    the second time, and give the tokens the first gave (and a fresh process gives)."""
     from capeval_plugins.metrics import coco
 
     coco.forget_prepared()
     calls = []
     ptb = java.ptb_lines
     monkeypatch.setattr(java, "ptb_lines", lambda lines, jar: calls.append(list(lines)) or ptb(lines, jar))
-    first = coco.ptb_texts(["A dog runs.", "Two cats!", "A dog runs."])
-    again = coco.ptb_texts(["Two cats!", "A red ball.", "A dog runs."])
-    assert calls == [["A dog runs.", "Two cats!"], ["A red ball."]]
+    lines = ["A dog runs.", "Two cats!", "A dog runs."]
+    first = coco.ptb_texts(lines)
+    assert len(calls) == 1 and coco.ptb_texts(lines) == first == ["a dog runs", "two cats", "a dog runs"]
+    assert len(calls) == 1 and coco.ptb_texts([]) == []
     coco.forget_prepared()
-    assert first == ["a dog runs", "two cats", "a dog runs"]
-    fresh = coco.ptb_texts(["Two cats!", "A red ball.", "A dog runs."])
-    assert again == fresh == ["two cats", "a red ball", "a dog runs"]
-    assert calls[2] == ["Two cats!", "A red ball.", "A dog runs."] and coco.ptb_texts([]) == []
+    assert coco.ptb_texts(lines) == first and len(calls) == 2
+    monkeypatch.setattr(coco, "PTB_KEPT", 2)  # the memory stays within its bound, every line still tokenised
     coco.forget_prepared()
-    monkeypatch.setattr(coco, "PTB_KEPT", 2)  # the memory stays within its bound, every text still tokenised
     assert coco.ptb_texts(["a b", "c d", "e f"]) == ["a b", "c d", "e f"] and len(coco._ptb_known) <= 2
-    assert coco.ptb_texts(["g h", "i j"]) == ["g h", "i j"] and set(coco._ptb_known) == {"g h", "i j"}
+
+
+# Lines whose tokens depend on the line after them in one tokenizer call: Stanford's lexer splits the final
+# period off an abbreviation when the next line starts a sentence ("A ..."), and off some ("etc.") at the end
+NEIGHBOURS = ["a sign with the letter b.", "A dog plays in a field.", "the man etc.", "a dog runs .", "the u.s.",
+              "", "A cat sleeps.", "a b."]
+
+
+@needs_java
+def test_ptb_tokens_are_stocks_for_the_same_sequence_whatever_came_before():
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    from capeval_plugins.metrics import coco
+
+    orders = [NEIGHBOURS, NEIGHBOURS[::-1], NEIGHBOURS[2:] + NEIGHBOURS[:2], [NEIGHBOURS[0]], NEIGHBOURS[:2],
+              [NEIGHBOURS[2], ""], [NEIGHBOURS[4], "", "", NEIGHBOURS[1]], [NEIGHBOURS[2], NEIGHBOURS[1]]]
+    stock = []
+    for order in orders:
+        made = PTBTokenizer().tokenize({i: [{"caption": t}] for i, t in enumerate(order)})
+        stock.append([made[i][0] for i in range(len(order))])
+    assert stock[3] != stock[4][:1] and stock[1][-1] != stock[0][0]  # the tokens do depend on the neighbours
+    coco.forget_prepared()
+    for order, expected in zip(orders, stock):  # one after another: what came before changes nothing
+        assert coco.ptb_texts(order) == expected, order
+    coco.forget_prepared()
+    for order, expected in reversed(list(zip(orders, stock))):
+        assert coco.ptb_texts(order) == expected, order
+
+
+@needs_java
+def test_classic_scores_do_not_depend_on_what_the_process_scored_before():
+    """Scores equal pycocoevalcap's loop on the same corpus, in a fresh process or after another corpus."""
+    from capeval_plugins.metrics import coco
+
+    cands = ["a sign with the letter b.", "A dog plays in a field."]
+    refs = [["a sign with the letter b"], ["a dog playing in a field"]]
+    stock = stock_loop(cands, refs)
+    coco.forget_prepared()
+    alone = capeval_plugins.load("bleu4")(None, cands[:1], refs[:1]).scores.tolist()
+    both = capeval_plugins.load("bleu4")(None, cands, refs).scores.tolist()
+    again = capeval_plugins.load("bleu4")(None, cands[:1], refs[:1]).scores.tolist()
+    assert again == alone == stock_loop(cands[:1], refs[:1])["bleu4"] and both == stock["bleu4"]
+    assert alone[0] != both[0]  # (pycocoevalcap's tokens of the first caption depend on the second)
+    for name in ("cider", "rouge_l"):
+        assert capeval_plugins.load(name)(None, cands, refs).scores.tolist() == stock[name]
+        assert capeval_plugins.load(name)(None, cands[::-1], refs[::-1]).scores.tolist() == \
+            stock_loop(cands[::-1], refs[::-1])[name]
+
+
+def stock_loop(cands: list[str], refs: list[list[str]]) -> dict[str, list[float]]:
+    """pycocoevalcap's own loop: PTB on the references, then on the candidates, then each scorer."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.rouge.rouge import Rouge
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    tokenizer = PTBTokenizer()
+    gts = tokenizer.tokenize({i: [{"caption": r} for r in rs] for i, rs in enumerate(refs)})
+    res = tokenizer.tokenize({i: [{"caption": c}] for i, c in enumerate(cands)})
+    return {"bleu4": [float(x) for x in Bleu(4).compute_score(gts, res, verbose=0)[1][3]],
+            "cider": [float(x) for x in Cider().compute_score(gts, res)[1]],
+            "rouge_l": [float(x) for x in Rouge().compute_score(gts, res)[1]]}

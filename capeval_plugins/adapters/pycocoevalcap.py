@@ -153,13 +153,14 @@ def _remember_stock_tokens(written: Mapping[Any, list[str]] | None, tokens: Mapp
     the usual loop, which tokenises the captions as written again, starts no second tokenizer. Stock's tokens
     are capeval's (the same jar and options, a line per caption) unless a caption holds a character Java reads
     as a line break beside ``\\n``: then every later caption's tokens are shifted, and nothing is remembered."""
-    from capeval_plugins.metrics.coco import remember_ptb
+    from capeval_plugins.metrics.coco import ptb_contexts, remember_ptb
 
     if written is None or written.keys() != tokens.keys():
         return
-    pairs = [(c, t) for k in written for c, t in zip(written[k], tokens[k])]
-    if all(isinstance(c, str) and c.translate(SHIFTING_BREAKS) == c for c, _ in pairs):
-        remember_ptb(dict(pairs))
+    lines = [c for k in written for c in written[k]]
+    made = [t for k in written for t in tokens[k]]
+    if len(lines) == len(made) and all(isinstance(c, str) and c.translate(SHIFTING_BREAKS) == c for c in lines):
+        remember_ptb(dict(zip(zip(lines, ptb_contexts(lines)), made)))  # by (line, what follows it in the call)
 
 
 # What Java's tokenizer reads as a line break and stock's PTBTokenizer leaves in a caption (it replaces "\n")
@@ -448,12 +449,10 @@ class COCOEvalCap(StockCOCOEvalCap):
         raw_gts = {i: [a["caption"] for a in anns] for i, anns in gts.items()}
         raw_res = {i: [a["caption"] for a in anns] for i, anns in res.items()}
         print("tokenization...")
-        if self.fast:  # the same tokens, one Java call for both
+        if self.fast:  # the same tokens as stock's two calls, in one Java call
             from capeval_plugins.metrics.coco import ptb_tokenize
 
-            tokens = ptb_tokenize({**{("gts", i): c for i, c in raw_gts.items()},
-                                   **{("res", i): c for i, c in raw_res.items()}})
-            tok_gts, tok_res = {i: tokens[("gts", i)] for i in ids}, {i: tokens[("res", i)] for i in ids}
+            tok_gts, tok_res = ptb_tokenize(raw_gts, raw_res)
         else:
             tokenizer = PTBTokenizer()
             tok_gts, tok_res = tokenizer.tokenize(gts), tokenizer.tokenize(res)

@@ -7,8 +7,8 @@ reference texts, as ragged byte states (:func:`~capeval_plugins.contract.encode_
 tensor, and ``finalize`` scores the whole corpus at once, as ``COCOEvalCap.evaluate`` does: pycocoevalcap's
 PTB tokenisation (Stanford PTBTokenizer, lowercased, punctuation dropped), then the scorer.
 
-The work is done once per pass, not once per metric: the corpus is prepared (decoded, PTB-tokenised as
-distinct texts in one Java call, identical rows merged, n-grams numbered) once and remembered by the content
+The work is done once per pass, not once per metric: the corpus is prepared (decoded, PTB-tokenised in one
+Java call as pycocoevalcap's two calls tokenise it, identical rows merged, n-grams numbered) once and remembered by the content
 of its states (:func:`prepared`), so the classic metrics of one pass share it. BLEU, ROUGE-L and CIDEr-D are
 computed by :mod:`capeval_plugins.core.coco_text` (pycocoevalcap's arithmetic, bit for bit, vectorised);
 METEOR and SPICE are the jars pycocoevalcap ships, METEOR through :mod:`capeval_plugins.resources.java`
@@ -220,34 +220,90 @@ def _pycocoevalcap_file(*parts: str) -> str:
     return str(Path(next(iter(spec.submodule_search_locations)), *parts))
 
 
-PTB_KEPT = 200_000  # texts whose PTB tokens the process remembers (a validation loop's references, every epoch)
-_ptb_known: dict[str, str] = {}
+PTB_KEPT = 200_000  # lines whose PTB tokens the process remembers (a validation loop's references, every epoch)
+END = None  # in a line's context: the end of the tokenizer's input
+# (text, context) -> tokens: a line's tokens depend on the line after it (ptb_sequences), so that is the key
+_ptb_known: dict[tuple[str, tuple], str] = {}
+# The contexts that settle a line at the end of the input without a call of its own (ptb_sequences)
+PROBES = (".", "A dog")
+
+
+def _blank(line: str) -> bool:
+    return not line.translate(java.PTB_LINE_BREAKS).strip()
+
+
+def ptb_contexts(lines: Sequence[str]) -> list[tuple]:
+    """What the tokenizer reads after each line that can change the line's tokens: the lines after it up to the
+    first that holds more than white space, or to the end of the input (:data:`END`)."""
+    out: list[tuple] = [()] * len(lines)
+    tail: tuple = (END,)
+    for k in range(len(lines) - 1, -1, -1):
+        out[k] = tail
+        tail = (lines[k],) if not _blank(lines[k]) else (lines[k], *tail)
+    return out
+
+
+def ptb_sequences(sequences: Sequence[Sequence[str]]) -> list[list[str]]:
+    """Each sequence's lines as pycocoevalcap's ``PTBTokenizer`` tokenises them in one call over that sequence
+    (Stanford PTBTokenizer, ``-preserveLines -lowerCase``; its punctuation tokens dropped), in one Java call for
+    all. A line's tokens depend on what follows it: the lexer splits the final period off an abbreviation
+    ("etc.", "u.s.", a single letter) when the next line starts a sentence ("A dog", "The ...") or, for some, when
+    the input ends. So each line is tokenised once per (line, :func:`ptb_contexts`) and remembered by that pair:
+    the tokens are stock's for the same sequence, whatever was tokenised before. A line at the end of its
+    sequence is settled by the two :data:`PROBES` contexts where they agree, else by a call of its own. Line
+    breaks inside a text become spaces (as pycocoevalcap does for "\\n"; the others would shift every later text
+    onto the wrong row)."""
+    from pycocoevalcap.tokenizer.ptbtokenizer import PUNCTUATIONS
+
+    keyed = [list(zip(seq, ptb_contexts(seq))) for seq in sequences]
+    stream: list[str] = []
+    slots: dict[tuple, int] = {}
+    ends: dict[tuple, tuple[int, int]] = {}  # a line at the end of its sequence: the slots of its two probes
+
+    def new(key: tuple | None) -> bool:
+        return key is not None and key not in _ptb_known and key not in slots and key not in ends
+
+    for keys in keyed:
+        for k, key in enumerate(keys):
+            if not new(key):
+                continue
+            text, context = key
+            if context[-1] is END:
+                ends[key] = (len(stream), len(stream) + 2)
+                stream += [text, PROBES[0], text, PROBES[1]]
+                continue
+            slots[key] = len(stream)
+            stream.append(text)
+            following = keys[k + 1] if k + 1 < len(keys) else None
+            if not (len(context) == 1 and new(following) and following[1][-1] is not END):
+                stream.extend(context)  # the next line emitted is not this one's context: it is given here
+    punctuation = frozenset(PUNCTUATIONS)
+    jar = _pycocoevalcap_file("tokenizer", "stanford-corenlp-3.4.1.jar")
+
+    def cleaned(line: str) -> str:
+        return " ".join(w for w in line.rstrip().split(" ") if w not in punctuation)
+
+    lines = java.ptb_lines(stream, jar) if stream else []
+    found = {key: cleaned(lines[at]) for key, at in slots.items()}
+    for key, (first, second) in ends.items():
+        text, context = key
+        same = lines[first] == lines[second]
+        found[key] = cleaned(lines[first] if same else java.ptb_lines([text, *context[:-1]], jar)[0])
+    remember_ptb(found)
+    return [[found[key] if key in found else _ptb_known[key] for key in keys] for keys in keyed]
 
 
 def ptb_texts(texts: Sequence[str]) -> list[str]:
-    """pycocoevalcap's PTB tokenisation of each text: Stanford PTBTokenizer (lowercased) in one Java call
-    over the distinct texts the process has not tokenised yet, then pycocoevalcap's punctuation tokens dropped.
-    Line breaks inside a text become spaces (as pycocoevalcap does for "\\n"; the others would shift every
-    later text onto the wrong row)."""
-    from pycocoevalcap.tokenizer.ptbtokenizer import PUNCTUATIONS
-
-    distinct = dict.fromkeys(texts)
-    tokens = {t: known for t in distinct if (known := _ptb_known.get(t)) is not None}
-    new = [t for t in distinct if t not in tokens]
-    lines = java.ptb_lines(new, _pycocoevalcap_file("tokenizer", "stanford-corenlp-3.4.1.jar"))
-    punctuation = frozenset(PUNCTUATIONS)
-    found = {text: " ".join(w for w in line.rstrip().split(" ") if w not in punctuation)
-             for text, line in zip(new, lines)}
-    remember_ptb(found)
-    tokens.update(found)
-    return [tokens[t] for t in texts]
+    """The PTB tokens of ``texts``, as one ``PTBTokenizer`` call over them in this order gives them
+    (:func:`ptb_sequences`)."""
+    return ptb_sequences([texts])[0]
 
 
-def remember_ptb(tokens: dict[str, str]) -> None:
-    """Remember texts' PTB tokens (as :func:`ptb_texts` gives them), so that the process does not tokenise them
-    again: the jar and its options are fixed, and every line is tokenised on its own (``-preserveLines``). At most
-    :data:`PTB_KEPT` texts are kept: a corpus larger than that is not remembered, a smaller one replaces the
-    texts remembered before it when together they would be more."""
+def remember_ptb(tokens: dict[tuple[str, tuple], str]) -> None:
+    """Remember lines' PTB tokens by (line, context) (as :func:`ptb_sequences` gives them), so that the process
+    does not tokenise them again: the jar and its options are fixed, and the context is all of the input that can
+    change a line's tokens. At most :data:`PTB_KEPT` are kept: more than that are not remembered, fewer replace
+    those remembered before them when together they would be more."""
     if len(tokens) > PTB_KEPT:
         return
     if len(_ptb_known) + len(tokens) > PTB_KEPT:
@@ -255,14 +311,15 @@ def remember_ptb(tokens: dict[str, str]) -> None:
     _ptb_known.update(tokens)
 
 
-def ptb_tokenize(texts: dict[Any, list[str]]) -> dict[Any, list[str]]:
-    """:func:`ptb_texts` of ``{id: [captions]}`` (pycocoevalcap's ``PTBTokenizer().tokenize`` of the same
-    captions, without its temporary file)."""
-    flat = [c for caps in texts.values() for c in caps]
-    out, tokens = {}, iter(ptb_texts(flat))
-    for key, caps in texts.items():
-        out[key] = [next(tokens) for _ in caps]
-    return out
+def ptb_tokenize(*captions: dict[Any, list[str]]) -> Any:
+    """pycocoevalcap's ``PTBTokenizer().tokenize`` of each ``{id: [captions]}`` (one call each, as stock makes
+    them; :func:`ptb_sequences`), without its temporary file: one dict for one, a tuple for several."""
+    tokens = ptb_sequences([[c for caps in texts.values() for c in caps] for texts in captions])
+    out = []
+    for texts, made in zip(captions, tokens):
+        made = iter(made)
+        out.append({key: [next(made) for _ in caps] for key, caps in texts.items()})
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------- the corpus
@@ -297,8 +354,9 @@ def prepared(candidates: Tensor | PackedTexts, references: Tensor | PackedTexts,
 
 def _corpus_of_state(candidates: Tensor | PackedTexts, references: Tensor | PackedTexts,
                      tokenize: bool) -> CocoCorpus:
-    """The corpus of packed states: every distinct text decoded (and PTB-tokenised) once, the rows as arrays of
-    text ids (no Python object per row: the texts are split a block of rows at a time)."""
+    """The corpus of packed states: every distinct text decoded once, the rows as arrays of text ids (no Python
+    object per row: the texts are split a block of rows at a time). PTB tokens are pycocoevalcap's loop's: its
+    call over the references (row after row) and its call over the candidates (:func:`ptb_sequences`)."""
     ids: dict[bytes, int] = {}
     cand = _text_ids(_packed(candidates), ids, item_end=None)
     refs = _packed(references)
@@ -309,10 +367,12 @@ def _corpus_of_state(candidates: Tensor | PackedTexts, references: Tensor | Pack
     texts = [t.decode("utf-8") for t in ids]
     del ids
     if tokenize:
-        tokens = ptb_texts(texts)
+        ref_tokens, cand_tokens = ptb_sequences([[texts[i] for i in ref_ids.tolist()],
+                                                 [texts[i] for i in cand.tolist()]])
         numbers: dict[str, int] = {}
-        renumber = np.fromiter((numbers.setdefault(t, len(numbers)) for t in tokens), np.int64, len(tokens))
-        texts, cand, ref_ids = list(numbers), renumber[cand], renumber[ref_ids]
+        cand = np.fromiter((numbers.setdefault(t, len(numbers)) for t in cand_tokens), np.int64, len(cand_tokens))
+        ref_ids = np.fromiter((numbers.setdefault(t, len(numbers)) for t in ref_tokens), np.int64, len(ref_tokens))
+        texts = list(numbers)
     offsets = np.zeros(len(per_row) + 1, dtype=np.int64)
     np.cumsum(per_row, out=offsets[1:])
     return CocoCorpus(rows_from_ids(texts, cand, ref_ids, offsets))
