@@ -310,7 +310,8 @@ def image_group_ids(sources: Sequence[ImageSource]) -> list[int]:
     """One group per image: a name (:data:`NAMED_GROUPS`), the hash of what makes it the same image in any process
     (:func:`~capeval_plugins.image_sources.image_identity`: a file's resolved path, encoded bytes' hash, an
     in-memory image's pixels). Candidates of one image split across ``update()`` calls or DDP ranks still form
-    one group, whichever form the image is given in."""
+    one group when given in one form each time (a path, encoded bytes, pixels in memory: one file given once as
+    a path and once as its bytes is two groups)."""
     return [_name_id(_identity(src)) for src in sources]
 
 
