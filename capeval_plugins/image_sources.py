@@ -341,11 +341,21 @@ def pil_reason(err: BaseException) -> str:
 
 
 def image_identity(key: Any, image: Any) -> bytes:
-    """What makes two images the same one in any process: a file's resolved path, encoded bytes' hash, or
-    for an image given in memory (known here only by object identity) its decoded pixels."""
+    """What makes two images the same one in any process: a file's resolved path (not its version, which
+    another machine's copy of a dataset does not share), encoded bytes' hash, or for an image given in memory
+    (known here only by object identity) its decoded pixels."""
     if _in_memory(key):
         return b"pixels:" + pixel_digest(image)
-    return repr(key).encode()
+    return repr(_portable(key)).encode()
+
+
+def _portable(key: Any) -> Any:
+    """``key`` without the versions of its files (:func:`_file_version`)."""
+    if key[0] == "path":
+        return key[:2]
+    if key[0] == "video":
+        return ("video", tuple(_portable(frame) for frame in key[1]))
+    return key
 
 
 def pixel_digest(image: Any) -> bytes:

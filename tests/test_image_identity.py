@@ -66,3 +66,19 @@ def test_a_file_written_again_between_updates_is_read_again(tiny_clip, tmp_path)
         os.utime(reused, ns=(k * 10**9, k * 10**9))  # another modification time even where sizes agree
         metric.update([str(reused)], [CAPTION])
     assert metric.compute_all().scores.tolist() == pytest.approx(direct.scores.tolist(), abs=1e-6)
+
+
+def test_a_files_identity_across_processes_is_its_path_not_its_version(tmp_path):
+    """Group ids (Soft-MSD under DDP) come from the identity: a copy of a dataset on each node has other inodes
+    and times, and must give the same ids; the cache key, within one process, holds the version."""
+    from capeval_plugins.image_sources import image_identity
+    from capeval_plugins.inputs import image_group_ids
+
+    path = tmp_path / "a.png"
+    random_image(3).save(path)
+    before = image_source(str(path), 0)
+    os.utime(path, ns=(5 * 10**9, 5 * 10**9))
+    after = image_source(str(path), 0)
+    assert before.key != after.key
+    assert image_identity(before.key, None) == image_identity(after.key, None)
+    assert image_group_ids([before]) == image_group_ids([after])
