@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from typing import Any, Iterator, Sequence
 
 from capeval_plugins.core.bounds import cli_number
@@ -411,7 +412,7 @@ def _main(argv: Sequence[str] | None) -> int:
         empty = empty_path_option(args)
         if empty:
             raise UsageError(f"{empty}: an empty path (an unset variable?); give a file or folder")
-        with restored_environment():
+        with restored_environment(), one_line_warnings():
             if getattr(args, "quiet", False):  # every command's --quiet: the libraries' bars and Java lines too
                 quiet_libraries()
             return args.func(args)
@@ -435,6 +436,25 @@ def _main(argv: Sequence[str] | None) -> int:
         where = f": {err.filename}" if err.filename else ""
         print(f"capeval: error: {err.strerror or err}{where}", file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """The package's own warnings as ``capeval: warning: ...`` (Python's format adds the file, the line and the
+    source line of the call, which tell a user of the command nothing); other libraries' keep theirs."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not os.path.abspath(filename).startswith(package):
+            return shown(message, category, filename, lineno, file, line)
+        print(f"capeval: warning: {message}", file=sys.stderr if file is None else file)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _rank() -> int:

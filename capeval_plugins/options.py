@@ -140,16 +140,20 @@ def build_metrics(names: Sequence[str], pairs: Sequence[str],
             raise OptionError(f"{flag} {value} and -o {key}={bare[key]} disagree; give one of them")
         bare[key] = value
     routed = route(entries, bare, own, parse=True)
-    metrics = {}
-    for name, cls in entries.items():
-        try:
-            metrics[name] = cls(**routed[name])
-        except (TypeError, ValueError) as err:
-            raise OptionError(f"{err}" if name in str(err) else f"{name}: {err}") from None
+    metrics = {name: built(cls, routed[name]) for name, cls in entries.items()}
     if "model" in bare:
         check_shared_model(bare["model"], [n for n in entries if "model" not in own.get(n, {})], entries,
                            "--model" if shared and "model" in shared else "-o model")
     return metrics
+
+
+def built(cls: type, options: Mapping[str, Any]) -> Any:
+    """``cls(**options)``, an unknown option or a refused value as :class:`OptionError` naming the metric."""
+    name = cls.info.name
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as err:
+        raise OptionError(f"{err}" if name in str(err) else f"{name}: {err}") from None
 
 
 def check_shared_model(model: str, takers: Sequence[str], classes: Mapping[str, type], flag: str) -> None:

@@ -366,3 +366,15 @@ def test_a_file_name_that_is_not_utf8_is_refused_before_any_work(tmp_path):
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert "not UTF-8" in proc.stderr and r"b_\xff.png" in proc.stderr
         assert not calls.exists() and not (tmp_path / out).exists()
+
+
+@pytest.mark.parametrize("where", ["absolute", "relative"])
+def test_a_captioner_folder_that_does_not_exist_is_named_as_such(tmp_path, monkeypatch, where):
+    """The hub client took a missing folder for a malformed repo id ("Repo id must be in the form ...")."""
+    from capeval_plugins.models.captioner import HFCaptioner
+    from capeval_plugins.resources.wholeness import ModelLoadError
+
+    monkeypatch.chdir(tmp_path)
+    missing = str(tmp_path / "nomodel") if where == "absolute" else "./nomodel"
+    with pytest.raises(ModelLoadError, match=f"no such file or folder: {missing}"):
+        HFCaptioner(missing).load()

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from conftest import EXAMPLES, PYTHON, run
+from conftest import EXAMPLES, PYTHON, capeval_in_process, run
 
 from capeval_plugins import cli
 from capeval_plugins.caption_files import read_captions
@@ -68,3 +68,14 @@ def test_a_rank_other_than_0_reports_its_typed_error_in_one_line(monkeypatch, ca
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("capeval: error:") and "no_such_metric" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_packages_warnings_are_one_line_on_the_command_line(tmp_path):
+    """Python's format printed the warning's file and line and the source line of the call after it."""
+    captions = tmp_path / "typo.jsonl"
+    captions.write_text('{"caption": "a dog", "refrences": ["a dog runs"]}\n')
+    proc = capeval_in_process(["score", "-m", "bleu1", "-o", "tokenize=false", "--captions", str(captions)])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("capeval: error: bleu1 needs references")
+    assert lines[0].startswith("capeval: warning: ") and "rename 'refrences' -> 'references'" in lines[0]
+    assert "UserWarning" not in proc.stderr and "read_captions(" not in proc.stderr

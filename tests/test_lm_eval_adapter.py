@@ -307,6 +307,27 @@ def test_capeval_lm_eval_help_and_a_missing_caption_file_are_one_liners(tmp_path
                                                                   "caption file: --metadata")
 
 
+@pytest.mark.parametrize("case", ["misspelled option", "empty caption file"])
+def test_capeval_lm_eval_refuses_a_bad_metadata_in_one_line(tmp_path, case):
+    import json
+
+    captions = tmp_path / "captions.jsonl"
+    if case == "empty caption file":
+        captions.write_text("")
+        metrics = {"cider": {}}
+    else:
+        captions.write_text((EXAMPLES / "captions.jsonl").read_text())
+        metrics = {"cider": {"tokenise": False}}
+    metadata = json.dumps({"captions": str(captions), "images": str(EXAMPLES / "images"), "metrics": metrics})
+    proc = subprocess.run([str(Path(PYTHON).parent / "capeval-lm-eval"), "--model", "dummy", "--tasks",
+                           "capeval_caption", "--metadata", metadata], capture_output=True, text=True,
+                          timeout=HANG_GUARD)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    expected = "unknown option(s) ['tokenise']" if case == "misspelled option" else "holds no captions"
+    assert last.startswith("capeval-lm-eval: error: ") and expected in last
+
+
 def test_aggregate_scores_images_in_every_form_the_core_takes(tiny_clip):
     """Its corpus key read any object with ``tobytes`` and ``size`` as a PIL image: numpy images raised
     AttributeError; the key is now the contract's pixel digest, one for every form of one image."""

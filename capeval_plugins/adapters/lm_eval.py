@@ -29,6 +29,7 @@ from capeval_plugins.adapters.harness import (capeval_name, score_documents, ski
                                               reference_list, warn_skipped, with_default_policy)
 from capeval_plugins.core.messages import install_extra, require
 from capeval_plugins.inputs import InputError
+from capeval_plugins.options import built
 
 # the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
 # (lm_eval.api.metrics first: it fills lm-eval's registries, so ours never replace its built-ins)
@@ -193,7 +194,7 @@ class CaptionTask(ConfigurableTask):
                                       registry.get(name).info.higher_is_better)
             internals.add_task_metric(self, skip_count_name(lm_name), functools.partial(self._capeval_skipped, lm_name),
                                       False)
-            self._capeval_built[lm_name] = registry.load(name, **with_default_policy(options))
+            self._capeval_built[lm_name] = built(registry.get(name).cls, with_default_policy(options))
         check_tasks(self)
 
     def _capeval_names(self) -> set[str]:

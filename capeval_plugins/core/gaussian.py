@@ -103,7 +103,8 @@ def check_sample_count(count: int, dim: int, covariance_eps: float = 0.0) -> Non
         raise TooFewSamplesError(
             f"the joint Gaussian is fitted on N={count} (image, reference) pairs, but its covariance has "
             f"2D={dim} dimensions and is singular unless N > 2D; score a larger corpus, pass a reference "
-            f"Gaussian fitted on more pairs, or set covariance_eps > 0"
+            f"Gaussian fitted on more pairs, or add eps > 0 to the covariance's diagonal (the metric's covariance_eps, "
+            f"functional.mid's eps)"
         )
 
 
@@ -117,7 +118,7 @@ def _cholesky(cov: Tensor, what: str) -> Tensor:
         raise DataError(
             f"the {what} covariance of the Gaussian fit is not positive definite (singular: fewer distinct "
             f"{'features' if what == 'joint' else what + 's'} than dimensions, or degenerate features); fit on "
-            "more pairs or set covariance_eps > 0"
+            "more pairs or add eps > 0 to its diagonal (the metric's covariance_eps, functional.mid's eps)"
         )
     return chol
 

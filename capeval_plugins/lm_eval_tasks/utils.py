@@ -16,6 +16,8 @@ def load_captions(captions=None, images=None, limit=None, **_):
             raise InputError(f"capeval_caption: --metadata {key!r} must be a path (a string), got "
                              f"{type(value).__name__}")
     docs = load_caption_docs(captions, images, limit)
+    if not docs:
+        raise InputError(f"capeval_caption: {captions} holds no captions" + (f" (with limit {limit})" if limit else ""))
     return {"test": datasets.Dataset.from_list(docs)}
 
 

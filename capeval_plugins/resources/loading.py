@@ -496,6 +496,9 @@ def check_source(name_or_path: str, revision: str | None = None) -> str | None:
     Returns the folder checked (None for a hub id not in the cache)."""
     from capeval_plugins.resources import tensorfile
 
+    problem = local_path_problem(name_or_path)
+    if problem:  # (the hub client would take a missing folder for a malformed repo id)
+        raise ModelLoadError(f"cannot load {name_or_path!r}: {problem}")
     folder = source_folder(name_or_path, revision)
     if folder is None:
         return None
