@@ -235,11 +235,12 @@ def _blank(line: str) -> bool:
 def ptb_contexts(lines: Sequence[str]) -> list[tuple]:
     """What the tokenizer reads after each line that can change the line's tokens: the lines after it up to the
     first that holds more than white space, or to the end of the input (:data:`END`)."""
+    blank = {line: _blank(line) for line in set(lines)}
     out: list[tuple] = [()] * len(lines)
     tail: tuple = (END,)
     for k in range(len(lines) - 1, -1, -1):
         out[k] = tail
-        tail = (lines[k],) if not _blank(lines[k]) else (lines[k], *tail)
+        tail = (lines[k], *tail) if blank[lines[k]] else (lines[k],)
     return out
 
 
