@@ -362,3 +362,18 @@ def test_a_load_argument_named_like_a_metric_option_reaches_the_metric_or_says_w
     with pytest.warns(UserWarning, match="cache_dir given to evaluate.load is evaluate's cache"):
         module = evaluate.load("dino_cycle", cache_dir=str(tmp_path / "evaluate-cache"))
     assert module.capeval_metric.config.cache_dir is None
+
+
+def test_combine_add_takes_the_singular_names_a_module_add_takes():
+    """``evaluate.combine([...]).add(..., id=...)`` kept only the features' own names (``ids``) and dropped
+    ``id``, ``image`` and ``group_id``, so samples came back in the order they were added, not by id."""
+    import evaluate
+
+    captions = ["a dog runs on grass", "two cats sleep", "a red car", "a man rides a bike"]
+    refs = [["a dog running on grass"], ["two cats sleeping"], ["a red car on a road"], ["a man riding"]]
+    combined = evaluate.combine([evaluate.load("cider", tokenize=False), evaluate.load("bleu4", tokenize=False)])
+    for i in reversed(range(4)):
+        combined.add(prediction=captions[i], reference=refs[i], id=i)
+    out = combined.compute()
+    direct = capeval_plugins.load("cider", tokenize=False)(None, captions, refs)
+    assert out["cider_scores"] == pytest.approx(direct.scores.tolist(), abs=1e-12)

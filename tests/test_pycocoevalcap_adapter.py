@@ -563,3 +563,28 @@ def test_cider_takes_stocks_signature():
     assert Cider(None, None, 3, 2.0, tokenize=False).metric.config.n == 3
     with pytest.raises(ValueError, match="test and refs are not used"):
         Cider(test=gts)
+
+
+def test_cocoevalcap_given_a_bare_bleu_scorer_fills_each_order(tmp_path):
+    """``scorers=[Bleu(4)]`` (no method names): the four orders went under one key "Bleu", each image's entry
+    held one order's scores for several images, and the summary then raised a TypeError."""
+    from pycocotools.coco import COCO
+
+    from capeval_plugins.pycocoevalcap import Bleu
+
+    images = [{"id": i, "file_name": f"{i}.jpg"} for i in TRICKY_REFS]
+    annotations = [{"image_id": i, "id": 10 * i + j, "caption": c} for i, refs in TRICKY_REFS.items()
+                   for j, c in enumerate(refs)]
+    gt, res = tmp_path / "gt.json", tmp_path / "res.json"
+    gt.write_text(json.dumps({"images": images, "annotations": annotations, "info": {}, "licenses": [],
+                              "type": "captions"}))
+    res.write_text(json.dumps([{"image_id": i, "caption": c} for i, c in TRICKY_CAPTIONS.items()]))
+    coco = COCO(str(gt))
+    coco_res = coco.loadRes(str(res))
+    named = COCOEvalCap(coco, coco_res, scorers=[(Bleu(4, tokenize=False), [f"Bleu_{k}" for k in range(1, 5)])],
+                        stock=False)
+    named.evaluate()
+    bare = COCOEvalCap(coco, coco_res, scorers=[Bleu(4, tokenize=False)], stock=False)
+    bare.evaluate()
+    assert bare.eval == named.eval and set(bare.eval) == {f"Bleu_{k}" for k in range(1, 5)}
+    assert bare.imgToEval == named.imgToEval

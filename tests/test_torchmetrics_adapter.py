@@ -205,3 +205,76 @@ def test_a_padding_repeat_in_a_metric_of_summed_statistics_is_refused_not_counte
     with pytest.raises(RepeatedSamples, match="summed statistics count them"):
         finalize_state(metric, merged, allowed_repeats=1)
     assert finalize_state(metric, merge_states(full_spec(metric), parts[:1]), allowed_repeats=1).scores.numel() == 40
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sequences a long training session makes: each number equals a direct call on the same samples
+
+SESSION_CAPTIONS = ["a dog runs on the grass", "two cats sleep", "a red car on a road", "a man rides a bike",
+                    "children play in a park", "a bird on a branch"]
+SESSION_REFS = [["a dog running on grass"], ["two cats sleeping"], ["a red car parked on a road"],
+                ["a man riding a bicycle"], ["kids playing in a park"], ["a small bird sits on a branch"]]
+BATCHES = [[0, 1], [2, 3], [4, 5]]
+
+
+def _direct(name: str, rows=range(6)):
+    rows = list(rows)
+    return capeval_plugins.load(name, tokenize=False)(None, [SESSION_CAPTIONS[i] for i in rows],
+                                                      [SESSION_REFS[i] for i in rows])
+
+
+def _batch(rows):
+    return None, [SESSION_CAPTIONS[i] for i in rows], [SESSION_REFS[i] for i in rows]
+
+
+def test_a_collection_forward_after_update_epochs_counts_each_sample_once():
+    """Compute groups share list states: appending in place added every sample to the other members too."""
+    from torchmetrics import MetricCollection
+
+    from capeval_plugins.torchmetrics import BLEU4, CIDEr
+
+    collection = MetricCollection({"cider": CIDEr(tokenize=False), "bleu": BLEU4(tokenize=False)})
+    for rows in BATCHES + BATCHES:  # an epoch of update(), twice over (new ids each time)
+        collection.update(*_batch(rows))
+    collection.reset()
+    for rows in BATCHES:  # then an epoch of forward(), as a training_step logs
+        collection(*_batch(rows))
+    got = collection.compute()
+    assert float(got["cider"]) == pytest.approx(_direct("cider").score, abs=1e-12)
+    assert float(got["bleu"]) == pytest.approx(_direct("bleu4").score, abs=1e-12)
+    assert len(collection["cider"].compute_all().scores) == 6
+
+
+def test_merge_state_is_seen_by_compute_and_compute_all():
+    from capeval_plugins.torchmetrics import CIDEr
+
+    first, second = CIDEr(tokenize=False), CIDEr(tokenize=False)
+    first.update(*_batch([0, 1, 2]))
+    first.compute()
+    second.update(*_batch([3, 4, 5]), ids=[3, 4, 5])
+    first.merge_state(second)  # compute() kept the value of the first half
+    assert float(first.compute()) == pytest.approx(_direct("cider").score, abs=1e-12)
+    last = CIDEr(tokenize=False)
+    last.update(*_batch([0, 1, 2]))
+    last.compute()
+    last.reset()  # Lightning's end of epoch: compute_all() gives that epoch ...
+    assert last.compute_all().indices.tolist() == [0, 1, 2]
+    other = CIDEr(tokenize=False)
+    other.update(*_batch([3, 4, 5]), ids=[3, 4, 5])
+    last.merge_state(other)  # ... until samples come in, by update() or merge_state()
+    result = last.compute_all()
+    assert result.indices.tolist() == [3, 4, 5]
+    assert result.score == pytest.approx(_direct("cider", [3, 4, 5]).score, abs=1e-12)
+
+
+def test_a_state_dict_resumed_without_ids_continues_the_made_up_ids():
+    from capeval_plugins.torchmetrics import CIDEr
+
+    before = CIDEr(tokenize=False)
+    before.persistent(True)
+    before.update(*_batch([0, 1, 2]))
+    after = CIDEr(tokenize=False)
+    after.persistent(True)
+    after.load_state_dict(before.state_dict())
+    after.update(*_batch([3, 4, 5]))
+    assert float(after.compute()) == pytest.approx(_direct("cider").score, abs=1e-12)

@@ -102,9 +102,12 @@ def patch_combine(combined) -> None:
             module.add_batch(**{name: given[name] for name in module._feature_names() if name in given})
 
     def add(self, prediction=None, reference=None, **kwargs):
+        from capeval_plugins.adapters.hf_evaluate import SINGULAR
+
         for module in self.evaluation_modules:
-            own = set(module._feature_names())
-            module.add(prediction=prediction, reference=reference, **{k: v for k, v in kwargs.items() if k in own})
+            own = set(module._feature_names())  # a capeval module's add() takes its features' singular names too
+            module.add(prediction=prediction, reference=reference,
+                       **{k: v for k, v in kwargs.items() if k in own or k in SINGULAR and k + "s" in own})
 
     for name, wrapper in (("compute", compute), ("add_batch", add_batch), ("add", add)):
         wrapper._capeval_wrapped = True

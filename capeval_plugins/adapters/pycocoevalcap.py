@@ -294,6 +294,14 @@ class CapevalScorer:
         return stock_typed(self.metric.info.name, self.last_result)
 
 
+def _eval_keys(scorer: Any) -> str | list[str]:
+    """The keys a scorer given without them fills in ``eval``: ``Bleu_1`` .. ``Bleu_n`` for a BLEU scorer (which
+    returns a score per order, as stock's loop names them), else its ``method()``."""
+    method = scorer.method()
+    orders = len(getattr(scorer, "_orders", ())) or getattr(scorer, "_n", 0)
+    return [f"Bleu_{k}" for k in range(1, orders + 1)] if method == "Bleu" and orders else method
+
+
 class Bleu(CapevalScorer):
     """pycocoevalcap's ``Bleu(n)``: ``([BLEU-1 .. BLEU-n], [[per item] per order])`` and ``method()`` "Bleu", on
     the captions as written in the usual loop (tokenised once, as stock's loop does) or on what it is given.
@@ -424,7 +432,7 @@ class COCOEvalCap(StockCOCOEvalCap):
         **options: Any,
     ) -> None:
         super().__init__(coco, cocoRes)
-        extra = [s if isinstance(s, tuple) else (s, s.method()) for s in scorers]
+        extra = [s if isinstance(s, tuple) else (s, _eval_keys(s)) for s in scorers]
         own = {registry.canonical_name(k): dict(v or {}) for k, v in metrics.items()} if isinstance(metrics, Mapping) \
             else {registry.canonical_name(k): {} for k in metrics}
         if own:

@@ -219,6 +219,7 @@ class CapevalMetric(torchmetrics.Metric):
             raise InputError(f"{self._name}: merge_state(): sample id(s) {_shown(repeated)} are in both states: "
                              "ids must be unique across the states merged (pass each sample's dataset index)")
         super().merge_state(incoming)
+        internals.forget_computed(self)  # compute() kept the value of the state before the merge
         self._ids.update(theirs)  # a later update() giving one of them again is refused as on this rank
         if both_made_up:  # this metric's next made-up ids follow the merged ones
             self._positions = max([self._positions, *(i + 1 for i in theirs)])
@@ -235,8 +236,8 @@ class CapevalMetric(torchmetrics.Metric):
         for name, value in block.items():
             # torchmetrics moves and casts list states element-wise: tensors only (packed texts padded)
             value = (value.padded() if isinstance(value, PackedTexts) else value).to(self.device)
-            if self._spec[name].reduce == "cat":
-                getattr(self, name).append(value)
+            if self._spec[name].reduce == "cat":  # a new list: members of a MetricCollection's compute group
+                setattr(self, name, [*getattr(self, name), value])  # share the old one (torchmetrics does this too)
             else:  # the running sum, by the one reduce
                 kept = getattr(self, name)
                 setattr(self, name, merge_states({name: self._spec[name]}, [{name: kept}, {name: value.to(kept.dtype)}])[name])
@@ -290,7 +291,7 @@ class CapevalMetric(torchmetrics.Metric):
         Under DDP the per-sample rows are filed by the ids given to ``update``; without ids they would follow
         a guess (a non-shuffled sampler's interleaving), wrong for a shuffled one, so they are refused: pass
         ``ids=`` (``compute()``'s corpus score does not depend on them)."""
-        kept = self.update_count == 0 and self.last_result is not None
+        kept = self.last_result is not None and self._holds_nothing()
         if self._last_guessed if kept else self._guessed_ids:
             raise ValueError(
                 f"{self._name}: per-sample results under torch.distributed need ids=<dataset "
@@ -311,6 +312,16 @@ class CapevalMetric(torchmetrics.Metric):
         if why and (group_ids is None or any(g < 0 or is_name_group(g) for g in group_ids)):
             raise InputError(f"{self._name}: {why}; pass ids=<dataset indices> (or integer group_ids) to update(): "
                              "the ids it would make up change with the metric's history, and so would the scores")
+
+    def _holds_nothing(self) -> bool:
+        """Whether no sample was added since the last ``reset()``, by ``update()`` or ``merge_state()``."""
+        return all(len(getattr(self, key)) == 0 for key in (INDEX, "_skipped_index"))
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        if _all_ones(self._made_up_ids, empty=False):  # the next made-up ids follow the loaded ones
+            self._positions = max([self._positions, *(i + 1 for i in _sample_ids(
+                {name: getattr(self, name) for name in self._spec}))])
 
     def reset(self) -> None:
         # new lists, not torchmetrics' clear() of the old ones in place: a wrapper holding them (Running keeps

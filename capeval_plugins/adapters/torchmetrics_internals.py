@@ -25,7 +25,7 @@ LIBRARY = "torchmetrics"
 # The versions these internals were read and tested on (requirements/main.txt and requirements/lowest.txt pin
 # one each; tests/test_internals.py fails when a pinned version is not listed here: read the internals again).
 CHECKED_ON = ("1.4.0", "1.9.0")
-ATTRIBUTES = ("_is_synced", "_forward_cache", "_defaults")
+ATTRIBUTES = ("_is_synced", "_forward_cache", "_defaults", "_computed")
 METHODS = {"_sync_dist": ("dist_sync_fn", "process_group"), "_apply": ("fn", "exclude_state"),
            "_plot": ("val", "ax")}
 
@@ -57,6 +57,11 @@ def refuse_forward_when_synced(metric: torchmetrics.Metric) -> None:
 
         raise TorchMetricsUserError("The Metric shouldn't be synced when performing ``forward``. HINT: Did you "
                                     "forget to call ``unsync`` ?.")
+
+
+def forget_computed(metric: torchmetrics.Metric) -> None:
+    """Drop the value ``compute()`` keeps until the next ``update()``: a ``merge_state()`` changes the state too."""
+    metric._computed = None
 
 
 def set_forward_cache(metric: torchmetrics.Metric, value: Any) -> None:

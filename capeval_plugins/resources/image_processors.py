@@ -38,6 +38,8 @@ def saved_fast(folder: str | None) -> bool:
 def pil_backend() -> dict:
     """The keyword that loads the PIL image processor: ``backend="pil"`` where transformers has it,
     ``use_fast=False`` before."""
-    from transformers.models.auto import image_processing_auto
+    import importlib.util
 
-    return {"backend": "pil"} if hasattr(image_processing_auto, "_resolve_backend") else {"use_fast": False}
+    # the releases that take ``backend`` are those with image processing backends
+    has_backends = importlib.util.find_spec("transformers.image_processing_backends") is not None
+    return {"backend": "pil"} if has_backends else {"use_fast": False}
