@@ -408,6 +408,15 @@ class Metric(abc.ABC):
         its history (torchmetrics' ``update`` without ``ids``) then refuses to make them up."""
         return None
 
+    def default_sources(self) -> dict[str, str]:
+        """What an unset option of ``Config.input_paths`` resolves to, by option name: the default folder in the
+        user's cache that a metric with a ``checkpoint()`` (PAC-S, Polos, VELA, EXPERT) loads when ``model`` is
+        empty. Resume and the bench score cache key on these by content, as on the options set."""
+        checkpoint = getattr(self, "checkpoint", None)
+        if callable(checkpoint) and not getattr(self.config, "model", None):
+            return {"model": checkpoint()}
+        return {}
+
     def image_reader(self) -> Any:
         """How this metric reads its images: ``None`` for pixel images (paths, PIL, arrays, videos), or an
         :class:`~capeval_plugins.inputs.ImageReader` for another form (e.g. ids of precomputed features)."""

@@ -9,7 +9,7 @@ the same (path, size, mtime_ns) reuses its digest, so an image shared by many ca
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import xxhash
 
@@ -77,14 +77,16 @@ class ContentDigests:
             return self.file(expanded)
         return ["hub", value, cached_commit(value, revision or "main")]
 
-    def options(self, config: Any, keys: Any = None) -> dict[str, Any]:
+    def options(self, config: Any, keys: Any = None, defaults: Mapping[str, str] | None = None) -> dict[str, Any]:
         """The identity of every option of ``config`` (a metric's dataclass) that names a file, a folder or a
-        hub model (``Config.input_paths``, or ``keys``): by content or resolved commit (see :meth:`source`).
-        What ``capeval score``'s resume and ``capeval bench``'s score cache key on."""
+        hub model (``Config.input_paths``, or ``keys``), or of what an unset one resolves to (``defaults``:
+        ``Metric.default_sources()``): by content or resolved commit (see :meth:`source`). What ``capeval
+        score``'s resume and ``capeval bench``'s score cache key on."""
         found = {}
         revision = getattr(config, "revision", None)
-        for key in keys if keys is not None else getattr(config, "input_paths", ()):
-            value = getattr(config, key, None)
+        keys = list(keys if keys is not None else getattr(config, "input_paths", ()))
+        for key in [*keys, *(k for k in defaults or {} if k not in keys)]:
+            value = getattr(config, key, None) or (defaults or {}).get(key)
             if isinstance(value, str) and value:
                 found[key] = self.source(value, revision if isinstance(revision, str) else None)
         return found
@@ -138,9 +140,9 @@ def files_stamp(path: str | os.PathLike) -> tuple | None:
     except OSError:
         return None
     found: list[tuple] = []
-    for root, folders, files in os.walk(path, followlinks=False):
+    for root, folders, names in os.walk(path, followlinks=False):
         folders.sort()
-        for name in sorted(files):
+        for name in sorted(names):
             try:
                 st = os.stat(os.path.join(root, name))
             except OSError:

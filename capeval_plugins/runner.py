@@ -103,7 +103,8 @@ def fingerprint(metrics: Mapping[str, Metric], corpus: Corpus, world_size: int, 
     contents = ContentDigests()  # each file hashed once in this run
     described = {}
     for name, metric in metrics.items():
-        options = {**dataclasses.asdict(metric.config), **contents.options(metric.config)}
+        options = {**dataclasses.asdict(metric.config), **contents.options(metric.config,
+                                                                         defaults=metric.default_sources())}
         options["on_error"] = policy(metric, on_error)
         described[name] = {"metric": f"{type(metric).__module__}.{type(metric).__qualname__}", **options}
     return {"metrics": described, "inputs": corpus.digest(contents), "world_size": world_size, "batches": BATCH_PLAN}

@@ -439,3 +439,26 @@ def test_quiet_silences_the_java_tools_in_every_command(tmp_path, capfd):
         for args in commands(word):
             code, _, err = cli(args + ["--quiet"] * quiet, capfd)
             assert code == 0 and ("PTBTokenizer" in err) is not quiet, err
+
+
+def test_a_default_model_folder_in_the_users_cache_is_part_of_the_key(tmp_path, monkeypatch):
+    """PAC-S, Polos, VELA and EXPERT load a folder of the user's cache when ``model`` is empty: its content keys
+    the scores (and a resumed run) as a folder given by name does; a rebuilt folder was read from the cache."""
+    from capeval_plugins import runner
+    from capeval_plugins.bench.cache import metric_key
+    from capeval_plugins.metrics.pacscore import PACScore
+    from capeval_plugins.metrics.polos import Polos
+    from capeval_plugins.models.encoders.openai_clip import converted_model_dir
+
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))
+    for metric_class, name in ((PACScore, "pacs-vit-b-32"), (Polos, "polos")):
+        folder = converted_model_dir(name)
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"1")
+        metric = metric_class()
+        assert metric.default_sources() == {"model": str(folder)}
+        before = (metric_key(metric, True, True), runner.fingerprint({"m": metric}, runner.Corpus(["a"]), 1, None))
+        (folder / "model.safetensors").write_bytes(b"22")
+        after = (metric_key(metric, True, True), runner.fingerprint({"m": metric}, runner.Corpus(["a"]), 1, None))
+        assert before[0] != after[0] and before[1] != after[1]
+        assert metric_class(model=str(folder)).default_sources() == {}

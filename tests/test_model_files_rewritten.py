@@ -83,3 +83,29 @@ def test_an_unchanged_folder_is_one_model_and_the_stamp_sees_each_file(clip_copy
     stamp = files_stamp(clip_copy)
     assert {entry[0] for entry in stamp} == {p.name for p in clip_copy.iterdir()}
     assert files_stamp("openai/clip-vit-base-patch32") is None  # a hub id: nothing local to stamp
+
+
+def test_a_hub_model_whose_cached_commit_moved_is_loaded_again(tiny_clip, images, tmp_path, monkeypatch):
+    """A hub id names whatever commit its cached ``refs/main`` points at: after a newer snapshot is fetched,
+    the process loaded the model of the old commit again (its id had no stamp)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--org--tinyclip"
+    first, second = "a" * 40, "b" * 40
+    shutil.copytree(tiny_clip, repo / "snapshots" / first)
+    build_tiny("clip", repo / "snapshots" / second, seed=1)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(first)
+    clear_cache()
+    try:
+        before = cosines("org/tinyclip", images)
+        assert before == pytest.approx(cosines(tiny_clip, images), abs=1e-6)
+        (repo / "refs" / "main").write_text(second)
+        with pytest.warns(UserWarning, match="changed since this process loaded them"):
+            capeval_plugins.load("clipscore", model="org/tinyclip")(images, CAPTIONS)
+        after = cosines("org/tinyclip", images)
+        assert after == pytest.approx(cosines(str(repo / "snapshots" / second), images), abs=1e-6)
+        assert after != pytest.approx(before, abs=1e-3)
+    finally:
+        clear_cache()

@@ -99,7 +99,8 @@ def metric_key(metric: Metric, images: bool, references: bool, contents: Content
     config.pop("batch_size", None)
     contents = contents if contents is not None else ContentDigests()
     local = [k for k, v in config.items() if isinstance(v, str) and v and os.path.exists(os.path.expanduser(v))]
-    sources = contents.options(metric.config, sorted({*getattr(metric.config, "input_paths", ()), *local}))
+    sources = contents.options(metric.config, sorted({*getattr(metric.config, "input_paths", ()), *local}),
+                               metric.default_sources())
     if any(unresolved(v) for v in sources.values()):
         return None
     return digest({

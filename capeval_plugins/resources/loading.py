@@ -241,7 +241,7 @@ def shared(key: Hashable, factory: Callable[[], Any], sources: tuple[str | os.Pa
     file's size, modification time and inode (:func:`files_stamp`). A model folder rewritten since (new weights
     saved over the old ones) is loaded again and checked whole, never scored with what the process held before;
     a warning says that scores before and after come from different weights."""
-    stamp = tuple(files_stamp(path) for path in (*sources, *_spec_models(key)))
+    stamp = tuple(_stamp(path, revision) for path, revision in (*((p, None) for p in sources), *_spec_models(key)))
     with _lock:
         held = _cache.get(key)
         if held is not None and held[0] != stamp:
@@ -254,14 +254,23 @@ def shared(key: Hashable, factory: Callable[[], Any], sources: tuple[str | os.Pa
         return _cache[key][1]
 
 
-def _spec_models(key: Any) -> list[str]:
+def _stamp(path: str | os.PathLike, revision: str | None) -> tuple | None:
+    """:func:`files_stamp` of a local file or folder, or of the cached snapshot a hub id resolves to now (a new
+    commit fetched since is another snapshot)."""
+    if os.path.exists(os.path.expanduser(os.fspath(path))):
+        return files_stamp(path)
+    folder = source_folder(os.fspath(path), revision)
+    return None if folder is None else (folder, files_stamp(folder))
+
+
+def _spec_models(key: Any) -> list[tuple[str, str | None]]:
     if isinstance(key, ModelSpec):
-        return [key.model]
+        return [(key.model, key.revision)]
     return [m for item in key for m in _spec_models(item)] if isinstance(key, tuple) else []
 
 
 def _named(sources: tuple, key: Any) -> str:
-    names = [os.fspath(path) for path in (*sources, *_spec_models(key))]
+    names = [os.fspath(path) for path in (*sources, *(model for model, _ in _spec_models(key)))]
     return ", ".join(dict.fromkeys(names)) or "a model"
 
 
