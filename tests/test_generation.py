@@ -296,3 +296,23 @@ def test_seed_per_caption_gives_each_caption_its_own_noise(tmp_path, tiny_dino):
     metric = capeval_plugins.load("dino_cycle", model=tiny_dino, seed=3, seed_per_caption=True)
     assert metric.seed("a dog") == generation.caption_seed("a dog", 3)
     assert capeval_plugins.load("dino_cycle", model=tiny_dino, seed=3).seed("a dog") == 3
+
+
+def test_the_image_cache_keys_the_pipelines_weights_and_dtype(tiny_sd3, tmp_path):
+    """A pipeline folder rebuilt with other weights, or run at another dtype, generates other images: the cache
+    keyed only the path and settings, and served the old pipeline's images."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "sd3"
+    shutil.copytree(tiny_sd3, folder)
+    sd3 = generation.StableDiffusion3(str(folder), steps=2, height=32, width=32, device="cpu")
+    before = CachedGenerator(sd3, CacheFolder(tmp_path / "cache")).identity()
+    bf16 = generation.StableDiffusion3(str(folder), steps=2, height=32, width=32, device="cpu", dtype="bfloat16")
+    assert CachedGenerator(bf16, CacheFolder(tmp_path / "cache")).identity() != before
+    weights = next((folder / "transformer").glob("*.safetensors"))
+    tensors = load_file(weights)
+    save_file({k: v + 0.5 if v.is_floating_point() else v for k, v in tensors.items()}, weights)
+    assert sd3.identity() != before  # the same generator object sees the new files
+    assert generation.StableDiffusion3(str(folder), steps=2, height=32, width=32, device="cpu").identity() != before
