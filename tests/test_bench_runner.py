@@ -462,3 +462,16 @@ def test_a_default_model_folder_in_the_users_cache_is_part_of_the_key(tmp_path, 
         after = (metric_key(metric, True, True), runner.fingerprint({"m": metric}, runner.Corpus(["a"]), 1, None))
         assert before[0] != after[0] and before[1] != after[1]
         assert metric_class(model=str(folder)).default_sources() == {}
+
+
+def test_an_upgraded_scoring_dependency_is_part_of_the_key(monkeypatch):
+    """bert_score's bundled baselines (or pycocoevalcap's jars) change with its version: scores cached before
+    an upgrade were read back after it."""
+    from capeval_plugins.bench import cache
+    from capeval_plugins.metrics.coco import Cider
+
+    installed = cache.dependency_versions()
+    assert installed["torch"] and "bert_score" in installed
+    before = _key(Cider())
+    monkeypatch.setattr(cache, "dependency_versions", lambda: {**installed, "bert_score": "99.0"})
+    assert _key(Cider()) != before

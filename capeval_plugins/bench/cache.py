@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -107,11 +108,30 @@ def metric_key(metric: Metric, images: bool, references: bool, contents: Content
         "metric": metric.info.name,
         "class": f"{type(metric).__module__}.{type(metric).__qualname__}",
         "version": __version__,
+        "dependencies": dependency_versions(),
         "config": config,
         "sources": sources,
         "images": images,
         "references": references,
     })
+
+
+# What scores are computed with beside the package: an upgrade of any of these may move a number (bert_score's
+# bundled baselines, pycocoevalcap's jars, a model class's code), so it makes the scores cached before unreachable.
+SCORING_DEPENDENCIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pillow", "ftfy",
+                        "pycocoevalcap", "bert_score", "nltk", "diffusers", "peft", "polos", "open_clip_torch")
+
+
+@functools.lru_cache(maxsize=1)
+def dependency_versions() -> dict[str, str | None]:
+    """The installed version of each of :data:`SCORING_DEPENDENCIES` (None when it is not installed), read in
+    one pass over the installed distributions (a lookup per name costs ten times more)."""
+    from importlib.metadata import distributions
+
+    installed: dict[str, str] = {}
+    for dist in distributions():
+        installed.setdefault((dist.metadata["Name"] or "").lower().replace("-", "_"), dist.version)
+    return {name: installed.get(name.replace("-", "_")) for name in SCORING_DEPENDENCIES}
 
 
 def image_fingerprint(image: Any, contents: ContentDigests | None = None) -> Any:
