@@ -475,3 +475,28 @@ def test_an_upgraded_scoring_dependency_is_part_of_the_key(monkeypatch):
     before = _key(Cider())
     monkeypatch.setattr(cache, "dependency_versions", lambda: {**installed, "bert_score": "99.0"})
     assert _key(Cider()) != before
+
+
+class SeededById(PointwiseMetric):
+    """A score that depends on the sample's id (a draw seeded by it), as MSD's coco-cf draws do."""
+
+    info = info("seeded_by_id")
+
+    def seeded_by_ids(self):
+        return "seeded by the sample's id"
+
+    def score(self, batch):
+        return {"score": batch.indices.to(torch.float64)}
+
+
+def test_a_metric_seeded_by_ids_is_cached_per_row(tmp_path):
+    """The same caption at another row has another id, so another score: keyed by content alone, the cache
+    gave it the other row's."""
+    cache = tmp_path / "scores.sqlite"
+    first = Ratings(Captions(["i"] * 4, ["a", "b", "c", "d"], None), np.arange(4, dtype=float) / 4)
+    run_benchmark("nebula", first, {"seeded": SeededById()}, cache=cache, bootstrap=0, progress=False)
+    moved = Ratings(Captions(["i"] * 4, ["c", "d", "a", "b"], None), np.arange(4, dtype=float) / 4)
+    report = run_benchmark("nebula", moved, {"seeded": SeededById()}, cache=cache, bootstrap=0, progress=False)
+    assert report.runs["seeded"].scores.tolist() == [0.0, 1.0, 2.0, 3.0]
+    again = run_benchmark("nebula", moved, {"seeded": SeededById()}, cache=cache, bootstrap=0, progress=False)
+    assert again.runs["seeded"].from_cache == 4 and again.runs["seeded"].scores.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -281,7 +281,10 @@ def _metric_inputs(name: str, metric: Metric, captions: Captions, images: Any, w
     if key is None:  # a hub model not cached yet: its scores cannot be tied to the weights they came from
         cache, key = NoCache(), ""
     keys = sample_keys(captions.candidates, refs, image_files, contents)
-    return _Inputs(image_files, refs, captions.groups if info.groups else None, keys, key, cache)
+    groups = captions.groups if info.groups else None
+    if metric.seeded_by_ids():  # its score depends on the row's id (and group) as well as on the sample
+        keys = [digest([k, row, None if groups is None else groups[row]]) for row, k in enumerate(keys)]
+    return _Inputs(image_files, refs, groups, keys, key, cache)
 
 
 def _image_order(images: list | None, n: int) -> list[int]:
