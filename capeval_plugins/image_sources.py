@@ -120,7 +120,7 @@ class ObjectKey:
         return f"<{type(self.obj).__name__} at {id(self.obj):#x}>"
 
 
-def _file_version(path: str) -> tuple | None:
+def file_version(path: str) -> tuple | None:
     """What changes when a file is written again (size, modification time, inode): a path's key holds it, so a
     file overwritten between two calls (a training loop's ``sample.png``) is read again, not served from a
     cache."""
@@ -156,7 +156,7 @@ def image_source(image: Any, index: int, video_ok: bool = False, checked: dict |
     if isinstance(image, (str, os.PathLike)):
         path = os.fspath(image)
         real = os.path.realpath(path)
-        key = ("path", real, _file_version(real))
+        key = ("path", real, file_version(real))
         if checked is None or key not in checked:
             problem = _file_problem(path)
             if checked is not None:
@@ -350,7 +350,7 @@ def image_identity(key: Any, image: Any) -> bytes:
 
 
 def _portable(key: Any) -> Any:
-    """``key`` without the versions of its files (:func:`_file_version`)."""
+    """``key`` without the versions of its files (:func:`file_version`)."""
     if key[0] == "path":
         return key[:2]
     if key[0] == "video":

@@ -1,7 +1,9 @@
 """lm-eval: metrics registered beside the built-ins; the shipped caption task scores a captioner."""
 from __future__ import annotations
 
+import os
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -344,3 +346,40 @@ def test_aggregate_scores_images_in_every_form_the_core_takes(tiny_clip):
         got = aggregate("refclipscore", [CaptionItem(im, c, r) for im, c, r in zip(images, cands, refs)],
                         model=tiny_clip)
         assert got == pytest.approx(direct, abs=1e-6)
+
+
+def test_aggregate_scores_again_when_an_image_file_or_the_model_changed(tiny_clip, tmp_path):
+    """Scores are kept for the other aggregations of one scoring, keyed by the corpus: an image file written
+    again at its path, or a model folder rebuilt in place, gave the numbers of before."""
+    import shutil
+
+    from capeval_plugins.lm_eval import CaptionItem, aggregate
+    from capeval_plugins.resources.loading import clear_cache
+    from capeval_plugins.testing import build_tiny
+    from conftest import random_image
+
+    model = tmp_path / "clip"
+    shutil.copytree(tiny_clip, model)
+    paths = [tmp_path / f"{k}.png" for k in range(3)]
+    for k, path in enumerate(paths):
+        random_image(k).save(path)
+    cands, refs = ["a dog runs", "a cat sits", "a red car"], [["a dog"], ["a cat"], ["a car"]]
+
+    def score() -> float:
+        return aggregate("clipscore", [CaptionItem(str(p), c, r) for p, c, r in zip(paths, cands, refs)],
+                         model=str(model))
+
+    def fresh() -> float:
+        return capeval_plugins.load("clipscore", model=str(model))([str(p) for p in paths], cands).score
+
+    before = score()
+    random_image(9).save(paths[0])
+    os.utime(paths[0], ns=(10**9, 10**9))
+    assert score() == pytest.approx(fresh(), abs=1e-6) != pytest.approx(before, abs=1e-6)
+    after_image = score()
+    build_tiny("clip", tmp_path / "other", seed=5)
+    shutil.copy(tmp_path / "other" / "model.safetensors", model / "model.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the process's model is loaded again, with a warning)
+        assert score() == pytest.approx(fresh(), abs=1e-6) != pytest.approx(after_image, abs=1e-6)
+    clear_cache()

@@ -18,8 +18,10 @@ options}}'``, which replaces the list), beside lm-eval's own metrics of the list
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
@@ -72,9 +74,14 @@ def _corpus_key(items: list[CaptionItem]) -> tuple:
 
 
 def _image_key(image: Any) -> Any:
-    """A path as itself; an image given decoded by its pixels (items gathered from other ranks are copies)."""
-    if image is None or isinstance(image, str):
+    """A path with its file's version (a file written again is another image); an image given decoded by its
+    pixels (items gathered from other ranks are copies)."""
+    if image is None:
         return image
+    if isinstance(image, str):
+        from capeval_plugins.image_sources import file_version
+
+        return image, file_version(os.path.realpath(image))
     from capeval_plugins.image_sources import pixel_digest
 
     return ("pixels", pixel_digest(image))  # PIL, numpy, tensors: the contract's one identity of an image
@@ -93,8 +100,15 @@ def _options_of(items: list, options: Mapping[str, Any]) -> dict[str, Any]:
     return {**dict(next(iter(carried.values()), ())), **options}
 
 
+def _files_of(options: Mapping[str, Any]) -> tuple:
+    """The stamps of the local files and folders ``options`` name (a model rebuilt in place is another model)."""
+    from capeval_plugins.digests import files_stamp
+
+    return tuple(files_stamp(v) for v in options.values() if isinstance(v, str) and v and os.path.exists(v))
+
+
 def _score(name: str, items: list[CaptionItem], options: Mapping[str, Any]) -> Any:
-    key = (name, _options_key(options), _corpus_key(items))
+    key = (name, _options_key(options), _files_of(options), _corpus_key(items))
     if key not in _scored:
         metric = registry.load(name, **with_default_policy(options))
         images = [it.image for it in items] if metric.info.images != "never" else None
@@ -222,7 +236,7 @@ class CaptionTask(ConfigurableTask):
     def _capeval_results(self, items: list[CaptionItem]) -> dict:
         """Every capeval metric of the task over the task's documents, in one runner pass (images decoded
         once, a backbone shared by several metrics loaded once); kept for the other aggregations."""
-        key = _corpus_key(items)
+        key = (_corpus_key(items), tuple(_files_of(dataclasses.asdict(m.config)) for m in self._capeval_built.values()))
         if self._capeval_scored is None or self._capeval_scored[0] != key:
             metrics = self._capeval_built
             images = [it.image for it in items] if any(m.info.images != "never" for m in metrics.values()) else None
