@@ -64,6 +64,22 @@ def test_new_weights_in_the_same_folder_are_refused_in_one_line(tiny_clip, tmp_p
     assert code == 2 and one_line(err) and "holds other files" in err, err
 
 
+def test_new_weights_saved_while_a_metric_holds_its_fit_are_refused_at_the_next_score(tiny_clip, tmp_path):
+    """The fit was checked against the model's files when the metric was built; a metric kept across a rebuild
+    of its folder scored the new weights with the old fit."""
+    images, cands, _ = corpus()
+    model = tmp_path / "clip"
+    shutil.copytree(tiny_clip, model)
+    metric = capeval_plugins.load("mid", model=str(model), reference_gaussian=fit_on(str(model), tmp_path / "fit.npz"))
+    first = metric(images, cands).score
+    assert metric(images, cands).score == pytest.approx(first, abs=1e-9)  # the same model: no check again
+    perturb_in_place(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the process loads the model again, with a warning)
+        with pytest.raises(DataError, match="holds other files"):
+            metric(images, cands)
+
+
 @pytest.mark.parametrize("elsewhere", ["copied", "built apart"])
 def test_the_same_files_under_another_path_are_accepted_without_a_warning(tiny_clip, expected, tmp_path, elsewhere):
     fit = fit_on(tiny_clip, tmp_path / "fit.npz")

@@ -99,6 +99,7 @@ class MID(Metric):
         super().__init__(**config)
         self._saved = load_fit(self.config.reference_gaussian) if self.config.reference_gaussian else None
         self._fit_refusal: str | None = None
+        self._checked_encoder: Any = None  # the loaded model the fit was last checked against
         # A hub model not cached yet cannot be identified before it loads: map checks it then.
         self._fit_model_checked = self._saved is None or self._check_fit_model()
 
@@ -251,8 +252,12 @@ class MID(Metric):
 
     def map(self, batch: Batch) -> dict[str, Tensor]:
         enc, n = self.encoder, len(batch)
+        if self._saved is not None and self._fit_model_checked and enc is not self._checked_encoder:
+            # the process loaded the model again (its files changed since): the fit is checked against them again
+            self._fit_model_checked = self._checked_encoder is None
         if not self._fit_model_checked:
             self._check_downloaded_fit_model()
+        self._checked_encoder = enc
         fit_refs = self._saved is None
         if fit_refs and batch.references is None:
             raise ValueError(
