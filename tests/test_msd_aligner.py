@@ -426,3 +426,30 @@ def test_command_line_trains_and_scores(backbones, tmp_path, capsys):
                  "--captions", str(captions), "--images", str(tmp_path / "images"), "--quiet"]) == 0
     scored = json.loads(capsys.readouterr().out)
     assert scored["n"] == 3 and scored["metrics"]["soft_msd"]["features"] == "aligner"
+
+
+def test_the_vision_cache_keys_the_towers_files_not_its_first_weights(backbones, tmp_path):
+    """A tower whose patch embedding is kept but whose other weights differ (a fine-tune that froze it) read
+    the other tower's cached features: the key held only the patch embedding's first values."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    data = synthetic_captions(6, seed=3)
+    config = AlignerConfig(epochs=1, batch_size=3, shard_size=3, extract_batch_size=3)
+    tower = tmp_path / "clip"
+    shutil.copytree(backbones[0], tower)
+    settings = AlignerSettings(vision_model=str(tower), llm=backbones[1], text_features="input_embeddings")
+
+    def key() -> str:
+        aligner = build_aligner(settings, EncoderSpec(str(tower)), EncoderSpec(backbones[1]), 0)[0]
+        return PatchFeatures(aligner, data, config, None, progress=False).cache_key()
+
+    first = key()
+    weights = load_file(str(tower / "model.safetensors"))
+    save_file({k: v if "patch_embedding" in k or not v.is_floating_point() else v * 1.5 for k, v in weights.items()},
+              str(tower / "model.safetensors"), metadata={"format": "pt"})
+    from capeval_plugins.resources.loading import clear_cache
+
+    clear_cache()
+    assert key() != first

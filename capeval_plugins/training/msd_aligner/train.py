@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from capeval_plugins.digests import model_files_digest
 from capeval_plugins.resources import loading
 from capeval_plugins.core.bounds import bounded, check_fields
 from capeval_plugins.models.encoders import ClipEncoder, EncoderSpec, mean_pooled
@@ -168,7 +169,9 @@ class PatchFeatures:
 
     def cache_key(self) -> str:
         settings, encoder = self.aligner.settings, self.aligner.encoder
-        return signature("msd-aligner-patches-v1", settings.vision_model, settings.vision_revision,
+        # the vision tower by its files' content (its first weights alone missed a checkpoint that keeps them)
+        files = model_files_digest(settings.vision_model, settings.vision_revision)
+        return signature("msd-aligner-patches-v2", settings.vision_model, settings.vision_revision, files,
                          str(encoder.dtype), settings.vision_layer, settings.vision_feature,
                          settings.vision_fingerprint, self.data.fingerprint())[:32]
 
