@@ -131,12 +131,13 @@ STAMP_ENTRIES = 4096  # files of a model folder looked at for its stamp (a model
 
 def files_stamp(path: str | os.PathLike) -> tuple | None:
     """What changes when the local file or folder ``path`` is rewritten: (name, size, modification time,
-    inode) of each file, links followed (a hub snapshot links to its blobs); None for a hub id."""
+    change time, inode) of each file, links followed (a hub snapshot links to its blobs); None for a hub id. The
+    change time is the kernel's, which no copy that keeps times (``cp -p``, ``rsync -t``) can set back."""
     path = os.fspath(path)
     try:
         if not os.path.isdir(path):
             st = os.stat(path)
-            return ((os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino),)
+            return ((os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino),)
     except OSError:
         return None
     found: list[tuple] = []
@@ -147,7 +148,8 @@ def files_stamp(path: str | os.PathLike) -> tuple | None:
                 st = os.stat(os.path.join(root, name))
             except OSError:
                 continue
-            found.append((os.path.relpath(os.path.join(root, name), path), st.st_size, st.st_mtime_ns, st.st_ino))
+            found.append((os.path.relpath(os.path.join(root, name), path), st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                          st.st_ino))
             if len(found) >= STAMP_ENTRIES:
                 return tuple(found)
     return tuple(found)

@@ -121,14 +121,15 @@ class ObjectKey:
 
 
 def file_version(path: str) -> tuple | None:
-    """What changes when a file is written again (size, modification time, inode): a path's key holds it, so a
+    """What changes when a file is written again (size, modification and change times, inode; the change time
+    is the kernel's, which a copy that keeps times cannot set back): a path's key holds it, so a
     file overwritten between two calls (a training loop's ``sample.png``) is read again, not served from a
     cache."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_size, st.st_mtime_ns, st.st_ino
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def _in_memory(key: Any) -> bool:

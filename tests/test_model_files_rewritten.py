@@ -109,3 +109,23 @@ def test_a_hub_model_whose_cached_commit_moved_is_loaded_again(tiny_clip, images
         assert after != pytest.approx(before, abs=1e-3)
     finally:
         clear_cache()
+
+
+def test_a_file_rewritten_with_its_old_size_and_time_has_another_stamp(tmp_path):
+    """``cp -p`` or ``rsync -t`` keep a file's modification time: the stamp holds the change time too, which
+    no copy can set back."""
+    import os
+    import time
+
+    from capeval_plugins.image_sources import file_version
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"1" * 64)
+    before, version = files_stamp(tmp_path), file_version(str(path))
+    st = path.stat()
+    time.sleep(0.01)
+    with open(path, "r+b") as f:  # in place: the same inode and size
+        f.write(b"2" * 64)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_ino == st.st_ino
+    assert files_stamp(tmp_path) != before and file_version(str(path)) != version

@@ -126,13 +126,13 @@ class JudgmentSet:
 
 
 def visual_digest(src: ImageSource) -> Any:
-    """A stable identity of an image or video: path, size and modification time for files, a content hash
-    for in-memory images and bytes."""
+    """A stable identity of an image or video: path, size, modification and change times and inode for files
+    (a file rewritten with its old time kept is another), a content hash for in-memory images and bytes."""
     if src.kind == "video":
         return [visual_digest(frame) for frame in src.value]
     if src.kind == "path":
         stat = os.stat(src.value)
-        return ["path", os.path.realpath(src.value), stat.st_size, stat.st_mtime_ns]
+        return ["path", os.path.realpath(src.value), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
     if src.kind == "bytes":
         return list(src.key)
     image = src.load()
