@@ -148,9 +148,13 @@ def test_a_refused_batch_leaks_nothing_into_the_next_compute(tiny_clip, images, 
     assert out["scores"] == pytest.approx(direct.scores.tolist(), abs=1e-6)
     # a compute that fails keeps nothing either
     metric.add_batch(images=images[:2], predictions=CAPTIONS[:2])
-    with pytest.raises(InputError):
+    with pytest.raises(InputError) as err:
         metric.compute(images=images[:1], predictions=["a\x00b"])
+    assert "the 2 samples added before were discarded" in "\n".join(err.value.__notes__)  # not 3: its own input
     assert len(metric.compute(images=images[:1], predictions=CAPTIONS[:1])["scores"]) == 1
+    with pytest.raises(InputError) as err:  # nothing added before: no note
+        metric.compute(images=images[:1], predictions=["a\x00b"])
+    assert not getattr(err.value, "__notes__", None)
 
 
 def test_plain_names_that_are_not_evaluate_modules_are_ours_offline(tmp_path):

@@ -190,6 +190,7 @@ class CapevalEvaluationModule(evaluate.Metric):
         """Score everything added so far plus the inputs given here; returns ``{<name>: corpus score,
         "scores": [per sample, input order], **extras}`` on process 0 (None elsewhere). Whatever happens,
         nothing added so far is kept for the next ``compute()``."""
+        self._capeval_before = getattr(self, "_capeval_added", 0)  # (evaluate adds the inputs given here too)
         try:
             with_ids = getattr(self, "_capeval_with_ids", False) or kwargs.get("ids") is not None
             if getattr(self, "num_process", 1) > 1 and self.process_id == 0 and not with_ids:
@@ -205,13 +206,15 @@ class CapevalEvaluationModule(evaluate.Metric):
             self._discard(err)
             raise
         finally:
-            self._capeval_added, self._capeval_with_ids = 0, False
+            self._capeval_added, self._capeval_with_ids, self._capeval_before = 0, False, None
 
     def _discard(self, err: Exception) -> None:
         """Drop the batches added so far (evaluate keeps them in a writer until compute() reads them)."""
         from capeval_plugins import files
 
         had = getattr(self, "_capeval_added", 0)
+        if getattr(self, "_capeval_before", None) is not None:  # in compute(): only what add_batch() added
+            had = self._capeval_before
         self._capeval_added = 0
         internals.discard(self, lambda folder: files.Folder.open(folder)[0])
         if had and hasattr(err, "add_note"):
