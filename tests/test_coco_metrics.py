@@ -376,15 +376,16 @@ def test_one_pass_prepares_the_corpus_once_and_as_each_metric_alone_would(monkey
     cands, refs = corpus(30, seed=5)
     coco.forget_prepared()
     calls, checked = [], []
-    ptb, caption_problem = java.ptb_lines, inputs.caption_problem
-    monkeypatch.setattr(java, "ptb_lines", lambda lines, jar: calls.append(len(lines)) or ptb(lines, jar))
+    ptb, caption_problem = java.ptb_files, inputs.caption_problem
+    monkeypatch.setattr(java, "ptb_files", lambda texts, jar: calls.append(sum(t.count("\n") for t in texts))
+                        or ptb(texts, jar))
     monkeypatch.setattr(inputs, "caption_problem", lambda c: checked.append(c) or caption_problem(c))
     names = ("bleu1", "bleu4", "rouge_l", "cider")
     results = runner.score_many({n: capeval_plugins.load(n) for n in names}, None, cands, refs)
     assert len(calls) == 1  # was two per metric
     lines = [[r for rs in refs for r in rs], cands]  # pycocoevalcap's two calls: each line in its context once
-    keys = len({key for seq in lines for key in zip(seq, coco.ptb_contexts(seq))})
-    assert keys <= calls[0] <= keys + sum(len(set(seq)) for seq in lines) + 4
+    keys = len({key for seq in lines for key in coco.ptb_keys(seq)[0] if key is not None})
+    assert keys <= calls[0] <= 2 * keys + 8
     assert len(checked) == len(cands)  # was once per metric
     for name in names:  # the same numbers as each metric on its own
         coco.forget_prepared()
@@ -530,8 +531,8 @@ def test_ptb_tokens_are_remembered_so_a_line_meets_the_tokenizer_once(monkeypatc
 
     coco.forget_prepared()
     calls = []
-    ptb = java.ptb_lines
-    monkeypatch.setattr(java, "ptb_lines", lambda lines, jar: calls.append(list(lines)) or ptb(lines, jar))
+    ptb = java.ptb_files
+    monkeypatch.setattr(java, "ptb_files", lambda texts, jar: calls.append(list(texts)) or ptb(texts, jar))
     lines = ["A dog runs.", "Two cats!", "A dog runs."]
     first = coco.ptb_texts(lines)
     assert len(calls) == 1 and coco.ptb_texts(lines) == first == ["a dog runs", "two cats", "a dog runs"]
@@ -546,7 +547,7 @@ def test_ptb_tokens_are_remembered_so_a_line_meets_the_tokenizer_once(monkeypatc
 # Lines whose tokens depend on the line after them in one tokenizer call: Stanford's lexer splits the final
 # period off an abbreviation when the next line starts a sentence ("A ..."), and off some ("etc.") at the end
 NEIGHBOURS = ["a sign with the letter b.", "A dog plays in a field.", "the man etc.", "a dog runs .", "the u.s.",
-              "", "A cat sleeps.", "a b."]
+              "", "A cat sleeps.", "a b.", "The", ":)", "Mr.", "\U0001f436", "  "]
 
 
 @needs_java
@@ -556,12 +557,15 @@ def test_ptb_tokens_are_stocks_for_the_same_sequence_whatever_came_before():
     from capeval_plugins.metrics import coco
 
     orders = [NEIGHBOURS, NEIGHBOURS[::-1], NEIGHBOURS[2:] + NEIGHBOURS[:2], [NEIGHBOURS[0]], NEIGHBOURS[:2],
-              [NEIGHBOURS[2], ""], [NEIGHBOURS[4], "", "", NEIGHBOURS[1]], [NEIGHBOURS[2], NEIGHBOURS[1]]]
+              [NEIGHBOURS[2], ""], [NEIGHBOURS[4], "", "", NEIGHBOURS[1]], [NEIGHBOURS[2], NEIGHBOURS[1]],
+              ["a b.", "The"], ["a b.", "The", "x"], ["a b.", "Mr."], [":)"], ["etc.", ":)"], [":)", "a dog"],
+              ["a b.", "", "", "", "The", "  "], ["\U0001f436"], ["", ""]]
     stock = []
     for order in orders:
         made = PTBTokenizer().tokenize({i: [{"caption": t}] for i, t in enumerate(order)})
         stock.append([made[i][0] for i in range(len(order))])
-    assert stock[3] != stock[4][:1] and stock[1][-1] != stock[0][0]  # the tokens do depend on the neighbours
+    assert stock[3] != stock[4][:1] and stock[8][0] != stock[9][0]  # the tokens do depend on the neighbours
+    assert stock[11] != stock[13][:1]  # and on the end of the input
     coco.forget_prepared()
     for order, expected in zip(orders, stock):  # one after another: what came before changes nothing
         assert coco.ptb_texts(order) == expected, order
@@ -603,3 +607,17 @@ def stock_loop(cands: list[str], refs: list[list[str]]) -> dict[str, list[float]
     return {"bleu4": [float(x) for x in Bleu(4).compute_score(gts, res, verbose=0)[1][3]],
             "cider": [float(x) for x in Cider().compute_score(gts, res)[1]],
             "rouge_l": [float(x) for x in Rouge().compute_score(gts, res)[1]]}
+
+
+def test_a_run_of_blank_captions_costs_a_line_each():
+    """Each blank line's key held the rest of the run: a captioner answering "" for 16,000 rows cost seconds and
+    the tokenizer millions of lines."""
+    import time
+
+    from capeval_plugins.metrics import coco
+
+    lines = [""] * 16_000 + ["a dog", "a cat"] + [" "] * 16_000
+    start = time.process_time()
+    keys, tail = coco.ptb_keys(lines)
+    assert time.process_time() - start < 1.0  # (about 0.01 s; quadratic, it took 2.5 s)
+    assert keys[:16_000] == [None] * 16_000 and tail == 16_000

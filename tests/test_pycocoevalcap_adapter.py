@@ -518,8 +518,8 @@ def test_the_usual_loop_tokenises_once_unless_stock_shifted_the_captions(monkeyp
     from capeval_plugins.resources import java
 
     calls = []
-    ptb = java.ptb_lines
-    monkeypatch.setattr(java, "ptb_lines", lambda lines, jar: calls.append(len(lines)) or ptb(lines, jar))
+    ptb = java.ptb_files
+    monkeypatch.setattr(java, "ptb_files", lambda texts, jar: calls.append(len(texts)) or ptb(texts, jar))
     coco.forget_prepared()
     ours, gts, res = _usual_loop([(Bleu(4), "Bleu"), (Rouge(), "Rouge"), (Cider(), "CIDEr")], PTBTokenizer())
     assert not any(calls)  # stock's own tokenizer ran twice (gts, res) in its own way; ours never

@@ -153,14 +153,18 @@ def _remember_stock_tokens(written: Mapping[Any, list[str]] | None, tokens: Mapp
     the usual loop, which tokenises the captions as written again, starts no second tokenizer. Stock's tokens
     are capeval's (the same jar and options, a line per caption) unless a caption holds a character Java reads
     as a line break beside ``\\n``: then every later caption's tokens are shifted, and nothing is remembered."""
-    from capeval_plugins.metrics.coco import ptb_contexts, remember_ptb
+    from capeval_plugins.metrics.coco import TAIL, ptb_keys, remember_ptb
 
     if written is None or written.keys() != tokens.keys():
         return
     lines = [c for k in written for c in written[k]]
     made = [t for k in written for t in tokens[k]]
     if len(lines) == len(made) and all(isinstance(c, str) and c.translate(SHIFTING_BREAKS) == c for c in lines):
-        remember_ptb(dict(zip(zip(lines, ptb_contexts(lines)), made)))  # by (line, what follows it in the call)
+        keys, tail = ptb_keys(lines)  # by what each line's tokens depend on in that one call
+        found: dict[tuple, Any] = {key: t for key, t in zip(keys[:tail], made) if key is not None}
+        if tail < len(lines):
+            found[(TAIL, tuple(lines[tail:]))] = tuple(made[tail:])
+        remember_ptb(found)
 
 
 # What Java's tokenizer reads as a line break and stock's PTBTokenizer leaves in a caption (it replaces "\n")

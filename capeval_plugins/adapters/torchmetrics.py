@@ -218,7 +218,15 @@ class CapevalMetric(torchmetrics.Metric):
 
             raise InputError(f"{self._name}: merge_state(): sample id(s) {_shown(repeated)} are in both states: "
                              "ids must be unique across the states merged (pass each sample's dataset index)")
-        super().merge_state(incoming)
+        if hasattr(torchmetrics.Metric, "merge_state"):
+            super().merge_state(incoming)
+        else:  # torchmetrics before 1.5 has none: rows after rows, sums by the one reduce
+            for name, spec in self._spec.items():
+                value = incoming[name]
+                if spec.reduce == "cat":
+                    setattr(self, name, [*getattr(self, name), *(value if isinstance(value, list) else [value])])
+                else:
+                    setattr(self, name, merge_states({name: spec}, [{name: getattr(self, name)}, {name: value}])[name])
         internals.forget_computed(self)  # compute() kept the value of the state before the merge
         self._ids.update(theirs)  # a later update() giving one of them again is refused as on this rank
         if both_made_up:  # this metric's next made-up ids follow the merged ones

@@ -220,78 +220,102 @@ def _pycocoevalcap_file(*parts: str) -> str:
     return str(Path(next(iter(spec.submodule_search_locations)), *parts))
 
 
-PTB_KEPT = 200_000  # lines whose PTB tokens the process remembers (a validation loop's references, every epoch)
-END = None  # in a line's context: the end of the tokenizer's input
-# (text, context) -> tokens: a line's tokens depend on the line after it (ptb_sequences), so that is the key
-_ptb_known: dict[tuple[str, tuple], str] = {}
-# The contexts that settle a line at the end of the input without a call of its own (ptb_sequences)
-PROBES = (".", "A dog")
+PTB_KEPT = 200_000  # keys whose PTB tokens the process remembers (a validation loop's references, every epoch)
+# A line's tokens depend on what follows it (ptb_sequences), so that is in its key: (line, blank lines between
+# (0, 1 or 2: more are as 2), next line), or TAIL with a sequence's last lines.
+_ptb_known: dict[tuple, Any] = {}
+TAIL = "tail"
 
 
 def _blank(line: str) -> bool:
     return not line.translate(java.PTB_LINE_BREAKS).strip()
 
 
-def ptb_contexts(lines: Sequence[str]) -> list[tuple]:
-    """What the tokenizer reads after each line that can change the line's tokens: the lines after it up to the
-    first that holds more than white space, or to the end of the input (:data:`END`)."""
+def ptb_keys(lines: Sequence[str]) -> tuple[list[tuple | None], int]:
+    """What each line's tokens depend on, as :func:`ptb_sequences` keys them: None for a line without a token
+    (white space only); ``(line, blank lines before the next, next line)`` before the tail; and where the tail
+    starts: the sequence's second-to-last line with a token, after which the end of the input is near enough to
+    change tokens (its key is ``(TAIL, lines from there to the end)``)."""
     blank = {line: _blank(line) for line in set(lines)}
-    out: list[tuple] = [()] * len(lines)
-    tail: tuple = (END,)
-    for k in range(len(lines) - 1, -1, -1):
-        out[k] = tail
-        tail = (lines[k], *tail) if blank[lines[k]] else (lines[k],)
-    return out
+    full = [k for k, line in enumerate(lines) if not blank[line]]
+    tail = full[-2] if len(full) >= 2 else full[0] if full else len(lines)
+    keys: list[tuple | None] = [None] * len(lines)
+    for a, b in zip(full, full[1:]):
+        if a >= tail:
+            break
+        keys[a] = (lines[a], min(b - a - 1, 2), lines[b])
+    return keys, tail
 
 
 def ptb_sequences(sequences: Sequence[Sequence[str]]) -> list[list[str]]:
     """Each sequence's lines as pycocoevalcap's ``PTBTokenizer`` tokenises them in one call over that sequence
-    (Stanford PTBTokenizer, ``-preserveLines -lowerCase``; its punctuation tokens dropped), in one Java call for
-    all. A line's tokens depend on what follows it: the lexer splits the final period off an abbreviation
-    ("etc.", "u.s.", a single letter) when the next line starts a sentence ("A dog", "The ...") or, for some, when
-    the input ends. So each line is tokenised once per (line, :func:`ptb_contexts`) and remembered by that pair:
-    the tokens are stock's for the same sequence, whatever was tokenised before. A line at the end of its
-    sequence is settled by the two :data:`PROBES` contexts where they agree, else by a call of its own. Line
-    breaks inside a text become spaces (as pycocoevalcap does for "\\n"; the others would shift every later text
-    onto the wrong row)."""
+    (Stanford PTBTokenizer, ``-preserveLines -lowerCase``, from a file that ends with the last line; its
+    punctuation tokens dropped), all in one JVM. A line's tokens depend on what follows it: the lexer splits the
+    final period off an abbreviation ("etc.", "u.s.", "b.") when the next line starts a sentence ("A dog",
+    "The"), or at the end of the input, and splits a final ":)" there. So a line is tokenised once per
+    :func:`ptb_keys` key (the line and the next one, fed with it in one file), and each sequence's tail in a file
+    of its own that ends as stock's does; the tokens are remembered by key, so they are stock's for the same
+    sequence whatever was tokenised before. Line breaks inside a text become spaces (as pycocoevalcap does for
+    "\\n"; the others would shift every later text onto the wrong row)."""
     from pycocoevalcap.tokenizer.ptbtokenizer import PUNCTUATIONS
 
-    keyed = [list(zip(seq, ptb_contexts(seq))) for seq in sequences]
+    plans = [ptb_keys(seq) for seq in sequences]
     stream: list[str] = []
     slots: dict[tuple, int] = {}
-    ends: dict[tuple, tuple[int, int]] = {}  # a line at the end of its sequence: the slots of its two probes
+    tails: dict[tuple, tuple[str, ...]] = {}
 
     def new(key: tuple | None) -> bool:
-        return key is not None and key not in _ptb_known and key not in slots and key not in ends
+        return key is not None and key not in _ptb_known and key not in slots
 
-    for keys in keyed:
-        for k, key in enumerate(keys):
+    for seq, (keys, tail) in zip(sequences, plans):
+        full = [k for k in range(tail) if keys[k] is not None]
+        for at, k in enumerate(full):
+            key = keys[k]
             if not new(key):
                 continue
-            text, context = key
-            if context[-1] is END:
-                ends[key] = (len(stream), len(stream) + 2)
-                stream += [text, PROBES[0], text, PROBES[1]]
-                continue
+            line, gap, following = key
             slots[key] = len(stream)
-            stream.append(text)
-            following = keys[k + 1] if k + 1 < len(keys) else None
-            if not (len(context) == 1 and new(following) and following[1][-1] is not END):
-                stream.extend(context)  # the next line emitted is not this one's context: it is given here
+            stream.append(line)
+            nxt = keys[full[at + 1]] if at + 1 < len(full) else None
+            if not (gap == 0 and new(nxt) and nxt[0] == following):  # else the next line emitted is its context
+                stream += [""] * gap + [following]
+        ending = (TAIL, tuple(seq[tail:]))
+        if tail < len(seq) and ending not in _ptb_known:
+            tails[ending] = ending[1]
     punctuation = frozenset(PUNCTUATIONS)
-    jar = _pycocoevalcap_file("tokenizer", "stanford-corenlp-3.4.1.jar")
 
     def cleaned(line: str) -> str:
         return " ".join(w for w in line.rstrip().split(" ") if w not in punctuation)
 
-    lines = java.ptb_lines(stream, jar) if stream else []
-    found = {key: cleaned(lines[at]) for key, at in slots.items()}
-    for key, (first, second) in ends.items():
-        text, context = key
-        same = lines[first] == lines[second]
-        found[key] = cleaned(lines[first] if same else java.ptb_lines([text, *context[:-1]], jar)[0])
+    texts = ["".join(line.translate(java.PTB_LINE_BREAKS) + "\n" for line in stream)] if stream else []
+    texts += ["\n".join(line.translate(java.PTB_LINE_BREAKS) for line in lines) for lines in tails.values()]
+    made = java.ptb_files(texts, _pycocoevalcap_file("tokenizer", "stanford-corenlp-3.4.1.jar")) if texts else []
+    found: dict[tuple, Any] = {}
+    if stream:
+        out = made.pop(0)
+        _check_line_count(out, len(stream), exact=True)
+        found.update({key: cleaned(out[at]) for key, at in slots.items()})
+    for ending, out in zip(tails, made):
+        _check_line_count(out, len(ending[1]), exact=False)
+        found[ending] = tuple(cleaned(t) for t in [*out, *[""] * (len(ending[1]) - len(out))][:len(ending[1])])
     remember_ptb(found)
-    return [[found[key] if key in found else _ptb_known[key] for key in keys] for keys in keyed]
+
+    def tokens(key: tuple) -> Any:
+        return found[key] if key in found else _ptb_known[key]
+
+    result = []
+    for seq, (keys, tail) in zip(sequences, plans):
+        ending = tokens((TAIL, tuple(seq[tail:]))) if tail < len(seq) else ()
+        result.append([*("" if key is None else tokens(key) for key in keys[:tail]), *ending])
+    return result
+
+
+def _check_line_count(out: list[str], sent: int, exact: bool) -> None:
+    """The tokenizer writes a line per line it is given (and none for a last line without a token at the end of
+    a file): anything else would put tokens on the wrong rows."""
+    made = len(out) - (1 if out and out[-1] == "" and len(out) > sent else 0)
+    if made > sent or (exact and made != sent):
+        raise java.ExternalToolError(f"the PTB tokenizer returned {made} lines for {sent} captions")
 
 
 def ptb_texts(texts: Sequence[str]) -> list[str]:
@@ -300,11 +324,11 @@ def ptb_texts(texts: Sequence[str]) -> list[str]:
     return ptb_sequences([texts])[0]
 
 
-def remember_ptb(tokens: dict[tuple[str, tuple], str]) -> None:
-    """Remember lines' PTB tokens by (line, context) (as :func:`ptb_sequences` gives them), so that the process
-    does not tokenise them again: the jar and its options are fixed, and the context is all of the input that can
-    change a line's tokens. At most :data:`PTB_KEPT` are kept: more than that are not remembered, fewer replace
-    those remembered before them when together they would be more."""
+def remember_ptb(tokens: dict[tuple, Any]) -> None:
+    """Remember PTB tokens by :func:`ptb_keys` key (as :func:`ptb_sequences` gives them), so that the process
+    does not tokenise them again: the jar and its options are fixed, and the key holds all of the input that can
+    change them. At most :data:`PTB_KEPT` are kept: more than that are not remembered, fewer replace those
+    remembered before them when together they would be more."""
     if len(tokens) > PTB_KEPT:
         return
     if len(_ptb_known) + len(tokens) > PTB_KEPT:

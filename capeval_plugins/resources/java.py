@@ -295,50 +295,52 @@ def _telling_line(said: str) -> str:
 PTB_LINE_BREAKS = str.maketrans({c: " " for c in "\n\r\u2028\u2029\x0b\x0c"})
 
 
-def ptb_lines(lines: Sequence[str], jar: str) -> list[str]:
-    """Stanford PTBTokenizer (``-preserveLines -lowerCase``, the jar and options pycocoevalcap uses) over
-    ``lines``, one output line per input line, fed on stdin (pycocoevalcap writes a temporary file next to
-    the jar instead; the tokens are the same)."""
-    if not lines:
+def ptb_files(texts: Sequence[str], jar: str) -> list[list[str]]:
+    """Stanford PTBTokenizer (``-preserveLines -lowerCase``, the jar and options pycocoevalcap uses) over each
+    text as a file of its own, in one JVM (``-ioFileList``): each file ends where its text ends, as
+    pycocoevalcap's temporary file does, which the lexer reads differently from a line end (a final ``:)`` is
+    split, a period before a last "The" kept). The output lines of each file; a last line without tokens gets
+    none (the caller knows how many it sent). The files live in a private temporary folder, removed after."""
+    from capeval_plugins import files
+
+    if not texts:
         return []
     require_java("PTB tokenisation", ", or pass tokenize=False for text that is already tokenised")
-    # every line ended, the last one too: the tokenizer writes no line for a last line without a line end that
-    # holds no token (an empty caption, or only emoji), so that caption's tokens would be missing
-    text = "".join(line.translate(PTB_LINE_BREAKS) + "\n" for line in lines)
-    child = JavaProcess(ptb_command(jar), os.path.dirname(os.path.abspath(jar)), "the PTB tokenizer (Java)")
+    folder = files.private_folder("capeval-ptb-")
     try:
-        child.send(text, close=True)
-        wait = timeout() + len(text) / 1e5  # it may write nothing until its input ends
-        out = []
-        while (line := _next_or_end(child, wait)) is not None:
-            out.append(line)
+        with files.Folder.open(folder)[0] as out:
+            for k, text in enumerate(texts):
+                out.write(f"in{k}.txt", text.encode("utf-8"))
+            # relative names, read from the folder (a temporary folder's path may hold spaces)
+            out.write("files.txt", "".join(f"in{k}.txt out{k}.txt\n" for k in range(len(texts))).encode())
+        command = ptb_command(jar)
+        command[2] = os.path.abspath(jar)  # (-cp: run from the folder, not beside the jar)
+        child = JavaProcess([*command, "-ioFileList", "files.txt"], str(folder), "the PTB tokenizer (Java)")
         try:
-            code = child.proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            raise child.failure(f"did not exit {wait:.0f} s after its output ended") from None
-        if code != 0:
-            raise child.failure(f"failed (exit status {code})")
-    except BaseException:
-        child.kill()
-        raise
+            child.send("", close=True)
+            wait = timeout() + sum(map(len, texts)) / 1e5
+            try:
+                code = child.proc.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                raise child.failure(f"did not finish within {wait:.0f} s (set {TIMEOUT_ENV} to wait longer)") from None
+            if code != 0:
+                raise child.failure(f"failed (exit status {code})")
+        except BaseException:
+            child.kill()
+            raise
+        finally:
+            child.close()
+        made = []
+        for k in range(len(texts)):
+            data = files.read_input(folder / f"out{k}.txt", "the PTB tokenizer's output")
+            made.append(data.decode("utf-8", errors="replace").split("\n"))
+        return made
     finally:
-        child.close()
-    if len(out) != len(lines):
-        raise ExternalToolError(f"the PTB tokenizer returned {len(out)} lines for {len(lines)} captions")
-    return out
+        files.remove_private(folder)
 
 
 def ptb_command(jar: str) -> list[str]:
     return ["java", "-cp", os.path.basename(jar), PTB_CLASS, "-preserveLines", "-lowerCase"]
-
-
-def _next_or_end(child: JavaProcess, wait: float) -> str | None:
-    """The next output line, or None at the end of the child's output."""
-    try:
-        line = child.lines.get(timeout=wait)
-    except queue.Empty:
-        raise child.failure(f"gave no output for {wait:.0f} s (set {TIMEOUT_ENV} to wait longer)") from None
-    return None if line is None else line.decode("utf-8", errors="replace").rstrip("\r\n")
 
 
 # ---------------------------------------------------------------------------------------------- METEOR
