@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from collections.abc import Mapping, Set as AbstractSet
+from collections.abc import Iterable, Mapping, Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -266,6 +266,9 @@ def check_group_ids(group_ids: Sequence[Any] | None, n: int) -> list[int | None]
     in every call, batch and process."""
     if group_ids is None:
         return None
+    if isinstance(group_ids, (str, bytes, Mapping)) or getattr(group_ids, "ndim", 1) != 1 or \
+            not isinstance(group_ids, Iterable):  # (a dict's keys, or one id, are not one id per sample)
+        raise InputError(f"group ids must be a sequence with one id per caption, got {type(group_ids).__name__}")
     values = group_ids.tolist() if isinstance(group_ids, (torch.Tensor, np.ndarray)) else list(group_ids)
     if len(values) != n:
         raise InputError(f"got {len(values)} group ids for {n} captions")

@@ -444,6 +444,25 @@ def test_group_ids_given_as_names_are_the_same_group_in_every_call():
     for bad in ([1.5], [object()], [("a", 2.0)]):
         with pytest.raises(InputError, match="group id at position 0 must be an integer, a name"):
             check_group_ids(bad, 1)
+    for bad in (3, torch.tensor(1), {0: 1}, "ab", np.zeros((1, 1))):  # one id, or a dict's keys, are no ids
+        with pytest.raises(InputError, match="one id per caption"):
+            check_group_ids(bad, 1)
+
+
+def test_evaluate_reads_group_ids_as_the_core_does(tiny_clip, picture_files):
+    """Names failed in Arrow with a traceback, and floats were cast to integers (0.7 as 0) and scored."""
+    import evaluate
+
+    from capeval_plugins.inputs import InputError
+
+    files = [picture_files[i] for i in IMAGE_OF]
+    names = [f"{g}.jpg" for g in IMAGE_OF]
+    direct = capeval_plugins.load("soft_msd", model=tiny_clip)(files, CANDIDATES, group_ids=names)
+    module = evaluate.load("soft_msd", model=tiny_clip)
+    got = module.compute(predictions=CANDIDATES, images=files, group_ids=names)
+    assert got["scores"] == pytest.approx(direct.scores.tolist(), abs=1e-6)
+    with pytest.raises(InputError, match="must be an integer, a name"):
+        module.compute(predictions=CANDIDATES, images=files, group_ids=[0.2, 0.7, 1.2, 1.7, 2.2, 2.7])
 
 
 def test_coco_cf_draws_refuse_made_up_ids_in_a_stream(tiny_clip, picture_files):

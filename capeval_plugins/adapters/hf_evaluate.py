@@ -141,7 +141,7 @@ class CapevalEvaluationModule(evaluate.Metric):
     def _placeholders(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """Fill optional inputs the user left out (evaluate needs every feature column) and turn tensors
         and arrays into PIL images (Arrow cannot store them)."""
-        from capeval_plugins.inputs import InputError, image_source
+        from capeval_plugins.inputs import InputError, check_group_ids, image_source
 
         info = self.capeval_metric.info
         predictions = inputs["predictions"]
@@ -155,6 +155,8 @@ class CapevalEvaluationModule(evaluate.Metric):
             inputs["references"] = [[] for _ in range(n)]
         if info.groups and inputs.get("group_ids") is None:
             inputs["group_ids"] = [None] * n  # grouped by image, as when no batch gives group ids
+        elif info.groups:  # as the core reads them (names hashed, floats refused), before Arrow casts them
+            inputs["group_ids"] = check_group_ids(inputs["group_ids"], n)
         if inputs.get("ids") is None:
             inputs["ids"] = [NO_ID] * n
         else:

@@ -311,10 +311,12 @@ def ptb_sequences(sequences: Sequence[Sequence[str]]) -> list[list[str]]:
 
 
 def _check_line_count(out: list[str], sent: int, exact: bool) -> None:
-    """The tokenizer writes a line per line it is given (and none for a last line without a token at the end of
-    a file): anything else would put tokens on the wrong rows."""
-    made = len(out) - (1 if out and out[-1] == "" and len(out) > sent else 0)
-    if made > sent or (exact and made != sent):
+    """The tokenizer writes a line per line it is given, each ended, but for the last line of a file that ends
+    without one (a tail), which ends its output, or is missing when it holds no token: anything else would put
+    tokens on the wrong rows."""
+    ended = len(out) > 1 and out[-1] == ""
+    made = len(out) - 1 if exact or ended else len(out)
+    if (exact and not (ended and made == sent)) or not exact and not sent - 1 <= made <= sent:
         raise java.ExternalToolError(f"the PTB tokenizer returned {made} lines for {sent} captions")
 
 

@@ -324,7 +324,7 @@ def ptb_files(texts: Sequence[str], jar: str) -> list[list[str]]:
             except subprocess.TimeoutExpired:
                 raise child.failure(f"did not finish within {wait:.0f} s (set {TIMEOUT_ENV} to wait longer)") from None
             if code != 0:
-                raise child.failure(f"failed (exit status {code})")
+                raise child.failure("failed")  # (the failure names the exit status)
         except BaseException:
             child.kill()
             raise
