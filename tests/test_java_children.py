@@ -5,6 +5,7 @@ The checks poll for the outcome with a generous bound: what they prove is the me
 its parent went, not because it finished), never a time limit."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -138,3 +139,30 @@ def test_meteors_jvm_is_gone_after_capeval_is_killed_with_sigkill(tmp_path):
         capeval.wait()
         if jvm is not None and not gone(jvm):
             os.kill(jvm, signal.SIGKILL)
+
+
+def test_a_java_wrapper_whose_child_hangs_ends_in_the_timeouts_one_line(tmp_path, monkeypatch):
+    """A `java` that is a shell script starting the JVM: killing the script on timeout left its child holding the
+    output pipes, and closing them waited on the reader thread forever."""
+    import time
+
+    from capeval_plugins.core.messages import ExternalToolError
+    from capeval_plugins.metrics import coco
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    marker = tmp_path / "child.pid"
+    (fake / "java").write_text(f"#!/bin/sh\nsleep 30 &\necho $! > {marker}\nwait\n")
+    (fake / "java").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CAPEVAL_JAVA_TIMEOUT", "2")
+    coco.forget_prepared()
+    start = time.monotonic()
+    try:
+        with pytest.raises(ExternalToolError, match="the PTB tokenizer"):
+            coco.ptb_texts(["a dog runs", "a cat"])
+        assert time.monotonic() - start < 20
+    finally:
+        if marker.exists():
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(marker.read_text()), signal.SIGKILL)

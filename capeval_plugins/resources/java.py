@@ -169,7 +169,9 @@ class JavaProcess:
             self.kill()
         for thread in self._threads:
             thread.join(timeout=2)
-        for pipe in (self.proc.stdout, self.proc.stderr):
+        for thread, pipe in zip(self._threads, (self.proc.stdout, self.proc.stderr)):
+            if thread.is_alive():  # a child of the child (a `java` that is a wrapper script) still holds its end:
+                continue           # closing would wait on the reader forever; it ends with that process
             try:
                 pipe.close()
             except (OSError, ValueError):
