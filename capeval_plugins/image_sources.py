@@ -3,8 +3,8 @@ array's layout, dtype and range, a video's frames) without decoding its pixels a
 :class:`ImageSource`, which decodes it later, pixel for pixel, each mode by its own range (:func:`to_rgb`);
 :func:`image_identity` is what makes two images the same one in any process. Within a process a source's
 ``key`` says it: the object itself for an image in memory (:class:`ObjectKey`, never its bare ``id()``, which a
-freed object hands on), a file's real path with its size, modification time and inode (a file written again is
-another image), the hash of encoded bytes. A metric that takes its images another way gives an
+freed object hands on), a file's real path with its stamp (size, modification and change times, inode: a file
+written again is another image), the hash of encoded bytes. A metric that takes its images another way gives an
 :class:`ImageReader`.
 
 :class:`InputError` lives here, the lowest of the input modules; every caller imports it, and all of these
@@ -26,6 +26,7 @@ import torch
 from PIL import Image, ImageFile
 
 from capeval_plugins import files
+from capeval_plugins.digests import files_stamp
 
 
 _CHANNELS = (1, 3, 4)
@@ -120,18 +121,6 @@ class ObjectKey:
         return f"<{type(self.obj).__name__} at {id(self.obj):#x}>"
 
 
-def file_version(path: str) -> tuple | None:
-    """What changes when a file is written again (size, modification and change times, inode; the change time
-    is the kernel's, which a copy that keeps times cannot set back): a path's key holds it, so a
-    file overwritten between two calls (a training loop's ``sample.png``) is read again, not served from a
-    cache."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
-
-
 def _in_memory(key: Any) -> bool:
     return key[0] == "obj" or (key[0] == "video" and any(_in_memory(frame) for frame in key[1]))
 
@@ -157,7 +146,7 @@ def image_source(image: Any, index: int, video_ok: bool = False, checked: dict |
     if isinstance(image, (str, os.PathLike)):
         path = os.fspath(image)
         real = os.path.realpath(path)
-        key = ("path", real, file_version(real))
+        key = ("path", real, files_stamp(real))  # a file written again is another image
         if checked is None or key not in checked:
             problem = _file_problem(path)
             if checked is not None:
@@ -351,7 +340,7 @@ def image_identity(key: Any, image: Any) -> bytes:
 
 
 def _portable(key: Any) -> Any:
-    """``key`` without the versions of its files (:func:`file_version`)."""
+    """``key`` without the versions of its files (:func:`~capeval_plugins.digests.files_stamp`)."""
     if key[0] == "path":
         return key[:2]
     if key[0] == "video":

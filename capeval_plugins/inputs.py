@@ -315,7 +315,9 @@ def image_group_ids(sources: Sequence[ImageSource]) -> list[int]:
     in-memory image's pixels). Candidates of one image split across ``update()`` calls or DDP ranks still form
     one group when given in one form each time (a path, encoded bytes, pixels in memory: one file given once as
     a path and once as its bytes is two groups)."""
-    return [_name_id(_identity(src)) for src in sources]
+    found: dict[Any, int] = {}  # an image's candidates share its source: its pixels are hashed once
+    return [found[src.key] if src.key in found else found.setdefault(src.key, _name_id(_identity(src)))
+            for src in sources]
 
 
 def _identity(src: ImageSource) -> bytes:

@@ -646,3 +646,15 @@ def test_soft_msd_coco_cf_draws_are_seeded_by_the_sample_when_no_group_is_given(
     plain = capeval_plugins.load("msd_score", model=tiny_clip, draws="coco-cf")(images, captions)
     for key in ("kl_image_text", "kl_text_image"):
         torch.testing.assert_close(soft[0].extras[key], plain.extras[key], rtol=0, atol=1e-9)
+
+
+def test_an_images_pixels_are_hashed_once_for_all_its_candidates(pictures, monkeypatch):
+    from capeval_plugins import image_sources
+    from capeval_plugins.inputs import image_group_ids, image_source
+
+    hashed = []
+    digest = image_sources.pixel_digest
+    monkeypatch.setattr(image_sources, "pixel_digest", lambda image: hashed.append(1) or digest(image))
+    sources = [image_source(pictures[k % 2], k) for k in range(10)]  # two images, five candidates each
+    ids = image_group_ids(sources)
+    assert len(set(ids)) == 2 and len(hashed) == 2

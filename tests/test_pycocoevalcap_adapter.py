@@ -421,6 +421,15 @@ def test_stock_tokens_in_plain_dicts_are_scored_as_given_as_stock_scores_them(co
 def test_cocoevalcap_scores_a_reference_ptb_empties_as_stock_does(tmp_path, coco_meteor):
     """COCOEvalCap hands its scorers PTB tokens, among them the blank string PTB makes of "..." or of emoji:
     stock scores it; ours refused the sample ("reference 0 is empty")."""
+    coco, coco_res = _tricky_coco(tmp_path)
+    ours = COCOEvalCap(coco, coco_res, spice=False)
+    ours.evaluate()
+    for key, value in _stock_evaluation(coco, coco_res, coco_meteor).items():
+        assert ours.eval[key] == pytest.approx(value, rel=1e-12, abs=0), key
+
+
+def _tricky_coco(tmp_path):
+    """(ground truth, results) as pycocotools loads them: TRICKY_REFS and TRICKY_CAPTIONS written as COCO files."""
     from pycocotools.coco import COCO
 
     images = [{"id": i, "file_name": f"{i}.jpg"} for i in TRICKY_REFS]
@@ -432,10 +441,7 @@ def test_cocoevalcap_scores_a_reference_ptb_empties_as_stock_does(tmp_path, coco
     res.write_text(json.dumps([{"image_id": i, "caption": c} for i, c in TRICKY_CAPTIONS.items()]))
     coco = COCO(str(gt))
     coco_res = coco.loadRes(str(res))
-    ours = COCOEvalCap(coco, coco_res, spice=False)
-    ours.evaluate()
-    for key, value in _stock_evaluation(coco, coco_res, coco_meteor).items():
-        assert ours.eval[key] == pytest.approx(value, rel=1e-12, abs=0), key
+    return coco, coco_res
 
 
 def _stock_evaluation(coco, coco_res, meteor) -> dict:
@@ -565,22 +571,13 @@ def test_cider_takes_stocks_signature():
         Cider(test=gts)
 
 
+@pytest.mark.skipif(not has_java(), reason="PTB tokenisation needs Java")
 def test_cocoevalcap_given_a_bare_bleu_scorer_fills_each_order(tmp_path):
     """``scorers=[Bleu(4)]`` (no method names): the four orders went under one key "Bleu", each image's entry
     held one order's scores for several images, and the summary then raised a TypeError."""
-    from pycocotools.coco import COCO
-
     from capeval_plugins.pycocoevalcap import Bleu
 
-    images = [{"id": i, "file_name": f"{i}.jpg"} for i in TRICKY_REFS]
-    annotations = [{"image_id": i, "id": 10 * i + j, "caption": c} for i, refs in TRICKY_REFS.items()
-                   for j, c in enumerate(refs)]
-    gt, res = tmp_path / "gt.json", tmp_path / "res.json"
-    gt.write_text(json.dumps({"images": images, "annotations": annotations, "info": {}, "licenses": [],
-                              "type": "captions"}))
-    res.write_text(json.dumps([{"image_id": i, "caption": c} for i, c in TRICKY_CAPTIONS.items()]))
-    coco = COCO(str(gt))
-    coco_res = coco.loadRes(str(res))
+    coco, coco_res = _tricky_coco(tmp_path)
     named = COCOEvalCap(coco, coco_res, scorers=[(Bleu(4, tokenize=False), [f"Bleu_{k}" for k in range(1, 5)])],
                         stock=False)
     named.evaluate()

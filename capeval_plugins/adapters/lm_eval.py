@@ -79,9 +79,9 @@ def _image_key(image: Any) -> Any:
     if image is None:
         return image
     if isinstance(image, str):
-        from capeval_plugins.image_sources import file_version
+        from capeval_plugins.digests import files_stamp
 
-        return image, file_version(os.path.realpath(image))
+        return image, files_stamp(image)
     from capeval_plugins.image_sources import pixel_digest
 
     return ("pixels", pixel_digest(image))  # PIL, numpy, tensors: the contract's one identity of an image

@@ -8,8 +8,8 @@ tensor, and ``finalize`` scores the whole corpus at once, as ``COCOEvalCap.evalu
 PTB tokenisation (Stanford PTBTokenizer, lowercased, punctuation dropped), then the scorer.
 
 The work is done once per pass, not once per metric: the corpus is prepared (decoded, PTB-tokenised in one
-Java call as pycocoevalcap's two calls tokenise it, identical rows merged, n-grams numbered) once and remembered by the content
-of its states (:func:`prepared`), so the classic metrics of one pass share it. BLEU, ROUGE-L and CIDEr-D are
+Java call as pycocoevalcap's two calls tokenise it, identical rows merged, n-grams numbered) once and remembered
+by the content of its states (:func:`prepared`), so the classic metrics of one pass share it. BLEU, ROUGE-L and CIDEr-D are
 computed by :mod:`capeval_plugins.core.coco_text` (pycocoevalcap's arithmetic, bit for bit, vectorised);
 METEOR and SPICE are the jars pycocoevalcap ships, METEOR through :mod:`capeval_plugins.resources.java`
 (streamed requests, bounded waits). pycocoevalcap provides the jars; it is imported lazily.

@@ -257,8 +257,9 @@ def shared(key: Hashable, factory: Callable[[], Any], sources: tuple[str | os.Pa
 def _stamp(path: str | os.PathLike, revision: str | None) -> tuple | None:
     """:func:`files_stamp` of a local file or folder, or of the cached snapshot a hub id resolves to now (a new
     commit fetched since is another snapshot)."""
-    if os.path.exists(os.path.expanduser(os.fspath(path))):
-        return files_stamp(path)
+    local = os.path.expanduser(os.fspath(path))
+    if os.path.exists(local):
+        return files_stamp(local)
     folder = source_folder(os.fspath(path), revision)
     return None if folder is None else (folder, files_stamp(folder))
 
