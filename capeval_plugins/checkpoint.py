@@ -34,15 +34,18 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from safetensors.torch import save as save_tensors
-from torch import Tensor
+import numpy as np
 
 from capeval_plugins import files
 from capeval_plugins.contract import PackedTexts
+from capeval_plugins.core.arrays import as_tensor, host, is_tensor
 from capeval_plugins.resources import tensorfile
 from capeval_plugins.inputs import InputError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 FORMAT = 3
 MAGIC = b"CPV3"
@@ -96,8 +99,15 @@ class DamagedRecords(ValueError):
         self.offset, self.count = offset, count
 
 
-def _bytes(tensors: Mapping[str, Tensor]) -> bytes:
-    return save_tensors({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()})
+def _bytes(tensors: Mapping[str, Any]) -> bytes:
+    """Arrays and tensors as safetensors bytes (host states alone: through numpy, torch never imported)."""
+    if not any(is_tensor(v) for v in tensors.values()):
+        from safetensors.numpy import save as save_arrays
+
+        return save_arrays({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+    from safetensors.torch import save as save_tensors
+
+    return save_tensors({k: as_tensor(v).detach().cpu().contiguous().clone() for k, v in tensors.items()})
 
 
 # A text state's rows (PackedTexts) are stored as two tensors under these suffixes (":" is in no state name).
@@ -121,7 +131,8 @@ def rows_back(tensors: Mapping[str, Tensor]) -> dict[str, Tensor | PackedTexts]:
     for key, value in tensors.items():
         if key.endswith(_PACKED[0]):
             name = key[: -len(_PACKED[0])]
-            rows[name] = PackedTexts(value, tensors[name + _PACKED[1]])
+            rows[name] = PackedTexts(host(value).astype(np.uint8, copy=False),
+                                     host(tensors[name + _PACKED[1]]).astype(np.int64, copy=False))
         elif not key.endswith(_PACKED[1]):
             rows[key] = value
     return rows
@@ -164,7 +175,8 @@ def decode_records(data: bytes, key: bytes) -> tuple[list[tuple[dict, dict[str, 
         start = offset + _HEAD.size
         try:
             header = json.loads(data[start : start + head_len])
-            tensors = tensorfile.load_bytes(data[start + head_len : end - _TAG], "a record") if body_len else {}
+            body = data[start + head_len : end - _TAG]
+            tensors = tensorfile.load_bytes(body, "a record", arrays=True) if body_len else {}
         except Exception:  # authentic but unreadable: not ours to guess at
             raise DamagedRecords(offset, len(records)) from None
         records.append((header, tensors))

@@ -77,9 +77,8 @@ def quiet_libraries() -> None:
     """No progress bars from the model libraries either (weights loading, downloads), no Java lines. Undone
     when ``main`` returns, so a caller that runs the CLI in its own process keeps its environment."""
     os.environ.update(QUIET_ENV)
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
+    if "transformers" in sys.modules:  # else it reads HF_HUB_DISABLE_PROGRESS_BARS when (if ever) imported
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
 
 
 @contextlib.contextmanager
@@ -384,8 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def typed_errors() -> tuple[type[Exception], ...]:
     """The errors reported in one line, exit 2. Called by ``_main``'s ``except`` only once something was raised,
     so that a command that needs none of their modules (``capeval list``) does not import them (torch)."""
-    from capeval_plugins.resources.loading import ModelLoadError
-    from capeval_plugins.core.messages import DataError, ExternalToolError, MissingExtra, UnknownName
+    from capeval_plugins.core.messages import DataError, ExternalToolError, MissingExtra, ModelLoadError, UnknownName
     from capeval_plugins.inputs import InputError
     from capeval_plugins.preflight import RequirementError
 

@@ -26,16 +26,18 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
-import torch
-from torch import Tensor
 
+from capeval_plugins.core.arrays import as_tensor, host, is_host_dtype, is_tensor, same_kind, take
 from capeval_plugins.core.bounds import bounded, field_problem  # noqa: F401  (bounded: for metric configs)
 from capeval_plugins.core.messages import DataError, install_extra
 from capeval_plugins.core.textcodec import (PackedTexts, decode_text_lists, decode_texts,  # noqa: F401  (re-exported)
                                             encode_text_lists, encode_texts)
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 INDEX = "index"
 GROUP = "group"
@@ -49,6 +51,11 @@ class StateSpec:
     """How one state tensor merges: ``"cat"`` stacks per-sample rows of shape ``shape``; ``"sum"`` adds
     tensors of shape ``shape`` (sufficient statistics, float64 for anything squared).
 
+    ``dtype``: a torch dtype (default ``torch.float64``), or a numpy dtype for a *host state*, numpy arrays in
+    CPU memory in ``map``'s output and ``finalize``'s input. A metric whose states are all host states (the
+    classic COCO metrics) gets host contract states too (:func:`full_spec`) and never imports torch; text
+    states are always host states.
+
     A ``-1`` in a ``"cat"`` shape is a ragged axis: batches may differ in that width and are zero-padded to
     the widest when merged. ``text``: the rows are texts (:func:`encode_texts`, :func:`encode_text_lists`, which
     hold no zero byte; declare :data:`TEXT_STATE`): a batch is zero-padded as any ragged block, but the merged
@@ -56,7 +63,7 @@ class StateSpec:
     not its length times the number of rows."""
 
     reduce: Literal["cat", "sum"]
-    dtype: torch.dtype = torch.float64
+    dtype: Any = None
     shape: tuple[int, ...] = ()
     text: bool = False
 
@@ -65,48 +72,93 @@ class StateSpec:
             raise ValueError(f"reduce must be 'cat' or 'sum', got {self.reduce!r}")
         if self.reduce == "sum" and -1 in self.shape:
             raise ValueError("a 'sum' state cannot have a ragged axis")
-        if self.text and (self.reduce, self.dtype, self.shape) != ("cat", torch.uint8, (-1,)):
-            raise ValueError('a text state is StateSpec("cat", torch.uint8, (-1,), text=True)')
+        if self.text:  # texts are bytes for finalize, in CPU memory: a host state whichever uint8 was written
+            uint8 = str(self.dtype) == "torch.uint8" or is_host_dtype(self.dtype) and np.dtype(self.dtype) == np.uint8
+            if (self.reduce, self.shape) != ("cat", (-1,)) or not uint8:
+                raise ValueError('a text state is StateSpec("cat", np.uint8, (-1,), text=True)')
+            object.__setattr__(self, "dtype", np.dtype(np.uint8))
+        elif self.dtype is None:
+            import torch
+
+            object.__setattr__(self, "dtype", torch.float64)
+        elif is_host_dtype(self.dtype):
+            object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    @property
+    def host(self) -> bool:
+        """Numpy arrays in CPU memory (a numpy ``dtype``), not tensors."""
+        return isinstance(self.dtype, np.dtype)
 
     @property
     def ragged(self) -> bool:
         return -1 in self.shape
 
-    def empty(self, device: torch.device | str | None = None) -> Tensor:
-        if self.reduce == "cat":
-            return torch.zeros((0, *(max(d, 0) for d in self.shape)), dtype=self.dtype, device=device)
-        return torch.zeros(self.shape, dtype=self.dtype, device=device)
+    def on_torch(self) -> "StateSpec":
+        """This state as tensors of the same dtype, for an adapter that holds tensors (a text state: its
+        zero-padded byte rows)."""
+        if not self.host:
+            return self
+        from capeval_plugins.core.arrays import torch_dtype
 
-    def cat(self, rows: Sequence[Tensor | "PackedTexts"]) -> Tensor | "PackedTexts":
+        return StateSpec(self.reduce, torch_dtype(self.dtype), self.shape)
+
+    def own_kind(self, value: Any) -> Any:
+        """``value`` (this state's rows or sum, as an array or a tensor) as this state's kind: numpy for a host
+        state (a text state's rows packed), a tensor otherwise. What an adapter that held a host state as a
+        tensor (:meth:`on_torch`) hands back to ``finalize``."""
+        if not self.host:
+            return as_tensor(value)
+        if self.text:
+            return PackedTexts.join([value])
+        return host(value).astype(self.dtype, copy=False)
+
+    def empty(self, device: Any = None) -> Any:
+        shape = (0, *(max(d, 0) for d in self.shape)) if self.reduce == "cat" else self.shape
+        if self.host:
+            return np.zeros(shape, dtype=self.dtype)
+        import torch
+
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
+    def cat(self, rows: Sequence[Any]) -> Any:
         """Concatenate row blocks, zero-padding ragged axes to the widest block (a text state: packed)."""
         if self.text:
             return PackedTexts.join(rows)
         return self.cat_padded(rows)
 
-    def cat_padded(self, rows: Sequence[Tensor | "PackedTexts"]) -> Tensor:
-        """:meth:`cat` as one zero-padded tensor, whatever the state (what a collective gathers)."""
+    def cat_padded(self, rows: Sequence[Any]) -> Any:
+        """:meth:`cat` as one zero-padded block, whatever the state (what a collective gathers)."""
         rows = [r.padded() if isinstance(r, PackedTexts) else r for r in rows]
+        # each row block as this state's kind (a checkpoint's records are read back as arrays where they can be)
+        rows = [host(r) if self.host else as_tensor(r) for r in rows]
         if not rows:
             return self.empty()
         if not self.ragged:
+            if self.host:
+                return np.concatenate([r.reshape(-1, *self.shape) for r in rows], axis=0).astype(self.dtype, copy=False)
+            import torch
+
             return torch.cat([r.reshape(-1, *self.shape) for r in rows], dim=0)
         # one zero-filled block the size of the result, each part copied into its corner (padding every part
         # first and then concatenating copies everything twice)
         width = [max(r.shape[1 + i] for r in rows) for i in range(len(self.shape))]
-        on_cpu = all(r.device.type == "cpu" for r in rows) and rows[0].dtype not in (torch.bfloat16,)
+        torch = None if self.host else __import__("torch")
+        on_cpu = self.host or all(r.device.type == "cpu" for r in rows) and rows[0].dtype not in (torch.bfloat16,)
         shape = (sum(len(r) for r in rows), *width)
-        out = np.zeros(shape, dtype=rows[0].numpy().dtype) if on_cpu else \
+        out = np.zeros(shape, dtype=host(rows[0][:0]).dtype) if on_cpu else \
             torch.zeros(shape, dtype=rows[0].dtype, device=rows[0].device)
         start = 0
         for r in rows:  # numpy copies into a strided corner several times faster than torch does on a CPU
             corner = (slice(start, start + len(r)), *(slice(0, d) for d in r.shape[1:]))
-            out[corner] = r.detach().numpy() if on_cpu else r
+            out[corner] = host(r) if on_cpu else r
             start += len(r)
+        if self.host:
+            return out.astype(self.dtype, copy=False)
         return torch.from_numpy(out) if on_cpu else out
 
 
 # The state of texts kept for finalize (captions, references): packed once merged (PackedTexts).
-TEXT_STATE = StateSpec("cat", torch.uint8, (-1,), text=True)
+TEXT_STATE = StateSpec("cat", np.uint8, (-1,), text=True)
 
 
 @dataclass(frozen=True)
@@ -136,18 +188,54 @@ class MetricInfo:
                 raise ValueError(f"MetricInfo.{attr} must be 'never', 'optional' or 'always'")
 
 
-@dataclass
+class _IndexField:
+    """A :class:`Batch` field of int64 per-sample values, kept as given (a list, a numpy array or a tensor): read
+    as a tensor, made on the first read (which imports torch), or as numpy through :meth:`Batch.host`, which a
+    metric with host states reads, so that it never imports torch."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, batch: Any, owner: type | None = None) -> Any:
+        if batch is None:
+            return self
+        value = getattr(batch, self.slot)
+        if value is None or is_tensor(value):
+            return value
+        tensor = as_tensor(np.asarray(value, dtype=np.int64))
+        setattr(batch, self.slot, tensor)
+        return tensor
+
+    def __set__(self, batch: Any, value: Any) -> None:
+        setattr(batch, self.slot, value)
+
+
 class Batch:
     """One validated batch. ``images`` holds each distinct image (or video: a list of frames) once and
-    ``image_index`` maps every sample to its row, so a metric encodes an image once for all its captions."""
+    ``image_index`` maps every sample to its row, so a metric encodes an image once for all its captions.
 
-    candidates: list[str]
-    indices: Tensor
-    images: list[Any] | None = None
-    image_index: Tensor | None = None
-    references: list[list[str]] | None = None
-    group_ids: Tensor | None = None
-    digests: Tensor | None = None  # (B,) int64 content digest per sample (see inputs.to_batch); None: by text
+    ``indices`` (the samples' ids), ``image_index``, ``group_ids`` and ``digests`` (an int64 content digest per
+    sample, see ``inputs.to_batch``; None: by text) read as int64 tensors; :meth:`host` reads them as numpy."""
+
+    indices = _IndexField()
+    image_index = _IndexField()
+    group_ids = _IndexField()
+    digests = _IndexField()
+
+    def __init__(self, candidates: list[str], indices: Any, images: list[Any] | None = None,
+                 image_index: Any = None, references: list[list[str]] | None = None, group_ids: Any = None,
+                 digests: Any = None) -> None:
+        self.candidates, self.images, self.references = candidates, images, references
+        self.indices, self.image_index, self.group_ids, self.digests = indices, image_index, group_ids, digests
+
+    def __repr__(self) -> str:
+        return f"Batch({len(self)} samples{', with images' if self.images is not None else ''})"
+
+    def host(self, name: str) -> np.ndarray | None:
+        """The field ``name`` (``"indices"``, ``"image_index"``, ``"group_ids"``, ``"digests"``) as int64 numpy,
+        or None, without making a tensor."""
+        value = getattr(self, "_" + name)
+        return None if value is None else host(value).astype(np.int64, copy=False)
 
     def __len__(self) -> int:
         return len(self.candidates)
@@ -156,7 +244,7 @@ class Batch:
         """The image of every sample, in sample order (repeats share one object)."""
         if self.images is None or self.image_index is None:
             raise ValueError("this batch carries no images")
-        return [self.images[i] for i in self.image_index.tolist()]
+        return [self.images[i] for i in self.host("image_index").tolist()]
 
 
 @dataclass(frozen=True)
@@ -227,9 +315,9 @@ class MetricResult:
 
     name: str
     score: float
-    scores: Tensor
-    indices: Tensor
-    extras: dict[str, Tensor | list[str | None]] = field(default_factory=dict)
+    scores: Any  # a tensor, or numpy for a metric with host states
+    indices: Any
+    extras: dict[str, Any] = field(default_factory=dict)
     corpus_extras: dict[str, float | str] = field(default_factory=dict)
     skipped: dict[int, str] = field(default_factory=dict)
 
@@ -254,24 +342,31 @@ class MetricResult:
         counted in ``corpus_extras["n_skipped"]``."""
         if not skipped:
             return self
-        missing = torch.tensor(sorted(skipped), dtype=torch.int64)
-        indices = torch.cat([self.indices.cpu().to(torch.int64), missing])
-        order = torch.argsort(indices, stable=True)
+        missing = np.array(sorted(skipped), dtype=np.int64)
+        indices = np.concatenate([host(self.indices).astype(np.int64), missing])
+        order = np.argsort(indices, kind="stable")
 
-        def padded(values: Tensor | list) -> Tensor | list:
+        def padded(values: Any) -> Any:
             if isinstance(values, list):  # texts: None for the skipped samples
                 kept = values + [None] * len(missing)
                 return [kept[k] for k in order.tolist()]
-            values = values.cpu()
-            if not values.is_floating_point():
-                values = values.to(torch.float64)
-            blank = torch.full((len(missing), *values.shape[1:]), math.nan, dtype=values.dtype)
-            return torch.cat([values, blank])[order]
+            if is_tensor(values):
+                import torch
+
+                values = values.cpu()
+                if not values.is_floating_point():
+                    values = values.to(torch.float64)
+                blank = torch.full((len(missing), *values.shape[1:]), math.nan, dtype=values.dtype)
+                return torch.cat([values, blank])[torch.from_numpy(order)]
+            values = np.asarray(values)
+            if not np.issubdtype(values.dtype, np.floating):
+                values = values.astype(np.float64)
+            return np.concatenate([values, np.full((len(missing), *values.shape[1:]), math.nan, values.dtype)])[order]
 
         return dataclasses.replace(
             self,
             scores=padded(self.scores),
-            indices=indices[order],
+            indices=same_kind(indices[order], self.indices),
             extras={k: padded(v) for k, v in self.extras.items()},
             corpus_extras={**self.corpus_extras, "n_skipped": float(len(skipped))},
             skipped={**self.skipped, **{int(i): r for i, r in skipped.items()}},
@@ -300,7 +395,7 @@ class MetricResult:
         return rows
 
 
-def extra_values(values: Tensor | list) -> list:
+def extra_values(values: Any) -> list:
     """A per-sample extra as a list (one value, row or text per sample)."""
     return list(values) if isinstance(values, list) else values.tolist()
 
@@ -537,10 +632,22 @@ def full_spec(metric: Metric) -> dict[str, StateSpec]:
     for reserved in CONTRACT_STATES:
         if reserved in spec:
             raise ValueError(f"{metric.info.name}: state name {reserved!r} is reserved")
-    spec[INDEX] = StateSpec("cat", torch.int64)
-    spec[GROUP] = StateSpec("cat", torch.int64)
-    spec[DIGEST] = StateSpec("cat", torch.int64)
+    int64 = np.int64 if host_metric(spec) else None
+    for reserved in CONTRACT_STATES:
+        spec[reserved] = StateSpec("cat", int64) if int64 else _torch_int64()
     return spec
+
+
+def host_metric(states: Mapping[str, StateSpec]) -> bool:
+    """Whether a metric's own states are all host states: then so are the contract's (its finalize sees numpy
+    only, and its run needs no torch)."""
+    return bool(states) and all(spec.host for spec in states.values())
+
+
+def _torch_int64() -> StateSpec:
+    import torch
+
+    return StateSpec("cat", torch.int64)
 
 
 def map_batch(metric: Metric, batch: Batch) -> dict[str, Tensor]:
@@ -551,11 +658,11 @@ def map_batch(metric: Metric, batch: Batch) -> dict[str, Tensor]:
     if set(out) != set(spec):
         raise RuntimeError(f"{metric.info.name}.map returned {sorted(out)}, declared {sorted(spec)}")
     n = len(batch)
-    checked: dict[str, Tensor] = {}
+    checked: dict[str, Any] = {}
     for key, value in out.items():
         want = spec[key]
         if want.text and isinstance(value, PackedTexts):
-            if len(value) != n or value.data.dtype != torch.uint8:
+            if len(value) != n or value.data.dtype != np.uint8:
                 raise RuntimeError(f"{metric.info.name}.map: state {key!r} packs {len(value)} texts for {n} samples")
             checked[key] = value
             continue
@@ -565,12 +672,13 @@ def map_batch(metric: Metric, batch: Batch) -> dict[str, Tensor]:
             got = tuple(-1 if e == -1 else g for g, e in zip(got, expected))
         if got != tuple(expected):
             raise RuntimeError(f"{metric.info.name}.map: state {key!r} has shape {tuple(value.shape)}, expected {expected}")
-        checked[key] = value.detach().to(want.dtype)
-    checked[INDEX] = batch.indices.to(torch.int64)
-    groups = batch.group_ids if batch.group_ids is not None else torch.full((n,), -1, dtype=torch.int64)
-    checked[GROUP] = groups.to(torch.int64)
-    digests = batch.digests if batch.digests is not None and len(batch.digests) == n else text_digests(batch)
-    checked[DIGEST] = digests.to(torch.int64)
+        checked[key] = host(value).astype(want.dtype, copy=False) if want.host else \
+            as_tensor(value).detach().to(want.dtype)
+    groups, digests = batch.host("group_ids"), batch.host("digests")
+    rows = {INDEX: batch.host("indices"), GROUP: groups if groups is not None else np.full(n, -1, np.int64),
+            DIGEST: digests if digests is not None and len(digests) == n else text_digests(batch)}
+    host_rows = host_metric(spec)
+    checked.update({k: v if host_rows else as_tensor(v) for k, v in rows.items()})
     return checked
 
 
@@ -584,14 +692,15 @@ def content_digest(*parts: Any) -> int:
     return int.from_bytes(h.digest(), "big") >> 1
 
 
-def text_digests(batch: Batch, images: Sequence[bytes] | None = None) -> Tensor:
-    """Per sample: the digest of its caption, references and (``images``, one identity per distinct image of
-    the batch) its image."""
-    index = batch.image_index.tolist() if batch.image_index is not None else None
+def text_digests(batch: Batch, images: Sequence[bytes] | None = None) -> np.ndarray:
+    """Per sample (int64): the digest of its caption, references and (``images``, one identity per distinct
+    image of the batch) its image."""
+    index = batch.host("image_index")
+    index = index.tolist() if index is not None else None
     refs = batch.references
-    return torch.tensor([content_digest(c, refs[i] if refs is not None else None,
-                                        images[index[i]] if images is not None and index is not None else b"")
-                         for i, c in enumerate(batch.candidates)], dtype=torch.int64)
+    return np.array([content_digest(c, refs[i] if refs is not None else None,
+                                    images[index[i]] if images is not None and index is not None else b"")
+                     for i, c in enumerate(batch.candidates)], dtype=np.int64).reshape(-1)
 
 
 def merge_states(spec: Mapping[str, StateSpec], parts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
@@ -602,21 +711,35 @@ def merge_states(spec: Mapping[str, StateSpec], parts: Iterable[Mapping[str, Ten
     A part may hold some of the states only (a batch's rows without the running sums, the sums alone); a state
     no part holds is empty. ``parts`` is consumed once (it may be a generator): ``"sum"`` states are added as
     they arrive, so a corpus statistic costs one accumulator however many parts there are."""
-    rows: dict[str, list[Tensor]] = {k: [] for k, want in spec.items() if want.reduce == "cat"}
-    sums: dict[str, Tensor] = {}
+    rows: dict[str, list[Any]] = {k: [] for k, want in spec.items() if want.reduce == "cat"}
+    sums: dict[str, Any] = {}
     for part in parts:
         for key, value in part.items():
             if key in rows:
                 rows[key].append(value)
             elif key in spec:
-                sums[key] = value.clone() if key not in sums else sums[key].add_(value)
+                sums[key] = _added(sums.get(key), value)
             else:
                 raise KeyError(f"state {key!r} is not declared (declared: {sorted(spec)})")
-    merged: dict[str, Tensor] = {}
+    merged: dict[str, Any] = {}
     for key, want in spec.items():
         value = want.cat(rows[key]) if key in rows else sums.get(key)
-        merged[key] = want.empty() if value is None else value
+        if value is None:
+            value = want.empty()
+        elif key in sums:  # as this state's kind (a checkpoint's sums are read back as arrays where they can be)
+            value = host(value) if want.host else as_tensor(value)
+        merged[key] = value
     return merged
+
+
+def _added(total: Any, value: Any) -> Any:
+    """``total + value`` into ``total`` (a copy of ``value`` when there is no total yet)."""
+    if total is None:  # a copy: the running total must not be the batch's own array
+        return value.clone() if is_tensor(value) else np.array(value, copy=True)
+    if is_tensor(total):
+        return total.add_(as_tensor(value, total))
+    np.add(total, host(value), out=total)
+    return total
 
 
 def canonical_state(spec: Mapping[str, StateSpec], state: Mapping[str, Tensor],
@@ -629,10 +752,10 @@ def canonical_state(spec: Mapping[str, StateSpec], state: Mapping[str, Tensor],
     samples, and :class:`RepeatedSamples` names them. ``"sum"`` states cannot be de-duplicated; a caller
     that dropped repeats warns when the metric has any.
     """
-    index = state[INDEX].reshape(-1)
-    order = torch.argsort(index, stable=True)
+    index = host(state[INDEX]).reshape(-1)
+    order = np.argsort(index, kind="stable")
     sorted_index = index[order]
-    keep = torch.ones_like(sorted_index, dtype=torch.bool)
+    keep = np.ones(len(sorted_index), dtype=bool)
     keep[1:] = sorted_index[1:] != sorted_index[:-1]
     repeats = int((~keep).sum())
     if repeats:
@@ -645,7 +768,7 @@ def canonical_state(spec: Mapping[str, StateSpec], state: Mapping[str, Tensor],
             value = value.select(rows)
         elif want.reduce == "cat":
             value = value if want.ragged else value.reshape(-1, *want.shape)
-            value = value[rows.to(value.device)]
+            value = take(value, rows)
         out[key] = value
     return out, repeats
 
@@ -654,10 +777,10 @@ class RepeatedSamples(DataError):
     """One sample id given for different samples, or more repeats than a padding sampler makes."""
 
 
-def _check_repeats(state: Mapping[str, Tensor], order: Tensor, sorted_index: Tensor, keep: Tensor, repeats: int,
-                   allowed: int | None) -> None:
-    def shown(ids: Tensor) -> str:
-        ids = torch.unique(ids).tolist()
+def _check_repeats(state: Mapping[str, Any], order: np.ndarray, sorted_index: np.ndarray, keep: np.ndarray,
+                   repeats: int, allowed: int | None) -> None:
+    def shown(ids: np.ndarray) -> str:
+        ids = np.unique(ids).tolist()
         return ", ".join(map(str, ids[:10])) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
 
     if allowed is not None and repeats > allowed:
@@ -666,8 +789,8 @@ def _check_repeats(state: Mapping[str, Tensor], order: Tensor, sorted_index: Ten
             f"DistributedSampler repeats at most world_size - 1 = {allowed}: ids must be unique across processes "
             "(pass each sample's dataset index, not its position in the shard)")
     if DIGEST in state:
-        digest = state[DIGEST].reshape(-1).to(order.device)[order]
-        first = digest[keep][torch.cumsum(keep.to(torch.int64), 0) - 1]  # the kept row's digest, for every row
+        digest = host(state[DIGEST]).reshape(-1)[order]
+        first = digest[keep][np.cumsum(keep, dtype=np.int64) - 1]  # the kept row's digest, for every row
         differ = digest != first
         if bool(differ.any()):
             raise RepeatedSamples(
@@ -715,7 +838,7 @@ class PointwiseMetric(Metric):
 
     def states(self) -> dict[str, StateSpec]:
         names = ("score", *self.extra_names)
-        return {k: StateSpec("cat", torch.float64, tuple(self.extra_shapes.get(k, ()))) for k in names}
+        return {k: StateSpec("cat", shape=tuple(self.extra_shapes.get(k, ()))) for k in names}  # torch.float64
 
     def map(self, batch: Batch) -> dict[str, Tensor]:
         return self.score(batch)
@@ -726,11 +849,11 @@ class PointwiseMetric(Metric):
 
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
         scores = state["score"]
-        n_invalid = int(torch.isnan(scores).sum())
+        n_invalid = int(np.isnan(host(scores)).sum())
         extras = {
             k: state[k]
             for k in self.extra_names
-            if k not in self.optional_extras or not bool(torch.isnan(state[k]).all())
+            if k not in self.optional_extras or not bool(np.isnan(host(state[k])).all())
         }
         corpus = {f"mean_{k}": nanmean(extras[k]) for k in self.mean_extras if k in extras}
         corpus.update(self.corpus_extras(state))
@@ -809,11 +932,16 @@ class CompositeMetric(Metric):
         results = {name: metric.finalize(self.component_state(name, state))
                    for name, metric in self.components().items()}
         for name, result in results.items():
-            if not torch.equal(result.indices.cpu(), state[INDEX].cpu()):
+            if not np.array_equal(host(result.indices), host(state[INDEX])):
                 raise RuntimeError(f"{self.info.name}: component {name!r} reordered or dropped samples")
         return self.combine(results, state)
 
 
-def nanmean(values: Tensor) -> float:
+def nanmean(values: Any) -> float:
+    if not is_tensor(values):
+        valid = np.asarray(values)[~np.isnan(values)]
+        return float(valid.mean()) if len(valid) else math.nan
+    import torch
+
     valid = values[~torch.isnan(values)]
     return float(valid.mean()) if len(valid) else math.nan

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins.core import correlation, gaussian, heads, matching, vmf
+from capeval_plugins.core.arrays import host
 from capeval_plugins.core import clip_score as _clip
 
 __all__ = [
@@ -282,4 +283,4 @@ def pairwise_accuracy(score_a: Tensor | Sequence[float], score_b: Tensor | Seque
 
 
 def _numpy(values) -> np.ndarray:
-    return values.detach().cpu().numpy() if isinstance(values, Tensor) else np.asarray(values)
+    return host(values)

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import numpy as np
-import torch
 from PIL import Image, ImageFile
 
 from capeval_plugins import files
+from capeval_plugins.core.arrays import host, is_tensor
 from capeval_plugins.digests import files_stamp
 
 
@@ -73,7 +73,7 @@ class ImageSource:
             width, height = self.value.size
         elif self.kind == "array":
             shape = tuple(self.value.shape)
-            channels_first = _channels_first(shape, isinstance(self.value, torch.Tensor))
+            channels_first = _channels_first(shape, is_tensor(self.value))
             height, width = shape[1:] if channels_first else shape[:2]
         elif self.kind in ("path", "bytes"):
             try:
@@ -168,7 +168,7 @@ def image_source(image: Any, index: int, video_ok: bool = False, checked: dict |
         if problem:
             raise InputError(f"sample {index}: cannot read image bytes: {problem}")
         return ImageSource("bytes", data, ("bytes", hashlib.sha1(data).hexdigest()), index)
-    if isinstance(image, (np.ndarray, torch.Tensor)):
+    if isinstance(image, np.ndarray) or is_tensor(image):
         check_array(image, index)
         return ImageSource("array", image, ("obj", ObjectKey(image)), index)
     raise InputError(f"sample {index}: unsupported image type {type(image).__name__}")
@@ -203,7 +203,7 @@ def _header_problem(stream: Any) -> str | None:
     return mode_problem(mode)
 
 
-def check_array(image: np.ndarray | torch.Tensor, index: int) -> None:
+def check_array(image: Any, index: int) -> None:
     shape = tuple(image.shape)
     if len(shape) not in (2, 3):
         raise InputError(f"sample {index}: image array must be HW, CHW or HWC, got shape {shape}")
@@ -211,12 +211,12 @@ def check_array(image: np.ndarray | torch.Tensor, index: int) -> None:
         raise InputError(f"sample {index}: cannot find the channel axis (1, 3 or 4) in shape {shape}")
     if 0 in shape:
         raise InputError(f"sample {index}: image array is empty (shape {shape})")
-    is_torch = isinstance(image, torch.Tensor)
+    is_torch = is_tensor(image)
     floating = image.is_floating_point() if is_torch else np.issubdtype(image.dtype, np.floating)
-    if not floating and image.dtype not in (np.uint8, torch.uint8):
+    if not floating and str(image.dtype) not in ("uint8", "torch.uint8"):
         raise InputError(f"sample {index}: image dtype must be uint8 or float, got {image.dtype}")
     if floating:
-        finite = bool(torch.isfinite(image).all()) if is_torch else bool(np.isfinite(image).all())
+        finite = bool(image.isfinite().all()) if is_torch else bool(np.isfinite(image).all())
         if not finite:
             raise InputError(f"sample {index}: image array contains NaN or infinite values")
         low, high = (float(image.min()), float(image.max()))
@@ -299,15 +299,9 @@ def _channels_first(shape: Sequence[int], is_torch: bool) -> bool:
     return len(shape) == 3 and shape[0] in _CHANNELS and (shape[-1] not in _CHANNELS or is_torch)
 
 
-def _host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A tensor's values as a numpy array; bfloat16, which numpy has no type for, as float32 (exactly)."""
-    tensor = tensor.detach().cpu()
-    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
-
-
-def _array_to_pil(image: np.ndarray | torch.Tensor) -> Image.Image:
-    is_torch = isinstance(image, torch.Tensor)
-    arr = _host_array(image) if is_torch else np.asarray(image)
+def _array_to_pil(image: Any) -> Image.Image:
+    is_torch = is_tensor(image)
+    arr = host(image) if is_torch else np.asarray(image)
     if arr.ndim == 3:
         if _channels_first(arr.shape, is_torch):
             arr = np.moveaxis(arr, 0, -1)
@@ -362,8 +356,8 @@ def pixel_digest(image: Any) -> bytes:
         elif isinstance(frame, Image.Image):
             h.update(f"{frame.mode}{frame.size}".encode())
             h.update(frame.tobytes())
-        elif isinstance(frame, (torch.Tensor, np.ndarray)):
-            arr = _host_array(frame) if isinstance(frame, torch.Tensor) else frame
+        elif isinstance(frame, np.ndarray) or is_tensor(frame):
+            arr = host(frame) if is_tensor(frame) else frame
             h.update(f"{arr.dtype}{arr.shape}".encode())
             h.update(np.ascontiguousarray(arr).tobytes())
         else:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-import torch
 from PIL import Image
 
+from capeval_plugins.core.arrays import is_tensor
 from capeval_plugins.contract import Batch, MetricInfo, text_digests
 # one image at a time; importable from here as before they had a module of their own
 from capeval_plugins.image_sources import (SIXTEEN_BIT_MODES, ImageReader, ImageSource, InputError,  # noqa: F401
@@ -220,7 +220,7 @@ def text_problem(text: str, what: str) -> str | None:
 def check_indices(indices: Sequence[int] | None, n: int) -> list[int]:
     if indices is None:
         return list(range(n))
-    values = indices.tolist() if isinstance(indices, (torch.Tensor, np.ndarray)) else list(indices)
+    values = indices.tolist() if isinstance(indices, np.ndarray) or is_tensor(indices) else list(indices)
     if len(values) != n:
         raise InputError(f"got {len(values)} sample ids for {n} captions")
     for i, v in enumerate(values):
@@ -269,7 +269,7 @@ def check_group_ids(group_ids: Sequence[Any] | None, n: int) -> list[int | None]
     if isinstance(group_ids, (str, bytes, Mapping)) or getattr(group_ids, "ndim", 1) != 1 or \
             not isinstance(group_ids, Iterable):  # (a dict's keys, or one id, are not one id per sample)
         raise InputError(f"group ids must be a sequence with one id per caption, got {type(group_ids).__name__}")
-    values = group_ids.tolist() if isinstance(group_ids, (torch.Tensor, np.ndarray)) else list(group_ids)
+    values = group_ids.tolist() if isinstance(group_ids, np.ndarray) or is_tensor(group_ids) else list(group_ids)
     if len(values) != n:
         raise InputError(f"got {len(values)} group ids for {n} captions")
     out: list[int | None] = []
@@ -402,7 +402,7 @@ def _image_sources(info: MetricInfo, images: Sequence[Any] | None, ids: list[int
     if isinstance(images, (str, bytes, os.PathLike, Image.Image)):
         raise InputError("images must be a sequence with one image per caption, got a single image")
     refuse_unordered(images, "images")
-    if isinstance(images, (torch.Tensor, np.ndarray)) and images.ndim == 4:
+    if (isinstance(images, np.ndarray) or is_tensor(images)) and images.ndim == 4:
         images = list(images)  # a (N, C, H, W) or (N, H, W, C) stack
     try:
         images = list(images)
@@ -486,11 +486,12 @@ def to_batch(samples: Samples, load: Callable[[ImageSource], Any] | None = None)
                 unique.append(src)
             index.append(rows[src.key])
         images = [src.load() if load is None else load(src) for src in unique]
-        image_index = torch.tensor(index, dtype=torch.int64)
-    groups = None if samples.group_ids is None else torch.tensor(samples.group_ids, dtype=torch.int64)
+        image_index = np.array(index, dtype=np.int64)
+    # int64 arrays: the batch makes tensors of them when a metric reads them (Batch.host reads them without)
+    groups = None if samples.group_ids is None else np.array(samples.group_ids, dtype=np.int64)
     batch = Batch(
         candidates=list(samples.candidates),
-        indices=torch.tensor(samples.indices, dtype=torch.int64),
+        indices=np.array(samples.indices, dtype=np.int64),
         images=images,
         image_index=image_index,
         references=samples.references,

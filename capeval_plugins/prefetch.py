@@ -127,11 +127,12 @@ class Prefetcher:
     def __init__(self, work: Callable[[Any], Prefetched | None]) -> None:
         self.work = work
 
-    def iterate(self, items: Iterable[Any]) -> Iterator[tuple[Any, Prefetched | None]]:
+    def iterate(self, items: Iterable[Any], images: bool = True) -> Iterator[tuple[Any, Prefetched | None]]:
         """Each item with what was prepared for it (None when nothing was), the next one being prepared
-        meanwhile. Without prefetching (:func:`enabled`) it yields ``(item, None)``."""
+        meanwhile. Without prefetching (:func:`enabled`), or without ``images`` to decode, it yields
+        ``(item, None)``."""
         items = list(items)
-        if not enabled() or len(items) < 2:
+        if not images or len(items) < 2 or not enabled():
             for item in items:
                 yield item, None
             return

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Mapping
 
 from capeval_plugins.contract import Metric, Requirement
-from capeval_plugins.resources.loading import local_path_problem
 
 HUB_TIMEOUT = 10.0  # seconds for the one hub request of a model that is neither local nor cached
 
@@ -189,7 +188,7 @@ def model_problem(model: str, revision: str | None = None, local_files_only: boo
     """Why checkpoint ``model`` cannot be loaded here, or None: a local path must exist; a hub id must be in
     the Hugging Face cache, or (downloads allowed) exist on a hub that answers one request. A folder found is
     checked as far as it can be without loading (:func:`capeval_plugins.resources.loading.folder_problem`)."""
-    from capeval_plugins.resources.loading import folder_problem
+    from capeval_plugins.resources.loading import folder_problem, local_path_problem
 
     if os.path.exists(os.path.expanduser(model)):
         return folder_problem(os.path.expanduser(model), revision)  # sizes against weights: before any work

@@ -11,8 +11,9 @@ pycocoevalcap and lm-eval without any code of ours changing.
 
 Listing names and needs (``capeval list``, :func:`listing`) imports no metric: a plugin that also implements
 ``capeval_metric_catalog`` describes its metrics there (plain values), so the listing costs no import of torch or
-of a model library; ours come from ``capeval_plugins/metrics/catalog.json``. This module imports neither (the
-contract, which imports torch, is imported when a metric class is first collected).
+of a model library; ours come from ``capeval_plugins/metrics/catalog.json``. Looking one metric up (:func:`get`)
+imports only its module where its plugin implements ``capeval_metric_class`` (ours do): a run of the classic
+metrics imports no model library and no torch. This module imports neither.
 """
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ class HookSpecs:
     @hookspec
     def capeval_metrics(self) -> list[type[Metric]]:
         """Return the :class:`~capeval_plugins.contract.Metric` subclasses this plugin provides."""
+
+    @hookspec
+    def capeval_metric_class(self, name: str) -> type[Metric] | None:
+        """Optional: the class of the metric ``name`` if this plugin provides it, importing no more than its
+        module (else None), so that looking one metric up does not import every metric's libraries."""
 
     @hookspec
     def capeval_metric_catalog(self) -> list[dict[str, Any]]:
@@ -83,6 +89,7 @@ def catalog_row(info: MetricInfo) -> dict[str, Any]:
 _lock = threading.RLock()
 _manager: pluggy.PluginManager | None = None
 _metrics: dict[str, Registered] | None = None
+_looked_up: dict[str, Registered] = {}  # single metrics found by capeval_metric_class, before a full collection
 _distributions: dict[str, str | None] = {}
 
 
@@ -121,6 +128,7 @@ def refresh() -> None:
     global _metrics
     with _lock:
         _metrics = None
+        _looked_up.clear()
 
 
 def _builtin_first(pm: pluggy.PluginManager) -> list[Any]:
@@ -165,16 +173,18 @@ def _collect() -> dict[str, Registered]:
 
 def _classes(plugin: Any, name: str) -> list[type[Metric]]:
     """The Metric subclasses ``plugin`` returns (anything else is reported and left out)."""
+    impl = getattr(plugin, "capeval_metrics", None)
+    return [cls for cls in ((impl() or ()) if impl is not None else ()) if _checked(cls, name, stacklevel=4)]
+
+
+def _checked(cls: Any, plugin: str, stacklevel: int = 3) -> type[Metric] | None:
+    """``cls`` if it is a Metric subclass with its ``info``; else reported, and None."""
     from capeval_plugins.contract import Metric
 
-    impl = getattr(plugin, "capeval_metrics", None)
-    out = []
-    for cls in (impl() or ()) if impl is not None else ():
-        if not (isinstance(cls, type) and issubclass(cls, Metric)) or not hasattr(cls, "info"):
-            warnings.warn(f"capeval plugin {name!r} returned {cls!r}, not a Metric subclass", stacklevel=3)
-            continue
-        out.append(cls)
-    return out
+    if not (isinstance(cls, type) and issubclass(cls, Metric)) or not hasattr(cls, "info"):
+        warnings.warn(f"capeval plugin {plugin!r} returned {cls!r}, not a Metric subclass", stacklevel=stacklevel)
+        return None
+    return cls
 
 
 def metrics() -> dict[str, Registered]:
@@ -191,9 +201,32 @@ def canonical_name(name: str) -> str:
     return name[len("capeval/") :] if name.startswith("capeval/") else name
 
 
+def _one(key: str) -> Registered | None:
+    """The metric ``key`` from the first plugin (built-in first) that provides it, asking each plugin through
+    ``capeval_metric_class``; None as soon as a plugin before it cannot be asked (then every class is
+    collected, as :func:`metrics` does, and the first plugin still wins)."""
+    pm = plugin_manager()
+    for plugin in _builtin_first(pm):
+        lookup = getattr(plugin, "capeval_metric_class", None)
+        if lookup is None:
+            return None
+        cls = lookup(name=key)
+        if cls is not None:
+            name = pm.get_name(plugin)
+            checked = _checked(cls, name)
+            return Registered(checked, name, _distributions.get(name)) if checked and cls.info.name == key else None
+    return None
+
+
 def get(name: str) -> Registered:
-    table = metrics()
     key = canonical_name(name)
+    with _lock:
+        if _metrics is None:
+            found = _looked_up.get(key) or _one(key)
+            if found is not None:
+                _looked_up[key] = found
+                return found
+    table = metrics()
     if key not in table:
         close = difflib.get_close_matches(key, table, n=3)
         hint = f"; did you mean {close}?" if close else f"; registered: {sorted(table)}"

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from capeval_plugins.checkpoint import RunFolderError, RunStore, batch_digest
 from capeval_plugins.contract import Metric, MetricResult
@@ -32,7 +31,7 @@ from capeval_plugins.digests import ContentDigests
 from capeval_plugins.files import FileError
 from capeval_plugins.inputs import InputError, Samples, image_runs
 # the session's names, importable from the runner as before the session had a package of its own
-from capeval_plugins.session import (BATCH_IMAGE_BYTES, IMAGE_CACHE_BYTES, NOT_A_SAMPLE_FAULT,  # noqa: F401
+from capeval_plugins.session import (BATCH_IMAGE_BYTES, IMAGE_CACHE_BYTES, not_a_sample_fault,  # noqa: F401
                                      OWN_METRICS, SIZE_SPEC, Corpus, Describe, Finished, ImageCache, Plan,
                                      RowOrderError, Session, StopFlag, build_batch, check_paths, check_row_order,
                                      checks_corpus, corpus_size, finalize, image_bytes, image_cache, image_pieces,
@@ -58,7 +57,8 @@ class RunOutcome:
 
 
 def world(shard: bool) -> tuple[int, int]:
-    if shard and torch.distributed.is_available() and torch.distributed.is_initialized():
+    torch = sys.modules.get("torch")  # a process group needs torch imported: none without it
+    if shard and torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
 
@@ -320,7 +320,7 @@ def finish(run_dir: str | os.PathLike, shard: bool = False, run_id: str | None =
     :class:`RunOutcome`): only if the folder still holds that run; a folder another run holds now is left."""
     rank, size = world(shard)
     if size > 1:
-        torch.distributed.barrier()
+        sys.modules["torch"].distributed.barrier()
     if rank == 0:
         RunStore(run_dir).remove(run_id)
 

@@ -106,6 +106,22 @@ def test_runs_are_found_as_a_line_by_line_comparison_finds_them():
         assert mb._run_starts(data, starts, ends).tolist() == expected, lines
 
 
+
+def test_picked_lines_are_their_bytes_in_order():
+    """Every third line (as the build picks B lines), and lines of any chosen subset, empty ones included:
+    the gathered bytes are the lines joined, line ends kept."""
+    rng = random.Random(5)
+    for trial in range(100):
+        lines = [bytes(rng.choice(b"ab ") for _ in range(rng.randint(0, 12))) for _ in range(rng.randint(1, 40))]
+        data = b"".join(line + b"\n" for line in lines)
+        ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+        starts = np.concatenate(([0], ends[:-1] + 1))
+        picked = sorted(rng.sample(range(len(lines)), rng.randint(1, len(lines)))) if trial % 2 else \
+            list(range(2, len(lines), 3)) or [0]
+        block = rng.randint(1, 5)
+        got = b"".join(mb._lines(data, starts[picked], ends[picked], block))
+        assert got == b"".join(lines[k] + b"\n" for k in picked)
+
 def test_the_build_refuses_a_table_outside_its_layout_in_any_window(monkeypatch):
     monkeypatch.setattr(mb, "WINDOW", 5)
     good = crafted_table(random.Random(0), 50)

@@ -17,12 +17,14 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import StopAfter, declared_recipe, has_java, random_image, third_party_metrics
 from test_lvlm import scripted_llava, sharp_llava
 
 from capeval_plugins import registry
+from capeval_plugins.core.arrays import host
 from capeval_plugins.testing import scratch_folder
 from capeval_plugins.testing.corpus import caption_corpus
 
@@ -117,10 +119,10 @@ EXPERT_JUDGE = (":", "▁", "0", ".", "8", "</s>")
 
 
 def same_bits(a, b) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    both_nan = torch.isnan(a) & torch.isnan(b) if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
-    return bool(((a == b) | both_nan).all())
+    """Equal kind (array or tensor), shape, dtype and bits, NaN equal to NaN."""
+    from capeval_plugins.testing.kit import same_bits as kit_same_bits
+
+    return kit_same_bits(a, b)
 
 
 @pytest.mark.slow
@@ -158,7 +160,7 @@ def test_every_metric_resumes_to_the_same_bits(family, tiny_root, corpus_files, 
             for k, v in result.extras.items()), name
         assert result.corpus_extras == again.corpus_extras or str(result.corpus_extras) == str(again.corpus_extras)
         assert (result.score == again.score) or (math.isnan(result.score) and math.isnan(again.score)), name
-        assert len(result.scores) == len(rows) and not torch.isnan(result.scores).any(), name  # a number everywhere
+        assert len(result.scores) == len(rows) and not np.isnan(host(result.scores)).any(), name  # a number everywhere
         bounds = registry.get(name).info.score_range  # every default stays inside the range its paper states
         if bounds is not None:
             assert bounds[0] <= float(result.scores.min()) and float(result.scores.max()) <= bounds[1], (name, bounds)

@@ -32,6 +32,7 @@ from capeval_plugins import registry, runner
 from capeval_plugins.adapters.naming import GeneratedClasses, identifier
 from capeval_plugins.contract import (INDEX, TEXT_STATE, Metric, MetricInfo, MetricResult, PackedTexts, StateSpec,
                                       decode_texts, encode_texts, merge_states)
+from capeval_plugins.core.arrays import as_tensor
 from capeval_plugins.core.messages import require, warn_once
 
 # the ecosystem this adapter plugs into: without it, one line naming the extra that installs it
@@ -93,9 +94,12 @@ class CapevalMetric(torchmetrics.Metric):
             raise ValueError(whole_corpus)
         # paths and requirements (models, Java, extras): checked before the first batch is generated
         self._session = runner.Session({self._name: self.capeval_metric})
-        self._spec = {**self._session.spec(self._name), **SKIPPED_SPEC, **MADE_UP_SPEC}
+        self._own_spec = {**self._session.spec(self._name), **SKIPPED_SPEC, **MADE_UP_SPEC}
         if runner.checks_corpus(self.capeval_metric):  # what compute() needs to check the streamed corpus
-            self._spec.update(runner.SIZE_SPEC)
+            self._own_spec.update(runner.SIZE_SPEC)
+        # torchmetrics holds, moves and syncs tensors: a host state (numpy: texts, the classic metrics' states)
+        # is held as the tensor of its rows, and handed back to finalize as its own kind (StateSpec.own_kind)
+        self._spec = {name: spec.on_torch() for name, spec in self._own_spec.items()}
         # Every rank's states are gathered as they are (rows: one tensor per rank, see _sync_dist; sums: stacked)
         # and merged by the contract's one reduce, in rank order: merge_states at compute() for rows,
         # RankMerge for sums. torchmetrics' own "cat" / "sum" reductions are not used.
@@ -243,7 +247,7 @@ class CapevalMetric(torchmetrics.Metric):
     def _add(self, block: dict[str, Any]) -> None:
         for name, value in block.items():
             # torchmetrics moves and casts list states element-wise: tensors only (packed texts padded)
-            value = (value.padded() if isinstance(value, PackedTexts) else value).to(self.device)
+            value = as_tensor(value.padded() if isinstance(value, PackedTexts) else value).to(self.device)
             if self._spec[name].reduce == "cat":  # a new list: members of a MetricCollection's compute group
                 setattr(self, name, [*getattr(self, name), value])  # share the old one (torchmetrics does this too)
             else:  # the running sum, by the one reduce
@@ -279,6 +283,7 @@ class CapevalMetric(torchmetrics.Metric):
             self._session.check_fits({self._name: size})
         # a padding DistributedSampler repeats at most world_size - 1 samples, each the same sample: more (ids
         # that are positions in a shard, not dataset indices) or another sample under one id is an error
+        state = {name: self._own_spec[name].own_kind(value) for name, value in state.items()}  # as map gave them
         result = self._session.finalize(self._name, state, skipped, allowed_repeats=_world()[1] - 1)
         if keep:
             self._result = self.last_result = result

@@ -25,6 +25,7 @@ from capeval_plugins.bench.protocols import Evaluation, evaluate
 from capeval_plugins import files
 from capeval_plugins.caption_files import json_safe
 from capeval_plugins.contract import Metric, PointwiseMetric
+from capeval_plugins.core.arrays import host
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import InputError
 from capeval_plugins.session import Corpus, Finished, Plan, Session, corpus_size
@@ -324,7 +325,7 @@ def _run_jobs(jobs: list[_Job], candidates: list[str], found: dict, by_row: dict
         if job.corpus_key is not None:
             began = time.perf_counter()
             result = session.finalize(plan.name, session.state(plan), plan.all_skipped())
-            scores = dict(zip(result.indices.tolist(), result.scores.double().cpu().tolist()))
+            scores = dict(zip(result.indices.tolist(), host(result.scores).astype(np.float64).tolist()))
             values = np.array([scores[row] for row in job.rows], dtype=np.float64)
             job.inputs.cache.put_corpus(job.inputs.key, job.corpus_key, values)
             by_row[job.name][job.rows] = values
@@ -337,7 +338,7 @@ def _run_jobs(jobs: list[_Job], candidates: list[str], found: dict, by_row: dict
 def _keep_pointwise(job: _Job, result: Any, found: dict, collected: dict) -> None:
     """A pointwise batch's scores (and extras) by sample key, in the cache as soon as they exist."""
     rows = result.indices.tolist()
-    new = {job.inputs.keys[row]: float(s) for row, s in zip(rows, result.scores.double().cpu().tolist())}
+    new = {job.inputs.keys[row]: float(s) for row, s in zip(rows, host(result.scores).astype(np.float64).tolist())}
     job.inputs.cache.put(job.inputs.key, new)
     found[job.name].update(new)
     _collect(collected[job.name], result, [job.inputs.keys[row] for row in rows])

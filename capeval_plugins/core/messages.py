@@ -9,6 +9,11 @@ from types import ModuleType
 _warned: set[tuple] = set()
 
 
+class ModelLoadError(OSError):
+    """A model, tokenizer, processor or weights file that cannot be loaded or is not whole: one line naming the
+    file and the first fault (exit code 2)."""
+
+
 class DataError(ValueError):
     """The data cannot be scored as configured (e.g. too few distinct images for a Gaussian fit): a problem
     of the input, not a bug, so the command line reports it in one line (exit code 2)."""

@@ -58,12 +58,33 @@ def capeval_metrics() -> list:
     return builtin_metrics()
 
 
+def _catalog() -> dict:
+    try:
+        return json.loads(CATALOG.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+@hookimpl
+def capeval_metric_class(name: str) -> type | None:
+    """Our metric ``name``, importing only the module whose catalog entry lists it (a module whose entry is
+    missing or out of date is imported to look)."""
+    catalog = _catalog()
+    for module_name in metric_modules():
+        entry = catalog.get(module_name)
+        if entry is not None and entry.get("digest") == module_digest(module_name) \
+                and all(row["name"] != name for row in entry["metrics"]):
+            continue
+        module = importlib.import_module(f"{__name__}.{module_name}")
+        for cls in getattr(module, "METRICS", ()):
+            if cls.info.name == name:
+                return cls
+    return None
+
+
 @hookimpl
 def capeval_metric_catalog() -> list[dict]:
-    try:
-        catalog = json.loads(CATALOG.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        catalog = {}
+    catalog = _catalog()
     rows: list[dict] = []
     for name in metric_modules():
         entry = catalog.get(name)

@@ -31,9 +31,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
-import torch
 import xxhash
-from torch import Tensor
 
 from capeval_plugins.contract import (INDEX, TEXT_STATE, Batch, Metric, MetricConfig, MetricInfo, MetricResult,
                                       PackedTexts, Requirement, StateSpec, bounded, decode_text_lists, decode_texts,
@@ -42,6 +40,7 @@ from capeval_plugins.resources import java
 from capeval_plugins.core.coco_text import CocoCorpus, rows_from_ids
 from capeval_plugins.resources.java import QUIET_ENV, require_java
 from capeval_plugins.core.messages import MissingExtra, install_extra
+from capeval_plugins.core.arrays import host
 
 PYCOCOEVALCAP = "https://github.com/salaniz/pycocoevalcap"
 TEXT = TEXT_STATE
@@ -356,7 +355,7 @@ _prepared_lock = threading.Lock()
 PREPARED_KEPT = 2  # corpora remembered: the metrics of one pass finalise the same one
 
 
-def prepared(candidates: Tensor | PackedTexts, references: Tensor | PackedTexts, tokenize: bool) -> CocoCorpus:
+def prepared(candidates: Any, references: Any, tokenize: bool) -> CocoCorpus:
     """The corpus of a COCO metric's state (decoded, PTB-tokenised if asked, rows merged, ready for every
     classic metric), built once and remembered by the content of the state: every classic metric of a pass
     finalises the same texts, so the tokenizer and the n-gram counts run once per pass, not once per
@@ -364,7 +363,7 @@ def prepared(candidates: Tensor | PackedTexts, references: Tensor | PackedTexts,
     digest = xxhash.xxh3_128()
     for state in (candidates, references):
         for tensor in (state.data, state.lengths) if isinstance(state, PackedTexts) else (state,):
-            array = np.ascontiguousarray(tensor.cpu().numpy())
+            array = np.ascontiguousarray(host(tensor))
             digest.update(repr((array.shape, array.dtype.str)).encode())
             digest.update(memoryview(array).cast("B"))
     key = f"{digest.hexdigest()}:{bool(tokenize)}"
@@ -379,8 +378,7 @@ def prepared(candidates: Tensor | PackedTexts, references: Tensor | PackedTexts,
     return corpus
 
 
-def _corpus_of_state(candidates: Tensor | PackedTexts, references: Tensor | PackedTexts,
-                     tokenize: bool) -> CocoCorpus:
+def _corpus_of_state(candidates: Any, references: Any, tokenize: bool) -> CocoCorpus:
     """The corpus of packed states: every distinct text decoded once, the rows as arrays of text ids (no Python
     object per row: the texts are split a block of rows at a time). PTB tokens are pycocoevalcap's loop's: its
     call over the references (row after row) and its call over the candidates (:func:`ptb_sequences`)."""
@@ -389,7 +387,7 @@ def _corpus_of_state(candidates: Tensor | PackedTexts, references: Tensor | Pack
     refs = _packed(references)
     _check_text_lists(refs)
     ref_ids = _text_ids(refs, ids, item_end=ITEM_END)
-    ends = np.flatnonzero(refs.data.numpy() == ITEM_END)  # where each reference ends
+    ends = np.flatnonzero(refs.data == ITEM_END)  # where each reference ends
     per_row = np.diff(np.searchsorted(ends, _starts(refs)))  # references of each row
     texts = [t.decode("utf-8") for t in ids]
     del ids
@@ -409,19 +407,19 @@ ITEM_END = 0xFF  # ends every text of a text-list state (contract.encode_text_li
 BLOCK_BYTES = 1 << 22  # bytes of a state split into Python strings at a time
 
 
-def _packed(state: Tensor | PackedTexts) -> PackedTexts:
+def _packed(state: Any) -> PackedTexts:
     return state if isinstance(state, PackedTexts) else PackedTexts.join([state])
 
 
 def _starts(state: PackedTexts) -> np.ndarray:
     out = np.zeros(len(state) + 1, dtype=np.int64)
-    np.cumsum(state.lengths.numpy(), out=out[1:])
+    np.cumsum(state.lengths, out=out[1:])
     return out
 
 
 def _check_text_lists(state: PackedTexts) -> None:
     """A text-list row ends its last text with 0xFF (a state saved in another format does not)."""
-    data, bounds = state.data.numpy(), _starts(state)
+    data, bounds = state.data, _starts(state)
     filled = np.flatnonzero(np.diff(bounds))
     if len(filled) and not bool((data[bounds[filled + 1] - 1] == ITEM_END).all()):
         raise ValueError("a text-list state row does not end its last text with 0xFF (saved in another format?)")
@@ -430,7 +428,7 @@ def _check_text_lists(state: PackedTexts) -> None:
 def _text_ids(state: PackedTexts, ids: dict[bytes, int], item_end: int | None) -> np.ndarray:
     """The id in ``ids`` (distinct texts as bytes, numbered as they first appear) of every text of ``state``:
     one per row (``item_end`` None), or every text ending in byte ``item_end``. A few MB of rows at a time."""
-    data, bounds = state.data.numpy(), _starts(state)
+    data, bounds = state.data, _starts(state)
     out, row = [], 0
     while row < len(state):
         stop = max(int(np.searchsorted(bounds, bounds[row] + BLOCK_BYTES, side="right")) - 1, row + 1)
@@ -502,24 +500,24 @@ class CocoMetric(Metric):
         # scores it (it matches nothing; its length counts in BLEU's closest reference length)
         return not self.config.tokenize and getattr(self.config, "implementation", "pycocoevalcap") == "pycocoevalcap"
 
-    def map(self, batch: Batch) -> dict[str, Tensor]:
+    def map(self, batch: Batch) -> dict[str, Any]:
         return _text_states(batch.candidates, batch.references)
 
-    def finalize(self, state: dict[str, Tensor]) -> MetricResult:
+    def finalize(self, state: dict[str, Any]) -> MetricResult:
         if not len(state[INDEX]):
-            return MetricResult(self.info.name, math.nan, torch.zeros(0, dtype=torch.float64), state[INDEX])
+            return MetricResult(self.info.name, math.nan, np.zeros(0, dtype=np.float64), state[INDEX])
         corpus = prepared(state["candidate"], state["references"], self.config.tokenize)
         score, scores, corpus_extras = self.score_corpus(corpus, state)
         return MetricResult(
             name=self.info.name,
             score=float(score),
-            scores=torch.as_tensor(np.asarray(scores, dtype=np.float64)),
+            scores=np.asarray(scores, dtype=np.float64),
             indices=state[INDEX],
             corpus_extras=corpus_extras,
         )
 
     @abc.abstractmethod
-    def score_corpus(self, corpus: CocoCorpus, state: dict[str, Tensor]) -> tuple[float, Any, dict]:
+    def score_corpus(self, corpus: CocoCorpus, state: dict[str, Any]) -> tuple[float, Any, dict]:
         """``(corpus score, per-row scores in row order, corpus extras)``."""
 
 
@@ -549,11 +547,11 @@ class NltkReading(CocoMetric):
             return super().requirements()
         return [Requirement("module", "nltk", "option implementation='nltk'", install_extra("nltk"))]
 
-    def finalize(self, state: dict[str, Tensor]) -> MetricResult:
+    def finalize(self, state: dict[str, Any]) -> MetricResult:
         if self.config.implementation != "nltk" or not len(state[INDEX]):
             return super().finalize(state)
         score, scores = self.score_nltk(decode_texts(state["candidate"]), decode_text_lists(state["references"]))
-        return MetricResult(self.info.name, score, torch.as_tensor(scores), state[INDEX])
+        return MetricResult(self.info.name, score, np.asarray(scores, dtype=np.float64), state[INDEX])
 
     @abc.abstractmethod
     def score_nltk(self, candidates: list[str], references: list[list[str]]) -> tuple[float, np.ndarray]:

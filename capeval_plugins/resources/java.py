@@ -39,11 +39,13 @@ MAX_TIMEOUT = 86400.0
 STARTUP_TIMEOUT = 600.0              # METEOR's first answer waits for its paraphrase tables (seconds of CPU)
 STDERR_KEPT = 64 * 1024
 
-# METEOR's JVM: the serial collector and the client compiler spend about a third less CPU than the JVM's
-# defaults on a captioning corpus (benchmarks/README.md); flags an exotic JVM does not know are ignored.
-# The scores are the jar's: Java's floating point does not depend on the compiler.
-METEOR_JVM_FLAGS = ("-XX:+IgnoreUnrecognizedVMOptions", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
-                    "-Duser.language=en", "-Duser.country=US")  # it parses its own numbers with the locale's Scanner
+# The JVMs' flags: the serial collector and the client compiler spend about a third less CPU than the JVM's
+# defaults on a captioning corpus (METEOR; the PTB tokenizer's 0.2 CPU-s on 500 rows, 0.14) (benchmarks/README.md);
+# flags an exotic JVM does not know are ignored. Outputs are the jars': Java's floating point and a lexer's tokens
+# do not depend on the compiler.
+JVM_FLAGS = ("-XX:+IgnoreUnrecognizedVMOptions", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
+METEOR_JVM_FLAGS = (*JVM_FLAGS, "-Duser.language=en", "-Duser.country=US")  # it parses numbers with the locale's
+                                                                             # Scanner
 METEOR_HEAP = "-Xmx2G"                                   # pycocoevalcap's own command line
 METEOR_ARGS = ("-", "-", "-stdio", "-l", "en", "-norm")
 PTB_CLASS = "edu.stanford.nlp.process.PTBTokenizer"
@@ -316,7 +318,7 @@ def ptb_files(texts: Sequence[str], jar: str) -> list[list[str]]:
             # relative names, read from the folder (a temporary folder's path may hold spaces)
             out.write("files.txt", "".join(f"in{k}.txt out{k}.txt\n" for k in range(len(texts))).encode())
         command = ptb_command(jar)
-        command[2] = os.path.abspath(jar)  # (-cp: run from the folder, not beside the jar)
+        command[command.index("-cp") + 1] = os.path.abspath(jar)  # (run from the folder, not beside the jar)
         child = JavaProcess([*command, "-ioFileList", "files.txt"], str(folder), "the PTB tokenizer (Java)")
         try:
             child.send("", close=True)
@@ -342,7 +344,7 @@ def ptb_files(texts: Sequence[str], jar: str) -> list[list[str]]:
 
 
 def ptb_command(jar: str) -> list[str]:
-    return ["java", "-cp", os.path.basename(jar), PTB_CLASS, "-preserveLines", "-lowerCase"]
+    return ["java", *JVM_FLAGS, "-cp", os.path.basename(jar), PTB_CLASS, "-preserveLines", "-lowerCase"]
 
 
 # ---------------------------------------------------------------------------------------------- METEOR

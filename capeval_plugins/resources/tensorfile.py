@@ -189,11 +189,22 @@ def _open_regular(path: str | os.PathLike, name: str) -> Any:
     return os.fdopen(fd, "rb")
 
 
-def load_bytes(data: bytes, what: str) -> dict[str, Any]:
-    """The tensors of safetensors ``data``, its header checked first (:func:`check_bytes`)."""
+# the dtypes numpy holds (no bfloat16 nor the 8-bit and sub-byte floats)
+NUMPY_DTYPES = frozenset(DTYPE_BITS) - {"BF16", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2"}
+
+
+def load_bytes(data: bytes, what: str, arrays: bool = False) -> dict[str, Any]:
+    """The tensors of safetensors ``data``, its header checked first (:func:`check_bytes`); with ``arrays``, as
+    numpy arrays when numpy holds every dtype (no torch imported), else as tensors."""
+    check_bytes(data, what)
+    if arrays:
+        header = parse_header(bytes(data[8 : 8 + _declared(data)]))
+        if all(entry["dtype"] in NUMPY_DTYPES for name, entry in header.items() if name != "__metadata__"):
+            from safetensors.numpy import load as load_arrays
+
+            return load_arrays(bytes(data))
     from safetensors.torch import load
 
-    check_bytes(data, what)
     return load(data)
 
 

@@ -40,10 +40,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-
-class ModelLoadError(OSError):
-    """A model, tokenizer, processor or weights file that cannot be loaded or is not whole: one line naming the
-    file and the first fault (exit code 2)."""
+from capeval_plugins.core.messages import ModelLoadError  # noqa: F401  (raised here; importable from here)
 
 
 def first_line(err: BaseException) -> str:

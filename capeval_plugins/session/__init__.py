@@ -35,6 +35,6 @@ from capeval_plugins.session.corpus import (SIZE_SPEC, Corpus, Describe, check_p
                                             corpus_size, policy, size_of_rows, size_rows, validate)
 from capeval_plugins.session.loop import (Finished, Folded, Outcome, Plan, Session, StopFlag,  # noqa: F401
                                           schedule)
-from capeval_plugins.session.mapping import (BATCH_IMAGE_BYTES, IMAGE_CACHE_BYTES, NOT_A_SAMPLE_FAULT,  # noqa: F401
+from capeval_plugins.session.mapping import (BATCH_IMAGE_BYTES, IMAGE_CACHE_BYTES, not_a_sample_fault,  # noqa: F401
                                              OWN_METRICS, ImageCache, RowOrderError, build_batch, check_row_order,
                                              finalize, image_bytes, image_cache, image_pieces, map_part)

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-import torch
-from torch import Tensor
 
+from capeval_plugins.core.arrays import host, is_tensor
 from capeval_plugins.contract import ON_ERROR, CorpusSize, Metric, StateSpec, content_digest
 from capeval_plugins.digests import ContentDigests
 from capeval_plugins.inputs import InputError, ProblemReport, Samples, validate_samples
@@ -51,7 +50,7 @@ class Corpus:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, (np.ndarray, torch.Tensor)):
+    if isinstance(value, np.ndarray) or is_tensor(value):
         return value.tolist()
     return value
 
@@ -67,8 +66,8 @@ def _image_token(value: Any, contents: ContentDigests) -> Any:
         return ["bytes", hashlib.sha1(value).hexdigest()]
     if isinstance(value, Image.Image):
         return ["pil", value.mode, value.size, hashlib.sha1(value.tobytes()).hexdigest()]
-    if isinstance(value, (np.ndarray, torch.Tensor)):
-        arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+    if isinstance(value, np.ndarray) or is_tensor(value):
+        arr = value.detach().cpu().numpy() if is_tensor(value) else value
         return ["array", str(arr.dtype), list(arr.shape), hashlib.sha1(np.ascontiguousarray(arr).tobytes()).hexdigest()]
     if isinstance(value, dict):
         return {k: _image_token(v, contents) if k != "bytes" or v else None for k, v in value.items()}
@@ -122,16 +121,16 @@ def corpus_size(samples: Samples) -> CorpusSize:
 
 # What a stream (the torchmetrics adapter) keeps to check a corpus it learns batch by batch: per sample its id
 # (to drop a padding sampler's repeats), its number of references, a digest of its image and of each reference
-# text (zero-padded: digests are odd, never 0). Kept only for metrics that check their corpus.
-SIZE_SPEC = {"_size_index": StateSpec("cat", torch.int64), "_size_references": StateSpec("cat", torch.int64),
-             "_size_image": StateSpec("cat", torch.int64), "_size_texts": StateSpec("cat", torch.int64, (-1,))}
+# text (zero-padded: digests are odd, never 0). Kept only for metrics that check their corpus; host states.
+SIZE_SPEC = {"_size_index": StateSpec("cat", np.int64), "_size_references": StateSpec("cat", np.int64),
+             "_size_image": StateSpec("cat", np.int64), "_size_texts": StateSpec("cat", np.int64, (-1,))}
 
 
 def checks_corpus(metric: Metric) -> bool:
     return type(metric).check_corpus is not Metric.check_corpus
 
 
-def size_rows(samples: Samples) -> dict[str, Tensor]:
+def size_rows(samples: Samples) -> dict[str, np.ndarray]:
     """The :data:`SIZE_SPEC` rows of ``samples``. An image is known by its key, as :func:`corpus_size` counts
     it (a file by its path, an in-memory image by its object)."""
     n, refs = len(samples), samples.references
@@ -139,35 +138,38 @@ def size_rows(samples: Samples) -> dict[str, Tensor]:
     images = [odd(repr(s.key)) for s in samples.images] if samples.images is not None else [0] * n
     texts = [[odd(r) for r in group] for group in refs] if refs is not None else [[] for _ in range(n)]
     width = max((len(t) for t in texts), default=0)
-    return {"_size_index": torch.tensor(samples.indices, dtype=torch.int64),
-            "_size_references": torch.tensor([len(t) for t in texts], dtype=torch.int64),
-            "_size_image": torch.tensor(images, dtype=torch.int64),
-            "_size_texts": torch.tensor([t + [0] * (width - len(t)) for t in texts], dtype=torch.int64).reshape(n, width)}
+    return {"_size_index": np.array(samples.indices, dtype=np.int64).reshape(n),
+            "_size_references": np.array([len(t) for t in texts], dtype=np.int64).reshape(n),
+            "_size_image": np.array(images, dtype=np.int64).reshape(n),
+            "_size_texts": np.array([t + [0] * (width - len(t)) for t in texts], dtype=np.int64).reshape(n, width)}
 
 
-def size_of_rows(state: Mapping[str, Tensor]) -> CorpusSize:
-    """The :class:`CorpusSize` of merged :data:`SIZE_SPEC` rows, each sample id counted once."""
-    index = state["_size_index"].reshape(-1).cpu()
-    order = torch.argsort(index, stable=True)
-    keep = torch.ones(len(order), dtype=torch.bool)
+def size_of_rows(state: Mapping[str, Any]) -> CorpusSize:
+    """The :class:`CorpusSize` of merged :data:`SIZE_SPEC` rows (arrays or tensors), each sample id counted
+    once."""
+    index = host(state["_size_index"]).reshape(-1)
+    order = np.argsort(index, kind="stable")
+    keep = np.ones(len(order), dtype=bool)
     keep[1:] = index[order][1:] != index[order][:-1]
     rows = order[keep]
-    counts = state["_size_references"].cpu()[rows]
-    images = state["_size_image"].cpu()[rows]
-    texts = state["_size_texts"].cpu()[rows]
+    counts = host(state["_size_references"])[rows]
+    images = host(state["_size_image"])[rows]
+    texts = host(state["_size_texts"])[rows]
     has_refs = bool(counts.any())
-    return CorpusSize(tuple(counts.tolist()), len(torch.unique(images)) if bool(images.any()) else None,
-                      len(torch.unique(texts[texts != 0])) if has_refs else None)
+    return CorpusSize(tuple(counts.tolist()), len(np.unique(images)) if bool(images.any()) else None,
+                      len(np.unique(texts[texts != 0])) if has_refs else None)
 
 
 def check_paths(metric: Metric) -> None:
     """Options that name local files or folders (``Config.input_paths``) must exist: a typo fails here, not
     after a long load. Hub ids (``org/name``) are left to the loader."""
-    from capeval_plugins.resources.loading import local_path_problem
-
     for key in getattr(metric.config, "input_paths", ()):
         value = getattr(metric.config, key, None)
-        problem = local_path_problem(value) if isinstance(value, str) and value else None
+        if not (isinstance(value, str) and value):
+            continue
+        from capeval_plugins.resources.loading import local_path_problem  # (torch: only for a path to check)
+
+        problem = local_path_problem(value)
         if problem:
             raise InputError(f"{metric.info.name}: option {key}: {problem}")
 

@@ -15,16 +15,18 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from capeval_plugins import prefetch, preflight
 from capeval_plugins.checkpoint import Progress
+from capeval_plugins.core.arrays import on_cpu
 from capeval_plugins.contract import CorpusSize, Metric, MetricResult, StateSpec, full_spec, merge_states
 from capeval_plugins.inputs import InputError, ProblemReport, Samples, image_batches, to_batch
 from capeval_plugins.session import mapping
 from capeval_plugins.session.corpus import Corpus, Describe, _check, check_paths, corpus_size, policy
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass
@@ -223,7 +225,8 @@ class Session:
                 busy = by_name[before[0]].parts[before[1]] if before is not None else None
                 return self.prefetch(name, by_name[name].parts[k], busy)
 
-            for n, (event, ready) in enumerate(prefetch.Prefetcher(ahead_of).iterate(range(len(events))), 1):
+            images = any(plan.samples.images is not None for plan in plans)
+            for n, (event, ready) in enumerate(prefetch.Prefetcher(ahead_of).iterate(range(len(events)), images), 1):
                 name, k = events[event]
                 _score_batch(self, by_name[name], k, ready, on_batch)
                 outcome.scored += 1
@@ -319,8 +322,8 @@ def _score_batch(session: Session, plan: Plan, k: int, ready: prefetch.Prefetche
         rows = {key: plan.spec[key].empty() for key in cat}
         sums: dict[str, Tensor] = {}
     else:
-        rows = {key: state[key].cpu() for key in cat}
-        sums = {key: state[key].cpu() for key in sum_keys}
+        rows = {key: on_cpu(state[key]) for key in cat}
+        sums = {key: on_cpu(state[key]) for key in sum_keys}
     if sum_keys:  # the running total: the sums so far, then this batch's (an empty first batch starts at zero)
         plan.progress.sums = merge_states({key: plan.spec[key] for key in sum_keys}, [plan.progress.sums or {}, sums])
     plan.progress.rows.append(rows)

@@ -5,19 +5,20 @@ failing batch bisected to its failing samples (:func:`map_part`), a metric's row
 The loop that feeds batches here is :mod:`capeval_plugins.session.loop`."""
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from capeval_plugins.contract import Batch, Metric, MetricResult, PackedTexts, finalize_state, map_batch
+from capeval_plugins.core.arrays import host, is_tensor
+from capeval_plugins.core.messages import ModelLoadError
 from capeval_plugins.inputs import ImageSource, InputError, Samples, _reason, to_batch
-from capeval_plugins.resources.wholeness import ModelLoadError
 from capeval_plugins.session.corpus import Describe
 
-
+if TYPE_CHECKING:
+    from torch import Tensor
 
 IMAGE_CACHE_BYTES = 256 << 20  # decoded images kept for the other metrics of a pass
 BATCH_IMAGE_BYTES = 128 << 20  # decoded pixels one map call holds at most (see image_pieces)
@@ -79,8 +80,10 @@ def image_bytes(value: Any) -> int:
         return sum(image_bytes(v) for v in value)
     if hasattr(value, "size") and hasattr(value, "getbands"):  # a PIL image
         return value.size[0] * value.size[1] * len(value.getbands())
-    if isinstance(value, (Tensor, np.ndarray)):
-        return int(value.nbytes) if isinstance(value, np.ndarray) else value.numel() * value.element_size()
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if is_tensor(value):
+        return value.numel() * value.element_size()
     return 64
 
 
@@ -142,10 +145,12 @@ def build_batch(part: Samples, cache: ImageCache, on_error: str,
     return to_batch(part, lambda source: loaded[source.key]), skipped
 
 
-# Failures that say nothing about a sample: not isolated by re-scoring smaller batches (a model that is not whole
-# fails on its first batch and stops the run, whatever --on-error says: no sample is skipped for it).
-NOT_A_SAMPLE_FAULT = (MemoryError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),  # torch < 2.5
-                      ModelLoadError)
+def not_a_sample_fault(err: BaseException) -> bool:
+    """A failure that says nothing about a sample: not isolated by re-scoring smaller batches (a model that is not
+    whole fails on its first batch and stops the run, whatever --on-error says: no sample is skipped for it)."""
+    torch = sys.modules.get("torch")  # an out-of-memory tensor error needs torch imported
+    oom = () if torch is None else (getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError,)  # < 2.5
+    return isinstance(err, (MemoryError, ModelLoadError, *oom))
 
 
 def map_part(metric: Metric, part: Samples, cache: ImageCache, on_error: str,
@@ -173,9 +178,9 @@ def _map_piece(metric: Metric, part: Samples, cache: ImageCache, on_error: str, 
         return [], skipped
     try:
         return [map_batch(metric, batch)], skipped
-    except NOT_A_SAMPLE_FAULT:
-        raise
     except Exception as err:
+        if not_a_sample_fault(err):
+            raise
         kept = part.subset([p for p, i in enumerate(part.indices) if i not in skipped]) if skipped else part
         outs, failed = _isolate(metric, kept, cache, on_error, describe, err)
         if top and not outs and len(kept) > 1:
@@ -241,7 +246,7 @@ def check_row_order(metric: Metric, part: Samples, cache: ImageCache, strict: bo
         if strict:  # a test of the metric: nothing left unchecked
             raise
         return
-    back = torch.tensor([rotated.index(i) for i in order])  # row of sample i in the rotated call
+    back = np.array([rotated.index(i) for i in order], dtype=np.int64)  # row of sample i in the rotated call
     for key, want in metric.states().items():
         if want.reduce != "cat":
             continue
@@ -250,8 +255,8 @@ def check_row_order(metric: Metric, part: Samples, cache: ImageCache, strict: bo
             rows = _text_rows(b)
             same = _text_rows(a) == [rows[j] for j in back.tolist()]
         else:
-            a, b = a.detach().cpu().double(), b.detach().cpu().double()[back]
-            same = a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True))
+            a, b = host(a).astype(np.float64), host(b).astype(np.float64)[back]
+            same = a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True))
         if not same:
             raise RowOrderError(
                 f"{metric.info.name}.map returned the rows of state {key!r} in another order than its batch's "

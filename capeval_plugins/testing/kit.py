@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from capeval_plugins import registry, runner
+from capeval_plugins.core.arrays import as_tensor, host, is_tensor, same_kind
 from capeval_plugins.contract import (Metric, MetricInfo, MetricResult, PackedTexts, StateSpec, full_spec,
                                       merge_states)
 
@@ -127,11 +128,16 @@ def _score(metric: Metric, corpus: runner.Corpus) -> MetricResult:
 # Comparing
 
 
-def same_bits(a: Tensor, b: Tensor) -> bool:
-    """Equal shape, dtype and bits (NaN equal to NaN)."""
+def same_bits(a: Any, b: Any) -> bool:
+    """Equal shape, dtype and bits (NaN equal to NaN), arrays or tensors alike."""
+    if is_tensor(a) != is_tensor(b):
+        return False
+    if is_tensor(a) and a.dtype != b.dtype:
+        return False
+    a, b = host(a), host(b)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    nan = torch.isnan(a) & torch.isnan(b) if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+    nan = np.isnan(a) & np.isnan(b) if np.issubdtype(a.dtype, np.floating) else np.zeros(a.shape, dtype=bool)
     return bool(((a == b) | nan).all())
 
 
@@ -140,7 +146,7 @@ def _close(a: Any, b: Any, tolerance: Tolerance | None) -> bool:
         return list(a) == list(b)
     if isinstance(a, str) or isinstance(b, str):
         return a == b
-    a, b = torch.as_tensor(a).double().cpu(), torch.as_tensor(b).double().cpu()
+    a, b = as_tensor(host(a)).double(), as_tensor(host(b)).double()
     if tolerance is None:
         return same_bits(a, b)
     return a.shape == b.shape and bool(torch.allclose(a, b, rtol=tolerance.rtol, atol=tolerance.atol, equal_nan=True))
@@ -152,10 +158,11 @@ def compare_results(got: MetricResult, want: MetricResult, what: str, tolerance:
     def fail(detail: str) -> None:
         raise KitFailure(f"{want.name}: {what}: {detail}")
 
-    if not torch.equal(got.indices.cpu().long(), want.indices.cpu().long()):
+    if not np.array_equal(host(got.indices).astype(np.int64), host(want.indices).astype(np.int64)):
         fail(f"sample ids {got.indices.tolist()} != {want.indices.tolist()}")
     if not _close(got.scores, want.scores, tolerance):
-        worst = (got.scores.double().cpu() - want.scores.double().cpu()).abs().nan_to_num(math.inf).max().item()
+        worst = float(np.nan_to_num(np.abs(host(got.scores).astype(np.float64) - host(want.scores).astype(np.float64)),
+                                    nan=math.inf).max())
         fail(f"per-sample scores differ (largest difference {worst:.3g}): {got.scores.tolist()} != "
              f"{want.scores.tolist()}")
     if not _close(got.score, want.score, tolerance):
@@ -176,7 +183,8 @@ def compare_results(got: MetricResult, want: MetricResult, what: str, tolerance:
 
 def _compare_scores(name: str, what: str, scores: Sequence[float], score: float, want: MetricResult,
                     tolerance: Tolerance) -> None:
-    got = MetricResult(want.name, float(score), torch.as_tensor(list(scores), dtype=torch.float64), want.indices)
+    got = MetricResult(want.name, float(score), same_kind(np.asarray(list(scores), dtype=np.float64), want.scores),
+                       want.indices)
     compare_results(got, dataclasses.replace(want, extras={}, corpus_extras={}, skipped={}), what, tolerance)
 
 
@@ -283,12 +291,14 @@ def _compare_states(spec: Mapping[str, StateSpec], got: Mapping[str, Any], want:
         a, b = got[key], want[key]
         if isinstance(a, PackedTexts) or isinstance(b, PackedTexts):
             same = PackedTexts.join([a]).rows() == PackedTexts.join([b]).rows()
-        elif s.reduce == "cat" or not a.is_floating_point():
+        elif s.reduce == "cat" or not np.issubdtype(host(a).dtype, np.floating):
             same = same_bits(a, b)
         else:  # another order of additions: each order is within n eps sum|x| of the exact sum
-            magnitude = sum(p[key].abs().double() for p in parts if key in p)
-            bound = 2 * len(parts) * torch.finfo(a.dtype).eps * magnitude
-            same = a.shape == b.shape and bool(((a.double() - b.double()).abs() <= bound).all())
+            magnitude = sum(np.abs(host(p[key]).astype(np.float64)) for p in parts if key in p)
+            eps = torch.finfo(a.dtype).eps if is_tensor(a) else np.finfo(a.dtype).eps  # (bfloat16's own)
+            bound = 2 * len(parts) * eps * magnitude
+            a, b = host(a).astype(np.float64), host(b).astype(np.float64)
+            same = a.shape == b.shape and bool((np.abs(a - b) <= bound).all())
         if not same:
             raise KitFailure(f"{what}: merged state {key!r} ({s.reduce}) differs from one process's: a state must "
                              "merge by its declared reduce alone (rows concatenated, sums added), and map must not "
@@ -345,7 +355,7 @@ def check_empty_captions(factory: Factory, corpus: runner.Corpus) -> None:
     name = metric.info.name
     if result.skipped:
         raise KitFailure(f"{name}: blank captions were skipped, not scored: {result.skipped}")
-    if not torch.isfinite(result.scores).all() or not math.isfinite(result.score):
+    if not np.isfinite(host(result.scores)).all() or not math.isfinite(result.score):
         raise KitFailure(f"{name}: scores with blank captions are not all finite: {result.scores.tolist()}")
     bounds = metric.info.score_range
     if bounds is not None and not (bounds[0] <= float(result.scores.min()) and float(result.scores.max()) <= bounds[1]):

@@ -1,0 +1,143 @@
+"""Host states: a metric whose states are numpy (the classic COCO metrics) scores without importing torch, and
+every adapter gives the numbers it gave when those states were tensors (docs/contract.md, host states)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from capeval_plugins import registry
+from capeval_plugins.contract import (GROUP, INDEX, TEXT_STATE, Batch, PackedTexts, StateSpec, full_spec, map_batch,
+                                      merge_states)
+from capeval_plugins.core.arrays import host
+
+CAPTIONS = [("a dog runs on the grass .", ["a dog is running on grass", "the brown dog runs"]),
+            ("two men play football", ["men playing soccer", "two people kick a ball", "a football game"]),
+            ("a cat", ["a cat sleeps on a sofa"]),
+            ("a dog runs on the grass .", ["a dog is running on grass", "the brown dog runs"])]
+
+# A `capeval score` run in a fresh process, reporting which modules it imported.
+SCORE_AND_SHOW_MODULES = """
+import json, sys
+from capeval_plugins import cli
+code = cli.main(sys.argv[1:])
+print(json.dumps({"code": code, "modules": sorted(sys.modules)}), file=sys.stderr)
+"""
+
+
+def _score_modules(tmp_path, metrics: list[str], options: list[str]) -> tuple[dict, list[dict]]:
+    captions = tmp_path / "captions.jsonl"
+    captions.write_text("".join(json.dumps({"caption": c, "references": r}) + "\n" for c, r in CAPTIONS))
+    out = tmp_path / "scores.jsonl"
+    argv = ["score", *[a for m in metrics for a in ("-m", m)], *[a for o in options for a in ("-o", o)],
+            "--captions", str(captions), "--out", str(out), "--quiet"]
+    proc = subprocess.run([sys.executable, "-c", SCORE_AND_SHOW_MODULES, *argv], capture_output=True, text=True,
+                          cwd=tmp_path)
+    report = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert report["code"] == 0, proc.stderr
+    return report, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _heavy(modules: list[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in ("torch", "transformers", "scipy") or m == "safetensors.torch"
+                  or m.startswith("capeval_plugins.metrics.") and m != "capeval_plugins.metrics.coco")
+
+
+def test_a_classic_run_imports_no_torch_and_no_other_metric(tmp_path):
+    """The claim of the contract's host states, measured where a user stands: a whole `capeval score` process
+    (with its resume records written every batch) imports neither torch nor any metric module but the one it
+    runs; its scores equal a direct call's in this process (which has torch)."""
+    metrics = ["bleu4", "rouge_l", "cider"]
+    report, rows = _score_modules(tmp_path, metrics, [f"{m}.tokenize=false" for m in metrics])
+    assert _heavy(report["modules"]) == []
+    for name in metrics:
+        direct = registry.load(name, tokenize=False)(None, [c for c, _ in CAPTIONS], [r for _, r in CAPTIONS])
+        assert [row[name] for row in rows] == pytest.approx(direct.scores.tolist(), rel=1e-12, abs=0)
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="PTB tokenisation and METEOR need Java")
+def test_the_four_coco_metrics_with_their_jars_import_no_torch(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAPEVAL_CACHE", str(tmp_path / "cache"))  # METEOR's index built here, in the process
+    report, rows = _score_modules(tmp_path, ["bleu4", "meteor", "rouge_l", "cider"], [])
+    assert _heavy(report["modules"]) == []
+    assert len(rows) == len(CAPTIONS) and rows[0]["meteor"] == rows[3]["meteor"] > 0
+
+
+def test_looking_one_metric_up_imports_its_module_only():
+    code = ("import sys; from capeval_plugins import registry; registry.get('cider'); "
+            "print(sorted(m for m in sys.modules if m.startswith('capeval_plugins.metrics.') or m == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "['capeval_plugins.metrics.coco']"
+
+
+def test_a_host_metric_maps_and_finalizes_numpy_and_its_contract_states_are_numpy():
+    metric = registry.load("cider", tokenize=False)
+    spec = full_spec(metric)
+    assert all(s.host for s in spec.values())
+    batch = Batch([c for c, _ in CAPTIONS], np.arange(4) + 10, references=[r for _, r in CAPTIONS],
+                  group_ids=[1, 2, 3, 1])
+    state = map_batch(metric, batch)
+    assert all(isinstance(v, (np.ndarray, PackedTexts)) for v in state.values())
+    assert host(state[GROUP]).tolist() == [1, 2, 3, 1]
+    result = metric.finalize(merge_states(spec, [state]))
+    assert isinstance(result.scores, np.ndarray) and result.indices.tolist() == [10, 11, 12, 13]
+    # a model metric's batch reads the same fields as tensors, made on the first read
+    assert torch.equal(batch.indices, torch.arange(4) + 10) and isinstance(batch.group_ids, torch.Tensor)
+
+
+def test_a_metric_with_a_torch_state_keeps_tensor_contract_states():
+    class Mixed(registry.get("cider").cls):
+        def states(self):
+            return {**super().states(), "length": StateSpec("cat", torch.float64)}
+
+    spec = full_spec(Mixed(tokenize=False))
+    assert not spec[INDEX].host and spec[INDEX].dtype == torch.int64 and spec["candidate"].host
+
+
+def test_text_states_are_host_whichever_uint8_is_written():
+    assert StateSpec("cat", torch.uint8, (-1,), text=True) == TEXT_STATE
+    assert TEXT_STATE.host and TEXT_STATE.dtype == np.uint8
+    with pytest.raises(ValueError, match="text state"):
+        StateSpec("cat", np.int64, (-1,), text=True)
+    assert StateSpec("cat").dtype == torch.float64  # the default stays torch's
+
+
+@pytest.mark.parametrize("spec", [TEXT_STATE, StateSpec("cat", np.int64), StateSpec("cat", np.float64, (-1,)),
+                                  StateSpec("sum", np.float64, (2,))])
+def test_a_host_state_held_as_tensors_comes_back_as_it_was(spec):
+    """What the torchmetrics adapter does: hold a host state as the tensor of its rows (StateSpec.on_torch), merge
+    by the one reduce, and hand finalize its own kind (StateSpec.own_kind), equal to the numpy merge."""
+    rng = np.random.default_rng(0)
+    if spec.text:
+        parts = [PackedTexts.join([np.array([[97, 98, 0], [99, 0, 0]], np.uint8)]), np.array([[100, 101]], np.uint8)]
+    elif spec.reduce == "sum":
+        parts = [rng.normal(size=2), rng.normal(size=2)]
+    else:
+        parts = [rng.integers(0, 9, size=(3, *[2 + k for k in range(len(spec.shape))])).astype(spec.dtype),
+                 rng.integers(0, 9, size=(2, *[4 for _ in spec.shape])).astype(spec.dtype)]
+    want = merge_states({"s": spec}, [{"s": p} for p in parts])["s"]
+    held = [torch.as_tensor(p.padded() if isinstance(p, PackedTexts) else p) for p in parts]
+    merged = merge_states({"s": spec.on_torch()}, [{"s": h} for h in held])["s"]
+    assert isinstance(merged, torch.Tensor)
+    back = spec.own_kind(merged)
+    if spec.text:
+        assert isinstance(back, PackedTexts) and back.rows() == want.rows() == [b"ab", b"c", b"de"]
+    else:
+        assert isinstance(back, np.ndarray) and back.dtype == want.dtype
+        np.testing.assert_allclose(back, want, rtol=1e-15)
+
+
+def test_a_torch_state_read_back_as_arrays_merges_as_tensors():
+    """Resume records are read as numpy where numpy holds their dtypes: a torch state's rows and sums come back
+    to finalize as tensors all the same."""
+    rows, sums = StateSpec("cat", torch.float32, (2,)), StateSpec("sum", torch.float64)
+    merged = merge_states({"r": rows, "t": sums}, [{"r": np.ones((1, 2), np.float32), "t": np.array(2.0)},
+                                                   {"r": torch.zeros(2, 2), "t": torch.tensor(3.0, dtype=torch.float64)}])
+    assert isinstance(merged["r"], torch.Tensor) and merged["r"].shape == (3, 2)
+    assert isinstance(merged["t"], torch.Tensor) and float(merged["t"]) == 5.0
