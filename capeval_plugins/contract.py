@@ -2,8 +2,9 @@
 
 A metric is written once against this contract and every ecosystem adapter is generic over it:
 
-* ``map(batch)`` turns one validated :class:`Batch` into tensors: per-sample rows (``"cat"`` states) or
-  partial sums (``"sum"`` states), as declared by ``states()``;
+* ``map(batch)`` turns one validated :class:`Batch` into tensors (numpy arrays for host states, see
+  :class:`StateSpec`): per-sample rows (``"cat"`` states) or partial sums (``"sum"`` states), as declared by
+  ``states()``;
 * the reduce step merges those tensors across batches, streams and processes: :func:`merge_states`, the one
   reduce every entry point uses (the session's loop per batch and running sum, the runner per rank and across
   ranks in rank order, the torchmetrics adapter over each update and over its states gathered per rank, which
@@ -15,9 +16,10 @@ are dropped and input order is restored whatever the batching or sharding), the 
 look at all candidates of one image) and a digest of each sample's content (so an index given twice for two
 different samples is an error, never a silently dropped sample).
 
-Why one module of ~750 lines: it is the whole contract a metric author reads (docs/contract.md follows it top to
+Why one module of ~950 lines: it is the whole contract a metric author reads (docs/contract.md follows it top to
 bottom), its parts (states, info, batch, result, configuration, the Metric classes, the reduce and the finalize)
-are short and refer to one another; the text codec the states use lives in :mod:`capeval_plugins.core.textcodec`.
+are short and refer to one another; the text codec the states use lives in :mod:`capeval_plugins.core.textcodec`,
+and the few operations that take a numpy array or a tensor alike (host states) in :mod:`capeval_plugins.core.arrays`.
 """
 from __future__ import annotations
 

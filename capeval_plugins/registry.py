@@ -136,9 +136,10 @@ def _builtin_first(pm: pluggy.PluginManager) -> list[Any]:
     return sorted(pm.get_plugins(), key=lambda p: pm.get_name(p) != BUILTIN)
 
 
-def listing() -> list[Listed]:
-    """Every registered metric by name, described without importing a metric where its plugin has a catalog
-    (``capeval_metric_catalog``); the classes of a plugin without one are collected as :func:`metrics` does."""
+def listing(by_name: bool = True) -> list[Listed]:
+    """Every registered metric by name (or, not ``by_name``, in registration order, as :func:`metrics` has them),
+    described without importing a metric where its plugin has a catalog (``capeval_metric_catalog``); the classes
+    of a plugin without one are collected as :func:`metrics` does."""
     pm = plugin_manager()
     found: dict[str, Listed] = {}
     for plugin in _builtin_first(pm):
@@ -150,7 +151,7 @@ def listing() -> list[Listed]:
             rows = [catalog_row(cls.info) for cls in _classes(plugin, name)]
         for row in rows:
             found.setdefault(row["name"], Listed(row, name, _distributions.get(name)))
-    return [found[key] for key in sorted(found)]
+    return [found[key] for key in (sorted(found) if by_name else found)]
 
 
 def _collect() -> dict[str, Registered]:

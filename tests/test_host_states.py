@@ -141,3 +141,18 @@ def test_a_torch_state_read_back_as_arrays_merges_as_tensors():
                                                    {"r": torch.zeros(2, 2), "t": torch.tensor(3.0, dtype=torch.float64)}])
     assert isinstance(merged["r"], torch.Tensor) and merged["r"].shape == (3, 2)
     assert isinstance(merged["t"], torch.Tensor) and float(merged["t"]) == 5.0
+
+
+def test_the_pycocoevalcap_drop_in_loop_imports_no_torch():
+    """The drop-in's classes are named from the listing: importing them, and scoring stock's scorer API with
+    them, imports no other metric's module and no torch."""
+    code = ("import sys; from capeval_plugins.pycocoevalcap import Bleu, Cider, Rouge; "
+            "gts = {1: ['a dog runs on grass', 'the dog runs'], 2: ['two men play']}; "
+            "res = {1: ['a dog runs'], 2: ['men play football']}; "
+            "print(Cider().compute_score(gts, res)[0] > 0, Rouge().compute_score(gts, res)[0] > 0, "
+            "Bleu(4).compute_score(gts, res)[0][0] > 0); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') or "
+            "m.startswith('capeval_plugins.metrics.') and m != 'capeval_plugins.metrics.coco'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-3:-1] == ["True True True", "[]"]

@@ -231,3 +231,42 @@ def test_a_corpus_cut_of_the_real_table_is_a_plain_filter_of_it_entry_by_entry(t
     extra = [e for e in got if e not in expected_set][:5]
     assert got == expected, (len(got), len(expected), missing, extra)
     assert list(itertools.islice((e for e in got if e[1] != e[2]), 1))  # real paraphrases, not only a = b
+
+
+def test_the_build_keeps_its_freed_heap_and_gives_it_back_after(monkeypatch):
+    """glibc's thresholds are set for the build and put back to the state glibc's own adjustment reaches after a
+    32 MB block (trim at twice the mmap threshold), then the free memory is returned, also when the build fails;
+    without glibc nothing is called."""
+    calls = []
+
+    class FakeLibc:
+        def mallopt(self, param, value):
+            calls.append(("mallopt", param, value))
+            return 1
+
+        def malloc_trim(self, pad):
+            calls.append(("malloc_trim", pad))
+            return 1
+
+    monkeypatch.setattr(mb, "_glibc", FakeLibc)
+    with pytest.raises(RuntimeError):
+        with mb.kept_heap():
+            calls.append("build")
+            raise RuntimeError("the build failed")
+    assert calls == [("mallopt", -3, 32 << 20), ("mallopt", -1, 256 << 20), "build",
+                     ("mallopt", -1, 64 << 20), ("malloc_trim", 0)]
+    calls.clear()
+    monkeypatch.setattr(mb, "_glibc", lambda: None)
+    with mb.kept_heap():
+        calls.append("build")
+    assert calls == ["build"]
+
+
+def test_the_c_library_is_found_where_it_is_glibc():
+    import os
+
+    try:
+        glibc = bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError):
+        glibc = False
+    assert (mb._glibc() is not None) == glibc

@@ -9,6 +9,7 @@ registry name instead (``my_clip`` -> ``MyClip``). Either spelling, or the regis
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from capeval_plugins import registry
@@ -44,11 +45,12 @@ def registry_identifier(name: str) -> str:
 
 def class_names(namer: Callable[[MetricInfo], str]) -> dict[str, str]:
     """Registry name -> class name, for every registered metric (in registration order): ``namer``'s, or the
-    registry name's where an earlier metric has that name already."""
+    registry name's where an earlier metric has that name already. Read from the listing (display names), so
+    naming one class imports no other metric's module."""
     out: dict[str, str] = {}
-    for name, entry in registry.metrics().items():
-        wanted = namer(entry.info)
-        out[name] = wanted if wanted not in out.values() else registry_identifier(name)
+    for entry in registry.listing(by_name=False):
+        wanted = namer(SimpleNamespace(display_name=entry.row["display_name"]))
+        out[entry.name] = wanted if wanted not in out.values() else registry_identifier(entry.name)
     return out
 
 
@@ -57,7 +59,7 @@ def lookup(attribute: str) -> str | None:
     capitalisation of them: ``Cider``, ``CIDEr``), or None."""
     folded = attribute.lower().replace("_", "")
     torchmetrics_names, coco_names = class_names(identifier), class_names(coco_identifier)
-    candidates = [(name, (torchmetrics_names[name], coco_names[name], name)) for name in registry.metrics()]
+    candidates = [(name, (torchmetrics_names[name], coco_names[name], name)) for name in torchmetrics_names]
     for name, spellings in candidates:  # an exact spelling first: "PACS" is PAC-S, not a folded "PACs"
         if attribute in spellings:
             return name

@@ -44,6 +44,10 @@ STDERR_KEPT = 64 * 1024
 # flags an exotic JVM does not know are ignored. Outputs are the jars': Java's floating point and a lexer's tokens
 # do not depend on the compiler.
 JVM_FLAGS = ("-XX:+IgnoreUnrecognizedVMOptions", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
+# A JVM whose live data is small (the PTB tokenizer; METEOR with a corpus's cut of its table) reuses a 16 MB young
+# generation instead of touching fresh pages of the default one (a 64th of the machine's memory): 0.1 CPU-s less
+# on 500 rows. Not with METEOR's full table, whose 1.5 GB of objects a small young generation would copy often.
+SMALL_YOUNG = "-Xmn16m"
 METEOR_JVM_FLAGS = (*JVM_FLAGS, "-Duser.language=en", "-Duser.country=US")  # it parses numbers with the locale's
                                                                              # Scanner
 METEOR_HEAP = "-Xmx2G"                                   # pycocoevalcap's own command line
@@ -344,7 +348,7 @@ def ptb_files(texts: Sequence[str], jar: str) -> list[list[str]]:
 
 
 def ptb_command(jar: str) -> list[str]:
-    return ["java", *JVM_FLAGS, "-cp", os.path.basename(jar), PTB_CLASS, "-preserveLines", "-lowerCase"]
+    return ["java", *JVM_FLAGS, SMALL_YOUNG, "-cp", os.path.basename(jar), PTB_CLASS, "-preserveLines", "-lowerCase"]
 
 
 # ---------------------------------------------------------------------------------------------- METEOR
@@ -420,8 +424,8 @@ class MeteorJVM:
 
 
 def meteor_command(jar: str, table: str | None = None) -> list[str]:
-    return ["java", *METEOR_JVM_FLAGS, METEOR_HEAP, "-jar", os.path.basename(jar), *METEOR_ARGS,
-            *(("-a", table) if table else ())]
+    return ["java", *METEOR_JVM_FLAGS, *((SMALL_YOUNG,) if table else ()), METEOR_HEAP, "-jar", os.path.basename(jar),
+            *METEOR_ARGS, *(("-a", table) if table else ())]
 
 
 def _summed_stats(stats: Sequence[str], order: Sequence[int]) -> str | None:

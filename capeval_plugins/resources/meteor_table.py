@@ -77,7 +77,7 @@ import xxhash
 from capeval_plugins.files import paths
 from capeval_plugins.core.coco_text import _ranges
 from capeval_plugins.core.messages import warn_once
-from capeval_plugins.resources.meteor_build import BLOCK, build_arrays, gunzip_pieces, phrase_cores
+from capeval_plugins.resources.meteor_build import BLOCK, build_arrays, gunzip_pieces, kept_heap, phrase_cores
 from capeval_plugins.resources.meteor_build import core_hashes as _core_hashes, hashes as _hashes
 
 FORMAT = 3                  # of the index files; a new format replaces the package's old one
@@ -665,7 +665,8 @@ def _build_locked(claim, root: Path, source: str, gz: bytes) -> ParaphraseIndex 
         again = claim.owns(f"{source}/meta.json")  # there, but a file did not verify
         print(f"building METEOR's paraphrase index {'again: the one in the cache is damaged' if again else 'once'}"
               f" (about {BUILD_SECONDS} s; kept in {root})", file=sys.stderr, flush=True)
-    arrays, meta = build_arrays(gunzip_pieces(gz))
+    with kept_heap():
+        arrays, meta = build_arrays(gunzip_pieces(gz))
     claim.remove([name for name in claim.files if not name.startswith(source + "/") or name.endswith(SCRATCH)])
     contents = {name: a if isinstance(a, bytes) else memoryview(np.ascontiguousarray(a)).cast("B")
                 for name, a in arrays.items()}
