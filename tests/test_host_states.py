@@ -156,3 +156,24 @@ def test_the_pycocoevalcap_drop_in_loop_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[-3:-1] == ["True True True", "[]"]
+
+
+def test_torchmetrics_holds_host_states_as_tensors_and_merges_texts_packed():
+    """A classic metric under torchmetrics: its states held as tensors (torchmetrics moves and gathers them),
+    its texts merged packed at compute() (one long caption costs its own bytes, not its length times every row),
+    and its result the direct call's."""
+    from capeval_plugins.torchmetrics import CIDEr
+
+    captions = [c for c, _ in CAPTIONS] * 25 + ["a dog " * 2000]
+    references = [r for _, r in CAPTIONS] * 25 + [["a dog runs"]]
+    metric = CIDEr(tokenize=False)
+    for start in range(0, len(captions), 16):
+        metric.update(captions=captions[start:start + 16], references=references[start:start + 16])
+    assert all(isinstance(block, torch.Tensor) for block in metric.candidate)
+    merged = metric._merged_state()
+    assert isinstance(merged["candidate"], PackedTexts)
+    assert merged["candidate"].data.size == sum(len(c.encode()) for c in captions)  # not 101 x 12,000 bytes
+    value = metric.compute()
+    direct = registry.load("cider", tokenize=False)(None, captions, references)
+    assert float(value) == pytest.approx(direct.score, rel=1e-12)
+    assert metric.compute_all().scores.tolist() == pytest.approx(direct.scores.tolist(), rel=1e-12, abs=0)

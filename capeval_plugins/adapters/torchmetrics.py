@@ -100,6 +100,8 @@ class CapevalMetric(torchmetrics.Metric):
         # torchmetrics holds, moves and syncs tensors: a host state (numpy: texts, the classic metrics' states)
         # is held as the tensor of its rows, and handed back to finalize as its own kind (StateSpec.own_kind)
         self._spec = {name: spec.on_torch() for name, spec in self._own_spec.items()}
+        # merged with text states packed (each update's padded block packed: one long caption costs its own bytes)
+        self._merge_spec = {name: own if own.text else self._spec[name] for name, own in self._own_spec.items()}
         # Every rank's states are gathered as they are (rows: one tensor per rank, see _sync_dist; sums: stacked)
         # and merged by the contract's one reduce, in rank order: merge_states at compute() for rows,
         # RankMerge for sums. torchmetrics' own "cat" / "sum" reductions are not used.
@@ -264,7 +266,7 @@ class CapevalMetric(torchmetrics.Metric):
             for name, spec in self._spec.items():
                 value = getattr(self, name)
                 blocks += [{name: v} for v in value] if isinstance(value, list) else [{name: value}]
-        return merge_states(self._spec, blocks)
+        return merge_states(self._merge_spec, blocks)
 
     def _value(self, state: dict[str, torch.Tensor], keep: bool = True) -> torch.Tensor:
         guessed = state.pop("_made_up_ids")
