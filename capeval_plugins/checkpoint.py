@@ -104,7 +104,7 @@ def _bytes(tensors: Mapping[str, Any]) -> bytes:
     if not any(is_tensor(v) for v in tensors.values()):
         from safetensors.numpy import save as save_arrays
 
-        return save_arrays({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+        return save_arrays({k: np.asarray(v, order="C") for k, v in tensors.items()})  # (a 0-d sum stays 0-d)
     from safetensors.torch import save as save_tensors
 
     return save_tensors({k: as_tensor(v).detach().cpu().contiguous().clone() for k, v in tensors.items()})

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Literal, Mapping, Seq
 
 import numpy as np
 
-from capeval_plugins.core.arrays import as_tensor, host, is_host_dtype, is_tensor, same_kind, take
+from capeval_plugins.core.arrays import as_tensor, host, is_host_dtype, is_tensor, kind_of, same_kind, take
 from capeval_plugins.core.bounds import bounded, field_problem  # noqa: F401  (bounded: for metric configs)
 from capeval_plugins.core.messages import DataError, install_extra
 from capeval_plugins.core.textcodec import (PackedTexts, decode_text_lists, decode_texts,  # noqa: F401  (re-exported)
@@ -931,12 +931,20 @@ class CompositeMetric(Metric):
         return {**own, **{key: state[key] for key in CONTRACT_STATES if key in state}}
 
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
-        results = {name: metric.finalize(self.component_state(name, state))
+        # each component's result as the composite's kind (a host component, e.g. CIDEr, beside a torch one gets
+        # tensor contract states here and gives numpy scores: combine sees one kind)
+        results = {name: _results_kind(metric.finalize(self.component_state(name, state)), state[INDEX])
                    for name, metric in self.components().items()}
         for name, result in results.items():
             if not np.array_equal(host(result.indices), host(state[INDEX])):
                 raise RuntimeError(f"{self.info.name}: component {name!r} reordered or dropped samples")
         return self.combine(results, state)
+
+
+def _results_kind(result: MetricResult, like: Any) -> MetricResult:
+    """``result`` with its scores, indices and array extras as the kind of ``like`` (numpy or a tensor)."""
+    return dataclasses.replace(result, scores=kind_of(result.scores, like), indices=kind_of(result.indices, like),
+                               extras={k: v if isinstance(v, list) else kind_of(v, like) for k, v in result.extras.items()})
 
 
 def nanmean(values: Any) -> float:

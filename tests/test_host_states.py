@@ -3,6 +3,7 @@ every adapter gives the numbers it gave when those states were tensors (docs/con
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from capeval_plugins import registry
-from capeval_plugins.contract import (GROUP, INDEX, TEXT_STATE, Batch, PackedTexts, StateSpec, full_spec, map_batch,
-                                      merge_states)
+from capeval_plugins import registry, runner
+from capeval_plugins.contract import (GROUP, INDEX, TEXT_STATE, Batch, Metric, MetricInfo, MetricResult, PackedTexts,
+                                      StateSpec, full_spec, map_batch, merge_states)
 from capeval_plugins.core.arrays import host
 
 CAPTIONS = [("a dog runs on the grass .", ["a dog is running on grass", "the brown dog runs"]),
@@ -177,3 +178,67 @@ def test_torchmetrics_holds_host_states_as_tensors_and_merges_texts_packed():
     direct = registry.load("cider", tokenize=False)(None, captions, references)
     assert float(value) == pytest.approx(direct.score, rel=1e-12)
     assert metric.compute_all().scores.tolist() == pytest.approx(direct.scores.tolist(), rel=1e-12, abs=0)
+
+
+class MeanWords(Metric):
+    """A host metric with every state kind: per-sample rows, a float sum and an integer count, 0-d both."""
+
+    info = MetricInfo(name="mean_words_host", display_name="MeanWordsHost", description="", citation="",
+                      references="never", images="never")
+
+    def states(self):
+        return {"words": StateSpec("cat", np.float64), "total": StateSpec("sum", np.float64),
+                "count": StateSpec("sum", np.int64)}
+
+    def map(self, batch):
+        words = np.array([float(len(c.split())) for c in batch.candidates])
+        return {"words": words, "total": np.array(words.sum()), "count": np.array(len(words), dtype=np.int64)}
+
+    def finalize(self, state):
+        assert state["total"].shape == () and state["count"].shape == (), (state["total"].shape, state["count"].shape)
+        mean = float(state["total"] / state["count"]) if int(state["count"]) else math.nan
+        return MetricResult(self.info.name, mean, state["words"] - mean, state[INDEX])
+
+
+def test_a_host_metric_with_scalar_sums_passes_every_check_of_the_kit():
+    """0-d sums stay 0-d through resume records (safetensors.numpy), the torchmetrics adapter's tensors and the
+    DDP merge: np.ascontiguousarray had made them one-dimensional."""
+    from capeval_plugins.testing import kit
+
+    corpus = runner.Corpus(candidates=[f"a caption of {'many ' * (i % 5)}words" for i in range(9)])
+    report = kit.check_metric(MeanWords, corpus, checks=["batch_split", "ddp_merge", "resume", "torchmetrics"])
+    assert set(report.values()) == {"passed"}, report
+
+
+def test_a_composite_of_a_host_and_a_torch_metric_combines_one_kind():
+    """CIDEr (host states) beside a torch metric in a composite: the composite's contract states are tensors, and
+    every component's result reaches combine as tensors (CIDEr's numpy scores converted), as before."""
+    from capeval_plugins.contract import CompositeMetric, PointwiseMetric
+
+    class Words(PointwiseMetric):
+        info = MetricInfo(name="words_t", display_name="WordsT", description="", citation="", references="never",
+                          images="never")
+
+        def score(self, batch):
+            return {"score": torch.tensor([float(len(c.split())) for c in batch.candidates], dtype=torch.float64)}
+
+    class Both(CompositeMetric):
+        info = MetricInfo(name="both_t", display_name="BothT", description="", citation="", references="always",
+                          images="never")
+
+        def components(self):
+            if not hasattr(self, "_parts"):
+                self._parts = {"cider": registry.load("cider", tokenize=False), "words": Words()}
+            return self._parts
+
+        def combine(self, results, state):
+            kinds = {type(r.scores).__name__ for r in results.values()} | {type(r.indices).__name__ for r in results.values()}
+            assert kinds == {"Tensor"}, kinds
+            total = results["cider"].scores + results["words"].scores
+            return MetricResult(self.info.name, float(total.mean()), total, state[INDEX])
+
+    captions, references = [c for c, _ in CAPTIONS], [r for _, r in CAPTIONS]
+    got = Both()(None, captions, references)
+    cider = registry.load("cider", tokenize=False)(None, captions, references)
+    words = [len(c.split()) for c in captions]
+    assert got.scores.tolist() == pytest.approx([c + w for c, w in zip(cider.scores.tolist(), words)], rel=1e-12)

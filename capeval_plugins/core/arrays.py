@@ -46,8 +46,16 @@ def as_tensor(value: Any, like: Any = None) -> Any:
     """``value`` (an array or tensor) as a tensor, on ``like``'s device when given (imports torch)."""
     import torch
 
-    tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+    # (np.asarray with order "C", not np.ascontiguousarray, which makes a 0-d sum one-dimensional)
+    tensor = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value, order="C"))
     return tensor.to(like.device) if like is not None and is_tensor(like) else tensor
+
+
+def kind_of(value: Any, like: Any) -> Any:
+    """``value`` (an array or a tensor) as the kind of ``like``, left as it is when it is that kind already."""
+    if is_tensor(value) == is_tensor(like):
+        return value
+    return as_tensor(value, like) if is_tensor(like) else host(value)
 
 
 def same_kind(array: np.ndarray, like: Any) -> Any:
