@@ -77,6 +77,15 @@ def test_looking_one_metric_up_imports_its_module_only():
     assert out.stdout.split("\n")[-2] == "['capeval_plugins.metrics.coco']"
 
 
+def test_the_python_api_scores_a_classic_metric_without_torch():
+    code = ("import sys, capeval_plugins; "
+            "r = capeval_plugins.load('bleu4', tokenize=False)(None, ['a dog runs'], [['a dog runs fast']]); "
+            "print(type(r.scores).__name__, r.score > 0, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "ndarray True False"
+
+
 def test_a_host_metric_maps_and_finalizes_numpy_and_its_contract_states_are_numpy():
     metric = registry.load("cider", tokenize=False)
     spec = full_spec(metric)
