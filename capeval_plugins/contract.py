@@ -85,6 +85,8 @@ class StateSpec:
             object.__setattr__(self, "dtype", torch.float64)
         elif is_host_dtype(self.dtype):
             object.__setattr__(self, "dtype", np.dtype(self.dtype))
+            if self.reduce == "sum" and self.dtype == np.uint64:
+                raise ValueError("a uint64 'sum' state cannot be added as a tensor (torchmetrics, DDP): use np.int64")
 
     @property
     def host(self) -> bool:
@@ -102,7 +104,9 @@ class StateSpec:
             return self
         from capeval_plugins.core.arrays import torch_dtype
 
-        return StateSpec(self.reduce, torch_dtype(self.dtype), self.shape)
+        # torch adds no uint16 / uint32 tensors: such a sum is held as int64 (own_kind casts it back)
+        wide = self.reduce == "sum" and self.dtype.kind == "u" and self.dtype.itemsize > 1
+        return StateSpec(self.reduce, torch_dtype(np.dtype(np.int64) if wide else self.dtype), self.shape)
 
     def own_kind(self, value: Any) -> Any:
         """``value`` (this state's rows or sum, as an array or a tensor) as this state's kind: numpy for a host
@@ -457,6 +461,10 @@ class Metric(abc.ABC):
     # ecosystems give it): score tables leave them out. Declared, never guessed from the values, so that a
     # table's columns do not depend on the data (precision = recall = F1 on a caption equal to its reference).
     score_aliases: ClassVar[tuple[str, ...]] = ()
+    # Host contract states (numpy index, group and digest) for a metric whose states are all text states: a
+    # metric that declares a numpy dtype gets them by that alone (:func:`host_metric`); one whose states are
+    # texts only gets them when it says so, as the classic metrics do, for its finalize may read them as tensors.
+    host_contract: ClassVar[bool] = False
 
     def __init__(self, **config: Any) -> None:
         self.config = build_config(self.Config, config, self.info.name)
@@ -634,16 +642,19 @@ def full_spec(metric: Metric) -> dict[str, StateSpec]:
     for reserved in CONTRACT_STATES:
         if reserved in spec:
             raise ValueError(f"{metric.info.name}: state name {reserved!r} is reserved")
-    int64 = np.int64 if host_metric(spec) else None
+    int64 = np.int64 if host_metric(metric) else None
     for reserved in CONTRACT_STATES:
         spec[reserved] = StateSpec("cat", int64) if int64 else _torch_int64()
     return spec
 
 
-def host_metric(states: Mapping[str, StateSpec]) -> bool:
-    """Whether a metric's own states are all host states: then so are the contract's (its finalize sees numpy
-    only, and its run needs no torch)."""
-    return bool(states) and all(spec.host for spec in states.values())
+def host_metric(metric: Metric) -> bool:
+    """Whether the contract's states of ``metric`` are host states (its finalize then sees numpy only, and its run
+    needs no torch): its own states are all host states, and one of them is declared with a numpy dtype (not a
+    text state, host whatever was written) or the metric sets ``host_contract``."""
+    states = metric.states()
+    return bool(states) and all(spec.host for spec in states.values()) and (
+        type(metric).host_contract or any(not spec.text for spec in states.values()))
 
 
 def _torch_int64() -> StateSpec:
@@ -679,7 +690,7 @@ def map_batch(metric: Metric, batch: Batch) -> dict[str, Tensor]:
     groups, digests = batch.host("group_ids"), batch.host("digests")
     rows = {INDEX: batch.host("indices"), GROUP: groups if groups is not None else np.full(n, -1, np.int64),
             DIGEST: digests if digests is not None and len(digests) == n else text_digests(batch)}
-    host_rows = host_metric(spec)
+    host_rows = host_metric(metric)
     checked.update({k: v if host_rows else as_tensor(v) for k, v in rows.items()})
     return checked
 
@@ -926,9 +937,10 @@ class CompositeMetric(Metric):
 
     def component_state(self, name: str, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The part of a (canonical) composite state that belongs to one component, with index and groups."""
-        keys = self.components()[name].states()
-        own = {key: state[f"{name}{COMPONENT_SEP}{key}"] for key in keys}
-        return {**own, **{key: state[key] for key in CONTRACT_STATES if key in state}}
+        component = self.components()[name]
+        own = {key: state[f"{name}{COMPONENT_SEP}{key}"] for key in component.states()}
+        kind = host if host_metric(component) else as_tensor  # the contract states its finalize expects
+        return {**own, **{key: kind(state[key]) for key in CONTRACT_STATES if key in state}}
 
     def finalize(self, state: dict[str, Tensor]) -> MetricResult:
         # each component's result as the composite's kind (a host component, e.g. CIDEr, beside a torch one gets

@@ -12,8 +12,8 @@ pycocoevalcap and lm-eval without any code of ours changing.
 Listing names and needs (``capeval list``, :func:`listing`) imports no metric: a plugin that also implements
 ``capeval_metric_catalog`` describes its metrics there (plain values), so the listing costs no import of torch or
 of a model library; ours come from ``capeval_plugins/metrics/catalog.json``. Looking one metric up (:func:`get`)
-imports only its module where its plugin implements ``capeval_metric_class`` (ours do): a run of the classic
-metrics imports no model library and no torch. This module imports neither.
+imports only its module when it is one of ours (the built-in plugin's ``capeval_metric_class``): a run of the
+classic metrics imports no model library and no torch. This module imports neither.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ class HookSpecs:
     @hookspec
     def capeval_metric_class(self, name: str) -> type[Metric] | None:
         """Optional: the class of the metric ``name`` if this plugin provides it, importing no more than its
-        module (else None), so that looking one metric up does not import every metric's libraries."""
+        module (else None). Asked of the first plugin (the built-in one) only: another plugin's names are found
+        by collecting every plugin's classes, so that the first to register a name keeps it."""
 
     @hookspec
     def capeval_metric_catalog(self) -> list[dict[str, Any]]:
@@ -203,20 +204,22 @@ def canonical_name(name: str) -> str:
 
 
 def _one(key: str) -> Registered | None:
-    """The metric ``key`` from the first plugin (built-in first) that provides it, asking each plugin through
-    ``capeval_metric_class``; None as soon as a plugin before it cannot be asked (then every class is
-    collected, as :func:`metrics` does, and the first plugin still wins)."""
+    """The metric ``key`` when the first plugin (the built-in one) provides it, asked through
+    ``capeval_metric_class``; else None, and every class is collected as :func:`metrics` does, so the first
+    plugin to register a name keeps it whatever another plugin's hook answers."""
     pm = plugin_manager()
-    for plugin in _builtin_first(pm):
-        lookup = getattr(plugin, "capeval_metric_class", None)
-        if lookup is None:
-            return None
+    first = next(iter(_builtin_first(pm)), None)
+    lookup = getattr(first, "capeval_metric_class", None)
+    if lookup is None:
+        return None
+    name = pm.get_name(first)
+    try:
         cls = lookup(name=key)
-        if cls is not None:
-            name = pm.get_name(plugin)
-            checked = _checked(cls, name)
-            return Registered(checked, name, _distributions.get(name)) if checked and cls.info.name == key else None
-    return None
+    except Exception as err:  # a plugin's bug: reported, and the full collection decides
+        warnings.warn(f"capeval plugin {name!r}: capeval_metric_class({key!r}) failed: {err}", stacklevel=3)
+        return None
+    checked = _checked(cls, name) if cls is not None else None
+    return Registered(checked, name, _distributions.get(name)) if checked and cls.info.name == key else None
 
 
 def get(name: str) -> Registered:

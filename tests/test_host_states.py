@@ -251,3 +251,171 @@ def test_a_composite_of_a_host_and_a_torch_metric_combines_one_kind():
     cider = registry.load("cider", tokenize=False)(None, captions, references)
     words = [len(c.split()) for c in captions]
     assert got.scores.tolist() == pytest.approx([c + w for c, w in zip(cider.scores.tolist(), words)], rel=1e-12)
+
+
+def test_a_text_only_metric_keeps_tensor_contract_states_unless_it_says_otherwise():
+    """Its finalize read the index and groups as tensors before text states were numpy: it still can."""
+
+    class Lengths(Metric):
+        info = MetricInfo(name="lengths_t", display_name="LengthsT", description="", citation="",
+                          references="never", images="never")
+
+        def states(self):
+            return {"caption": TEXT_STATE}
+
+        def map(self, batch):
+            from capeval_plugins.contract import encode_texts
+
+            return {"caption": encode_texts(batch.candidates)}
+
+        def finalize(self, state):
+            from capeval_plugins.contract import decode_texts
+
+            assert isinstance(state[INDEX], torch.Tensor) and torch.unique(state[GROUP]).numel() >= 1
+            scores = torch.tensor([float(len(c)) for c in decode_texts(state["caption"])], dtype=torch.float64)
+            return MetricResult(self.info.name, float(scores.mean()), scores, state[INDEX].cpu())
+
+    assert Lengths()(None, ["a dog", "two cats"]).scores.tolist() == [5.0, 8.0]
+    assert not full_spec(Lengths())[INDEX].host and full_spec(registry.load("cider"))[INDEX].host
+
+
+def test_a_host_component_of_a_mixed_composite_gets_numpy_contract_states():
+    from capeval_plugins.contract import CompositeMetric, PointwiseMetric
+
+    class Rank(Metric):
+        info = MetricInfo(name="rank_h", display_name="RankH", description="", citation="", references="never",
+                          images="never")
+
+        def states(self):
+            return {"s": StateSpec("cat", np.float64)}
+
+        def map(self, batch):
+            return {"s": np.array([float(len(c)) for c in batch.candidates])}
+
+        def finalize(self, state):
+            ids = state[INDEX].astype(np.int64)  # numpy, as the contract says
+            return MetricResult(self.info.name, float(state["s"].mean()), state["s"], ids)
+
+    class Ones(PointwiseMetric):
+        info = MetricInfo(name="ones_t", display_name="OnesT", description="", citation="", references="never",
+                          images="never")
+
+        def score(self, batch):
+            return {"score": torch.ones(len(batch), dtype=torch.float64)}
+
+    class Fusion(CompositeMetric):
+        info = MetricInfo(name="fusion_t", display_name="FusionT", description="", citation="", references="never",
+                          images="never")
+
+        def components(self):
+            if not hasattr(self, "_parts"):
+                self._parts = {"rank": Rank(), "ones": Ones()}
+            return self._parts
+
+        def combine(self, results, state):
+            total = results["rank"].scores + results["ones"].scores
+            return MetricResult(self.info.name, float(total.mean()), total, state[INDEX])
+
+    assert Fusion()(None, ["a dog", "two cats"]).scores.tolist() == [6.0, 9.0]
+
+
+def test_unsigned_sums_are_added_as_int64_by_torchmetrics_and_uint64_sums_are_refused():
+    from capeval_plugins.adapters.torchmetrics import CapevalMetric
+
+    class Words(Metric):
+        info = MetricInfo(name="words_u", display_name="WordsU", description="", citation="", references="never",
+                          images="never")
+
+        def states(self):
+            return {"words": StateSpec("sum", np.uint32), "n": StateSpec("cat", np.float64)}
+
+        def map(self, batch):
+            n = np.array([float(len(c.split())) for c in batch.candidates])
+            return {"words": np.array(n.sum(), dtype=np.uint32), "n": n}
+
+        def finalize(self, state):
+            assert state["words"].dtype == np.uint32
+            return MetricResult(self.info.name, float(state["words"]), state["n"], state[INDEX])
+
+    captions = ["a dog runs", "two cats", "one"]
+    metric = CapevalMetric(metric=Words())
+    metric.update(captions=captions[:1])
+    metric.update(captions=captions[1:])
+    assert float(metric.compute()) == Words()(None, captions).score == 6.0
+    with pytest.raises(ValueError, match="uint64"):
+        StateSpec("sum", np.uint64)
+
+
+def _named(name: str) -> type:
+    class Named(Metric):
+        info = MetricInfo(name=name, display_name=name.title(), description="", citation="", references="never",
+                          images="never")
+
+        def states(self):
+            return {"s": StateSpec("cat", np.float64)}
+
+        def map(self, batch):
+            return {"s": np.zeros(len(batch))}
+
+        def finalize(self, state):
+            return MetricResult(self.info.name, 0.0, state["s"], state[INDEX])
+
+    return Named
+
+
+def test_a_later_plugin_never_takes_a_name_the_first_to_register_it_holds():
+    """Whatever a plugin's capeval_metric_class answers (a wrong class, an error), a name is its first
+    registrant's, in every order of lookups."""
+    first, impostor = _named("shared_name_h"), _named("shared_name_h")
+
+    class Lister:
+        @staticmethod
+        @registry.hookimpl
+        def capeval_metrics():
+            return [first]
+
+        @staticmethod
+        @registry.hookimpl
+        def capeval_metric_class(name):
+            return None  # wrongly: it lists the name
+
+    class Claimer:
+        @staticmethod
+        @registry.hookimpl
+        def capeval_metrics():
+            return []
+
+        @staticmethod
+        @registry.hookimpl
+        def capeval_metric_class(name):
+            if name == "shared_name_h":
+                return impostor
+            raise RuntimeError("a plugin's bug")
+
+    registry.register_plugin(Lister, name="test-lister")
+    registry.register_plugin(Claimer, name="test-claimer")
+    try:
+        assert registry.get("shared_name_h").cls is first
+        registry.metrics()
+        assert registry.get("shared_name_h").cls is first
+        registry.refresh()
+        assert registry.get("shared_name_h").cls is first and registry.get("cider").plugin == "builtin"
+    finally:
+        for name in ("test-lister", "test-claimer"):
+            registry.plugin_manager().unregister(name=name)
+        registry.refresh()
+
+
+def test_the_builtin_lookup_failing_falls_back_to_every_class(monkeypatch):
+    from capeval_plugins import metrics
+
+    def broken(name):
+        raise RuntimeError("catalog unreadable")
+
+    monkeypatch.setattr(metrics, "capeval_metric_class", broken)
+    registry.refresh()
+    try:
+        with pytest.warns(UserWarning, match="capeval_metric_class"):
+            assert registry.get("cider").cls.info.name == "cider"
+    finally:
+        registry.refresh()

@@ -478,6 +478,7 @@ class CocoMetric(Metric):
     """A classic COCO metric over the whole corpus; subclasses implement ``score_corpus``."""
 
     Config = CocoConfig
+    host_contract = True  # text states only, read as numpy: a run of the classic metrics imports no torch
     java_name: ClassVar[str] = ""  # set where the metric itself runs a jar (the preflight checks for Java)
 
     def requirements(self) -> list[Requirement]:
