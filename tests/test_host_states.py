@@ -254,29 +254,13 @@ def test_a_composite_of_a_host_and_a_torch_metric_combines_one_kind():
 
 
 def test_a_text_only_metric_keeps_tensor_contract_states_unless_it_says_otherwise():
-    """Its finalize read the index and groups as tensors before text states were numpy: it still can."""
+    """Its finalize read the index and groups as tensors before text states were numpy: it still can (the
+    suite's CorpusText passes its index through as the result's)."""
+    from test_contract import CorpusText
 
-    class Lengths(Metric):
-        info = MetricInfo(name="lengths_t", display_name="LengthsT", description="", citation="",
-                          references="never", images="never")
-
-        def states(self):
-            return {"caption": TEXT_STATE}
-
-        def map(self, batch):
-            from capeval_plugins.contract import encode_texts
-
-            return {"caption": encode_texts(batch.candidates)}
-
-        def finalize(self, state):
-            from capeval_plugins.contract import decode_texts
-
-            assert isinstance(state[INDEX], torch.Tensor) and torch.unique(state[GROUP]).numel() >= 1
-            scores = torch.tensor([float(len(c)) for c in decode_texts(state["caption"])], dtype=torch.float64)
-            return MetricResult(self.info.name, float(scores.mean()), scores, state[INDEX].cpu())
-
-    assert Lengths()(None, ["a dog", "two cats"]).scores.tolist() == [5.0, 8.0]
-    assert not full_spec(Lengths())[INDEX].host and full_spec(registry.load("cider"))[INDEX].host
+    result = CorpusText()(None, ["a dog runs", "two cats", "a dog"])
+    assert isinstance(result.indices, torch.Tensor) and result.indices.tolist() == [0, 1, 2]
+    assert not full_spec(CorpusText())[INDEX].host and full_spec(registry.load("cider"))[INDEX].host
 
 
 def test_a_host_component_of_a_mixed_composite_gets_numpy_contract_states():
