@@ -16,7 +16,7 @@ are dropped and input order is restored whatever the batching or sharding), the 
 look at all candidates of one image) and a digest of each sample's content (so an index given twice for two
 different samples is an error, never a silently dropped sample).
 
-Why one module of ~950 lines: it is the whole contract a metric author reads (docs/contract.md follows it top to
+Why one module of ~970 lines: it is the whole contract a metric author reads (docs/contract.md follows it top to
 bottom), its parts (states, info, batch, result, configuration, the Metric classes, the reduce and the finalize)
 are short and refer to one another; the text codec the states use lives in :mod:`capeval_plugins.core.textcodec`,
 and the few operations that take a numpy array or a tensor alike (host states) in :mod:`capeval_plugins.core.arrays`.

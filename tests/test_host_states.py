@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import PYTHON, run
 
 from capeval_plugins import registry, runner
 from capeval_plugins.contract import (GROUP, INDEX, TEXT_STATE, Batch, Metric, MetricInfo, MetricResult, PackedTexts,
@@ -37,8 +36,7 @@ def _score_modules(tmp_path, metrics: list[str], options: list[str]) -> tuple[di
     out = tmp_path / "scores.jsonl"
     argv = ["score", *[a for m in metrics for a in ("-m", m)], *[a for o in options for a in ("-o", o)],
             "--captions", str(captions), "--out", str(out), "--quiet"]
-    proc = subprocess.run([sys.executable, "-c", SCORE_AND_SHOW_MODULES, *argv], capture_output=True, text=True,
-                          cwd=tmp_path)
+    proc = run([PYTHON, "-c", SCORE_AND_SHOW_MODULES, *argv], cwd=str(tmp_path))
     report = json.loads(proc.stderr.strip().splitlines()[-1])
     assert report["code"] == 0, proc.stderr
     return report, [json.loads(line) for line in out.read_text().splitlines()]
@@ -72,8 +70,7 @@ def test_the_four_coco_metrics_with_their_jars_import_no_torch(tmp_path, monkeyp
 def test_looking_one_metric_up_imports_its_module_only():
     code = ("import sys; from capeval_plugins import registry; registry.get('cider'); "
             "print(sorted(m for m in sys.modules if m.startswith('capeval_plugins.metrics.') or m == 'torch'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    out = run([PYTHON, "-c", code])
     assert out.stdout.split("\n")[-2] == "['capeval_plugins.metrics.coco']"
 
 
@@ -81,8 +78,7 @@ def test_the_python_api_scores_a_classic_metric_without_torch():
     code = ("import sys, capeval_plugins; "
             "r = capeval_plugins.load('bleu4', tokenize=False)(None, ['a dog runs'], [['a dog runs fast']]); "
             "print(type(r.scores).__name__, r.score > 0, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    out = run([PYTHON, "-c", code])
     assert out.stdout.split("\n")[-2] == "ndarray True False"
 
 
@@ -163,8 +159,7 @@ def test_the_pycocoevalcap_drop_in_loop_imports_no_torch():
             "Bleu(4).compute_score(gts, res)[0][0] > 0); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') or "
             "m.startswith('capeval_plugins.metrics.') and m != 'capeval_plugins.metrics.coco'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    out = run([PYTHON, "-c", code])
     assert out.stdout.split("\n")[-3:-1] == ["True True True", "[]"]
 
 

@@ -58,22 +58,26 @@ def capeval_metrics() -> list:
     return builtin_metrics()
 
 
-def _catalog() -> dict:
+def _current_entries() -> dict[str, dict | None]:
+    """Each metric module's catalog entry, None where the module is new or changed since the catalog was written
+    (then only its classes can say what it holds)."""
     try:
-        return json.loads(CATALOG.read_text(encoding="utf-8"))
+        catalog = json.loads(CATALOG.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return {}
+        catalog = {}
+    entries = {}
+    for name in metric_modules():
+        entry = catalog.get(name)
+        entries[name] = entry if entry is not None and entry.get("digest") == module_digest(name) else None
+    return entries
 
 
 @hookimpl
 def capeval_metric_class(name: str) -> type | None:
     """Our metric ``name``, importing only the module whose catalog entry lists it (a module whose entry is
     missing or out of date is imported to look)."""
-    catalog = _catalog()
-    for module_name in metric_modules():
-        entry = catalog.get(module_name)
-        if entry is not None and entry.get("digest") == module_digest(module_name) \
-                and all(row["name"] != name for row in entry["metrics"]):
+    for module_name, entry in _current_entries().items():
+        if entry is not None and all(row["name"] != name for row in entry["metrics"]):
             continue
         module = importlib.import_module(f"{__name__}.{module_name}")
         for cls in getattr(module, "METRICS", ()):
@@ -84,11 +88,9 @@ def capeval_metric_class(name: str) -> type | None:
 
 @hookimpl
 def capeval_metric_catalog() -> list[dict]:
-    catalog = _catalog()
     rows: list[dict] = []
-    for name in metric_modules():
-        entry = catalog.get(name)
-        if entry is None or entry.get("digest") != module_digest(name):  # new or changed: from its classes
+    for name, entry in _current_entries().items():
+        if entry is None:  # new or changed: from its classes
             module = importlib.import_module(f"{__name__}.{name}")
             rows += [catalog_row(cls.info) for cls in getattr(module, "METRICS", ())]
         else:
